@@ -1,0 +1,108 @@
+// Package testenv finds the servers that tests need. Each function returns
+// the address of a server that answers, or skips the test with a message
+// that says what is missing and how to start it. Under CI=true a missing
+// server fails the test instead: a CI run that passes by skipping would
+// prove nothing.
+package testenv
+
+import (
+	"context"
+	"net"
+	"os"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/go-redis/v9"
+)
+
+// Defaults used when the environment names no server.
+const (
+	DefaultRedisAddr   = "127.0.0.1:6379"
+	DefaultRabbitMQURL = "amqp://guest:guest@127.0.0.1:5672/"
+)
+
+// InCI reports whether the tests run under CI (the CI variable is true), in
+// which case missing servers are failures.
+func InCI() bool {
+	ci, _ := strconv.ParseBool(os.Getenv("CI"))
+	return ci
+}
+
+// Missing skips t, or fails it under CI, because what is not available.
+// hint says how to make it available.
+func Missing(t testing.TB, what, hint string) {
+	t.Helper()
+	if InCI() {
+		t.Fatalf("%s is not available, and CI=true requires it: %s", what, hint)
+	}
+	t.Skipf("skipped: %s is not available (%s); CI=true turns this skip into a failure", what, hint)
+}
+
+var probes sync.Map // address -> error from the first probe
+
+func probe(key string, f func() error) error {
+	if v, ok := probes.Load(key); ok {
+		if v == nil {
+			return nil
+		}
+		return v.(error)
+	}
+	err := f()
+	if err == nil {
+		probes.Store(key, nil)
+	} else {
+		probes.Store(key, err)
+	}
+	return err
+}
+
+// RedisAddr returns the address of the Redis server for tests: REDIS_ADDR,
+// or 127.0.0.1:6379. It skips t (fails it under CI) when no Redis answers
+// PING there.
+func RedisAddr(t testing.TB) string {
+	t.Helper()
+	addr := os.Getenv("REDIS_ADDR")
+	if addr == "" {
+		addr = DefaultRedisAddr
+	}
+	err := probe("redis:"+addr, func() error {
+		c := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: time.Second, MaxRetries: -1})
+		defer c.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		return c.Ping(ctx).Err()
+	})
+	if err != nil {
+		Missing(t, "Redis at "+addr, "start it with: redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save \"\" --appendonly no; or set REDIS_ADDR ("+err.Error()+")")
+	}
+	return addr
+}
+
+// RabbitMQURL returns the AMQP URL of the RabbitMQ server for tests:
+// RABBITMQ_URL, or amqp://guest:guest@127.0.0.1:5672/. It skips t (fails it
+// under CI) when no RabbitMQ accepts a connection there.
+func RabbitMQURL(t testing.TB) string {
+	t.Helper()
+	url := os.Getenv("RABBITMQ_URL")
+	if url == "" {
+		url = DefaultRabbitMQURL
+	}
+	err := probe("amqp:"+url, func() error {
+		conn, err := amqp.DialConfig(url, amqp.Config{
+			Dial: func(network, addr string) (net.Conn, error) {
+				return net.DialTimeout(network, addr, 2*time.Second)
+			},
+		})
+		if err != nil {
+			return err
+		}
+		return conn.Close()
+	})
+	if err != nil {
+		Missing(t, "RabbitMQ at "+url, "start it with: rabbitmq-server -detached; or set RABBITMQ_URL ("+err.Error()+")")
+	}
+	return url
+}

@@ -1,0 +1,29 @@
+package rabbitmw
+
+import "fmt"
+
+// A PanicError is a panic recovered while handling a delivery, turned into
+// an error: [middleware.Recover] returns one for a panic in the layers and
+// handler beneath it, and the broker package for a panic that escaped the
+// whole chain.
+type PanicError struct {
+	// Value is the value passed to panic.
+	Value any
+	// Stack is the goroutine's stack trace at the panic, as formatted by
+	// runtime/debug.Stack.
+	Stack []byte
+}
+
+// Error returns "panic: " followed by the panic value; the stack is not
+// included, so the text stays one line fit for a log record or a header.
+func (e *PanicError) Error() string {
+	return fmt.Sprintf("panic: %v", e.Value)
+}
+
+// Unwrap returns the panic value if it is an error (as with
+// panic(fmt.Errorf(...))), so errors.Is and errors.As see through the
+// panic; otherwise nil.
+func (e *PanicError) Unwrap() error {
+	err, _ := e.Value.(error)
+	return err
+}

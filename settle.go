@@ -1,0 +1,211 @@
+package rabbitmw
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// ErrDuplicate reports that a delivery's message was already processed. A
+// handler result that wraps it settles as an acknowledgement: the duplicate
+// is removed from the queue and nothing else happens. [middleware.Dedup]
+// returns it for a message whose key is marked done.
+var ErrDuplicate = errors.New("rabbitmw: duplicate delivery")
+
+// ErrNoDelivery is returned by [Settle], and by layers, for a nil delivery.
+var ErrNoDelivery = errors.New("rabbitmw: nil delivery")
+
+// An Outcome is what settlement does with a delivery.
+type Outcome int
+
+// The outcomes, in the order [Decide] considers them. The zero Outcome is
+// not valid.
+const (
+	Ack        Outcome = iota + 1 // acknowledge: the message was processed
+	Duplicate                     // acknowledge: the message had already been processed
+	Requeue                       // return the message to its queue for another attempt now
+	Delay                         // return the message for another attempt no sooner than a delay
+	DeadLetter                    // move the message to the dead-letter queue; never retry it
+)
+
+// String returns the outcome as a log would report it: "acked",
+// "duplicate", "requeued", "delayed" or "dead-lettered".
+func (o Outcome) String() string {
+	switch o {
+	case Ack:
+		return "acked"
+	case Duplicate:
+		return "duplicate"
+	case Requeue:
+		return "requeued"
+	case Delay:
+		return "delayed"
+	case DeadLetter:
+		return "dead-lettered"
+	}
+	return "Outcome(" + fmt.Sprint(int(o)) + ")"
+}
+
+// A Decision is what a handler's result asks settlement to do.
+type Decision struct {
+	Outcome Outcome
+	// Delay is, for the Delay outcome, the least time before the message
+	// may be delivered again. It is zero for the other outcomes.
+	Delay time.Duration
+	// Attempts is the number of failed attempts of the message counted so
+	// far, including this one, as recorded by [WithAttempts]; 0 if no
+	// layer counted them.
+	Attempts int
+	// Err is the handler's result; nil for Ack.
+	Err error
+}
+
+// Decide reads a handler's result by the settlement contract documented on
+// [Handler]. It is the one place that contract is implemented: [Settle], the
+// broker package and the Log layer all call it.
+//
+// Markers made by [Permanent] and [RetryAfter] may wrap each other; the
+// outermost one decides, so a layer nearer the settling code overrides the
+// layers beneath it (Retry turns an inner RetryAfter into a dead-letter at
+// its attempt limit, for example). An error with neither marker that wraps
+// [ErrDuplicate] settles as Duplicate; any other error as Requeue.
+func Decide(err error) Decision {
+	if err == nil {
+		return Decision{Outcome: Ack}
+	}
+	d := Decision{Outcome: Requeue, Err: err}
+	var m marker
+	switch {
+	case errors.As(err, &m):
+		d.Outcome, d.Delay = m.settle()
+	case errors.Is(err, ErrDuplicate):
+		d.Outcome = Duplicate
+	}
+	var a *attemptsError
+	if errors.As(err, &a) {
+		d.Attempts = a.n
+	}
+	return d
+}
+
+// marker is implemented by the errors that carry a settlement request.
+// Decide finds the outermost one with errors.As.
+type marker interface {
+	error
+	settle() (Outcome, time.Duration)
+}
+
+// Permanent marks err as one that retrying cannot fix: the message is
+// dead-lettered at once, with err as the reason. Permanent(nil) is nil. The
+// returned error's text is err's, and it unwraps to err.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanentError{err}
+}
+
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string                    { return e.err.Error() }
+func (e *permanentError) Unwrap() error                    { return e.err }
+func (e *permanentError) settle() (Outcome, time.Duration) { return DeadLetter, 0 }
+
+// RetryAfter marks err as a failure to try again no sooner than d: the
+// message is requeued and not delivered again before d has passed. A d of
+// zero or less asks for an ordinary requeue. RetryAfter(nil, d) is nil. The
+// returned error's text is err's, and it unwraps to err.
+func RetryAfter(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	return &delayError{err: err, d: d}
+}
+
+type delayError struct {
+	err error
+	d   time.Duration
+}
+
+func (e *delayError) Error() string { return e.err.Error() }
+func (e *delayError) Unwrap() error { return e.err }
+func (e *delayError) settle() (Outcome, time.Duration) {
+	if e.d <= 0 {
+		return Requeue, 0
+	}
+	return Delay, e.d
+}
+
+// WithAttempts records on err that it ended failed attempt number n of its
+// message (counting from 1). It does not change how err settles; it lets
+// settlement and logging report the count, and lets the broker package
+// carry it in the [HeaderAttempts] header of the message it requeues or
+// dead-letters. WithAttempts(nil, n) is nil.
+func WithAttempts(err error, n int) error {
+	if err == nil {
+		return nil
+	}
+	return &attemptsError{err: err, n: n}
+}
+
+type attemptsError struct {
+	err error
+	n   int
+}
+
+func (e *attemptsError) Error() string { return e.err.Error() }
+func (e *attemptsError) Unwrap() error { return e.err }
+
+// Settle settles d on its own Acknowledger by [Decide](err): Ack and
+// Duplicate acknowledge it, Requeue nacks it with requeue, DeadLetter rejects
+// it without requeue, and Delay waits for the delay, then nacks it with
+// requeue.
+//
+// Settle is for deliveries from a plain amqp091 channel; the broker package
+// settles its own, and does more. Two limits follow from using only the
+// channel:
+//
+//   - DeadLetter relies on the queue's dead-letter exchange
+//     (x-dead-letter-exchange). A queue without one discards a rejected
+//     message: declare one before relying on Permanent or on Retry's limit.
+//   - Delay holds the delivery, and so one prefetch slot, for the whole
+//     delay. If ctx is done first, Settle requeues the message at once and
+//     returns ctx's error joined to the requeue's result.
+//
+// Settle returns the error of the Ack, Nack or Reject call, if any (for
+// example [amqp.ErrClosed] when the channel is gone, in which case RabbitMQ
+// redelivers the message). It must be called once per delivery.
+func Settle(ctx context.Context, d *amqp.Delivery, err error) error {
+	if d == nil {
+		return ErrNoDelivery
+	}
+	dec := Decide(err)
+	var serr error
+	switch dec.Outcome {
+	case Ack, Duplicate:
+		serr = d.Ack(false)
+	case Requeue:
+		serr = d.Nack(false, true)
+	case Delay:
+		if ctx == nil {
+			ctx = context.Background()
+		}
+		t := time.NewTimer(dec.Delay)
+		select {
+		case <-t.C:
+			serr = d.Nack(false, true)
+		case <-ctx.Done():
+			t.Stop()
+			serr = errors.Join(ctx.Err(), d.Nack(false, true))
+		}
+	case DeadLetter:
+		serr = d.Reject(false)
+	}
+	if serr != nil {
+		return fmt.Errorf("rabbitmw: settle delivery %d as %s: %w", d.DeliveryTag, dec.Outcome, serr)
+	}
+	return nil
+}

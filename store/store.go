@@ -1,0 +1,93 @@
+// Package store holds the idempotency state of messages: who is processing
+// a message (a claim with a lease), which messages are done, and how many
+// times each message has failed.
+//
+// [Store] is the interface that backends implement; [Memory] and [Redis]
+// ship with this package, and package storetest checks any implementation
+// against the contract written on Store.
+package store
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// ErrLostClaim is returned by Extend, Complete and Release when the caller's
+// token no longer owns the key: its lease expired, another owner claimed it,
+// it was completed, or it was deleted.
+var ErrLostClaim = errors.New("store: lost claim")
+
+// Status is what Claim found for a key.
+type Status int
+
+// The claim statuses. The zero Status is not valid.
+const (
+	// Claimed: the key was free and the caller now owns it, under its token,
+	// until the lease ends.
+	Claimed Status = iota + 1
+	// Processing: another owner holds an unexpired claim on the key.
+	Processing
+	// Done: the key was completed and its done mark has not expired.
+	Done
+)
+
+// String returns "claimed", "processing" or "done".
+func (s Status) String() string {
+	switch s {
+	case Claimed:
+		return "claimed"
+	case Processing:
+		return "processing"
+	case Done:
+		return "done"
+	}
+	return "invalid"
+}
+
+// A Store holds the state of message keys. A key is in one of three states:
+// absent, processing (claimed by one owner, identified by a token, until its
+// lease ends) or done (until its retention ends). Separately, a key has a
+// failure counter.
+//
+// Every method is atomic with respect to the others for the same key, and a
+// Store is safe for concurrent use by many goroutines and, for a shared
+// backend such as Redis, by many processes. Keys are opaque non-empty
+// strings; tokens are opaque non-empty strings that never equal a done mark.
+// Durations are positive. Expiry is measured by the backend's own clock;
+// an expired entry behaves exactly as an absent one.
+//
+// Errors: a method returns ErrLostClaim (possibly wrapped) only where its
+// documentation says so. Any other non-nil error means the backend could not
+// be reached or did not answer: the state of the key is then unknown, and the
+// caller must assume the operation may or may not have taken effect. A
+// context that is done makes a method return promptly with an error.
+// Backends translate their own errors (redis.Nil, for instance) into these.
+type Store interface {
+	// Claim takes key for token with the given lease, if key is absent.
+	// It returns Claimed if it did so, Processing if another owner holds
+	// the key, and Done if the key is done; only Claimed changes anything.
+	// Claim is a single atomic operation: of many concurrent claims of an
+	// absent key, exactly one returns Claimed.
+	Claim(ctx context.Context, key, token string, lease time.Duration) (Status, error)
+
+	// Extend sets the lease of key to lease from now, if token owns it;
+	// otherwise it changes nothing and returns ErrLostClaim.
+	Extend(ctx context.Context, key, token string, lease time.Duration) error
+
+	// Complete marks key done, to be remembered for retention, if token
+	// owns it; otherwise it changes nothing and returns ErrLostClaim.
+	Complete(ctx context.Context, key, token string, retention time.Duration) error
+
+	// Release makes key absent, if token owns it, so that it can be claimed
+	// again at once; otherwise it changes nothing and returns ErrLostClaim.
+	Release(ctx context.Context, key, token string) error
+
+	// Fail adds one to the failure counter of key, creating it at 1, sets
+	// the counter to expire after ttl, and returns the new count.
+	Fail(ctx context.Context, key string, ttl time.Duration) (int64, error)
+
+	// ResetFailures deletes the failure counter of key. Deleting an absent
+	// counter is not an error.
+	ResetFailures(ctx context.Context, key string) error
+}
