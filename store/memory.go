@@ -19,6 +19,7 @@ type Memory struct {
 	claims map[string]claim
 	fails  map[string]counter
 	writes int // writes since the last sweep
+	kept   int // entries left by the last sweep
 }
 
 type claim struct {
@@ -129,13 +130,14 @@ func (m *Memory) ResetFailures(ctx context.Context, key string) error {
 
 // wrote counts a write that may have added an entry, and sweeps out expired
 // entries once the writes since the last sweep reach the number of entries
-// (and at least minSweep): the cost of a sweep is spread over as many writes
-// as it visits entries, so each write costs O(1) amortised and the maps hold
-// at most about twice their live entries. m.mu must be held.
+// that sweep left (and at least minSweep). A sweep visits at most twice as
+// many entries as writes paid for it, so each write costs O(1) amortised,
+// and the maps never hold more than twice the entries that were live at the
+// last sweep, plus minSweep. m.mu must be held.
 func (m *Memory) wrote(now time.Time) {
 	const minSweep = 1024
 	m.writes++
-	if m.writes < minSweep || m.writes < len(m.claims)+len(m.fails) {
+	if m.writes < minSweep || m.writes < m.kept {
 		return
 	}
 	m.writes = 0
@@ -149,6 +151,7 @@ func (m *Memory) wrote(now time.Time) {
 			delete(m.fails, k)
 		}
 	}
+	m.kept = len(m.claims) + len(m.fails)
 }
 
 // Len returns the number of keys that are claimed or done and not expired,

@@ -1,0 +1,166 @@
+package store_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw/internal/redistest"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/storetest"
+)
+
+func newMiniredis(t *testing.T) (*miniredis.Miniredis, *redis.Client) {
+	m, c, _ := redistest.Start(t)
+	return m, c
+}
+
+func TestRedisConformanceMiniredis(t *testing.T) {
+	storetest.Run(t, func(t *testing.T) store.Store {
+		_, c := newMiniredis(t)
+		return store.NewRedis(c, store.RedisOptions{})
+	})
+}
+
+func TestRedisConformanceServer(t *testing.T) {
+	addr := testenv.RedisAddr(t)
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	t.Cleanup(func() { c.Close() })
+	storetest.Run(t, func(t *testing.T) store.Store {
+		return store.NewRedis(c, store.RedisOptions{Prefix: "rabbitmw-test:"})
+	})
+}
+
+// The default layout is the one hand-written consumers use, so both can
+// work on one Redis: msg:<id> is "done" once done, any other value is in
+// progress, and retry:<id> counts failures.
+func TestRedisLegacyLayout(t *testing.T) {
+	m, c := newMiniredis(t)
+	s := store.NewRedis(c, store.RedisOptions{})
+	ctx := context.Background()
+
+	// Our claim is visible to a hand-written consumer as "not done".
+	if got, err := s.Claim(ctx, "a", "tok", time.Minute); err != nil || got != store.Claimed {
+		t.Fatalf("Claim(a) = %v, %v; want claimed", got, err)
+	}
+	if v, _ := m.Get("msg:a"); v == "done" || v == "" {
+		t.Fatalf("msg:a = %q while processing; want a token that is not \"done\"", v)
+	}
+	if ttl := m.TTL("msg:a"); ttl <= 0 || ttl > time.Minute {
+		t.Fatalf("TTL(msg:a) = %v; want the lease, set with the claim", ttl)
+	}
+	if err := s.Complete(ctx, "a", "tok", 24*time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	if v, _ := m.Get("msg:a"); v != "done" {
+		t.Fatalf("msg:a = %q after Complete; want \"done\"", v)
+	}
+
+	// A hand-written consumer's marks are honoured.
+	m.Set("msg:b", "done")
+	m.Set("msg:c", "processing")
+	m.SetTTL("msg:c", 300*time.Second)
+	for key, want := range map[string]store.Status{"b": store.Done, "c": store.Processing} {
+		if got, err := s.Claim(ctx, key, "tok", time.Minute); err != nil || got != want {
+			t.Fatalf("Claim(%s) = %v, %v; want %v", key, got, err, want)
+		}
+	}
+	// Its claims cannot be stolen: only the owner's token completes.
+	if err := s.Complete(ctx, "c", "tok", time.Hour); !errors.Is(err, store.ErrLostClaim) {
+		t.Fatalf("Complete(c) of a hand-written claim = %v; want ErrLostClaim", err)
+	}
+
+	// SETNX without EXPIRE (a crash between the two) would block the
+	// message forever; Claim gives the orphan a lease instead.
+	m.Set("msg:d", "processing")
+	if got, err := s.Claim(ctx, "d", "tok", time.Minute); err != nil || got != store.Processing {
+		t.Fatalf("Claim(d) = %v, %v; want processing", got, err)
+	}
+	if ttl := m.TTL("msg:d"); ttl <= 0 || ttl > time.Minute {
+		t.Fatalf("TTL(msg:d) = %v after Claim; want the orphan to get the lease", ttl)
+	}
+
+	// Failure counts share retry:<id> with INCR-based counters.
+	m.Set("retry:e", "3")
+	if n, err := s.Fail(ctx, "e", time.Hour); err != nil || n != 4 {
+		t.Fatalf("Fail(e) = %d, %v; want 4", n, err)
+	}
+	if err := s.ResetFailures(ctx, "e"); err != nil || m.Exists("retry:e") {
+		t.Fatalf("ResetFailures(e) = %v, exists %v; want the key deleted", err, m.Exists("retry:e"))
+	}
+}
+
+func TestRedisPrefixes(t *testing.T) {
+	m, c := newMiniredis(t)
+	s := store.NewRedis(c, store.RedisOptions{Prefix: "billing:", ClaimPrefix: "m/", FailurePrefix: "r/"})
+	ctx := context.Background()
+	if _, err := s.Claim(ctx, "x", "tok", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Fail(ctx, "x", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	keys := strings.Join(m.Keys(), ",")
+	if keys != "billing:m/x,billing:r/x" {
+		t.Fatalf("keys = %s; want billing:m/x,billing:r/x", keys)
+	}
+}
+
+// Each state change is one round trip once the scripts are cached.
+func TestRedisRoundTrips(t *testing.T) {
+	_, c, rt := redistest.Start(t)
+	s := store.NewRedis(c, store.RedisOptions{})
+	ctx := context.Background()
+	warm := func() { // load every script once
+		s.Claim(ctx, "w", "t", time.Minute)
+		s.Extend(ctx, "w", "t", time.Minute)
+		s.Release(ctx, "w", "t")
+		s.Claim(ctx, "w", "t", time.Minute)
+		s.Complete(ctx, "w", "t", time.Minute)
+		s.Fail(ctx, "w", time.Minute)
+	}
+	warm()
+	for _, tc := range []struct {
+		name string
+		call func() error
+	}{
+		{"Claim", func() error { _, err := s.Claim(ctx, "k", "t", time.Minute); return err }},
+		{"Extend", func() error { return s.Extend(ctx, "k", "t", time.Minute) }},
+		{"Complete", func() error { return s.Complete(ctx, "k", "t", time.Minute) }},
+		{"Claim of done", func() error { _, err := s.Claim(ctx, "k", "t", time.Minute); return err }},
+		{"Fail", func() error { _, err := s.Fail(ctx, "k", time.Minute); return err }},
+		{"ResetFailures", func() error { return s.ResetFailures(ctx, "k") }},
+	} {
+		before := rt.Count()
+		if err := tc.call(); err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if got := rt.Count() - before; got != 1 {
+			t.Errorf("%s took %d round trips; want 1", tc.name, got)
+		}
+	}
+}
+
+func TestRedisErrors(t *testing.T) {
+	m, c := newMiniredis(t)
+	s := store.NewRedis(c, store.RedisOptions{})
+	ctx := context.Background()
+	m.HSet("msg:h", "f", "v") // a key of the wrong type
+	if _, err := s.Claim(ctx, "h", "t", time.Minute); err == nil || !strings.Contains(err.Error(), `store: redis claim "h"`) {
+		t.Fatalf("Claim of a hash key = %v; want a store error naming the operation and key", err)
+	}
+	addr := m.Addr()
+	m.Close()
+	c2 := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialerRetries: 1})
+	defer c2.Close()
+	s = store.NewRedis(c2, store.RedisOptions{})
+	if _, err := s.Claim(ctx, "k", "t", time.Minute); err == nil || errors.Is(err, store.ErrLostClaim) {
+		t.Fatalf("Claim with the server gone = %v; want an error other than ErrLostClaim", err)
+	}
+}

@@ -1,0 +1,152 @@
+package storetest_test
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/storetest"
+)
+
+// A kit that cannot fail proves nothing. Each mutant below breaks one clause
+// of the Store contract; the kit, run on it in a child process, must fail
+// the case that checks that clause.
+var mutants = map[string]struct {
+	newStore func() store.Store
+	failing  string // a case that must fail
+}{
+	"racy claim":               {func() store.Store { return &racyClaim{Memory: store.NewMemory()} }, "ConcurrentClaims"},
+	"complete ignores owner":   {func() store.Store { return &completeAnyone{Memory: store.NewMemory()} }, "OwnerChecks"},
+	"release ignores owner":    {func() store.Store { return &releaseAnyone{Memory: store.NewMemory()} }, "OwnerChecks"},
+	"lease never expires":      {func() store.Store { return &endlessLease{Memory: store.NewMemory()} }, "LeaseExpiry"},
+	"extend does nothing":      {func() store.Store { return &noExtend{Memory: store.NewMemory()} }, "Extend"},
+	"done never expires":       {func() store.Store { return &endlessDone{Memory: store.NewMemory()} }, "DoneExpiry"},
+	"failures never expire":    {func() store.Store { return &endlessFailures{Memory: store.NewMemory()} }, "FailureExpiry"},
+	"reset does nothing":       {func() store.Store { return &noReset{Memory: store.NewMemory()} }, "Failures"},
+	"context ignored":          {func() store.Store { return &ignoresContext{Memory: store.NewMemory()} }, "DoneContext"},
+	"keys truncated to 8 byte": {func() store.Store { return &shortKeys{Memory: store.NewMemory()} }, "KeysIndependent"},
+}
+
+func TestMemoryPasses(t *testing.T) {
+	storetest.Run(t, func(*testing.T) store.Store { return store.NewMemory() })
+}
+
+func TestKitCatchesMutants(t *testing.T) {
+	if name := os.Getenv("STORETEST_MUTANT"); name != "" {
+		storetest.Run(t, func(*testing.T) store.Store { return mutants[name].newStore() })
+		return
+	}
+	for name, m := range mutants {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			cmd := exec.Command(os.Args[0], "-test.run=^TestKitCatchesMutants$", "-test.v", "-test.count=1")
+			cmd.Env = append(os.Environ(), "STORETEST_MUTANT="+name)
+			out, err := cmd.CombinedOutput()
+			if err == nil {
+				t.Fatalf("the kit passed a store whose %s; want a failure\n%s", name, out)
+			}
+			if want := "--- FAIL: TestKitCatchesMutants/" + m.failing + " "; !strings.Contains(string(out), want) {
+				t.Fatalf("the kit did not fail case %s for a store whose %s; output:\n%s", m.failing, name, out)
+			}
+		})
+	}
+}
+
+type racyClaim struct {
+	*store.Memory
+	mu    sync.Mutex
+	owner map[string]string
+}
+
+// Claim checks, then sets, with a window between: the bug of SETNX emulated
+// with GET and SET.
+func (r *racyClaim) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	r.mu.Lock()
+	_, taken := r.owner[key]
+	r.mu.Unlock()
+	if taken {
+		return store.Processing, nil
+	}
+	time.Sleep(time.Millisecond)
+	r.mu.Lock()
+	if r.owner == nil {
+		r.owner = map[string]string{}
+	}
+	r.owner[key] = token
+	r.mu.Unlock()
+	return store.Claimed, nil
+}
+
+type completeAnyone struct{ *store.Memory }
+
+func (c *completeAnyone) Complete(ctx context.Context, key, token string, retention time.Duration) error {
+	if err := c.Memory.Complete(ctx, key, token, retention); err == nil {
+		return nil
+	}
+	c.Memory.Claim(ctx, key, token, time.Hour)
+	return nil
+}
+
+type releaseAnyone struct{ *store.Memory }
+
+func (r *releaseAnyone) Release(ctx context.Context, key, token string) error {
+	return nil
+}
+
+type endlessLease struct{ *store.Memory }
+
+func (e *endlessLease) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	return e.Memory.Claim(ctx, key, token, time.Hour)
+}
+
+type noExtend struct{ *store.Memory }
+
+func (n *noExtend) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	return nil
+}
+
+type endlessDone struct{ *store.Memory }
+
+func (e *endlessDone) Complete(ctx context.Context, key, token string, retention time.Duration) error {
+	return e.Memory.Complete(ctx, key, token, time.Hour)
+}
+
+type endlessFailures struct{ *store.Memory }
+
+func (e *endlessFailures) Fail(ctx context.Context, key string, ttl time.Duration) (int64, error) {
+	return e.Memory.Fail(ctx, key, time.Hour)
+}
+
+type noReset struct{ *store.Memory }
+
+func (n *noReset) ResetFailures(ctx context.Context, key string) error { return nil }
+
+type ignoresContext struct{ *store.Memory }
+
+func (i *ignoresContext) Claim(_ context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	return i.Memory.Claim(context.Background(), key, token, lease)
+}
+
+type shortKeys struct{ *store.Memory }
+
+func short(k string) string {
+	if i := strings.LastIndexByte(k, ':'); i >= 0 {
+		k = k[:i+1] + "x"
+	}
+	return k
+}
+
+func (s *shortKeys) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	return s.Memory.Claim(ctx, short(key), token, lease)
+}
+func (s *shortKeys) Complete(ctx context.Context, key, token string, retention time.Duration) error {
+	return s.Memory.Complete(ctx, short(key), token, retention)
+}
+func (s *shortKeys) Release(ctx context.Context, key, token string) error {
+	return s.Memory.Release(ctx, short(key), token)
+}
