@@ -47,7 +47,7 @@ type RedisOptions struct {
 // client's own timeouts (redis.Options.ReadTimeout and WriteTimeout) or with
 // the context.
 type Redis struct {
-	client              redis.UniversalClient
+	client               redis.UniversalClient
 	claimPre, failurePre string
 }
 

@@ -344,7 +344,7 @@ func testDoneContext(t *testing.T, f *fixture) {
 	cancel()
 	k := f.key("k")
 	calls := map[string]func() error{
-		"Claim": func() error { _, err := f.s.Claim(ctx, k, "t1", longTTL); return err },
+		"Claim":  func() error { _, err := f.s.Claim(ctx, k, "t1", longTTL); return err },
 		"Extend": func() error { return f.s.Extend(ctx, k, "t1", longTTL) },
 		"Complete": func() error {
 			return f.s.Complete(ctx, k, "t1", longTTL)
