@@ -1,0 +1,354 @@
+package middleware
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+// Errors returned by [Dedup], always wrapped in a rabbitmw.RetryAfter: the
+// message is tried again later, and [Retry] does not count these as failed
+// attempts, since the handler did not fail (it did not run, or it ran and
+// succeeded).
+var (
+	// ErrBusy: another consumer holds the claim on the message's key.
+	ErrBusy = errors.New("middleware: message is being processed by another consumer")
+	// ErrStoreUnavailable: the store did not answer, so the message was
+	// not processed (fail closed), or its done mark could not be written.
+	ErrStoreUnavailable = errors.New("middleware: idempotency store unavailable")
+	// ErrLeaseLost: the claim was taken over or deleted while the handler
+	// ran, so its result was not recorded.
+	ErrLeaseLost = errors.New("middleware: claim lost")
+)
+
+// DedupOptions configures [Dedup]. The zero value selects the defaults.
+type DedupOptions struct {
+	// Key returns a delivery's idempotency key. Default: [Key] (message_id,
+	// else the MD5 of the body). A Key error dead-letters the delivery,
+	// with the error as the reason.
+	Key func(*amqp.Delivery) (string, error)
+	// Namespace, when set, is prepended to every key (as "namespace:key"),
+	// so that services sharing one store do not see each other's marks.
+	// Give Retry the same Namespace.
+	Namespace string
+	// Lease is how long a claim lasts unless renewed. While the handler
+	// runs, Dedup renews it every Lease/3. Default 5 minutes.
+	Lease time.Duration
+	// Retention is how long a done mark is kept: duplicates that arrive
+	// later than this are processed again. Default 24 hours.
+	Retention time.Duration
+	// BusyDelay is how long a delivery waits before it is tried again when
+	// another consumer holds its claim. Default 5 seconds.
+	BusyDelay time.Duration
+	// UnavailableDelay is how long a delivery waits before it is tried
+	// again when the store cannot be reached. Default 5 seconds.
+	UnavailableDelay time.Duration
+	// FailOpen, when the store cannot be reached for the claim, runs the
+	// handler anyway, without a claim, instead of trying the message again
+	// later. It trades the at-most-once effect for availability: a message
+	// may then be processed twice.
+	FailOpen bool
+}
+
+// Dedup returns a layer that lets each message's handler succeed at most
+// once, however many times the message is delivered, across consumers that
+// share s.
+//
+// For each delivery, Dedup computes the message's key and claims it in s
+// with a fresh owner token and a lease, in one atomic operation. Then:
+//
+//   - key done: the message is a duplicate; Dedup returns an error that
+//     wraps rabbitmw.ErrDuplicate (it is acknowledged) without calling
+//     the handler;
+//   - key claimed by another consumer: Dedup returns ErrBusy, to be tried
+//     again after BusyDelay (not at once, which would spin);
+//   - claim won: Dedup calls the handler, renewing the lease every Lease/3
+//     while it runs. On success it marks the key done, if its token still
+//     owns it; on error or panic it releases the claim, if its token still
+//     owns it, so another attempt can claim it, and returns the error (or
+//     lets the panic go on).
+//
+// If the lease is lost while the handler runs (the key was taken over or
+// deleted, or renewal failed for so long that the lease may have ended),
+// Dedup cancels the handler's context with the cause, and does not mark the
+// key done; the message is tried again after BusyDelay. If the handler
+// ignores the cancellation and completes its effect anyway, the effect may
+// happen twice: a lease bounds, it does not fence.
+//
+// If s cannot be reached, Dedup fails closed by default: the handler does
+// not run and the message is tried again after UnavailableDelay, so nothing
+// is processed twice and nothing is lost. If marking done fails that way
+// after the handler succeeded, Dedup retries until the lease would end or
+// ctx is done; if it still fails, the message is tried again later, and its
+// effect repeats only if the lease has expired by then.
+//
+// The store calls that follow the handler (complete, release) run even if
+// ctx has been cancelled meanwhile, so that a shutdown does not leave a
+// finished message unmarked. Dedup panics if s is nil.
+func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
+	if s == nil {
+		panic("middleware: Dedup: nil store")
+	}
+	cfg := dedupConfig{
+		store:       s,
+		key:         opts.Key,
+		namespace:   opts.Namespace,
+		lease:       orDefault(opts.Lease, 5*time.Minute),
+		retention:   orDefault(opts.Retention, 24*time.Hour),
+		busy:        orDefault(opts.BusyDelay, 5*time.Second),
+		unavailable: orDefault(opts.UnavailableDelay, 5*time.Second),
+		failOpen:    opts.FailOpen,
+	}
+	if cfg.key == nil {
+		cfg.key = Key
+	}
+	return func(next rabbitmw.Handler) rabbitmw.Handler {
+		return &dedup{dedupConfig: cfg, next: next}
+	}
+}
+
+func orDefault(d, def time.Duration) time.Duration {
+	if d <= 0 {
+		return def
+	}
+	return d
+}
+
+type dedupConfig struct {
+	store       store.Store
+	key         func(*amqp.Delivery) (string, error)
+	namespace   string
+	lease       time.Duration
+	retention   time.Duration
+	busy        time.Duration
+	unavailable time.Duration
+	failOpen    bool
+}
+
+type dedup struct {
+	dedupConfig
+	next rabbitmw.Handler
+}
+
+// namespaced returns the store key for d.
+func namespaced(namespace string, keyf func(*amqp.Delivery) (string, error), d *amqp.Delivery) (string, error) {
+	k, err := keyf(d)
+	if err != nil {
+		return "", err
+	}
+	if k == "" {
+		return "", ErrNoKey
+	}
+	if namespace != "" {
+		k = namespace + ":" + k
+	}
+	return k, nil
+}
+
+func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
+	if d == nil {
+		return rabbitmw.ErrNoDelivery
+	}
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	key, err := namespaced(h.namespace, h.key, d)
+	if err != nil {
+		return rabbitmw.Permanent(fmt.Errorf("middleware: dedup: no idempotency key: %w", err))
+	}
+	token := newToken()
+	start := time.Now()
+	status, err := h.store.Claim(ctx, key, token, h.lease)
+	switch {
+	case err != nil:
+		if h.failOpen {
+			return h.next.Handle(ctx, d)
+		}
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: %w", ErrStoreUnavailable, key, err), h.unavailable)
+	case status == store.Done:
+		return fmt.Errorf("middleware: dedup: key %q is done: %w", key, rabbitmw.ErrDuplicate)
+	case status == store.Processing:
+		return rabbitmw.RetryAfter(fmt.Errorf("middleware: dedup: key %q: %w", key, ErrBusy), h.busy)
+	case status != store.Claimed:
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status), h.unavailable)
+	}
+
+	hctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	l := h.keep(ctx, key, token, start, cancel)
+
+	finished := false
+	defer func() {
+		if !finished { // the handler panicked: release, and let the panic go on
+			l.stop()
+			h.store.Release(bookkeeping(ctx), key, token)
+		}
+	}()
+	err = h.next.Handle(hctx, d)
+	finished = true
+
+	lost, validUntil := l.stop()
+	if lost != nil {
+		// Another owner has the key, or nobody: nothing to mark.
+		return rabbitmw.RetryAfter(errors.Join(err, lost), h.busy)
+	}
+	if err != nil {
+		// Release at once if the store answers, so the next attempt need
+		// not wait for the lease; if it does not, the lease frees the key.
+		deadline := time.Now().Add(h.unavailable)
+		if validUntil.Before(deadline) {
+			deadline = validUntil
+		}
+		if rerr := h.persist(ctx, deadline, func(ctx context.Context) error {
+			return h.store.Release(ctx, key, token)
+		}); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
+			err = errors.Join(err, fmt.Errorf("middleware: dedup: release %q: %w", key, rerr))
+		}
+		if cause := context.Cause(hctx); ctx.Err() == nil && errors.Is(cause, ErrStoreUnavailable) {
+			// Dedup cut the handler short because the store could not
+			// renew the lease: that is not the message's failure.
+			return rabbitmw.RetryAfter(errors.Join(err, cause), h.unavailable)
+		}
+		return err
+	}
+	cerr := h.persist(ctx, validUntil, func(ctx context.Context) error {
+		return h.store.Complete(ctx, key, token, h.retention)
+	})
+	switch {
+	case cerr == nil:
+		return nil
+	case errors.Is(cerr, store.ErrLostClaim):
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but %q was taken over before it was marked done: %w", ErrLeaseLost, key, cerr), h.busy)
+	default:
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but marking %q done failed: %w", ErrStoreUnavailable, key, cerr), h.unavailable)
+	}
+}
+
+// persist runs op, a store call that must not be lost after the handler
+// ran, and retries it while the store cannot be reached, until deadline or
+// until ctx is done. It returns op's last error.
+func (h *dedup) persist(ctx context.Context, deadline time.Time, op func(context.Context) error) error {
+	err := op(bookkeeping(ctx))
+	if err == nil || errors.Is(err, store.ErrLostClaim) {
+		return err
+	}
+	wait := 50 * time.Millisecond
+	for {
+		if ctx.Err() != nil || time.Now().Add(wait).After(deadline) {
+			return err
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		}
+		if err = op(bookkeeping(ctx)); err == nil || errors.Is(err, store.ErrLostClaim) {
+			return err
+		}
+		wait = min(2*wait, time.Second)
+	}
+}
+
+// bookkeeping returns a context for store calls that must happen even after
+// ctx was cancelled: ctx itself while it is live (no allocation), else ctx
+// without its cancellation.
+func bookkeeping(ctx context.Context) context.Context {
+	if ctx.Err() == nil {
+		return ctx
+	}
+	return context.WithoutCancel(ctx)
+}
+
+// A leaseKeeper renews one claim while its handler runs. Its renewals run on
+// a timer's goroutine, one at a time; stop waits for a running renewal and
+// prevents any further one, so no renewal outlives the delivery.
+type leaseKeeper struct {
+	mu         sync.Mutex
+	timer      *time.Timer
+	stopped    bool
+	lost       error     // set when the store said the claim is gone
+	validUntil time.Time // the end of the lease as of the last renewal
+}
+
+// keep starts renewing key's claim, taken at start, every lease/3, until
+// stop. A renewal that finds the claim lost cancels the handler's context
+// with the cause, and so does one that fails while the lease may end before
+// the next: the claim is then probably lost, though the store cannot say.
+// In that second case Dedup still tries to complete or release the claim
+// after the handler, which succeeds only if the token still owns it.
+func (h *dedup) keep(ctx context.Context, key, token string, start time.Time, cancel context.CancelCauseFunc) *leaseKeeper {
+	l := &leaseKeeper{validUntil: start.Add(h.lease)}
+	every := h.lease / 3
+	// The lock orders the assignment of l.timer before any renewal reads it.
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.timer = time.AfterFunc(every, func() {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		if l.stopped {
+			return
+		}
+		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), every)
+		at := time.Now()
+		err := h.store.Extend(rctx, key, token, h.lease)
+		rcancel()
+		switch {
+		case err == nil:
+			l.validUntil = at.Add(h.lease)
+		case errors.Is(err, store.ErrLostClaim):
+			l.lost = fmt.Errorf("%w: %q was taken over or deleted while the handler ran: %w", ErrLeaseLost, key, err)
+			cancel(l.lost)
+			return
+		case time.Now().Add(every).After(l.validUntil):
+			cancel(fmt.Errorf("%w: the lease on %q could not be renewed before it ends: %w", ErrStoreUnavailable, key, err))
+			return
+		}
+		l.timer.Reset(every)
+	})
+	return l
+}
+
+// stop ends the renewals, waiting for one that is running, and reports
+// whether the store said the claim was lost, and until when the lease runs.
+func (l *leaseKeeper) stop() (lost error, validUntil time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.stopped = true
+	l.timer.Stop()
+	return l.lost, l.validUntil
+}
+
+// Tokens identify one claim: unique across processes and deliveries, and
+// telling an operator who holds a key ("host/pid/random/sequence").
+var (
+	tokenPrefix = func() string {
+		host, _ := os.Hostname()
+		var b [6]byte
+		if _, err := rand.Read(b[:]); err != nil {
+			panic("middleware: reading random bytes: " + err.Error())
+		}
+		return host + "/" + strconv.Itoa(os.Getpid()) + "/" + hex.EncodeToString(b[:]) + "/"
+	}()
+	tokenSeq atomic.Uint64
+)
+
+func newToken() string {
+	var buf [64]byte
+	b := append(buf[:0], tokenPrefix...)
+	b = strconv.AppendUint(b, tokenSeq.Add(1), 36)
+	return string(b)
+}

@@ -1,0 +1,359 @@
+package middleware_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/redistest"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+func TestDedup(t *testing.T) {
+	ctx := context.Background()
+	unreachable := errors.New("dial tcp: connection refused")
+	tests := []struct {
+		name    string
+		id      string
+		body    string
+		opts    middleware.DedupOptions
+		prepare func(s *faultyStore) // state before the delivery
+		handler func(ctx context.Context, d *amqp.Delivery) error
+
+		wantCalls   int              // handler calls
+		wantOutcome rabbitmw.Outcome // rabbitmw.Decide of the result
+		wantDelay   time.Duration    // for Delay
+		wantIs      error            // the result wraps it
+		wantSettle  string           // how the recorder saw it settled
+		wantState   store.Status     // Claim by a stranger afterwards
+		wantKey     string           // the key the state is checked under (default: id)
+	}{
+		{
+			name: "new message is processed and marked done",
+			id:   "m1", wantCalls: 1, wantOutcome: rabbitmw.Ack, wantSettle: "acked", wantState: store.Done,
+		},
+		{
+			name: "done message is a duplicate, acked without running the handler",
+			id:   "m1",
+			prepare: func(s *faultyStore) {
+				s.Claim(ctx, "m1", "old", time.Minute)
+				s.Complete(ctx, "m1", "old", time.Hour)
+			},
+			wantCalls: 0, wantOutcome: rabbitmw.Duplicate, wantIs: rabbitmw.ErrDuplicate, wantSettle: "acked", wantState: store.Done,
+		},
+		{
+			name:      "message held by another consumer is delayed, not requeued at once",
+			id:        "m1",
+			opts:      middleware.DedupOptions{BusyDelay: 7 * time.Second},
+			prepare:   func(s *faultyStore) { s.Claim(ctx, "m1", "other", time.Minute) },
+			wantCalls: 0, wantOutcome: rabbitmw.Delay, wantDelay: 7 * time.Second, wantIs: middleware.ErrBusy,
+			wantSettle: "requeued", wantState: store.Processing,
+		},
+		{
+			name:      "handler error releases the claim and is returned",
+			id:        "m1",
+			handler:   func(context.Context, *amqp.Delivery) error { return errBoom },
+			wantCalls: 1, wantOutcome: rabbitmw.Requeue, wantIs: errBoom, wantSettle: "requeued", wantState: store.Claimed,
+		},
+		{
+			name:      "permanent handler error releases the claim and dead-letters",
+			id:        "m1",
+			handler:   func(context.Context, *amqp.Delivery) error { return rabbitmw.Permanent(errBoom) },
+			wantCalls: 1, wantOutcome: rabbitmw.DeadLetter, wantIs: errBoom, wantSettle: "rejected", wantState: store.Claimed,
+		},
+		{
+			name:      "store unreachable fails closed: handler not run, delayed",
+			id:        "m1",
+			opts:      middleware.DedupOptions{UnavailableDelay: 3 * time.Second},
+			prepare:   func(s *faultyStore) { set(&s.claim, unreachable) },
+			wantCalls: 0, wantOutcome: rabbitmw.Delay, wantDelay: 3 * time.Second, wantIs: middleware.ErrStoreUnavailable,
+			wantSettle: "requeued", wantState: store.Claimed,
+		},
+		{
+			name:      "store unreachable with FailOpen runs the handler",
+			id:        "m1",
+			opts:      middleware.DedupOptions{FailOpen: true},
+			prepare:   func(s *faultyStore) { set(&s.claim, unreachable) },
+			wantCalls: 1, wantOutcome: rabbitmw.Ack, wantSettle: "acked", wantState: store.Claimed,
+		},
+		{
+			name: "no message id: keyed by the MD5 of the body",
+			body: "hello", wantKey: "5d41402abc4b2a76b9719d911017c592",
+			wantCalls: 1, wantOutcome: rabbitmw.Ack, wantSettle: "acked", wantState: store.Done,
+		},
+		{
+			name:      "no message id and no body: dead-lettered with the reason, handler not run",
+			wantCalls: 0, wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrNoKey, wantSettle: "rejected",
+		},
+		{
+			name: "namespace keeps services apart",
+			id:   "m1", opts: middleware.DedupOptions{Namespace: "billing"},
+			prepare: func(s *faultyStore) { // done for another service only
+				s.Claim(ctx, "m1", "old", time.Minute)
+				s.Complete(ctx, "m1", "old", time.Hour)
+			},
+			wantKey:   "billing:m1",
+			wantCalls: 1, wantOutcome: rabbitmw.Ack, wantSettle: "acked", wantState: store.Done,
+		},
+		{
+			name: "done mark survives a transient store error after the handler",
+			id:   "m1",
+			prepare: func(s *faultyStore) {
+				set(&s.complete, unreachable)
+				time.AfterFunc(120*time.Millisecond, func() { set(&s.complete, nil) })
+			},
+			wantCalls: 1, wantOutcome: rabbitmw.Ack, wantSettle: "acked", wantState: store.Done,
+		},
+		{
+			name: "handler succeeds but the claim was taken over: not done, delayed, not a failure",
+			id:   "m1",
+			opts: middleware.DedupOptions{BusyDelay: time.Second},
+			prepare: func(s *faultyStore) {
+				set(&s.complete, store.ErrLostClaim)
+			},
+			wantCalls: 1, wantOutcome: rabbitmw.Delay, wantDelay: time.Second, wantIs: middleware.ErrLeaseLost,
+			wantSettle: "requeued", wantState: store.Processing,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := &faultyStore{Store: store.NewMemory()}
+			if tt.prepare != nil {
+				tt.prepare(s)
+			}
+			var calls atomic.Int32
+			h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+				calls.Add(1)
+				if tt.handler != nil {
+					return tt.handler(ctx, d)
+				}
+				return nil
+			})
+			d, rec := deliver(tt.id, tt.body)
+			err := middleware.Dedup(s, tt.opts)(h).Handle(ctx, d)
+
+			if got := int(calls.Load()); got != tt.wantCalls {
+				t.Errorf("handler calls = %d; want %d", got, tt.wantCalls)
+			}
+			dec := rabbitmw.Decide(err)
+			if dec.Outcome != tt.wantOutcome || dec.Delay != tt.wantDelay {
+				t.Errorf("Decide(%v) = %v after %v; want %v after %v", err, dec.Outcome, dec.Delay, tt.wantOutcome, tt.wantDelay)
+			}
+			if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
+				t.Errorf("result %v does not wrap %v", err, tt.wantIs)
+			}
+			if got := settle(t, d, rec, err); got != tt.wantSettle {
+				t.Errorf("settled %s; want %s", got, tt.wantSettle)
+			}
+			if tt.wantState != 0 {
+				set(&s.claim, nil)
+				key := tt.wantKey
+				if key == "" {
+					key = tt.id
+				}
+				got, err := s.Store.Claim(ctx, key, "stranger", time.Minute)
+				if err != nil || got != tt.wantState {
+					t.Errorf("Claim(%q) afterwards = %v, %v; want %v", key, got, err, tt.wantState)
+				}
+			}
+		})
+	}
+}
+
+// A panicking handler must not leave its message claimed until the lease
+// ends: Dedup releases the claim and lets the panic go on to Recover.
+func TestDedupReleasesOnPanic(t *testing.T) {
+	s := store.NewMemory()
+	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { panic("kaboom") }))
+	d, _ := deliver("m1", "")
+	func() {
+		defer func() {
+			if v := recover(); v != "kaboom" {
+				t.Errorf("recovered %v; want the handler's panic to go on", v)
+			}
+		}()
+		h.Handle(context.Background(), d)
+	}()
+	if got, _ := s.Claim(context.Background(), "m1", "next", time.Minute); got != store.Claimed {
+		t.Fatalf("Claim after the panic = %v; want claimed (released)", got)
+	}
+}
+
+// While the handler runs past a third of the lease, the claim is renewed:
+// nobody else can claim the message, and it ends done.
+func TestDedupRenewsLease(t *testing.T) {
+	ctx := context.Background()
+	s := &faultyStore{Store: store.NewMemory()}
+	const lease = 150 * time.Millisecond
+	var during store.Status
+	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+		func(ctx context.Context, d *amqp.Delivery) error {
+			time.Sleep(3 * lease)
+			during, _ = s.Store.Claim(ctx, "m1", "other", time.Minute)
+			time.Sleep(lease)
+			return ctx.Err()
+		}))
+	d, _ := deliver("m1", "")
+	if err := h.Handle(ctx, d); err != nil {
+		t.Fatalf("Handle = %v; want nil", err)
+	}
+	if during != store.Processing {
+		t.Errorf("Claim by another consumer after 3 leases = %v; want processing (renewed)", during)
+	}
+	if n := s.Calls("extend"); n < 3 {
+		t.Errorf("Extend called %d times in 4 leases; want at least 3 (every lease/3)", n)
+	}
+	if got, _ := s.Store.Claim(ctx, "m1", "other", time.Minute); got != store.Done {
+		t.Errorf("Claim afterwards = %v; want done", got)
+	}
+}
+
+// If the claim is taken over while the handler runs, the handler's context
+// is cancelled with the cause, and nothing is marked done.
+func TestDedupLostLeaseCancelsHandler(t *testing.T) {
+	ctx := context.Background()
+	m, c, _ := redistest.Start(t)
+	s := store.NewRedis(c, store.RedisOptions{})
+	const lease = 150 * time.Millisecond
+	var cause error
+	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, BusyDelay: time.Second})(rabbitmw.HandlerFunc(
+		func(ctx context.Context, d *amqp.Delivery) error {
+			m.Del("msg:m1") // an operator, or a hand-written consumer, deletes the claim
+			select {
+			case <-ctx.Done():
+				cause = context.Cause(ctx)
+				return ctx.Err()
+			case <-time.After(10 * lease):
+				return errors.New("handler was not cancelled")
+			}
+		}))
+	d, _ := deliver("m1", "")
+	err := h.Handle(ctx, d)
+	if !errors.Is(cause, middleware.ErrLeaseLost) || !errors.Is(cause, store.ErrLostClaim) {
+		t.Errorf("handler context cause = %v; want ErrLeaseLost wrapping store.ErrLostClaim", cause)
+	}
+	if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay || dec.Delay != time.Second || !errors.Is(err, middleware.ErrLeaseLost) {
+		t.Errorf("result %v decides %v after %v; want delayed by BusyDelay with ErrLeaseLost", err, dec.Outcome, dec.Delay)
+	}
+	if m.Exists("msg:m1") {
+		v, _ := m.Get("msg:m1")
+		t.Errorf("msg:m1 = %q; want nothing written after the claim was lost", v)
+	}
+}
+
+// If renewal keeps failing until the lease may end, the handler is
+// cancelled, and the result is a store outage (not counted by Retry).
+func TestDedupUnrenewableLeaseCancelsHandler(t *testing.T) {
+	s := &faultyStore{Store: store.NewMemory()}
+	set(&s.extend, errors.New("i/o timeout"))
+	const lease = 150 * time.Millisecond
+	var cause error
+	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, UnavailableDelay: 2 * time.Second})(rabbitmw.HandlerFunc(
+		func(ctx context.Context, d *amqp.Delivery) error {
+			select {
+			case <-ctx.Done():
+				cause = context.Cause(ctx)
+				return ctx.Err()
+			case <-time.After(10 * lease):
+				return errors.New("handler was not cancelled")
+			}
+		}))
+	d, _ := deliver("m1", "")
+	start := time.Now()
+	err := h.Handle(context.Background(), d)
+	if !errors.Is(cause, middleware.ErrStoreUnavailable) {
+		t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
+	}
+	if elapsed := time.Since(start); elapsed >= lease+lease/2 {
+		t.Errorf("handler cancelled after %v; want before the lease (%v) ends", elapsed, lease)
+	}
+	if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay || dec.Delay != 2*time.Second || !errors.Is(err, middleware.ErrStoreUnavailable) {
+		t.Errorf("result %v decides %v after %v; want delayed by UnavailableDelay with ErrStoreUnavailable", err, dec.Outcome, dec.Delay)
+	}
+}
+
+// The result of a finished handler is recorded even if the consumer's
+// context was cancelled meanwhile (a shutdown).
+func TestDedupCompletesAfterCancel(t *testing.T) {
+	s := store.NewMemory()
+	ctx, cancel := context.WithCancel(context.Background())
+	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { cancel(); return nil }))
+	d, _ := deliver("m1", "")
+	if err := h.Handle(ctx, d); err != nil {
+		t.Fatalf("Handle = %v; want nil", err)
+	}
+	if got, _ := s.Claim(context.Background(), "m1", "x", time.Minute); got != store.Done {
+		t.Fatalf("Claim afterwards = %v; want done", got)
+	}
+}
+
+// The happy path costs two store round trips (claim, complete) and a
+// duplicate one (claim).
+func TestDedupRoundTrips(t *testing.T) {
+	_, c, rt := redistest.Start(t)
+	s := store.NewRedis(c, store.RedisOptions{})
+	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { return nil }))
+	ctx := context.Background()
+	d, _ := deliver("warm-up", "") // load the scripts
+	h.Handle(ctx, d)
+	for _, tc := range []struct {
+		name string
+		want int64
+	}{{"first delivery", 2}, {"duplicate", 1}} {
+		d, _ := deliver("m1", "")
+		before := rt.Count()
+		h.Handle(ctx, d)
+		if got := rt.Count() - before; got != tc.want {
+			t.Errorf("%s: %d round trips; want %d", tc.name, got, tc.want)
+		}
+	}
+}
+
+func TestDedupTokensAreDistinct(t *testing.T) {
+	s := &recordingStore{Store: store.NewMemory()}
+	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { return errBoom }))
+	for range 100 {
+		d, _ := deliver("m1", "")
+		h.Handle(context.Background(), d)
+	}
+	seen := map[string]bool{}
+	for _, tok := range s.tokens {
+		if seen[tok] || tok == "" || tok == "done" || strings.ContainsAny(tok, " \n") {
+			t.Fatalf("token %q reused or malformed", tok)
+		}
+		seen[tok] = true
+	}
+	if len(seen) != 100 {
+		t.Fatalf("%d tokens for 100 claims; want 100", len(seen))
+	}
+}
+
+type recordingStore struct {
+	store.Store
+	tokens []string
+}
+
+func (r *recordingStore) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	r.tokens = append(r.tokens, token)
+	return r.Store.Claim(ctx, key, token, lease)
+}
+
+func TestDedupPanicsOnNilStore(t *testing.T) {
+	defer func() {
+		if v := recover(); v == nil || !strings.HasPrefix(v.(string), "middleware: Dedup") {
+			t.Fatalf("recovered %v; want a middleware: Dedup panic", v)
+		}
+	}()
+	middleware.Dedup(nil, middleware.DedupOptions{})
+}

@@ -1,0 +1,66 @@
+// Package middleware provides the layers of a safe RabbitMQ consumer: Dedup
+// (each message's effect at most once), Retry (count failures across
+// redeliveries, back off, dead-letter at the limit), Recover (a panic is a
+// failed attempt), Log (one slog record per delivery) and Timeout (a
+// deadline on the handler). Each is a [rabbitmw.Middleware]; compose them
+// with [rabbitmw.Chain].
+//
+// # Order
+//
+// The recommended stack, outermost first:
+//
+//	rabbitmw.Chain(
+//		middleware.Log(logger),
+//		middleware.Retry(st, middleware.RetryOptions{}),
+//		middleware.Recover(),
+//		middleware.Dedup(st, middleware.DedupOptions{}),
+//		middleware.Timeout(30*time.Second),
+//	)(handler)
+//
+// and why:
+//
+//   - Log is outermost, so it records the final word on each delivery,
+//     after Retry has turned a failure into a delay or a dead-letter, and
+//     times everything beneath.
+//   - Retry is above Recover, so a panic reaches it as an error and counts
+//     as a failed attempt; a message that always panics is dead-lettered
+//     after MaxAttempts instead of crashing the consumer or cycling.
+//   - Recover is above Dedup, so a panic in the handler passes through
+//     Dedup first, which releases its claim on the way, and a panic in
+//     Dedup or its store is caught too.
+//   - Dedup is beneath Retry, so a duplicate or a busy key never counts as
+//     an attempt, and it wraps the handler closely, so the claim covers
+//     the business effect and nothing else.
+//   - Timeout is innermost, so its deadline bounds the business handler
+//     and never cuts short Dedup's store calls that record the result.
+//
+// Use one store for Dedup and Retry, and the same Key and Namespace options
+// for both.
+//
+// # What each layer returns
+//
+// Layers communicate only through the error they return, read by
+// [rabbitmw.Decide]; none of them acknowledges anything. Dedup returns
+// errors wrapping rabbitmw.ErrDuplicate (acknowledge), ErrBusy,
+// ErrStoreUnavailable or ErrLeaseLost (each inside a rabbitmw.RetryAfter,
+// and none counted by Retry as a failure). Retry returns
+// rabbitmw.RetryAfter or rabbitmw.Permanent, with the attempt count
+// attached. Recover returns *rabbitmw.PanicError. Timeout wraps ErrTimeout.
+//
+// # Guarantees, and where they end
+//
+// With Dedup over a shared store, a message's handler completes
+// successfully at most once per Retention (24 hours by default) across all
+// consumers, unless one of these happens, each documented on Dedup: the
+// process dies after the handler's effect and before the done mark is
+// written (the message is redelivered and, once the lease expires,
+// processed again); a handler outlives its lease while ignoring its
+// cancelled context; the store loses its data (Redis without persistence,
+// restarted); or the store stays unreachable, after the handler succeeded,
+// for longer than the lease. The first of these is inherent in any consumer
+// whose effect and bookkeeping are not one transaction; make effects
+// idempotent where a repeat would be costly.
+//
+// With Retry, a failing message is never acknowledged: it is delayed, then
+// dead-lettered with its reason. Nothing in this package drops a message.
+package middleware

@@ -1,0 +1,34 @@
+package middleware
+
+import (
+	"context"
+	"runtime/debug"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+)
+
+// Recover returns a layer that turns a panic in the layers and handler
+// beneath it into a [*rabbitmw.PanicError] carrying the panic value and the
+// stack. The error settles like any other failure: Retry, above Recover,
+// counts it as a failed attempt, so a message that always panics ends in
+// the dead-letter queue rather than crashing the consumer or cycling
+// forever.
+//
+// Layers beneath Recover see the panic before it is recovered and may clean
+// up on the way (Dedup releases its claim). A panic in a layer above Recover
+// is not caught here; the broker package catches one that escapes the whole
+// chain and dead-letters its message.
+func Recover() rabbitmw.Middleware {
+	return func(next rabbitmw.Handler) rabbitmw.Handler {
+		return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) (err error) {
+			defer func() {
+				if v := recover(); v != nil {
+					err = &rabbitmw.PanicError{Value: v, Stack: debug.Stack()}
+				}
+			}()
+			return next.Handle(ctx, d)
+		})
+	}
+}

@@ -1,0 +1,204 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+// ErrRetriesExhausted is wrapped by the error with which [Retry]
+// dead-letters a message that failed its last allowed attempt.
+var ErrRetriesExhausted = errors.New("middleware: retries exhausted")
+
+// RetryOptions configures [Retry]. The zero value selects the defaults.
+type RetryOptions struct {
+	// MaxAttempts is how many attempts a message gets: the failure of the
+	// last one dead-letters it. Default 5.
+	MaxAttempts int
+	// Backoff returns how long to wait before the attempt that follows
+	// failed attempt number n (from 1). Default: Exponential(time.Second,
+	// time.Minute).
+	Backoff func(n int) time.Duration
+	// Key returns the key under which a delivery's failures are counted.
+	// Default: [Key]. Use the same Key and Namespace as Dedup's.
+	Key func(*amqp.Delivery) (string, error)
+	// Namespace, when set, is prepended to every key, as in DedupOptions.
+	Namespace string
+	// TTL is how long a failure count is kept after the last failure.
+	// Default 24 hours.
+	TTL time.Duration
+}
+
+// Retry returns a layer that counts the failed attempts of each message
+// across redeliveries, consumers and restarts, asks for the message to be
+// tried again after a growing delay, and dead-letters it, with its last
+// error, when its last allowed attempt fails. It never acknowledges a
+// failed message.
+//
+// Failures are counted in s (store.Fail, under the message's key). The
+// count is also carried in the message itself by the broker package, in the
+// rabbitmw.HeaderAttempts header of each copy it republishes, and Retry
+// takes the larger of the two: the limit holds even if s was wiped or
+// cannot be reached. s may be nil, to count with the header alone (which
+// only the broker package's delayed retries update).
+//
+// What the result of the layers beneath means to Retry:
+//
+//   - nil: success. If the delivery shows an earlier attempt (it was
+//     redelivered or carries an attempt count), the count is cleared.
+//   - a duplicate (rabbitmw.ErrDuplicate): returned unchanged.
+//   - a permanent error (rabbitmw.Permanent): counted, returned with its
+//     count, and the count cleared, since the message leaves the queue.
+//   - an error that is not the message's failure: returned unchanged and
+//     not counted. These are Dedup's ErrBusy, ErrStoreUnavailable and
+//     ErrLeaseLost, and any error once ctx is done (the consumer is
+//     shutting down).
+//   - any other error, including a panic turned into an error by Recover
+//     and a timeout: a failed attempt. Below the limit, Retry returns it
+//     wrapped in rabbitmw.RetryAfter with Backoff(n), or the delay the
+//     error asked for if that is longer; at the limit, it returns it wrapped
+//     in rabbitmw.Permanent and ErrRetriesExhausted. Either way the count n
+//     is attached with rabbitmw.WithAttempts.
+func Retry(s store.Store, opts RetryOptions) rabbitmw.Middleware {
+	cfg := retryConfig{
+		store:     s,
+		max:       opts.MaxAttempts,
+		backoff:   opts.Backoff,
+		key:       opts.Key,
+		namespace: opts.Namespace,
+		ttl:       orDefault(opts.TTL, 24*time.Hour),
+	}
+	if cfg.max <= 0 {
+		cfg.max = 5
+	}
+	if cfg.backoff == nil {
+		cfg.backoff = Exponential(time.Second, time.Minute)
+	}
+	if cfg.key == nil {
+		cfg.key = Key
+	}
+	return func(next rabbitmw.Handler) rabbitmw.Handler {
+		return &retry{retryConfig: cfg, next: next}
+	}
+}
+
+type retryConfig struct {
+	store     store.Store
+	max       int
+	backoff   func(int) time.Duration
+	key       func(*amqp.Delivery) (string, error)
+	namespace string
+	ttl       time.Duration
+}
+
+type retry struct {
+	retryConfig
+	next rabbitmw.Handler
+}
+
+func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
+	if d == nil {
+		return rabbitmw.ErrNoDelivery
+	}
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	err := h.next.Handle(ctx, d)
+	dec := rabbitmw.Decide(err)
+	switch {
+	case dec.Outcome == rabbitmw.Ack:
+		if d.Redelivered || rabbitmw.PriorAttempts(d) > 0 {
+			h.reset(ctx, d)
+		}
+		return nil
+	case dec.Outcome == rabbitmw.Duplicate, notAFailure(err), ctx.Err() != nil:
+		return err
+	}
+	n, cerr := h.count(ctx, d)
+	if cerr != nil {
+		err = errors.Join(err, cerr)
+	}
+	switch {
+	case dec.Outcome == rabbitmw.DeadLetter:
+		h.reset(ctx, d)
+		return rabbitmw.WithAttempts(err, n)
+	case n >= h.max:
+		h.reset(ctx, d)
+		return rabbitmw.Permanent(rabbitmw.WithAttempts(
+			fmt.Errorf("%w after %d attempts: %w", ErrRetriesExhausted, n, err), n))
+	}
+	delay := h.backoff(n)
+	if dec.Outcome == rabbitmw.Delay && dec.Delay > delay {
+		delay = dec.Delay
+	}
+	return rabbitmw.RetryAfter(rabbitmw.WithAttempts(err, n), delay)
+}
+
+// notAFailure reports whether err says the message was not at fault: it was
+// not attempted, or its attempt succeeded but could not be recorded.
+func notAFailure(err error) bool {
+	return errors.Is(err, ErrBusy) || errors.Is(err, ErrStoreUnavailable) || errors.Is(err, ErrLeaseLost)
+}
+
+// count records a failure of d and returns the number of failed attempts,
+// including this one: the larger of the store's count and the count the
+// delivery carries, plus one. A store error is returned with the header's
+// count, so the failure is never lost, only counted less precisely.
+func (h *retry) count(ctx context.Context, d *amqp.Delivery) (int, error) {
+	n := rabbitmw.PriorAttempts(d) + 1
+	if h.store == nil {
+		return n, nil
+	}
+	key, err := namespaced(h.namespace, h.key, d)
+	if err != nil {
+		return n, nil // nothing to count under: the header alone counts
+	}
+	got, err := h.store.Fail(bookkeeping(ctx), key, h.ttl)
+	if err != nil {
+		return n, fmt.Errorf("middleware: retry: counting the failure of %q: %w", key, err)
+	}
+	return max(n, int(min(got, 1<<30))), nil
+}
+
+// reset clears d's failure count, on a best-effort basis: a count left
+// behind expires after the TTL, and meanwhile only makes a later copy of
+// the message (a resend after it succeeded or was dead-lettered) start
+// with fewer attempts.
+func (h *retry) reset(ctx context.Context, d *amqp.Delivery) {
+	if h.store == nil {
+		return
+	}
+	if key, err := namespaced(h.namespace, h.key, d); err == nil {
+		h.store.ResetFailures(bookkeeping(ctx), key)
+	}
+}
+
+// Exponential returns a backoff for [RetryOptions]: the delay after failed
+// attempt n is min·2^(n-1), at most max, with "equal jitter" (uniform in
+// [d/2, d]), so consumers that fail together do not all come back together.
+// It panics if min is not positive or max is less than min.
+func Exponential(min, max time.Duration) func(n int) time.Duration {
+	if min <= 0 || max < min {
+		panic(fmt.Sprintf("middleware: Exponential(%v, %v): want 0 < min <= max", min, max))
+	}
+	return func(n int) time.Duration {
+		d := max
+		if n < 1 {
+			n = 1
+		}
+		if n <= 62 {
+			if x := min << (n - 1); x > 0 && x < max && x>>(n-1) == min {
+				d = x
+			}
+		}
+		half := d / 2
+		return half + rand.N(d-half+1)
+	}
+}

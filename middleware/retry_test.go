@@ -1,0 +1,223 @@
+package middleware_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+// linear is a deterministic backoff for tests: n seconds after failure n.
+func linear(n int) time.Duration { return time.Duration(n) * time.Second }
+
+func TestRetry(t *testing.T) {
+	ctx := context.Background()
+	unreachable := errors.New("connection refused")
+	tests := []struct {
+		name     string
+		result   error // the inner layers' result
+		header   any   // x-rabbitmw-attempts, if not nil
+		redeliv  bool  // Redelivered flag
+		prior    int   // failures already counted in the store
+		storeErr error // Fail's error
+		cancel   bool  // ctx done before the result
+		opts     middleware.RetryOptions
+
+		wantOutcome  rabbitmw.Outcome
+		wantDelay    time.Duration
+		wantAttempts int
+		wantIs       error
+		wantCount    int // failures in the store afterwards
+		wantSettle   string
+	}{
+		{
+			name:        "success leaves no trace",
+			wantOutcome: rabbitmw.Ack, wantSettle: "acked",
+		},
+		{
+			name: "first failure is delayed by the backoff", result: errBoom,
+			wantOutcome: rabbitmw.Delay, wantDelay: 1 * time.Second, wantAttempts: 1, wantIs: errBoom, wantCount: 1, wantSettle: "requeued",
+		},
+		{
+			name: "third failure, counted across redeliveries", result: errBoom, prior: 2, redeliv: true,
+			wantOutcome: rabbitmw.Delay, wantDelay: 3 * time.Second, wantAttempts: 3, wantIs: errBoom, wantCount: 3, wantSettle: "requeued",
+		},
+		{
+			name: "fifth failure is dead-lettered with its last error, never acked", result: errBoom, prior: 4,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantIs: middleware.ErrRetriesExhausted, wantCount: 0, wantSettle: "rejected",
+		},
+		{
+			name: "MaxAttempts 2", result: errBoom, prior: 1, opts: middleware.RetryOptions{MaxAttempts: 2},
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantIs: errBoom, wantSettle: "rejected",
+		},
+		{
+			name: "success after failures clears the count", prior: 3, redeliv: true,
+			wantOutcome: rabbitmw.Ack, wantCount: 0, wantSettle: "acked",
+		},
+		{
+			name: "success of a delayed copy clears the count", prior: 2, header: int32(2),
+			wantOutcome: rabbitmw.Ack, wantCount: 0, wantSettle: "acked",
+		},
+		{
+			name: "permanent error is dead-lettered at once, count cleared", result: rabbitmw.Permanent(errBoom), prior: 1,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantIs: errBoom, wantCount: 0, wantSettle: "rejected",
+		},
+		{
+			name: "duplicate is not a failure", result: fmt.Errorf("x: %w", rabbitmw.ErrDuplicate), prior: 1,
+			wantOutcome: rabbitmw.Duplicate, wantCount: 1, wantSettle: "acked",
+		},
+		{
+			name: "busy is not a failure", result: rabbitmw.RetryAfter(middleware.ErrBusy, 5*time.Second), prior: 4,
+			wantOutcome: rabbitmw.Delay, wantDelay: 5 * time.Second, wantIs: middleware.ErrBusy, wantCount: 4, wantSettle: "requeued",
+		},
+		{
+			name: "store outage in Dedup is not a failure", result: rabbitmw.RetryAfter(fmt.Errorf("%w: x", middleware.ErrStoreUnavailable), 5*time.Second), prior: 4,
+			wantOutcome: rabbitmw.Delay, wantDelay: 5 * time.Second, wantIs: middleware.ErrStoreUnavailable, wantCount: 4, wantSettle: "requeued",
+		},
+		{
+			name: "lost lease is not a failure", result: rabbitmw.RetryAfter(middleware.ErrLeaseLost, 5*time.Second), prior: 4,
+			wantOutcome: rabbitmw.Delay, wantDelay: 5 * time.Second, wantCount: 4, wantSettle: "requeued",
+		},
+		{
+			name: "shutdown is not a failure", result: context.Canceled, cancel: true, prior: 4,
+			wantOutcome: rabbitmw.Requeue, wantCount: 4, wantSettle: "requeued",
+		},
+		{
+			name: "a longer delay asked by the handler wins", result: rabbitmw.RetryAfter(errBoom, time.Minute),
+			wantOutcome: rabbitmw.Delay, wantDelay: time.Minute, wantAttempts: 1, wantCount: 1, wantSettle: "requeued",
+		},
+		{
+			name: "a panic is a failure", result: &rabbitmw.PanicError{Value: "x"}, prior: 4,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantSettle: "rejected",
+		},
+		{
+			name: "the header is a floor when the store was wiped", result: errBoom, header: int64(4),
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantSettle: "rejected",
+		},
+		{
+			name: "a header of another type still counts", result: errBoom, header: "3",
+			wantOutcome: rabbitmw.Delay, wantDelay: 4 * time.Second, wantAttempts: 4, wantCount: 1, wantSettle: "requeued",
+		},
+		{
+			name: "a nonsense header counts as none", result: errBoom, header: []any{"x"},
+			wantOutcome: rabbitmw.Delay, wantDelay: 1 * time.Second, wantAttempts: 1, wantCount: 1, wantSettle: "requeued",
+		},
+		{
+			name: "store outage in Retry: counted by the header, reported", result: errBoom, header: int8(1), storeErr: unreachable,
+			wantOutcome: rabbitmw.Delay, wantDelay: 2 * time.Second, wantAttempts: 2, wantIs: unreachable, wantSettle: "requeued",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := &faultyStore{Store: store.NewMemory()}
+			for range tt.prior {
+				s.Fail(ctx, "m1", time.Hour)
+			}
+			set(&s.fail, tt.storeErr)
+			if tt.opts.Backoff == nil {
+				tt.opts.Backoff = linear
+			}
+			ctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			h := middleware.Retry(s, tt.opts)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+				if tt.cancel {
+					cancel()
+				}
+				return tt.result
+			}))
+			d, rec := deliver("m1", "")
+			d.Redelivered = tt.redeliv
+			if tt.header != nil {
+				d.Headers = amqp.Table{rabbitmw.HeaderAttempts: tt.header}
+			}
+			err := h.Handle(ctx, d)
+
+			dec := rabbitmw.Decide(err)
+			if dec.Outcome != tt.wantOutcome || dec.Delay != tt.wantDelay || dec.Attempts != tt.wantAttempts {
+				t.Errorf("Decide(%v) = %v after %v, attempts %d; want %v after %v, attempts %d",
+					err, dec.Outcome, dec.Delay, dec.Attempts, tt.wantOutcome, tt.wantDelay, tt.wantAttempts)
+			}
+			if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
+				t.Errorf("result %v does not wrap %v", err, tt.wantIs)
+			}
+			set(&s.fail, nil)
+			if n, _ := s.Store.Fail(context.Background(), "m1", time.Hour); int(n)-1 != tt.wantCount {
+				t.Errorf("failure count afterwards = %d; want %d", n-1, tt.wantCount)
+			}
+			if got := settle(t, d, rec, err); got != tt.wantSettle {
+				t.Errorf("settled %s; want %s", got, tt.wantSettle)
+			}
+		})
+	}
+}
+
+// A first delivery that succeeds costs Retry no store call at all.
+func TestRetryHappyPathIsFree(t *testing.T) {
+	s := &faultyStore{Store: store.NewMemory()}
+	h := middleware.Retry(s, middleware.RetryOptions{})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { return nil }))
+	d, _ := deliver("m1", "")
+	if err := h.Handle(context.Background(), d); err != nil {
+		t.Fatal(err)
+	}
+	for _, op := range []string{"fail", "reset"} {
+		if n := s.Calls(op); n != 0 {
+			t.Errorf("%s called %d times on the happy path; want 0", op, n)
+		}
+	}
+}
+
+// Without a store, the header alone counts: the broker's delayed copies
+// carry it forward.
+func TestRetryWithoutStore(t *testing.T) {
+	h := middleware.Retry(nil, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { return errBoom }))
+	for prior, want := range []rabbitmw.Outcome{rabbitmw.Delay, rabbitmw.Delay, rabbitmw.DeadLetter} {
+		d, _ := deliver("m1", "")
+		d.Headers = amqp.Table{rabbitmw.HeaderAttempts: int32(prior)}
+		dec := rabbitmw.Decide(h.Handle(context.Background(), d))
+		if dec.Outcome != want || dec.Attempts != prior+1 {
+			t.Errorf("with %d prior failures: %v, attempts %d; want %v, attempts %d", prior, dec.Outcome, dec.Attempts, want, prior+1)
+		}
+	}
+}
+
+func TestExponential(t *testing.T) {
+	b := middleware.Exponential(100*time.Millisecond, 5*time.Second)
+	for n := -1; n <= 100; n++ {
+		full := 5 * time.Second
+		if n <= 6 { // 100ms·2^5 = 3.2s is the last below the cap
+			full = 100 * time.Millisecond << max(n-1, 0)
+		}
+		for range 50 {
+			if got := b(n); got < full/2 || got > full {
+				t.Fatalf("Exponential(100ms, 5s)(%d) = %v; want within [%v, %v]", n, got, full/2, full)
+			}
+		}
+	}
+	// Jitter: not every delay is the same.
+	seen := map[time.Duration]bool{}
+	for range 20 {
+		seen[b(3)] = true
+	}
+	if len(seen) < 2 {
+		t.Errorf("Exponential gave the same delay 20 times; want jitter")
+	}
+	for _, bad := range [][2]time.Duration{{0, time.Second}, {time.Second, time.Millisecond}} {
+		func() {
+			defer func() {
+				if recover() == nil {
+					t.Errorf("Exponential(%v, %v) did not panic", bad[0], bad[1])
+				}
+			}()
+			middleware.Exponential(bad[0], bad[1])
+		}()
+	}
+}

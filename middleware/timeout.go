@@ -1,0 +1,50 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+)
+
+// ErrTimeout is wrapped by the error of a handler that failed after its
+// deadline set by [Timeout] had passed.
+var ErrTimeout = errors.New("middleware: handler timed out")
+
+// Timeout returns a layer that gives the context of the layers and handler
+// beneath it a deadline d from the start of each delivery. It panics if d is
+// not positive.
+//
+// The deadline works through the context, as every deadline in Go does: a
+// handler that does not watch ctx runs on, and Timeout waits for it, since
+// settling a message while its handler still runs could apply the handler's
+// effect after the message was given to another consumer. When the handler
+// returns an error after the deadline passed, Timeout wraps it with
+// ErrTimeout and the duration; a nil result stands, late or not.
+//
+// Place Timeout beneath Dedup, so the deadline bounds the business handler
+// and not Dedup's own store calls, and keep d well below Dedup's lease and
+// RabbitMQ's consumer_timeout.
+func Timeout(d time.Duration) rabbitmw.Middleware {
+	if d <= 0 {
+		panic(fmt.Sprintf("middleware: Timeout: non-positive duration %v", d))
+	}
+	return func(next rabbitmw.Handler) rabbitmw.Handler {
+		return rabbitmw.HandlerFunc(func(ctx context.Context, dv *amqp.Delivery) error {
+			if ctx == nil {
+				ctx = context.Background()
+			}
+			tctx, cancel := context.WithTimeout(ctx, d)
+			defer cancel()
+			err := next.Handle(tctx, dv)
+			if err != nil && errors.Is(tctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil {
+				return fmt.Errorf("%w after %v: %w", ErrTimeout, d, err)
+			}
+			return err
+		})
+	}
+}

@@ -1,0 +1,102 @@
+package middleware_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/middleware"
+)
+
+func TestTimeout(t *testing.T) {
+	const limit = 50 * time.Millisecond
+	tests := []struct {
+		name        string
+		parent      func() (context.Context, context.CancelFunc)
+		handler     func(ctx context.Context) error
+		wantNil     bool
+		wantTimeout bool
+		wantIs      error
+	}{
+		{
+			name:    "a handler that returns in time is untouched",
+			handler: func(context.Context) error { return nil },
+			wantNil: true,
+		},
+		{
+			name:    "an early error is untouched",
+			handler: func(context.Context) error { return errBoom },
+			wantIs:  errBoom,
+		},
+		{
+			name: "a handler cut by the deadline fails with ErrTimeout",
+			handler: func(ctx context.Context) error {
+				<-ctx.Done()
+				return ctx.Err()
+			},
+			wantTimeout: true,
+			wantIs:      context.DeadlineExceeded,
+		},
+		{
+			name: "a late success stands",
+			handler: func(ctx context.Context) error {
+				<-ctx.Done()
+				return nil
+			},
+			wantNil: true,
+		},
+		{
+			name: "the parent's cancellation is not a timeout",
+			parent: func() (context.Context, context.CancelFunc) {
+				return context.WithTimeout(context.Background(), limit/5)
+			},
+			handler: func(ctx context.Context) error {
+				<-ctx.Done()
+				return ctx.Err()
+			},
+			wantIs: context.DeadlineExceeded,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.Background(), context.CancelFunc(func() {})
+			if tt.parent != nil {
+				ctx, cancel = tt.parent()
+			}
+			defer cancel()
+			var deadline, entry time.Time
+			h := middleware.Timeout(limit)(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+				entry = time.Now()
+				deadline, _ = ctx.Deadline()
+				return tt.handler(ctx)
+			}))
+			d, _ := deliver("m1", "")
+			err := h.Handle(ctx, d)
+			if deadline.IsZero() || deadline.Sub(entry) > limit {
+				t.Errorf("handler deadline %v after it started; want at most %v", deadline.Sub(entry), limit)
+			}
+			if tt.wantNil != (err == nil) {
+				t.Fatalf("Timeout result = %v; want nil: %v", err, tt.wantNil)
+			}
+			if got := errors.Is(err, middleware.ErrTimeout); got != tt.wantTimeout {
+				t.Errorf("result %v wraps ErrTimeout: %v; want %v", err, got, tt.wantTimeout)
+			}
+			if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
+				t.Errorf("result %v does not wrap %v", err, tt.wantIs)
+			}
+		})
+	}
+}
+
+func TestTimeoutPanicsOnNonPositive(t *testing.T) {
+	defer func() {
+		if v, _ := recover().(string); v == "" {
+			t.Fatal("Timeout(0) did not panic")
+		}
+	}()
+	middleware.Timeout(0)
+}
