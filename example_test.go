@@ -1,0 +1,86 @@
+package rabbitmw_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+// Layers run in the order given to Chain, the first outermost.
+func ExampleChain() {
+	layer := func(name string) rabbitmw.Middleware {
+		return func(next rabbitmw.Handler) rabbitmw.Handler {
+			return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+				fmt.Println("enter", name)
+				defer fmt.Println("leave", name)
+				return next.Handle(ctx, d)
+			})
+		}
+	}
+	h := rabbitmw.Chain(layer("a"), layer("b"))(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error {
+			fmt.Println("handle")
+			return nil
+		}))
+	h.Handle(context.Background(), &amqp.Delivery{})
+	// Output:
+	// enter a
+	// enter b
+	// handle
+	// leave b
+	// leave a
+}
+
+// The recommended stack in front of a business handler, settled on a plain
+// channel with Settle. (A Recorder stands in for the channel here.)
+func ExampleSettle() {
+	st := store.NewMemory()
+	h := rabbitmw.Chain(
+		middleware.Retry(st, middleware.RetryOptions{}),
+		middleware.Recover(),
+		middleware.Dedup(st, middleware.DedupOptions{}),
+		middleware.Timeout(30*time.Second),
+	)(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		fmt.Printf("charging for %s\n", d.MessageId)
+		return nil
+	}))
+
+	ch := rabbitmwtest.NewRecorder() // in production: the *amqp.Channel deliveries come from
+	for range 2 {
+		d := ch.Deliver(amqp.Publishing{MessageId: "order-42", Body: []byte(`{"amount":100}`)})
+		err := h.Handle(context.Background(), d)
+		rabbitmw.Settle(context.Background(), d, err)
+		fmt.Printf("delivery %d: %s\n", d.DeliveryTag, rabbitmw.Decide(err).Outcome)
+	}
+	// Output:
+	// charging for order-42
+	// delivery 1: acked
+	// delivery 2: duplicate
+}
+
+func ExampleDecide() {
+	for _, err := range []error{
+		nil,
+		errors.New("timeout talking to the bank"),
+		rabbitmw.RetryAfter(errors.New("rate limited"), 30*time.Second),
+		rabbitmw.Permanent(errors.New("malformed JSON")),
+		fmt.Errorf("seen before: %w", rabbitmw.ErrDuplicate),
+	} {
+		d := rabbitmw.Decide(err)
+		fmt.Println(d.Outcome, d.Delay)
+	}
+	// Output:
+	// acked 0s
+	// requeued 0s
+	// delayed 30s
+	// dead-lettered 0s
+	// duplicate 0s
+}

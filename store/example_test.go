@@ -1,0 +1,30 @@
+package store_test
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+func ExampleNewRedis() {
+	srv, _ := miniredis.Run() // in production: your Redis, Sentinel or Cluster
+	defer srv.Close()
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr()})
+	defer client.Close()
+
+	st := store.NewRedis(client, store.RedisOptions{})
+	ctx := context.Background()
+	first, _ := st.Claim(ctx, "order-42", "worker-a", time.Minute)
+	second, _ := st.Claim(ctx, "order-42", "worker-b", time.Minute)
+	st.Complete(ctx, "order-42", "worker-a", 24*time.Hour)
+	third, _ := st.Claim(ctx, "order-42", "worker-b", time.Minute)
+	mark, _ := srv.Get("msg:order-42")
+	fmt.Println(first, second, third, mark)
+	// Output:
+	// claimed processing done done
+}
