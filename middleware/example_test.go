@@ -82,7 +82,7 @@ func ExampleLog() {
 }
 
 func ExampleTimeout() {
-	h := middleware.Timeout(10*time.Millisecond)(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+	h := middleware.Timeout(10 * time.Millisecond)(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
 		<-ctx.Done() // a slow call that honours its context
 		return ctx.Err()
 	}))
