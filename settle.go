@@ -77,22 +77,55 @@ func Decide(err error) Decision {
 		return Decision{Outcome: Ack}
 	}
 	d := Decision{Outcome: Requeue, Err: err}
-	var m marker
-	switch {
-	case errors.As(err, &m):
-		d.Outcome, d.Delay = m.settle()
-	case errors.Is(err, ErrDuplicate):
+	var marked, duplicate bool
+	read(err, &d, &marked, &duplicate)
+	if !marked && duplicate {
 		d.Outcome = Duplicate
-	}
-	var a *attemptsError
-	if errors.As(err, &a) {
-		d.Attempts = a.n
 	}
 	return d
 }
 
+// read walks err's tree in the order errors.As does (depth first, each
+// error before what it wraps) and records the first settlement marker,
+// the first attempt count, and whether ErrDuplicate is in it. It is
+// errors.As and errors.Is for these few types, without the reflection and
+// the allocations that cost on every delivery.
+func read(err error, d *Decision, marked, duplicate *bool) {
+	for err != nil {
+		switch e := err.(type) {
+		case marker:
+			if !*marked {
+				*marked = true
+				d.Outcome, d.Delay = e.settle()
+			}
+		case *attemptsError:
+			if d.Attempts == 0 {
+				d.Attempts = e.n
+			}
+		}
+		if !*duplicate {
+			if err == ErrDuplicate {
+				*duplicate = true
+			} else if x, ok := err.(interface{ Is(error) bool }); ok && x.Is(ErrDuplicate) {
+				*duplicate = true
+			}
+		}
+		switch u := err.(type) {
+		case interface{ Unwrap() error }:
+			err = u.Unwrap()
+		case interface{ Unwrap() []error }:
+			for _, e := range u.Unwrap() {
+				read(e, d, marked, duplicate)
+			}
+			return
+		default:
+			return
+		}
+	}
+}
+
 // marker is implemented by the errors that carry a settlement request.
-// Decide finds the outermost one with errors.As.
+// Decide finds the outermost one.
 type marker interface {
 	error
 	settle() (Outcome, time.Duration)

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"os"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -114,6 +113,7 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	if cfg.key == nil {
 		cfg.key = Key
 	}
+	cfg.renewer = newRenewer(s, cfg.lease)
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		return &dedup{dedupConfig: cfg, next: next}
 	}
@@ -135,6 +135,7 @@ type dedupConfig struct {
 	busy        time.Duration
 	unavailable time.Duration
 	failOpen    bool
+	renewer     *renewer
 }
 
 type dedup struct {
@@ -178,28 +179,28 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 		}
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: %w", ErrStoreUnavailable, key, err), h.unavailable)
 	case status == store.Done:
-		return fmt.Errorf("middleware: dedup: key %q is done: %w", key, rabbitmw.ErrDuplicate)
+		return &keyError{key: key, err: rabbitmw.ErrDuplicate}
 	case status == store.Processing:
-		return rabbitmw.RetryAfter(fmt.Errorf("middleware: dedup: key %q: %w", key, ErrBusy), h.busy)
+		return rabbitmw.RetryAfter(&keyError{key: key, err: ErrBusy}, h.busy)
 	case status != store.Claimed:
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status), h.unavailable)
 	}
 
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	l := h.keep(ctx, key, token, start, cancel)
+	l := h.renewer.start(ctx, key, token, start, cancel)
 
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: release, and let the panic go on
-			l.stop()
+			h.renewer.stop(l)
 			h.store.Release(bookkeeping(ctx), key, token)
 		}
 	}()
 	err = h.next.Handle(hctx, d)
 	finished = true
 
-	lost, validUntil := l.stop()
+	lost, validUntil := h.renewer.stop(l)
 	if lost != nil {
 		// Another owner has the key, or nobody: nothing to mark.
 		return rabbitmw.RetryAfter(errors.Join(err, lost), h.busy)
@@ -236,6 +237,20 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 	}
 }
 
+// A keyError reports what Dedup found for a key. It is a type rather than
+// fmt.Errorf because duplicates and busy keys are common enough for the cost
+// of formatting to show: the text is built only when someone reads it.
+type keyError struct {
+	key string
+	err error
+}
+
+func (e *keyError) Error() string {
+	return "middleware: dedup: key " + strconv.Quote(e.key) + ": " + e.err.Error()
+}
+
+func (e *keyError) Unwrap() error { return e.err }
+
 // persist runs op, a store call that must not be lost after the handler
 // ran, and retries it while the store cannot be reached, until deadline or
 // until ctx is done. It returns op's last error.
@@ -271,65 +286,6 @@ func bookkeeping(ctx context.Context) context.Context {
 		return ctx
 	}
 	return context.WithoutCancel(ctx)
-}
-
-// A leaseKeeper renews one claim while its handler runs. Its renewals run on
-// a timer's goroutine, one at a time; stop waits for a running renewal and
-// prevents any further one, so no renewal outlives the delivery.
-type leaseKeeper struct {
-	mu         sync.Mutex
-	timer      *time.Timer
-	stopped    bool
-	lost       error     // set when the store said the claim is gone
-	validUntil time.Time // the end of the lease as of the last renewal
-}
-
-// keep starts renewing key's claim, taken at start, every lease/3, until
-// stop. A renewal that finds the claim lost cancels the handler's context
-// with the cause, and so does one that fails while the lease may end before
-// the next: the claim is then probably lost, though the store cannot say.
-// In that second case Dedup still tries to complete or release the claim
-// after the handler, which succeeds only if the token still owns it.
-func (h *dedup) keep(ctx context.Context, key, token string, start time.Time, cancel context.CancelCauseFunc) *leaseKeeper {
-	l := &leaseKeeper{validUntil: start.Add(h.lease)}
-	every := h.lease / 3
-	// The lock orders the assignment of l.timer before any renewal reads it.
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.timer = time.AfterFunc(every, func() {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		if l.stopped {
-			return
-		}
-		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), every)
-		at := time.Now()
-		err := h.store.Extend(rctx, key, token, h.lease)
-		rcancel()
-		switch {
-		case err == nil:
-			l.validUntil = at.Add(h.lease)
-		case errors.Is(err, store.ErrLostClaim):
-			l.lost = fmt.Errorf("%w: %q was taken over or deleted while the handler ran: %w", ErrLeaseLost, key, err)
-			cancel(l.lost)
-			return
-		case time.Now().Add(every).After(l.validUntil):
-			cancel(fmt.Errorf("%w: the lease on %q could not be renewed before it ends: %w", ErrStoreUnavailable, key, err))
-			return
-		}
-		l.timer.Reset(every)
-	})
-	return l
-}
-
-// stop ends the renewals, waiting for one that is running, and reports
-// whether the store said the claim was lost, and until when the lease runs.
-func (l *leaseKeeper) stop() (lost error, validUntil time.Time) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.stopped = true
-	l.timer.Stop()
-	return l.lost, l.validUntil
 }
 
 // Tokens identify one claim: unique across processes and deliveries, and

@@ -272,8 +272,12 @@ func TestDedupUnrenewableLeaseCancelsHandler(t *testing.T) {
 	if !errors.Is(cause, middleware.ErrStoreUnavailable) {
 		t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
 	}
-	if elapsed := time.Since(start); elapsed >= lease+lease/2 {
-		t.Errorf("handler cancelled after %v; want before the lease (%v) ends", elapsed, lease)
+	// Renewals every lease/3 fail; the one at 2/3 of the lease sees that the
+	// next would come too late, and cancels. Only a loaded machine delays it
+	// much past the lease; the bound checks that it was the renewal, not the
+	// handler's own fallback after 10 leases, that ended the wait.
+	if elapsed := time.Since(start); elapsed >= 5*lease {
+		t.Errorf("handler cancelled after %v; want about 2/3 of the lease (%v)", elapsed, lease)
 	}
 	if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay || dec.Delay != 2*time.Second || !errors.Is(err, middleware.ErrStoreUnavailable) {
 		t.Errorf("result %v decides %v after %v; want delayed by UnavailableDelay with ErrStoreUnavailable", err, dec.Outcome, dec.Delay)

@@ -47,6 +47,9 @@ func Log(l *slog.Logger) rabbitmw.Middleware {
 			if ctx == nil {
 				ctx = context.Background()
 			}
+			if !l.Enabled(ctx, slog.LevelError) {
+				return next.Handle(ctx, d) // nothing would be written
+			}
 			start := time.Now()
 			finished := false
 			defer func() {

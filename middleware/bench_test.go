@@ -1,0 +1,73 @@
+package middleware_test
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"strconv"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/redistest"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+var nop = rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
+
+// benchLayer runs h over b.N deliveries, each with a new message id unless
+// sameID.
+func benchLayer(b *testing.B, h rabbitmw.Handler, sameID bool) {
+	b.Helper()
+	ids := make([]string, b.N)
+	for i := range ids {
+		ids[i] = "m" + strconv.Itoa(i)
+		if sameID {
+			ids[i] = "same"
+		}
+	}
+	d := &amqp.Delivery{Body: []byte(`{"order":42}`), DeliveryTag: 1}
+	ctx := context.Background()
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := range b.N {
+		d.MessageId = ids[i]
+		h.Handle(ctx, d)
+	}
+}
+
+// Each layer alone, in front of a handler that does nothing.
+func BenchmarkLayer(b *testing.B) {
+	b.Run("Recover", func(b *testing.B) { benchLayer(b, middleware.Recover()(nop), false) })
+	b.Run("Timeout", func(b *testing.B) { benchLayer(b, middleware.Timeout(time.Minute)(nop), false) })
+	b.Run("Log/discard", func(b *testing.B) {
+		benchLayer(b, middleware.Log(slog.New(slog.DiscardHandler))(nop), false)
+	})
+	b.Run("Log/json", func(b *testing.B) {
+		benchLayer(b, middleware.Log(slog.New(slog.NewJSONHandler(io.Discard, nil)))(nop), false)
+	})
+	b.Run("Retry/success", func(b *testing.B) {
+		benchLayer(b, middleware.Retry(store.NewMemory(), middleware.RetryOptions{})(nop), false)
+	})
+	b.Run("Retry/failure/memory", func(b *testing.B) {
+		fail := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return errBoom })
+		benchLayer(b, middleware.Retry(store.NewMemory(), middleware.RetryOptions{MaxAttempts: 1 << 30})(fail), false)
+	})
+	b.Run("Dedup/new/memory", func(b *testing.B) {
+		benchLayer(b, middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(nop), false)
+	})
+	b.Run("Dedup/duplicate/memory", func(b *testing.B) {
+		benchLayer(b, middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(nop), true)
+	})
+	b.Run("Dedup/new/miniredis", func(b *testing.B) {
+		_, c, _ := redistest.Start(b)
+		benchLayer(b, middleware.Dedup(store.NewRedis(c, store.RedisOptions{}), middleware.DedupOptions{})(nop), false)
+	})
+	b.Run("Dedup/duplicate/miniredis", func(b *testing.B) {
+		_, c, _ := redistest.Start(b)
+		benchLayer(b, middleware.Dedup(store.NewRedis(c, store.RedisOptions{}), middleware.DedupOptions{})(nop), true)
+	})
+}

@@ -1,0 +1,194 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+// A renewer keeps alive the claims that one Dedup layer holds while their
+// handlers run. Every claim has the same lease and is renewed at the same
+// interval, so the claims due for renewal form a queue in order of due
+// time: one timer, armed for the head of the queue, serves them all. A
+// delivery that ends before its first renewal (nearly all of them) costs a
+// queue insertion and removal under a mutex, and no goroutine, timer or
+// allocation of its own.
+//
+// Renewals run on goroutines started by the timer's callback, one per
+// claim due; stop waits for the claim's renewal in flight, so none outlives
+// its delivery.
+type renewer struct {
+	store        store.Store
+	lease, every time.Duration
+	pool         sync.Pool // of *claimLease
+
+	mu         sync.Mutex
+	head, tail *claimLease // queued claims, in order of due time
+	timer      *time.Timer // armed for head.due while the queue is not empty
+}
+
+// A claimLease is the renewal state of one claim.
+type claimLease struct {
+	key, token string
+	// ctx is the delivery's context. A renewal runs outside the call
+	// chain, on the timer's goroutine, and uses it (without its
+	// cancellation) to pass the delivery's values to the store.
+	ctx    context.Context
+	cancel context.CancelCauseFunc // the handler's context
+
+	inflight sync.WaitGroup // a renewal popped from the queue and not finished
+
+	// Guarded by renewer.mu.
+	prev, next *claimLease
+	queued     bool
+	stopped    bool
+	due        time.Time // the next renewal, while queued
+	lost       error     // set when the store said the claim is gone
+	validUntil time.Time // the end of the lease as of the last renewal
+}
+
+func newRenewer(s store.Store, lease time.Duration) *renewer {
+	r := &renewer{store: s, lease: lease, every: lease / 3}
+	r.pool.New = func() any { return new(claimLease) }
+	return r
+}
+
+// start queues the claim of key by token, taken at claimedAt, for renewal
+// every lease/3 until stop. A renewal that finds the claim lost cancels the
+// handler's context through cancel, with the cause, and so does one that
+// fails while the lease may end before the next renewal: the claim is then
+// probably lost, though the store cannot say.
+func (r *renewer) start(ctx context.Context, key, token string, claimedAt time.Time, cancel context.CancelCauseFunc) *claimLease {
+	l := r.pool.Get().(*claimLease)
+	l.key, l.token, l.ctx, l.cancel = key, token, ctx, cancel
+	r.mu.Lock()
+	l.stopped, l.lost = false, nil
+	l.validUntil = claimedAt.Add(r.lease)
+	r.push(l, claimedAt.Add(r.every))
+	r.mu.Unlock()
+	return l
+}
+
+// stop ends the renewals of l, waiting for one in flight, and reports
+// whether the store said the claim was lost, and until when the lease runs.
+// l must not be used after stop.
+func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time) {
+	r.mu.Lock()
+	l.stopped = true
+	if l.queued {
+		r.unlink(l)
+		if r.head == nil {
+			r.timer.Stop()
+		}
+	}
+	r.mu.Unlock()
+	l.inflight.Wait()
+	lost, validUntil = l.lost, l.validUntil
+	l.key, l.token, l.ctx, l.cancel, l.lost = "", "", nil, nil, nil
+	r.pool.Put(l)
+	return lost, validUntil
+}
+
+// push queues l, due at the given time, and arms the timer if l becomes the
+// head. Claims arrive nearly in order of due time (all intervals are equal),
+// so the search for l's place from the tail is short. r.mu must be held.
+func (r *renewer) push(l *claimLease, due time.Time) {
+	l.due = due
+	l.queued = true
+	after := r.tail
+	for after != nil && after.due.After(due) {
+		after = after.prev
+	}
+	l.prev = after
+	if after != nil {
+		l.next = after.next
+		after.next = l
+	} else {
+		l.next = r.head
+		r.head = l
+	}
+	if l.next != nil {
+		l.next.prev = l
+	} else {
+		r.tail = l
+	}
+	if r.head == l {
+		r.arm()
+	}
+}
+
+// unlink removes l from the queue. r.mu must be held.
+func (r *renewer) unlink(l *claimLease) {
+	if l.prev != nil {
+		l.prev.next = l.next
+	} else {
+		r.head = l.next
+	}
+	if l.next != nil {
+		l.next.prev = l.prev
+	} else {
+		r.tail = l.prev
+	}
+	l.prev, l.next, l.queued = nil, nil, false
+}
+
+// arm sets the timer for the head's due time. r.mu must be held and the
+// queue not empty.
+func (r *renewer) arm() {
+	d := time.Until(r.head.due)
+	if r.timer == nil {
+		r.timer = time.AfterFunc(d, r.fire)
+		return
+	}
+	r.timer.Reset(d)
+}
+
+// fire starts the renewals that are due, and re-arms the timer for the
+// rest.
+func (r *renewer) fire() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := time.Now()
+	for r.head != nil && !r.head.due.After(now) {
+		l := r.head
+		r.unlink(l)
+		l.inflight.Add(1)
+		go r.renew(l)
+	}
+	if r.head != nil {
+		r.arm()
+	}
+}
+
+// renew extends l's claim once and queues it again, unless the claim is
+// lost or l was stopped meanwhile.
+func (r *renewer) renew(l *claimLease) {
+	defer l.inflight.Done()
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(l.ctx), r.every)
+	at := time.Now()
+	err := r.store.Extend(ctx, l.key, l.token, r.lease)
+	cancel()
+
+	r.mu.Lock()
+	var cause error
+	switch {
+	case err == nil:
+		l.validUntil = at.Add(r.lease)
+	case errors.Is(err, store.ErrLostClaim):
+		l.lost = fmt.Errorf("%w: %q was taken over or deleted while the handler ran: %w", ErrLeaseLost, l.key, err)
+		cause = l.lost
+	case time.Now().Add(r.every).After(l.validUntil):
+		cause = fmt.Errorf("%w: the lease on %q could not be renewed before it ends: %w", ErrStoreUnavailable, l.key, err)
+	}
+	if cause == nil && !l.stopped {
+		r.push(l, time.Now().Add(r.every))
+	}
+	r.mu.Unlock()
+	if cause != nil {
+		l.cancel(cause)
+	}
+}
