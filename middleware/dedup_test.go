@@ -3,7 +3,9 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -360,4 +362,44 @@ func TestDedupPanicsOnNilStore(t *testing.T) {
 		}
 	}()
 	middleware.Dedup(nil, middleware.DedupOptions{})
+}
+
+// Many claims renewed by the one timer of a Dedup layer, started at
+// staggered times and ending at different times: each keeps its claim for
+// as long as its handler runs, and is done afterwards.
+func TestDedupRenewsManyLeases(t *testing.T) {
+	ctx := context.Background()
+	s := &faultyStore{Store: store.NewMemory()}
+	const lease = 150 * time.Millisecond
+	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+		func(ctx context.Context, d *amqp.Delivery) error {
+			var n int
+			fmt.Sscan(d.MessageId, &n)
+			deadline := time.Now().Add(lease * time.Duration(1+n%4)) // 1 to 4 leases
+			for time.Now().Before(deadline) {
+				if got, _ := s.Store.Claim(ctx, d.MessageId, "thief", time.Minute); got != store.Processing {
+					return fmt.Errorf("claim of %s during its handler = %v; want processing", d.MessageId, got)
+				}
+				time.Sleep(lease / 5)
+			}
+			return ctx.Err()
+		}))
+	var wg sync.WaitGroup
+	for i := range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			time.Sleep(time.Duration(i) * lease / 7)
+			d, _ := deliver(fmt.Sprint(i), "")
+			if err := h.Handle(ctx, d); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	for i := range 20 {
+		if got, _ := s.Store.Claim(ctx, fmt.Sprint(i), "x", time.Minute); got != store.Done {
+			t.Errorf("message %d afterwards: %v; want done", i, got)
+		}
+	}
 }
