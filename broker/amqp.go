@@ -1,0 +1,455 @@
+package broker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+const (
+	dialTimeout      = 30 * time.Second // TCP connect
+	handshakeTimeout = 30 * time.Second // TLS and AMQP handshakes
+)
+
+// amqpTransport connects to RabbitMQ with amqp091. Its connections have no
+// automatic recovery (Config.Recovery is nil): amqp091's recovery reuses the
+// Channel object, and a delivery tag from before a reconnect would then be
+// acked on the new channel, closing it. The consumer reconnects by itself,
+// and every session starts with fresh channels.
+type amqpTransport struct {
+	url       string
+	uri       amqp.URI
+	parseErr  error
+	heartbeat time.Duration
+}
+
+func newAMQPTransport(url string, cfg config) *amqpTransport {
+	uri, err := amqp.ParseURI(url)
+	return &amqpTransport{url: url, uri: uri, parseErr: err, heartbeat: cfg.heartbeat}
+}
+
+// String returns host:port/vhost, without credentials.
+func (t *amqpTransport) String() string {
+	if t.parseErr != nil {
+		return "(malformed URL)"
+	}
+	return net.JoinHostPort(t.uri.Host, strconv.Itoa(t.uri.Port)) + "/" + strings.TrimPrefix(t.uri.Vhost, "/")
+}
+
+func (t *amqpTransport) dial(ctx context.Context, name string) (session, error) {
+	if t.parseErr != nil {
+		return nil, fmt.Errorf("broker: malformed AMQP URL: %w", t.parseErr)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	// Close the socket if ctx is done during the handshake, which amqp091
+	// does not watch.
+	var (
+		mu  sync.Mutex
+		raw net.Conn
+	)
+	stop := context.AfterFunc(ctx, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if raw != nil {
+			raw.Close()
+		}
+	})
+	props := amqp.NewConnectionProperties()
+	props.SetClientConnectionName(name)
+	conn, err := amqp.DialConfig(t.url, amqp.Config{
+		Heartbeat:  t.heartbeat,
+		Properties: props,
+		Dial: func(network, addr string) (net.Conn, error) {
+			d := net.Dialer{Timeout: dialTimeout}
+			c, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			if err := c.SetDeadline(time.Now().Add(handshakeTimeout)); err != nil {
+				c.Close()
+				return nil, err
+			}
+			mu.Lock()
+			raw = c
+			mu.Unlock()
+			return c, nil
+		},
+	})
+	stopped := stop()
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("%w: %s: %w", ErrUnreachable, t, ctx.Err())
+		}
+		return nil, t.dialError(err)
+	}
+	if !stopped {
+		// ctx was done, and the socket is being closed under us.
+		conn.Close()
+		return nil, fmt.Errorf("%w: %s: %w", ErrUnreachable, t, ctx.Err())
+	}
+	s, err := newAMQPSession(conn)
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("%w: %s: open channels: %w", ErrUnreachable, t, err)
+	}
+	return s, nil
+}
+
+// dialError classifies a failure to connect.
+func (t *amqpTransport) dialError(err error) error {
+	var ae *amqp.Error
+	if errors.As(err, &ae) {
+		switch ae.Code {
+		case amqp.AccessRefused:
+			return fmt.Errorf("%w: %s: check the user name and password in the URL: %w", ErrAccessRefused, t, err)
+		case amqp.NotAllowed:
+			return fmt.Errorf("%w: %s: check the virtual host and the user's permissions: %w", ErrAccessRefused, t, err)
+		}
+	}
+	return fmt.Errorf("%w: %s: %w", ErrUnreachable, t, err)
+}
+
+// amqpSession is a session on an amqp091 connection: a consume channel
+// (con), a confirm-mode publish channel (pub), and a channel for basic.get
+// (getCh) opened when first needed; declare, length and delete use a
+// short-lived channel each, so that the server's refusals (which close the
+// channel they occur on) do not end the session.
+//
+// It runs two goroutines, both ended when the connection closes (the
+// notify channels they read are closed by amqp091 then): watch, which closes
+// done when the connection or con or pub closes, and confirms, which
+// resolves publishes.
+type amqpSession struct {
+	conn *amqp.Connection
+	pub  *amqp.Channel
+	con  *amqp.Channel
+
+	done    chan struct{}
+	err     error // why done was closed; written before
+	cancels chan string
+	wg      sync.WaitGroup
+
+	// pubMu serialises GetNextPublishSeqNo with Publish so that each
+	// publish knows its sequence number. It is never held by the confirms
+	// goroutine, which amqp091's reader may be blocked on.
+	pubMu sync.Mutex
+	// pendMu guards pending and returned, and only ever briefly.
+	pendMu   sync.Mutex
+	pending  map[uint64]*pendingPublish
+	returned map[string]int // message id -> basic.returns not yet matched
+
+	getMu sync.Mutex
+	getCh *amqp.Channel
+}
+
+// A pendingPublish waits for its confirm. done receives nil, ErrUnroutable,
+// ErrNacked, or errChannelClosed.
+type pendingPublish struct {
+	id   string
+	done chan error
+}
+
+// errChannelClosed tells a waiting publish that its channel closed before the
+// confirm; the session's reason says why.
+var errChannelClosed = errors.New("publish channel closed")
+
+func newAMQPSession(conn *amqp.Connection) (*amqpSession, error) {
+	s := &amqpSession{
+		conn:     conn,
+		done:     make(chan struct{}),
+		cancels:  make(chan string, 1),
+		pending:  make(map[uint64]*pendingPublish),
+		returned: make(map[string]int),
+	}
+	var err error
+	if s.pub, err = conn.Channel(); err != nil {
+		return nil, err
+	}
+	if err = s.pub.Confirm(false); err != nil {
+		return nil, err
+	}
+	if s.con, err = conn.Channel(); err != nil {
+		return nil, err
+	}
+	// amqp091 sends to the NotifyClose channels without blocking (they hold
+	// one value each), and closes them all when the connection closes.
+	connClosed := conn.NotifyClose(make(chan *amqp.Error, 1))
+	pubClosed := s.pub.NotifyClose(make(chan *amqp.Error, 1))
+	conClosed := s.con.NotifyClose(make(chan *amqp.Error, 1))
+	s.con.NotifyCancel(s.cancels)
+	// Unbuffered on purpose: amqp091's reader blocks handing over a return
+	// until the confirms goroutine takes it, and the server sends a
+	// message's basic.return before its basic.ack; so the return is
+	// recorded before the ack can be received.
+	returns := s.pub.NotifyReturn(make(chan amqp.Return))
+	confirms := s.pub.NotifyPublish(make(chan amqp.Confirmation))
+	s.wg.Add(2)
+	go s.watch(connClosed, pubClosed, conClosed)
+	go s.confirms(confirms, returns)
+	return s, nil
+}
+
+// watch closes done when the connection or either channel closes. It ends
+// then.
+func (s *amqpSession) watch(connClosed, pubClosed, conClosed chan *amqp.Error) {
+	defer s.wg.Done()
+	var what string
+	var e *amqp.Error
+	select {
+	case e = <-connClosed:
+		what = "connection"
+	case e = <-pubClosed:
+		what = "publish channel"
+	case e = <-conClosed:
+		what = "consume channel"
+	}
+	if e == nil {
+		s.err = fmt.Errorf("%w: %s closed", ErrConnectionLost, what)
+	} else {
+		s.err = fmt.Errorf("%w: %s closed: %w", ErrConnectionLost, what, e)
+	}
+	close(s.done)
+}
+
+// confirms resolves waiting publishes from the publish channel's returns
+// and confirms, until the channel closes; it then fails the publishes still
+// waiting and ends.
+func (s *amqpSession) confirms(confirms <-chan amqp.Confirmation, returns <-chan amqp.Return) {
+	defer s.wg.Done()
+	for {
+		select {
+		case r, ok := <-returns:
+			if !ok {
+				returns = nil
+				continue
+			}
+			s.pendMu.Lock()
+			s.returned[r.MessageId]++
+			s.pendMu.Unlock()
+		case c, ok := <-confirms:
+			if !ok {
+				s.pendMu.Lock()
+				for seq, p := range s.pending {
+					p.done <- errChannelClosed
+					delete(s.pending, seq)
+				}
+				s.pendMu.Unlock()
+				return
+			}
+			s.pendMu.Lock()
+			p := s.pending[c.DeliveryTag]
+			delete(s.pending, c.DeliveryTag)
+			var res error
+			if p != nil {
+				if n := s.returned[p.id]; n > 0 {
+					if n == 1 {
+						delete(s.returned, p.id)
+					} else {
+						s.returned[p.id] = n - 1
+					}
+					res = ErrUnroutable
+				} else if !c.Ack {
+					res = ErrNacked
+				}
+			}
+			s.pendMu.Unlock()
+			if p != nil {
+				p.done <- res // buffered: never blocks
+			}
+		}
+	}
+}
+
+func (s *amqpSession) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	p := &pendingPublish{id: msg.MessageId, done: make(chan error, 1)}
+	s.pubMu.Lock()
+	select {
+	case <-s.done:
+		s.pubMu.Unlock()
+		return s.err
+	default:
+	}
+	seq := s.pub.GetNextPublishSeqNo()
+	s.pendMu.Lock()
+	s.pending[seq] = p
+	s.pendMu.Unlock()
+	err := s.pub.Publish(exchange, key, true, false, msg)
+	if err != nil {
+		s.pendMu.Lock()
+		delete(s.pending, seq)
+		s.pendMu.Unlock()
+	}
+	s.pubMu.Unlock()
+	if err != nil {
+		return s.translate(err)
+	}
+	var res error
+	select {
+	case res = <-p.done:
+	case <-ctx.Done():
+		// The entry stays in pending: the confirms goroutine removes it,
+		// and matches its return, if any.
+		return ctx.Err()
+	}
+	switch {
+	case res == nil:
+		return nil
+	case errors.Is(res, errChannelClosed):
+		<-s.done // closed by watch, if not already: pub is closed
+		var ae *amqp.Error
+		if errors.As(s.err, &ae) && ae.Server && ae.Recover {
+			// The server closed the channel for a publish it refused.
+			if ae.Code == amqp.NotFound && exchange != "" && strings.Contains(ae.Reason, "'"+exchange+"'") {
+				return fmt.Errorf("%w: exchange %q does not exist (%s)", ErrUnroutable, exchange, ae.Reason)
+			}
+			if ae.Code != amqp.NotFound {
+				return fmt.Errorf("broker: publish refused by the server: %w", ae)
+			}
+		}
+		return s.err
+	default:
+		return fmt.Errorf("%w: exchange %q, routing key %q", res, exchange, key)
+	}
+}
+
+// translate classifies an error of an amqp091 call: a server's refusal
+// (a soft error: the channel closes, the connection stays) passes as is;
+// anything else means the session is lost.
+func (s *amqpSession) translate(err error) error {
+	var ae *amqp.Error
+	if errors.As(err, &ae) && ae.Server && ae.Recover {
+		return err
+	}
+	select {
+	case <-s.done:
+		return s.err
+	default:
+	}
+	return lostError(err)
+}
+
+func (s *amqpSession) consume(queue, tag string, prefetch int) (<-chan amqp.Delivery, error) {
+	if err := s.con.Qos(prefetch, 0, false); err != nil {
+		return nil, s.translate(err)
+	}
+	d, err := s.con.Consume(queue, tag, false, false, false, false, nil)
+	if err != nil {
+		return nil, &queueError{queue: queue, err: s.translate(err)}
+	}
+	return d, nil
+}
+
+func (s *amqpSession) cancel(tag string) error {
+	return s.translate(s.con.Cancel(tag, false))
+}
+
+// withChannel runs f on a new channel, closed afterwards.
+func (s *amqpSession) withChannel(f func(ch *amqp.Channel) error) error {
+	ch, err := s.conn.Channel()
+	if err != nil {
+		return s.translate(err)
+	}
+	defer ch.Close()
+	return f(ch)
+}
+
+func (s *amqpSession) declare(_ context.Context, specs []queueSpec) error {
+	if len(specs) == 0 {
+		return nil
+	}
+	return s.withChannel(func(ch *amqp.Channel) error {
+		for _, q := range specs {
+			var err error
+			if q.passive {
+				_, err = ch.QueueDeclarePassive(q.name, true, false, false, false, nil)
+			} else {
+				_, err = ch.QueueDeclare(q.name, true, false, false, false, q.args)
+			}
+			if err != nil {
+				return &queueError{queue: q.name, err: s.translate(err)}
+			}
+		}
+		return nil
+	})
+}
+
+func (s *amqpSession) length(_ context.Context, queue string) (int, error) {
+	var n int
+	err := s.withChannel(func(ch *amqp.Channel) error {
+		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+		if err != nil {
+			return s.translate(err)
+		}
+		n = q.Messages
+		return nil
+	})
+	return n, err
+}
+
+func (s *amqpSession) delete(_ context.Context, queues []string) error {
+	for len(queues) > 0 {
+		var rest []string
+		err := s.withChannel(func(ch *amqp.Channel) error {
+			for j, q := range queues {
+				if _, err := ch.QueueDelete(q, false, false, false); err != nil {
+					var ae *amqp.Error
+					if errors.As(err, &ae) && ae.Server && ae.Code == amqp.NotFound {
+						// Older servers refuse to delete a missing queue and
+						// close the channel: go on with a new one.
+						rest = queues[j+1:]
+						return nil
+					}
+					return &queueError{queue: q, err: s.translate(err)}
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		queues = rest
+	}
+	return nil
+}
+
+func (s *amqpSession) get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {
+	s.getMu.Lock()
+	defer s.getMu.Unlock()
+	if s.getCh == nil || s.getCh.IsClosed() {
+		ch, err := s.conn.Channel()
+		if err != nil {
+			return nil, false, s.translate(err)
+		}
+		s.getCh = ch
+	}
+	d, ok, err := s.getCh.Get(queue, false)
+	if err != nil {
+		return nil, false, s.translate(err)
+	}
+	if !ok {
+		return nil, false, nil
+	}
+	return &d, true, nil
+}
+
+func (s *amqpSession) closed() <-chan struct{}  { return s.done }
+func (s *amqpSession) reason() error            { return s.err }
+func (s *amqpSession) cancelled() <-chan string { return s.cancels }
+
+func (s *amqpSession) close() error {
+	err := s.conn.Close()
+	s.wg.Wait()
+	if errors.Is(err, amqp.ErrClosed) {
+		err = nil
+	}
+	return err
+}

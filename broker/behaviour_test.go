@@ -1,0 +1,890 @@
+package broker
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"regexp"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+)
+
+// behaviours is the shared table: every case runs against the memory server
+// and against RabbitMQ.
+var behaviours = []struct {
+	name string
+	run  func(t *testing.T, be backend)
+}{
+	{"Flow", testFlow},
+	{"FlowQuorum", testFlowQuorum},
+	{"DelayedRetriesThenDeadLetter", testRetriesThenDeadLetter},
+	{"DelayBeyondLongestTier", testDelayBeyondLongestTier},
+	{"PanicIsDeadLettered", testPanic},
+	{"CopyNotPublishedIsRequeued", testCopyFailure},
+	{"ShutdownWithHandlersInFlight", testShutdownInFlight},
+	{"ShutdownTimeout", testShutdownTimeout},
+	{"ConnectionLoss", testConnectionLoss},
+	{"QuorumDeliveryLimit", testQuorumDeliveryLimit},
+	{"RejectGoesToDeadLetterQueue", testReject},
+	{"HeadersOfEveryType", testHeaderTypes},
+	{"LargeBodies", testLargeBodies},
+	{"DeclareNoneMissingQueue", testDeclareNoneMissing},
+	{"QueueWithOtherArguments", testOtherArguments},
+	{"ServerDownAtStart", testServerDown},
+	{"ConsumerCancelledByServer", testConsumerCancelled},
+	{"PublishConfirmsAndMessageID", testPublishConfirms},
+	{"PublishUnroutable", testPublishUnroutable},
+	{"PublishConcurrent", testPublishConcurrent},
+}
+
+func TestBehaviour(t *testing.T) {
+	for _, be := range backends {
+		t.Run(be.name, func(t *testing.T) {
+			for _, c := range behaviours {
+				t.Run(c.name, func(t *testing.T) { c.run(t, be) })
+			}
+		})
+	}
+}
+
+// assertSettled checks that queue and the support queues are empty and, on
+// the memory server, that nothing is unsettled and no settlement used an
+// unknown delivery tag.
+func (f *fixture) assertSettled(t *testing.T) {
+	t.Helper()
+	if n := f.length(f.q); n != 0 {
+		t.Errorf("Len(%q) = %d; want 0", f.q, n)
+	}
+	if n := f.length(f.q + ".dlq"); n != 0 {
+		t.Errorf("Len(dlq) = %d; want 0", n)
+	}
+	if f.mem != nil {
+		if n := f.mem.unacked(f.q); n != 0 {
+			t.Errorf("unacked(%q) = %d; want 0", f.q, n)
+		}
+		if s := f.mem.stats(); s.unknownTags != 0 {
+			t.Errorf("settlements with unknown delivery tags = %d; want 0", s.unknownTags)
+		}
+	}
+	if n := f.logs.count("unknown delivery tag"); n != 0 {
+		t.Errorf("log records about unknown delivery tags = %d; want 0", n)
+	}
+}
+
+func flow(t *testing.T, f *fixture, n int) {
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		j.record(d)
+		return nil
+	}), ConsumeOptions{Workers: 8})
+	for i := range n {
+		f.publish(fmt.Sprintf("m%d", i), []byte("body"), nil)
+	}
+	eventually(t, 30*time.Second, "not every message handled", func() bool { return j.effected() == n })
+	noErr(t, "Consume after cancel", r.stop(t))
+	for i := range n {
+		if calls := j.callsOf(fmt.Sprintf("m%d", i)); len(calls) != 1 {
+			t.Errorf("message m%d handled %d times; want 1", i, len(calls))
+		}
+	}
+	f.assertSettled(t)
+	equal(t, "consumer sessions", f.logs.count("broker: consuming"), 1)
+	equal(t, "stop records", f.logs.count("broker: consumer stopped"), 1)
+}
+
+// N messages through a handler: each handled and acked once, queue empty.
+func testFlow(t *testing.T, be backend) {
+	flow(t, setup(t, be, Topology{}), 300)
+}
+
+// The same on a quorum queue; and a message requeued, then delayed: the
+// x-delivery-count the quorum queue added is kept through the hop.
+func testFlowQuorum(t *testing.T, be backend) {
+	f := setup(t, be, Topology{Quorum: true})
+	flow(t, f, 100)
+
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		switch j.record(d) {
+		case 1:
+			return errBoom // requeue
+		case 2:
+			return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond)
+		}
+		return nil
+	}), ConsumeOptions{})
+	f.publish("q1", []byte("x"), nil)
+	eventually(t, 20*time.Second, "message not handled three times", func() bool { return len(j.callsOf("q1")) == 3 })
+	noErr(t, "Consume after cancel", r.stop(t))
+	calls := j.callsOf("q1")
+	for i, want := range []any{nil, int64(1), int64(1)} {
+		equal(t, fmt.Sprintf("x-delivery-count of delivery %d", i+1), calls[i].d.Headers["x-delivery-count"], want)
+	}
+	equal(t, "Redelivered of the requeued delivery", calls[1].d.Redelivered, true)
+	if gap := calls[2].at.Sub(calls[1].at); gap < 50*time.Millisecond {
+		t.Errorf("retry came after %v; want >= 50ms", gap)
+	}
+	f.assertSettled(t)
+}
+
+var errBoom = errors.New("boom")
+
+// A failing message is retried after the delays it asks for, then
+// dead-lettered once with its fault headers; a permanent error (a body the
+// handler cannot parse) is dead-lettered at once.
+func testRetriesThenDeadLetter(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	asked := []time.Duration{50 * time.Millisecond, 150 * time.Millisecond, 300 * time.Millisecond}
+	wantTier := []string{".delay.50ms", ".delay.200ms", ".delay.1s"}
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		n := j.record(d)
+		if d.MessageId == "bad-json" {
+			var v any
+			return rabbitmw.Permanent(fmt.Errorf("decode order: %w", json.Unmarshal(d.Body, &v)))
+		}
+		if n <= len(asked) {
+			return rabbitmw.RetryAfter(rabbitmw.WithAttempts(errBoom, n), asked[n-1])
+		}
+		return rabbitmw.Permanent(rabbitmw.WithAttempts(errBoom, n))
+	}), ConsumeOptions{})
+	start := time.Now()
+	f.publish("retry", []byte("payload"), amqp.Table{"custom": "kept"})
+	f.publish("bad-json", []byte("{not json"), nil)
+	eventually(t, 30*time.Second, "dead-letter queue did not get 2 messages", func() bool { return f.length(f.q+".dlq") == 2 })
+	noErr(t, "Consume after cancel", r.stop(t))
+
+	calls := j.callsOf("retry")
+	if len(calls) != len(asked)+1 {
+		t.Fatalf("handler calls of the retried message = %d; want %d", len(calls), len(asked)+1)
+	}
+	for i := 1; i < len(calls); i++ {
+		gap := calls[i].at.Sub(calls[i-1].at)
+		if gap < asked[i-1] {
+			t.Errorf("attempt %d came %v after attempt %d; want >= %v", i+1, gap, i, asked[i-1])
+		}
+		if gap > asked[i-1]+10*time.Second {
+			t.Errorf("attempt %d came %v after attempt %d; want about %v", i+1, gap, i, asked[i-1])
+		}
+		d := calls[i].d
+		equal(t, fmt.Sprintf("attempt %d: PriorAttempts", i+1), rabbitmw.PriorAttempts(&d), i)
+		deaths, _ := d.Headers["x-death"].([]any)
+		if len(deaths) == 0 {
+			t.Fatalf("attempt %d: x-death = %v; want the delay queue's record", i+1, d.Headers["x-death"])
+		}
+		last, _ := deaths[0].(amqp.Table)
+		equal(t, fmt.Sprintf("attempt %d: x-death[0].queue", i+1), last["queue"], f.q+wantTier[i-1])
+		equal(t, "original exchange header", d.Headers[HeaderOriginalExchange], "")
+		equal(t, "original routing key header", d.Headers[HeaderOriginalRoutingKey], f.q)
+		equal(t, "custom header", d.Headers["custom"], "kept")
+		equal(t, "body", d.Body, []byte("payload"))
+	}
+	equal(t, "handler calls of the unparseable message", len(j.callsOf("bad-json")), 1)
+
+	dead := f.drain(f.q + ".dlq")
+	if len(dead) != 2 {
+		t.Fatalf("dead-letter queue holds %d messages; want 2 (one copy of each)", len(dead))
+	}
+	byID := map[string]*amqp.Delivery{}
+	for _, d := range dead {
+		byID[d.MessageId] = d
+	}
+	end := time.Now()
+	d := byID["retry"]
+	if d == nil {
+		t.Fatalf("dead-letter queue holds %q and %q; want the retried message", dead[0].MessageId, dead[1].MessageId)
+	}
+	equal(t, HeaderError, d.Headers[HeaderError], "boom")
+	equal(t, HeaderErrorType, d.Headers[HeaderErrorType], "*errors.errorString")
+	equal(t, rabbitmw.HeaderAttempts, d.Headers[rabbitmw.HeaderAttempts], int64(len(asked)+1))
+	equal(t, HeaderOriginalExchange, d.Headers[HeaderOriginalExchange], "")
+	equal(t, HeaderOriginalRoutingKey, d.Headers[HeaderOriginalRoutingKey], f.q)
+	equal(t, HeaderOriginalQueue, d.Headers[HeaderOriginalQueue], f.q)
+	equal(t, HeaderHost, d.Headers[HeaderHost], "test-host")
+	equal(t, HeaderProcess, d.Headers[HeaderProcess], "test-process[1]")
+	equal(t, "custom header", d.Headers["custom"], "kept")
+	equal(t, "body", d.Body, []byte("payload"))
+	equal(t, "ContentType", d.ContentType, "text/plain")
+	equal(t, "DeliveryMode", d.DeliveryMode, uint8(amqp.Persistent))
+	if at, ok := d.Headers[HeaderFailedAt].(time.Time); !ok {
+		t.Errorf("%s = %#v; want a timestamp", HeaderFailedAt, d.Headers[HeaderFailedAt])
+	} else if at.Before(start.Truncate(time.Second)) || at.After(end) {
+		t.Errorf("%s = %v; want in [%v, %v]", HeaderFailedAt, at, start, end)
+	}
+	p := byID["bad-json"]
+	if p == nil {
+		t.Fatal("unparseable message not in the dead-letter queue")
+	}
+	text, _ := p.Headers[HeaderError].(string)
+	contains(t, HeaderError, text, "decode order: invalid character")
+	equal(t, HeaderErrorType, p.Headers[HeaderErrorType], "*json.SyntaxError")
+	equal(t, rabbitmw.HeaderAttempts+" when no layer counted", p.Headers[rabbitmw.HeaderAttempts], int64(1))
+	equal(t, HeaderOriginalRoutingKey, p.Headers[HeaderOriginalRoutingKey], f.q)
+	f.assertSettled(t)
+	for _, tr := range f.top.Delays {
+		equal(t, "Len(delay queue "+tierName(tr)+")", f.length(f.q+".delay."+tierName(tr)), 0)
+	}
+}
+
+// A delay longer than the longest tier is honoured through HeaderNotBefore,
+// without running the handler early.
+func testDelayBeyondLongestTier(t *testing.T, be backend) {
+	f := setup(t, be, Topology{Delays: []time.Duration{50 * time.Millisecond, 200 * time.Millisecond}})
+	const asked = 700 * time.Millisecond
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		if j.record(d) == 1 {
+			return rabbitmw.RetryAfter(errBoom, asked)
+		}
+		return nil
+	}), ConsumeOptions{})
+	f.publish("late", []byte("x"), nil)
+	eventually(t, 20*time.Second, "delayed message not handled again", func() bool { return len(j.callsOf("late")) >= 2 })
+	noErr(t, "Consume after cancel", r.stop(t))
+	calls := j.callsOf("late")
+	if len(calls) != 2 {
+		t.Fatalf("handler calls = %d; want 2 (not run before due)", len(calls))
+	}
+	if gap := calls[1].at.Sub(calls[0].at); gap < asked {
+		t.Errorf("handled again after %v; want >= %v", gap, asked)
+	}
+	deaths, _ := calls[1].d.Headers["x-death"].([]any)
+	if len(deaths) == 0 {
+		t.Fatal("no x-death on the delayed message")
+	}
+	last, _ := deaths[0].(amqp.Table)
+	if count, _ := intArg(last["count"]); count < 3 {
+		t.Errorf("hops through the 200ms tier (x-death count) = %d; want >= 3", count)
+	}
+	f.assertSettled(t)
+}
+
+// A panic that escapes the handler dead-letters the message, is logged at
+// Error, and the consumer goes on.
+func testPanic(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		j.record(d)
+		if d.MessageId == "poison" {
+			panic("boom")
+		}
+		return nil
+	}), ConsumeOptions{})
+	f.publish("poison", []byte("x"), nil)
+	eventually(t, 20*time.Second, "panicking message not dead-lettered", func() bool { return f.length(f.q+".dlq") == 1 })
+	f.publish("after", []byte("x"), nil)
+	eventually(t, 20*time.Second, "consumer stopped after a panic", func() bool { return len(j.callsOf("after")) == 1 })
+	noErr(t, "Consume after cancel", r.stop(t))
+	equal(t, "handler calls of the panicking message", len(j.callsOf("poison")), 1)
+	dead := f.drain(f.q + ".dlq")
+	if len(dead) != 1 {
+		t.Fatalf("dead-letter queue holds %d messages; want 1", len(dead))
+	}
+	equal(t, HeaderError, dead[0].Headers[HeaderError], "panic: boom")
+	equal(t, HeaderErrorType, dead[0].Headers[HeaderErrorType], "*rabbitmw.PanicError")
+	equal(t, "panic records at Error", f.logs.count("ERROR", "panicked", "poison"), 1)
+	f.assertSettled(t)
+}
+
+// When the delayed or dead-lettered copy cannot be published (here: its
+// queue is missing, so it is unroutable), the original is not acked: it is
+// requeued after a pause, never lost, never in a hot loop.
+func testCopyFailure(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	top := f.top
+	top.Declare = DeclareNone
+	ctx := testContext(t, 20*time.Second)
+	support := top
+	noErr(t, "delete the support queues", f.b.do(ctx, "delete", func(s session) error {
+		tp, _ := support.resolve(f.q)
+		return s.delete(ctx, tp.names()[1:])
+	}))
+	f.top = top
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		if j.record(d) > 1 {
+			return nil
+		}
+		if d.MessageId == "delayed" {
+			return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond)
+		}
+		return rabbitmw.Permanent(errBoom)
+	}), ConsumeOptions{})
+	f.publish("delayed", []byte("x"), nil)
+	f.publish("dead", []byte("x"), nil)
+	eventually(t, 20*time.Second, "messages not handled twice", func() bool {
+		return len(j.callsOf("delayed")) == 2 && len(j.callsOf("dead")) == 2
+	})
+	noErr(t, "Consume after cancel", r.stop(t))
+	for _, id := range []string{"delayed", "dead"} {
+		calls := j.callsOf(id)
+		if gap := calls[1].at.Sub(calls[0].at); gap < requeueBackoff {
+			t.Errorf("%s: handled again after %v; want >= %v (the pause before the requeue)", id, gap, requeueBackoff)
+		}
+		equal(t, id+": Redelivered", calls[1].d.Redelivered, true)
+	}
+	equal(t, "warnings about copies not published", f.logs.count("WARN", "copy not published"), 2)
+	if n := f.length(f.q); n != 0 {
+		t.Errorf("Len(%q) = %d; want 0", f.q, n)
+	}
+	f.top.Declare = DeclareAll // for the cleanup's Delete
+}
+
+// Cancelling Consume with handlers in flight: they finish with a live
+// context and are acked; what was received but not started is nacked with
+// requeue; nothing is left unsettled for the connection's close.
+func testShutdownInFlight(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	const workers, total = 3, 10
+	for i := range total {
+		f.publish(fmt.Sprintf("s%d", i), []byte("x"), nil)
+	}
+	started := make(chan string, total)
+	release := make(chan struct{})
+	var ctxErrs atomic.Int32
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		j.record(d)
+		started <- d.MessageId
+		<-release
+		time.Sleep(100 * time.Millisecond) // still running after the cancel
+		if ctx.Err() != nil {
+			ctxErrs.Add(1)
+		}
+		return nil
+	}), ConsumeOptions{Workers: workers, Prefetch: total})
+	inFlight := map[string]bool{}
+	for range workers {
+		select {
+		case id := <-started:
+			inFlight[id] = true
+		case <-time.After(20 * time.Second):
+			t.Fatalf("handlers started = %d; want %d", len(inFlight), workers)
+		}
+	}
+	if f.mem != nil {
+		// All ten were delivered: three in flight, seven waiting.
+		eventually(t, 5*time.Second, "prefetch not filled", func() bool { return f.mem.unacked(f.q) == total })
+	}
+	r.cancel()
+	// Release the handlers once the consumer stopped taking deliveries.
+	eventually(t, 20*time.Second, "no shutdown record", func() bool { return f.logs.count("broker: shutting down") == 1 })
+	close(release)
+	noErr(t, "Consume after a graceful shutdown", r.wait(t, 20*time.Second))
+	equal(t, "handlers that saw their context cancelled", ctxErrs.Load(), int32(0))
+	equal(t, "handlers started", j.totalCalls(), workers)
+	equal(t, "messages back in the queue", f.length(f.q), total-workers)
+	if f.mem != nil {
+		s := f.mem.stats()
+		equal(t, "deliveries nacked with requeue", s.nacked, total-workers)
+		equal(t, "deliveries left for the connection's close to requeue", s.requeuedOnClose, 0)
+	}
+	back := f.drain(f.q)
+	equal(t, "messages taken back", len(back), total-workers)
+	for _, d := range back {
+		if inFlight[d.MessageId] {
+			t.Errorf("message %s was handled and acked, yet is back", d.MessageId)
+		}
+	}
+	f.assertSettled(t)
+}
+
+// A handler that ignores its context past the shutdown deadline: Consume
+// returns ErrShutdownTimeout, and the message returns to the queue.
+func testShutdownTimeout(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	started := make(chan struct{})
+	release := make(chan struct{})
+	var sawCancel atomic.Bool
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		close(started)
+		<-release
+		sawCancel.Store(ctx.Err() != nil)
+		return nil
+	}), ConsumeOptions{Workers: 1, ShutdownTimeout: 200 * time.Millisecond})
+	f.publish("stuck", []byte("x"), nil)
+	select {
+	case <-started:
+	case <-time.After(20 * time.Second):
+		t.Fatal("handler did not start")
+	}
+	begin := time.Now()
+	r.cancel()
+	err := r.wait(t, 30*time.Second)
+	took := time.Since(begin)
+	close(release)
+	isErr(t, "Consume with a stuck handler", err, ErrShutdownTimeout)
+	contains(t, "error", err.Error(), "1 handlers did not return")
+	if took < 200*time.Millisecond+shutdownGrace {
+		t.Errorf("Consume gave up after %v; want >= the deadline plus the grace", took)
+	}
+	eventually(t, 20*time.Second, "stuck message not back in the queue", func() bool { return f.length(f.q) == 1 })
+	eventually(t, 5*time.Second, "handler context not cancelled at the deadline", sawCancel.Load)
+	back := f.drain(f.q)
+	if len(back) != 1 || !back[0].Redelivered {
+		t.Errorf("queue held %d messages (want 1, redelivered)", len(back))
+	}
+}
+
+// All connections closed by the server, twice, mid-stream: consumption
+// resumes, nothing is lost, each effect happens once, and every publish
+// succeeds.
+func testConnectionLoss(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	const n = 3000
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		j.record(d)
+		time.Sleep(2 * time.Millisecond)
+		return nil
+	}), ConsumeOptions{Workers: 4})
+	pubErr := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		for i := range n {
+			if err := f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: fmt.Sprintf("c%d", i), Body: []byte("x")}); err != nil {
+				pubErr <- fmt.Errorf("Publish(c%d) = %w", i, err)
+				return
+			}
+		}
+		pubErr <- nil
+	}()
+	sessions := func() int { return f.logs.count("broker: consuming") }
+	eventually(t, 30*time.Second, "first tenth not handled", func() bool { return j.effected() >= n/10 })
+	for i := range 2 {
+		f.be.drop(t, f.mem)
+		t.Logf("connections closed after %d of %d messages handled", j.effected(), n)
+		eventually(t, 30*time.Second, "consumer did not reconnect", func() bool { return sessions() >= i+2 })
+	}
+	select {
+	case err := <-pubErr:
+		noErr(t, "publisher", err)
+	case <-time.After(90 * time.Second):
+		t.Fatal("publisher did not finish")
+	}
+	eventually(t, 60*time.Second, "not every message handled", func() bool { return j.effected() == n })
+	noErr(t, "Consume after cancel", r.stop(t))
+	for i := range n {
+		if len(j.callsOf(fmt.Sprintf("c%d", i))) == 0 {
+			t.Errorf("message c%d lost", i)
+		}
+	}
+	// Redeliveries are expected (deliveries in flight when the connections
+	// closed, and publishes whose confirm was lost); the journal applied
+	// each message's effect once.
+	t.Logf("%d messages, %d handler calls, %d consumer sessions, %d publish retries",
+		n, j.totalCalls(), sessions(), f.logs.count("broker: publish failed; retrying"))
+	f.assertSettled(t)
+}
+
+// A quorum queue's delivery limit dead-letters a message that keeps being
+// requeued.
+func testQuorumDeliveryLimit(t *testing.T, be backend) {
+	f := setup(t, be, Topology{Quorum: true, DeliveryLimit: 2})
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		j.record(d)
+		return errBoom // plain error: requeue
+	}), ConsumeOptions{Workers: 1})
+	f.publish("loop", []byte("x"), nil)
+	eventually(t, 20*time.Second, "message not dead-lettered by the delivery limit", func() bool { return f.length(f.q+".dlq") == 1 })
+	noErr(t, "Consume after cancel", r.stop(t))
+	calls := j.callsOf("loop")
+	equal(t, "deliveries (the first and two returns)", len(calls), 3)
+	for i, want := range []any{nil, int64(1), int64(2)} {
+		equal(t, fmt.Sprintf("x-delivery-count of delivery %d", i+1), calls[i].d.Headers["x-delivery-count"], want)
+		equal(t, fmt.Sprintf("Redelivered of delivery %d", i+1), calls[i].d.Redelivered, i > 0)
+	}
+	dead := f.drain(f.q + ".dlq")
+	if len(dead) != 1 {
+		t.Fatalf("dead-letter queue holds %d messages; want 1", len(dead))
+	}
+	deaths, _ := dead[0].Headers["x-death"].([]any)
+	if len(deaths) != 1 {
+		t.Fatalf("x-death = %v; want one record", dead[0].Headers["x-death"])
+	}
+	equal(t, "x-death reason", deaths[0].(amqp.Table)["reason"], "delivery_limit")
+	equal(t, "x-first-death-reason", dead[0].Headers["x-first-death-reason"], "delivery_limit")
+	if _, ok := dead[0].Headers[HeaderError]; ok {
+		t.Errorf("%s set; want none: the server dead-lettered it, not the broker", HeaderError)
+	}
+	f.assertSettled(t)
+}
+
+// A plain reject of the work queue lands in the dead-letter queue, with an
+// x-death header.
+func testReject(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	f.publish("r1", []byte("x"), nil)
+	d, ok, err := f.b.Get(testContext(t, 20*time.Second), f.q)
+	noErr(t, "Get", err)
+	if !ok {
+		t.Fatal("Get found no message")
+	}
+	noErr(t, "Reject", d.Reject(false))
+	eventually(t, 10*time.Second, "rejected message not in the dead-letter queue", func() bool { return f.length(f.q+".dlq") == 1 })
+	dead := f.drain(f.q + ".dlq")
+	if len(dead) != 1 {
+		t.Fatalf("dead-letter queue holds %d messages; want 1", len(dead))
+	}
+	deaths, _ := dead[0].Headers["x-death"].([]any)
+	if len(deaths) != 1 {
+		t.Fatalf("x-death = %v; want one record", dead[0].Headers["x-death"])
+	}
+	death := deaths[0].(amqp.Table)
+	equal(t, "x-death reason", death["reason"], "rejected")
+	equal(t, "x-death queue", death["queue"], f.q)
+	equal(t, "x-death count", death["count"], int64(1))
+	equal(t, "x-death routing-keys", death["routing-keys"], []any{f.q})
+	equal(t, "x-first-death-queue", dead[0].Headers["x-first-death-queue"], f.q)
+	equal(t, "routing key", dead[0].RoutingKey, f.q+".dlq")
+	f.assertSettled(t)
+}
+
+// allTypes has a header of every AMQP field type amqp091 writes.
+func allTypes() amqp.Table {
+	return amqp.Table{
+		"bool": true, "byte": byte(200), "int8": int8(-5), "int16": int16(-300),
+		"int": int(-70000), "int32": int32(-70001), "int64": int64(-1 << 40),
+		"uint16": uint16(60000), "uint32": uint32(4000000000),
+		"float32": float32(1.5), "float64": float64(2.25),
+		"decimal": amqp.Decimal{Scale: 2, Value: 12345}, "string": "héllo",
+		"bytes": []byte{0, 1, 2, 255}, "time": time.Date(2024, 1, 2, 3, 4, 5, 600, time.UTC),
+		"void":           nil,
+		"array":          []any{int32(1), "x", amqp.Table{"k": int64(1)}, []any{true, []byte("b")}},
+		"table":          amqp.Table{"n": amqp.Table{"deep": "v", "list": []any{int64(7)}}},
+		"x-custom-death": []any{amqp.Table{"count": int64(3), "reason": "expired", "routing-keys": []any{"a", "b"}}},
+	}
+}
+
+// Headers of every type survive a delay hop and a dead-letter, as do the
+// x-death headers RabbitMQ adds. The memory server converts them as the
+// wire does.
+func testHeaderTypes(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		if j.record(d) == 1 {
+			return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond)
+		}
+		return rabbitmw.Permanent(errBoom)
+	}), ConsumeOptions{})
+	sent := allTypes()
+	f.publish("types", []byte("x"), sent)
+	eventually(t, 20*time.Second, "message not dead-lettered", func() bool { return f.length(f.q+".dlq") == 1 })
+	noErr(t, "Consume after cancel", r.stop(t))
+	calls := j.callsOf("types")
+	if len(calls) != 2 {
+		t.Fatalf("handler calls = %d; want 2", len(calls))
+	}
+	dead := f.drain(f.q + ".dlq")
+	if len(dead) != 1 {
+		t.Fatalf("dead-letter queue holds %d messages; want 1", len(dead))
+	}
+	wire := copyTable(sent) // what the wire makes of the values
+	for k := range sent {
+		equal(t, "header "+k+" as first delivered", calls[0].d.Headers[k], wire[k])
+		equal(t, "header "+k+" after the delay hop", calls[1].d.Headers[k], wire[k])
+		equal(t, "header "+k+" in the dead-letter queue", dead[0].Headers[k], wire[k])
+	}
+	if _, ok := calls[1].d.Headers["x-death"]; !ok {
+		t.Fatal("no x-death after the delay hop")
+	}
+	equal(t, "x-death in the dead-letter queue", dead[0].Headers["x-death"], calls[1].d.Headers["x-death"])
+	equal(t, "x-first-death-queue in the dead-letter queue", dead[0].Headers["x-first-death-queue"], calls[1].d.Headers["x-first-death-queue"])
+	f.assertSettled(t)
+}
+
+// A 1 MiB and a 16 MiB body go through a delay hop intact.
+func testLargeBodies(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	bodies := map[string][]byte{"1MiB": make([]byte, 1<<20), "16MiB": make([]byte, 16<<20)}
+	for _, b := range bodies {
+		for i := range b {
+			b[i] = byte(i * 7)
+		}
+	}
+	var mu sync.Mutex
+	intact := map[string]bool{}
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		if j.record(d) == 1 {
+			return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond)
+		}
+		mu.Lock()
+		intact[d.MessageId] = bytes.Equal(d.Body, bodies[d.MessageId])
+		mu.Unlock()
+		return nil
+	}), ConsumeOptions{Workers: 2})
+	for id, b := range bodies {
+		f.publish(id, b, nil)
+	}
+	eventually(t, 60*time.Second, "large messages not handled twice", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(intact) == len(bodies)
+	})
+	noErr(t, "Consume after cancel", r.stop(t))
+	for id := range bodies {
+		if !intact[id] {
+			t.Errorf("body of %s changed through a delay hop", id)
+		}
+	}
+	f.assertSettled(t)
+}
+
+// DeclareNone or DeclareSupport on a missing queue: a fatal error naming it.
+func testDeclareNoneMissing(t *testing.T, be backend) {
+	b, _ := be.open(t, Options{})
+	q := queueName(t)
+	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
+	for _, mode := range []DeclareMode{DeclareNone, DeclareSupport} {
+		ctx := testContext(t, 20*time.Second)
+		top := Topology{Declare: mode, Delays: testTiers}
+		err := b.Consume(ctx, q, h, ConsumeOptions{Topology: top})
+		isErr(t, "Consume with "+mode.String(), err, ErrQueueNotFound)
+		contains(t, mode.String()+" error", err.Error(), q)
+		noErr(t, mode.String()+": context (Consume returned at once, not at the deadline)", ctx.Err())
+	}
+	_, err := b.Len(testContext(t, 20*time.Second), q)
+	isErr(t, "Len of a missing queue", err, ErrQueueNotFound)
+}
+
+// A work queue that exists with other arguments: DeclareAll fails with a
+// text that names DeclareSupport, and DeclareSupport works.
+func testOtherArguments(t *testing.T, be backend) {
+	b, _ := be.open(t, Options{})
+	q := queueName(t)
+	top := Topology{Delays: testTiers}
+	ctx := testContext(t, 30*time.Second)
+	t.Cleanup(func() { _ = b.Delete(context.Background(), q, top) })
+	// Declare the work queue as a user would, without a dead-letter
+	// exchange.
+	err := b.do(ctx, "declare", func(s session) error { return s.declare(ctx, []queueSpec{{name: q}}) })
+	noErr(t, "declare the user's queue", err)
+
+	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
+	err = b.Consume(ctx, q, h, ConsumeOptions{Topology: top})
+	isErr(t, "Consume with DeclareAll", err, ErrQueueArguments)
+	contains(t, "error", err.Error(), "DeclareSupport")
+	contains(t, "error", err.Error(), q)
+
+	top.Declare = DeclareSupport
+	noErr(t, "Declare with DeclareSupport", b.Declare(ctx, q, top))
+	noErr(t, "Publish", b.Publish(ctx, "", q, amqp.Publishing{Body: []byte("x")}))
+	got := make(chan struct{}, 1)
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- b.Consume(cctx, q, rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+			got <- struct{}{}
+			return rabbitmw.Permanent(errBoom) // to the dead-letter queue DeclareSupport declared
+		}), ConsumeOptions{Topology: top})
+	}()
+	select {
+	case <-got:
+	case <-time.After(20 * time.Second):
+		t.Fatal("DeclareSupport consumer got nothing")
+	}
+	cancel()
+	noErr(t, "Consume after cancel", <-done)
+	n, err := b.Len(ctx, q+".dlq")
+	noErr(t, "Len(dlq)", err)
+	equal(t, "Len(dlq)", n, 1)
+}
+
+// A server that is down at start: Consume keeps trying, with backoff, and
+// returns nil when its context is done; on the memory server, it consumes
+// once the server is up.
+func testServerDown(t *testing.T, be backend) {
+	logs := newLogRecorder(t)
+	opts := Options{Logger: slog.New(logs), ReconnectMin: 20 * time.Millisecond, ReconnectMax: 100 * time.Millisecond}
+	var b *Broker
+	var mem *Memory
+	if be.real {
+		testenv.RabbitMQURL(t) // the real backend runs where RabbitMQ does
+		b = New("amqp://guest:guest@127.0.0.1:1/", opts)
+		t.Cleanup(func() { b.Close() })
+	} else {
+		b, mem = be.open(t, opts)
+		mem.setDown(true)
+	}
+	q := queueName(t)
+	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
+	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	err := b.Consume(ctx, q, h, ConsumeOptions{})
+	took := time.Since(start)
+	noErr(t, "Consume when its context is done", err)
+	if took < 700*time.Millisecond {
+		t.Errorf("Consume returned after %v; want >= 700ms (its context)", took)
+	}
+	retries := logs.count("WARN", "broker: reconnecting", "unreachable")
+	if retries < 2 || retries > 200 {
+		t.Errorf("connection attempts logged in 700ms = %d; want from 2 to 200 (no hot loop)", retries)
+	}
+
+	pctx, pcancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer pcancel()
+	err = b.Publish(pctx, "", q, amqp.Publishing{})
+	isErr(t, "Publish to a server that is down", err, context.DeadlineExceeded)
+	isErr(t, "Publish to a server that is down", err, ErrUnreachable)
+
+	if mem == nil {
+		return
+	}
+	// The memory server comes up: the consumer connects and consumes.
+	handled := make(chan struct{}, 1)
+	cctx, ccancel := context.WithCancel(context.Background())
+	defer ccancel()
+	done := make(chan error, 1)
+	go func() {
+		done <- b.Consume(cctx, q, rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+			handled <- struct{}{}
+			return nil
+		}), ConsumeOptions{Topology: Topology{Delays: testTiers}})
+	}()
+	time.Sleep(100 * time.Millisecond)
+	mem.setDown(false)
+	eventually(t, 20*time.Second, "consumer did not declare its queue once the server was up", func() bool {
+		_, err := b.Len(testContext(t, 5*time.Second), q)
+		return err == nil
+	})
+	noErr(t, "Publish once the server is up", b.Publish(testContext(t, 20*time.Second), "", q, amqp.Publishing{}))
+	select {
+	case <-handled:
+	case <-time.After(20 * time.Second):
+		t.Fatal("consumer did not consume once the server was up")
+	}
+	ccancel()
+	noErr(t, "Consume after cancel", <-done)
+}
+
+// Deleting the queue cancels the consumer: Consume returns
+// ErrConsumerCancelled naming the queue, instead of hanging.
+func testConsumerCancelled(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		j.record(d)
+		return nil
+	}), ConsumeOptions{})
+	f.publish("c1", []byte("x"), nil)
+	eventually(t, 20*time.Second, "message not handled", func() bool { return j.effected() == 1 })
+	noErr(t, "Delete", f.b.Delete(testContext(t, 20*time.Second), f.q, f.top))
+	err := r.wait(t, 20*time.Second)
+	isErr(t, "Consume of a deleted queue", err, ErrConsumerCancelled)
+	contains(t, "error", err.Error(), f.q)
+	// Declare again for the cleanup's Delete.
+	noErr(t, "Declare", f.b.Declare(testContext(t, 20*time.Second), f.q, f.top))
+}
+
+// Publish: confirmed, persistent by default, with a generated message id;
+// the caller's message is not modified; ErrClosed after Close.
+func testPublishConfirms(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	ctx := testContext(t, 20*time.Second)
+	msg := amqp.Publishing{Body: []byte("hello"), Headers: amqp.Table{"a": "b"}}
+	noErr(t, "Publish", f.b.Publish(ctx, "", f.q, msg))
+	equal(t, "caller's MessageId after Publish", msg.MessageId, "")
+	equal(t, "caller's DeliveryMode after Publish", msg.DeliveryMode, uint8(0))
+	equal(t, "Len after a confirmed publish", f.length(f.q), 1)
+	got := f.drain(f.q)
+	if len(got) != 1 {
+		t.Fatalf("queue held %d messages; want 1", len(got))
+	}
+	if !hexID.MatchString(got[0].MessageId) {
+		t.Errorf("generated MessageId = %q; want 32 hex digits", got[0].MessageId)
+	}
+	equal(t, "DeliveryMode", got[0].DeliveryMode, uint8(amqp.Persistent))
+	equal(t, "body", got[0].Body, []byte("hello"))
+	equal(t, "header a", got[0].Headers["a"], "b")
+
+	noErr(t, "Publish", f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: "mine", DeliveryMode: amqp.Transient}))
+	got = f.drain(f.q)
+	if len(got) != 1 {
+		t.Fatalf("queue held %d messages; want 1", len(got))
+	}
+	equal(t, "MessageId", got[0].MessageId, "mine")
+	equal(t, "DeliveryMode", got[0].DeliveryMode, uint8(amqp.Transient))
+
+	err := f.b.Publish(ctx, "", f.q, amqp.Publishing{Headers: amqp.Table{"bad": struct{}{}}})
+	if err == nil || !strings.Contains(err.Error(), "invalid headers") {
+		t.Errorf("Publish with a struct header = %v; want an invalid headers error", err)
+	}
+
+	b, _ := be.open(t, Options{})
+	noErr(t, "Declare", b.Declare(ctx, f.q, f.top))
+	noErr(t, "Publish", b.Publish(ctx, "", f.q, amqp.Publishing{}))
+	noErr(t, "Close", b.Close())
+	isErr(t, "Publish after Close", b.Publish(ctx, "", f.q, amqp.Publishing{}), ErrClosed)
+	_, err = b.Len(ctx, f.q)
+	isErr(t, "Len after Close", err, ErrClosed)
+	noErr(t, "second Close", b.Close())
+}
+
+var hexID = regexp.MustCompile("^[0-9a-f]{32}$")
+
+// Publish of an unroutable message, or to a missing exchange:
+// ErrUnroutable, and publishing goes on.
+func testPublishUnroutable(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	ctx := testContext(t, 20*time.Second)
+	err := f.b.Publish(ctx, "", f.q+"-no-such-queue", amqp.Publishing{Body: []byte("x")})
+	isErr(t, "Publish to a key with no queue", err, ErrUnroutable)
+	err = f.b.Publish(ctx, "rabbitmw-no-such-exchange", f.q, amqp.Publishing{Body: []byte("x")})
+	isErr(t, "Publish to a missing exchange", err, ErrUnroutable)
+	contains(t, "error", err.Error(), "rabbitmw-no-such-exchange")
+	noErr(t, "Publish after unroutable ones", f.b.Publish(ctx, "", f.q, amqp.Publishing{Body: []byte("x")}))
+	equal(t, "Len", f.length(f.q), 1)
+	f.drain(f.q)
+}
+
+// Concurrent publishes, routable and not, each get their own result.
+func testPublishConcurrent(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	ctx := testContext(t, 30*time.Second)
+	const n = 200
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			key := f.q
+			if i%2 == 1 {
+				key = f.q + "-nowhere"
+			}
+			errs[i] = f.b.Publish(ctx, "", key, amqp.Publishing{MessageId: fmt.Sprintf("p%d", i), Body: []byte("x")})
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if i%2 == 0 && err != nil {
+			t.Errorf("Publish(p%d, routable) = %v; want nil", i, err)
+		}
+		if i%2 == 1 && !errors.Is(err, ErrUnroutable) {
+			t.Errorf("Publish(p%d, unroutable) = %v; want ErrUnroutable", i, err)
+		}
+	}
+	got := f.drain(f.q)
+	equal(t, "messages in the queue", len(got), n/2)
+	for _, d := range got {
+		var i int
+		if _, err := fmt.Sscanf(d.MessageId, "p%d", &i); err != nil || i%2 != 0 {
+			t.Errorf("queue holds %q; want only even ids", d.MessageId)
+		}
+	}
+}

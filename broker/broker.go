@@ -1,0 +1,378 @@
+package broker
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Errors reported by the package. Each is wrapped with detail; test for them
+// with errors.Is.
+var (
+	// ErrNacked reports a publish that the server refused with a basic.nack
+	// (for example a queue at its length limit with overflow reject-publish).
+	ErrNacked = errors.New("broker: publish nacked by the server")
+	// ErrUnroutable reports a publish that reached no queue: no queue is bound
+	// for its routing key, or its exchange does not exist.
+	ErrUnroutable = errors.New("broker: message unroutable")
+	// ErrConsumerCancelled reports that the server cancelled a consumer,
+	// typically because its queue was deleted. Consume returns it, wrapped
+	// with the queue name.
+	ErrConsumerCancelled = errors.New("broker: consumer cancelled by the server")
+	// ErrClosed is returned by the methods of a Broker after Close, and by
+	// a Memory server after its Close.
+	ErrClosed = errors.New("broker: closed")
+	// ErrConnectionLost reports a connection or channel that closed under an
+	// operation. Operations that can be retried are retried on a new
+	// connection; the error reaches the caller only joined to the context's.
+	ErrConnectionLost = errors.New("broker: connection lost")
+	// ErrUnreachable reports a failure to connect that may be temporary: the
+	// server is down, the network fails, the handshake times out.
+	ErrUnreachable = errors.New("broker: server unreachable")
+	// ErrAccessRefused reports a connection refused for its credentials or
+	// virtual host. It is fatal: retrying cannot help.
+	ErrAccessRefused = errors.New("broker: access refused")
+	// ErrQueueNotFound reports a queue that does not exist (with
+	// DeclareNone or DeclareSupport, or for Len and Get).
+	ErrQueueNotFound = errors.New("broker: queue not found")
+	// ErrQueueArguments reports a queue that exists with other arguments than
+	// the ones the topology declares (RabbitMQ's 406 PRECONDITION_FAILED).
+	ErrQueueArguments = errors.New("broker: queue exists with other arguments")
+	// ErrShutdownTimeout reports handlers that had not returned when the
+	// shutdown deadline (ConsumeOptions.ShutdownTimeout) and a short grace
+	// had passed.
+	ErrShutdownTimeout = errors.New("broker: shutdown timed out")
+)
+
+// Options configures a Broker. The zero value selects the defaults noted on
+// each field. A Broker keeps its own copy: changing Options after New has no
+// effect.
+type Options struct {
+	// Logger receives the broker's records: connection state changes at
+	// Info, retries and failed settlements at Warn, panics at Error. Nil
+	// discards them.
+	Logger *slog.Logger
+	// ReconnectMin and ReconnectMax bound the backoff between connection
+	// attempts: the n-th wait is drawn uniformly from [0, min(ReconnectMax,
+	// ReconnectMin*2^n)] ("full jitter"). Defaults 100ms and 30s.
+	ReconnectMin, ReconnectMax time.Duration
+	// Heartbeat is the AMQP heartbeat interval; a dead peer is detected
+	// after about two intervals. Default 10s. It does not apply to Memory.
+	Heartbeat time.Duration
+	// Host and Process identify this consumer in the fault headers of
+	// dead-lettered messages ([HeaderHost], [HeaderProcess]). Defaults:
+	// os.Hostname(), and "<executable base name>[<pid>]".
+	Host    string
+	Process string
+	// KeepEmptyMessageID makes Publish send a message without a
+	// MessageId as it is, instead of giving it a random one. Consumers then
+	// key it by its body (middleware.Key), as hand-written consumers do:
+	// two messages with the same body are one message.
+	KeepEmptyMessageID bool
+}
+
+// config is Options with the defaults resolved.
+type config struct {
+	log          *slog.Logger
+	rmin, rmax   time.Duration
+	heartbeat    time.Duration
+	host         string
+	process      string
+	keepNoID     bool
+	serverString string // set by the transport, for logs
+}
+
+const (
+	defaultReconnectMin = 100 * time.Millisecond
+	defaultReconnectMax = 30 * time.Second
+	defaultHeartbeat    = 10 * time.Second
+)
+
+func (o Options) resolve() config {
+	c := config{
+		log:       o.Logger,
+		rmin:      o.ReconnectMin,
+		rmax:      o.ReconnectMax,
+		heartbeat: o.Heartbeat,
+		host:      o.Host,
+		process:   o.Process,
+		keepNoID:  o.KeepEmptyMessageID,
+	}
+	switch {
+	case c.rmin < 0, c.rmax < 0, c.heartbeat < 0:
+		panic("broker: Options: negative duration")
+	case c.rmin > 0 && c.rmax > 0 && c.rmin > c.rmax:
+		panic("broker: Options: ReconnectMin exceeds ReconnectMax")
+	}
+	if c.log == nil {
+		c.log = slog.New(slog.DiscardHandler)
+	}
+	if c.rmin == 0 {
+		c.rmin = defaultReconnectMin
+		if c.rmax > 0 && c.rmax < c.rmin {
+			c.rmin = c.rmax
+		}
+	}
+	if c.rmax == 0 {
+		c.rmax = max(defaultReconnectMax, c.rmin)
+	}
+	if c.heartbeat == 0 {
+		c.heartbeat = defaultHeartbeat
+	}
+	if c.host == "" {
+		c.host, _ = os.Hostname()
+	}
+	if c.process == "" {
+		exe, err := os.Executable()
+		if err != nil || exe == "" {
+			exe = os.Args[0]
+		}
+		c.process = filepath.Base(exe) + "[" + strconv.Itoa(os.Getpid()) + "]"
+	}
+	return c
+}
+
+// A Broker publishes to and consumes from one RabbitMQ server (or one
+// [Memory] server). It is safe for concurrent use.
+//
+// Publish and the inspection methods (Declare, Len, Get, Delete) share one
+// connection, made when first needed and made again after it is lost; when
+// the connection is lost under one of them, or the server cannot be
+// reached, they try again with backoff until their ctx is done. Each
+// Consume call has a connection of its own.
+type Broker struct {
+	tr  transport
+	cfg config
+
+	// sem guards sess and closed. It is a channel rather than a mutex so that
+	// a caller waiting for another's dial can give up when its ctx is done.
+	sem    chan struct{}
+	sess   session
+	closed bool
+}
+
+// New returns a Broker for the RabbitMQ server at url, an AMQP URI such as
+// "amqp://guest:guest@127.0.0.1:5672/". It does no I/O: connections are
+// made when Publish, Consume or another method needs one. A malformed url is
+// reported by the first of those calls.
+//
+// New panics if opts holds a negative duration or a ReconnectMin above
+// ReconnectMax.
+func New(url string, opts Options) *Broker {
+	cfg := opts.resolve()
+	return newBroker(newAMQPTransport(url, cfg), cfg)
+}
+
+func newBroker(tr transport, cfg config) *Broker {
+	cfg.serverString = tr.String()
+	return &Broker{tr: tr, cfg: cfg, sem: make(chan struct{}, 1)}
+}
+
+// Close closes the connection used by Publish and the inspection methods;
+// later calls of those return ErrClosed. Deliveries obtained with Get and not
+// yet settled return to their queue. Consume calls are not affected: each
+// ends when its context is cancelled. Close is idempotent.
+func (b *Broker) Close() error {
+	b.sem <- struct{}{}
+	defer func() { <-b.sem }()
+	b.closed = true
+	if b.sess == nil {
+		return nil
+	}
+	s := b.sess
+	b.sess = nil
+	return s.close()
+}
+
+// shared returns the shared session, dialling it if there is none or the last
+// one was lost.
+func (b *Broker) shared(ctx context.Context) (session, error) {
+	select {
+	case b.sem <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	defer func() { <-b.sem }()
+	if b.closed {
+		return nil, ErrClosed
+	}
+	if b.sess != nil {
+		select {
+		case <-b.sess.closed():
+			_ = b.sess.close()
+			b.sess = nil
+		default:
+			return b.sess, nil
+		}
+	}
+	s, err := b.tr.dial(ctx, "rabbitmw "+b.cfg.process)
+	if err != nil {
+		return nil, err
+	}
+	b.sess = s
+	return s, nil
+}
+
+// retryable reports whether an operation that failed with err may be tried
+// again on a new connection.
+func retryable(err error) bool {
+	return errors.Is(err, ErrConnectionLost) || errors.Is(err, ErrUnreachable)
+}
+
+// do runs f on the shared session, on a new one after a lost connection, with
+// backoff, until f succeeds, fails for good, or ctx is done.
+func (b *Broker) do(ctx context.Context, op string, f func(session) error) error {
+	bo := newBackoff(b.cfg.rmin, b.cfg.rmax)
+	var last error // the last retryable failure
+	for {
+		s, err := b.shared(ctx)
+		if err == nil {
+			err = f(s)
+			if err == nil {
+				return nil
+			}
+		}
+		if retryable(err) {
+			last = err
+		}
+		if ctx.Err() != nil && (retryable(err) || errors.Is(err, ctx.Err())) {
+			if last == nil {
+				return fmt.Errorf("broker: %s: %w", op, ctx.Err())
+			}
+			return fmt.Errorf("broker: %s: %w (last error: %w)", op, ctx.Err(), last)
+		}
+		if !retryable(err) {
+			return err
+		}
+		d := bo.next()
+		b.cfg.log.LogAttrs(ctx, slog.LevelWarn, "broker: "+op+" failed; retrying",
+			slog.String("server", b.cfg.serverString),
+			slog.String("error", err.Error()),
+			slog.Duration("retry_in", d))
+		if !sleep(ctx, d) {
+			return fmt.Errorf("broker: %s: %w (last error: %w)", op, ctx.Err(), last)
+		}
+	}
+}
+
+// Publish publishes msg to exchange with routing key key, with publisher
+// confirms and the mandatory flag, and returns once the server has taken
+// responsibility for it (nil), refused it (an error wrapping ErrNacked),
+// or returned it because no queue was bound for it (ErrUnroutable; so is a
+// publish to an exchange that does not exist). An unroutable message is an
+// error, never a silent drop.
+//
+// A DeliveryMode of 0 is sent as amqp.Persistent, and an empty MessageId
+// gets a random one of 32 hex digits; msg is otherwise sent as given. The
+// caller's msg is not modified.
+//
+// If the connection is lost before the confirm arrives, Publish connects
+// again, with backoff, and publishes the message again, until ctx is done.
+// The message may then reach its queue twice: the server may have taken
+// the first copy even though its confirm was lost. Both copies carry the
+// same MessageId, by which the consumers' Dedup layer absorbs the second.
+// When ctx is done first, Publish returns an error wrapping ctx.Err(); the
+// message may or may not have been delivered.
+//
+// A publish the server refuses by closing the channel (a UserId that is not
+// the connection's user, a body above the server's size limit, a missing
+// write permission) fails with the server's error; publishes in flight on
+// the same connection at that moment may fail with it too, since the server
+// does not say which publish it refused.
+//
+// Publish is safe for concurrent use.
+func (b *Broker) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	if msg.DeliveryMode == 0 {
+		msg.DeliveryMode = amqp.Persistent
+	}
+	if msg.MessageId == "" && !b.cfg.keepNoID {
+		msg.MessageId = newMessageID()
+	}
+	if err := msg.Headers.Validate(); err != nil {
+		return fmt.Errorf("broker: publish: invalid headers: %w", err)
+	}
+	return b.do(ctx, "publish", func(s session) error {
+		return s.publish(ctx, exchange, key, msg)
+	})
+}
+
+// Declare declares the topology of queue as Consume does (see [Topology]),
+// for a producer that wants the queues to exist before it publishes. It is
+// idempotent.
+func (b *Broker) Declare(ctx context.Context, queue string, t Topology) error {
+	top, err := t.resolve(queue)
+	if err != nil {
+		return err
+	}
+	specs := top.specs()
+	return b.do(ctx, "declare", func(s session) error {
+		return top.refusal(s.declare(ctx, specs))
+	})
+}
+
+// Len returns the number of messages ready for delivery in queue (not
+// counting those delivered and not yet settled). It returns an error
+// wrapping ErrQueueNotFound if queue does not exist.
+func (b *Broker) Len(ctx context.Context, queue string) (int, error) {
+	var n int
+	err := b.do(ctx, "len", func(s session) error {
+		var err error
+		n, err = s.length(ctx, queue)
+		return refusal(queue, err)
+	})
+	return n, err
+}
+
+// Get takes the message at the head of queue (basic.get) with manual
+// acknowledgement: the caller must settle the returned delivery with Ack,
+// Nack or Reject, on the Broker's shared connection; if that connection is
+// lost or the Broker closed first, the message returns to the queue. ok is
+// false when the queue is empty. Get is meant for tests and tools, not for
+// consuming: use Consume.
+func (b *Broker) Get(ctx context.Context, queue string) (d *amqp.Delivery, ok bool, err error) {
+	err = b.do(ctx, "get", func(s session) error {
+		var err error
+		d, ok, err = s.get(ctx, queue)
+		return refusal(queue, err)
+	})
+	return d, ok, err
+}
+
+// Delete deletes queue, its dead-letter queue and its delay queues (the
+// names that t gives; see [Topology]), with whatever messages they hold.
+// Queues that do not exist are skipped. Consumers of a deleted queue are
+// cancelled by the server: their Consume returns ErrConsumerCancelled.
+func (b *Broker) Delete(ctx context.Context, queue string, t Topology) error {
+	top, err := t.resolve(queue)
+	if err != nil {
+		return err
+	}
+	names := top.names()
+	return b.do(ctx, "delete", func(s session) error {
+		return s.delete(ctx, names)
+	})
+}
+
+// newMessageID returns 32 random hex digits.
+func newMessageID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+	return hex.EncodeToString(b[:])
+}
+
+// lostError wraps err as a lost connection, unless it already is one.
+func lostError(err error) error {
+	if err == nil || errors.Is(err, ErrConnectionLost) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrConnectionLost, err)
+}

@@ -1,0 +1,105 @@
+// Package broker runs a [rabbitmw.Handler] against RabbitMQ, and settles
+// every delivery by the handler's result: acknowledged, requeued, retried
+// after a delay, or moved to a dead-letter queue with headers that say why.
+// It reconnects after a lost connection, shuts down gracefully, publishes
+// with confirms, and has an in-memory stand-in for RabbitMQ ([Memory]) on
+// which the same code runs.
+//
+//	b := broker.New("amqp://guest:guest@127.0.0.1:5672/", broker.Options{Logger: logger})
+//	defer b.Close()
+//	err := b.Consume(ctx, "orders", chain(handler), broker.ConsumeOptions{})
+//
+// # Queues
+//
+// For a work queue Q, the topology ([Topology]) has these queues, all
+// durable, all reached through the default exchange:
+//
+//	Q             the work queue: classic, or quorum (x-queue-type=quorum);
+//	              x-dead-letter-exchange "" and x-dead-letter-routing-key
+//	              "Q.dlq", so that a plain reject and a quorum queue's
+//	              x-delivery-limit also land in the dead-letter queue
+//	Q.dlq         the dead-letter queue: classic, no arguments
+//	Q.delay.<t>   one delay queue per tier t of the ladder (default 1s, 5s,
+//	              30s, 2m, 10m, 1h): classic, x-message-ttl = t in ms,
+//	              x-dead-letter-exchange "", x-dead-letter-routing-key "Q"
+//
+// A tier is named in its largest exact unit: "1s", "5s", "30s", "2m",
+// "10m", "1h", "1500ms". With DeclareAll (the default) Consume declares all
+// of them; with DeclareSupport all but Q, whose existence it checks (for a
+// work queue declared elsewhere with arguments of its own); with
+// DeclareNone none. Declaring is idempotent and safe from many consumers at
+// once. A work queue that exists with other arguments is a fatal error
+// (ErrQueueArguments) whose text names the fix.
+//
+// # Settlement
+//
+// Each delivery is settled once, by [rabbitmw.Decide] of the handler's
+// result:
+//
+//	nil, ErrDuplicate      basic.ack
+//	other error            basic.nack, requeue
+//	RetryAfter(err, d)     copy to Q.delay.<t>, t the shortest tier >= d;
+//	                       ack once the copy is confirmed
+//	Permanent(err)         copy with fault headers to Q.dlq;
+//	                       ack once the copy is confirmed
+//	panic                  as Permanent(&rabbitmw.PanicError{...})
+//
+// A copy keeps the message's properties (but UserId, moved to the
+// HeaderUserID header, since RabbitMQ refuses a publish by another user),
+// its body and all its headers, whatever their types, including those
+// RabbitMQ adds (x-death, x-delivery-count). It is persistent. It carries
+// the attempt count ([rabbitmw.HeaderAttempts]) and the original exchange
+// and routing key; a dead-lettered copy also the fault headers: error text
+// and type, work queue, time, host and process (see the Header
+// constants). When a copy cannot be published or confirmed, the original
+// is nacked with requeue after about a second.
+//
+// A delay longer than the longest tier goes to the longest tier, with the
+// HeaderNotBefore header (so does any delayed message with an Expiration
+// property of its own, which could cut its stay short); a consumer that
+// receives the message before that time sends it back to a delay queue for
+// the remainder without handling it. So a message is never handled sooner than the delay asked for; it may
+// be handled later, by up to the gap between tiers (a delay of 6s waits
+// 30s with the default ladder): choose tiers near the delays your Retry
+// layer asks for.
+//
+// # Guarantees and their limits
+//
+// Nothing is lost by the broker: a delivery is acked only after it was
+// handled, or after its copy was confirmed by the server; a delivery whose
+// connection was lost is redelivered by the server. Deliveries are
+// therefore at least once, and a handler may see a message again: after a
+// lost connection (the handler's result could not be settled), after a
+// lost confirm on publish, or, rarely, as a second copy:
+//
+//   - if the connection drops between the server's confirm of a copy and
+//     the ack of the original, the original is redelivered and its copy
+//     exists too: the dead-letter queue may then hold a second copy, and a
+//     retried message may run twice;
+//   - Publish retries after a lost connection, and the first copy may have
+//     reached its queue.
+//
+// Use the Dedup layer (message ids) to make the effects once. Delay queues
+// are classic queues whose dead-lettering back to Q is at-most-once inside
+// RabbitMQ: a delayed message can be lost if a RabbitMQ node fails while it
+// moves. Messages in delay queues wait in order: the TTL of a queue is
+// fixed, so none blocks another.
+//
+// A handler that never returns holds a worker and a prefetch slot; at
+// shutdown Consume gives up on it after ConsumeOptions.ShutdownTimeout and
+// reports it. A handler's panic never crashes the process.
+//
+// # Publishing
+//
+// [Broker.Publish] uses publisher confirms and the mandatory flag: it
+// returns when the server confirmed the message, and an error for a
+// message that reached no queue (ErrUnroutable) or that the server refused
+// (ErrNacked). Messages are persistent unless the caller says otherwise,
+// and get a random MessageId when they have none.
+//
+// # In-memory server
+//
+// [Memory] emulates the parts of RabbitMQ the broker uses; tests and the
+// examples run the same consumer on it, including reconnection
+// ([Memory.CloseConnections]).
+package broker

@@ -1,0 +1,102 @@
+package broker_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log"
+	"log/slog"
+	"os"
+	"os/signal"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
+)
+
+// A consumer on the in-memory server: one message is handled, one is
+// retried after a delay, one is dead-lettered; the handler then cancels the
+// consumer, which stops gracefully.
+func ExampleMemory() {
+	m := broker.NewMemory()
+	defer m.Close()
+	b := m.Broker(broker.Options{})
+	defer b.Close()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	top := broker.Topology{Delays: []time.Duration{100 * time.Millisecond, time.Second}}
+	if err := b.Declare(ctx, "orders", top); err != nil {
+		log.Fatal(err)
+	}
+	for _, id := range []string{"1", "2", "3"} {
+		msg := amqp.Publishing{MessageId: id, Body: []byte("order " + id)}
+		if err := b.Publish(ctx, "", "orders", msg); err != nil {
+			log.Fatal(err)
+		}
+	}
+
+	h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		switch {
+		case d.MessageId == "2" && rabbitmw.PriorAttempts(d) == 0:
+			fmt.Println("order 2 failed: retry in 100ms")
+			return rabbitmw.RetryAfter(rabbitmw.WithAttempts(errors.New("stock service down"), 1), 100*time.Millisecond)
+		case d.MessageId == "3":
+			fmt.Println("order 3 is invalid: dead-letter it")
+			return rabbitmw.Permanent(errors.New("invalid order"))
+		}
+		fmt.Printf("%s handled (attempt %d)\n", d.Body, rabbitmw.PriorAttempts(d)+1)
+		if d.MessageId == "2" {
+			cancel() // stop consuming; this delivery is still acked
+		}
+		return nil
+	})
+	err := b.Consume(ctx, "orders", h, broker.ConsumeOptions{Workers: 1, Topology: top})
+	fmt.Println("Consume returned:", err)
+
+	dead, _, _ := b.Get(context.Background(), "orders.dlq")
+	fmt.Printf("dead-lettered: %s, because %q\n", dead.Body, dead.Headers[broker.HeaderError])
+	// Output:
+	// order 1 handled (attempt 1)
+	// order 2 failed: retry in 100ms
+	// order 3 is invalid: dead-letter it
+	// order 2 handled (attempt 2)
+	// Consume returned: <nil>
+	// dead-lettered: order 3, because "invalid order"
+}
+
+// Consuming from RabbitMQ until the process is interrupted.
+func ExampleBroker_Consume() {
+	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	b := broker.New("amqp://guest:guest@127.0.0.1:5672/", broker.Options{Logger: logger})
+	defer b.Close()
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	handler := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		// Process d.Body; return nil, or an error that says what to do.
+		return nil
+	})
+	// Declares orders, orders.dlq and orders.delay.*; blocks until ctx is
+	// cancelled (nil) or a fatal error.
+	if err := b.Consume(ctx, "orders", handler, broker.ConsumeOptions{Workers: 8}); err != nil {
+		logger.Error("consumer stopped", "error", err)
+	}
+}
+
+// Publishing with confirms: Publish returns once RabbitMQ has the message.
+func ExampleBroker_Publish() {
+	b := broker.New("amqp://guest:guest@127.0.0.1:5672/", broker.Options{})
+	defer b.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err := b.Publish(ctx, "", "orders", amqp.Publishing{ContentType: "application/json", Body: []byte(`{"id":1}`)})
+	switch {
+	case errors.Is(err, broker.ErrUnroutable):
+		log.Print("no queue named orders")
+	case err != nil:
+		log.Print(err)
+	}
+}

@@ -1,0 +1,181 @@
+package broker
+
+import (
+	"errors"
+	"fmt"
+	"maps"
+	"time"
+	"unicode/utf8"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+)
+
+// Headers written by the broker. [rabbitmw.HeaderAttempts]
+// ("x-rabbitmw-attempts") is written too: on a message sent to a delay
+// queue when a layer counted the attempts, and always on a dead-lettered
+// one.
+const (
+	// HeaderError is the error text of a dead-lettered message (a string
+	// of at most 4 KiB).
+	HeaderError = "x-rabbitmw-error"
+	// HeaderErrorType is the Go type of the innermost error of the
+	// errors.Unwrap chain of the handler's result, as %T prints it, such
+	// as "*json.SyntaxError" or "*rabbitmw.PanicError".
+	HeaderErrorType = "x-rabbitmw-error-type"
+	// HeaderOriginalExchange and HeaderOriginalRoutingKey are the exchange
+	// and routing key the message was first published with: recorded at
+	// its first delay or dead-letter, and kept at later hops.
+	HeaderOriginalExchange   = "x-rabbitmw-original-exchange"
+	HeaderOriginalRoutingKey = "x-rabbitmw-original-routing-key"
+	// HeaderOriginalQueue is the work queue the message was dead-lettered
+	// from.
+	HeaderOriginalQueue = "x-rabbitmw-original-queue"
+	// HeaderFailedAt is when the message was dead-lettered (a timestamp,
+	// UTC, whole seconds).
+	HeaderFailedAt = "x-rabbitmw-failed-at"
+	// HeaderHost and HeaderProcess identify the consumer that
+	// dead-lettered the message (Options.Host and Options.Process).
+	HeaderHost    = "x-rabbitmw-host"
+	HeaderProcess = "x-rabbitmw-process"
+	// HeaderNotBefore is the time (Unix milliseconds, int64) before which
+	// a message must not be handled: set on a message delayed longer than
+	// the longest delay queue. A consumer that receives it earlier sends
+	// it back to a delay queue for the remainder without handling it.
+	HeaderNotBefore = "x-rabbitmw-not-before"
+	// HeaderUserID keeps the UserId property of a message that the broker
+	// republishes (RabbitMQ refuses a publish whose user-id is not the
+	// connection's user, so the copy goes without it).
+	HeaderUserID = "x-rabbitmw-user-id"
+)
+
+// maxErrorText bounds HeaderError, in bytes.
+const maxErrorText = 4 << 10
+
+// faultHeaders returns the headers of the dead-lettered copy of d: all of
+// d's headers, whatever their types, plus the fault headers that say why,
+// where and when. The attempt count is dec.Attempts, or, when no layer
+// counted (0), the count recorded on d plus this failed attempt. It does not
+// modify d.
+func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time.Time, host, process string) amqp.Table {
+	h := make(amqp.Table, len(d.Headers)+9)
+	maps.Copy(h, d.Headers)
+	var text, typ string
+	if dec.Err != nil {
+		text = truncate(dec.Err.Error(), maxErrorText)
+		typ = fmt.Sprintf("%T", innermost(dec.Err))
+	}
+	h[HeaderError] = text
+	h[HeaderErrorType] = typ
+	attempts := dec.Attempts
+	if attempts <= 0 {
+		attempts = rabbitmw.PriorAttempts(d) + 1
+	}
+	h[rabbitmw.HeaderAttempts] = int64(attempts)
+	setIfAbsent(h, HeaderOriginalExchange, d.Exchange)
+	setIfAbsent(h, HeaderOriginalRoutingKey, d.RoutingKey)
+	h[HeaderOriginalQueue] = queue
+	h[HeaderFailedAt] = at.UTC().Truncate(time.Second)
+	h[HeaderHost] = host
+	h[HeaderProcess] = process
+	return h
+}
+
+// delayHeaders returns the headers of the copy of d sent to a delay queue:
+// all of d's, the attempt count of dec when a layer counted one, the
+// original exchange and routing key at the first hop, and HeaderNotBefore
+// when notBefore is not zero (removed otherwise).
+func delayHeaders(d *amqp.Delivery, dec rabbitmw.Decision, notBefore time.Time) amqp.Table {
+	h := make(amqp.Table, len(d.Headers)+4)
+	maps.Copy(h, d.Headers)
+	if dec.Attempts > 0 {
+		h[rabbitmw.HeaderAttempts] = int64(dec.Attempts)
+	}
+	setIfAbsent(h, HeaderOriginalExchange, d.Exchange)
+	setIfAbsent(h, HeaderOriginalRoutingKey, d.RoutingKey)
+	if notBefore.IsZero() {
+		delete(h, HeaderNotBefore)
+	} else {
+		h[HeaderNotBefore] = notBefore.UnixMilli()
+	}
+	return h
+}
+
+// republishing returns a persistent copy of d with headers h (which it may
+// modify): every property kept but UserId, which moves to HeaderUserID.
+func republishing(d *amqp.Delivery, h amqp.Table) amqp.Publishing {
+	if d.UserId != "" {
+		setIfAbsent(h, HeaderUserID, d.UserId)
+	}
+	return amqp.Publishing{
+		Headers:         h,
+		ContentType:     d.ContentType,
+		ContentEncoding: d.ContentEncoding,
+		DeliveryMode:    amqp.Persistent,
+		Priority:        d.Priority,
+		CorrelationId:   d.CorrelationId,
+		ReplyTo:         d.ReplyTo,
+		Expiration:      d.Expiration,
+		MessageId:       d.MessageId,
+		Timestamp:       d.Timestamp,
+		Type:            d.Type,
+		AppId:           d.AppId,
+		Body:            d.Body,
+	}
+}
+
+// notBefore reads HeaderNotBefore from h.
+func notBefore(h amqp.Table) (time.Time, bool) {
+	v, ok := h[HeaderNotBefore]
+	if !ok {
+		return time.Time{}, false
+	}
+	var ms int64
+	switch x := v.(type) {
+	case int64:
+		ms = x
+	case int32:
+		ms = int64(x)
+	case int:
+		ms = int64(x)
+	case uint32:
+		ms = int64(x)
+	case time.Time:
+		return x, true
+	default:
+		return time.Time{}, false
+	}
+	return time.UnixMilli(ms), true
+}
+
+func setIfAbsent(h amqp.Table, k string, v any) {
+	if _, ok := h[k]; !ok {
+		h[k] = v
+	}
+}
+
+// innermost follows errors.Unwrap to the end of the chain.
+func innermost(err error) error {
+	for range 100 { // bound a cyclic chain
+		u := errors.Unwrap(err)
+		if u == nil {
+			break
+		}
+		err = u
+	}
+	return err
+}
+
+// truncate cuts s to at most n bytes, at a rune boundary.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "…"
+	cut := n - len(mark)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
+}

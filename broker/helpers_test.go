@@ -1,0 +1,399 @@
+package broker
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"reflect"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/goleak"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// A backend is a server the behavioural tests run against.
+type backend struct {
+	name string
+	real bool
+	// open returns a Broker on a server for t, and the Memory when the
+	// server is one (nil for RabbitMQ). Both are closed at the end of t.
+	open func(t *testing.T, opts Options) (*Broker, *Memory)
+	// drop closes every connection to the server.
+	drop func(t *testing.T, m *Memory)
+}
+
+var backends = []backend{
+	{
+		name: "memory",
+		open: func(t *testing.T, opts Options) (*Broker, *Memory) {
+			m := NewMemory()
+			b := m.Broker(opts)
+			t.Cleanup(m.Close)
+			t.Cleanup(func() { b.Close() })
+			return b, m
+		},
+		drop: func(t *testing.T, m *Memory) {
+			if n := m.CloseConnections(); n == 0 {
+				t.Errorf("CloseConnections() = 0; want at least 1")
+			}
+		},
+	},
+	{
+		name: "rabbitmq",
+		real: true,
+		open: func(t *testing.T, opts Options) (*Broker, *Memory) {
+			b := New(testenv.RabbitMQURL(t), opts)
+			t.Cleanup(func() { b.Close() })
+			return b, nil
+		},
+		drop: func(t *testing.T, _ *Memory) {
+			ctl, err := exec.LookPath("rabbitmqctl")
+			if err != nil {
+				testenv.Missing(t, "rabbitmqctl", "install RabbitMQ's CLI tools")
+			}
+			out, err := exec.Command(ctl, "close_all_connections", "rabbitmw broker test").CombinedOutput()
+			if err != nil {
+				t.Fatalf("rabbitmqctl close_all_connections: %v\n%s", err, out)
+			}
+		},
+	},
+}
+
+// fixture is what a behavioural test works with.
+type fixture struct {
+	t    *testing.T
+	be   backend
+	b    *Broker
+	mem  *Memory // nil on RabbitMQ
+	q    string
+	top  Topology
+	logs *logRecorder
+}
+
+// testTiers is the delay ladder of the tests.
+var testTiers = []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, time.Second}
+
+// setup opens a Broker on be with a fresh queue name for top, declares the
+// topology, and deletes it at the end of t.
+func setup(t *testing.T, be backend, top Topology) *fixture {
+	t.Helper()
+	return setupWith(t, be, top, 500*time.Millisecond)
+}
+
+// setupWith is setup with a ReconnectMax of its own.
+func setupWith(t *testing.T, be backend, top Topology, reconnectMax time.Duration) *fixture {
+	t.Helper()
+	logs := newLogRecorder(t)
+	b, mem := be.open(t, Options{
+		Logger:       slog.New(logs),
+		ReconnectMin: min(20*time.Millisecond, reconnectMax),
+		ReconnectMax: reconnectMax,
+		Host:         "test-host",
+		Process:      "test-process[1]",
+	})
+	f := &fixture{t: t, be: be, b: b, mem: mem, q: queueName(t), top: top, logs: logs}
+	if top.Delays == nil {
+		f.top.Delays = testTiers
+	}
+	ctx := testContext(t, 20*time.Second)
+	if err := b.Declare(ctx, f.q, f.top); err != nil {
+		t.Fatalf("Declare(%q) = %v; want nil", f.q, err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		if err := f.b.Delete(ctx, f.q, f.top); err != nil {
+			t.Errorf("Delete(%q) = %v", f.q, err)
+		}
+	})
+	return f
+}
+
+func queueName(t *testing.T) string {
+	var r [4]byte
+	_, _ = rand.Read(r[:])
+	name := strings.NewReplacer("/", "-", " ", "_").Replace(t.Name())
+	if len(name) > 150 {
+		name = name[len(name)-150:]
+	}
+	return "rabbitmw-test-" + name + "-" + hex.EncodeToString(r[:])
+}
+
+func testContext(t *testing.T, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// publish publishes a message with id and body to the work queue.
+func (f *fixture) publish(id string, body []byte, headers amqp.Table) {
+	f.t.Helper()
+	ctx := testContext(f.t, 30*time.Second)
+	err := f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: id, Body: body, Headers: headers, ContentType: "text/plain"})
+	if err != nil {
+		f.t.Fatalf("Publish(%q) = %v; want nil", id, err)
+	}
+}
+
+// length returns the number of ready messages in queue.
+func (f *fixture) length(queue string) int {
+	f.t.Helper()
+	n, err := f.b.Len(testContext(f.t, 20*time.Second), queue)
+	if err != nil {
+		f.t.Fatalf("Len(%q) = %v", queue, err)
+	}
+	return n
+}
+
+// drain takes and acks every message of queue, and returns them.
+func (f *fixture) drain(queue string) []*amqp.Delivery {
+	f.t.Helper()
+	var out []*amqp.Delivery
+	for {
+		d, ok, err := f.b.Get(testContext(f.t, 20*time.Second), queue)
+		if err != nil {
+			f.t.Fatalf("Get(%q) = %v", queue, err)
+		}
+		if !ok {
+			return out
+		}
+		if err := d.Ack(false); err != nil {
+			f.t.Fatalf("Ack = %v", err)
+		}
+		out = append(out, d)
+	}
+}
+
+// A run is a Consume call running in the background.
+type run struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+	err    error
+}
+
+// consume starts Consume on the work queue; it is stopped at the end of
+// the test if the test did not stop it.
+func (f *fixture) consume(h rabbitmw.Handler, opts ConsumeOptions) *run {
+	f.t.Helper()
+	opts.Topology = f.top
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &run{cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(r.done)
+		r.err = f.b.Consume(ctx, f.q, h, opts)
+	}()
+	f.t.Cleanup(func() {
+		cancel()
+		select {
+		case <-r.done:
+		case <-time.After(time.Minute):
+			f.t.Errorf("Consume did not return within a minute of its cancellation")
+		}
+	})
+	return r
+}
+
+// stop cancels the run and returns Consume's result.
+func (r *run) stop(t *testing.T) error {
+	t.Helper()
+	r.cancel()
+	return r.wait(t, time.Minute)
+}
+
+// wait waits for Consume to return by itself.
+func (r *run) wait(t *testing.T, d time.Duration) error {
+	t.Helper()
+	select {
+	case <-r.done:
+		return r.err
+	case <-time.After(d):
+		t.Fatalf("Consume did not return within %v", d)
+		return nil
+	}
+}
+
+// eventually polls cond every 10ms until it holds or d passes.
+func eventually(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after %v: %s", d, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// A journal is an idempotent recording handler's memory: for each message
+// id, the deliveries seen and whether its effect was applied. It applies
+// each message's effect once, however often the message comes.
+type journal struct {
+	mu      sync.Mutex
+	calls   map[string][]call
+	effects map[string]int
+}
+
+type call struct {
+	at time.Time
+	d  amqp.Delivery
+}
+
+func newJournal() *journal {
+	return &journal{calls: make(map[string][]call), effects: make(map[string]int)}
+}
+
+// record notes d, and applies its effect if it was not applied yet. It
+// returns the number of calls for d's id so far, this one included.
+func (j *journal) record(d *amqp.Delivery) int {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	j.calls[d.MessageId] = append(j.calls[d.MessageId], call{at: time.Now(), d: *d})
+	if j.effects[d.MessageId] == 0 {
+		j.effects[d.MessageId] = 1
+	}
+	return len(j.calls[d.MessageId])
+}
+
+func (j *journal) callsOf(id string) []call {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return append([]call(nil), j.calls[id]...)
+}
+
+func (j *journal) effected() int {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return len(j.effects)
+}
+
+func (j *journal) totalCalls() int {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	n := 0
+	for _, c := range j.calls {
+		n += len(c)
+	}
+	return n
+}
+
+// logRecorder is a slog.Handler that keeps records for assertions, and
+// writes them to the test log when the test fails (or BROKER_TEST_LOG is
+// set).
+type logRecorder struct {
+	mu      *sync.Mutex
+	records *[]string
+	attrs   string
+	verbose bool
+}
+
+func newLogRecorder(t *testing.T) *logRecorder {
+	l := &logRecorder{mu: new(sync.Mutex), records: new([]string), verbose: os.Getenv("BROKER_TEST_LOG") != ""}
+	t.Cleanup(func() {
+		if t.Failed() || l.verbose {
+			for _, r := range l.all() {
+				t.Log(r)
+			}
+		}
+	})
+	return l
+}
+
+func (l *logRecorder) Enabled(context.Context, slog.Level) bool { return true }
+
+func (l *logRecorder) Handle(_ context.Context, r slog.Record) error {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s %s %s%s", r.Time.Format("15:04:05.000"), r.Level, r.Message, l.attrs)
+	r.Attrs(func(a slog.Attr) bool {
+		if a.Key != "stack" {
+			fmt.Fprintf(&b, " %s=%q", a.Key, a.Value.String())
+		}
+		return true
+	})
+	l.mu.Lock()
+	*l.records = append(*l.records, b.String())
+	l.mu.Unlock()
+	return nil
+}
+
+func (l *logRecorder) WithAttrs(as []slog.Attr) slog.Handler {
+	c := *l
+	for _, a := range as {
+		c.attrs += fmt.Sprintf(" %s=%q", a.Key, a.Value.String())
+	}
+	return &c
+}
+
+func (l *logRecorder) WithGroup(string) slog.Handler { return l }
+
+func (l *logRecorder) all() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), *l.records...)
+}
+
+// count returns the number of records that contain all of the substrings.
+func (l *logRecorder) count(subs ...string) int {
+	n := 0
+	for _, r := range l.all() {
+		match := true
+		for _, s := range subs {
+			if !strings.Contains(r, s) {
+				match = false
+				break
+			}
+		}
+		if match {
+			n++
+		}
+	}
+	return n
+}
+
+// equal reports got != want (by reflect.DeepEqual) as an error.
+func equal(t *testing.T, what string, got, want any) bool {
+	t.Helper()
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("%s = %#v; want %#v", what, got, want)
+		return false
+	}
+	return true
+}
+
+// noErr stops the test if err is not nil.
+func noErr(t *testing.T, what string, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s = %v; want nil", what, err)
+	}
+}
+
+// isErr stops the test unless err wraps target.
+func isErr(t *testing.T, what string, err, target error) {
+	t.Helper()
+	if !errors.Is(err, target) {
+		t.Fatalf("%s = %v; want an error wrapping %v", what, err, target)
+	}
+}
+
+// contains reports an error unless s contains sub.
+func contains(t *testing.T, what, s, sub string) {
+	t.Helper()
+	if !strings.Contains(s, sub) {
+		t.Errorf("%s = %q; want it to contain %q", what, s, sub)
+	}
+}

@@ -1,0 +1,534 @@
+package broker
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strconv"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// A memConsumer hands its queue's messages to a client. Its pump goroutine
+// sends buf to out; it ends, closing out, when the consumer was cancelled
+// and buf is empty, or at once when stop is closed (the connection closed).
+type memConsumer struct {
+	tag      string
+	q        *memQueue
+	conn     *memConn
+	prefetch int
+	unacked  int
+	buf      []amqp.Delivery
+	ending   bool
+	wake     chan struct{} // cap 1
+	stop     chan struct{}
+	out      chan amqp.Delivery
+}
+
+func (c *memConsumer) pump(m *Memory) {
+	defer m.wg.Done()
+	defer close(c.out)
+	for {
+		m.mu.Lock()
+		if len(c.buf) == 0 {
+			ending := c.ending
+			m.mu.Unlock()
+			if ending {
+				return
+			}
+			select {
+			case <-c.wake:
+				continue
+			case <-c.stop:
+				return
+			}
+		}
+		d := c.buf[0]
+		c.buf[0] = amqp.Delivery{}
+		c.buf = c.buf[1:]
+		m.mu.Unlock()
+		select {
+		case c.out <- d:
+		case <-c.stop:
+			return
+		}
+	}
+}
+
+func (c *memConsumer) signal() {
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// memTransport dials a Memory.
+type memTransport struct{ m *Memory }
+
+func (t *memTransport) String() string { return "memory" }
+
+func (t *memTransport) dial(ctx context.Context, _ string) (session, error) {
+	m := t.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	switch {
+	case m.closed:
+		return nil, fmt.Errorf("broker: memory server: %w", ErrClosed)
+	case m.down:
+		return nil, fmt.Errorf("%w: memory server is down", ErrUnreachable)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrUnreachable, err)
+	}
+	c := &memConn{
+		m:         m,
+		done:      make(chan struct{}),
+		cancels:   make(chan string, 16),
+		unacked:   make(map[uint64]*memUnacked),
+		consumers: make(map[string]*memConsumer),
+	}
+	m.conns[c] = struct{}{}
+	return c, nil
+}
+
+// A memConn is a connection to a Memory, with a single channel: it is the
+// session, and the Acknowledger of the deliveries it receives. Its fields
+// are guarded by Memory.mu.
+type memConn struct {
+	m         *Memory
+	done      chan struct{}
+	err       error
+	cancels   chan string
+	isClosed  bool
+	tag       uint64
+	unacked   map[uint64]*memUnacked
+	consumers map[string]*memConsumer // active, by tag
+	pumps     []*memConsumer          // every consumer started, to stop on close
+}
+
+// shutdown closes c for reason; its unsettled deliveries return to their
+// queues, its consumers stop. m.mu must be held.
+func (c *memConn) shutdown(reason *amqp.Error) {
+	if c.isClosed {
+		return
+	}
+	m := c.m
+	c.isClosed = true
+	delete(m.conns, c)
+	// Cancelled consumers may still be handing out their buffer: stop
+	// them too, so that no pump outlives its connection.
+	for _, cons := range c.pumps {
+		cons.q.removeConsumer(cons)
+		close(cons.stop)
+	}
+	c.consumers, c.pumps = nil, nil
+	tags := slices.Sorted(maps.Keys(c.unacked))
+	touched := make(map[*memQueue]bool)
+	for _, tag := range tags {
+		u := c.unacked[tag]
+		m.requeue(u.q, u.msg)
+		m.requeuedOnClose++
+		touched[u.q] = true
+	}
+	c.unacked = nil
+	if reason == nil {
+		c.err = fmt.Errorf("%w: connection closed", ErrConnectionLost)
+	} else {
+		c.err = fmt.Errorf("%w: connection closed: %w", ErrConnectionLost, reason)
+	}
+	close(c.done)
+	for q := range touched {
+		m.dispatch(q)
+	}
+}
+
+func (c *memConn) closed() <-chan struct{}  { return c.done }
+func (c *memConn) reason() error            { return c.err }
+func (c *memConn) cancelled() <-chan string { return c.cancels }
+
+func (c *memConn) close() error {
+	c.m.mu.Lock()
+	c.shutdown(nil)
+	c.m.mu.Unlock()
+	return nil
+}
+
+// lost returns c's error if c is closed. m.mu must be held.
+func (c *memConn) lost() error {
+	if c.isClosed {
+		return c.err
+	}
+	return nil
+}
+
+func notFound(queue string) error {
+	return &queueError{queue: queue, err: &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no queue '" + queue + "' in vhost '/'", Server: true, Recover: true}}
+}
+
+func (c *memConn) declare(_ context.Context, specs []queueSpec) error {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := c.lost(); err != nil {
+		return err
+	}
+	for _, s := range specs {
+		q := m.queues[s.name]
+		switch {
+		case s.passive && q == nil:
+			return notFound(s.name)
+		case s.passive:
+		case q != nil:
+			if err := equivalent(q, s.args); err != nil {
+				return err
+			}
+		default:
+			q, err := newMemQueue(s.name, s.args)
+			if err != nil {
+				return err
+			}
+			m.queues[s.name] = q
+		}
+	}
+	return nil
+}
+
+// queueArgs are the arguments compared when a queue is declared again.
+var queueArgs = []string{"x-queue-type", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key", "x-delivery-limit"}
+
+func newMemQueue(name string, args amqp.Table) (*memQueue, error) {
+	q := &memQueue{name: name, args: copyTable(args)}
+	bad := func(k string) error {
+		return &queueError{queue: name, err: &amqp.Error{Code: amqp.PreconditionFailed,
+			Reason: fmt.Sprintf("PRECONDITION_FAILED - invalid arg '%s' for queue '%s' in vhost '/': %v", k, name, args[k]), Server: true, Recover: true}}
+	}
+	for k, v := range args {
+		switch k {
+		case "x-queue-type":
+			switch v {
+			case "quorum":
+				q.quorum = true
+			case "classic":
+			default:
+				return nil, bad(k)
+			}
+		case "x-message-ttl":
+			n, ok := intArg(v)
+			if !ok || n < 0 {
+				return nil, bad(k)
+			}
+			q.ttl, q.hasTTL = time.Duration(n)*time.Millisecond, true
+		case "x-dead-letter-exchange":
+			s, ok := v.(string)
+			if !ok {
+				return nil, bad(k)
+			}
+			q.dlx, q.dlxName = true, s
+		case "x-dead-letter-routing-key":
+			s, ok := v.(string)
+			if !ok {
+				return nil, bad(k)
+			}
+			q.dlrk, q.hasDLRK = s, true
+		case "x-delivery-limit":
+			n, ok := intArg(v)
+			if !ok || n < 0 {
+				return nil, bad(k)
+			}
+			q.limit = int(n)
+		}
+	}
+	return q, nil
+}
+
+// equivalent checks args against those q was declared with, as RabbitMQ
+// does for a second declaration.
+func equivalent(q *memQueue, args amqp.Table) error {
+	for _, k := range queueArgs {
+		got, inGot := args[k]
+		cur, inCur := q.args[k]
+		if k == "x-queue-type" {
+			// Absent means classic.
+			if !inGot {
+				got, inGot = "classic", true
+			}
+			if !inCur {
+				cur, inCur = "classic", true
+			}
+		}
+		if inGot == inCur && argString(got) == argString(cur) {
+			continue
+		}
+		received, current := "none", "none"
+		if inGot {
+			received = "the value '" + argString(got) + "'"
+		}
+		if inCur {
+			current = "the value '" + argString(cur) + "'"
+		}
+		return &queueError{queue: q.name, err: &amqp.Error{Code: amqp.PreconditionFailed,
+			Reason: "PRECONDITION_FAILED - inequivalent arg '" + k + "' for queue '" + q.name + "' in vhost '/': received " + received + " but current is " + current,
+			Server: true, Recover: true}}
+	}
+	return nil
+}
+
+func argString(v any) string {
+	if n, ok := intArg(v); ok {
+		return strconv.FormatInt(n, 10)
+	}
+	return fmt.Sprint(v)
+}
+
+func intArg(v any) (int64, bool) {
+	switch x := v.(type) {
+	case int:
+		return int64(x), true
+	case int8:
+		return int64(x), true
+	case int16:
+		return int64(x), true
+	case int32:
+		return int64(x), true
+	case int64:
+		return x, true
+	case uint8:
+		return int64(x), true
+	case uint16:
+		return int64(x), true
+	case uint32:
+		return int64(x), true
+	}
+	return 0, false
+}
+
+func (q *memQueue) removeConsumer(c *memConsumer) {
+	if i := slices.Index(q.consumers, c); i >= 0 {
+		q.consumers = slices.Delete(q.consumers, i, i+1)
+	}
+}
+
+func (c *memConn) consume(queue, tag string, prefetch int) (<-chan amqp.Delivery, error) {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := c.lost(); err != nil {
+		return nil, err
+	}
+	q := m.queues[queue]
+	if q == nil {
+		return nil, notFound(queue)
+	}
+	if _, dup := c.consumers[tag]; dup {
+		return nil, &amqp.Error{Code: amqp.NotAllowed, Reason: "NOT_ALLOWED - attempt to reuse consumer tag '" + tag + "'", Server: true}
+	}
+	cons := &memConsumer{
+		tag:      tag,
+		q:        q,
+		conn:     c,
+		prefetch: prefetch,
+		wake:     make(chan struct{}, 1),
+		stop:     make(chan struct{}),
+		out:      make(chan amqp.Delivery),
+	}
+	c.consumers[tag] = cons
+	c.pumps = append(c.pumps, cons)
+	q.consumers = append(q.consumers, cons)
+	m.wg.Add(1)
+	go cons.pump(m)
+	m.dispatch(q)
+	return cons.out, nil
+}
+
+func (c *memConn) cancel(tag string) error {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := c.lost(); err != nil {
+		return err
+	}
+	cons := c.consumers[tag]
+	if cons == nil {
+		return nil
+	}
+	delete(c.consumers, tag)
+	cons.q.removeConsumer(cons)
+	cons.ending = true
+	cons.signal()
+	return nil
+}
+
+func (c *memConn) publish(_ context.Context, exchange, key string, msg amqp.Publishing) error {
+	if err := msg.Headers.Validate(); err != nil {
+		return fmt.Errorf("broker: publish: invalid headers: %w", err)
+	}
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := c.lost(); err != nil {
+		return err
+	}
+	if msg.UserId != "" && msg.UserId != memUser {
+		err := &amqp.Error{Code: amqp.PreconditionFailed, Server: true, Recover: true,
+			Reason: "PRECONDITION_FAILED - user_id property set to '" + msg.UserId + "' but authenticated user was '" + memUser + "'"}
+		c.shutdown(err) // as RabbitMQ closes the channel
+		return fmt.Errorf("broker: publish refused by the server: %w", err)
+	}
+	if exchange != "" {
+		return fmt.Errorf("%w: exchange %q does not exist (the memory server has only the default exchange)", ErrUnroutable, exchange)
+	}
+	q := m.queues[key]
+	if q == nil {
+		return fmt.Errorf("%w: exchange %q, routing key %q", ErrUnroutable, exchange, key)
+	}
+	m.enqueue(q, &memMsg{pub: wirePublishing(msg), exchange: exchange, key: key})
+	return nil
+}
+
+func (c *memConn) get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := c.lost(); err != nil {
+		return nil, false, err
+	}
+	q := m.queues[queue]
+	if q == nil {
+		return nil, false, notFound(queue)
+	}
+	if len(q.ready) == 0 {
+		return nil, false, nil
+	}
+	msg := q.ready[0]
+	q.ready = q.ready[1:]
+	c.tag++
+	c.unacked[c.tag] = &memUnacked{msg: msg, q: q}
+	d := q.delivery(msg, c.tag, "", c, true)
+	d.MessageCount = uint32(len(q.ready))
+	return &d, true, nil
+}
+
+func (c *memConn) length(_ context.Context, queue string) (int, error) {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := c.lost(); err != nil {
+		return 0, err
+	}
+	q := m.queues[queue]
+	if q == nil {
+		return 0, notFound(queue)
+	}
+	return len(q.ready), nil
+}
+
+func (c *memConn) delete(_ context.Context, queues []string) error {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := c.lost(); err != nil {
+		return err
+	}
+	for _, name := range queues {
+		q := m.queues[name]
+		if q == nil {
+			continue
+		}
+		delete(m.queues, name)
+		q.deleted = true
+		q.ready = nil
+		for _, cons := range q.consumers {
+			// basic.cancel from the server: the notice first, then the
+			// delivery channel closes once its buffer is handed out.
+			select {
+			case cons.conn.cancels <- cons.tag:
+			default:
+			}
+			delete(cons.conn.consumers, cons.tag)
+			cons.ending = true
+			cons.signal()
+		}
+		q.consumers = nil
+	}
+	return nil
+}
+
+// Ack implements amqp.Acknowledger.
+func (c *memConn) Ack(tag uint64, multiple bool) error {
+	return c.settle(tag, multiple, settleAck)
+}
+
+// Nack implements amqp.Acknowledger.
+func (c *memConn) Nack(tag uint64, multiple, requeue bool) error {
+	if requeue {
+		return c.settle(tag, multiple, settleRequeue)
+	}
+	return c.settle(tag, multiple, settleReject)
+}
+
+// Reject implements amqp.Acknowledger.
+func (c *memConn) Reject(tag uint64, requeue bool) error {
+	if requeue {
+		return c.settle(tag, false, settleRequeue)
+	}
+	return c.settle(tag, false, settleReject)
+}
+
+type settleAction int
+
+const (
+	settleAck settleAction = iota
+	settleRequeue
+	settleReject
+)
+
+func (c *memConn) settle(tag uint64, multiple bool, act settleAction) error {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if c.isClosed {
+		return amqp.ErrClosed
+	}
+	var tags []uint64
+	switch {
+	case multiple:
+		for t := range c.unacked {
+			if t <= tag || tag == 0 {
+				tags = append(tags, t)
+			}
+		}
+		slices.Sort(tags)
+	case c.unacked[tag] != nil:
+		tags = []uint64{tag}
+	}
+	if len(tags) == 0 && !(multiple && tag == 0) {
+		// RabbitMQ closes the channel; the call itself succeeds.
+		m.unknownTags++
+		c.shutdown(&amqp.Error{Code: amqp.PreconditionFailed, Reason: "PRECONDITION_FAILED - unknown delivery tag " + strconv.FormatUint(tag, 10), Server: true, Recover: true})
+		return nil
+	}
+	touched := make(map[*memQueue]bool, 1)
+	for _, t := range tags {
+		u := c.unacked[t]
+		delete(c.unacked, t)
+		if u.c != nil {
+			u.c.unacked--
+		}
+		touched[u.q] = true
+		switch act {
+		case settleRequeue:
+			m.nacked++
+			m.requeue(u.q, u.msg)
+		case settleReject:
+			if !u.q.deleted {
+				m.deadLetter(u.q, u.msg, "rejected")
+			}
+		}
+	}
+	for q := range touched {
+		m.dispatch(q)
+	}
+	return nil
+}

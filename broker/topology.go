@@ -1,0 +1,243 @@
+package broker
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"strconv"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// A DeclareMode says which queues Consume and Declare declare.
+type DeclareMode int
+
+const (
+	// DeclareAll declares the work queue, the dead-letter queue and the
+	// delay queues. It is the zero value, and the default.
+	DeclareAll DeclareMode = iota
+	// DeclareSupport declares the dead-letter queue and the delay queues,
+	// and checks that the work queue exists, for a work queue declared
+	// elsewhere with arguments of its own.
+	DeclareSupport
+	// DeclareNone declares nothing: every queue must exist already.
+	DeclareNone
+)
+
+// String returns "DeclareAll", "DeclareSupport" or "DeclareNone".
+func (m DeclareMode) String() string {
+	switch m {
+	case DeclareAll:
+		return "DeclareAll"
+	case DeclareSupport:
+		return "DeclareSupport"
+	case DeclareNone:
+		return "DeclareNone"
+	}
+	return "DeclareMode(" + strconv.Itoa(int(m)) + ")"
+}
+
+// DefaultDelays is the delay ladder used when Topology.Delays is empty.
+var DefaultDelays = []time.Duration{
+	time.Second, 5 * time.Second, 30 * time.Second,
+	2 * time.Minute, 10 * time.Minute, time.Hour,
+}
+
+// A Topology describes the queues that serve a work queue. The zero value
+// selects the defaults. The names and arguments are listed in the package
+// documentation.
+type Topology struct {
+	// Declare says what to declare; see DeclareMode.
+	Declare DeclareMode
+	// Quorum makes the work queue a quorum queue (x-queue-type=quorum).
+	// By default it is a classic durable queue. The dead-letter and delay
+	// queues are classic durable queues either way.
+	Quorum bool
+	// Delays is the ladder of delay queues, one queue per delay. A delayed
+	// retry goes to the shortest delay not below the one asked for (see the
+	// package documentation). Each delay must be a positive whole number of
+	// milliseconds, below 2^32 ms; order and duplicates do not matter.
+	// Default DefaultDelays: 1s, 5s, 30s, 2m, 10m, 1h.
+	Delays []time.Duration
+	// DeliveryLimit sets x-delivery-limit on a quorum work queue: after
+	// that many returns to the queue (requeues, lost connections), the
+	// server dead-letters the message to the dead-letter queue, without
+	// fault headers. It is a safety net under the Retry layer. 0 means none;
+	// it requires Quorum.
+	DeliveryLimit int
+}
+
+// tier is one rung of the delay ladder.
+type tier struct {
+	d     time.Duration
+	queue string
+}
+
+// topology is a Topology resolved for one work queue.
+type topology struct {
+	mode   DeclareMode
+	quorum bool
+	limit  int
+	queue  string
+	dlq    string
+	tiers  []tier // ascending, distinct
+}
+
+func (t Topology) resolve(queue string) (topology, error) {
+	if queue == "" {
+		return topology{}, errors.New("broker: empty queue name")
+	}
+	if t.Declare < DeclareAll || t.Declare > DeclareNone {
+		return topology{}, fmt.Errorf("broker: Topology.Declare: invalid mode %d", int(t.Declare))
+	}
+	if t.DeliveryLimit < 0 || (t.DeliveryLimit > 0 && !t.Quorum) {
+		return topology{}, fmt.Errorf("broker: Topology.DeliveryLimit %d: needs Quorum and a value >= 0", t.DeliveryLimit)
+	}
+	delays := t.Delays
+	if len(delays) == 0 {
+		delays = DefaultDelays
+	}
+	ds := slices.Clone(delays)
+	for _, d := range ds {
+		if d <= 0 || d%time.Millisecond != 0 || d/time.Millisecond > math.MaxUint32 {
+			return topology{}, fmt.Errorf("broker: Topology.Delays: %v is not a positive whole number of milliseconds below 2^32", d)
+		}
+	}
+	slices.Sort(ds)
+	ds = slices.Compact(ds)
+	top := topology{
+		mode:   t.Declare,
+		quorum: t.Quorum,
+		limit:  t.DeliveryLimit,
+		queue:  queue,
+		dlq:    queue + ".dlq",
+		tiers:  make([]tier, len(ds)),
+	}
+	for i, d := range ds {
+		top.tiers[i] = tier{d: d, queue: queue + ".delay." + tierName(d)}
+	}
+	return top, nil
+}
+
+// tierName writes d in its largest exact unit: "1h", "2m", "30s", "1500ms".
+func tierName(d time.Duration) string {
+	switch {
+	case d%time.Hour == 0:
+		return strconv.FormatInt(int64(d/time.Hour), 10) + "h"
+	case d%time.Minute == 0:
+		return strconv.FormatInt(int64(d/time.Minute), 10) + "m"
+	case d%time.Second == 0:
+		return strconv.FormatInt(int64(d/time.Second), 10) + "s"
+	}
+	return strconv.FormatInt(int64(d/time.Millisecond), 10) + "ms"
+}
+
+// tierFor returns the delay queue for a delay of d: the shortest tier not
+// below d, or the longest tier when d exceeds them all (over is then true,
+// and the caller must record when the message becomes due).
+func (t *topology) tierFor(d time.Duration) (tr tier, over bool) {
+	for _, tr := range t.tiers {
+		if tr.d >= d {
+			return tr, false
+		}
+	}
+	return t.tiers[len(t.tiers)-1], true
+}
+
+// queueSpec is one queue to declare, or to check (passive).
+type queueSpec struct {
+	name    string
+	passive bool
+	args    amqp.Table
+}
+
+// specs lists what to declare, work queue first.
+func (t *topology) specs() []queueSpec {
+	if t.mode == DeclareNone {
+		return nil
+	}
+	var specs []queueSpec
+	if t.mode == DeclareSupport {
+		specs = append(specs, queueSpec{name: t.queue, passive: true})
+	} else {
+		args := amqp.Table{
+			"x-dead-letter-exchange":    "",
+			"x-dead-letter-routing-key": t.dlq,
+		}
+		if t.quorum {
+			args["x-queue-type"] = "quorum"
+			if t.limit > 0 {
+				args["x-delivery-limit"] = int64(t.limit)
+			}
+		}
+		specs = append(specs, queueSpec{name: t.queue, args: args})
+	}
+	specs = append(specs, queueSpec{name: t.dlq})
+	for _, tr := range t.tiers {
+		specs = append(specs, queueSpec{name: tr.queue, args: amqp.Table{
+			"x-message-ttl":             int64(tr.d / time.Millisecond),
+			"x-dead-letter-exchange":    "",
+			"x-dead-letter-routing-key": t.queue,
+		}})
+	}
+	return specs
+}
+
+// names lists every queue of the topology, for Delete.
+func (t *topology) names() []string {
+	names := []string{t.queue, t.dlq}
+	for _, tr := range t.tiers {
+		names = append(names, tr.queue)
+	}
+	return names
+}
+
+// A queueError is a server refusal about one queue.
+type queueError struct {
+	queue string
+	err   error
+}
+
+func (e *queueError) Error() string { return "queue " + strconv.Quote(e.queue) + ": " + e.err.Error() }
+func (e *queueError) Unwrap() error { return e.err }
+
+// refusal turns a server refusal about this topology's queues into the
+// package's errors, with the fix in the text. Other errors pass unchanged.
+func (t *topology) refusal(err error) error {
+	var ae *amqp.Error
+	if err == nil || retryable(err) || !errors.As(err, &ae) || !ae.Server {
+		return err
+	}
+	queue := t.queue
+	var qe *queueError
+	if errors.As(err, &qe) {
+		queue = qe.queue
+	}
+	switch ae.Code {
+	case amqp.PreconditionFailed:
+		if queue == t.queue {
+			return fmt.Errorf("%w: %q (%s): declare it yourself and use Topology{Declare: DeclareSupport}, or delete it so that it is declared again",
+				ErrQueueArguments, queue, ae.Reason)
+		}
+		return fmt.Errorf("%w: %q (%s): delete it so that it is declared again, or declare the queues yourself and use Topology{Declare: DeclareNone}",
+			ErrQueueArguments, queue, ae.Reason)
+	case amqp.NotFound:
+		if t.mode != DeclareAll {
+			return fmt.Errorf("%w: %q (%s): declare it, or use Topology{Declare: DeclareAll} (mode is %v)", ErrQueueNotFound, queue, ae.Reason, t.mode)
+		}
+		return fmt.Errorf("%w: %q (%s)", ErrQueueNotFound, queue, ae.Reason)
+	}
+	return fmt.Errorf("broker: queue %q: %w", queue, err)
+}
+
+// refusal turns a server's 404 about queue into ErrQueueNotFound; other
+// errors pass unchanged.
+func refusal(queue string, err error) error {
+	var ae *amqp.Error
+	if err != nil && !retryable(err) && errors.As(err, &ae) && ae.Server && ae.Code == amqp.NotFound {
+		return fmt.Errorf("%w: %q (%s)", ErrQueueNotFound, queue, ae.Reason)
+	}
+	return err
+}

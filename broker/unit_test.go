@@ -1,0 +1,428 @@
+package broker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"math/rand/v2"
+	"regexp"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unicode/utf8"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+)
+
+func TestTierName(t *testing.T) {
+	for _, c := range []struct {
+		d    time.Duration
+		want string
+	}{
+		{time.Second, "1s"}, {5 * time.Second, "5s"}, {30 * time.Second, "30s"},
+		{2 * time.Minute, "2m"}, {10 * time.Minute, "10m"}, {time.Hour, "1h"},
+		{1500 * time.Millisecond, "1500ms"}, {90 * time.Second, "90s"},
+		{3600 * time.Second, "1h"}, {50 * time.Millisecond, "50ms"}, {25 * time.Hour, "25h"},
+	} {
+		if got := tierName(c.d); got != c.want {
+			t.Errorf("tierName(%v) = %q; want %q", c.d, got, c.want)
+		}
+	}
+}
+
+func TestTopologyResolve(t *testing.T) {
+	top, err := Topology{}.resolve("orders")
+	noErr(t, "resolve(defaults)", err)
+	var names []string
+	for _, s := range top.specs() {
+		names = append(names, s.name)
+	}
+	equal(t, "declared queues", names, []string{"orders", "orders.dlq",
+		"orders.delay.1s", "orders.delay.5s", "orders.delay.30s", "orders.delay.2m", "orders.delay.10m", "orders.delay.1h"})
+	specs := top.specs()
+	equal(t, "work queue arguments", specs[0].args, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "orders.dlq"})
+	equal(t, "dead-letter queue arguments", specs[1].args, amqp.Table(nil))
+	equal(t, "delay queue 5s arguments", specs[3].args, amqp.Table{"x-message-ttl": int64(5000), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "orders"})
+
+	top, err = Topology{Quorum: true, DeliveryLimit: 5, Declare: DeclareSupport, Delays: []time.Duration{time.Minute, time.Second, time.Second}}.resolve("q")
+	noErr(t, "resolve(quorum, support)", err)
+	specs = top.specs()
+	equal(t, "work queue spec with DeclareSupport", specs[0], queueSpec{name: "q", passive: true})
+	equal(t, "specs with a deduplicated ladder", len(specs), 4)
+	equal(t, "tiers sorted", []string{specs[2].name, specs[3].name}, []string{"q.delay.1s", "q.delay.1m"})
+	top, _ = Topology{Quorum: true, DeliveryLimit: 5}.resolve("q")
+	equal(t, "quorum work queue arguments", top.specs()[0].args, amqp.Table{
+		"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "q.dlq", "x-queue-type": "quorum", "x-delivery-limit": int64(5)})
+	top, _ = Topology{Declare: DeclareNone}.resolve("q")
+	equal(t, "specs with DeclareNone", len(top.specs()), 0)
+	equal(t, "names with DeclareNone", len(top.names()), 8)
+
+	for _, bad := range []Topology{
+		{Delays: []time.Duration{0}},
+		{Delays: []time.Duration{-time.Second}},
+		{Delays: []time.Duration{1500 * time.Microsecond}},
+		{Delays: []time.Duration{50 * 24 * time.Hour}},
+		{DeliveryLimit: 3},
+		{Quorum: true, DeliveryLimit: -1},
+		{Declare: DeclareMode(7)},
+	} {
+		if _, err := bad.resolve("q"); err == nil {
+			t.Errorf("resolve(%+v) = nil error; want one", bad)
+		}
+	}
+	if _, err := (Topology{}).resolve(""); err == nil {
+		t.Error("resolve of an empty queue name = nil error; want one")
+	}
+}
+
+func TestTierFor(t *testing.T) {
+	top, _ := Topology{Delays: []time.Duration{time.Second, 5 * time.Second, time.Minute}}.resolve("q")
+	for _, c := range []struct {
+		d    time.Duration
+		want string
+		over bool
+	}{
+		{time.Millisecond, "q.delay.1s", false},
+		{time.Second, "q.delay.1s", false},
+		{time.Second + 1, "q.delay.5s", false},
+		{6 * time.Second, "q.delay.1m", false},
+		{time.Minute, "q.delay.1m", false},
+		{time.Hour, "q.delay.1m", true},
+	} {
+		tr, over := top.tierFor(c.d)
+		if tr.queue != c.want || over != c.over {
+			t.Errorf("tierFor(%v) = %q, %t; want %q, %t", c.d, tr.queue, over, c.want, c.over)
+		}
+	}
+}
+
+func TestRefusalText(t *testing.T) {
+	top, _ := Topology{}.resolve("q")
+	e406 := &amqp.Error{Code: amqp.PreconditionFailed, Reason: "PRECONDITION_FAILED - inequivalent arg", Server: true, Recover: true}
+	err := top.refusal(&queueError{queue: "q", err: e406})
+	isErr(t, "refusal(406 on q)", err, ErrQueueArguments)
+	contains(t, "refusal(406 on q)", err.Error(), "DeclareSupport")
+	err = top.refusal(&queueError{queue: "q.dlq", err: e406})
+	isErr(t, "refusal(406 on q.dlq)", err, ErrQueueArguments)
+	contains(t, "refusal(406 on q.dlq)", err.Error(), `"q.dlq"`)
+	lost := lostError(&amqp.Error{Code: amqp.ConnectionForced, Server: true})
+	if got := top.refusal(lost); got != lost {
+		t.Errorf("refusal(lost) = %v; want it unchanged", got)
+	}
+}
+
+func TestFaultHeaders(t *testing.T) {
+	at := time.Date(2026, 1, 2, 3, 4, 5, 678, time.FixedZone("X", 3600))
+	orig := amqp.Table{"x-death": []any{amqp.Table{"count": int64(2)}}, "keep": []byte("b")}
+	d := &amqp.Delivery{Exchange: "ex", RoutingKey: "rk", Headers: orig}
+	snapshot := maps.Clone(orig)
+
+	h := faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(fmt.Errorf("wrap: %w", errBoom))), "q", at, "host", "proc[1]")
+	equal(t, "d.Headers after faultHeaders", d.Headers, snapshot)
+	want := amqp.Table{
+		"x-death":                orig["x-death"],
+		"keep":                   []byte("b"),
+		HeaderError:              "wrap: boom",
+		HeaderErrorType:          "*errors.errorString",
+		rabbitmw.HeaderAttempts:  int64(1),
+		HeaderOriginalExchange:   "ex",
+		HeaderOriginalRoutingKey: "rk",
+		HeaderOriginalQueue:      "q",
+		HeaderFailedAt:           time.Date(2026, 1, 2, 2, 4, 5, 0, time.UTC),
+		HeaderHost:               "host",
+		HeaderProcess:            "proc[1]",
+	}
+	equal(t, "faultHeaders", h, want)
+
+	// An earlier hop's origin and attempt count are kept; Decision's count
+	// wins when set.
+	d.Headers = amqp.Table{HeaderOriginalExchange: "first", HeaderOriginalRoutingKey: "first-rk", rabbitmw.HeaderAttempts: int32(4)}
+	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(errBoom)), "q", at, "h", "p")
+	equal(t, "original exchange kept", h[HeaderOriginalExchange], "first")
+	equal(t, "original routing key kept", h[HeaderOriginalRoutingKey], "first-rk")
+	equal(t, "attempts from the header, plus this one", h[rabbitmw.HeaderAttempts], int64(5))
+	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(rabbitmw.WithAttempts(errBoom, 9))), "q", at, "h", "p")
+	equal(t, "attempts from the Decision", h[rabbitmw.HeaderAttempts], int64(9))
+
+	// A long error is cut to 4 KiB, at a rune boundary.
+	long := strings.Repeat("é", 5000)
+	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(errors.New(long))), "q", at, "h", "p")
+	text := h[HeaderError].(string)
+	if len(text) > maxErrorText || !utf8.ValidString(text) || !strings.HasPrefix(long, strings.TrimSuffix(text, "…")) {
+		t.Errorf("error text of %d bytes cut to %d bytes (valid UTF-8: %t); want a prefix of at most %d", len(long), len(text), utf8.ValidString(text), maxErrorText)
+	}
+	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(&rabbitmw.PanicError{Value: 42})), "q", at, "h", "p")
+	equal(t, "error type of a panic", h[HeaderErrorType], "*rabbitmw.PanicError")
+}
+
+func TestDelayHeadersAndRepublishing(t *testing.T) {
+	d := &amqp.Delivery{
+		Exchange: "ex", RoutingKey: "rk", UserId: "alice", MessageId: "m", AppId: "app",
+		ContentType: "application/json", Priority: 3, DeliveryMode: amqp.Transient, Expiration: "60000",
+		Headers: amqp.Table{rabbitmw.HeaderAttempts: int64(2), HeaderNotBefore: int64(1)},
+		Body:    []byte("b"),
+	}
+	snapshot := maps.Clone(d.Headers)
+	due := time.UnixMilli(1234567)
+	h := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, due)
+	equal(t, "attempts kept when the Decision has none", h[rabbitmw.HeaderAttempts], int64(2))
+	equal(t, "not-before", h[HeaderNotBefore], int64(1234567))
+	equal(t, "original exchange", h[HeaderOriginalExchange], "ex")
+	h = delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second, Attempts: 3}, time.Time{})
+	equal(t, "attempts from the Decision", h[rabbitmw.HeaderAttempts], int64(3))
+	if _, ok := h[HeaderNotBefore]; ok {
+		t.Error("stale not-before kept; want it removed when the tier covers the delay")
+	}
+	p := republishing(d, h)
+	equal(t, "d.Headers after the copies", d.Headers, snapshot)
+	equal(t, "UserId of the copy", p.UserId, "")
+	equal(t, "user id header", p.Headers[HeaderUserID], "alice")
+	equal(t, "DeliveryMode of the copy", p.DeliveryMode, uint8(amqp.Persistent))
+	equal(t, "properties kept", []any{p.MessageId, p.AppId, p.ContentType, p.Priority, p.Expiration, string(p.Body)},
+		[]any{"m", "app", "application/json", uint8(3), "60000", "b"})
+	nb, ok := notBefore(amqp.Table{HeaderNotBefore: int64(1234567)})
+	equal(t, "notBefore", []any{nb.UnixMilli(), ok}, []any{int64(1234567), true})
+	_, ok = notBefore(amqp.Table{HeaderNotBefore: "soon"})
+	equal(t, "notBefore of a string", ok, false)
+}
+
+// FuzzFaultHeaders checks, for headers of every type and any error text,
+// that the fault headers keep every header they do not own, never modify
+// the delivery, and pass amqp.Table.Validate.
+func FuzzFaultHeaders(f *testing.F) {
+	f.Add([]byte{0, 1, 2, 3}, "boom", 0, "ex", "rk")
+	f.Add([]byte("nested tables and arrays"), strings.Repeat("x", 5000), 7, "", "")
+	f.Add([]byte{255, 254, 9, 9, 9, 9, 9}, "\xff\xfe invalid utf-8", -3, "e", "k")
+	f.Fuzz(func(t *testing.T, seed []byte, text string, attempts int, exchange, key string) {
+		headers := tableFromSeed(seed)
+		if err := headers.Validate(); err != nil {
+			t.Fatalf("generated headers invalid: %v", err)
+		}
+		snapshot := copyTable(headers)
+		d := &amqp.Delivery{Exchange: exchange, RoutingKey: key, Headers: headers}
+		err := errors.New(text)
+		if attempts != 0 {
+			err = rabbitmw.WithAttempts(err, attempts)
+		}
+		h := faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(err)), "q", time.Now(), "h", "p")
+		if err := h.Validate(); err != nil {
+			t.Fatalf("faultHeaders(...).Validate() = %v", err)
+		}
+		if !equalTables(d.Headers, snapshot) {
+			t.Fatal("faultHeaders modified the delivery's headers")
+		}
+		owned := map[string]bool{HeaderError: true, HeaderErrorType: true, rabbitmw.HeaderAttempts: true,
+			HeaderOriginalQueue: true, HeaderFailedAt: true, HeaderHost: true, HeaderProcess: true,
+			HeaderOriginalExchange: true, HeaderOriginalRoutingKey: true}
+		for k, v := range headers {
+			if owned[k] && k != HeaderOriginalExchange && k != HeaderOriginalRoutingKey {
+				continue
+			}
+			if !equalTables(amqp.Table{k: h[k]}, amqp.Table{k: v}) {
+				t.Fatalf("header %q = %#v; want %#v kept", k, h[k], v)
+			}
+		}
+		if s := h[HeaderError].(string); len(s) > maxErrorText || (utf8.ValidString(text) && !utf8.ValidString(s)) {
+			t.Fatalf("error text of %d bytes; want at most %d, valid UTF-8 if the input was", len(s), maxErrorText)
+		}
+		if n, _ := h[rabbitmw.HeaderAttempts].(int64); n < 1 {
+			t.Fatalf("attempts = %v; want >= 1", h[rabbitmw.HeaderAttempts])
+		}
+	})
+}
+
+func equalTables(a, b amqp.Table) bool { return fmt.Sprintf("%#v", a) == fmt.Sprintf("%#v", b) }
+
+// tableFromSeed builds a table of every AMQP type from seed's bytes.
+func tableFromSeed(seed []byte) amqp.Table {
+	r := rand.New(rand.NewPCG(uint64(len(seed)), 0))
+	for i, b := range seed {
+		r = rand.New(rand.NewPCG(r.Uint64()^uint64(b), uint64(i)))
+	}
+	var value func(depth int) any
+	value = func(depth int) any {
+		switch r.IntN(18) {
+		case 0:
+			return r.IntN(2) == 0
+		case 1:
+			return byte(r.Uint32())
+		case 2:
+			return int8(r.Uint32())
+		case 3:
+			return int16(r.Uint32())
+		case 4:
+			return int32(r.Uint32())
+		case 5:
+			return int64(r.Uint64())
+		case 6:
+			return uint16(r.Uint32())
+		case 7:
+			return uint32(r.Uint32())
+		case 8:
+			return r.Float32()
+		case 9:
+			return r.Float64()
+		case 10:
+			return amqp.Decimal{Scale: uint8(r.IntN(10)), Value: int32(r.Uint32())}
+		case 11:
+			return fmt.Sprint(r.Uint64())
+		case 12:
+			return []byte(fmt.Sprint(r.Uint32()))
+		case 13:
+			return time.Unix(r.Int64N(1<<32), 0)
+		case 14:
+			return nil
+		case 15:
+			if depth < 3 {
+				a := make([]any, r.IntN(4))
+				for i := range a {
+					a[i] = value(depth + 1)
+				}
+				return a
+			}
+		case 16:
+			if depth < 3 {
+				t := amqp.Table{}
+				for range r.IntN(4) {
+					t[fmt.Sprint("k", r.IntN(100))] = value(depth + 1)
+				}
+				return t
+			}
+		case 17:
+			// An x-death record as RabbitMQ writes it.
+			return []any{amqp.Table{"count": int64(r.IntN(9)), "reason": "expired", "queue": "q.delay.1s",
+				"time": time.Unix(r.Int64N(1<<32), 0), "exchange": "", "routing-keys": []any{"q.delay.1s"}}}
+		}
+		return "leaf"
+	}
+	t := amqp.Table{}
+	keys := []string{"a", "b", "x-death", "x-delivery-count", HeaderOriginalExchange, HeaderError, rabbitmw.HeaderAttempts}
+	for range r.IntN(8) {
+		t[keys[r.IntN(len(keys))]+fmt.Sprint(r.IntN(3))] = value(0)
+		if r.IntN(4) == 0 {
+			t[keys[r.IntN(len(keys))]] = value(0)
+		}
+	}
+	return t
+}
+
+func TestBackoff(t *testing.T) {
+	b := newBackoff(100*time.Millisecond, 2*time.Second)
+	ceilings := []time.Duration{100, 200, 400, 800, 1600, 2000, 2000}
+	for i, c := range ceilings {
+		c *= time.Millisecond
+		for range 50 {
+			bb := *b
+			if d := bb.next(); d < 0 || d > c {
+				t.Fatalf("wait %d = %v; want in [0, %v]", i, d, c)
+			}
+		}
+		b.next()
+	}
+	b = newBackoff(time.Second, time.Hour)
+	for range 200 {
+		if d := b.next(); d < 0 || d > time.Hour {
+			t.Fatalf("wait after many attempts = %v; want in [0, 1h]", d)
+		}
+	}
+	b.reset()
+	if d := b.next(); d > time.Second {
+		t.Errorf("wait after reset = %v; want <= 1s", d)
+	}
+}
+
+func TestOptionsDefaults(t *testing.T) {
+	c := Options{}.resolve()
+	equal(t, "ReconnectMin", c.rmin, defaultReconnectMin)
+	equal(t, "ReconnectMax", c.rmax, defaultReconnectMax)
+	equal(t, "Heartbeat", c.heartbeat, defaultHeartbeat)
+	if c.log == nil || c.log.Handler().Enabled(context.Background(), slog.LevelError) {
+		t.Error("default logger is not a discarding one")
+	}
+	if !regexp.MustCompile(`^.+\[\d+\]$`).MatchString(c.process) {
+		t.Errorf("default Process = %q; want name[pid]", c.process)
+	}
+	equal(t, "ReconnectMin below a small ReconnectMax", Options{ReconnectMax: 10 * time.Millisecond}.resolve().rmin, 10*time.Millisecond)
+	opts := Options{}
+	New("amqp://localhost/", opts)
+	equal(t, "caller's Options after New", opts, Options{})
+	for _, bad := range []Options{{ReconnectMin: -1}, {ReconnectMin: time.Second, ReconnectMax: time.Millisecond}, {Heartbeat: -time.Second}} {
+		func() {
+			defer func() {
+				if r := recover(); r == nil || !strings.HasPrefix(fmt.Sprint(r), "broker: ") {
+					t.Errorf("New(%+v) panicked with %v; want a broker: panic", bad, r)
+				}
+			}()
+			New("amqp://localhost/", bad)
+		}()
+	}
+}
+
+func TestConsumeBadOptions(t *testing.T) {
+	m := NewMemory()
+	defer m.Close()
+	b := m.Broker(Options{})
+	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
+	ctx := testContext(t, 5*time.Second)
+	for _, o := range []ConsumeOptions{{Workers: -1}, {Prefetch: 70000}, {ShutdownTimeout: -1}, {Topology: Topology{Delays: []time.Duration{-1}}}} {
+		if err := b.Consume(ctx, "q", h, o); err == nil {
+			t.Errorf("Consume(%+v) = nil; want an error", o)
+		}
+	}
+	if err := b.Consume(ctx, "", h, ConsumeOptions{}); err == nil {
+		t.Error("Consume of an empty queue name = nil; want an error")
+	}
+	defer func() {
+		if r := recover(); r == nil {
+			t.Error("Consume with a nil handler did not panic")
+		}
+	}()
+	_ = b.Consume(ctx, "q", nil, ConsumeOptions{})
+}
+
+func TestMalformedURL(t *testing.T) {
+	b := New("http://a b/", Options{})
+	defer b.Close()
+	err := b.Consume(testContext(t, 5*time.Second), "q", rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }), ConsumeOptions{})
+	if err == nil || !strings.Contains(err.Error(), "malformed AMQP URL") {
+		t.Errorf("Consume on a malformed URL = %v; want a malformed URL error", err)
+	}
+}
+
+// closedSession is a session that is already lost.
+type closedSession struct{ session }
+
+func (closedSession) closed() <-chan struct{} {
+	c := make(chan struct{})
+	close(c)
+	return c
+}
+
+// A delivery taken from a session that has closed is not handled: it
+// cannot be settled, and the server redelivers it.
+func TestWorkerSkipsDeliveryOfClosedSession(t *testing.T) {
+	var calls atomic.Int32
+	c := &consumer{h: rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+		calls.Add(1)
+		return nil
+	}), log: slog.New(slog.DiscardHandler)}
+	rec := &countingAcker{}
+	deliveries := make(chan amqp.Delivery, 1)
+	deliveries <- amqp.Delivery{Acknowledger: rec, DeliveryTag: 1}
+	close(deliveries)
+	var stopping atomic.Bool
+	c.work(context.Background(), closedSession{}, deliveries, &stopping)
+	equal(t, "handler calls", calls.Load(), int32(0))
+	equal(t, "settlements", rec.n.Load(), int32(0))
+}
+
+type countingAcker struct{ n atomic.Int32 }
+
+func (a *countingAcker) Ack(uint64, bool) error        { a.n.Add(1); return nil }
+func (a *countingAcker) Nack(uint64, bool, bool) error { a.n.Add(1); return nil }
+func (a *countingAcker) Reject(uint64, bool) error     { a.n.Add(1); return nil }
