@@ -1,0 +1,75 @@
+// Command example shows every guarantee of rabbitmw in one run: it
+// publishes a set of scenarios (ordinary messages, duplicates, a redelivery
+// of a message already done, a message that always fails, a handler that
+// panics once, a message without a message_id, a handler slower than its
+// lease, two consumers racing on duplicates), consumes them to the end with
+// the recommended stack, prints what happened to each message, and exits 0
+// only if every business effect happened exactly once and the failing
+// message sits in the dead-letter queue with its fault headers.
+//
+// With no flags it needs no servers: it runs on the in-memory broker and an
+// embedded Redis (miniredis). With -amqp and -redis it runs the same
+// scenarios against real servers:
+//
+//	go run ./example
+//	go run ./example -amqp amqp://guest:guest@127.0.0.1:5672/ -redis 127.0.0.1:6379
+//
+// RABBITMQ_URL and REDIS_ADDR stand for the flags. -v prints the log
+// records of the stack and the broker.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"time"
+)
+
+func main() {
+	var cfg config
+	flag.StringVar(&cfg.amqpURL, "amqp", os.Getenv("RABBITMQ_URL"), "AMQP URL of a RabbitMQ server (default: the in-memory broker)")
+	flag.StringVar(&cfg.redisAddr, "redis", os.Getenv("REDIS_ADDR"), "address of a Redis server (default: an embedded miniredis)")
+	flag.DurationVar(&cfg.timeout, "timeout", time.Minute, "how long the scenarios may take")
+	verbose := flag.Bool("v", false, "print the log records of the stack and the broker")
+	flag.Parse()
+
+	cfg.logger = slog.New(slog.DiscardHandler)
+	if *verbose {
+		cfg.logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+
+	rep, err := run(ctx, cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "example:", err)
+		os.Exit(2)
+	}
+	rep.print(os.Stdout)
+	if !rep.ok() {
+		os.Exit(1)
+	}
+}
+
+// config says where the example runs.
+type config struct {
+	amqpURL   string // "" for the in-memory broker
+	redisAddr string // "" for an embedded miniredis
+	timeout   time.Duration
+	logger    *slog.Logger
+}
+
+func (c config) describe(w io.Writer) {
+	broker, redis := "the in-memory broker", "an embedded Redis (miniredis)"
+	if c.amqpURL != "" {
+		broker = "RabbitMQ at " + redactURL(c.amqpURL)
+	}
+	if c.redisAddr != "" {
+		redis = "Redis at " + c.redisAddr
+	}
+	fmt.Fprintf(w, "rabbitmw example: %s, %s, two consumers\n\n", broker, redis)
+}
