@@ -1,0 +1,270 @@
+package rabbitmw_test
+
+// End to end: the recommended stack, the broker and the Redis store
+// together, on real servers (RabbitMQ and Redis) and on the in-memory
+// broker with miniredis.
+
+import (
+	"context"
+	"fmt"
+	"os/exec"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/internal/redistest"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// servers is where an end-to-end test runs.
+type servers struct {
+	broker *broker.Broker
+	store  store.Store
+	drop   func(t *testing.T) // closes every connection to the broker
+}
+
+func realServers(t *testing.T) servers {
+	url, addr := testenv.RabbitMQURL(t), testenv.RedisAddr(t)
+	b := broker.New(url, broker.Options{})
+	t.Cleanup(func() { b.Close() })
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	prefix := fmt.Sprintf("rabbitmw-e2e:%s:%d:", t.Name(), time.Now().UnixNano())
+	t.Cleanup(func() {
+		ctx := context.Background()
+		iter := c.Scan(ctx, 0, prefix+"*", 1000).Iterator()
+		for iter.Next(ctx) {
+			c.Del(ctx, iter.Val())
+		}
+		c.Close()
+	})
+	return servers{
+		broker: b,
+		store:  store.NewRedis(c, store.RedisOptions{Prefix: prefix}),
+		drop: func(t *testing.T) {
+			out, err := exec.Command("rabbitmqctl", "close_all_connections", "rabbitmw end-to-end test").CombinedOutput()
+			if err != nil {
+				t.Fatalf("rabbitmqctl close_all_connections: %v\n%s", err, out)
+			}
+		},
+	}
+}
+
+func memoryServers(t *testing.T) servers {
+	m := broker.NewMemory()
+	t.Cleanup(m.Close)
+	b := m.Broker(broker.Options{})
+	t.Cleanup(func() { b.Close() })
+	_, c, _ := redistest.Start(t)
+	return servers{
+		broker: b,
+		store:  store.NewRedis(c, store.RedisOptions{}),
+		drop: func(t *testing.T) {
+			if m.CloseConnections() == 0 {
+				t.Error("no connection to close")
+			}
+		},
+	}
+}
+
+// effects counts business effects per message id, and deliveries that
+// left the queue for good (acknowledged, as done or as duplicates, or
+// dead-lettered).
+type effectCounter struct {
+	m     sync.Map // id -> *atomic.Int64
+	total    atomic.Int64
+	ended    atomic.Int64
+	inflight atomic.Int64
+}
+
+// observe is an outermost layer that counts the deliveries that end.
+func (e *effectCounter) observe(next rabbitmw.Handler) rabbitmw.Handler {
+	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		e.inflight.Add(1)
+		defer e.inflight.Add(-1)
+		err := next.Handle(ctx, d)
+		switch rabbitmw.Decide(err).Outcome {
+		case rabbitmw.Ack, rabbitmw.Duplicate, rabbitmw.DeadLetter:
+			e.ended.Add(1)
+		}
+		return err
+	})
+}
+
+func (e *effectCounter) handler() rabbitmw.Handler {
+	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		v, _ := e.m.LoadOrStore(d.MessageId, new(atomic.Int64))
+		v.(*atomic.Int64).Add(1)
+		e.total.Add(1)
+		return nil
+	})
+}
+
+// check returns the ids applied other than once among want.
+func (e *effectCounter) check(want []string) (missing, twice []string) {
+	for _, id := range want {
+		v, ok := e.m.Load(id)
+		switch n := int64(0); {
+		case ok && v.(*atomic.Int64).Load() > 1:
+			twice = append(twice, id)
+		case !ok || v.(*atomic.Int64).Load() == n:
+			missing = append(missing, id)
+		}
+	}
+	return missing, twice
+}
+
+// e2eStack is the recommended stack with delays short enough for a test.
+func e2eStack(st store.Store) rabbitmw.Middleware {
+	return rabbitmw.Chain(
+		middleware.Retry(st, middleware.RetryOptions{Backoff: middleware.Exponential(20*time.Millisecond, 200*time.Millisecond)}),
+		middleware.Recover(),
+		middleware.Dedup(st, middleware.DedupOptions{BusyDelay: 50 * time.Millisecond, UnavailableDelay: 50 * time.Millisecond}),
+		middleware.Timeout(10*time.Second),
+	)
+}
+
+var e2eTopology = broker.Topology{Delays: []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, time.Second}}
+
+// runE2E publishes n messages (every fifth id published twice more, some
+// copies at once), consumes them with two consumers, closes every broker
+// connection drops times along the way, and checks that every message had
+// its effect exactly once and the queue ends empty.
+func runE2E(t *testing.T, srv servers, n, drops int) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	queue := fmt.Sprintf("rabbitmw-e2e-%d", time.Now().UnixNano())
+	t.Cleanup(func() { srv.broker.Delete(context.Background(), queue, e2eTopology) })
+	if err := srv.broker.Declare(ctx, queue, e2eTopology); err != nil {
+		t.Fatal(err)
+	}
+
+	var fx effectCounter
+	h := rabbitmw.Chain(fx.observe, e2eStack(srv.store))(fx.handler())
+	consumeCtx, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	errs := make([]error, 2)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = srv.broker.Consume(consumeCtx, queue, h, broker.ConsumeOptions{Topology: e2eTopology})
+		}()
+	}
+
+	ids := make([]string, n)
+	var copies []string
+	for i := range ids {
+		ids[i] = fmt.Sprintf("m-%05d", i)
+		copies = append(copies, ids[i])
+		if i%5 == 0 {
+			copies = append(copies, ids[i], ids[i])
+		}
+	}
+	// Publish from 16 goroutines; drop the connections as the effects pass
+	// even intervals, so the consumers are at work at each drop.
+	pubDone := make(chan struct{})
+	go func() {
+		defer close(pubDone)
+		var pw sync.WaitGroup
+		work := make(chan string)
+		for range 16 {
+			pw.Add(1)
+			go func() {
+				defer pw.Done()
+				for id := range work {
+					if err := srv.broker.Publish(ctx, "", queue, amqp.Publishing{MessageId: id, Body: []byte(id)}); err != nil {
+						t.Errorf("publish %s: %v", id, err)
+					}
+				}
+			}()
+		}
+		for _, id := range copies {
+			work <- id
+		}
+		close(work)
+		pw.Wait()
+	}()
+	for i := 1; i <= drops; i++ {
+		target := int64(n * i / (drops + 1))
+		for fx.total.Load() < target && ctx.Err() == nil {
+			time.Sleep(5 * time.Millisecond)
+		}
+		srv.drop(t)
+	}
+	<-pubDone
+
+	// Every copy has ended (a copy delayed while another consumer held its
+	// claim comes back through a delay queue; a copy whose settlement a
+	// dropped connection lost comes back too), and nothing is left in the
+	// work queue, the delay queues or a handler, twice over a pause longer
+	// than the longest delay.
+	quiet := func() bool {
+		if fx.ended.Load() < int64(len(copies)) || fx.inflight.Load() > 0 {
+			return false
+		}
+		for _, q := range []string{queue, queue + ".delay.50ms", queue + ".delay.200ms", queue + ".delay.1s"} {
+			if l, err := srv.broker.Len(ctx, q); err != nil || l != 0 {
+				return false
+			}
+		}
+		return true
+	}
+	for ctx.Err() == nil {
+		if quiet() {
+			time.Sleep(1200 * time.Millisecond)
+			if quiet() {
+				break
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	stop()
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("consumer %d: %v", i, err)
+		}
+	}
+	missing, twice := fx.check(ids)
+	if len(missing) > 0 || len(twice) > 0 {
+		t.Errorf("%d ids never applied (first: %v), %d applied more than once (first: %v)", len(missing), first(missing), len(twice), first(twice))
+	}
+	if got := fx.total.Load(); got != int64(n) {
+		t.Errorf("%d effects for %d messages; want one each", got, n)
+	}
+	for _, q := range []string{queue, queue + ".dlq"} {
+		if l, err := srv.broker.Len(context.Background(), q); err != nil || l != 0 {
+			t.Errorf("Len(%s) = %d, %v; want 0", q, l, err)
+		}
+	}
+	if got := fx.ended.Load(); got < int64(len(copies)) {
+		t.Errorf("%d deliveries ended (acked or dead-lettered); want at least the %d copies published", got, len(copies))
+	}
+	t.Logf("%d messages, %d copies published, %d connection drops: %d effects, %d deliveries ended", n, len(copies), drops, fx.total.Load(), fx.ended.Load())
+}
+
+func first(ids []string) []string { return ids[:min(len(ids), 5)] }
+
+// 10,000 messages through the stack with the Redis store on real servers.
+func TestEndToEnd10000(t *testing.T) {
+	runE2E(t, realServers(t), 10000, 0)
+}
+
+// The server closes every connection, twice, mid-stream.
+func TestEndToEndConnectionLoss(t *testing.T) {
+	t.Run("rabbitmq", func(t *testing.T) { runE2E(t, realServers(t), 3000, 2) })
+	// miniredis, one lock for all its clients, bounds this one to a few
+	// hundred messages a second.
+	t.Run("memory", func(t *testing.T) { runE2E(t, memoryServers(t), 1000, 3) })
+}
