@@ -81,7 +81,7 @@ func memoryServers(t *testing.T) servers {
 // left the queue for good (acknowledged, as done or as duplicates, or
 // dead-lettered).
 type effectCounter struct {
-	m     sync.Map // id -> *atomic.Int64
+	m        sync.Map // id -> *atomic.Int64
 	total    atomic.Int64
 	ended    atomic.Int64
 	inflight atomic.Int64
