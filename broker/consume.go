@@ -33,6 +33,13 @@ type ConsumeOptions struct {
 	// ConsumerTag names the consumer on the server. Default: a unique tag
 	// made of "rabbitmw", the process name and random digits.
 	ConsumerTag string
+	// OnSettle, if set, is called after each delivery was settled, with
+	// what was done and the error of doing it (nil when the server took
+	// it). A delivery given back unhandled at shutdown is reported as
+	// Requeue. It runs on the worker that settled the delivery, so it must
+	// be quick and safe for concurrent use: it is meant for metrics. It
+	// must not settle d.
+	OnSettle func(d *amqp.Delivery, o rabbitmw.Outcome, err error)
 }
 
 const (
@@ -113,6 +120,7 @@ func (b *Broker) Consume(ctx context.Context, queue string, h rabbitmw.Handler, 
 		prefetch: opts.Prefetch,
 		timeout:  opts.ShutdownTimeout,
 		tag:      opts.ConsumerTag,
+		onSettle: opts.OnSettle,
 		log:      b.cfg.log.With(slog.String("queue", queue)),
 	}
 	switch {
@@ -147,6 +155,7 @@ type consumer struct {
 	prefetch int
 	timeout  time.Duration
 	tag      string
+	onSettle func(*amqp.Delivery, rabbitmw.Outcome, error)
 	log      *slog.Logger
 	inflight atomic.Int64 // handlers running
 }
@@ -439,8 +448,11 @@ func (c *consumer) requeueAfter(ctx context.Context, s session, d *amqp.Delivery
 	return d.Nack(false, true)
 }
 
-// report logs a failed settlement.
+// report tells OnSettle of a settlement, and logs it if it failed.
 func (c *consumer) report(ctx context.Context, d *amqp.Delivery, o rabbitmw.Outcome, err error) {
+	if c.onSettle != nil {
+		c.onSettle(d, o, err)
+	}
 	if err == nil {
 		return
 	}
