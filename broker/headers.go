@@ -1,7 +1,6 @@
 package broker
 
 import (
-	"errors"
 	"fmt"
 	"maps"
 	"time"
@@ -21,8 +20,9 @@ const (
 	// of at most 4 KiB).
 	HeaderError = "x-rabbitmw-error"
 	// HeaderErrorType is the Go type of the innermost error of the
-	// errors.Unwrap chain of the handler's result, as %T prints it, such
-	// as "*json.SyntaxError" or "*rabbitmw.PanicError".
+	// handler's result, as %T prints it, such as "*json.SyntaxError" or
+	// "*rabbitmw.PanicError": the end of its Unwrap chain, taking the first
+	// of several wrapped errors.
 	HeaderErrorType = "x-rabbitmw-error-type"
 	// HeaderOriginalExchange and HeaderOriginalRoutingKey are the exchange
 	// and routing key the message was first published with: recorded at
@@ -155,14 +155,24 @@ func setIfAbsent(h amqp.Table, k string, v any) {
 	}
 }
 
-// innermost follows errors.Unwrap to the end of the chain.
+// innermost follows the chain of err to its end: through Unwrap() error,
+// and through the first error of Unwrap() []error (errors.Join and
+// fmt.Errorf with several %w put the main error first).
 func innermost(err error) error {
 	for range 100 { // bound a cyclic chain
-		u := errors.Unwrap(err)
-		if u == nil {
-			break
+		switch u := err.(type) {
+		case interface{ Unwrap() error }:
+			if next := u.Unwrap(); next != nil {
+				err = next
+				continue
+			}
+		case interface{ Unwrap() []error }:
+			if errs := u.Unwrap(); len(errs) > 0 && errs[0] != nil {
+				err = errs[0]
+				continue
+			}
 		}
-		err = u
+		break
 	}
 	return err
 }

@@ -131,8 +131,7 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 		return rabbitmw.WithAttempts(err, n)
 	case n >= h.max:
 		h.reset(ctx, d)
-		return rabbitmw.Permanent(rabbitmw.WithAttempts(
-			fmt.Errorf("%w after %d attempts: %w", ErrRetriesExhausted, n, err), n))
+		return rabbitmw.Permanent(rabbitmw.WithAttempts(&exhaustedError{n: n, err: err}, n))
 	}
 	delay := h.backoff(n)
 	if dec.Outcome == rabbitmw.Delay && dec.Delay > delay {
@@ -140,6 +139,23 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 	}
 	return rabbitmw.RetryAfter(rabbitmw.WithAttempts(err, n), delay)
 }
+
+// exhaustedError is the reason Retry gives for dead-lettering a message.
+// It unwraps to the last error alone, so that what reads the chain (the
+// broker's error-type header, errors.As) finds the handler's error; it is
+// ErrRetriesExhausted by its Is method.
+type exhaustedError struct {
+	n   int
+	err error
+}
+
+func (e *exhaustedError) Error() string {
+	return fmt.Sprintf("%v after %d attempts: %v", ErrRetriesExhausted, e.n, e.err)
+}
+
+func (e *exhaustedError) Unwrap() error { return e.err }
+
+func (e *exhaustedError) Is(target error) bool { return target == ErrRetriesExhausted }
 
 // notAFailure reports whether err says the message was not at fault: it was
 // not attempted, or its attempt succeeded but could not be recorded.
