@@ -8,8 +8,13 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/goleak"
+
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
+
+// The example's consumers, broker and embedded Redis end with each run.
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // The example's scenarios are a test: every verdict must hold, on the
 // embedded servers and on real ones.
