@@ -1,11 +1,9 @@
 package rabbitmw
 
 import (
-	"math"
-	"strconv"
-	"strings"
-
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
 // HeaderAttempts names the message header that carries the number of failed
@@ -41,59 +39,12 @@ func PriorAttempts(d *amqp.Delivery) int {
 
 // attemptsValue converts a header value of any AMQP type to a count.
 func attemptsValue(v any) int {
-	var n int64
-	switch x := v.(type) {
-	case int:
-		n = int64(x)
-	case int8:
-		n = int64(x)
-	case int16:
-		n = int64(x)
-	case int32:
-		n = int64(x)
-	case int64:
-		n = x
-	case uint8:
-		n = int64(x)
-	case uint16:
-		n = int64(x)
-	case uint32:
-		n = int64(x)
-	case uint64:
-		if x > maxAttempts {
-			return maxAttempts
-		}
-		n = int64(x)
-	case float32:
-		return floatAttempts(float64(x))
-	case float64:
-		return floatAttempts(x)
-	case string:
-		p, err := strconv.ParseInt(strings.TrimSpace(x), 10, 64)
-		if err != nil {
-			return 0
-		}
-		n = p
-	case []byte:
-		return attemptsValue(string(x))
-	default:
-		return 0
-	}
+	n, ok := header.Int(v)
 	switch {
-	case n < 0:
+	case !ok, n < 0:
 		return 0
 	case n > maxAttempts:
 		return maxAttempts
 	}
 	return int(n)
-}
-
-func floatAttempts(f float64) int {
-	switch {
-	case math.IsNaN(f), f < 0, f != math.Trunc(f):
-		return 0
-	case f > maxAttempts:
-		return maxAttempts
-	}
-	return int(f)
 }

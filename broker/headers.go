@@ -9,6 +9,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
 // Headers written by the broker. [rabbitmw.HeaderAttempts]
@@ -125,25 +126,18 @@ func republishing(d *amqp.Delivery, h amqp.Table) amqp.Publishing {
 	}
 }
 
-// notBefore reads HeaderNotBefore from h.
+// notBefore reads HeaderNotBefore from h: Unix milliseconds of any integer
+// type, or a timestamp.
 func notBefore(h amqp.Table) (time.Time, bool) {
 	v, ok := h[HeaderNotBefore]
 	if !ok {
 		return time.Time{}, false
 	}
-	var ms int64
-	switch x := v.(type) {
-	case int64:
-		ms = x
-	case int32:
-		ms = int64(x)
-	case int:
-		ms = int64(x)
-	case uint32:
-		ms = int64(x)
-	case time.Time:
-		return x, true
-	default:
+	if t, ok := v.(time.Time); ok {
+		return t, true
+	}
+	ms, ok := header.Int(v)
+	if !ok {
 		return time.Time{}, false
 	}
 	return time.UnixMilli(ms), true
