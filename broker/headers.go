@@ -49,6 +49,12 @@ const (
 	// republishes (RabbitMQ refuses a publish whose user-id is not the
 	// connection's user, so the copy goes without it).
 	HeaderUserID = "x-rabbitmw-user-id"
+	// HeaderMalformedXDeath keeps an x-death header that is not what
+	// RabbitMQ itself writes (an array of tables, each with an integer
+	// count), moved there from the copy sent to a delay queue: RabbitMQ
+	// 3.10 updates x-death when the copy expires, and a malformed one
+	// crashes the delay queue.
+	HeaderMalformedXDeath = "x-rabbitmw-x-death"
 )
 
 // maxErrorText bounds HeaderError, in bytes.
@@ -100,7 +106,58 @@ func delayHeaders(d *amqp.Delivery, dec rabbitmw.Decision, notBefore time.Time) 
 	} else {
 		h[HeaderNotBefore] = notBefore.UnixMilli()
 	}
+	if v, ok := h["x-death"]; ok && !wellFormedXDeath(v) {
+		delete(h, "x-death")
+		setIfAbsent(h, HeaderMalformedXDeath, v)
+	}
 	return h
+}
+
+// wellFormedXDeath reports whether v has the form RabbitMQ gives x-death,
+// which it relies on when it dead-letters the message again: an array of
+// tables, each with a long (int64) count, strings for queue, reason and
+// exchange, a timestamp for time, and an array of strings for
+// routing-keys, where present.
+func wellFormedXDeath(v any) bool {
+	entries, ok := v.([]any)
+	if !ok {
+		return false
+	}
+	for _, e := range entries {
+		t, ok := e.(amqp.Table)
+		if !ok {
+			return false
+		}
+		if c, ok := t["count"]; ok {
+			if n, ok := c.(int64); !ok || n < 0 {
+				return false
+			}
+		}
+		for _, k := range []string{"queue", "reason", "exchange"} {
+			if x, ok := t[k]; ok {
+				if _, ok := x.(string); !ok {
+					return false
+				}
+			}
+		}
+		if x, ok := t["time"]; ok {
+			if _, ok := x.(time.Time); !ok {
+				return false
+			}
+		}
+		if x, ok := t["routing-keys"]; ok {
+			keys, ok := x.([]any)
+			if !ok {
+				return false
+			}
+			for _, k := range keys {
+				if _, ok := k.(string); !ok {
+					return false
+				}
+			}
+		}
+	}
+	return true
 }
 
 // republishing returns a persistent copy of d with headers h (which it may

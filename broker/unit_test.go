@@ -426,3 +426,40 @@ type countingAcker struct{ n atomic.Int32 }
 func (a *countingAcker) Ack(uint64, bool) error        { a.n.Add(1); return nil }
 func (a *countingAcker) Nack(uint64, bool, bool) error { a.n.Add(1); return nil }
 func (a *countingAcker) Reject(uint64, bool) error     { a.n.Add(1); return nil }
+
+// A copy sent to a delay queue carries x-death only in the form RabbitMQ
+// writes it, which RabbitMQ relies on when the copy expires; anything else
+// moves to HeaderMalformedXDeath, kept.
+func TestDelayHeadersMalformedXDeath(t *testing.T) {
+	good := []any{amqp.Table{"count": int64(2), "reason": "expired", "queue": "q.delay.1s",
+		"time": time.Unix(1, 0), "exchange": "", "routing-keys": []any{"q.delay.1s"}}}
+	tests := []struct {
+		name  string
+		xd    any
+		moved bool
+	}{
+		{"as RabbitMQ writes it", good, false},
+		{"empty array", []any{}, false},
+		{"a string among the tables", []any{"legacy entry", good[0]}, true},
+		{"a string count", []any{amqp.Table{"count": "1", "reason": "expired", "queue": "q"}}, true},
+		{"a float count", []any{amqp.Table{"count": 1.0, "queue": "q"}}, true},
+		{"an int32 count", []any{amqp.Table{"count": int32(1), "queue": "q"}}, true},
+		{"a negative count", []any{amqp.Table{"count": int64(-1)}}, true},
+		{"a queue that is not a string", []any{amqp.Table{"count": int64(1), "queue": int64(7)}}, true},
+		{"routing keys that are not strings", []any{amqp.Table{"count": int64(1), "routing-keys": []any{int64(1)}}}, true},
+		{"a table, not an array", amqp.Table{"count": int64(1)}, true},
+		{"an integer", int64(3), true},
+	}
+	for _, tt := range tests {
+		d := &amqp.Delivery{Headers: amqp.Table{"x-death": tt.xd}}
+		h := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, time.Time{})
+		_, kept := h["x-death"]
+		moved, ok := h[HeaderMalformedXDeath]
+		if kept == tt.moved || ok != tt.moved || (tt.moved && !equalTables(amqp.Table{"v": moved}, amqp.Table{"v": tt.xd})) {
+			t.Errorf("%s: x-death kept %v, moved %v (%v); want moved %v", tt.name, kept, ok, moved, tt.moved)
+		}
+		if _, ok := d.Headers["x-death"]; !ok {
+			t.Errorf("%s: the delivery's x-death was modified", tt.name)
+		}
+	}
+}
