@@ -38,7 +38,7 @@ func realServers(t *testing.T) servers {
 	url, addr := testenv.RabbitMQURL(t), testenv.RedisAddr(t)
 	b := broker.New(url, broker.Options{})
 	t.Cleanup(func() { b.Close() })
-	c := redis.NewClient(&redis.Options{Addr: addr})
+	c := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
 	prefix := fmt.Sprintf("rabbitmw-e2e:%s:%d:", t.Name(), time.Now().UnixNano())
 	t.Cleanup(func() {
 		ctx := context.Background()

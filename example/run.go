@@ -169,7 +169,7 @@ func openStore(cfg config, prefix string) (store.Store, func(), error) {
 		mini.ClockTTL(true) // expire keys in real time, as Redis does
 		addr = mini.Addr()
 	}
-	client := redis.NewClient(&redis.Options{Addr: addr})
+	client := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
 	closeAll := func() {
 		if mini == nil { // a real Redis: remove this run's keys
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

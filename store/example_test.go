@@ -14,7 +14,7 @@ import (
 func ExampleNewRedis() {
 	srv, _ := miniredis.Run() // in production: your Redis, Sentinel or Cluster
 	defer srv.Close()
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr()})
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr(), ContextTimeoutEnabled: true})
 	defer client.Close()
 
 	st := store.NewRedis(client, store.RedisOptions{})

@@ -43,9 +43,15 @@ type RedisOptions struct {
 // message forever.
 //
 // Errors from the client, including timeouts, are wrapped with the
-// operation and key; redis.Nil never escapes. Bound each call with the
-// client's own timeouts (redis.Options.ReadTimeout and WriteTimeout) or with
-// the context.
+// operation and key; redis.Nil never escapes.
+//
+// Create the client with ContextTimeoutEnabled: true. Without it go-redis
+// ignores the deadline of a call's context and waits out its own
+// ReadTimeout (3s by default) on each retry, so a store call to an
+// unreachable Redis can block for many seconds, where the Store contract
+// asks for a prompt return. Dedup does not depend on it for safety (it
+// cancels a handler whose lease may end on the clock, not on the store's
+// answer), but every store call of a delivery is bounded by it.
 type Redis struct {
 	client               redis.UniversalClient
 	claimPre, failurePre string
