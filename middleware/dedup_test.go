@@ -326,13 +326,21 @@ func TestDedupRoundTrips(t *testing.T) {
 }
 
 func TestDedupTokensAreDistinct(t *testing.T) {
+	// Tokens come in blocks shared by the goroutines: claim from several.
+	const goroutines, claims = 4, 100
 	s := &recordingStore{Store: store.NewMemory()}
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return errBoom }))
-	for range 100 {
-		d, _ := deliver("m1", "")
-		h.Handle(context.Background(), d)
+	var wg sync.WaitGroup
+	for g := range goroutines {
+		wg.Go(func() {
+			for range claims {
+				d, _ := deliver(fmt.Sprint("m", g), "")
+				h.Handle(context.Background(), d)
+			}
+		})
 	}
+	wg.Wait()
 	seen := map[string]bool{}
 	for _, tok := range s.tokens {
 		if seen[tok] || tok == "" || tok == "done" || strings.ContainsAny(tok, " \n") {
@@ -340,18 +348,21 @@ func TestDedupTokensAreDistinct(t *testing.T) {
 		}
 		seen[tok] = true
 	}
-	if len(seen) != 100 {
-		t.Fatalf("%d tokens for 100 claims; want 100", len(seen))
+	if len(seen) != goroutines*claims {
+		t.Fatalf("%d tokens for %d claims; want %d", len(seen), goroutines*claims, goroutines*claims)
 	}
 }
 
 type recordingStore struct {
 	store.Store
+	mu     sync.Mutex
 	tokens []string
 }
 
 func (r *recordingStore) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	r.mu.Lock()
 	r.tokens = append(r.tokens, token)
+	r.mu.Unlock()
 	return r.Store.Claim(ctx, key, token, lease)
 }
 
@@ -401,5 +412,52 @@ func TestDedupRenewsManyLeases(t *testing.T) {
 		if got, _ := s.Store.Claim(ctx, fmt.Sprint(i), "x", time.Minute); got != store.Done {
 			t.Errorf("message %d afterwards: %v; want done", i, got)
 		}
+	}
+}
+
+// hangingStore's Extend blocks, ignoring its context, as a Redis client
+// does without ContextTimeoutEnabled when the network drops every packet.
+type hangingStore struct {
+	store.Store
+	release  chan struct{}
+	returned atomic.Bool
+}
+
+func (h *hangingStore) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	<-h.release
+	h.returned.Store(true)
+	return errors.New("i/o timeout")
+}
+
+// The handler is cancelled before its lease ends even when a renewal never
+// returns: the renewer decides on the clock, not on the store's answer.
+func TestDedupHangingRenewalCancelsHandler(t *testing.T) {
+	s := &hangingStore{Store: store.NewMemory(), release: make(chan struct{})}
+	const lease = 300 * time.Millisecond
+	time.AfterFunc(4*lease, func() { close(s.release) })
+	var (
+		cause       error
+		extendFirst bool
+	)
+	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+		func(ctx context.Context, d *amqp.Delivery) error {
+			select {
+			case <-ctx.Done():
+				cause, extendFirst = context.Cause(ctx), s.returned.Load()
+				return ctx.Err()
+			case <-time.After(10 * lease):
+				return errors.New("handler was not cancelled")
+			}
+		}))
+	d, _ := deliver("m1", "")
+	err := h.Handle(context.Background(), d)
+	if extendFirst {
+		t.Errorf("the handler was cancelled only after the hanging renewal returned; want it cancelled before the lease ends")
+	}
+	if !errors.Is(cause, middleware.ErrStoreUnavailable) {
+		t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
+	}
+	if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay {
+		t.Errorf("result %v decides %v; want delayed", err, dec.Outcome)
 	}
 }

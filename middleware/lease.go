@@ -20,7 +20,11 @@ import (
 //
 // Renewals run on goroutines started by the timer's callback, one per
 // claim due; stop waits for the claim's renewal in flight, so none outlives
-// its delivery.
+// its delivery. A renewed claim stays queued while its renewal runs, due
+// again one interval later: if the renewal has not returned by then, the
+// renewer does not wait for the store (a client may ignore the context's
+// deadline and block for its own timeouts) and decides on the clock alone
+// whether to cancel the handler.
 type renewer struct {
 	store        store.Store
 	lease, every time.Duration
@@ -28,7 +32,8 @@ type renewer struct {
 
 	mu         sync.Mutex
 	head, tail *claimLease // queued claims, in order of due time
-	timer      *time.Timer // armed for head.due while the queue is not empty
+	timer      *time.Timer
+	armed      time.Time // when timer fires; zero when it is not armed
 }
 
 // A claimLease is the renewal state of one claim.
@@ -46,6 +51,7 @@ type claimLease struct {
 	prev, next *claimLease
 	queued     bool
 	stopped    bool
+	renewing   bool      // a renewal is in flight
 	due        time.Time // the next renewal, while queued
 	lost       error     // set when the store said the claim is gone
 	validUntil time.Time // the end of the lease as of the last renewal
@@ -58,15 +64,16 @@ func newRenewer(s store.Store, lease time.Duration) *renewer {
 }
 
 // start queues the claim of key by token, taken at claimedAt, for renewal
-// every lease/3 until stop. A renewal that finds the claim lost cancels the
-// handler's context through cancel, with the cause, and so does one that
-// fails while the lease may end before the next renewal: the claim is then
-// probably lost, though the store cannot say.
+// every lease/3 until stop. The handler's context is cancelled through
+// cancel, with the cause, when a renewal finds the claim lost, and when the
+// lease may end within an interval with no renewal to extend it (the last
+// failed, or has not returned): the claim is then probably lost, though the
+// store cannot say, and the handler gets the rest of the lease to stop.
 func (r *renewer) start(ctx context.Context, key, token string, claimedAt time.Time, cancel context.CancelCauseFunc) *claimLease {
 	l := r.pool.Get().(*claimLease)
 	l.key, l.token, l.ctx, l.cancel = key, token, ctx, cancel
 	r.mu.Lock()
-	l.stopped, l.lost = false, nil
+	l.stopped, l.renewing, l.lost = false, false, nil
 	l.validUntil = claimedAt.Add(r.lease)
 	r.push(l, claimedAt.Add(r.every))
 	r.mu.Unlock()
@@ -80,10 +87,11 @@ func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time) {
 	r.mu.Lock()
 	l.stopped = true
 	if l.queued {
+		// The timer stays armed even if the queue is now empty: stopping
+		// it here and arming it again at the next claim cost two timer
+		// updates per delivery, while letting it fire on an empty queue
+		// costs one wake-up per renewal interval.
 		r.unlink(l)
-		if r.head == nil {
-			r.timer.Stop()
-		}
 	}
 	r.mu.Unlock()
 	l.inflight.Wait()
@@ -136,10 +144,19 @@ func (r *renewer) unlink(l *claimLease) {
 	l.prev, l.next, l.queued = nil, nil, false
 }
 
-// arm sets the timer for the head's due time. r.mu must be held and the
-// queue not empty.
+// arm makes the timer fire no later than the head's due time. A timer
+// already armed for that time or earlier is left alone: when it fires,
+// fire arms it again for the head of the queue then. As every claim is due
+// one interval after it was taken, a new head is nearly always due after
+// the time the timer is armed for, so the timer is set about once per
+// interval, not once per claim. r.mu must be held and the queue not empty.
 func (r *renewer) arm() {
-	d := time.Until(r.head.due)
+	due := r.head.due
+	if !r.armed.IsZero() && !r.armed.After(due) {
+		return
+	}
+	r.armed = due
+	d := time.Until(due)
 	if r.timer == nil {
 		r.timer = time.AfterFunc(d, r.fire)
 		return
@@ -147,25 +164,52 @@ func (r *renewer) arm() {
 	r.timer.Reset(d)
 }
 
-// fire starts the renewals that are due, and re-arms the timer for the
-// rest.
+// fire starts the renewals that are due, cancels the handlers whose
+// lease may end before a renewal in flight returns, and re-arms the timer
+// for the rest.
 func (r *renewer) fire() {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.armed = time.Time{}
 	now := time.Now()
+	type expiry struct {
+		key    string
+		cancel context.CancelCauseFunc
+	}
+	var expired []expiry
 	for r.head != nil && !r.head.due.After(now) {
 		l := r.head
 		r.unlink(l)
-		l.inflight.Add(1)
-		go r.renew(l)
+		switch {
+		case !l.renewing:
+			l.renewing = true
+			l.inflight.Add(1)
+			go r.renew(l)
+			r.push(l, now.Add(r.every))
+		case r.mayEnd(l, now):
+			// The renewal started an interval ago has not returned, and
+			// may not before the lease ends. l is not queued again.
+			expired = append(expired, expiry{l.key, l.cancel})
+		default:
+			r.push(l, now.Add(r.every))
+		}
 	}
 	if r.head != nil {
 		r.arm()
 	}
+	r.mu.Unlock()
+	for _, e := range expired {
+		e.cancel(fmt.Errorf("%w: the lease on %q could not be renewed before it ends: the store has not answered for %v", ErrStoreUnavailable, e.key, r.every))
+	}
 }
 
-// renew extends l's claim once and queues it again, unless the claim is
-// lost or l was stopped meanwhile.
+// mayEnd reports whether l's lease ends within one interval of now.
+// r.mu must be held.
+func (r *renewer) mayEnd(l *claimLease, now time.Time) bool {
+	return !l.validUntil.After(now.Add(r.every))
+}
+
+// renew extends l's claim once. It cancels the handler if the claim is
+// lost, or if the renewal failed and the lease may end before the next.
 func (r *renewer) renew(l *claimLease) {
 	defer l.inflight.Done()
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(l.ctx), r.every)
@@ -174,6 +218,7 @@ func (r *renewer) renew(l *claimLease) {
 	cancel()
 
 	r.mu.Lock()
+	l.renewing = false
 	var cause error
 	switch {
 	case err == nil:
@@ -181,14 +226,15 @@ func (r *renewer) renew(l *claimLease) {
 	case errors.Is(err, store.ErrLostClaim):
 		l.lost = fmt.Errorf("%w: %q was taken over or deleted while the handler ran: %w", ErrLeaseLost, l.key, err)
 		cause = l.lost
-	case time.Now().Add(r.every).After(l.validUntil):
+	case r.mayEnd(l, time.Now()):
 		cause = fmt.Errorf("%w: the lease on %q could not be renewed before it ends: %w", ErrStoreUnavailable, l.key, err)
 	}
-	if cause == nil && !l.stopped {
-		r.push(l, time.Now().Add(r.every))
+	if cause != nil && l.queued {
+		r.unlink(l)
 	}
+	cancelHandler := l.cancel
 	r.mu.Unlock()
 	if cause != nil {
-		l.cancel(cause)
+		cancelHandler(cause)
 	}
 }
