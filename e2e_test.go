@@ -148,6 +148,10 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 	if err := srv.broker.Declare(ctx, queue, e2eTopology); err != nil {
 		t.Fatal(err)
 	}
+	names, err := e2eTopology.Queues(queue)
+	if err != nil {
+		t.Fatal(err)
+	}
 
 	var fx effectCounter
 	h := rabbitmw.Chain(fx.observe, e2eStack(srv.store))(fx.handler())
@@ -213,7 +217,7 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 		if fx.ended.Load() < int64(len(copies)) || fx.inflight.Load() > 0 {
 			return false
 		}
-		for _, q := range []string{queue, queue + ".delay.50ms", queue + ".delay.200ms", queue + ".delay.1s"} {
+		for _, q := range append([]string{queue}, names.Delays...) {
 			if l, err := srv.broker.Len(ctx, q); err != nil || l != 0 {
 				return false
 			}
@@ -243,7 +247,7 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 	if got := fx.total.Load(); got != int64(n) {
 		t.Errorf("%d effects for %d messages; want one each", got, n)
 	}
-	for _, q := range []string{queue, queue + ".dlq"} {
+	for _, q := range []string{names.Work, names.DeadLetter} {
 		if l, err := srv.broker.Len(context.Background(), q); err != nil || l != 0 {
 			t.Errorf("Len(%s) = %d, %v; want 0", q, l, err)
 		}

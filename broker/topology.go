@@ -69,6 +69,28 @@ type Topology struct {
 	DeliveryLimit int
 }
 
+// Queues names the queues of a work queue's topology.
+type Queues struct {
+	Work       string   // the work queue
+	DeadLetter string   // its dead-letter queue, Work + ".dlq"
+	Delays     []string // its delay queues, Work + ".delay.<tier>", shortest tier first
+}
+
+// Queues returns the names of the queues that serve queue under t (see the
+// package documentation), for monitoring and for tools that read the
+// dead-letter queue. It returns an error if t is not valid.
+func (t Topology) Queues(queue string) (Queues, error) {
+	top, err := t.resolve(queue)
+	if err != nil {
+		return Queues{}, err
+	}
+	q := Queues{Work: top.queue, DeadLetter: top.dlq, Delays: make([]string, len(top.tiers))}
+	for i, tr := range top.tiers {
+		q.Delays[i] = tr.queue
+	}
+	return q, nil
+}
+
 // tier is one rung of the delay ladder.
 type tier struct {
 	d     time.Duration

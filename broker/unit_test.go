@@ -463,3 +463,15 @@ func TestDelayHeadersMalformedXDeath(t *testing.T) {
 		}
 	}
 }
+
+func TestTopologyQueues(t *testing.T) {
+	q, err := Topology{Delays: []time.Duration{time.Minute, 1500 * time.Millisecond, time.Second, time.Second}}.Queues("orders")
+	noErr(t, "Queues", err)
+	equal(t, "Queues", q, Queues{Work: "orders", DeadLetter: "orders.dlq", Delays: []string{"orders.delay.1s", "orders.delay.1500ms", "orders.delay.1m"}})
+	q, err = Topology{}.Queues("orders")
+	noErr(t, "Queues", err)
+	equal(t, "default delay queues", q.Delays, []string{"orders.delay.1s", "orders.delay.5s", "orders.delay.30s", "orders.delay.2m", "orders.delay.10m", "orders.delay.1h"})
+	if _, err := (Topology{Delays: []time.Duration{-time.Second}}).Queues("orders"); err == nil {
+		t.Error("Queues of an invalid Topology = nil error; want an error")
+	}
+}

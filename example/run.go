@@ -109,7 +109,11 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	if waitErr != nil {
 		return nil, waitErr
 	}
-	if err := rep.readDeadLetters(context.WithoutCancel(ctx), b, queue+".dlq"); err != nil {
+	names, err := topo.Queues(queue)
+	if err != nil {
+		return nil, err
+	}
+	if err := rep.readDeadLetters(context.WithoutCancel(ctx), b, names.DeadLetter); err != nil {
 		return nil, err
 	}
 	return rep, nil
