@@ -251,6 +251,17 @@ func TestClusterStack(t *testing.T) {
 	commands, scripts, _ := audit.report()
 	t.Logf("scale-out store: %d messages (%d ids × %d copies, %d failing), %d duplicates delivered, %d busy redeliveries, effects once %d, twice %d, lost %d, dead-lettered %d (after %d attempts); done marks per node: %s; %d store commands, %d scripts, each with one key",
 		ids*copies+failing, ids, copies, failing, duplicates, busy, once, twice, lost, deadLettered, limit, c.perNode(got), commands, scripts)
+	record(t, row{
+		Scenario:     "7 scale-out store",
+		Messages:     ids*copies + failing,
+		Duplicates:   ids * (copies - 1),
+		Faults:       fmt.Sprintf("3-node Redis Cluster; %d copies of each id at once; %d always failing", copies, failing),
+		Once:         once,
+		Twice:        twice,
+		Lost:         lost,
+		DeadLettered: deadLettered,
+		Note:         fmt.Sprintf("in-process stack, no broker; %d scripts, each on one key", scripts),
+	})
 }
 
 // expectedPerNode returns, by node address, how many of the done marks of

@@ -1,0 +1,272 @@
+// Command consumer is the consumer process of the reliability suite: the
+// recommended stack (Log, Retry, Recover, Dedup, Timeout) run by
+// broker.Consume against RabbitMQ, in front of a business handler that
+// records each effect it applies in Redis, so that the suite can count, for
+// every message, how many times its effect happened and who applied it.
+//
+// The suite builds it, starts it, kills it (SIGKILL), stops it (SIGTERM:
+// a graceful shutdown) and cuts it off from its servers. It is not meant
+// for anything else.
+//
+// Effects, under the prefix P given by -effects-prefix, in the effects
+// Redis (-effects):
+//
+//	P effect:<key>   the number of times the effect of the message with
+//	                 idempotency key <key> was applied
+//	P total          the number of effects applied, all messages
+//	P distinct       the number of messages applied at least once
+//	P log            one entry per effect, "<name> <key>", in order
+//	P events         what slow handlers did: "start|cancelled|ignored
+//	                 <name> <key> [cause]"
+//	P attempts:<key> handler calls for the message (modes slow, stubborn
+//	                 and poison)
+//	P deliveries:<key> deliveries of the message (with -count-deliveries)
+//
+// The four writes of an effect are one Lua script: atomic, so an effect
+// is never counted without its log entry, or the reverse.
+//
+// On SIGTERM or SIGINT it shuts down gracefully, prints one JSON line of
+// statistics on standard output and exits with status 0; on a fatal error
+// of Consume it exits with status 1. Logs (Warn and above) go to standard
+// error.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+// config is the command line.
+type config struct {
+	amqpURL         string
+	queue           string
+	name            string
+	storeAddr       string
+	storePrefix     string
+	storeCtxTimeout bool
+	effectsAddr     string
+	effectsPrefix   string
+	workers         int
+	prefetch        int
+	lease           time.Duration
+	busy            time.Duration
+	unavailable     time.Duration
+	delays          []time.Duration
+	timeout         time.Duration
+	maxAttempts     int
+	backoffMin      time.Duration
+	backoffMax      time.Duration
+	mode            string
+	work            time.Duration
+	hold            time.Duration
+	countDeliveries bool
+	shutdownTimeout time.Duration
+}
+
+func parseFlags(args []string) (config, error) {
+	var c config
+	var delays string
+	fs := flag.NewFlagSet("consumer", flag.ContinueOnError)
+	fs.StringVar(&c.amqpURL, "amqp", "amqp://guest:guest@127.0.0.1:5672/", "AMQP URL of RabbitMQ")
+	fs.StringVar(&c.queue, "queue", "", "work queue (required)")
+	fs.StringVar(&c.name, "name", "consumer", "consumer name: in the effect log, and the process in fault headers")
+	fs.StringVar(&c.storeAddr, "store", "127.0.0.1:6379", "address of the Redis that holds the idempotency store")
+	fs.StringVar(&c.storePrefix, "store-prefix", "", "prefix of the store's keys")
+	fs.BoolVar(&c.storeCtxTimeout, "store-context-timeouts", false, "let the store's Redis client honour context deadlines (redis.Options.ContextTimeoutEnabled)")
+	fs.StringVar(&c.effectsAddr, "effects", "127.0.0.1:6379", "address of the Redis that records effects")
+	fs.StringVar(&c.effectsPrefix, "effects-prefix", "", "prefix of the effect keys (required)")
+	fs.IntVar(&c.workers, "workers", 8, "handlers run at once")
+	fs.IntVar(&c.prefetch, "prefetch", 0, "prefetch count (0: the broker's default, 2*workers)")
+	fs.DurationVar(&c.lease, "lease", 0, "Dedup lease (0: the default, 5m)")
+	fs.DurationVar(&c.busy, "busy", 0, "Dedup busy delay (0: the default)")
+	fs.DurationVar(&c.unavailable, "unavailable", 0, "Dedup unavailable delay (0: the default)")
+	fs.StringVar(&delays, "delays", "", "delay tiers, comma-separated (empty: the broker's default)")
+	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "Timeout layer: the handler's deadline")
+	fs.IntVar(&c.maxAttempts, "max-attempts", 0, "Retry attempts (0: the default, 5)")
+	fs.DurationVar(&c.backoffMin, "backoff-min", 0, "Retry backoff minimum (0: the default backoff)")
+	fs.DurationVar(&c.backoffMax, "backoff-max", 0, "Retry backoff maximum")
+	fs.StringVar(&c.mode, "mode", "normal", "business handler: normal, slow, stubborn or poison")
+	fs.DurationVar(&c.work, "work", 0, "normal mode: time spent before the effect")
+	fs.DurationVar(&c.hold, "hold", 5*time.Second, "slow and stubborn modes: time spent before the effect")
+	fs.BoolVar(&c.countDeliveries, "count-deliveries", false, "count the deliveries of each message")
+	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 10*time.Second, "ConsumeOptions.ShutdownTimeout")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	switch {
+	case c.queue == "":
+		return c, errors.New("-queue is required")
+	case c.effectsPrefix == "":
+		return c, errors.New("-effects-prefix is required")
+	case c.mode != "normal" && c.mode != "slow" && c.mode != "stubborn" && c.mode != "poison":
+		return c, fmt.Errorf("-mode %q: want normal, slow, stubborn or poison", c.mode)
+	case (c.backoffMin == 0) != (c.backoffMax == 0):
+		return c, errors.New("-backoff-min and -backoff-max go together")
+	}
+	if delays != "" {
+		for _, s := range strings.Split(delays, ",") {
+			d, err := time.ParseDuration(strings.TrimSpace(s))
+			if err != nil {
+				return c, fmt.Errorf("-delays: %w", err)
+			}
+			c.delays = append(c.delays, d)
+		}
+	}
+	return c, nil
+}
+
+func main() {
+	cfg, err := parseFlags(os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "consumer:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	st, err := run(ctx, cfg)
+	out, _ := json.Marshal(st)
+	fmt.Println(string(out))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "consumer:", err)
+		os.Exit(1)
+	}
+}
+
+// stats counts what happened to the deliveries, by the chain's result and
+// by settlement. It is printed at exit.
+type stats struct {
+	Name         string `json:"name"`
+	Deliveries   int64  `json:"deliveries"`
+	Acked        int64  `json:"acked"`
+	Duplicates   int64  `json:"duplicates"`
+	Busy         int64  `json:"busy"`
+	Unavailable  int64  `json:"unavailable"`
+	LeaseLost    int64  `json:"lease_lost"`
+	Failed       int64  `json:"failed"`
+	DeadLettered int64  `json:"dead_lettered"`
+	Effects      int64  `json:"effects"`
+	SettleErrors int64  `json:"settle_errors"`
+	Error        string `json:"error,omitempty"`
+}
+
+type counters struct {
+	deliveries, acked, duplicates, busy, unavailable, leaseLost, failed, deadLettered, effects, settleErrors atomic.Int64
+}
+
+func (c *counters) snapshot(name string, err error) stats {
+	s := stats{
+		Name:         name,
+		Deliveries:   c.deliveries.Load(),
+		Acked:        c.acked.Load(),
+		Duplicates:   c.duplicates.Load(),
+		Busy:         c.busy.Load(),
+		Unavailable:  c.unavailable.Load(),
+		LeaseLost:    c.leaseLost.Load(),
+		Failed:       c.failed.Load(),
+		DeadLettered: c.deadLettered.Load(),
+		Effects:      c.effects.Load(),
+		SettleErrors: c.settleErrors.Load(),
+	}
+	if err != nil {
+		s.Error = err.Error()
+	}
+	return s
+}
+
+// observe is the outermost layer: it classifies each chain result.
+func (c *counters) observe(next rabbitmw.Handler) rabbitmw.Handler {
+	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		c.deliveries.Add(1)
+		err := next.Handle(ctx, d)
+		switch dec := rabbitmw.Decide(err); {
+		case dec.Outcome == rabbitmw.Ack:
+			c.acked.Add(1)
+		case dec.Outcome == rabbitmw.Duplicate:
+			c.duplicates.Add(1)
+		case dec.Outcome == rabbitmw.DeadLetter:
+			c.deadLettered.Add(1)
+		case errors.Is(err, middleware.ErrBusy):
+			c.busy.Add(1)
+		case errors.Is(err, middleware.ErrLeaseLost):
+			c.leaseLost.Add(1)
+		case errors.Is(err, middleware.ErrStoreUnavailable):
+			c.unavailable.Add(1)
+		default:
+			c.failed.Add(1)
+		}
+		return err
+	})
+}
+
+func run(ctx context.Context, cfg config) (stats, error) {
+	var cnt counters
+
+	storeClient := redis.NewClient(&redis.Options{Addr: cfg.storeAddr, ContextTimeoutEnabled: cfg.storeCtxTimeout})
+	defer storeClient.Close()
+	effectsClient := redis.NewClient(&redis.Options{Addr: cfg.effectsAddr})
+	defer effectsClient.Close()
+	st := store.NewRedis(storeClient, store.RedisOptions{Prefix: cfg.storePrefix})
+
+	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).
+		With(slog.String("consumer", cfg.name))
+
+	retryOpts := middleware.RetryOptions{MaxAttempts: cfg.maxAttempts}
+	if cfg.backoffMin > 0 {
+		retryOpts.Backoff = middleware.Exponential(cfg.backoffMin, cfg.backoffMax)
+	}
+	biz := &business{cfg: cfg, rdb: effectsClient, effects: &cnt.effects}
+	layers := []rabbitmw.Middleware{cnt.observe}
+	if cfg.countDeliveries {
+		layers = append(layers, biz.countDeliveries)
+	}
+	layers = append(layers,
+		middleware.Log(logger),
+		middleware.Retry(st, retryOpts),
+		middleware.Recover(),
+		middleware.Dedup(st, middleware.DedupOptions{
+			Lease:            cfg.lease,
+			BusyDelay:        cfg.busy,
+			UnavailableDelay: cfg.unavailable,
+		}),
+		middleware.Timeout(cfg.timeout),
+	)
+	h := rabbitmw.Chain(layers...)(biz.handler())
+
+	b := broker.New(cfg.amqpURL, broker.Options{
+		Logger:       logger,
+		ReconnectMin: 50 * time.Millisecond,
+		ReconnectMax: time.Second,
+		Process:      cfg.name,
+	})
+	defer b.Close()
+	err := b.Consume(ctx, cfg.queue, h, broker.ConsumeOptions{
+		Workers:         cfg.workers,
+		Prefetch:        cfg.prefetch,
+		Topology:        broker.Topology{Delays: cfg.delays},
+		ShutdownTimeout: cfg.shutdownTimeout,
+		OnSettle: func(_ *amqp.Delivery, _ rabbitmw.Outcome, err error) {
+			if err != nil {
+				cnt.settleErrors.Add(1)
+			}
+		},
+	})
+	return cnt.snapshot(cfg.name, err), err
+}

@@ -1,0 +1,139 @@
+//go:build reliability
+
+package reliability_test
+
+// Scenario 3, Redis outage: the idempotency store is a Redis server of the
+// test's own, with persistence on (appendonly yes, appendfsync always). It
+// is shut down for 10 s mid-stream, then started again on the same port
+// and data directory. The consumer keeps Dedup's defaults: fail closed, a
+// 5-minute lease, 5 s before a message is tried again.
+//
+// While the store is down, no handler starts: a claim fails, and its
+// message goes to a delay queue and comes back later (fail closed). A
+// second consumer, started during the outage, shows it. A handler that had
+// claimed its message before the outage applies its effect and then keeps
+// its worker, trying to mark the message done until its lease would end;
+// that succeeds once the store is back. The done marks survive the
+// restart, so a duplicate that arrives afterwards is still recognised.
+// Nothing is done twice, nothing is lost, and both consumers resume by
+// themselves.
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"time"
+)
+
+func TestRedisOutage(t *testing.T) {
+	const (
+		messages = 3000
+		dups     = messages / 5
+		outage   = 10 * time.Second
+		workers  = 4
+	)
+	rng := rand.New(rand.NewPCG(seed(t), 3))
+	store := startRedisServer(t)
+	r := newRun(t, "outage", time.Second, 5*time.Second)
+	opts := consumerOpts{
+		storeAddr: store.addr,
+		workers:   workers,
+		work:      5 * time.Millisecond,
+		// lease, busy and unavailable delays: Dedup's defaults.
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	began := time.Now()
+
+	msgs, ids := workload(rng, messages, dups)
+	published := r.publishAsync(ctx, msgs, 16)
+	pa := r.startConsumer("outage-A", opts)
+
+	at := len(ids)/5 + rng.IntN(len(ids)/5)
+	if err := r.waitCount(ctx, "distinct", int64(at)); err != nil {
+		t.Fatal(err)
+	}
+	sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
+	err := store.shutdown(sctx)
+	scancel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := time.Now()
+	before := r.count(ctx, "total")
+	t.Logf("store shut down at %d effects", before)
+	// A second consumer starts while the store is down: it must process
+	// nothing until the store is back (fail closed), and then resume.
+	pb := r.startConsumer("outage-B", opts)
+	time.Sleep(outage)
+	atRestart := r.count(ctx, "total")
+	during := atRestart - before
+	if err := store.restart(); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("store back after %v; %d effects applied meanwhile", time.Since(down).Round(time.Millisecond), during)
+	if after := r.count(ctx, "distinct"); after >= int64(len(ids)) {
+		t.Fatalf("all %d messages were done before the store came back; the scenario needs a slower handler", after)
+	}
+	// Only handlers that had claimed their message before the outage can
+	// have applied an effect during it.
+	if during > workers {
+		t.Errorf("%d effects applied while the store was down; want at most %d (the claims taken before)", during, workers)
+	}
+
+	if err := <-published; err != nil {
+		t.Fatal(err)
+	}
+	if err := r.awaitQuiet(ctx, len(ids), 6*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	var stats []consumerStats
+	for _, p := range []*proc{pa, pb} {
+		st, err := p.stop(30 * time.Second)
+		if err != nil {
+			t.Error(err)
+		}
+		stats = append(stats, st)
+	}
+	dead, err := r.finish(ctx)
+	if err != nil {
+		t.Error(err)
+	}
+	effects, err := r.effectLog(ctx, ids)
+	if err != nil {
+		t.Fatal(err)
+	}
+	byOrder, err := r.effectOrder(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := judge(ids, effects, deadKeys(dead))
+	r.checkLogs()
+
+	if len(v.lost) > 0 || len(v.twice) > 0 || len(dead) > 0 {
+		t.Errorf("%d lost (first %v), %d applied twice or more (first %v), %d dead-lettered; want none",
+			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(dead))
+	}
+	// The consumer started during the outage found the store down, and
+	// applied effects only after it was back.
+	if stats[1].Unavailable == 0 {
+		t.Errorf("consumer %s never found the store unavailable (%+v); the outage did not reach it", pb.name, stats[1])
+	}
+	if n := slices.Index(byOrder, pb.name); n >= 0 && n < int(atRestart) {
+		t.Errorf("consumer %s applied effect %d of the log while the store was down; want none before effect %d", pb.name, n+1, atRestart+1)
+	}
+	t.Logf("consumers: %+v; took %v", stats, time.Since(began).Round(time.Millisecond))
+	record(t, row{
+		Scenario:     "3 Redis outage",
+		Messages:     messages,
+		Duplicates:   dups,
+		Faults:       fmt.Sprintf("store SHUTDOWN for %v, restarted (AOF)", outage),
+		Once:         len(v.once),
+		Twice:        len(v.twice),
+		Lost:         len(v.lost),
+		DeadLettered: len(v.deadLettered),
+		Note:         fmt.Sprintf("fail closed, 5 m lease; %d deliveries found the store down; %d effects during the outage (claimed before it)", stats[0].Unavailable+stats[1].Unavailable, during),
+	})
+}

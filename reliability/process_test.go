@@ -1,0 +1,281 @@
+//go:build reliability
+
+package reliability_test
+
+// The consumer under test as a real process: built once per test binary
+// from ./internal/consumer, started, killed, stopped and waited for by the
+// test that owns it.
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// binDir holds the consumer binary; TestMain creates and removes it.
+var binDir string
+
+var build struct {
+	once sync.Once
+	path string
+	err  error
+}
+
+// consumerBinary builds the consumer once per test binary, with the race
+// detector when the tests have it, so that a data race in the library under
+// fault injection fails the suite too.
+func consumerBinary(t *testing.T) string {
+	t.Helper()
+	build.once.Do(func() {
+		gotool := filepath.Join(runtime.GOROOT(), "bin", "go")
+		if _, err := os.Stat(gotool); err != nil {
+			gotool = "go"
+		}
+		build.path = filepath.Join(binDir, "consumer")
+		args := []string{"build", "-o", build.path}
+		if raceEnabled {
+			args = append(args, "-race")
+		}
+		args = append(args, "github.com/rabbitmw/rabbitmw/reliability/internal/consumer")
+		began := time.Now()
+		out, err := exec.Command(gotool, args...).CombinedOutput()
+		if err != nil {
+			build.err = fmt.Errorf("go %s: %v\n%s", strings.Join(args, " "), err, out)
+			return
+		}
+		t.Logf("built the consumer (race detector: %t) in %v", raceEnabled, time.Since(began).Round(time.Millisecond))
+	})
+	if build.err != nil {
+		t.Fatal(build.err)
+	}
+	return build.path
+}
+
+// consumerOpts are the consumer's flags; zero values leave its defaults.
+type consumerOpts struct {
+	storeAddr, storePrefix string
+	storeContextTimeouts   bool
+	workers, prefetch      int
+	lease, busy            time.Duration
+	unavailable            time.Duration
+	timeout                time.Duration
+	maxAttempts            int
+	backoffMin, backoffMax time.Duration
+	mode                   string
+	work, hold             time.Duration
+	countDeliveries        bool
+}
+
+func (o consumerOpts) args() []string {
+	var a []string
+	str := func(name, v string) {
+		if v != "" {
+			a = append(a, "-"+name, v)
+		}
+	}
+	num := func(name string, v int) {
+		if v != 0 {
+			a = append(a, "-"+name, strconv.Itoa(v))
+		}
+	}
+	dur := func(name string, v time.Duration) {
+		if v != 0 {
+			a = append(a, "-"+name, v.String())
+		}
+	}
+	str("store", o.storeAddr)
+	str("store-prefix", o.storePrefix)
+	if o.storeContextTimeouts {
+		a = append(a, "-store-context-timeouts")
+	}
+	num("workers", o.workers)
+	num("prefetch", o.prefetch)
+	dur("lease", o.lease)
+	dur("busy", o.busy)
+	dur("unavailable", o.unavailable)
+	dur("timeout", o.timeout)
+	num("max-attempts", o.maxAttempts)
+	dur("backoff-min", o.backoffMin)
+	dur("backoff-max", o.backoffMax)
+	str("mode", o.mode)
+	dur("work", o.work)
+	dur("hold", o.hold)
+	if o.countDeliveries {
+		a = append(a, "-count-deliveries")
+	}
+	return a
+}
+
+// consumerStats is the JSON line a consumer prints when it stops
+// gracefully.
+type consumerStats struct {
+	Name         string `json:"name"`
+	Deliveries   int64  `json:"deliveries"`
+	Acked        int64  `json:"acked"`
+	Duplicates   int64  `json:"duplicates"`
+	Busy         int64  `json:"busy"`
+	Unavailable  int64  `json:"unavailable"`
+	LeaseLost    int64  `json:"lease_lost"`
+	Failed       int64  `json:"failed"`
+	DeadLettered int64  `json:"dead_lettered"`
+	Effects      int64  `json:"effects"`
+	SettleErrors int64  `json:"settle_errors"`
+	Error        string `json:"error"`
+}
+
+// A proc is one consumer process. It is killed and waited for when its
+// test ends, if it has not ended before.
+type proc struct {
+	name    string
+	cmd     *exec.Cmd
+	stdout  bytes.Buffer // complete once exited is closed
+	logPath string       // its standard error
+	exited  chan struct{}
+	waitErr error       // once exited is closed
+	ours    atomic.Bool // we signalled it: its end is expected
+}
+
+// startConsumer starts a consumer named name on the run's queue.
+func (r *run) startConsumer(name string, o consumerOpts) *proc {
+	r.t.Helper()
+	args := append([]string{
+		"-amqp", r.amqpURL,
+		"-queue", r.queue,
+		"-name", name,
+		"-effects", r.redisAddr,
+		"-effects-prefix", r.prefix,
+		"-delays", r.delaysFlag(),
+	}, o.args()...)
+	if o.storeAddr == "" {
+		args = append(args, "-store", r.redisAddr)
+	}
+	if o.storePrefix == "" {
+		args = append(args, "-store-prefix", r.prefix+"store:")
+	}
+	p := &proc{name: name, exited: make(chan struct{}), logPath: filepath.Join(r.logDir, name+".log")}
+	logFile, err := os.Create(p.logPath)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	defer logFile.Close() // the process has its own descriptor once started
+	p.cmd = exec.Command(r.bin, args...)
+	p.cmd.Stdout = &p.stdout
+	p.cmd.Stderr = logFile
+	p.cmd.SysProcAttr = childAttr()
+	if err := p.cmd.Start(); err != nil {
+		r.t.Fatalf("starting consumer %s: %v", name, err)
+	}
+	// The waiter ends when the process does: at the latest when the
+	// cleanup below kills it.
+	go func() {
+		p.waitErr = p.cmd.Wait()
+		close(p.exited)
+	}()
+	r.t.Cleanup(func() {
+		p.ours.Store(true)
+		p.cmd.Process.Kill() // an error means it had exited already
+		<-p.exited
+	})
+	r.mu.Lock()
+	r.procs = append(r.procs, p)
+	r.mu.Unlock()
+	return p
+}
+
+// kill sends SIGKILL and waits for the process to end.
+func (p *proc) kill() {
+	p.ours.Store(true)
+	p.cmd.Process.Signal(syscall.SIGKILL)
+	<-p.exited
+}
+
+// stop sends SIGTERM, waits up to timeout for a graceful exit, and returns
+// the statistics the process printed. A process that does not exit in time
+// is killed, and an error returned.
+func (p *proc) stop(timeout time.Duration) (consumerStats, error) {
+	p.ours.Store(true)
+	p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.exited:
+	case <-time.After(timeout):
+		p.cmd.Process.Kill()
+		<-p.exited
+		return consumerStats{}, fmt.Errorf("consumer %s did not exit within %v of SIGTERM; killed", p.name, timeout)
+	}
+	var st consumerStats
+	line := strings.TrimSpace(p.stdout.String())
+	if err := json.Unmarshal([]byte(line), &st); err != nil {
+		return st, fmt.Errorf("consumer %s: reading its statistics %q: %v (exit: %v)", p.name, line, err, p.waitErr)
+	}
+	if p.waitErr != nil {
+		return st, fmt.Errorf("consumer %s exited with %v after SIGTERM: %s", p.name, p.waitErr, st.Error)
+	}
+	return st, nil
+}
+
+// unexpectedExit returns an error if the process ended without being
+// signalled by the test: it crashed or gave up.
+func (p *proc) unexpectedExit() error {
+	select {
+	case <-p.exited:
+		if !p.ours.Load() {
+			return fmt.Errorf("consumer %s exited by itself (%v)", p.name, p.waitErr)
+		}
+	default:
+	}
+	return nil
+}
+
+// logProblems returns the lines of the process's log that mean a defect
+// whatever the scenario: a data race, or a panic that was not recovered.
+func (p *proc) logProblems() []string {
+	f, err := os.Open(p.logPath)
+	if err != nil {
+		return []string{err.Error()}
+	}
+	defer f.Close()
+	var found []string
+	s := bufio.NewScanner(f)
+	s.Buffer(make([]byte, 1<<20), 1<<20)
+	for s.Scan() {
+		line := s.Text()
+		if strings.Contains(line, "DATA RACE") || strings.HasPrefix(line, "panic: ") || strings.HasPrefix(line, "fatal error: ") {
+			found = append(found, line)
+		}
+	}
+	return found
+}
+
+// tail returns the last n lines of the process's log.
+func (p *proc) tail(n int) string {
+	b, err := os.ReadFile(p.logPath)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	if len(lines) > n {
+		lines = append([]string{fmt.Sprintf("… %d lines before", len(lines)-n)}, lines[len(lines)-n:]...)
+	}
+	return strings.Join(lines, "\n")
+}
+
+// logCount returns the number of lines of the process's log that contain s.
+func (p *proc) logCount(s string) int {
+	b, err := os.ReadFile(p.logPath)
+	if err != nil {
+		return 0
+	}
+	return strings.Count(string(b), s)
+}

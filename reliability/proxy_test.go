@@ -1,0 +1,149 @@
+//go:build reliability
+
+package reliability_test
+
+// A TCP proxy that the test can cut: from then on it forwards nothing,
+// either way, and answers nothing, but keeps its connections open and
+// accepts new ones, as a network partition that drops packets would. Reads
+// through it block until the client's own timeouts give up.
+
+import (
+	"net"
+	"sync"
+	"testing"
+)
+
+type proxy struct {
+	addr   string
+	target string
+	l      net.Listener
+
+	mu    sync.Mutex
+	cut   bool
+	conns map[net.Conn]bool // open connections, both sides
+	wg    sync.WaitGroup    // the accept loop and the pumps
+}
+
+// startProxy starts a proxy to target on a free loopback port. It is
+// closed, and its goroutines ended, when t ends.
+func startProxy(t *testing.T, target string) *proxy {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &proxy{addr: l.Addr().String(), target: target, l: l, conns: map[net.Conn]bool{}}
+	p.wg.Add(1)
+	go p.accept() // ends when l is closed
+	t.Cleanup(func() {
+		l.Close()
+		p.closeAll()
+		p.wg.Wait()
+	})
+	return p
+}
+
+func (p *proxy) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.l.Accept()
+		if err != nil {
+			return
+		}
+		if !p.track(c) {
+			continue
+		}
+		p.mu.Lock()
+		cut := p.cut
+		p.mu.Unlock()
+		if cut {
+			// Accepted, and never answered: the pump reads and drops.
+			p.wg.Add(1)
+			go p.pump(nil, c)
+			continue
+		}
+		up, err := net.Dial("tcp", p.target)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		if !p.track(up) {
+			c.Close()
+			continue
+		}
+		p.wg.Add(2)
+		go p.pump(up, c) // client to server
+		go p.pump(c, up) // server to client
+	}
+}
+
+// track registers c, unless the proxy is closing (the listener is closed).
+func (p *proxy) track(c net.Conn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.conns == nil {
+		c.Close()
+		return false
+	}
+	p.conns[c] = true
+	return true
+}
+
+// pump copies from src to dst until either closes; while the proxy is cut
+// (or dst is nil) it reads and drops. Closing one side closes the other.
+func (p *proxy) pump(dst, src net.Conn) {
+	defer p.wg.Done()
+	defer func() {
+		src.Close()
+		if dst != nil {
+			dst.Close()
+		}
+	}()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 && dst != nil {
+			p.mu.Lock()
+			cut := p.cut
+			p.mu.Unlock()
+			if !cut {
+				if _, werr := dst.Write(buf[:n]); werr != nil {
+					return
+				}
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// partition stops all traffic through the proxy.
+func (p *proxy) partition() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.cut = true
+}
+
+// heal lets traffic through again. The connections open during the
+// partition are closed, as a client would find them broken; new ones work.
+func (p *proxy) heal() {
+	p.mu.Lock()
+	p.cut = false
+	conns := p.conns
+	p.conns = map[net.Conn]bool{}
+	p.mu.Unlock()
+	for c := range conns {
+		c.Close()
+	}
+}
+
+func (p *proxy) closeAll() {
+	p.mu.Lock()
+	conns := p.conns
+	p.conns = nil
+	p.mu.Unlock()
+	for c := range conns {
+		c.Close()
+	}
+}
