@@ -18,12 +18,20 @@ import (
 // ConsumeOptions configures one Consume call. The zero value selects the
 // defaults noted on each field.
 type ConsumeOptions struct {
-	// Workers is the number of handlers run at once. Default 16
-	// (provisional).
+	// Workers is the number of handlers run at once. Default 16. In the
+	// prefetch × workers sweep of BENCHMARKS.md (a handler that does no
+	// work, the Redis store, 2 cores) throughput stops rising at about 8
+	// workers and latency grows with more; 16 leaves room for handlers
+	// that wait on I/O. For a rate r of messages per second and a handler
+	// that takes t seconds, give it at least r×t workers.
 	Workers int
 	// Prefetch is the QoS prefetch count: how many unsettled deliveries
-	// the server may hand this consumer at once. Default 2*Workers
-	// (provisional); at most 65535.
+	// the server may hand this consumer at once. Default 2*Workers, at
+	// most 65535. In the sweep of BENCHMARKS.md, a prefetch of 1*Workers
+	// is slower with few workers (a worker that acks waits for its next
+	// delivery), and 4 or 8 times Workers gains little over 2 times
+	// (within the noise of that machine) while it keeps more messages
+	// from the queue's other consumers.
 	Prefetch int
 	// Topology describes the queues that serve the work queue.
 	Topology Topology
@@ -43,6 +51,8 @@ type ConsumeOptions struct {
 }
 
 const (
+	// defaultWorkers and the default prefetch (2*Workers) are chosen from
+	// the sweep in BENCHMARKS.md (go run ./bench -sweep).
 	defaultWorkers         = 16
 	defaultShutdownTimeout = 30 * time.Second
 	// shutdownGrace is how long Consume waits, after the shutdown deadline

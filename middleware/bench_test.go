@@ -56,6 +56,11 @@ func BenchmarkLayer(b *testing.B) {
 		fail := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return errBoom })
 		benchLayer(b, middleware.Retry(store.NewMemory(), middleware.RetryOptions{MaxAttempts: 1 << 30})(fail), false)
 	})
+	b.Run("Retry/failure/miniredis", func(b *testing.B) {
+		_, c, _ := redistest.Start(b)
+		fail := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return errBoom })
+		benchLayer(b, middleware.Retry(store.NewRedis(c, store.RedisOptions{}), middleware.RetryOptions{MaxAttempts: 1 << 30})(fail), false)
+	})
 	b.Run("Dedup/new/memory", func(b *testing.B) {
 		benchLayer(b, middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(nop), false)
 	})

@@ -1,0 +1,96 @@
+package main
+
+import (
+	"context"
+	"testing"
+	"time"
+)
+
+func TestMessageIDs(t *testing.T) {
+	tests := []struct {
+		n          int
+		dup        float64
+		gap        int
+		wantUnique int
+	}{
+		{n: 10, dup: 0, gap: 4, wantUnique: 10},
+		{n: 20000, dup: 0.2, gap: 1000, wantUnique: 16000},
+		{n: 100, dup: 0.5, gap: 1000, wantUnique: 50}, // gap shrunk to n/2
+		{n: 1, dup: 0.5, gap: 1000, wantUnique: 1},
+	}
+	for _, tc := range tests {
+		ids, unique := messageIDs(tc.n, tc.dup, tc.gap)
+		if len(ids) != tc.n || unique != tc.wantUnique {
+			t.Errorf("messageIDs(%d, %v, %d) = %d ids, %d unique; want %d, %d", tc.n, tc.dup, tc.gap, len(ids), unique, tc.n, tc.wantUnique)
+		}
+		first := map[string]int{}
+		for i, id := range ids {
+			if j, seen := first[id]; seen {
+				if gap := min(tc.gap, tc.n/2); i-j < gap {
+					t.Errorf("messageIDs(%d, %v, %d): %s at %d and %d, less than %d apart", tc.n, tc.dup, tc.gap, id, j, i, gap)
+				}
+				continue
+			}
+			first[id] = i
+		}
+		if len(first) != unique {
+			t.Errorf("messageIDs(%d, %v, %d): %d distinct ids; want %d", tc.n, tc.dup, tc.gap, len(first), unique)
+		}
+	}
+}
+
+func TestPercentile(t *testing.T) {
+	sorted := []int64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+	for _, tc := range []struct {
+		p    float64
+		want time.Duration
+	}{{50, 5}, {99, 10}, {100, 10}, {10, 1}, {1, 1}} {
+		if got := percentile(sorted, tc.p); got != tc.want {
+			t.Errorf("percentile(1..10, %v) = %v; want %v", tc.p, got, tc.want)
+		}
+	}
+	if got := percentile(nil, 50); got != 0 {
+		t.Errorf("percentile(nil, 50) = %v; want 0", got)
+	}
+}
+
+func TestThousands(t *testing.T) {
+	for _, tc := range []struct {
+		v    float64
+		want string
+	}{{0, "0"}, {999.4, "999"}, {1000, "1,000"}, {1234567.8, "1,234,568"}} {
+		if got := thousands(tc.v); got != tc.want {
+			t.Errorf("thousands(%v) = %q; want %q", tc.v, got, tc.want)
+		}
+	}
+}
+
+// The raw and hand-written contenders run with the settings that the
+// broker reports in its log: if that record changes, this fails, rather
+// than the benchmark comparing at different settings.
+func TestBrokerSettings(t *testing.T) {
+	ctx := context.Background()
+	p, w, err := brokerSettings(ctx, 0, 0)
+	if err != nil || p < 1 || w < 1 {
+		t.Fatalf("brokerSettings(0, 0) = %d, %d, %v; want the defaults", p, w, err)
+	}
+	p, w, err = brokerSettings(ctx, 7, 3)
+	if err != nil || p != 7 || w != 3 {
+		t.Fatalf("brokerSettings(7, 3) = %d, %d, %v; want 7, 3, nil", p, w, err)
+	}
+}
+
+func TestParseFlags(t *testing.T) {
+	cfg, err := parseFlags([]string{"-n", "100", "-only", "raw, rabbitmw-redis", "-sweep-workers", "2,4"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.n != 100 || len(cfg.only) != 2 || cfg.only[1] != redisName || len(cfg.sweepWorkers) != 2 {
+		t.Errorf("parseFlags = %+v; want n 100, only [raw rabbitmw-redis], sweep workers [2 4]", cfg)
+	}
+	for _, args := range [][]string{{"-only", "nope"}, {"-dup", "1"}, {"-n", "0"}, {"-sweep-prefetch", "0"}, {"extra"}} {
+		if _, err := parseFlags(args); err == nil {
+			t.Errorf("parseFlags(%q) = nil error; want one", args)
+		}
+	}
+}

@@ -1,0 +1,109 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// cpuTimes is the CPU time used so far by this process, by the Redis
+// server (INFO cpu, user + system) and by the RabbitMQ server (from /proc,
+// when it runs on this machine). A negative value is unknown.
+type cpuTimes struct {
+	self, redis, rabbit time.Duration
+}
+
+// cpuUsage is CPU time per delivered message over a run, in microseconds;
+// negative when unknown. The servers' figures are server wide: other
+// clients of the same servers add to them.
+type cpuUsage struct {
+	Self   float64 `json:"bench_us_per_msg"`
+	Redis  float64 `json:"redis_us_per_msg"`
+	Rabbit float64 `json:"rabbitmq_us_per_msg"`
+}
+
+func (e *env) cpuTimes(ctx context.Context) cpuTimes {
+	t := cpuTimes{self: -1, redis: -1, rabbit: -1}
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) == nil {
+		t.self = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	if s, err := e.rdb.Info(ctx, "cpu").Result(); err == nil {
+		var sum float64
+		var n int
+		for line := range strings.SplitSeq(s, "\n") {
+			k, v, ok := strings.Cut(strings.TrimSpace(line), ":")
+			if ok && (k == "used_cpu_sys" || k == "used_cpu_user") {
+				if f, err := strconv.ParseFloat(v, 64); err == nil {
+					sum += f
+					n++
+				}
+			}
+		}
+		if n == 2 {
+			t.redis = time.Duration(sum * float64(time.Second))
+		}
+	}
+	if e.rabbitPID > 0 {
+		t.rabbit = procCPU(e.rabbitPID)
+	}
+	return t
+}
+
+// usage returns the CPU time per message between t and later.
+func (t cpuTimes) usage(later cpuTimes, messages int64) cpuUsage {
+	per := func(a, b time.Duration) float64 {
+		if a < 0 || b < 0 || messages == 0 {
+			return -1
+		}
+		return float64(b-a) / float64(time.Microsecond) / float64(messages)
+	}
+	return cpuUsage{Self: per(t.self, later.self), Redis: per(t.redis, later.redis), Rabbit: per(t.rabbit, later.rabbit)}
+}
+
+// rabbitPID finds the RabbitMQ server's Erlang VM among this machine's
+// processes (beam.smp started with "-s rabbit boot"), or returns 0. It is
+// a best effort, for the CPU figures only.
+func rabbitPID() int {
+	dirs, _ := filepath.Glob("/proc/[0-9]*")
+	for _, d := range dirs {
+		cmd, err := os.ReadFile(filepath.Join(d, "cmdline"))
+		if err != nil || !bytes.Contains(cmd, []byte("beam.smp")) || !bytes.Contains(cmd, []byte("rabbit\x00boot")) {
+			continue
+		}
+		if pid, err := strconv.Atoi(filepath.Base(d)); err == nil {
+			return pid
+		}
+	}
+	return 0
+}
+
+// procCPU returns the user + system CPU time of process pid, or -1.
+func procCPU(pid int) time.Duration {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return -1
+	}
+	// The command name, in parentheses, may hold spaces: count the fields
+	// after its closing parenthesis. utime and stime are fields 14 and 15.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return -1
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 13 {
+		return -1
+	}
+	ut, err1 := strconv.ParseInt(f[11], 10, 64)
+	st, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return -1
+	}
+	const clockTick = 100 // USER_HZ: 100 on every Linux architecture Go runs on
+	return time.Duration(ut+st) * time.Second / clockTick
+}

@@ -1,0 +1,235 @@
+// Command bench measures the throughput of rabbitmw against a plain amqp091
+// consumer and against the usual hand-written Redis pattern, on a real
+// RabbitMQ and a real Redis, prints one table, and says which targets of
+// the benchmark issue (issue 5) are met or missed, with the figures.
+// BENCHMARKS.md holds its results and how to read them.
+//
+//	go run ./bench                      # all contenders, 3 rounds of 20,000 messages
+//	go run ./bench -sweep               # the prefetch × workers grid
+//	go run ./bench -stack-only          # the stack in process; no servers needed
+//	go run ./bench -only raw,rabbitmw-redis -n 50000 -json out.json
+//
+// For each round and each contender, in an order that reverses from round
+// to round (so that a noisy machine hurts all of them alike), bench declares
+// a fresh queue, publishes -n messages to it with confirms (not timed), then
+// consumes them with the contender and times from the first delivery to the
+// last settlement. It records per delivery the time from the moment the
+// handler starts to the moment its ack returns; counts the Redis commands
+// the server ran (INFO commandstats) and the round trips the contender's
+// client made (a go-redis hook), per delivery; reads the CPU time of
+// itself, of Redis and of a local RabbitMQ; and checks that every message's
+// effect happened exactly once. The sweep runs its grid the same way, the
+// runs of all cells interleaved.
+//
+// The contenders, all at the same prefetch and workers unless said
+// otherwise:
+//
+//	raw                 amqp091 consumer, manual acks, no layers: the ceiling
+//	hand-written-p1     the hand-written Redis pattern at prefetch 1, 1 worker,
+//	                    as teams run it
+//	hand-written        the same at the common prefetch and workers
+//	rabbitmw-memory     broker.Consume, the recommended stack, memory store
+//	rabbitmw-redis      the same over the Redis store
+//	rabbitmw-redis-dup  the same with -dup of the message ids duplicated
+//
+// The business handler only records, in memory, that it ran. The common
+// prefetch and workers are the broker's defaults unless -prefetch or
+// -workers say otherwise.
+//
+// bench uses queues and Redis keys whose names start with a prefix unique to
+// the run ("rmwbench-..."), and deletes them when a run ends, so it can share
+// the servers with other work. RABBITMQ_URL and REDIS_ADDR stand for -amqp
+// and -redis.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// config is what the flags say.
+type config struct {
+	amqpURL    string
+	redisAddr  string
+	n          int
+	size       int
+	dup        float64
+	rounds     int
+	prefetch   int // 0: the broker's default
+	workers    int // 0: the broker's default
+	sweep      bool
+	only       []string
+	jsonPath   string
+	timeout    time.Duration
+	persistent bool
+	stack      bool
+	stackOnly  bool
+	cpuProfile string
+
+	sweepWorkers  []int
+	sweepPrefetch []int // multiples of workers
+}
+
+func main() {
+	cfg, err := parseFlags(os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	if cfg.cpuProfile != "" {
+		f, err := os.Create(cfg.cpuProfile)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench:", err)
+			os.Exit(2)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			fmt.Fprintln(os.Stderr, "bench:", err)
+			os.Exit(2)
+		}
+		defer pprof.StopCPUProfile()
+	}
+	if err := run(ctx, cfg); err != nil {
+		stop()
+		pprof.StopCPUProfile()
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func parseFlags(args []string) (config, error) {
+	var cfg config
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.StringVar(&cfg.amqpURL, "amqp", envOr("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"), "AMQP URL of the RabbitMQ server")
+	fs.StringVar(&cfg.redisAddr, "redis", envOr("REDIS_ADDR", "127.0.0.1:6379"), "address of the Redis server")
+	fs.IntVar(&cfg.n, "n", 20000, "messages per run")
+	fs.IntVar(&cfg.size, "size", 256, "message body size in bytes")
+	fs.Float64Var(&cfg.dup, "dup", 0.2, "fraction of the messages of rabbitmw-redis-dup that repeat an earlier message's id")
+	fs.IntVar(&cfg.rounds, "rounds", 3, "rounds; each runs every contender once")
+	fs.IntVar(&cfg.prefetch, "prefetch", 0, "prefetch of every contender but hand-written-p1 (default: the broker's default)")
+	fs.IntVar(&cfg.workers, "workers", 0, "workers of every contender but hand-written-p1 (default: the broker's default)")
+	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders raw, rabbitmw-redis and hand-written, unless -only)")
+	only := fs.String("only", "", "comma-separated contenders to run (default: all; for -sweep: raw,rabbitmw-redis,hand-written)")
+	fs.StringVar(&cfg.jsonPath, "json", "", "also write the results as JSON to this file")
+	fs.DurationVar(&cfg.timeout, "timeout", 5*time.Minute, "the longest one contender may take to consume one run")
+	fs.BoolVar(&cfg.persistent, "persistent", true, "publish persistent messages (delivery mode 2), as broker.Publish does")
+	fs.BoolVar(&cfg.stack, "stack", true, "also measure the whole stack in process (testing.Benchmark, memory store) for the per-delivery target")
+	fs.BoolVar(&cfg.stackOnly, "stack-only", false, "only measure the stack in process (no servers needed), and exit")
+	fs.StringVar(&cfg.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole command to this file (pair it with -only)")
+	sw := fs.String("sweep-workers", "1,4,8,16,32,64", "-sweep: the workers of the grid")
+	sp := fs.String("sweep-prefetch", "1,2,4", "-sweep: the prefetch of the grid, as multiples of the workers")
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	if fs.NArg() > 0 {
+		return cfg, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	switch {
+	case cfg.n < 1:
+		return cfg, errors.New("-n must be at least 1")
+	case cfg.size < 0:
+		return cfg, errors.New("-size must not be negative")
+	case cfg.dup < 0 || cfg.dup >= 1:
+		return cfg, errors.New("-dup must be in [0, 1)")
+	case cfg.rounds < 1:
+		return cfg, errors.New("-rounds must be at least 1")
+	case cfg.prefetch < 0 || cfg.prefetch > 65535:
+		return cfg, errors.New("-prefetch must be in [0, 65535]")
+	case cfg.workers < 0:
+		return cfg, errors.New("-workers must not be negative")
+	case cfg.timeout <= 0:
+		return cfg, errors.New("-timeout must be positive")
+	}
+	var err error
+	if cfg.sweepWorkers, err = intList(*sw); err != nil {
+		return cfg, fmt.Errorf("-sweep-workers: %w", err)
+	}
+	if cfg.sweepPrefetch, err = intList(*sp); err != nil {
+		return cfg, fmt.Errorf("-sweep-prefetch: %w", err)
+	}
+	if *only != "" {
+		for _, name := range strings.Split(*only, ",") {
+			name = strings.TrimSpace(name)
+			if !knownContender(name) {
+				return cfg, fmt.Errorf("-only: unknown contender %q (known: %s)", name, strings.Join(contenderNames, ", "))
+			}
+			cfg.only = append(cfg.only, name)
+		}
+	}
+	return cfg, nil
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+// intList parses "1,4,8" into positive integers.
+func intList(s string) ([]int, error) {
+	var out []int
+	for f := range strings.SplitSeq(s, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || v < 1 {
+			return nil, fmt.Errorf("%q is not a positive integer", f)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// run connects, measures what cfg asks for, prints it, and cleans up.
+func run(ctx context.Context, cfg config) error {
+	if cfg.stackOnly {
+		sc := measureStack()
+		sc.print(os.Stdout)
+		return writeJSON(cfg.jsonPath, sc)
+	}
+	e, err := connect(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer e.close()
+
+	// The settings broker.Consume applies: its defaults, and the common
+	// setting that the flags ask for (the defaults when they ask nothing).
+	defPrefetch, defWorkers, err := brokerSettings(ctx, 0, 0)
+	if err != nil {
+		return err
+	}
+	prefetch, workers, err := brokerSettings(ctx, cfg.prefetch, cfg.workers)
+	if err != nil {
+		return err
+	}
+	defaults := prefetch == defPrefetch && workers == defWorkers
+
+	out := os.Stdout
+	e.machine.print(out)
+	if cfg.sweep {
+		res, err := runSweep(ctx, e, cfg, defPrefetch, defWorkers)
+		if err != nil {
+			return err
+		}
+		res.Machine = e.machine
+		res.print(out)
+		return writeJSON(cfg.jsonPath, res)
+	}
+	res, err := runCompare(ctx, e, cfg, prefetch, workers, defaults)
+	if err != nil {
+		return err
+	}
+	res.Machine = e.machine
+	res.print(out)
+	return writeJSON(cfg.jsonPath, res)
+}

@@ -1,0 +1,174 @@
+package main
+
+import (
+	"context"
+	"slices"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/rabbitmw/rabbitmw"
+)
+
+// epoch is the origin of the times a recorder keeps: monotonic nanoseconds
+// since the process started.
+var epoch = time.Now()
+
+func now() int64 { return int64(time.Since(epoch)) }
+
+// A probe follows one delivery: when its handler started, and how many
+// Redis round trips were made under its context.
+type probe struct {
+	start atomic.Int64
+	rtt   atomic.Int32
+}
+
+type probeKey struct{}
+
+// withProbe returns ctx carrying p, for the roundTrips hook.
+func withProbe(ctx context.Context, p *probe) context.Context {
+	return context.WithValue(ctx, probeKey{}, p)
+}
+
+// A recorder collects the figures of one contender's run. Its methods are
+// safe for concurrent use by the contender's workers.
+type recorder struct {
+	target int64         // final settlements that end the run: one per message
+	done   chan struct{} // closed when target is reached
+
+	first, last atomic.Int64 // first handler start, last final settlement
+	final       atomic.Int64
+	deliveries  atomic.Int64
+	redelivered atomic.Int64 // deliveries with the Redelivered flag
+	failed      atomic.Int64 // settlements that returned an error
+	outcomes    [rabbitmw.DeadLetter + 1]atomic.Int64
+
+	lat  []int64 // handler-to-settle latencies, in settlement order
+	nlat atomic.Int64
+
+	effects []atomic.Int32 // business handler runs, by message index
+
+	probes []probe // by delivery tag (rabbitmw contenders)
+
+	rttAck, rttDup rttTally
+}
+
+// rttTally sums the round trips of the deliveries of one outcome.
+type rttTally struct{ n, sum, max atomic.Int64 }
+
+func (t *rttTally) add(rtt int64) {
+	t.n.Add(1)
+	t.sum.Add(rtt)
+	for m := t.max.Load(); rtt > m && !t.max.CompareAndSwap(m, rtt); m = t.max.Load() {
+	}
+}
+
+func newRecorder(messages, prefetch int) *recorder {
+	return &recorder{
+		target:  int64(messages),
+		done:    make(chan struct{}),
+		lat:     make([]int64, 2*messages+prefetch),
+		effects: make([]atomic.Int32, messages),
+		// Delivery tags count from 1; a redelivered message gets a new tag.
+		// Deliveries past the end go unsampled, which only a run with
+		// many busy or failed messages would see.
+		probes: make([]probe, 2*messages+prefetch+1),
+	}
+}
+
+// begin marks the start of a handler and returns the time.
+func (r *recorder) begin(redelivered bool) int64 {
+	t := now()
+	r.deliveries.Add(1)
+	if redelivered {
+		r.redelivered.Add(1)
+	}
+	for f := r.first.Load(); (f == 0 || t < f) && !r.first.CompareAndSwap(f, t); f = r.first.Load() {
+	}
+	return t
+}
+
+// probe returns the probe of the delivery with the given tag, or nil.
+func (r *recorder) probe(tag uint64) *probe {
+	if tag < uint64(len(r.probes)) {
+		return &r.probes[tag]
+	}
+	return nil
+}
+
+// effect is the business handler: it records that message id ran.
+func (r *recorder) effect(id string) {
+	if i, err := strconv.Atoi(id[1:]); err == nil && i >= 0 && i < len(r.effects) {
+		r.effects[i].Add(1)
+	}
+}
+
+// end records the settlement of a delivery whose handler began at start
+// (0 if unknown), with the round trips it made.
+func (r *recorder) end(start int64, o rabbitmw.Outcome, rtt int64, err error) {
+	t := now()
+	if start > 0 {
+		if i := r.nlat.Add(1) - 1; i < int64(len(r.lat)) {
+			r.lat[i] = t - start
+		}
+	}
+	if o > 0 && int(o) < len(r.outcomes) {
+		r.outcomes[o].Add(1)
+	}
+	if err != nil {
+		r.failed.Add(1)
+		return
+	}
+	switch o {
+	case rabbitmw.Ack:
+		r.rttAck.add(rtt)
+	case rabbitmw.Duplicate:
+		r.rttDup.add(rtt)
+	case rabbitmw.DeadLetter:
+		// Final too: a dead-lettered message does not come back. None
+		// should be; the report says so if one was.
+	default:
+		return // requeued or delayed: it comes back
+	}
+	for l := r.last.Load(); t > l && !r.last.CompareAndSwap(l, t); l = r.last.Load() {
+	}
+	if r.final.Add(1) == r.target {
+		close(r.done)
+	}
+}
+
+// latencies returns the recorded latencies.
+func (r *recorder) latencies() []int64 {
+	return slices.Clone(r.lat[:min(r.nlat.Load(), int64(len(r.lat)))])
+}
+
+// elapsed is the time from the first delivery to the last settlement.
+func (r *recorder) elapsed() time.Duration {
+	return time.Duration(r.last.Load() - r.first.Load())
+}
+
+// effectCounts returns the business effects: in total, the messages that
+// had at least one, and those that had more than one.
+func (r *recorder) effectCounts() (total, unique, repeated int64) {
+	for i := range r.effects {
+		n := int64(r.effects[i].Load())
+		total += n
+		if n > 0 {
+			unique++
+		}
+		if n > 1 {
+			repeated++
+		}
+	}
+	return total, unique, repeated
+}
+
+// percentile returns the p-th percentile (0 < p <= 100, nearest rank) of
+// sorted.
+func percentile(sorted []int64, p float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(float64(len(sorted))*p/100+0.999999) - 1
+	return time.Duration(sorted[max(0, min(i, len(sorted)-1))])
+}
