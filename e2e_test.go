@@ -7,7 +7,6 @@ package rabbitmw_test
 import (
 	"context"
 	"fmt"
-	"os/exec"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -36,7 +35,10 @@ type servers struct {
 
 func realServers(t *testing.T) servers {
 	url, addr := testenv.RabbitMQURL(t), testenv.RedisAddr(t)
-	b := broker.New(url, broker.Options{})
+	// The connections carry a name unique to the test, so that the test
+	// closes its own and no other package's.
+	marker := fmt.Sprintf("e2e-%d", time.Now().UnixNano())
+	b := broker.New(url, broker.Options{Process: marker})
 	t.Cleanup(func() { b.Close() })
 	c := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
 	prefix := fmt.Sprintf("rabbitmw-e2e:%s:%d:", t.Name(), time.Now().UnixNano())
@@ -52,9 +54,8 @@ func realServers(t *testing.T) servers {
 		broker: b,
 		store:  store.NewRedis(c, store.RedisOptions{Prefix: prefix}),
 		drop: func(t *testing.T) {
-			out, err := exec.Command("rabbitmqctl", "close_all_connections", "rabbitmw end-to-end test").CombinedOutput()
-			if err != nil {
-				t.Fatalf("rabbitmqctl close_all_connections: %v\n%s", err, out)
+			if testenv.CloseConnections(t, marker, "rabbitmw end-to-end test") == 0 {
+				t.Error("no connection to close")
 			}
 		},
 	}

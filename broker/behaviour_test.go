@@ -212,7 +212,7 @@ func testRetriesThenDeadLetter(t *testing.T, be backend) {
 	equal(t, HeaderOriginalRoutingKey, d.Headers[HeaderOriginalRoutingKey], f.q)
 	equal(t, HeaderOriginalQueue, d.Headers[HeaderOriginalQueue], f.q)
 	equal(t, HeaderHost, d.Headers[HeaderHost], "test-host")
-	equal(t, HeaderProcess, d.Headers[HeaderProcess], "test-process[1]")
+	equal(t, HeaderProcess, d.Headers[HeaderProcess], f.process)
 	equal(t, "custom header", d.Headers["custom"], "kept")
 	equal(t, "body", d.Body, []byte("payload"))
 	equal(t, "ContentType", d.ContentType, "text/plain")
@@ -465,7 +465,7 @@ func testConnectionLoss(t *testing.T, be backend) {
 	sessions := func() int { return f.logs.count("broker: consuming") }
 	eventually(t, 30*time.Second, "first tenth not handled", func() bool { return j.effected() >= n/10 })
 	for i := range 2 {
-		f.be.drop(t, f.mem)
+		f.be.drop(t, f.mem, f.process)
 		t.Logf("connections closed after %d of %d messages handled", j.effected(), n)
 		eventually(t, 30*time.Second, "consumer did not reconnect", func() bool { return sessions() >= i+2 })
 	}

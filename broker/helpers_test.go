@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"os/exec"
 	"reflect"
 	"strings"
 	"sync"
@@ -33,8 +32,10 @@ type backend struct {
 	// open returns a Broker on a server for t, and the Memory when the
 	// server is one (nil for RabbitMQ). Both are closed at the end of t.
 	open func(t *testing.T, opts Options) (*Broker, *Memory)
-	// drop closes every connection to the server.
-	drop func(t *testing.T, m *Memory)
+	// drop closes every connection of the fixture's Broker (they all carry
+	// marker, its process name, in their names); other tests' connections
+	// to a shared server are left alone.
+	drop func(t *testing.T, m *Memory, marker string)
 }
 
 var backends = []backend{
@@ -47,7 +48,7 @@ var backends = []backend{
 			t.Cleanup(func() { b.Close() })
 			return b, m
 		},
-		drop: func(t *testing.T, m *Memory) {
+		drop: func(t *testing.T, m *Memory, _ string) {
 			if n := m.CloseConnections(); n == 0 {
 				t.Errorf("CloseConnections() = 0; want at least 1")
 			}
@@ -61,14 +62,9 @@ var backends = []backend{
 			t.Cleanup(func() { b.Close() })
 			return b, nil
 		},
-		drop: func(t *testing.T, _ *Memory) {
-			ctl, err := exec.LookPath("rabbitmqctl")
-			if err != nil {
-				testenv.Missing(t, "rabbitmqctl", "install RabbitMQ's CLI tools")
-			}
-			out, err := exec.Command(ctl, "close_all_connections", "rabbitmw broker test").CombinedOutput()
-			if err != nil {
-				t.Fatalf("rabbitmqctl close_all_connections: %v\n%s", err, out)
+		drop: func(t *testing.T, _ *Memory, marker string) {
+			if n := testenv.CloseConnections(t, marker, "rabbitmw broker test"); n == 0 {
+				t.Errorf("no connection named with %q to close; want at least 1", marker)
 			}
 		},
 	},
@@ -83,6 +79,9 @@ type fixture struct {
 	q    string
 	top  Topology
 	logs *logRecorder
+	// process names the Broker's process in fault headers and in its
+	// connections' names; unique to the test.
+	process string
 }
 
 // testTiers is the delay ladder of the tests.
@@ -99,14 +98,17 @@ func setup(t *testing.T, be backend, top Topology) *fixture {
 func setupWith(t *testing.T, be backend, top Topology, reconnectMax time.Duration) *fixture {
 	t.Helper()
 	logs := newLogRecorder(t)
+	var r [4]byte
+	_, _ = rand.Read(r[:])
+	process := "test-process-" + hex.EncodeToString(r[:]) + "[1]"
 	b, mem := be.open(t, Options{
 		Logger:       slog.New(logs),
 		ReconnectMin: min(20*time.Millisecond, reconnectMax),
 		ReconnectMax: reconnectMax,
 		Host:         "test-host",
-		Process:      "test-process[1]",
+		Process:      process,
 	})
-	f := &fixture{t: t, be: be, b: b, mem: mem, q: queueName(t), top: top, logs: logs}
+	f := &fixture{t: t, be: be, b: b, mem: mem, q: queueName(t), top: top, logs: logs, process: process}
 	if top.Delays == nil {
 		f.top.Delays = testTiers
 	}

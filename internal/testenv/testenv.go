@@ -9,7 +9,9 @@ import (
 	"context"
 	"net"
 	"os"
+	"os/exec"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -105,4 +107,35 @@ func RabbitMQURL(t testing.TB) string {
 		Missing(t, "RabbitMQ at "+url, "start it with: rabbitmq-server -detached; or set RABBITMQ_URL ("+err.Error()+")")
 	}
 	return url
+}
+
+// CloseConnections closes, with rabbitmqctl, every connection to the local
+// RabbitMQ whose client-provided name contains marker, as the server does
+// when an operator forces connections closed, and returns how many it
+// closed. Unlike close_all_connections it leaves other connections alone,
+// so that tests of several packages, run at once against one server, do
+// not break each other's. It skips t (fails it under CI) without
+// rabbitmqctl.
+func CloseConnections(t testing.TB, marker, reason string) int {
+	t.Helper()
+	ctl, err := exec.LookPath("rabbitmqctl")
+	if err != nil {
+		Missing(t, "rabbitmqctl", "install RabbitMQ's command line tools")
+	}
+	out, err := exec.Command(ctl, "list_connections", "pid", "client_properties", "-q", "--no-table-headers").CombinedOutput()
+	if err != nil {
+		t.Fatalf("rabbitmqctl list_connections: %v\n%s", err, out)
+	}
+	n := 0
+	for _, line := range strings.Split(string(out), "\n") {
+		pid, props, ok := strings.Cut(line, "\t")
+		if !ok || !strings.Contains(props, `{"connection_name","`) || !strings.Contains(props, marker) {
+			continue
+		}
+		if out, err := exec.Command(ctl, "close_connection", pid, reason).CombinedOutput(); err != nil {
+			t.Fatalf("rabbitmqctl close_connection %s: %v\n%s", pid, err, out)
+		}
+		n++
+	}
+	return n
 }
