@@ -420,21 +420,42 @@ func TestDedupRenewsManyLeases(t *testing.T) {
 type hangingStore struct {
 	store.Store
 	release  chan struct{}
+	once     sync.Once
 	returned atomic.Bool
+	inCall   atomic.Int32 // renewals that are in a call
+}
+
+// open lets the hanging calls return.
+func (h *hangingStore) open() { h.once.Do(func() { close(h.release) }) }
+
+func newHangingStore() *hangingStore {
+	return &hangingStore{Store: store.NewMemory(), release: make(chan struct{})}
 }
 
 func (h *hangingStore) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	h.inCall.Add(1)
+	defer h.inCall.Add(-1)
 	<-h.release
 	h.returned.Store(true)
 	return errors.New("i/o timeout")
 }
 
+// unblock ends the hanging calls and waits until they have returned, and
+// so until the renewals that made them have ended.
+func (h *hangingStore) unblock() {
+	h.open()
+	for h.inCall.Load() > 0 {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(10 * time.Millisecond) // the renewal's own return, after the call's
+}
+
 // The handler is cancelled before its lease ends even when a renewal never
 // returns: the renewer decides on the clock, not on the store's answer.
 func TestDedupHangingRenewalCancelsHandler(t *testing.T) {
-	s := &hangingStore{Store: store.NewMemory(), release: make(chan struct{})}
+	s := newHangingStore()
+	defer s.unblock()
 	const lease = 300 * time.Millisecond
-	time.AfterFunc(4*lease, func() { close(s.release) })
 	var (
 		cause       error
 		extendFirst bool
@@ -459,5 +480,77 @@ func TestDedupHangingRenewalCancelsHandler(t *testing.T) {
 	}
 	if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay {
 		t.Errorf("result %v decides %v; want delayed", err, dec.Outcome)
+	}
+}
+
+// A handler that finishes while a renewal hangs is marked done at once: the
+// delivery does not wait for the renewal, which could outlast the lease and
+// let another consumer apply the effect again.
+func TestDedupFinishedHandlerDoesNotWaitForRenewal(t *testing.T) {
+	s := newHangingStore()
+	defer s.unblock()
+	const lease = 300 * time.Millisecond
+	time.AfterFunc(3*lease, s.open) // so that a Dedup that waits ends too
+	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error {
+			time.Sleep(lease / 2) // past the first renewal, at lease/3, which hangs
+			return nil
+		}))
+	d, _ := deliver("m1", "")
+	start := time.Now()
+	if err := h.Handle(context.Background(), d); err != nil {
+		t.Fatalf("Handle = %v; want nil", err)
+	}
+	if elapsed := time.Since(start); elapsed >= lease {
+		t.Errorf("Handle returned after %v, waiting for the hanging renewal; want before the lease (%v) ends", elapsed, lease)
+	}
+	if s.returned.Load() {
+		t.Fatal("the renewal returned before the handler finished; the test proves nothing")
+	}
+	if got, _ := s.Store.Claim(context.Background(), "m1", "other", time.Minute); got != store.Done {
+		t.Errorf("Claim afterwards = %v; want done", got)
+	}
+}
+
+// lostReplyStore applies a Claim but reports an error, as a client does
+// when the reply is lost to a timeout.
+type lostReplyStore struct{ store.Store }
+
+func (s lostReplyStore) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	s.Store.Claim(ctx, key, token, lease)
+	return 0, errors.New("i/o timeout")
+}
+
+// A claim that took effect though its answer was lost is released, so that
+// it does not keep the message busy until the lease ends.
+func TestDedupReleasesAnUnansweredClaim(t *testing.T) {
+	s := lostReplyStore{store.NewMemory()}
+	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { return nil }))
+	d, _ := deliver("m1", "")
+	if err := h.Handle(context.Background(), d); !errors.Is(err, middleware.ErrStoreUnavailable) {
+		t.Fatalf("Handle = %v; want ErrStoreUnavailable", err)
+	}
+	if got, _ := s.Store.Claim(context.Background(), "m1", "next", time.Minute); got != store.Claimed {
+		t.Fatalf("Claim after the unanswered claim = %v; want claimed (released)", got)
+	}
+}
+
+// FailOpen runs the handler when the store is down, not when the claim
+// failed because the delivery's context is done.
+func TestDedupFailOpenNotOnDoneContext(t *testing.T) {
+	s := &faultyStore{Store: store.NewMemory()}
+	set(&s.claim, context.Canceled)
+	var calls atomic.Int32
+	h := middleware.Dedup(s, middleware.DedupOptions{FailOpen: true})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { calls.Add(1); return nil }))
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	d, _ := deliver("m1", "")
+	if err := h.Handle(ctx, d); err == nil {
+		t.Error("Handle with a done context and a failed claim = nil; want an error")
+	}
+	if n := calls.Load(); n != 0 {
+		t.Errorf("handler called %d times on a done context; want 0", n)
 	}
 }

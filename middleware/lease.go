@@ -19,12 +19,17 @@ import (
 // allocation of its own.
 //
 // Renewals run on goroutines started by the timer's callback, one per
-// claim due; stop waits for the claim's renewal in flight, so none outlives
-// its delivery. A renewed claim stays queued while its renewal runs, due
-// again one interval later: if the renewal has not returned by then, the
-// renewer does not wait for the store (a client may ignore the context's
-// deadline and block for its own timeouts) and decides on the clock alone
-// whether to cancel the handler.
+// claim due. Nothing waits for a renewal, since a store client may ignore
+// its context's deadline and block for its own timeouts: a renewed claim
+// stays queued while its renewal runs, due again one interval later, and
+// if the renewal has not returned by then, the renewer decides on the clock
+// alone whether to cancel the handler. Nor does stop wait for it, which
+// would hold a finished handler's done mark until the lease might have
+// ended: a renewal still in flight when its delivery ends runs on until
+// the store answers (within its context's timeout, one interval, for a
+// client that honours it), then ends and recycles the claim's state. Its
+// answer no longer matters then: completing and releasing a claim check
+// its owner.
 type renewer struct {
 	store        store.Store
 	lease, every time.Duration
@@ -45,13 +50,11 @@ type claimLease struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc // the handler's context
 
-	inflight sync.WaitGroup // a renewal popped from the queue and not finished
-
 	// Guarded by renewer.mu.
 	prev, next *claimLease
 	queued     bool
-	stopped    bool
-	renewing   bool      // a renewal is in flight
+	stopped    bool      // the delivery has ended
+	renewing   bool      // a renewal is in flight; it owns l once stopped
 	due        time.Time // the next renewal, while queued
 	lost       error     // set when the store said the claim is gone
 	validUntil time.Time // the end of the lease as of the last renewal
@@ -80,9 +83,10 @@ func (r *renewer) start(ctx context.Context, key, token string, claimedAt time.T
 	return l
 }
 
-// stop ends the renewals of l, waiting for one in flight, and reports
-// whether the store said the claim was lost, and until when the lease runs.
-// l must not be used after stop.
+// stop ends the renewals of l, without waiting for one in flight, and
+// reports whether the store said the claim was lost, and until when the
+// lease runs as of the last renewal that returned. l must not be used
+// after stop.
 func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time) {
 	r.mu.Lock()
 	l.stopped = true
@@ -93,12 +97,20 @@ func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time) {
 		// costs one wake-up per renewal interval.
 		r.unlink(l)
 	}
-	r.mu.Unlock()
-	l.inflight.Wait()
 	lost, validUntil = l.lost, l.validUntil
+	recycle := !l.renewing // else the renewal in flight recycles l
+	r.mu.Unlock()
+	if recycle {
+		r.recycle(l)
+	}
+	return lost, validUntil
+}
+
+// recycle returns l to the pool. Nothing may refer to l any more: it is
+// stopped, not queued, and no renewal of it is in flight.
+func (r *renewer) recycle(l *claimLease) {
 	l.key, l.token, l.ctx, l.cancel, l.lost = "", "", nil, nil, nil
 	r.pool.Put(l)
-	return lost, validUntil
 }
 
 // push queues l, due at the given time, and arms the timer if l becomes the
@@ -182,7 +194,6 @@ func (r *renewer) fire() {
 		switch {
 		case !l.renewing:
 			l.renewing = true
-			l.inflight.Add(1)
 			go r.renew(l)
 			r.push(l, now.Add(r.every))
 		case r.mayEnd(l, now):
@@ -209,9 +220,9 @@ func (r *renewer) mayEnd(l *claimLease, now time.Time) bool {
 }
 
 // renew extends l's claim once. It cancels the handler if the claim is
-// lost, or if the renewal failed and the lease may end before the next.
+// lost, or if the renewal failed and the lease may end before the next. If
+// the delivery ended meanwhile, it only recycles l.
 func (r *renewer) renew(l *claimLease) {
-	defer l.inflight.Done()
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(l.ctx), r.every)
 	at := time.Now()
 	err := r.store.Extend(ctx, l.key, l.token, r.lease)
@@ -219,10 +230,21 @@ func (r *renewer) renew(l *claimLease) {
 
 	r.mu.Lock()
 	l.renewing = false
+	if l.stopped {
+		r.mu.Unlock()
+		r.recycle(l)
+		return
+	}
 	var cause error
 	switch {
 	case err == nil:
 		l.validUntil = at.Add(r.lease)
+		if !l.queued {
+			// fire gave up on this renewal and cancelled the handler; the
+			// renewal came back after all. Go on renewing: a handler that
+			// is slow to stop keeps its claim for as long as it runs.
+			r.push(l, time.Now().Add(r.every))
+		}
 	case errors.Is(err, store.ErrLostClaim):
 		l.lost = fmt.Errorf("%w: %q was taken over or deleted while the handler ran: %w", ErrLeaseLost, l.key, err)
 		cause = l.lost
