@@ -175,7 +175,13 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 	status, err := h.store.Claim(ctx, key, token, h.lease)
 	switch {
 	case err != nil:
-		if h.failOpen {
+		// The claim may have taken effect though its answer was lost:
+		// release it, if this token holds it, rather than leave it to
+		// block the message until the lease ends.
+		rctx, rcancel := context.WithTimeout(bookkeeping(ctx), time.Second)
+		h.store.Release(rctx, key, token)
+		rcancel()
+		if h.failOpen && ctx.Err() == nil {
 			return h.next.Handle(ctx, d)
 		}
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: %w", ErrStoreUnavailable, key, err), h.unavailable)
@@ -200,6 +206,9 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 	}()
 	err = h.next.Handle(hctx, d)
 	finished = true
+	// Why the handler's context ended, if it did, before anything later
+	// can cancel it.
+	cause := context.Cause(hctx)
 
 	lost, validUntil := h.renewer.stop(l)
 	if lost != nil {
@@ -213,24 +222,28 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 		if validUntil.Before(deadline) {
 			deadline = validUntil
 		}
-		if rerr := h.persist(ctx, deadline, func(ctx context.Context) error {
+		if _, rerr := h.persist(ctx, deadline, func(ctx context.Context) error {
 			return h.store.Release(ctx, key, token)
 		}); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
 			err = errors.Join(err, fmt.Errorf("middleware: dedup: release %q: %w", key, rerr))
 		}
-		if cause := context.Cause(hctx); ctx.Err() == nil && errors.Is(cause, ErrStoreUnavailable) {
+		if ctx.Err() == nil && errors.Is(cause, ErrStoreUnavailable) {
 			// Dedup cut the handler short because the store could not
 			// renew the lease: that is not the message's failure.
 			return rabbitmw.RetryAfter(errors.Join(err, cause), h.unavailable)
 		}
 		return err
 	}
-	cerr := h.persist(ctx, validUntil, func(ctx context.Context) error {
+	retried, cerr := h.persist(ctx, validUntil, func(ctx context.Context) error {
 		return h.store.Complete(ctx, key, token, h.retention)
 	})
 	switch {
 	case cerr == nil:
 		return nil
+	case errors.Is(cerr, store.ErrLostClaim) && retried:
+		// Likelier than a takeover: an earlier attempt marked the key done
+		// and its answer was lost. The redelivery will tell (a duplicate).
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded; marking %q done failed, then found the claim gone, most likely marked done by the failed attempt: %w", ErrLeaseLost, key, cerr), h.busy)
 	case errors.Is(cerr, store.ErrLostClaim):
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but %q was taken over before it was marked done: %w", ErrLeaseLost, key, cerr), h.busy)
 	default:
@@ -254,26 +267,28 @@ func (e *keyError) Unwrap() error { return e.err }
 
 // persist runs op, a store call that must not be lost after the handler
 // ran, and retries it while the store cannot be reached, until deadline or
-// until ctx is done. It returns op's last error.
-func (h *dedup) persist(ctx context.Context, deadline time.Time, op func(context.Context) error) error {
-	err := op(bookkeeping(ctx))
+// until ctx is done. It reports whether op was tried more than once, and
+// returns op's last error.
+func (h *dedup) persist(ctx context.Context, deadline time.Time, op func(context.Context) error) (retried bool, err error) {
+	err = op(bookkeeping(ctx))
 	if err == nil || errors.Is(err, store.ErrLostClaim) {
-		return err
+		return false, err
 	}
 	wait := 50 * time.Millisecond
 	for {
 		if ctx.Err() != nil || time.Now().Add(wait).After(deadline) {
-			return err
+			return retried, err
 		}
 		t := time.NewTimer(wait)
 		select {
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
-			return err
+			return retried, err
 		}
+		retried = true
 		if err = op(bookkeeping(ctx)); err == nil || errors.Is(err, store.ErrLostClaim) {
-			return err
+			return true, err
 		}
 		wait = min(2*wait, time.Second)
 	}
