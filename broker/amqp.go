@@ -142,20 +142,36 @@ type amqpSession struct {
 	// publish knows its sequence number. It is never held by the confirms
 	// goroutine, which amqp091's reader may be blocked on.
 	pubMu sync.Mutex
-	// pendMu guards pending and returned, and only ever briefly.
+	// pendMu guards pending, returned and byID, and only ever briefly.
 	pendMu   sync.Mutex
 	pending  map[uint64]*pendingPublish
 	returned map[string]int // message id -> basic.returns not yet matched
+	// byID holds the publish in flight for each message id. A basic.return
+	// names its message only by its properties, so two publishes of one id
+	// in flight at once could not be told apart: a publish waits until the
+	// one before it with its id is resolved.
+	byID map[string]*pendingPublish
 
 	getMu sync.Mutex
 	getCh *amqp.Channel
 }
 
 // A pendingPublish waits for its confirm. done receives nil, ErrUnroutable,
-// ErrNacked, or errChannelClosed.
+// ErrNacked, or errChannelClosed; resolved is closed then.
 type pendingPublish struct {
-	id   string
-	done chan error
+	id       string
+	done     chan error
+	resolved chan struct{}
+}
+
+// resolve delivers res to p and lets the next publish of p's id go.
+// s.pendMu must be held.
+func (s *amqpSession) resolve(p *pendingPublish, res error) {
+	p.done <- res // buffered: never blocks
+	close(p.resolved)
+	if s.byID[p.id] == p {
+		delete(s.byID, p.id)
+	}
 }
 
 // errChannelClosed tells a waiting publish that its channel closed before the
@@ -169,6 +185,7 @@ func newAMQPSession(conn *amqp.Connection) (*amqpSession, error) {
 		cancels:  make(chan string, 1),
 		pending:  make(map[uint64]*pendingPublish),
 		returned: make(map[string]int),
+		byID:     make(map[string]*pendingPublish),
 	}
 	var err error
 	if s.pub, err = conn.Channel(); err != nil {
@@ -239,7 +256,7 @@ func (s *amqpSession) confirms(confirms <-chan amqp.Confirmation, returns <-chan
 			if !ok {
 				s.pendMu.Lock()
 				for seq, p := range s.pending {
-					p.done <- errChannelClosed
+					s.resolve(p, errChannelClosed)
 					delete(s.pending, seq)
 				}
 				s.pendMu.Unlock()
@@ -261,20 +278,40 @@ func (s *amqpSession) confirms(confirms <-chan amqp.Confirmation, returns <-chan
 					res = ErrNacked
 				}
 			}
-			s.pendMu.Unlock()
 			if p != nil {
-				p.done <- res // buffered: never blocks
+				s.resolve(p, res)
 			}
+			s.pendMu.Unlock()
 		}
 	}
 }
 
 func (s *amqpSession) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
-	p := &pendingPublish{id: msg.MessageId, done: make(chan error, 1)}
+	p := &pendingPublish{id: msg.MessageId, done: make(chan error, 1), resolved: make(chan struct{})}
+	for {
+		s.pendMu.Lock()
+		prev := s.byID[p.id]
+		if prev == nil {
+			s.byID[p.id] = p
+			s.pendMu.Unlock()
+			break
+		}
+		s.pendMu.Unlock()
+		select {
+		case <-prev.resolved:
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-s.done:
+			return s.err
+		}
+	}
 	s.pubMu.Lock()
 	select {
 	case <-s.done:
 		s.pubMu.Unlock()
+		s.pendMu.Lock()
+		s.resolve(p, s.err)
+		s.pendMu.Unlock()
 		return s.err
 	default:
 	}
@@ -286,6 +323,7 @@ func (s *amqpSession) publish(ctx context.Context, exchange, key string, msg amq
 	if err != nil {
 		s.pendMu.Lock()
 		delete(s.pending, seq)
+		s.resolve(p, err)
 		s.pendMu.Unlock()
 	}
 	s.pubMu.Unlock()

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/url"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -39,5 +40,46 @@ func TestRabbitMQWrongPassword(t *testing.T) {
 	var ae *amqp.Error
 	if !errors.As(err, &ae) || ae.Code != amqp.AccessRefused {
 		t.Errorf("Publish error %v does not wrap the 403 amqp.Error", err)
+	}
+}
+
+// A basic.return names its message only by its properties. Publishes of
+// one message id in flight at once, one routable and one not, must each
+// get their own result: the unroutable one an error, never a silent nil.
+// (Before publishes of one id were serialised, a routed publish to a
+// durable queue, whose confirm waits for the disk, took the other's
+// return in most rounds.)
+func TestRabbitMQSameIDPublishesKeepTheirResults(t *testing.T) {
+	b := New(testenv.RabbitMQURL(t), Options{KeepEmptyMessageID: true})
+	t.Cleanup(func() { b.Close() })
+	ctx := testContext(t, time.Minute)
+	q, top := queueName(t), Topology{Delays: []time.Duration{time.Second}}
+	if err := b.Declare(ctx, q, top); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Delete(context.Background(), q, top) })
+	var routedWrong, droppedSilently int
+	for range 100 {
+		var routed, unroutable error
+		var wg sync.WaitGroup
+		wg.Add(2)
+		go func() { defer wg.Done(); routed = b.Publish(ctx, "", q, amqp.Publishing{Body: []byte("a")}) }()
+		go func() {
+			defer wg.Done()
+			unroutable = b.Publish(ctx, "", q+"-missing", amqp.Publishing{Body: []byte("b")})
+		}()
+		wg.Wait()
+		if routed != nil {
+			routedWrong++
+		}
+		if !errors.Is(unroutable, ErrUnroutable) {
+			droppedSilently++
+		}
+	}
+	if routedWrong > 0 || droppedSilently > 0 {
+		t.Errorf("of 100 rounds: %d routed publishes failed, %d unroutable publishes reported published; want 0 and 0", routedWrong, droppedSilently)
+	}
+	if n, err := b.Len(ctx, q); err != nil || n != 100 {
+		t.Errorf("Len(%s) = %d, %v; want the 100 routed messages", q, n, err)
 	}
 }
