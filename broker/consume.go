@@ -362,7 +362,15 @@ func (c *consumer) work(ctx context.Context, s session, deliveries <-chan amqp.D
 // process handles one delivery and settles it.
 func (c *consumer) process(ctx context.Context, s session, d *amqp.Delivery) {
 	if nb, ok := notBefore(d.Headers); ok {
-		if rest := time.Until(nb); rest > 0 {
+		switch rest := time.Until(nb); {
+		case rest > maxNotBefore:
+			// A delay this long is a corrupt header (or a producer's
+			// mistake), and the message would cycle through the delay
+			// queues for it: dead-letter it, with the reason.
+			err := fmt.Errorf("broker: header %s is %v ahead, beyond the %v a delay may last", HeaderNotBefore, rest.Round(time.Second), maxNotBefore)
+			c.settle(ctx, s, d, rabbitmw.Decide(rabbitmw.Permanent(err)))
+			return
+		case rest > 0:
 			// Not due yet: back to a delay queue, unhandled.
 			c.settle(ctx, s, d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: rest})
 			return
@@ -370,6 +378,10 @@ func (c *consumer) process(ctx context.Context, s session, d *amqp.Delivery) {
 	}
 	c.settle(ctx, s, d, rabbitmw.Decide(c.call(ctx, d)))
 }
+
+// maxNotBefore bounds how far ahead HeaderNotBefore may be: a message whose
+// header is further ahead is dead-lettered rather than delayed.
+const maxNotBefore = 7 * 24 * time.Hour
 
 // call runs the handler, turning a panic into a permanent error.
 func (c *consumer) call(ctx context.Context, d *amqp.Delivery) (err error) {

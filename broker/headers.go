@@ -43,7 +43,9 @@ const (
 	// HeaderNotBefore is the time (Unix milliseconds, int64) before which
 	// a message must not be handled: set on a message delayed longer than
 	// the longest delay queue. A consumer that receives it earlier sends
-	// it back to a delay queue for the remainder without handling it.
+	// it back to a delay queue for the remainder without handling it. A
+	// value more than 7 days ahead is taken for a corrupt header: the
+	// message is dead-lettered, with that reason.
 	HeaderNotBefore = "x-rabbitmw-not-before"
 	// HeaderUserID keeps the UserId property of a message that the broker
 	// republishes (RabbitMQ refuses a publish whose user-id is not the

@@ -58,3 +58,39 @@ func TestOnSettle(t *testing.T) {
 		equal(t, "outcomes of "+id, seen[id], w)
 	}
 }
+
+// A not-before header far in the future is corrupt, not a delay: the
+// message is dead-lettered with the reason instead of cycling through the
+// delay queues for ever, and the handler never sees it.
+func TestCorruptNotBeforeIsDeadLettered(t *testing.T) {
+	f := setup(t, backends[0], Topology{})
+	f.publish("far", []byte("x"), amqp.Table{HeaderNotBefore: time.Now().Add(30 * 24 * time.Hour).UnixMilli()})
+	soon := time.Now().Add(100 * time.Millisecond)
+	f.publish("soon", []byte("x"), amqp.Table{HeaderNotBefore: soon.UnixMilli()})
+	var mu sync.Mutex
+	handled := map[string]time.Time{}
+	f.consume(rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+		mu.Lock()
+		handled[d.MessageId] = time.Now()
+		mu.Unlock()
+		return nil
+	}), ConsumeOptions{})
+	eventually(t, 10*time.Second, "far not dead-lettered, soon not handled", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return f.length(f.q+".dlq") == 1 && !handled["soon"].IsZero()
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if _, ok := handled["far"]; ok {
+		t.Error("the message with a corrupt not-before was handled; want it dead-lettered unhandled")
+	}
+	if at := handled["soon"]; at.Before(soon.Truncate(time.Millisecond)) {
+		t.Errorf("soon handled %v before its not-before; want no sooner", soon.Sub(at))
+	}
+	dead := f.drain(f.q + ".dlq")
+	if len(dead) != 1 || dead[0].MessageId != "far" {
+		t.Fatalf("dead-letter queue = %v; want far alone", dead)
+	}
+	contains(t, "reason", dead[0].Headers[HeaderError].(string), "beyond the 168h0m0s a delay may last")
+}
