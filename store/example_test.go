@@ -19,6 +19,10 @@ func ExampleNewRedis() {
 
 	st := store.NewRedis(client, store.RedisOptions{})
 	ctx := context.Background()
+	if err := st.Load(ctx); err != nil { // optional: fail fast at start-up
+		fmt.Println("Redis:", err)
+		return
+	}
 	first, _ := st.Claim(ctx, "order-42", "worker-a", time.Minute)
 	second, _ := st.Claim(ctx, "order-42", "worker-b", time.Minute)
 	st.Complete(ctx, "order-42", "worker-a", 24*time.Hour)

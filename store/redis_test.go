@@ -112,20 +112,14 @@ func TestRedisPrefixes(t *testing.T) {
 	}
 }
 
-// Each state change is one round trip once the scripts are cached.
+// Each state change is one round trip once Load has cached the scripts.
 func TestRedisRoundTrips(t *testing.T) {
 	_, c, rt := redistest.Start(t)
 	s := store.NewRedis(c, store.RedisOptions{})
 	ctx := context.Background()
-	warm := func() { // load every script once
-		s.Claim(ctx, "w", "t", time.Minute)
-		s.Extend(ctx, "w", "t", time.Minute)
-		s.Release(ctx, "w", "t")
-		s.Claim(ctx, "w", "t", time.Minute)
-		s.Complete(ctx, "w", "t", time.Minute)
-		s.Fail(ctx, "w", time.Minute)
+	if err := s.Load(ctx); err != nil {
+		t.Fatal(err)
 	}
-	warm()
 	for _, tc := range []struct {
 		name string
 		call func() error
@@ -136,6 +130,8 @@ func TestRedisRoundTrips(t *testing.T) {
 		{"Claim of done", func() error { _, err := s.Claim(ctx, "k", "t", time.Minute); return err }},
 		{"Fail", func() error { _, err := s.Fail(ctx, "k", time.Minute); return err }},
 		{"ResetFailures", func() error { return s.ResetFailures(ctx, "k") }},
+		{"Claim again", func() error { _, err := s.Claim(ctx, "j", "t", time.Minute); return err }},
+		{"Release", func() error { return s.Release(ctx, "j", "t") }},
 	} {
 		before := rt.Count()
 		if err := tc.call(); err != nil {
@@ -163,4 +159,21 @@ func TestRedisErrors(t *testing.T) {
 	if _, err := s.Claim(ctx, "k", "t", time.Minute); err == nil || errors.Is(err, store.ErrLostClaim) {
 		t.Fatalf("Claim with the server gone = %v; want an error other than ErrLostClaim", err)
 	}
+	if err := s.Load(ctx); err == nil || !strings.Contains(err.Error(), "store: redis load scripts") {
+		t.Fatalf("Load with the server gone = %v; want a store error", err)
+	}
+}
+
+// The store runs unchanged over go-redis's autopipeliner, which batches
+// the commands of concurrent callers into pipelines.
+func TestRedisConformanceAutoPipeline(t *testing.T) {
+	storetest.Run(t, func(t *testing.T) store.Store {
+		_, c := newMiniredis(t)
+		ap, err := c.AutoPipeline()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ap.Close() })
+		return store.NewRedis(ap, store.RedisOptions{})
+	})
 }
