@@ -26,6 +26,10 @@ const (
 	memoryName   = "rabbitmw-memory"
 	redisName    = "rabbitmw-redis"
 	redisDupName = "rabbitmw-redis-dup"
+	// redisAPName runs only when -only names it: the Redis contender over
+	// go-redis's autopipeliner, which batches the commands of concurrent
+	// callers into pipelines (BENCHMARKS.md says what it showed).
+	redisAPName = "rabbitmw-redis-ap"
 )
 
 const (
@@ -42,7 +46,12 @@ const (
 	minDuplicatesGap = 1000
 )
 
-var contenderNames = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName}
+// contenderNames is every contender, in the order of the table;
+// defaultContenders those that run when -only is not given.
+var (
+	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, redisAPName}
+	defaultContenders = contenderNames[:len(contenderNames)-1]
+)
 
 func knownContender(name string) bool { return slices.Contains(contenderNames, name) }
 
@@ -66,6 +75,7 @@ const (
 	kindHand
 	kindRabbitmwMemory
 	kindRabbitmwRedis
+	kindRabbitmwRedisAP
 )
 
 // newContender returns the contender called name at the common prefetch and
@@ -86,6 +96,8 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 		c.kind, c.redis = kindRabbitmwRedis, true
 	case redisDupName:
 		c.kind, c.redis, c.dup = kindRabbitmwRedis, true, true
+	case redisAPName:
+		c.kind, c.redis = kindRabbitmwRedisAP, true
 	default:
 		panic("bench: unknown contender " + name)
 	}
@@ -109,6 +121,13 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewMemory(), false, rec)
 	case kindRabbitmwRedis:
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(rc, store.RedisOptions{Prefix: b.prefix}), true, rec)
+	case kindRabbitmwRedisAP:
+		ap, err := rc.AutoPipeline()
+		if err != nil {
+			return fmt.Errorf("Redis autopipeline: %w", err)
+		}
+		defer ap.Close()
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(ap, store.RedisOptions{Prefix: b.prefix}), false, rec)
 	}
 	panic("bench: unknown contender kind")
 }

@@ -4,7 +4,7 @@
 // the benchmark issue (issue 5) are met or missed, with the figures.
 // BENCHMARKS.md holds its results and how to read them.
 //
-//	go run ./bench                      # all contenders, 3 rounds of 20,000 messages
+//	go run ./bench                      # the contenders, 3 rounds of 20,000 messages
 //	go run ./bench -sweep               # the prefetch × workers grid
 //	go run ./bench -stack-only          # the stack in process; no servers needed
 //	go run ./bench -only raw,rabbitmw-redis -n 50000 -json out.json
@@ -31,6 +31,8 @@
 //	rabbitmw-memory     broker.Consume, the recommended stack, memory store
 //	rabbitmw-redis      the same over the Redis store
 //	rabbitmw-redis-dup  the same with -dup of the message ids duplicated
+//	rabbitmw-redis-ap   rabbitmw-redis over go-redis's autopipeliner; only
+//	                    when -only names it
 //
 // The business handler only records, in memory, that it ran. The common
 // prefetch and workers are the broker's defaults unless -prefetch or
@@ -119,7 +121,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&cfg.prefetch, "prefetch", 0, "prefetch of every contender but hand-written-p1 (default: the broker's default)")
 	fs.IntVar(&cfg.workers, "workers", 0, "workers of every contender but hand-written-p1 (default: the broker's default)")
 	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders raw, rabbitmw-redis and hand-written, unless -only)")
-	only := fs.String("only", "", "comma-separated contenders to run (default: all; for -sweep: raw,rabbitmw-redis,hand-written)")
+	only := fs.String("only", "", "comma-separated contenders to run (default: all but rabbitmw-redis-ap; for -sweep: raw,rabbitmw-redis,hand-written)")
 	fs.StringVar(&cfg.jsonPath, "json", "", "also write the results as JSON to this file")
 	fs.DurationVar(&cfg.timeout, "timeout", 5*time.Minute, "the longest one contender may take to consume one run")
 	fs.BoolVar(&cfg.persistent, "persistent", true, "publish persistent messages (delivery mode 2), as broker.Publish does")
