@@ -190,11 +190,12 @@ func openStore(cfg config, prefix string) (store.Store, func(), error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if err := client.Ping(ctx).Err(); err != nil {
+	st := store.NewRedis(client, store.RedisOptions{Prefix: prefix})
+	if err := st.Load(ctx); err != nil { // caches the scripts; fails fast if Redis is down
 		closeAll()
 		return nil, nil, fmt.Errorf("connecting to Redis at %s: %w", addr, err)
 	}
-	return store.NewRedis(client, store.RedisOptions{Prefix: prefix}), closeAll, nil
+	return st, closeAll, nil
 }
 
 // countingStore counts lease renewals per key, for the report.
