@@ -50,7 +50,7 @@ const (
 // defaultContenders those that run when -only is not given.
 var (
 	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, redisAPName}
-	defaultContenders = contenderNames[:len(contenderNames)-1]
+	defaultContenders = slices.Clip(contenderNames[:len(contenderNames)-1])
 )
 
 func knownContender(name string) bool { return slices.Contains(contenderNames, name) }
@@ -240,6 +240,9 @@ func consumeRabbitmw(ctx context.Context, url, queue string, opts broker.Consume
 		var start, rtt int64
 		if p := rec.probe(d.DeliveryTag); p != nil {
 			start, rtt = p.start.Swap(0), int64(p.rtt.Load())
+		}
+		if !trackRTT {
+			rtt = -1
 		}
 		rec.end(start, o, rtt, err)
 	}

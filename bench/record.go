@@ -104,7 +104,8 @@ func (r *recorder) effect(id string) {
 }
 
 // end records the settlement of a delivery whose handler began at start
-// (0 if unknown), with the round trips it made.
+// (0 if unknown), with the round trips it made (-1 if they were not
+// counted per delivery).
 func (r *recorder) end(start int64, o rabbitmw.Outcome, rtt int64, err error) {
 	t := now()
 	if start > 0 {
@@ -121,9 +122,13 @@ func (r *recorder) end(start int64, o rabbitmw.Outcome, rtt int64, err error) {
 	}
 	switch o {
 	case rabbitmw.Ack:
-		r.rttAck.add(rtt)
+		if rtt >= 0 {
+			r.rttAck.add(rtt)
+		}
 	case rabbitmw.Duplicate:
-		r.rttDup.add(rtt)
+		if rtt >= 0 {
+			r.rttDup.add(rtt)
+		}
 	case rabbitmw.DeadLetter:
 		// Final too: a dead-lettered message does not come back. None
 		// should be; the report says so if one was.

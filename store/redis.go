@@ -26,9 +26,9 @@ type RedisOptions struct {
 }
 
 // Redis is a [Store] in Redis, over any [redis.UniversalClient]: a single
-// server, a Sentinel-managed primary, or a Cluster. Any other [RedisClient]
-// works too, such as go-redis's autopipeliner (BENCHMARKS.md measures it:
-// on one machine it saved Redis CPU but did not raise throughput).
+// server, a Sentinel-managed primary, or a Cluster; also go-redis's
+// experimental autopipeliner (BENCHMARKS.md measures it: on one machine it
+// saved Redis CPU but did not raise throughput).
 //
 // Key layout, with the default options, for message key K:
 //
@@ -80,11 +80,11 @@ func NewRedis(client RedisClient, opts RedisOptions) *Redis {
 	}
 }
 
-// RedisClient is the part of a go-redis client that the [Redis] store uses.
-// Every [redis.UniversalClient] has it (a [redis.Client], a
-// [redis.ClusterClient], a [redis.Ring], a Sentinel failover client), and so
-// has the [redis.AutoPipeliner] that such a client returns from its
-// AutoPipeline method.
+// RedisClient is the part of a go-redis client that the [Redis] store uses:
+// its scripts and one DEL. Every [redis.UniversalClient] has it (a
+// [redis.Client], a [redis.ClusterClient], a [redis.Ring], a Sentinel
+// failover client, the [redis.AutoPipeliner] they return from
+// AutoPipeline), and a wrapper or a test fake needs no more than this.
 type RedisClient interface {
 	redis.Scripter
 	Del(ctx context.Context, keys ...string) *redis.IntCmd
@@ -134,8 +134,9 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return n`)
 )
 
-// Load loads the store's scripts into Redis's script cache (on every
-// primary of a Cluster). It is optional: without it, the first call of each
+// Load loads the store's scripts into Redis's script cache: on every
+// primary of a Cluster, on one shard of a Ring (the others load each script
+// on its first use there). It is optional: without it, the first call of each
 // script pays one more round trip (EVALSHA answered NOSCRIPT, then EVAL), as
 // does the first call after Redis restarts or its script cache is flushed.
 // Calling it at start-up also makes a consumer fail fast when Redis cannot
