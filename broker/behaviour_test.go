@@ -17,6 +17,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/header"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
@@ -264,7 +265,7 @@ func testDelayBeyondLongestTier(t *testing.T, be backend) {
 		t.Fatal("no x-death on the delayed message")
 	}
 	last, _ := deaths[0].(amqp.Table)
-	if count, _ := intArg(last["count"]); count < 3 {
+	if count, _ := header.Integer(last["count"]); count < 3 {
 		t.Errorf("hops through the 200ms tier (x-death count) = %d; want >= 3", count)
 	}
 	f.assertSettled(t)

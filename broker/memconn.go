@@ -9,6 +9,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
 // A memConsumer hands its queue's messages to a client. Its pump goroutine
@@ -215,7 +217,7 @@ func newMemQueue(name string, args amqp.Table) (*memQueue, error) {
 				return nil, bad(k)
 			}
 		case "x-message-ttl":
-			n, ok := intArg(v)
+			n, ok := header.Integer(v)
 			if !ok || n < 0 {
 				return nil, bad(k)
 			}
@@ -233,7 +235,7 @@ func newMemQueue(name string, args amqp.Table) (*memQueue, error) {
 			}
 			q.dlrk, q.hasDLRK = s, true
 		case "x-delivery-limit":
-			n, ok := intArg(v)
+			n, ok := header.Integer(v)
 			if !ok || n < 0 {
 				return nil, bad(k)
 			}
@@ -276,32 +278,10 @@ func equivalent(q *memQueue, args amqp.Table) error {
 }
 
 func argString(v any) string {
-	if n, ok := intArg(v); ok {
+	if n, ok := header.Integer(v); ok {
 		return strconv.FormatInt(n, 10)
 	}
 	return fmt.Sprint(v)
-}
-
-func intArg(v any) (int64, bool) {
-	switch x := v.(type) {
-	case int:
-		return int64(x), true
-	case int8:
-		return int64(x), true
-	case int16:
-		return int64(x), true
-	case int32:
-		return int64(x), true
-	case int64:
-		return x, true
-	case uint8:
-		return int64(x), true
-	case uint16:
-		return int64(x), true
-	case uint32:
-		return int64(x), true
-	}
-	return 0, false
 }
 
 func (q *memQueue) removeConsumer(c *memConsumer) {

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
 // Memory is an in-process stand-in for a RabbitMQ server, for tests and
@@ -276,7 +278,7 @@ func addDeath(h amqp.Table, queue, reason, exchange, key string, at time.Time) a
 	for i, d := range deaths {
 		t, ok := d.(amqp.Table)
 		if ok && t["queue"] == queue && t["reason"] == reason {
-			n, _ := intArg(t["count"])
+			n, _ := header.Integer(t["count"])
 			count = n + 1
 			deaths = slices.Delete(slices.Clone(deaths), i, i+1)
 			break

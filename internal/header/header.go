@@ -8,11 +8,11 @@ import (
 	"strings"
 )
 
-// Int returns v as a whole number, if it is one: any Go integer type that
-// an AMQP table may hold, a float with no fractional part within the int64
-// range, or a decimal string or byte slice (a header set by hand). It
-// reports false for anything else.
-func Int(v any) (int64, bool) {
+// Integer returns v as an int64 if it holds one of the Go integer types
+// that an AMQP table decodes to (uint64 above the int64 range is clamped),
+// and reports false for anything else: floats and strings included. It is
+// how RabbitMQ reads integer arguments such as x-message-ttl.
+func Integer(v any) (int64, bool) {
 	switch x := v.(type) {
 	case int:
 		return int64(x), true
@@ -35,6 +35,19 @@ func Int(v any) (int64, bool) {
 			return math.MaxInt64, true
 		}
 		return int64(x), true
+	}
+	return 0, false
+}
+
+// Int returns v as a whole number, if it is one: what [Integer] accepts, a
+// float with no fractional part (clamped to the int64 range), or a decimal
+// string or byte slice (a header set by hand). It reports false for
+// anything else.
+func Int(v any) (int64, bool) {
+	if n, ok := Integer(v); ok {
+		return n, true
+	}
+	switch x := v.(type) {
 	case float32:
 		return float(float64(x))
 	case float64:
