@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"slices"
 	"sync"
 	"time"
@@ -14,7 +13,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
-	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/internal/benchstack"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -33,8 +32,6 @@ const (
 )
 
 const (
-	// stackTimeout is the deadline of the stack's Timeout layer.
-	stackTimeout = 30 * time.Second
 	// The hand-written pattern's expiries, and the settings teams run it
 	// with (hand-written-p1).
 	handClaimTTL   = 300 * time.Second
@@ -212,18 +209,6 @@ func handWritten(rc *redis.Client, prefix string, rec *recorder) func(context.Co
 	}
 }
 
-// recommended is the stack of the README: Log (with a logger that
-// discards), Retry, Recover, Dedup, Timeout.
-func recommended(st store.Store) rabbitmw.Middleware {
-	return rabbitmw.Chain(
-		middleware.Log(slog.New(slog.DiscardHandler)),
-		middleware.Retry(st, middleware.RetryOptions{}),
-		middleware.Recover(),
-		middleware.Dedup(st, middleware.DedupOptions{}),
-		middleware.Timeout(stackTimeout),
-	)
-}
-
 // consumeRabbitmw consumes queue with broker.Consume and the recommended
 // stack over st. An outermost layer stamps the start of each delivery, by
 // its delivery tag, and ConsumeOptions.OnSettle the end.
@@ -234,7 +219,7 @@ func consumeRabbitmw(ctx context.Context, url, queue string, opts broker.Consume
 		rec.effect(d.MessageId)
 		return nil
 	})
-	h := rabbitmw.Chain(stamp(rec, trackRTT), recommended(st))(business)
+	h := rabbitmw.Chain(stamp(rec, trackRTT), benchstack.Recommended(st))(business)
 	opts.Topology = topology
 	opts.OnSettle = func(d *amqp.Delivery, o rabbitmw.Outcome, err error) {
 		var start, rtt int64

@@ -1,17 +1,11 @@
 package main
 
 import (
-	"context"
-	"log/slog"
 	"slices"
-	"strconv"
 	"testing"
-	"time"
-
-	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
-	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/internal/benchstack"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -25,7 +19,7 @@ type stackCase struct {
 }
 
 // stackCost is the in-process cost of the recommended stack per delivery:
-// the loops of BenchmarkChain/memory in the root package, run with
+// benchstack.Run, the loop of BenchmarkChain in the root package, run with
 // testing.Benchmark three times each. The first two cases are the target's;
 // the others say where the time goes: without the Timeout layer, and over a
 // store that does nothing (no map, no clock).
@@ -45,18 +39,18 @@ func measureStack() stackCost {
 		store func() store.Store
 		dup   bool
 	}{
-		{stackNew, recommended, memoryStore, false},
-		{stackDuplicate, recommended, memoryStore, true},
-		{"memory, new message, no Timeout layer", withoutTimeout, memoryStore, false},
-		{"no-op store, new message", recommended, func() store.Store { return nopStore{} }, false},
-		{"no-op store, new message, no Timeout layer", withoutTimeout, func() store.Store { return nopStore{} }, false},
+		{stackNew, benchstack.Recommended, memoryStore, false},
+		{stackDuplicate, benchstack.Recommended, memoryStore, true},
+		{"memory, new message, no Timeout layer", benchstack.WithoutTimeout, memoryStore, false},
+		{"no-op store, new message", benchstack.Recommended, nopStore, false},
+		{"no-op store, new message, no Timeout layer", benchstack.WithoutTimeout, nopStore, false},
 	}
 	var sc stackCost
 	results := make([][]testing.BenchmarkResult, len(cases))
 	for range 3 {
 		for i, c := range cases {
 			results[i] = append(results[i], testing.Benchmark(func(b *testing.B) {
-				benchStack(b, c.stack(c.store()), c.dup)
+				benchstack.Run(b, c.stack(c.store()), c.dup)
 			}))
 		}
 	}
@@ -92,57 +86,4 @@ func nsPerOp(r testing.BenchmarkResult) float64 {
 
 func memoryStore() store.Store { return store.NewMemory() }
 
-// withoutTimeout is the recommended stack without its Timeout layer.
-func withoutTimeout(st store.Store) rabbitmw.Middleware {
-	return rabbitmw.Chain(
-		middleware.Log(slog.New(slog.DiscardHandler)),
-		middleware.Retry(st, middleware.RetryOptions{}),
-		middleware.Recover(),
-		middleware.Dedup(st, middleware.DedupOptions{}),
-	)
-}
-
-var nop = rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
-
-// benchStack runs h once per b.N: with a new message id each time (claim,
-// handler, complete), or the same id, done before the timer starts (claim
-// only), as BenchmarkChain does.
-func benchStack(b *testing.B, stack rabbitmw.Middleware, dup bool) {
-	h := stack(nop)
-	d := &amqp.Delivery{MessageId: "dup", Body: []byte(`{"order":42}`)}
-	ctx := context.Background()
-	want := rabbitmw.Ack
-	var ids []string
-	if dup {
-		h.Handle(ctx, d)
-		want = rabbitmw.Duplicate
-	} else {
-		ids = make([]string, b.N)
-		for i := range ids {
-			ids[i] = "m" + strconv.Itoa(i)
-		}
-	}
-	b.ReportAllocs()
-	b.ResetTimer()
-	for i := range b.N {
-		if !dup {
-			d.MessageId = ids[i]
-		}
-		if err := h.Handle(ctx, d); rabbitmw.Decide(err).Outcome != want {
-			b.Fatal(err)
-		}
-	}
-}
-
-// nopStore is a store that claims every key and does nothing else: the
-// stack over it costs only the layers.
-type nopStore struct{}
-
-func (nopStore) Claim(context.Context, string, string, time.Duration) (store.Status, error) {
-	return store.Claimed, nil
-}
-func (nopStore) Extend(context.Context, string, string, time.Duration) error   { return nil }
-func (nopStore) Complete(context.Context, string, string, time.Duration) error { return nil }
-func (nopStore) Release(context.Context, string, string) error                 { return nil }
-func (nopStore) Fail(context.Context, string, time.Duration) (int64, error)    { return 1, nil }
-func (nopStore) ResetFailures(context.Context, string) error                   { return nil }
+func nopStore() store.Store { return benchstack.NopStore{} }
