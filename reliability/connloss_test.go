@@ -88,29 +88,9 @@ func TestConnectionLoss(t *testing.T) {
 	if err := r.awaitQuiet(ctx, len(ids), 3*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	var stats []consumerStats
-	for _, p := range []*proc{a, b} {
-		st, err := p.stop(30 * time.Second)
-		if err != nil {
-			t.Error(err)
-		}
-		stats = append(stats, st)
-	}
-	dead, err := r.finish(ctx)
-	if err != nil {
-		t.Error(err)
-	}
-	effects, err := r.effectLog(ctx, ids)
-	if err != nil {
-		t.Fatal(err)
-	}
-	v := judge(ids, effects, deadKeys(dead))
-	r.checkLogs()
-
-	if len(v.lost) > 0 || len(v.twice) > 0 || len(dead) > 0 {
-		t.Errorf("%d lost (first %v), %d applied twice or more (first %v), %d dead-lettered; want none",
-			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(dead))
-	}
+	e := r.end(ctx, ids, a, b)
+	e.wantEachOnce(t)
+	v := e.v
 	// Both consumers lost their connections, and came back.
 	for _, p := range []*proc{a, b} {
 		if n := p.logCount(`msg="broker: connection lost"`); n == 0 {
@@ -119,7 +99,7 @@ func TestConnectionLoss(t *testing.T) {
 			t.Logf("consumer %s lost its connection %d times", p.name, n)
 		}
 	}
-	t.Logf("consumers: %+v; took %v", stats, time.Since(began).Round(time.Millisecond))
+	t.Logf("consumers: %+v; took %v", e.stats, time.Since(began).Round(time.Millisecond))
 	record(t, row{
 		Scenario:     "2 broker connection loss",
 		Messages:     messages,
@@ -129,6 +109,6 @@ func TestConnectionLoss(t *testing.T) {
 		Twice:        len(v.twice),
 		Lost:         len(v.lost),
 		DeadLettered: len(v.deadLettered),
-		Note:         fmt.Sprintf("2 consumers; %d settlements lost with their connection; the publisher's closed too", stats[0].SettleErrors+stats[1].SettleErrors),
+		Note:         fmt.Sprintf("2 consumers; %d settlements lost with their connection; the publisher's closed too", e.stats[0].SettleErrors+e.stats[1].SettleErrors),
 	})
 }

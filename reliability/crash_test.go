@@ -69,32 +69,20 @@ func TestCrash(t *testing.T) {
 	if err := r.awaitQuiet(ctx, len(ids), 3*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	st, err := p.stop(30 * time.Second)
-	if err != nil {
-		t.Error(err)
-	}
-	dead, err := r.finish(ctx)
-	if err != nil {
-		t.Error(err)
-	}
-	effects, err := r.effectLog(ctx, ids)
-	if err != nil {
-		t.Fatal(err)
-	}
-	v := judge(ids, effects, deadKeys(dead))
-	r.checkLogs()
+	e := r.end(ctx, ids, p)
+	v := e.v
 
 	if len(v.lost) > 0 {
 		t.Errorf("%d messages lost (no effect, not dead-lettered), first %v; want none", len(v.lost), first(v.lost))
 	}
-	if len(dead) > 0 || len(v.deadLettered) > 0 {
-		t.Errorf("%d messages dead-lettered; want none", len(dead))
+	if len(e.dead) > 0 || len(v.deadLettered) > 0 {
+		t.Errorf("%d messages dead-lettered; want none", len(e.dead))
 	}
 	// Each double effect must be one that a kill explains: applied first
 	// by a killed process, then once more; at most workers per kill.
 	perKill := map[string]int{}
 	for _, id := range v.twice {
-		by := effects[id]
+		by := e.effects[id]
 		if len(by) != 2 || !slices.Contains(killed, by[0]) {
 			t.Errorf("message %s applied by %v; want at most twice, the first time by a killed process (%v)", id, by, killed)
 			continue
@@ -109,7 +97,7 @@ func TestCrash(t *testing.T) {
 	if len(v.twice) > workers*kills {
 		t.Errorf("%d messages applied twice; want at most %d (workers × kills)", len(v.twice), workers*kills)
 	}
-	t.Logf("double effects per killed process: %v; last consumer: %+v; took %v", perKill, st, time.Since(began).Round(time.Millisecond))
+	t.Logf("double effects per killed process: %v; last consumer: %+v; took %v", perKill, e.stats[0], time.Since(began).Round(time.Millisecond))
 	record(t, row{
 		Scenario:     "1 crash",
 		Messages:     messages,

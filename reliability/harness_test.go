@@ -27,6 +27,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/reliability/internal/stats"
 )
 
 // A run is one scenario's queues, keys and processes.
@@ -329,6 +330,50 @@ func (r *run) drainDLQ(ctx context.Context) (dead []*amqp.Delivery, err error) {
 		if err := d.Ack(false); err != nil {
 			return dead, err
 		}
+	}
+}
+
+// An ending is what a run came to, once its consumers were stopped.
+type ending struct {
+	stats   []stats.Consumer    // each consumer's, in the order given to end
+	dead    []*amqp.Delivery    // taken out of the dead-letter queue
+	effects map[string][]string // by message key: who applied it, in order
+	v       verdict             // of each key given to end
+}
+
+// end stops procs, the run's consumers (its queues should be quiet by
+// then), checks that the work and delay queues are empty, empties the
+// dead-letter queue, reads the effect log and judges each of keys; it
+// checks the consumers' logs too. A step that fails fails r.t.
+func (r *run) end(ctx context.Context, keys []string, procs ...*proc) ending {
+	r.t.Helper()
+	var e ending
+	for _, p := range procs {
+		st, err := p.stop(30 * time.Second)
+		if err != nil {
+			r.t.Error(err)
+		}
+		e.stats = append(e.stats, st)
+	}
+	var err error
+	if e.dead, err = r.finish(ctx); err != nil {
+		r.t.Error(err)
+	}
+	if e.effects, err = r.effectLog(ctx, keys); err != nil {
+		r.t.Fatal(err)
+	}
+	e.v = judge(keys, e.effects, deadKeys(e.dead))
+	r.checkLogs()
+	return e
+}
+
+// wantEachOnce fails t unless every key had its effect exactly once and
+// nothing was dead-lettered.
+func (e ending) wantEachOnce(t *testing.T) {
+	t.Helper()
+	if v := e.v; len(v.lost) > 0 || len(v.twice) > 0 || len(e.dead) > 0 {
+		t.Errorf("%d lost (first %v), %d applied twice or more (first %v), %d dead-lettered; want none",
+			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(e.dead))
 	}
 }
 

@@ -109,23 +109,12 @@ func leaseLoss(t *testing.T, name, mode string, ctxTimeouts bool) *leaseLossResu
 	if err := r.awaitQuiet(ctx, leaseLossIDs, 3*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range []*proc{a, b} {
-		if st, err := p.stop(30 * time.Second); err != nil {
-			t.Error(err)
-		} else {
-			t.Logf("consumer %s: %+v", p.name, st)
-		}
+	e := r.end(ctx, res.ids, a, b)
+	t.Logf("consumers: %+v", e.stats)
+	if len(e.dead) > 0 {
+		t.Errorf("%d messages dead-lettered; want none", len(e.dead))
 	}
-	dead, err := r.finish(ctx)
-	if err != nil {
-		t.Error(err)
-	}
-	if len(dead) > 0 {
-		t.Errorf("%d messages dead-lettered; want none", len(dead))
-	}
-	if res.effects, err = r.effectLog(ctx, res.ids); err != nil {
-		t.Fatal(err)
-	}
+	res.effects = e.effects
 	ev, err := r.events(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -138,7 +127,6 @@ func leaseLoss(t *testing.T, name, mode string, ctxTimeouts bool) *leaseLossResu
 			}
 		}
 	}
-	r.checkLogs()
 	return res
 }
 

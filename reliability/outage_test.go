@@ -89,42 +89,22 @@ func TestRedisOutage(t *testing.T) {
 	if err := r.awaitQuiet(ctx, len(ids), 6*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	var stats []consumerStats
-	for _, p := range []*proc{pa, pb} {
-		st, err := p.stop(30 * time.Second)
-		if err != nil {
-			t.Error(err)
-		}
-		stats = append(stats, st)
-	}
-	dead, err := r.finish(ctx)
-	if err != nil {
-		t.Error(err)
-	}
-	effects, err := r.effectLog(ctx, ids)
-	if err != nil {
-		t.Fatal(err)
-	}
+	e := r.end(ctx, ids, pa, pb)
+	e.wantEachOnce(t)
+	v := e.v
 	byOrder, err := r.effectOrder(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	v := judge(ids, effects, deadKeys(dead))
-	r.checkLogs()
-
-	if len(v.lost) > 0 || len(v.twice) > 0 || len(dead) > 0 {
-		t.Errorf("%d lost (first %v), %d applied twice or more (first %v), %d dead-lettered; want none",
-			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(dead))
-	}
 	// The consumer started during the outage found the store down, and
 	// applied effects only after it was back.
-	if stats[1].Unavailable == 0 {
-		t.Errorf("consumer %s never found the store unavailable (%+v); the outage did not reach it", pb.name, stats[1])
+	if e.stats[1].Unavailable == 0 {
+		t.Errorf("consumer %s never found the store unavailable (%+v); the outage did not reach it", pb.name, e.stats[1])
 	}
 	if n := slices.Index(byOrder, pb.name); n >= 0 && n < int(atRestart) {
 		t.Errorf("consumer %s applied effect %d of the log while the store was down; want none before effect %d", pb.name, n+1, atRestart+1)
 	}
-	t.Logf("consumers: %+v; took %v", stats, time.Since(began).Round(time.Millisecond))
+	t.Logf("consumers: %+v; took %v", e.stats, time.Since(began).Round(time.Millisecond))
 	record(t, row{
 		Scenario:     "3 Redis outage",
 		Messages:     messages,
@@ -134,6 +114,6 @@ func TestRedisOutage(t *testing.T) {
 		Twice:        len(v.twice),
 		Lost:         len(v.lost),
 		DeadLettered: len(v.deadLettered),
-		Note:         fmt.Sprintf("fail closed, 5 m lease; %d deliveries found the store down; %d effects during the outage (claimed before it)", stats[0].Unavailable+stats[1].Unavailable, during),
+		Note:         fmt.Sprintf("fail closed, 5 m lease; %d deliveries found the store down; %d effects during the outage (claimed before it)", e.stats[0].Unavailable+e.stats[1].Unavailable, during),
 	})
 }

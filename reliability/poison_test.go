@@ -204,23 +204,12 @@ func TestPoison(t *testing.T) {
 	if err := r.awaitQuiet(ctx, len(cases), 3*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	st, err := p.stop(30 * time.Second)
-	if err != nil {
-		t.Error(err)
-	}
-	dead, err := r.finish(ctx)
-	if err != nil {
-		t.Error(err)
-	}
 	var keys []string
 	for _, c := range cases {
 		keys = append(keys, c.key())
 	}
-	effects, err := r.effectLog(ctx, keys)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.checkLogs()
+	e := r.end(ctx, keys, p)
+	st, dead, effects := e.stats[0], e.dead, e.effects
 
 	byCase := map[string][]*amqp.Delivery{}
 	for _, d := range dead {

@@ -22,6 +22,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/rabbitmw/rabbitmw/reliability/internal/stats"
 )
 
 // binDir holds the consumer binary; TestMain creates and removes it.
@@ -118,23 +120,6 @@ func (o consumerOpts) args() []string {
 	return a
 }
 
-// consumerStats is the JSON line a consumer prints when it stops
-// gracefully.
-type consumerStats struct {
-	Name         string `json:"name"`
-	Deliveries   int64  `json:"deliveries"`
-	Acked        int64  `json:"acked"`
-	Duplicates   int64  `json:"duplicates"`
-	Busy         int64  `json:"busy"`
-	Unavailable  int64  `json:"unavailable"`
-	LeaseLost    int64  `json:"lease_lost"`
-	Failed       int64  `json:"failed"`
-	DeadLettered int64  `json:"dead_lettered"`
-	Effects      int64  `json:"effects"`
-	SettleErrors int64  `json:"settle_errors"`
-	Error        string `json:"error"`
-}
-
 // A proc is one consumer process. It is killed and waited for when its
 // test ends, if it has not ended before.
 type proc struct {
@@ -204,7 +189,7 @@ func (p *proc) kill() {
 // stop sends SIGTERM, waits up to timeout for a graceful exit, and returns
 // the statistics the process printed. A process that does not exit in time
 // is killed, and an error returned.
-func (p *proc) stop(timeout time.Duration) (consumerStats, error) {
+func (p *proc) stop(timeout time.Duration) (stats.Consumer, error) {
 	p.ours.Store(true)
 	p.cmd.Process.Signal(syscall.SIGTERM)
 	select {
@@ -212,9 +197,9 @@ func (p *proc) stop(timeout time.Duration) (consumerStats, error) {
 	case <-time.After(timeout):
 		p.cmd.Process.Kill()
 		<-p.exited
-		return consumerStats{}, fmt.Errorf("consumer %s did not exit within %v of SIGTERM; killed", p.name, timeout)
+		return stats.Consumer{}, fmt.Errorf("consumer %s did not exit within %v of SIGTERM; killed", p.name, timeout)
 	}
-	var st consumerStats
+	var st stats.Consumer
 	line := strings.TrimSpace(p.stdout.String())
 	if err := json.Unmarshal([]byte(line), &st); err != nil {
 		return st, fmt.Errorf("consumer %s: reading its statistics %q: %v (exit: %v)", p.name, line, err, p.waitErr)

@@ -17,6 +17,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/reliability/internal/stats"
 )
 
 func TestDuplicateStorm(t *testing.T) {
@@ -87,33 +89,17 @@ func TestDuplicateStorm(t *testing.T) {
 	if err := r.awaitQuiet(ctx, ids, 2*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	var total consumerStats
+	e := r.end(ctx, keys, procs...)
+	e.wantEachOnce(t)
+	v := e.v
+	var total stats.Consumer
 	appliedBy := map[string]int64{}
-	for _, p := range procs {
-		st, err := p.stop(30 * time.Second)
-		if err != nil {
-			t.Error(err)
-		}
+	for i, st := range e.stats {
 		total.Acked += st.Acked
 		total.Duplicates += st.Duplicates
 		total.Busy += st.Busy
 		total.Deliveries += st.Deliveries
-		appliedBy[p.name] = st.Effects
-	}
-	dead, err := r.finish(ctx)
-	if err != nil {
-		t.Error(err)
-	}
-	effects, err := r.effectLog(ctx, keys)
-	if err != nil {
-		t.Fatal(err)
-	}
-	v := judge(keys, effects, deadKeys(dead))
-	r.checkLogs()
-
-	if len(v.lost) > 0 || len(v.twice) > 0 || len(dead) > 0 {
-		t.Errorf("%d lost (first %v), %d applied twice or more (first %v), %d dead-lettered; want none",
-			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(dead))
+		appliedBy[procs[i].name] = st.Effects
 	}
 	// Every copy ended: one acknowledged as done per id, the others as
 	// duplicates; and the storm was real: copies met a claim held by

@@ -51,6 +51,7 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/reliability/internal/stats"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -150,29 +151,12 @@ func main() {
 	}
 }
 
-// stats counts what happened to the deliveries, by the chain's result and
-// by settlement. It is printed at exit.
-type stats struct {
-	Name         string `json:"name"`
-	Deliveries   int64  `json:"deliveries"`
-	Acked        int64  `json:"acked"`
-	Duplicates   int64  `json:"duplicates"`
-	Busy         int64  `json:"busy"`
-	Unavailable  int64  `json:"unavailable"`
-	LeaseLost    int64  `json:"lease_lost"`
-	Failed       int64  `json:"failed"`
-	DeadLettered int64  `json:"dead_lettered"`
-	Effects      int64  `json:"effects"`
-	SettleErrors int64  `json:"settle_errors"`
-	Error        string `json:"error,omitempty"`
-}
-
 type counters struct {
 	deliveries, acked, duplicates, busy, unavailable, leaseLost, failed, deadLettered, effects, settleErrors atomic.Int64
 }
 
-func (c *counters) snapshot(name string, err error) stats {
-	s := stats{
+func (c *counters) snapshot(name string, err error) stats.Consumer {
+	s := stats.Consumer{
 		Name:         name,
 		Deliveries:   c.deliveries.Load(),
 		Acked:        c.acked.Load(),
@@ -216,7 +200,7 @@ func (c *counters) observe(next rabbitmw.Handler) rabbitmw.Handler {
 	})
 }
 
-func run(ctx context.Context, cfg config) (stats, error) {
+func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	var cnt counters
 
 	storeClient := redis.NewClient(&redis.Options{Addr: cfg.storeAddr, ContextTimeoutEnabled: cfg.storeCtxTimeout})
