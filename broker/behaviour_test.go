@@ -289,12 +289,9 @@ func testPanic(t *testing.T, be backend) {
 	eventually(t, 20*time.Second, "consumer stopped after a panic", func() bool { return len(j.callsOf("after")) == 1 })
 	noErr(t, "Consume after cancel", r.stop(t))
 	equal(t, "handler calls of the panicking message", len(j.callsOf("poison")), 1)
-	dead := f.drain(f.q + ".dlq")
-	if len(dead) != 1 {
-		t.Fatalf("dead-letter queue holds %d messages; want 1", len(dead))
-	}
-	equal(t, HeaderError, dead[0].Headers[HeaderError], "panic: boom")
-	equal(t, HeaderErrorType, dead[0].Headers[HeaderErrorType], "*rabbitmw.PanicError")
+	dead := f.onlyDeadLetter()
+	equal(t, HeaderError, dead.Headers[HeaderError], "panic: boom")
+	equal(t, HeaderErrorType, dead.Headers[HeaderErrorType], "*rabbitmw.PanicError")
 	equal(t, "panic records at Error", f.logs.count("ERROR", "panicked", "poison"), 1)
 	f.assertSettled(t)
 }
@@ -509,17 +506,11 @@ func testQuorumDeliveryLimit(t *testing.T, be backend) {
 		equal(t, fmt.Sprintf("x-delivery-count of delivery %d", i+1), calls[i].d.Headers["x-delivery-count"], want)
 		equal(t, fmt.Sprintf("Redelivered of delivery %d", i+1), calls[i].d.Redelivered, i > 0)
 	}
-	dead := f.drain(f.q + ".dlq")
-	if len(dead) != 1 {
-		t.Fatalf("dead-letter queue holds %d messages; want 1", len(dead))
-	}
-	deaths, _ := dead[0].Headers["x-death"].([]any)
-	if len(deaths) != 1 {
-		t.Fatalf("x-death = %v; want one record", dead[0].Headers["x-death"])
-	}
-	equal(t, "x-death reason", deaths[0].(amqp.Table)["reason"], "delivery_limit")
-	equal(t, "x-first-death-reason", dead[0].Headers["x-first-death-reason"], "delivery_limit")
-	if _, ok := dead[0].Headers[HeaderError]; ok {
+	dead := f.onlyDeadLetter()
+	death := onlyDeath(t, dead)
+	equal(t, "x-death reason", death["reason"], "delivery_limit")
+	equal(t, "x-first-death-reason", dead.Headers["x-first-death-reason"], "delivery_limit")
+	if _, ok := dead.Headers[HeaderError]; ok {
 		t.Errorf("%s set; want none: the server dead-lettered it, not the broker", HeaderError)
 	}
 	f.assertSettled(t)
@@ -537,21 +528,14 @@ func testReject(t *testing.T, be backend) {
 	}
 	noErr(t, "Reject", d.Reject(false))
 	eventually(t, 10*time.Second, "rejected message not in the dead-letter queue", func() bool { return f.length(f.q+".dlq") == 1 })
-	dead := f.drain(f.q + ".dlq")
-	if len(dead) != 1 {
-		t.Fatalf("dead-letter queue holds %d messages; want 1", len(dead))
-	}
-	deaths, _ := dead[0].Headers["x-death"].([]any)
-	if len(deaths) != 1 {
-		t.Fatalf("x-death = %v; want one record", dead[0].Headers["x-death"])
-	}
-	death := deaths[0].(amqp.Table)
+	dead := f.onlyDeadLetter()
+	death := onlyDeath(t, dead)
 	equal(t, "x-death reason", death["reason"], "rejected")
 	equal(t, "x-death queue", death["queue"], f.q)
 	equal(t, "x-death count", death["count"], int64(1))
 	equal(t, "x-death routing-keys", death["routing-keys"], []any{f.q})
-	equal(t, "x-first-death-queue", dead[0].Headers["x-first-death-queue"], f.q)
-	equal(t, "routing key", dead[0].RoutingKey, f.q+".dlq")
+	equal(t, "x-first-death-queue", dead.Headers["x-first-death-queue"], f.q)
+	equal(t, "routing key", dead.RoutingKey, f.q+".dlq")
 	f.assertSettled(t)
 }
 
@@ -591,21 +575,18 @@ func testHeaderTypes(t *testing.T, be backend) {
 	if len(calls) != 2 {
 		t.Fatalf("handler calls = %d; want 2", len(calls))
 	}
-	dead := f.drain(f.q + ".dlq")
-	if len(dead) != 1 {
-		t.Fatalf("dead-letter queue holds %d messages; want 1", len(dead))
-	}
+	dead := f.onlyDeadLetter()
 	wire := copyTable(sent) // what the wire makes of the values
 	for k := range sent {
 		equal(t, "header "+k+" as first delivered", calls[0].d.Headers[k], wire[k])
 		equal(t, "header "+k+" after the delay hop", calls[1].d.Headers[k], wire[k])
-		equal(t, "header "+k+" in the dead-letter queue", dead[0].Headers[k], wire[k])
+		equal(t, "header "+k+" in the dead-letter queue", dead.Headers[k], wire[k])
 	}
 	if _, ok := calls[1].d.Headers["x-death"]; !ok {
 		t.Fatal("no x-death after the delay hop")
 	}
-	equal(t, "x-death in the dead-letter queue", dead[0].Headers["x-death"], calls[1].d.Headers["x-death"])
-	equal(t, "x-first-death-queue in the dead-letter queue", dead[0].Headers["x-first-death-queue"], calls[1].d.Headers["x-first-death-queue"])
+	equal(t, "x-death in the dead-letter queue", dead.Headers["x-death"], calls[1].d.Headers["x-death"])
+	equal(t, "x-first-death-queue in the dead-letter queue", dead.Headers["x-first-death-queue"], calls[1].d.Headers["x-first-death-queue"])
 	f.assertSettled(t)
 }
 

@@ -10,30 +10,15 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
-	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
 // BenchmarkConsume measures Consume's throughput with a handler that does
 // nothing: b.N messages are published, then consumed and acked.
 func BenchmarkConsume(b *testing.B) {
-	for _, be := range []string{"memory", "rabbitmq"} {
-		b.Run(be, func(b *testing.B) {
-			var br *Broker
-			if be == "memory" {
-				m := NewMemory()
-				defer m.Close()
-				br = m.Broker(Options{})
-			} else {
-				br = New(testenv.RabbitMQURL(b), Options{})
-			}
-			defer br.Close()
+	for _, be := range backends {
+		b.Run(be.name, func(b *testing.B) {
+			br, q, top := benchQueue(b, be)
 			ctx := context.Background()
-			q := fmt.Sprintf("rabbitmw-bench-%d", time.Now().UnixNano())
-			top := Topology{Delays: []time.Duration{time.Second}}
-			if err := br.Declare(ctx, q, top); err != nil {
-				b.Fatal(err)
-			}
-			defer br.Delete(ctx, q, top)
 			for i := range b.N {
 				if err := br.Publish(ctx, "", q, amqp.Publishing{MessageId: fmt.Sprint(i), Body: make([]byte, 128)}); err != nil {
 					b.Fatal(err)
@@ -60,24 +45,10 @@ func BenchmarkConsume(b *testing.B) {
 // BenchmarkPublish measures confirmed publishes from concurrent goroutines
 // sharing one Broker.
 func BenchmarkPublish(b *testing.B) {
-	for _, be := range []string{"memory", "rabbitmq"} {
-		b.Run(be, func(b *testing.B) {
-			var br *Broker
-			if be == "memory" {
-				m := NewMemory()
-				defer m.Close()
-				br = m.Broker(Options{})
-			} else {
-				br = New(testenv.RabbitMQURL(b), Options{})
-			}
-			defer br.Close()
+	for _, be := range backends {
+		b.Run(be.name, func(b *testing.B) {
+			br, q, _ := benchQueue(b, be)
 			ctx := context.Background()
-			q := fmt.Sprintf("rabbitmw-bench-%d", time.Now().UnixNano())
-			top := Topology{Delays: []time.Duration{time.Second}}
-			if err := br.Declare(ctx, q, top); err != nil {
-				b.Fatal(err)
-			}
-			defer br.Delete(ctx, q, top)
 			b.SetParallelism(8)
 			b.ResetTimer()
 			b.RunParallel(func(pb *testing.PB) {
@@ -92,4 +63,17 @@ func BenchmarkPublish(b *testing.B) {
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
 		})
 	}
+}
+
+// benchQueue opens a Broker on be and declares a fresh queue with one
+// delay tier; both go when b ends.
+func benchQueue(b *testing.B, be backend) (*Broker, string, Topology) {
+	br, _ := be.open(b, Options{})
+	q := fmt.Sprintf("rabbitmw-bench-%d", time.Now().UnixNano())
+	top := Topology{Delays: []time.Duration{time.Second}}
+	if err := br.Declare(context.Background(), q, top); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { br.Delete(context.Background(), q, top) })
+	return br, q, top
 }

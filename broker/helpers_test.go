@@ -31,7 +31,7 @@ type backend struct {
 	real bool
 	// open returns a Broker on a server for t, and the Memory when the
 	// server is one (nil for RabbitMQ). Both are closed at the end of t.
-	open func(t *testing.T, opts Options) (*Broker, *Memory)
+	open func(t testing.TB, opts Options) (*Broker, *Memory)
 	// drop closes every connection of the fixture's Broker (they all carry
 	// marker, its process name, in their names); other tests' connections
 	// to a shared server are left alone.
@@ -41,7 +41,7 @@ type backend struct {
 var backends = []backend{
 	{
 		name: "memory",
-		open: func(t *testing.T, opts Options) (*Broker, *Memory) {
+		open: func(t testing.TB, opts Options) (*Broker, *Memory) {
 			m := NewMemory()
 			b := m.Broker(opts)
 			t.Cleanup(m.Close)
@@ -57,7 +57,7 @@ var backends = []backend{
 	{
 		name: "rabbitmq",
 		real: true,
-		open: func(t *testing.T, opts Options) (*Broker, *Memory) {
+		open: func(t testing.TB, opts Options) (*Broker, *Memory) {
 			b := New(testenv.RabbitMQURL(t), opts)
 			t.Cleanup(func() { b.Close() })
 			return b, nil
@@ -179,6 +179,32 @@ func (f *fixture) drain(queue string) []*amqp.Delivery {
 		}
 		out = append(out, d)
 	}
+}
+
+// onlyDeadLetter takes every message out of the dead-letter queue, fails
+// the test unless there was exactly one, and returns it.
+func (f *fixture) onlyDeadLetter() *amqp.Delivery {
+	f.t.Helper()
+	dead := f.drain(f.q + ".dlq")
+	if len(dead) != 1 {
+		f.t.Fatalf("dead-letter queue holds %d messages; want 1", len(dead))
+	}
+	return dead[0]
+}
+
+// onlyDeath returns the one x-death record of d, and fails t unless d has
+// exactly one.
+func onlyDeath(t *testing.T, d *amqp.Delivery) amqp.Table {
+	t.Helper()
+	deaths, _ := d.Headers["x-death"].([]any)
+	if len(deaths) != 1 {
+		t.Fatalf("x-death = %v; want one record", d.Headers["x-death"])
+	}
+	death, ok := deaths[0].(amqp.Table)
+	if !ok {
+		t.Fatalf("x-death record %#v; want a table", deaths[0])
+	}
+	return death
 }
 
 // A run is a Consume call running in the background.
