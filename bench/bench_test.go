@@ -94,3 +94,33 @@ func TestParseFlags(t *testing.T) {
 		}
 	}
 }
+
+// The verdicts that bench prints, and BENCHMARKS.md quotes, for the
+// throughput ratio and the round-trip targets.
+func TestTargets(t *testing.T) {
+	rtt := func(mean float64, max int64) rttSummary { return rttSummary{N: 100, Mean: mean, Max: max} }
+	raw := summary{Contender: rawName, Median: 1000}
+	for _, tc := range []struct {
+		name              string
+		summaries         []summary
+		ratio, roundTrips string
+	}{
+		{"nothing measured", nil, notMeasured, notMeasured},
+		{"ratio met, duplicates not run", []summary{raw, {Contender: redisName, Median: 800, RTTAck: rtt(2, 2)}}, met, notMeasured},
+		{"ratio missed, a third round trip", []summary{raw, {Contender: redisName, Median: 799, RTTAck: rtt(2.01, 3)}}, missed, missed},
+		{"both measured and within", []summary{
+			{Contender: redisName, RTTAck: rtt(2, 2)},
+			{Contender: redisDupName, RTTAck: rtt(2, 2), RTTDuplicate: rtt(1, 1)},
+		}, notMeasured, met},
+		{"a duplicate with two round trips", []summary{
+			{Contender: redisName, RTTAck: rtt(2, 2)},
+			{Contender: redisDupName, RTTAck: rtt(2, 2), RTTDuplicate: rtt(1.01, 2)},
+		}, notMeasured, missed},
+	} {
+		r := &compareResult{Summary: tc.summaries, Settings: settings{Defaults: true}}
+		ts := r.targets()
+		if ts[0].Status != tc.ratio || ts[1].Status != tc.roundTrips {
+			t.Errorf("%s: ratio %s, round trips %s; want %s, %s (%s; %s)", tc.name, ts[0].Status, ts[1].Status, tc.ratio, tc.roundTrips, ts[0].Detail, ts[1].Detail)
+		}
+	}
+}
