@@ -391,8 +391,10 @@ func TestStackStoreOutage(t *testing.T) {
 
 // legacyConsumer is the hand-written pattern that teams run today, ported
 // as is (its flaws included), to check that our consumers can share a queue
-// and a Redis with a fleet of them during a migration.
-func legacyConsumer(ctx context.Context, c *redis.Client, d *amqp.Delivery, effect func(string)) string {
+// and a Redis with a fleet of them during a migration. It returns how the
+// delivery is to be settled: "acked", "requeued", or "dropped" (acked at the
+// fifth failure, logged as "moved to dead letter": the message is gone).
+func legacyConsumer(ctx context.Context, c *redis.Client, d *amqp.Delivery, effect func(string) error) string {
 	id := d.MessageId
 	if ok, _ := c.SetNX(ctx, "msg:"+id, "processing", 0).Result(); !ok {
 		if v, _ := c.Get(ctx, "msg:"+id).Result(); v == "done" {
@@ -401,7 +403,15 @@ func legacyConsumer(ctx context.Context, c *redis.Client, d *amqp.Delivery, effe
 		return "requeued"
 	}
 	c.Expire(ctx, "msg:"+id, 300*time.Second)
-	effect(id)
+	if err := effect(id); err != nil {
+		c.Del(ctx, "msg:"+id)
+		n, _ := c.Incr(ctx, "retry:"+id).Result()
+		c.Expire(ctx, "retry:"+id, 24*time.Hour)
+		if n >= 5 {
+			return "dropped"
+		}
+		return "requeued"
+	}
 	c.Set(ctx, "msg:"+id, "done", 0)
 	c.Expire(ctx, "msg:"+id, 24*time.Hour)
 	c.Del(ctx, "retry:"+id)
@@ -425,7 +435,10 @@ func TestStackJoinsHandWrittenFleet(t *testing.T) {
 					if (i+c+attempt)%2 == 0 {
 						settled = deliver(t, ours, msg, attempt > 0).settled
 					} else {
-						settled = legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, f.effect)
+						settled = legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, func(id string) error {
+							f.effect(id)
+							return nil
+						})
 					}
 					if settled != "requeued" {
 						return
