@@ -456,3 +456,38 @@ func TestStackJoinsHandWrittenFleet(t *testing.T) {
 		}
 	}
 }
+
+// A fleet of both kinds shares the failure count, retry:<id>: a message
+// that failed four times in one kind reaches the limit at its fifth failure
+// in the other. Ours dead-letters it; a hand-written consumer acks it
+// ("moved to dead letter"), and the message is gone.
+func TestStackSharesFailureCountWithHandWrittenFleet(t *testing.T) {
+	ctx := context.Background()
+	down := errors.New("down")
+	failing := func(string) error { return down }
+	msg := amqp.Publishing{MessageId: "shared-1", Body: []byte("x")}
+	t.Run("hand-written failures first", func(t *testing.T) {
+		f := newFixture(t, middleware.DedupOptions{})
+		ours := f.stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return down }))
+		for i := range 4 {
+			if got := legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, failing); got != "requeued" {
+				t.Fatalf("hand-written failure %d: %s; want requeued", i+1, got)
+			}
+		}
+		if r := deliver(t, ours, msg, true); r.dec.Outcome != rabbitmw.DeadLetter || !errors.Is(r.dec.Err, middleware.ErrRetriesExhausted) {
+			t.Errorf("our fifth failure: %v (%v); want dead-lettered with ErrRetriesExhausted", r.dec.Outcome, r.dec.Err)
+		}
+	})
+	t.Run("rabbitmw failures first", func(t *testing.T) {
+		f := newFixture(t, middleware.DedupOptions{})
+		ours := f.stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return down }))
+		for i := range 4 {
+			if r := deliver(t, ours, msg, i > 0); r.dec.Outcome != rabbitmw.Delay {
+				t.Fatalf("our failure %d: %v; want delayed", i+1, r.dec.Outcome)
+			}
+		}
+		if got := legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, failing); got != "dropped" {
+			t.Errorf("hand-written fifth failure: %s; want dropped", got)
+		}
+	})
+}

@@ -25,8 +25,7 @@
 //
 // A tier is named in its largest exact unit: "1s", "5s", "30s", "2m",
 // "10m", "1h", "1500ms". With DeclareAll (the default) Consume declares all
-// of them; with DeclareSupport all but Q, whose existence it checks (for a
-// work queue declared elsewhere with arguments of its own); with
+// of them; with [DeclareSupport] all but Q, whose existence it checks; with
 // DeclareNone none. Declaring is idempotent and safe from many consumers at
 // once. A work queue that exists with other arguments is a fatal error
 // (ErrQueueArguments) whose text names the fix.
