@@ -490,4 +490,21 @@ func TestStackSharesFailureCountWithHandWrittenFleet(t *testing.T) {
 			t.Errorf("hand-written fifth failure: %s; want dropped", got)
 		}
 	})
+	// With a FailurePrefix of our own, our failures stay out of their count.
+	t.Run("rabbitmw failures first, counted apart", func(t *testing.T) {
+		f := newFixture(t, middleware.DedupOptions{})
+		st := store.NewRedis(f.client, store.RedisOptions{FailurePrefix: "rabbitmw-retry:"})
+		ours := rabbitmw.Chain(
+			middleware.Retry(st, middleware.RetryOptions{Backoff: func(int) time.Duration { return time.Millisecond }}),
+			middleware.Dedup(st, middleware.DedupOptions{}),
+		)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return down }))
+		for i := range 4 {
+			if r := deliver(t, ours, msg, i > 0); r.dec.Outcome != rabbitmw.Delay {
+				t.Fatalf("our failure %d: %v; want delayed", i+1, r.dec.Outcome)
+			}
+		}
+		if got := legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, failing); got != "requeued" {
+			t.Errorf("hand-written first failure after four of ours: %s; want requeued", got)
+		}
+	})
 }
