@@ -127,9 +127,6 @@ func deathKeys(v any) []string {
 	return keys
 }
 
-// headerDeaths is where the records of the work queue go on a delay hop.
-const headerDeaths = "x-rabbitmw-deaths"
-
 // Messages that the server dead-lettered out of the work queue because
 // they expired there, replayed into it with their headers (as an operator
 // or a shovel does), and failing once.
@@ -196,14 +193,14 @@ func (f *fixture) replay(t *testing.T, reason string) {
 	for _, id := range []string{"ok", "dead"} {
 		d := j.callsOf(id)[1].d
 		equal(t, id+": x-death after the delay hop", deathKeys(d.Headers["x-death"]), []string{delay + " expired 1"})
-		equal(t, id+": "+headerDeaths+" after the delay hop", deathKeys(d.Headers[headerDeaths]), []string{f.q + " " + reason + " 1"})
+		equal(t, id+": "+HeaderDeaths+" after the delay hop", deathKeys(d.Headers[HeaderDeaths]), []string{f.q + " " + reason + " 1"})
 		equal(t, id+": x-first-death-queue", d.Headers["x-first-death-queue"], f.q)
 		equal(t, id+": x-first-death-reason", d.Headers["x-first-death-reason"], reason)
 	}
 	dead := f.onlyDeadLetter()
 	equal(t, "x-death of the dead-lettered copy", deathKeys(dead.Headers["x-death"]), []string{delay + " expired 1", f.q + " " + reason + " 1"})
-	if v, ok := dead.Headers[headerDeaths]; ok {
-		t.Errorf("%s = %v on the dead-lettered copy; want it back in x-death", headerDeaths, v)
+	if v, ok := dead.Headers[HeaderDeaths]; ok {
+		t.Errorf("%s = %v on the dead-lettered copy; want it back in x-death", HeaderDeaths, v)
 	}
 	equal(t, "x-first-death-queue of the dead-lettered copy", dead.Headers["x-first-death-queue"], f.q)
 
