@@ -2,7 +2,7 @@
 
 package reliability_test
 
-// Scenario 8, a replay of server dead-letters: messages that RabbitMQ
+// Scenario 9, a replay of server dead-letters: messages that RabbitMQ
 // itself dead-lettered out of the work queue (they expired there; they went
 // past a quorum queue's delivery limit) are published back into it with
 // their headers, as an operator or a shovel does, and fail once before they
@@ -88,7 +88,7 @@ func TestReplayOfServerDeadLetters(t *testing.T) {
 			t.Logf("%d replayed; consumer %+v; %d deliveries, %d handler calls; took %v",
 				len(replays), e.stats[0], deliveries, calls, time.Since(began).Round(time.Millisecond))
 			record(t, row{
-				Scenario:     "8 replay of server dead-letters, " + c.name,
+				Scenario:     "9 replay of server dead-letters, " + c.name,
 				Messages:     replayMessages,
 				Faults:       c.faults,
 				Once:         len(e.v.once),
