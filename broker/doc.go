@@ -46,7 +46,9 @@
 // A copy keeps the message's properties (but UserId, moved to the
 // HeaderUserID header, since RabbitMQ refuses a publish by another user),
 // its body and all its headers, whatever their types, including those
-// RabbitMQ adds (x-death, x-delivery-count). It is persistent. It carries
+// RabbitMQ adds (x-death, x-delivery-count); a copy sent to a delay queue
+// carries the x-death records that name Q in HeaderDeaths instead, lest
+// RabbitMQ drop it as a dead-letter cycle. It is persistent. It carries
 // the attempt count ([rabbitmw.HeaderAttempts]) and the original exchange
 // and routing key; a dead-lettered copy also the fault headers: error text
 // and type, work queue, time, host and process (see the Header

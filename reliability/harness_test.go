@@ -54,6 +54,13 @@ type run struct {
 // when RabbitMQ or Redis is missing.
 func newRun(t *testing.T, scenario string, delays ...time.Duration) *run {
 	t.Helper()
+	return newRunWith(t, scenario, broker.Topology{Delays: delays})
+}
+
+// newRunWith is newRun with a topology of its own: the consumers run with
+// its queue type and delivery limit too.
+func newRunWith(t *testing.T, scenario string, topo broker.Topology) *run {
+	t.Helper()
 	stamp := strconv.FormatInt(time.Now().UnixNano(), 36)
 	r := &run{
 		t:         t,
@@ -62,8 +69,8 @@ func newRun(t *testing.T, scenario string, delays ...time.Duration) *run {
 		redisAddr: testenv.RedisAddr(t),
 		queue:     "rabbitmw-reliability-" + scenario + "-" + stamp,
 		prefix:    "rabbitmw-reliability:" + scenario + ":" + stamp + ":",
-		delays:    delays,
-		topo:      broker.Topology{Delays: delays},
+		delays:    topo.Delays,
+		topo:      topo,
 		logDir:    t.TempDir(),
 	}
 	r.bin = consumerBinary(t)

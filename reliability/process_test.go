@@ -143,6 +143,9 @@ func (r *run) startConsumer(name string, o consumerOpts) *proc {
 		"-effects-prefix", r.prefix,
 		"-delays", r.delaysFlag(),
 	}, o.args()...)
+	if r.topo.Quorum {
+		args = append(args, "-quorum", "-delivery-limit", strconv.Itoa(r.topo.DeliveryLimit))
+	}
 	if o.storeAddr == "" {
 		args = append(args, "-store", r.redisAddr)
 	}

@@ -30,7 +30,7 @@ return n`)
 // A poison-mode body is a JSON object; its kind says what the handler does
 // with it. A body that is not JSON is malformed: dead-lettered at once.
 type order struct {
-	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "panic"
+	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "once", "panic"
 }
 
 var (
@@ -98,9 +98,10 @@ func (b *business) slow(ctx context.Context, id string) error {
 	return b.apply(ctx, id)
 }
 
-// poison handles a JSON order by its kind.
+// poison handles a JSON order by its kind: "once" fails at its first
+// handler call (as counted in attempts:<key>), and succeeds after.
 func (b *business) poison(ctx context.Context, id string, body []byte) error {
-	b.rdb.Incr(ctx, b.key("attempts:"+id))
+	calls, _ := b.rdb.Incr(ctx, b.key("attempts:"+id)).Result()
 	var o order
 	if err := json.Unmarshal(body, &o); err != nil {
 		return rabbitmw.Permanent(fmt.Errorf("business: malformed order: %w", err))
@@ -112,6 +113,11 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 		return rabbitmw.Permanent(errPoison)
 	case "fail":
 		return errGateway
+	case "once":
+		if calls <= 1 {
+			return errGateway
+		}
+		return b.apply(ctx, id)
 	case "panic":
 		panic("business: order " + id + " panicked")
 	}

@@ -71,6 +71,8 @@ type config struct {
 	busy            time.Duration
 	unavailable     time.Duration
 	delays          []time.Duration
+	quorum          bool
+	deliveryLimit   int
 	timeout         time.Duration
 	maxAttempts     int
 	backoffMin      time.Duration
@@ -100,6 +102,8 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.busy, "busy", 0, "Dedup busy delay (0: the default)")
 	fs.DurationVar(&c.unavailable, "unavailable", 0, "Dedup unavailable delay (0: the default)")
 	fs.StringVar(&delays, "delays", "", "delay tiers, comma-separated (empty: the broker's default)")
+	fs.BoolVar(&c.quorum, "quorum", false, "the work queue is a quorum queue (Topology.Quorum)")
+	fs.IntVar(&c.deliveryLimit, "delivery-limit", 0, "the quorum queue's delivery limit (Topology.DeliveryLimit)")
 	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "Timeout layer: the handler's deadline")
 	fs.IntVar(&c.maxAttempts, "max-attempts", 0, "Retry attempts (0: the default, 5)")
 	fs.DurationVar(&c.backoffMin, "backoff-min", 0, "Retry backoff minimum (0: the default backoff)")
@@ -244,7 +248,7 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	err := b.Consume(ctx, cfg.queue, h, broker.ConsumeOptions{
 		Workers:         cfg.workers,
 		Prefetch:        cfg.prefetch,
-		Topology:        broker.Topology{Delays: cfg.delays},
+		Topology:        broker.Topology{Delays: cfg.delays, Quorum: cfg.quorum, DeliveryLimit: cfg.deliveryLimit},
 		ShutdownTimeout: cfg.shutdownTimeout,
 		OnSettle: func(_ *amqp.Delivery, _ rabbitmw.Outcome, err error) {
 			if err != nil {
