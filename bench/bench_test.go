@@ -164,3 +164,16 @@ func TestRelateToRaw(t *testing.T) {
 		t.Errorf("without raw: %v; want ratio 0", ss)
 	}
 }
+
+func TestInRoundOrder(t *testing.T) {
+	items := []string{"a", "b", "c"}
+	if got := inRoundOrder(items, 1); !slices.Equal(got, []string{"a", "b", "c"}) {
+		t.Errorf("round 1: %v; want a b c", got)
+	}
+	if got := inRoundOrder(items, 2); !slices.Equal(got, []string{"c", "b", "a"}) {
+		t.Errorf("round 2: %v; want c b a", got)
+	}
+	if !slices.Equal(items, []string{"a", "b", "c"}) {
+		t.Errorf("inRoundOrder changed its argument: %v", items)
+	}
+}

@@ -220,6 +220,17 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 	return res, nil
 }
 
+// inRoundOrder returns a copy of items in the order of round (from 1):
+// forwards in odd rounds, backwards in even ones, so that a slow spell of
+// the machine hurts all of them alike.
+func inRoundOrder[T any](items []T, round int) []T {
+	order := slices.Clone(items)
+	if round%2 == 0 {
+		slices.Reverse(order)
+	}
+	return order
+}
+
 func micros(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 
 // runHeader opens each output of bench: where, which run, with what.
@@ -418,11 +429,7 @@ func runCompare(ctx context.Context, e *env, cfg config, prefetch, workers int, 
 	res.Settings.print(os.Stdout, e.runID)
 	byName := make(map[string][]runResult)
 	for round := 1; round <= cfg.rounds; round++ {
-		order := slices.Clone(cs)
-		if round%2 == 0 {
-			slices.Reverse(order)
-		}
-		for _, c := range order {
+		for _, c := range inRoundOrder(cs, round) {
 			r, err := e.run(ctx, c, round, fmt.Sprintf("%s.r%d", c.name, round))
 			if err != nil {
 				return nil, fmt.Errorf("%s, round %d: %w", c.name, round, err)

@@ -76,11 +76,7 @@ func runSweep(ctx context.Context, e *env, cfg config, defPrefetch, defWorkers i
 		runs[i] = make(map[string][]runResult)
 	}
 	for round := 1; round <= cfg.rounds; round++ {
-		order := slices.Clone(jobs)
-		if round%2 == 0 {
-			slices.Reverse(order)
-		}
-		for _, j := range order {
+		for _, j := range inRoundOrder(jobs, round) {
 			c := j.c
 			r, err := e.run(ctx, c, round, fmt.Sprintf("%s.p%dw%d.r%d", c.name, c.prefetch, c.workers, round))
 			if err != nil {
