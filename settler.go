@@ -96,10 +96,10 @@ func NewSettler(opts SettlerOptions) *Settler {
 	}
 }
 
-// Settle settles d by [Decide](err), as [Settle] does, but holds a delayed
-// delivery instead of waiting: it returns at once, and d is requeued when
-// its delay ends, or when the Settler is closed. The caller must not modify
-// d until then.
+// Settle settles d by [Decide](err), as the function [Settle] does, but holds
+// a delayed delivery instead of waiting: it returns at once, and d is
+// requeued when its delay ends, or when the Settler is closed. The caller
+// must not modify d until then.
 //
 // Settle waits only while MaxHeld deliveries are held, until one of them is
 // requeued, and ctx bounds that wait: if ctx is done first, Settle
