@@ -26,8 +26,8 @@
 //
 // Layers never acknowledge anything: the code that owns the channel
 // settles each delivery once, from the result. The broker package does
-// it with delay queues and a dead-letter queue of its own; [Settle] does
-// it on a plain amqp091 channel.
+// it with delay queues and a dead-letter queue of its own; a [Settler]
+// does it on a plain amqp091 channel.
 //
 // # The recommended stack
 //

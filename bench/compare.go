@@ -220,17 +220,33 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 	return res, nil
 }
 
+// inRoundOrder returns a copy of items in the order of round (from 1):
+// forwards in odd rounds, backwards in even ones, so that a slow spell of
+// the machine hurts all of them alike.
+func inRoundOrder[T any](items []T, round int) []T {
+	order := slices.Clone(items)
+	if round%2 == 0 {
+		slices.Reverse(order)
+	}
+	return order
+}
+
 func micros(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
+
+// runHeader opens each output of bench: where, which run, with what.
+type runHeader struct {
+	Machine  machine  `json:"machine"`
+	RunID    string   `json:"run_id"`
+	Settings settings `json:"settings"`
+}
 
 // compareResult is the output of a comparison run.
 type compareResult struct {
-	Machine  machine    `json:"machine"`
-	RunID    string     `json:"run_id"`
-	Settings settings   `json:"settings"`
-	Summary  []summary  `json:"summary"`
-	Stack    *stackCost `json:"stack,omitempty"`
-	Targets  []target   `json:"targets"`
-	Runs     []runResult
+	runHeader
+	Summary summaries  `json:"summary"`
+	Stack   *stackCost `json:"stack,omitempty"`
+	Targets []target   `json:"targets"`
+	Runs    []runResult
 }
 
 type settings struct {
@@ -242,6 +258,30 @@ type settings struct {
 	Workers    int     `json:"workers"`
 	Defaults   bool    `json:"defaults"` // prefetch and workers are the broker's defaults
 	Persistent bool    `json:"persistent"`
+}
+
+// summaries are those of the contenders of one run, or of one cell of a
+// sweep.
+type summaries []summary
+
+// find returns the summary of the contender name, or nil.
+func (ss summaries) find(name string) *summary {
+	for i := range ss {
+		if ss[i].Contender == name {
+			return &ss[i]
+		}
+	}
+	return nil
+}
+
+// relateToRaw sets the RatioToRaw of each summary, when raw ran.
+func (ss summaries) relateToRaw() {
+	if raw := ss.find(rawName); raw != nil && raw.Median > 0 {
+		median := raw.Median
+		for i := range ss {
+			ss[i].RatioToRaw = ss[i].Median / median
+		}
+	}
 }
 
 // summary is one contender over all rounds.
@@ -379,21 +419,17 @@ func runCompare(ctx context.Context, e *env, cfg config, prefetch, workers int, 
 			cs = append(cs, newContender(name, prefetch, workers, opts))
 		}
 	}
-	res := &compareResult{
+	res := &compareResult{runHeader: runHeader{
 		RunID: e.runID,
 		Settings: settings{
 			Messages: cfg.n, Size: cfg.size, Dup: cfg.dup, Rounds: cfg.rounds,
 			Prefetch: prefetch, Workers: workers, Defaults: defaults, Persistent: cfg.persistent,
 		},
-	}
+	}}
 	res.Settings.print(os.Stdout, e.runID)
 	byName := make(map[string][]runResult)
 	for round := 1; round <= cfg.rounds; round++ {
-		order := slices.Clone(cs)
-		if round%2 == 0 {
-			slices.Reverse(order)
-		}
-		for _, c := range order {
+		for _, c := range inRoundOrder(cs, round) {
 			r, err := e.run(ctx, c, round, fmt.Sprintf("%s.r%d", c.name, round))
 			if err != nil {
 				return nil, fmt.Errorf("%s, round %d: %w", c.name, round, err)
@@ -411,23 +447,10 @@ func runCompare(ctx context.Context, e *env, cfg config, prefetch, workers int, 
 	for _, c := range cs {
 		res.Summary = append(res.Summary, summarize(c.name, byName[c.name]))
 	}
-	if raw := res.find(rawName); raw != nil && raw.Median > 0 {
-		for i := range res.Summary {
-			res.Summary[i].RatioToRaw = res.Summary[i].Median / raw.Median
-		}
-	}
+	res.Summary.relateToRaw()
 	res.Targets = res.targets()
 	e.machine.LoadEnd = loadAverage()
 	return res, nil
-}
-
-func (r *compareResult) find(name string) *summary {
-	for i := range r.Summary {
-		if r.Summary[i].Contender == name {
-			return &r.Summary[i]
-		}
-	}
-	return nil
 }
 
 // progress reports a finished run on stderr, to show that bench is alive.

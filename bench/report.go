@@ -139,8 +139,8 @@ func outcomes(m map[string]int64) string {
 
 // targets checks the figures against the targets of issue 5.
 func (r *compareResult) targets() []target {
-	raw, redis, dup := r.find(rawName), r.find(redisName), r.find(redisDupName)
-	handP1, hand := r.find(handP1Name), r.find(handName)
+	raw, redis, dup := r.Summary.find(rawName), r.Summary.find(redisName), r.Summary.find(redisDupName)
+	handP1, hand := r.Summary.find(handP1Name), r.Summary.find(handName)
 	var ts []target
 
 	t := target{Name: "rabbitmw-redis ≥ 0.8 × raw msgs/s at the default settings", Status: notMeasured, Detail: "needs raw and rabbitmw-redis"}
@@ -148,7 +148,7 @@ func (r *compareResult) targets() []target {
 		ratio := redis.Median / raw.Median
 		t.Status = verdict(ratio >= 0.8)
 		t.Detail = fmt.Sprintf("%.2f (%s vs %s msgs/s, medians)", ratio, thousands(redis.Median), thousands(raw.Median))
-		if mem := r.find(memoryName); mem != nil {
+		if mem := r.Summary.find(memoryName); mem != nil {
 			t.Detail += fmt.Sprintf("; rabbitmw-memory %.2f", mem.Median/raw.Median)
 		}
 		if !r.Settings.Defaults {

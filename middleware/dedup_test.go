@@ -68,7 +68,7 @@ func TestDedup(t *testing.T) {
 			name:      "permanent handler error releases the claim and dead-letters",
 			id:        "m1",
 			handler:   func(context.Context, *amqp.Delivery) error { return rabbitmw.Permanent(errBoom) },
-			wantCalls: 1, wantOutcome: rabbitmw.DeadLetter, wantIs: errBoom, wantSettle: "rejected", wantState: store.Claimed,
+			wantCalls: 1, wantOutcome: rabbitmw.DeadLetter, wantIs: errBoom, wantSettle: "dead-lettered", wantState: store.Claimed,
 		},
 		{
 			name:      "store unreachable fails closed: handler not run, delayed",
@@ -92,7 +92,7 @@ func TestDedup(t *testing.T) {
 		},
 		{
 			name:      "no message id and no body: dead-lettered with the reason, handler not run",
-			wantCalls: 0, wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrNoKey, wantSettle: "rejected",
+			wantCalls: 0, wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrNoKey, wantSettle: "dead-lettered",
 		},
 		{
 			name: "namespace keeps services apart",

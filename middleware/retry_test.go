@@ -51,11 +51,11 @@ func TestRetry(t *testing.T) {
 		},
 		{
 			name: "fifth failure is dead-lettered with its last error, never acked", result: errBoom, prior: 4,
-			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantIs: middleware.ErrRetriesExhausted, wantCount: 0, wantSettle: "rejected",
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantIs: middleware.ErrRetriesExhausted, wantCount: 0, wantSettle: "dead-lettered",
 		},
 		{
 			name: "MaxAttempts 2", result: errBoom, prior: 1, opts: middleware.RetryOptions{MaxAttempts: 2},
-			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantIs: errBoom, wantSettle: "rejected",
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantIs: errBoom, wantSettle: "dead-lettered",
 		},
 		{
 			name: "success after failures clears the count", prior: 3, redeliv: true,
@@ -67,7 +67,7 @@ func TestRetry(t *testing.T) {
 		},
 		{
 			name: "permanent error is dead-lettered at once, count cleared", result: rabbitmw.Permanent(errBoom), prior: 1,
-			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantIs: errBoom, wantCount: 0, wantSettle: "rejected",
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantIs: errBoom, wantCount: 0, wantSettle: "dead-lettered",
 		},
 		{
 			name: "duplicate is not a failure", result: fmt.Errorf("x: %w", rabbitmw.ErrDuplicate), prior: 1,
@@ -95,11 +95,11 @@ func TestRetry(t *testing.T) {
 		},
 		{
 			name: "a panic is a failure", result: &rabbitmw.PanicError{Value: "x"}, prior: 4,
-			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantSettle: "rejected",
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantSettle: "dead-lettered",
 		},
 		{
 			name: "the header is a floor when the store was wiped", result: errBoom, header: int64(4),
-			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantSettle: "rejected",
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantSettle: "dead-lettered",
 		},
 		{
 			name: "a header of another type still counts", result: errBoom, header: "3",
