@@ -92,7 +92,7 @@ func (f *fixture) recording() rabbitmw.Handler {
 
 // result is one delivery's settlement, as a plain channel would see it.
 type result struct {
-	settled string // by the Recorder: acked, requeued, rejected
+	settled string // by the Recorder: acked, requeued, dead-lettered
 	dec     rabbitmw.Decision
 }
 
@@ -113,7 +113,7 @@ func deliver(t *testing.T, h rabbitmw.Handler, msg amqp.Publishing, redelivered 
 }
 
 // untilSettled redelivers msg, as RabbitMQ would after a requeue, until it
-// leaves the queue (acked or rejected), and returns every result.
+// leaves the queue (acked or dead-lettered), and returns every result.
 func untilSettled(t *testing.T, h rabbitmw.Handler, msg amqp.Publishing) []result {
 	t.Helper()
 	var all []result
@@ -163,8 +163,8 @@ func TestStackFailingMessageRetriedThenDeadLettered(t *testing.T) {
 		}
 	}
 	last := results[len(results)-1]
-	if last.settled != "rejected" || last.dec.Outcome != rabbitmw.DeadLetter || last.dec.Attempts != 5 {
-		t.Errorf("last delivery: settled %s as %v, attempts %d; want rejected (dead-lettered), attempts 5", last.settled, last.dec.Outcome, last.dec.Attempts)
+	if last.settled != "dead-lettered" || last.dec.Outcome != rabbitmw.DeadLetter || last.dec.Attempts != 5 {
+		t.Errorf("last delivery: settled %s as %v, attempts %d; want dead-lettered, attempts 5", last.settled, last.dec.Outcome, last.dec.Attempts)
 	}
 	if !errors.Is(last.dec.Err, middleware.ErrRetriesExhausted) || !strings.Contains(last.dec.Err.Error(), "payment gateway said no") {
 		t.Errorf("dead-letter reason %q; want the last error, after ErrRetriesExhausted", last.dec.Err)
@@ -211,8 +211,8 @@ func TestStackAlwaysPanickingIsDeadLettered(t *testing.T) {
 	f := newFixture(t, middleware.DedupOptions{})
 	h := f.stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { panic("always") }))
 	results := untilSettled(t, h, amqp.Publishing{MessageId: "panic-2", Body: []byte("x")})
-	if last := results[len(results)-1]; last.settled != "rejected" || len(results) != 5 {
-		t.Fatalf("after %d deliveries settled %s; want rejected after 5", len(results), last.settled)
+	if last := results[len(results)-1]; last.settled != "dead-lettered" || len(results) != 5 {
+		t.Fatalf("after %d deliveries settled %s; want dead-lettered after 5", len(results), last.settled)
 	}
 }
 
@@ -331,7 +331,7 @@ func TestStackBadInput(t *testing.T) {
 		wantSettled string
 		wantErr     string
 	}{
-		{"no message id and an empty body: dead-lettered with the reason", amqp.Publishing{}, "rejected", "no message id and an empty body"},
+		{"no message id and an empty body: dead-lettered with the reason", amqp.Publishing{}, "dead-lettered", "no message id and an empty body"},
 		{"no message id: keyed by the body", amqp.Publishing{Body: []byte("a body")}, "acked", ""},
 		{"a 16 MiB body", amqp.Publishing{Body: huge}, "acked", ""},
 		{"headers of every type", amqp.Publishing{MessageId: "h-1", Headers: amqp.Table{
