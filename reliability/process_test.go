@@ -78,6 +78,8 @@ type consumerOpts struct {
 	mode                   string
 	work, hold             time.Duration
 	countDeliveries        bool
+	quorum                 bool
+	deliveryLimit          int
 }
 
 func (o consumerOpts) args() []string {
@@ -117,6 +119,10 @@ func (o consumerOpts) args() []string {
 	if o.countDeliveries {
 		a = append(a, "-count-deliveries")
 	}
+	if o.quorum {
+		a = append(a, "-quorum")
+	}
+	num("delivery-limit", o.deliveryLimit)
 	return a
 }
 
