@@ -2,7 +2,7 @@
 
 package reliability_test
 
-// Scenario 8, a message that kills its consumer: among a stream of orders,
+// Scenario 9, a message that kills its consumer: among a stream of orders,
 // one makes the consumer process SIGKILL itself (as an OOM kill or a
 // segfault in cgo would), on a classic queue and on a quorum queue with a
 // delivery limit (the README's setup). A supervisor restarts the consumer
@@ -205,7 +205,7 @@ wait:
 		kind = fmt.Sprintf("quorum queue, delivery limit %d", top.DeliveryLimit)
 	}
 	record(t, row{
-		Scenario:     "8 message that kills its consumer, " + kind,
+		Scenario:     "9 message that kills its consumer, " + kind,
 		Messages:     len(msgs),
 		Duplicates:   0,
 		Faults:       fmt.Sprintf("1 order SIGKILLs its consumer, which is restarted; lease %v, MaxAttempts %d", crashLoopLease, crashLoopAttempts),
