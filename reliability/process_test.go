@@ -78,6 +78,8 @@ type consumerOpts struct {
 	mode                   string
 	work, hold             time.Duration
 	countDeliveries        bool
+	quorum                 bool
+	deliveryLimit          int
 }
 
 func (o consumerOpts) args() []string {
@@ -117,6 +119,10 @@ func (o consumerOpts) args() []string {
 	if o.countDeliveries {
 		a = append(a, "-count-deliveries")
 	}
+	if o.quorum {
+		a = append(a, "-quorum")
+	}
+	num("delivery-limit", o.deliveryLimit)
 	return a
 }
 
@@ -135,6 +141,9 @@ type proc struct {
 // startConsumer starts a consumer named name on the run's queue.
 func (r *run) startConsumer(name string, o consumerOpts) *proc {
 	r.t.Helper()
+	if r.topo.Quorum && !o.quorum {
+		o.quorum, o.deliveryLimit = true, r.topo.DeliveryLimit
+	}
 	args := append([]string{
 		"-amqp", r.amqpURL,
 		"-queue", r.queue,
@@ -143,9 +152,6 @@ func (r *run) startConsumer(name string, o consumerOpts) *proc {
 		"-effects-prefix", r.prefix,
 		"-delays", r.delaysFlag(),
 	}, o.args()...)
-	if r.topo.Quorum {
-		args = append(args, "-quorum", "-delivery-limit", strconv.Itoa(r.topo.DeliveryLimit))
-	}
 	if o.storeAddr == "" {
 		args = append(args, "-store", r.redisAddr)
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"sync/atomic"
 	"time"
 
@@ -30,7 +31,7 @@ return n`)
 // A poison-mode body is a JSON object; its kind says what the handler does
 // with it. A body that is not JSON is malformed: dead-lettered at once.
 type order struct {
-	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "once", "panic"
+	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "once", "panic", "kill"
 }
 
 var (
@@ -108,7 +109,23 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 	}
 	switch o.Kind {
 	case "", "ok":
+		if b.cfg.work > 0 {
+			if err := wait(ctx, b.cfg.work); err != nil {
+				return err
+			}
+		}
 		return b.apply(ctx, id)
+	case "kill":
+		// As an OOM kill or a segfault in cgo would: at once, with the
+		// other handlers in flight, nothing returned, nothing released.
+		self, err := os.FindProcess(os.Getpid())
+		if err == nil {
+			err = self.Kill() // SIGKILL
+		}
+		if err != nil {
+			return fmt.Errorf("business: killing the process: %w", err)
+		}
+		select {}
 	case "poison":
 		return rabbitmw.Permanent(errPoison)
 	case "fail":
@@ -133,6 +150,21 @@ func (b *business) countDeliveries(next rabbitmw.Handler) rabbitmw.Handler {
 			b.rdb.Incr(ctx, b.key("deliveries:(no key)"))
 		}
 		return next.Handle(ctx, d)
+	})
+}
+
+// countAbandoned is a layer, beneath Retry and above Dedup, that counts
+// the deliveries that found their message's last attempt abandoned.
+func (b *business) countAbandoned(next rabbitmw.Handler) rabbitmw.Handler {
+	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		err := next.Handle(ctx, d)
+		if errors.Is(err, middleware.ErrAbandoned) {
+			if id, kerr := middleware.Key(d); kerr == nil {
+				b.rdb.Incr(context.WithoutCancel(ctx), b.key("abandoned:"+id))
+			}
+			b.rdb.Incr(context.WithoutCancel(ctx), b.key("abandoned"))
+		}
+		return err
 	})
 }
 

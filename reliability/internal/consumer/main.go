@@ -21,6 +21,10 @@
 //	P attempts:<key> handler calls for the message (modes slow, stubborn
 //	                 and poison)
 //	P deliveries:<key> deliveries of the message (with -count-deliveries)
+//	P abandoned:<key> deliveries that found the message's last attempt
+//	                 abandoned (Dedup's ErrAbandoned: a consumer died
+//	                 holding it)
+//	P abandoned      the same, all messages
 //
 // The four writes of an effect are one Lua script: atomic, so an effect
 // is never counted without its log entry, or the reverse.
@@ -109,7 +113,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.backoffMin, "backoff-min", 0, "Retry backoff minimum (0: the default backoff)")
 	fs.DurationVar(&c.backoffMax, "backoff-max", 0, "Retry backoff maximum")
 	fs.StringVar(&c.mode, "mode", "normal", "business handler: normal, slow, stubborn or poison")
-	fs.DurationVar(&c.work, "work", 0, "normal mode: time spent before the effect")
+	fs.DurationVar(&c.work, "work", 0, "normal mode, and ok orders in poison mode: time spent before the effect")
 	fs.DurationVar(&c.hold, "hold", 5*time.Second, "slow and stubborn modes: time spent before the effect")
 	fs.BoolVar(&c.countDeliveries, "count-deliveries", false, "count the deliveries of each message")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 10*time.Second, "ConsumeOptions.ShutdownTimeout")
@@ -229,6 +233,7 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 		middleware.Log(logger),
 		middleware.Retry(st, retryOpts),
 		middleware.Recover(),
+		biz.countAbandoned,
 		middleware.Dedup(st, middleware.DedupOptions{
 			Lease:            cfg.lease,
 			BusyDelay:        cfg.busy,
