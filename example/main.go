@@ -1,11 +1,14 @@
 // Command example shows every guarantee of rabbitmw in one run: it
 // publishes a set of scenarios (ordinary messages, duplicates, a redelivery
-// of a message already done, a message that always fails, a handler that
-// panics once, a message without a message_id, a handler slower than its
-// lease, two consumers racing on duplicates), consumes them to the end with
-// the recommended stack, prints what happened to each message, and exits 0
-// only if every business effect happened exactly once and the failing
-// message sits in the dead-letter queue with its fault headers.
+// of a message already done, a message that fails until its cause is
+// fixed, a handler that panics once, a message without a message_id, a
+// handler slower than its lease, two consumers racing on duplicates),
+// consumes them to the end with the recommended stack, then, as an
+// operator would, fixes the cause of the failing message and replays it
+// from the dead-letter queue. It prints what happened to each message, and
+// exits 0 only if every business effect happened exactly once and the
+// failing message reached the dead-letter queue with its fault headers
+// before its replay succeeded.
 //
 // With no flags it needs no servers: it runs on the in-memory broker and an
 // embedded Redis (miniredis). With -amqp and -redis it runs the same

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/url"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
@@ -98,6 +99,11 @@ func run(ctx context.Context, cfg config) (*report, error) {
 		return nil, err
 	}
 	waitErr := rep.waitSettled(ctx, b, queue, errs)
+	if waitErr == nil {
+		// The operator reads the dead-letter queue, fixes the cause of
+		// fail-1's failures, and replays it, with its failure count reset.
+		waitErr = rep.replayFixed(ctx, b, queue, st, biz)
+	}
 	stopConsumers()
 	consumers.Wait()
 	close(errs)
@@ -109,14 +115,54 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	if waitErr != nil {
 		return nil, waitErr
 	}
-	names, err := topo.Queues(queue)
-	if err != nil {
-		return nil, err
-	}
-	if err := rep.readDeadLetters(context.WithoutCancel(ctx), b, names.DeadLetter); err != nil {
-		return nil, err
-	}
 	return rep, nil
+}
+
+// replayFixed reads the dead-letter queue into the report, fixes the
+// business handler, and replays fail-1, resetting its failure count; it
+// returns once the replayed message's effect happened.
+func (r *report) replayFixed(ctx context.Context, b *broker.Broker, queue string, st store.Store, biz *business) error {
+	dead, err := b.DeadLetters(ctx, queue, broker.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("listing the dead-letter queue: %w", err)
+	}
+	r.mu.Lock()
+	for _, dl := range dead {
+		r.dead = append(r.dead, *dl.Message)
+	}
+	r.mu.Unlock()
+	biz.fixed.Store(true)
+	res, err := b.Replay(ctx, queue, broker.ReplayOptions{
+		Filter: broker.Filter{IDs: []string{"fail-1"}},
+		ResetFailures: func(ctx context.Context, d *amqp.Delivery) error {
+			key, err := middleware.Key(d)
+			if err != nil {
+				return err
+			}
+			return st.ResetFailures(ctx, key)
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("replaying fail-1: %w", err)
+	}
+	r.mu.Lock()
+	r.replayed = res.Replayed
+	r.mu.Unlock()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		r.mu.Lock()
+		done := r.stats("fail-1").effects > 0
+		r.mu.Unlock()
+		if done {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the replayed fail-1 was not handled in time: %w", ctx.Err())
+		case <-tick.C:
+		}
+	}
 }
 
 // publishAll publishes every scenario's copies.
@@ -216,6 +262,7 @@ func (c *countingStore) Extend(ctx context.Context, key, token string, lease tim
 // effect (in a real service, a charge or a shipment) by recording it.
 type business struct {
 	effect func(key string)
+	fixed  atomic.Bool // the cause of kindFail's failures is fixed
 
 	mu       sync.Mutex
 	panicked map[string]bool
@@ -230,7 +277,9 @@ func (b *business) Handle(ctx context.Context, d *amqp.Delivery) error {
 	}
 	switch d.Type {
 	case kindFail:
-		return errDeclined
+		if !b.fixed.Load() {
+			return errDeclined
+		}
 	case kindPanicOnce:
 		b.mu.Lock()
 		first := !b.panicked[key]
