@@ -155,12 +155,17 @@ func testReplaySelected(t *testing.T, be backend) {
 	equal(t, "dry run: replayed", res.Replayed, 0)
 	equal(t, "dry run: work queue", f.length(f.q), 0)
 
-	var reset []string
-	var progress [][2]int
+	var (
+		mu       sync.Mutex
+		reset    []string
+		progress [][2]int
+	)
 	res, err = f.b.Replay(ctx, f.q, ReplayOptions{
 		Filter: Filter{ErrorType: "*broker.typedErr"},
 		Limit:  2,
 		ResetFailures: func(_ context.Context, d *amqp.Delivery) error {
+			mu.Lock()
+			defer mu.Unlock()
 			reset = append(reset, d.MessageId)
 			return nil
 		},
@@ -169,9 +174,11 @@ func testReplaySelected(t *testing.T, be backend) {
 	noErr(t, "Replay", err)
 	equal(t, "scanned", res.Scanned, len(all))
 	equal(t, "replayed", res.Replayed, 2)
+	slices.Sort(reset)
 	equal(t, "failures reset", reset, []string{"typed-b", "typed-d"})
 	equal(t, "progress", progress, [][2]int{{1, 2}, {2, 2}})
 	back := f.drain(f.q)
+	slices.SortFunc(back, func(a, b *amqp.Delivery) int { return strings.Compare(a.MessageId, b.MessageId) })
 	equal(t, "back in the work queue", deliveryIDs(back), []string{"typed-b", "typed-d"})
 	for _, d := range back {
 		for _, k := range historyHeaders {
@@ -370,6 +377,7 @@ func testDLQMalformed(t *testing.T, be backend) {
 	noErr(t, "Replay", err)
 	equal(t, "replayed", res.Replayed, 2)
 	back := f.drain(f.q)
+	slices.SortFunc(back, func(a, b *amqp.Delivery) int { return strings.Compare(a.MessageId, b.MessageId) })
 	equal(t, "replayed", deliveryIDs(back), []string{"bad", "bad-history"})
 	equal(t, "replays after a malformed count", back[0].Headers[HeaderReplays], int64(1))
 	lives, _ := back[0].Headers[HeaderHistory].([]any)

@@ -110,11 +110,11 @@ func (b *Broker) ExportDeadLetters(ctx context.Context, queue string, w io.Write
 			err = enc.Encode(m)
 		}
 		if err != nil {
-			return n, errors.Join(fmt.Errorf("broker: export %q: %w", dl.ID, err), snap.close())
+			return n, errors.Join(fmt.Errorf("broker: export %q: %w", dl.ID, err), snap.close(b))
 		}
 		n++
 	}
-	return n, snap.close()
+	return n, snap.close(b)
 }
 
 // ImportOptions configures [Broker.ImportDeadLetters].

@@ -34,11 +34,11 @@ func (b *Broker) PurgeDeadLetters(ctx context.Context, queue string, opts PurgeO
 		}
 		if !opts.DryRun {
 			if err := snap.ack(i); err != nil {
-				snap.close()
+				snap.close(b)
 				return removed, err
 			}
 		}
 		removed = append(removed, dl)
 	}
-	return removed, snap.close()
+	return removed, snap.close(b)
 }

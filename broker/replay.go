@@ -7,6 +7,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -37,10 +38,12 @@ type ReplayOptions struct {
 	// sent back, to reset its failure count in the store (for example
 	// store.ResetFailures of the key middleware.Key gives it), so that the
 	// replayed message gets its full attempts again. An error stops the
-	// replay; the message stays in the dead-letter queue.
+	// replay; the message stays in the dead-letter queue. It is called
+	// for several messages at once.
 	ResetFailures func(ctx context.Context, d *amqp.Delivery) error
 	// Progress, if not nil, is called after each message replayed, with
-	// the number replayed so far and the number selected.
+	// the number replayed so far and the number selected; never for two
+	// messages at once.
 	Progress func(done, total int)
 	// ScanProgress, if not nil, is called as the dead-letter queue is read
 	// (see ListOptions.Progress).
@@ -57,13 +60,14 @@ type ReplayResult struct {
 	// in queue order.
 	Selected []*DeadLetter
 	// Replayed is the number of them sent back and removed from the
-	// dead-letter queue: the first Replayed of Selected.
+	// dead-letter queue.
 	Replayed int
 }
 
 // Replay sends messages of the dead-letter queue of work queue queue back
 // to their original queue (or to opts.To): those that opts selects, in
-// queue order. The dead-letter queue is read as [Broker.DeadLetters] does;
+// queue order, a few at a time (so they may arrive slightly out of
+// order). The dead-letter queue is read as [Broker.DeadLetters] does;
 // what is not replayed stays in it, in its order.
 //
 // Before anything moves, Replay checks that every selected message has a
@@ -73,10 +77,11 @@ type ReplayResult struct {
 // the mandatory flag, waits for the server's confirm, and only then
 // acknowledges the original. A crash or a lost connection therefore loses
 // nothing: the messages not yet acknowledged return to the dead-letter
-// queue, and at worst the one whose copy was confirmed is both in the
-// work queue and still in the dead-letter queue; a second replay sends it
-// again, with the same MessageId, which the consumers' Dedup layer
-// absorbs. Replay does not reconnect: after an error, run it again.
+// queue, and at worst those in flight (a few) whose copies were confirmed
+// are both in the work queue and still in the dead-letter queue; a second
+// replay sends them again, with the same MessageId, which the consumers'
+// Dedup layer absorbs. Replay does not reconnect, and stops at the first
+// error: run it again.
 //
 // The copy keeps the body, the properties (UserId moves to
 // [HeaderUserID], as on every copy the broker makes) and the headers, but
@@ -107,10 +112,10 @@ func (b *Broker) Replay(ctx context.Context, queue string, opts ReplayOptions) (
 		}
 	}
 	if err := snap.checkDestinations(ctx, picked, opts.To); err != nil {
-		return res, errors.Join(err, snap.close())
+		return res, errors.Join(err, snap.close(b))
 	}
 	if opts.DryRun {
-		return res, snap.close()
+		return res, snap.close(b)
 	}
 	history := opts.HistoryLimit
 	switch {
@@ -119,23 +124,72 @@ func (b *Broker) Replay(ctx context.Context, queue string, opts ReplayOptions) (
 	case history < 0:
 		history = 0
 	}
+	err = snap.replay(ctx, picked, opts, history, &res)
+	return res, errors.Join(err, snap.close(b))
+}
+
+// replayWindow is the number of messages a replay has in flight: sent and
+// not yet confirmed and acknowledged. RabbitMQ confirms a persistent
+// message once it is on disk, and writes the messages in flight together:
+// one at a time, a replay ran at about 300 messages a second on loopback.
+const replayWindow = 16
+
+// replay replays the messages picked, up to replayWindow at a time, until
+// one fails.
+func (snap *snapshot) replay(ctx context.Context, picked []int, opts ReplayOptions, history int, res *ReplayResult) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		mu    sync.Mutex
+		first error
+		wg    sync.WaitGroup
+		slots = make(chan struct{}, replayWindow)
+	)
+	failed := func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return first != nil
+	}
 	start := time.Now()
 	for n, i := range picked {
 		if opts.Rate > 0 {
 			due := start.Add(time.Duration(float64(n) / opts.Rate * float64(time.Second)))
 			if !sleep(ctx, time.Until(due)) {
-				return res, errors.Join(ctx.Err(), snap.close())
+				break
 			}
 		}
-		if err := snap.replayOne(ctx, i, opts, history); err != nil {
-			return res, errors.Join(err, snap.close())
+		select {
+		case slots <- struct{}{}:
+		case <-ctx.Done():
 		}
-		res.Replayed++
-		if opts.Progress != nil {
-			opts.Progress(res.Replayed, len(picked))
+		if ctx.Err() != nil || failed() {
+			break
 		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-slots }()
+			err := snap.replayOne(ctx, i, opts, history)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				if first == nil {
+					first = err
+					cancel()
+				}
+				return
+			}
+			res.Replayed++
+			if opts.Progress != nil {
+				opts.Progress(res.Replayed, len(picked))
+			}
+		}()
 	}
-	return res, snap.close()
+	wg.Wait()
+	if first == nil && ctx.Err() != nil {
+		return context.Cause(ctx)
+	}
+	return first
 }
 
 // checkDestinations refuses the replay of messages picked unless each has

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -23,6 +24,9 @@ import (
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/store"
 )
+
+// replayWindow is broker.Replay's number of messages in flight.
+const replayWindow = 16
 
 // binary is the command, built once by TestMain.
 var binary string
@@ -263,7 +267,9 @@ func TestCLI(t *testing.T) {
 	if got := drain(t, b, q+".dlq"); strings.Join(got, ",") != "b,foreign" {
 		t.Errorf("dead-letter queue after export, purge, import = %v; want b, foreign", got)
 	}
-	if got := drain(t, b, q); strings.Join(got, ",") != "a,c" {
+	got := drain(t, b, q)
+	slices.Sort(got)
+	if strings.Join(got, ",") != "a,c" {
 		t.Errorf("work queue = %v; want a, c", got)
 	}
 
@@ -287,7 +293,7 @@ func TestCLI(t *testing.T) {
 
 // A replay of 10,000 messages, its process killed midway with SIGKILL and
 // run again: every message is back in the work queue, none lost, and at
-// most the one in flight at the kill twice.
+// most those in flight at the kill (the replay's window) twice.
 func TestReplayKilledMidway(t *testing.T) {
 	const n = 10000
 	b, url, q := setupQueue(t)
@@ -369,7 +375,7 @@ func TestReplayKilledMidway(t *testing.T) {
 		}
 	}
 	t.Logf("duplicates in the work queue: %d", dups)
-	if dups > 1 || len(left) != 0 || len(counts) != n {
-		t.Errorf("duplicates %d (want at most 1), left in the dead-letter queue %d (want 0), distinct %d (want %d)", dups, len(left), len(counts), n)
+	if dups > replayWindow || len(left) != 0 || len(counts) != n {
+		t.Errorf("duplicates %d (want at most %d, the replay's window), left in the dead-letter queue %d (want 0), distinct %d (want %d)", dups, replayWindow, len(left), len(counts), n)
 	}
 }
