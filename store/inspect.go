@@ -19,15 +19,18 @@ type Inspector interface {
 
 // KeyState is what a store holds for a key.
 type KeyState struct {
-	// Status is Processing when the key is claimed, Done when it is done,
-	// and 0 when it is absent.
+	// Status is Processing when the key is claimed, Abandoned when its
+	// claim's lease ended without Complete or Release (its owner died, or
+	// lost the store), Done when it is done, and 0 when it is absent.
 	Status Status
-	// Token is the claim's owner token, when Status is Processing. The
-	// tokens of middleware.Dedup name their host and process (see
-	// middleware.TokenOwner); hand-written consumers write "processing".
+	// Token is the claim's owner token, when Status is Processing or
+	// Abandoned. The tokens of middleware.Dedup name their host and
+	// process (see middleware.TokenOwner); hand-written consumers write
+	// "processing".
 	Token string
-	// TTL is the time left before the claim's lease ends (Processing) or
-	// the done mark is forgotten (Done); -1 if the entry has no expiry.
+	// TTL is the time left before the claim's lease ends (Processing),
+	// before the abandoned claim or the done mark is forgotten (Abandoned,
+	// Done); -1 if the entry has no expiry.
 	TTL time.Duration
 	// Failures is the failure counter, 0 when absent, and FailuresTTL the
 	// time left before it expires (-1: no expiry).
@@ -35,11 +38,13 @@ type KeyState struct {
 	FailuresTTL time.Duration
 }
 
-// State returns "absent", "claimed" or "done".
+// State returns "absent", "claimed", "abandoned" or "done".
 func (k KeyState) State() string {
 	switch k.Status {
 	case Processing:
 		return "claimed"
+	case Abandoned:
+		return "abandoned"
 	case Done:
 		return "done"
 	}

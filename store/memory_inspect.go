@@ -14,10 +14,14 @@ func (m *Memory) Inspect(ctx context.Context, key string) (KeyState, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	var k KeyState
-	if c, ok := m.claims[key]; ok && now.Before(c.expires) {
-		k.Status, k.Token, k.TTL = Processing, c.token, c.expires.Sub(now)
-		if c.token == "" {
-			k.Status = Done
+	if c, ok := m.claims[key]; ok {
+		switch {
+		case now.Before(c.expires) && c.token == "":
+			k.Status, k.TTL = Done, c.expires.Sub(now)
+		case now.Before(c.expires):
+			k.Status, k.Token, k.TTL = Processing, c.token, c.expires.Sub(now)
+		case now.Before(c.forget):
+			k.Status, k.Token, k.TTL = Abandoned, c.token, c.forget.Sub(now)
 		}
 	}
 	if c, ok := m.fails[key]; ok && now.Before(c.expires) {

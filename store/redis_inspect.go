@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -25,10 +26,7 @@ func (r *Redis) Inspect(ctx context.Context, key string) (KeyState, error) {
 		return k, r.fail("inspect", key, err)
 	}
 	if v != nil {
-		k.Status, k.Token, k.TTL = Processing, *v, ttl
-		if *v == doneMark {
-			k.Status, k.Token = Done, ""
-		}
+		k.Status, k.Token, k.TTL = claimState(*v, ttl)
 	}
 	v, ttl, err = r.peek(ctx, r.failurePre+key)
 	if err != nil {
@@ -42,6 +40,27 @@ func (r *Redis) Inspect(ctx context.Context, key string) (KeyState, error) {
 		k.Failures, k.FailuresTTL = n, ttl
 	}
 	return k, nil
+}
+
+// claimState reads the value v of a claim key with time to live ttl (see
+// the key layout on [Redis]).
+func claimState(v string, ttl time.Duration) (Status, string, time.Duration) {
+	if v == doneMark {
+		return Done, "", ttl
+	}
+	rest, ok := strings.CutPrefix(v, claimTag)
+	if !ok {
+		return Processing, v, ttl // a hand-written consumer's mark
+	}
+	ms, token, ok := strings.Cut(rest, ":")
+	keep, err := strconv.ParseInt(ms, 10, 64)
+	if !ok || err != nil || ttl < 0 {
+		return Processing, v, ttl
+	}
+	if retention := time.Duration(keep) * time.Millisecond; ttl > retention {
+		return Processing, token, ttl - retention
+	}
+	return Abandoned, token, ttl
 }
 
 // peek returns the value of k (nil when absent) and its time to live (-1

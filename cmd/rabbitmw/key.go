@@ -49,14 +49,19 @@ func (e *env) key(ctx context.Context, args []string) error {
 	fmt.Fprintf(w, "key\t%s\n", k)
 	fmt.Fprintf(w, "state\t%s\n", s.State())
 	switch s.State() {
-	case "claimed":
+	case "claimed", "abandoned":
 		owner := "unknown (token not Dedup's)"
 		if pid != 0 {
 			owner = "host " + host + ", pid " + strconv.Itoa(pid)
 		}
 		fmt.Fprintf(w, "owner\t%s\n", owner)
 		fmt.Fprintf(w, "token\t%s\n", s.Token)
-		fmt.Fprintf(w, "lease left\t%s\n", ttl(s.TTL))
+		if s.State() == "claimed" {
+			fmt.Fprintf(w, "lease left\t%s\n", ttl(s.TTL))
+		} else {
+			fmt.Fprintf(w, "note\tits lease ended without a result: the owner died or lost the store; the next claim counts a failed attempt\n")
+			fmt.Fprintf(w, "forgotten in\t%s\n", ttl(s.TTL))
+		}
 	case "done":
 		fmt.Fprintf(w, "retention left\t%s\n", ttl(s.TTL))
 	}

@@ -61,5 +61,9 @@ func RunInspector(t *testing.T, newStore func(t *testing.T) store.Store) {
 		t.Fatal(err)
 	}
 	time.Sleep(expired) // the backend's clock
-	inspect("lease expired", 0, "", 0)
+	inspect("lease ended", store.Abandoned, "t", 0)
+	if st, err := s.Claim(bg, k, "t2", longTTL); err != nil || st != store.Abandoned {
+		t.Fatalf("Claim after the lease = %v, %v; want abandoned", st, err)
+	}
+	inspect("abandoned claim reported", 0, "", 0)
 }
