@@ -493,7 +493,7 @@ func equalTypes(t *testing.T, what string, got, want amqp.Table) {
 func TestTypedValueRoundTrip(t *testing.T) {
 	for name, h := range map[string]amqp.Table{"allTypes": allTypes(), "exportTypes": exportTypes()} {
 		d := &amqp.Delivery{Headers: h, Body: []byte("b"), MessageId: "m", Timestamp: time.Unix(5, 0)}
-		m, err := Export("q", d)
+		m, err := ExportMessage("q", d)
 		noErr(t, "Export", err)
 		line, err := json.Marshal(m)
 		noErr(t, "Marshal", err)
@@ -505,7 +505,7 @@ func TestTypedValueRoundTrip(t *testing.T) {
 		equalTypes(t, name, p.Headers, want)
 		equal(t, name+": timestamp", p.Timestamp, d.Timestamp)
 	}
-	m, err := Export("q", &amqp.Delivery{Headers: amqp.Table{"nan": math.NaN(), "nan32": float32(math.NaN()), "inf": math.Inf(-1)}})
+	m, err := ExportMessage("q", &amqp.Delivery{Headers: amqp.Table{"nan": math.NaN(), "nan32": float32(math.NaN()), "inf": math.Inf(-1)}})
 	noErr(t, "Export", err)
 	p, err := m.Publishing()
 	noErr(t, "Publishing", err)
@@ -516,7 +516,7 @@ func TestTypedValueRoundTrip(t *testing.T) {
 		t.Errorf("nan32 = %T %v; want float32 NaN", p.Headers["nan32"], p.Headers["nan32"])
 	}
 	equal(t, "inf", p.Headers["inf"], math.Inf(-1))
-	if _, err := Export("q", &amqp.Delivery{Headers: amqp.Table{"bad": struct{}{}}}); err == nil {
+	if _, err := ExportMessage("q", &amqp.Delivery{Headers: amqp.Table{"bad": struct{}{}}}); err == nil {
 		t.Error("Export of a header of no AMQP type = nil; want an error")
 	}
 	for _, bad := range []string{

@@ -105,7 +105,7 @@ func (b *Broker) ExportDeadLetters(ctx context.Context, queue string, w io.Write
 		if !opts.Filter.match(dl) {
 			continue
 		}
-		m, err := Export(snap.dlq, dl.Message)
+		m, err := ExportMessage(snap.dlq, dl.Message)
 		if err == nil {
 			err = enc.Encode(m)
 		}
@@ -185,9 +185,9 @@ func (b *Broker) ImportDeadLetters(ctx context.Context, queue string, r io.Reade
 	return n, nil
 }
 
-// Export returns d, read from queue, as an ExportedMessage. It fails
+// ExportMessage returns d, read from queue, as an ExportedMessage. It fails
 // only for a header of a Go type that no AMQP type holds.
-func Export(queue string, d *amqp.Delivery) (*ExportedMessage, error) {
+func ExportMessage(queue string, d *amqp.Delivery) (*ExportedMessage, error) {
 	m := &ExportedMessage{
 		Queue: queue,
 		Properties: Properties{

@@ -171,7 +171,7 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 	if c.json {
 		var out []any
 		for _, dl := range dls {
-			m, err := broker.Export(c.queue+".dlq", dl.Message)
+			m, err := broker.ExportMessage(c.queue+".dlq", dl.Message)
 			if err != nil {
 				return err
 			}
