@@ -98,6 +98,15 @@
 // (ErrNacked). Messages are persistent unless the caller says otherwise,
 // and get a random MessageId when they have none.
 //
+// # The dead-letter queue
+//
+// [Broker.DeadLetters] lists the messages of Q.dlq without changing it,
+// [Broker.Replay] sends them back to their work queue once their cause is
+// fixed, [Broker.PurgeDeadLetters] removes them, and
+// [Broker.ExportDeadLetters] and [Broker.ImportDeadLetters] save them to
+// JSON Lines and back; each selects messages with a [Filter]. The command
+// cmd/rabbitmw does the same from a shell.
+//
 // # In-memory server
 //
 // [Memory] emulates the parts of RabbitMQ the broker uses; tests and the
