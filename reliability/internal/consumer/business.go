@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
@@ -40,9 +41,47 @@ var (
 )
 
 type business struct {
-	cfg     config
-	rdb     *redis.Client
-	effects *atomic.Int64
+	cfg          config
+	rdb          *redis.Client
+	effects      *atomic.Int64
+	effectsTable string // with PostgreSQL: where inTx inserts effects
+}
+
+// inTx is the business handler of the PostgreSQL inbox: the effect is a
+// row in tx, which commits with the message's done mark. Modes normal,
+// slow and stubborn as in handler (stubborn: its statements ignore ctx's
+// cancellation too).
+func (b *business) inTx(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	id, err := middleware.Key(d)
+	if err != nil {
+		return rabbitmw.Permanent(err)
+	}
+	switch b.cfg.mode {
+	case "slow":
+		b.event(ctx, "start", id, "")
+		if err := wait(ctx, b.cfg.hold); err != nil {
+			b.event(ctx, "cancelled", id, context.Cause(ctx).Error())
+			return err
+		}
+	case "stubborn":
+		b.event(ctx, "start", id, "")
+		time.Sleep(b.cfg.hold)
+		if ctx.Err() != nil {
+			b.event(ctx, "ignored", id, context.Cause(ctx).Error())
+		}
+		ctx = context.WithoutCancel(ctx)
+	default:
+		if b.cfg.work > 0 {
+			if err := wait(ctx, b.cfg.work); err != nil {
+				return err
+			}
+		}
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+b.effectsTable+` (id, consumer) VALUES ($1, $2)`, id, b.cfg.name); err != nil {
+		return fmt.Errorf("business: inserting the effect of %s: %w", id, err)
+	}
+	b.effects.Add(1)
+	return nil
 }
 
 func (b *business) key(name string) string { return b.cfg.effectsPrefix + name }
