@@ -3,11 +3,14 @@ package pgstore
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
@@ -74,7 +77,10 @@ type HandlerOptions struct {
 // Results:
 //
 //   - fn's error: the transaction is rolled back, and the error returned
-//     (Dedup releases the claim; Retry counts the attempt).
+//     (Dedup releases the claim; Retry counts the attempt); but if the
+//     connection broke or the server is shutting down (SQLSTATE class 08,
+//     57P), it wraps middleware.ErrStoreUnavailable and is not counted: the
+//     database is the store, and it was not the message's fault.
 //   - a panic in fn: the transaction is rolled back, and the panic goes on
 //     (Dedup releases; Recover turns it into a counted failure).
 //   - the claim was lost (another consumer took the message over, or
@@ -151,12 +157,16 @@ func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitm
 
 // A txn is a transaction of either driver.
 type txn interface {
+	// broken reports whether the transaction's connection is gone.
+	broken() bool
 	exec(ctx context.Context, sql string, args ...any) (rows int64, err error)
 	commit(ctx context.Context) error
 	rollback(ctx context.Context) error
 }
 
 type pgxTxn struct{ pgx.Tx }
+
+func (t pgxTxn) broken() bool { return t.Conn().IsClosed() }
 
 func (t pgxTxn) exec(ctx context.Context, sql string, args ...any) (int64, error) {
 	tag, err := t.Exec(ctx, sql, args...)
@@ -167,6 +177,8 @@ func (t pgxTxn) rollback(ctx context.Context) error { return t.Rollback(ctx) }
 
 type sqlTxn struct{ *sql.Tx }
 
+func (sqlTxn) broken() bool { return false } // database/sql does not say; lost reports driver.ErrBadConn
+
 func (t sqlTxn) exec(ctx context.Context, sql string, args ...any) (int64, error) {
 	res, err := t.ExecContext(ctx, sql, args...)
 	if err != nil {
@@ -176,6 +188,17 @@ func (t sqlTxn) exec(ctx context.Context, sql string, args ...any) (int64, error
 }
 func (t sqlTxn) commit(context.Context) error   { return t.Commit() }
 func (t sqlTxn) rollback(context.Context) error { return t.Rollback() }
+
+// lost reports whether err says the database could not be reached or
+// went away: the connection broke (class 08), or the server is shutting
+// down or starting (class 57P).
+func lost(t txn, err error) bool {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return strings.HasPrefix(pe.Code, "08") || strings.HasPrefix(pe.Code, "57P")
+	}
+	return errors.Is(err, driver.ErrBadConn) || t.broken()
+}
 
 // settled reports whether err says the transaction was already over.
 func settled(err error) bool {
@@ -223,6 +246,10 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		}
 	}()
 	if err := call(ctx, t); err != nil {
+		if ctx.Err() == nil && lost(t, err) {
+			// Not the message's failure: the database is the store.
+			return h.unavailable(fmt.Errorf("pgstore: the transaction of %q: %w", key, err))
+		}
 		return err
 	}
 	n, err := t.exec(ctx, h.s.markSQL, []byte(key), []byte(c.Token()), c.Retention())
@@ -234,7 +261,7 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		return fmt.Errorf("pgstore: mark %q done: %w (%w)", key, err, context.Cause(ctx))
 	case settled(err):
 		return rabbitmw.Permanent(fmt.Errorf("%w: key %q", ErrTxSettled, key))
-	case err != nil && isPgError(err):
+	case err != nil && !lost(t, err) && isPgError(err):
 		// The server refused: a serialisation failure, or a statement of
 		// fn that failed with its error dropped (the transaction is
 		// aborted). fn's attempt failed.
@@ -252,7 +279,7 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 	case err == nil:
 		c.MarkedDone()
 		return nil
-	case isPgError(err):
+	case isPgError(err) && !lost(t, err):
 		// The server answered: the transaction did not commit.
 		return fmt.Errorf("pgstore: commit the transaction of %q: %w", key, err)
 	}
