@@ -389,7 +389,7 @@ func meanCPU(runs []runResult) cpuUsage {
 	for _, r := range runs {
 		w := float64(r.Deliveries)
 		n += w
-		for _, f := range [][2]*float64{{&sum.Self, &r.CPU.Self}, {&sum.Redis, &r.CPU.Redis}, {&sum.Rabbit, &r.CPU.Rabbit}} {
+		for _, f := range [][2]*float64{{&sum.Self, &r.CPU.Self}, {&sum.Redis, &r.CPU.Redis}, {&sum.Rabbit, &r.CPU.Rabbit}, {&sum.Postgres, &r.CPU.Postgres}} {
 			if *f[0] < 0 || *f[1] < 0 {
 				*f[0] = -1
 			} else {
@@ -397,7 +397,7 @@ func meanCPU(runs []runResult) cpuUsage {
 			}
 		}
 	}
-	for _, f := range []*float64{&sum.Self, &sum.Redis, &sum.Rabbit} {
+	for _, f := range []*float64{&sum.Self, &sum.Redis, &sum.Rabbit, &sum.Postgres} {
 		if *f >= 0 && n > 0 {
 			*f /= n
 		}
