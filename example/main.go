@@ -84,8 +84,8 @@ type config struct {
 	// done mark.
 	postgresURL string
 	inbox       bool
-	timeout   time.Duration
-	logger    *slog.Logger
+	timeout     time.Duration
+	logger      *slog.Logger
 }
 
 func (c config) describe(w io.Writer) {
