@@ -121,24 +121,18 @@ func find(t testing.TB, what, env, def, hint string, ping func(where string) err
 // answers a query.
 func PostgresURL(t testing.TB) string {
 	t.Helper()
-	url := os.Getenv("DATABASE_URL")
-	if url == "" {
-		url = DefaultPostgresURL
-	}
-	err := probe("postgres:"+url, func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-		defer cancel()
-		conn, err := pgx.Connect(ctx, url)
-		if err != nil {
-			return err
-		}
-		defer conn.Close(context.Background())
-		return conn.Ping(ctx)
-	})
-	if err != nil {
-		Missing(t, "PostgreSQL at "+url, "start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start; or set DATABASE_URL ("+err.Error()+")")
-	}
-	return url
+	return find(t, "PostgreSQL", "DATABASE_URL", DefaultPostgresURL,
+		"start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+		func(url string) error {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			conn, err := pgx.Connect(ctx, url)
+			if err != nil {
+				return err
+			}
+			defer conn.Close(context.Background())
+			return conn.Ping(ctx)
+		})
 }
 
 // CloseConnections closes, with rabbitmqctl, every connection to the local
