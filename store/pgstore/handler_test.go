@@ -193,7 +193,7 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer pool.Close()
+	t.Cleanup(pool.Close) // after the tables are dropped (cleanups run last first)
 	f := newInbox(t, pool)
 	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		armed.Store(true)
@@ -330,7 +330,7 @@ func TestHandlerLongTransactionShortLease(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer pool.Close()
+	t.Cleanup(pool.Close) // after the tables are dropped (cleanups run last first)
 	f := newInbox(t, pool)
 	counting := &countingStore{Store: f.st}
 	const lease, hold = 900 * time.Millisecond, 3 * time.Second

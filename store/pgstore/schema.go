@@ -71,7 +71,7 @@ func (n names) schemaSQL() string {
 --   token       the owner's token while the key is processing; NULL once done
 --   lease_until the end of the owner's lease, or of the done mark's retention
 --   forget_at   when the row may be deleted: lease_until for a done mark;
---               lease_until plus the lapse retention for a claim, so that a
+--               lease_until plus the abandoned retention for a claim, so that a
 --               claim whose lease ran out stays recognisable for a while
 -- Keys and tokens are bytea: a message key may hold any bytes, NUL included.
 CREATE TABLE IF NOT EXISTS ` + n.claims + ` (

@@ -20,11 +20,11 @@ type Options struct {
 	// at most 43 characters, optionally schema-qualified ("inbox.claims").
 	// Default [DefaultTable].
 	Table string
-	// LapseRetention is how long a claim whose lease ran out, without
+	// AbandonedRetention is how long a claim whose lease ran out, without
 	// Complete or Release, is kept after its lease ended, before Prune may
 	// delete it: the record that an attempt never finished. Default 24
 	// hours.
-	LapseRetention time.Duration
+	AbandonedRetention time.Duration
 	// PruneEvery: every PruneEvery-th Claim on this Store also deletes up
 	// to 2*PruneEvery forgotten rows (see [Store.Prune]) before it returns.
 	// Default 1000; negative turns it off, for a deployment that calls
@@ -48,7 +48,7 @@ type Options struct {
 // consumer's.
 //
 // Rows are not deleted when they expire. A row is forgotten at its
-// forget_at: the end of a done mark's retention, or LapseRetention after a
+// forget_at: the end of a done mark's retention, or AbandonedRetention after a
 // lease that ran out; an expired failure counter at its expires_at. Every
 // PruneEvery-th Claim runs [Store.Prune], which deletes a bounded batch of
 // forgotten rows through an index on forget_at. See Prune for the cost.
@@ -64,7 +64,7 @@ type Store struct {
 	pool, leases   *pgxpool.Pool
 	table          string // as given in Options
 	n              names
-	lapse          time.Duration
+	abandoned      time.Duration
 	pruneEvery     int
 	claims         atomic.Uint64
 	claimSQL       string
@@ -90,8 +90,8 @@ func New(pool *pgxpool.Pool, opts Options) *Store {
 	if err != nil {
 		panic("pgstore: New: " + err.Error())
 	}
-	if opts.LapseRetention < 0 {
-		panic("pgstore: New: negative LapseRetention")
+	if opts.AbandonedRetention < 0 {
+		panic("pgstore: New: negative AbandonedRetention")
 	}
 	cfg := pool.Config()
 	cfg.MaxConns, cfg.MinConns = 2, 0
@@ -104,11 +104,11 @@ func New(pool *pgxpool.Pool, opts Options) *Store {
 		leases:     leases,
 		table:      opts.Table,
 		n:          n,
-		lapse:      opts.LapseRetention,
+		abandoned:  opts.AbandonedRetention,
 		pruneEvery: opts.PruneEvery,
 	}
-	if s.lapse == 0 {
-		s.lapse = 24 * time.Hour
+	if s.abandoned == 0 {
+		s.abandoned = 24 * time.Hour
 	}
 	if s.pruneEvery == 0 {
 		s.pruneEvery = 1000
@@ -220,7 +220,7 @@ func (s *Store) fail(op, key string, err error) error {
 // Claim implements [store.Store].
 func (s *Store) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
 	var n int
-	if err := s.pool.QueryRow(ctx, s.claimSQL, []byte(key), []byte(token), lease, s.lapse).Scan(&n); err != nil {
+	if err := s.pool.QueryRow(ctx, s.claimSQL, []byte(key), []byte(token), lease, s.abandoned).Scan(&n); err != nil {
 		return 0, s.fail("claim", key, err)
 	}
 	if s.pruneEvery > 0 && s.claims.Add(1)%uint64(s.pruneEvery) == 0 {
@@ -240,7 +240,7 @@ func (s *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 
 // Extend implements [store.Store].
 func (s *Store) Extend(ctx context.Context, key, token string, lease time.Duration) error {
-	return s.owned(ctx, s.leases, "extend", s.extendSQL, key, token, lease, s.lapse)
+	return s.owned(ctx, s.leases, "extend", s.extendSQL, key, token, lease, s.abandoned)
 }
 
 // Complete implements [store.Store].
@@ -282,7 +282,7 @@ func (s *Store) ResetFailures(ctx context.Context, key string) error {
 }
 
 // Prune deletes up to limit forgotten rows from each of the store's tables
-// (done marks past their retention, lapsed claims past LapseRetention,
+// (done marks past their retention, lapsed claims past AbandonedRetention,
 // expired failure counters) and returns how many it deleted. Claim calls
 // it every PruneEvery claims; call it yourself on a schedule if you set
 // PruneEvery negative.

@@ -26,7 +26,7 @@ func TestPrune(t *testing.T) {
 	ctx := context.Background()
 	pool := newPool(t)
 	table := uniqueTable(t, pool)
-	s := newStore(t, pool, pgstore.Options{Table: table, PruneEvery: 10, LapseRetention: time.Millisecond})
+	s := newStore(t, pool, pgstore.Options{Table: table, PruneEvery: 10, AbandonedRetention: time.Millisecond})
 	for _, k := range []string{"done", "lapsed"} {
 		if st, err := s.Claim(ctx, k, "t1", 50*time.Millisecond); err != nil || st != store.Claimed {
 			t.Fatalf("Claim(%s) = %v, %v", k, st, err)
