@@ -70,9 +70,11 @@ func (n names) schemaSQL() string {
 	return `-- Claims and done marks of message keys, one row per key.
 --   token       the owner's token while the key is processing; NULL once done
 --   lease_until the end of the owner's lease, or of the done mark's retention
---   forget_at   when the row may be deleted: lease_until for a done mark;
---               lease_until plus the abandoned retention for a claim, so that a
---               claim whose lease ran out stays recognisable for a while
+--   forget_at   when the row is forgotten (as if absent) and may be deleted:
+--               lease_until for a done mark; lease_until plus the abandoned
+--               retention for a claim, so that a claim whose lease ran out is
+--               reported abandoned until then; -infinity once a claim found it
+--               abandoned (token NULL, lease_until -infinity too)
 -- Keys and tokens are bytea: a message key may hold any bytes, NUL included.
 CREATE TABLE IF NOT EXISTS ` + n.claims + ` (
     key         bytea       PRIMARY KEY,
@@ -93,15 +95,21 @@ CREATE INDEX IF NOT EXISTS ` + n.failuresIndex + ` ON ` + n.failures + ` (expire
 }
 
 // The columns each table must have, with their types as
-// information_schema.columns spells them.
-var wantColumns = map[string][]column{
-	"": {
+// information_schema.columns spells them, by the suffix of the table's
+// name. In order: the claims table is checked first, so that a table of
+// that name made by something else is reported as such, not as a missing
+// failures table.
+var wantColumns = []struct {
+	suffix  string
+	columns []column
+}{
+	{"", []column{
 		{"key", "bytea"}, {"token", "bytea"},
 		{"lease_until", "timestamp with time zone"}, {"forget_at", "timestamp with time zone"},
-	},
-	"_failures": {
+	}},
+	{"_failures", []column{
 		{"key", "bytea"}, {"count", "bigint"}, {"expires_at", "timestamp with time zone"},
-	},
+	}},
 }
 
 type column struct{ name, typ string }
@@ -118,8 +126,8 @@ type querier interface {
 // checkSchema compares the store's tables with wantColumns. Missing tables
 // are an error unless allowMissing.
 func (s *Store) checkSchema(ctx context.Context, q querier, allowMissing bool) error {
-	for suffix, want := range wantColumns {
-		table := s.n.table + suffix
+	for _, w := range wantColumns {
+		table, want := s.n.table+w.suffix, w.columns
 		rows, err := q.Query(ctx, `
 SELECT column_name::text, data_type::text FROM information_schema.columns
 WHERE table_name = $1 AND table_schema = COALESCE(NULLIF($2, ''), current_schema())
