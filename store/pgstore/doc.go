@@ -41,11 +41,12 @@
 // Then it commits, and tells Dedup (middleware.Claim.MarkedDone) that the
 // mark is written, so Dedup does not write a second one. Hence:
 //
-//   - a crash before the commit leaves neither effect nor mark: the lease
-//     ends, and the message is processed again;
+//   - a crash before the commit leaves neither effect nor mark: once the
+//     lease ends, the claim is abandoned; the redelivery that finds it
+//     counts a failed attempt, and the next one processes the message;
 //   - a crash after it leaves both: the redelivery is a duplicate;
-//   - a claim that was lost (its lease ended and another consumer took the
-//     message) matches no row: the transaction is rolled back. Of two
+//   - a claim that was lost (its lease ended, and perhaps another consumer
+//     took the message) matches no row: the transaction is rolled back. Of two
 //     consumers running the same message, only the owner's commits. The
 //     row lock that the UPDATE takes also orders the commit against a
 //     takeover: a claim of the row waits for the commit, then finds it

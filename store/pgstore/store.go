@@ -20,10 +20,12 @@ type Options struct {
 	// at most 43 characters, optionally schema-qualified ("inbox.claims").
 	// Default [DefaultTable].
 	Table string
-	// AbandonedRetention is how long a claim whose lease ran out, without
-	// Complete or Release, is kept after its lease ended, before Prune may
-	// delete it: the record that an attempt never finished. Default 24
-	// hours.
+	// AbandonedRetention is how long a claim whose lease ended without
+	// Complete or Release is remembered after the lease, for Claim to
+	// report it Abandoned (see [store.Store]); then its row is forgotten,
+	// and Prune may delete it. Each row carries its own (its forget_at), so
+	// stores with different settings can share a table. Zero means
+	// [store.DefaultAbandonedRetention].
 	AbandonedRetention time.Duration
 	// PruneEvery: every PruneEvery-th Claim on this Store also deletes up
 	// to 2*PruneEvery forgotten rows (see [Store.Prune]) before it returns.
@@ -39,17 +41,19 @@ type Options struct {
 // the effect and its done mark then commit in one transaction.
 //
 // Every state change is one SQL statement, one round trip: a claim is an
-// INSERT … ON CONFLICT … DO UPDATE that takes the row only where the lease
-// or retention has ended, and reads the status of a row it did not take in
-// the same statement; Extend, Complete and Release are an UPDATE or DELETE
+// INSERT … ON CONFLICT … DO UPDATE that takes the row only where it has
+// been forgotten, makes an abandoned claim forgotten, and reads the status
+// of a row it did not change in the same statement; Extend, Complete and
+// Release are an UPDATE or DELETE
 // that checks the token and the lease in its WHERE clause; Fail is an
 // upsert that returns the count. Leases, retention and counter expiry are
 // measured by the database's clock (statement_timestamp), never the
 // consumer's.
 //
-// Rows are not deleted when they expire. A row is forgotten at its
-// forget_at: the end of a done mark's retention, or AbandonedRetention after a
-// lease that ran out; an expired failure counter at its expires_at. Every
+// Rows are not deleted when they expire. A row is forgotten, as if absent,
+// at its forget_at: the end of a done mark's retention, AbandonedRetention
+// after the end of a claim's lease, or at once when Claim found the claim
+// abandoned; an expired failure counter at its expires_at. Every
 // PruneEvery-th Claim runs [Store.Prune], which deletes a bounded batch of
 // forgotten rows through an index on forget_at. See Prune for the cost.
 //
@@ -108,7 +112,7 @@ func New(pool *pgxpool.Pool, opts Options) *Store {
 		pruneEvery: opts.PruneEvery,
 	}
 	if s.abandoned == 0 {
-		s.abandoned = 24 * time.Hour
+		s.abandoned = store.DefaultAbandonedRetention
 	}
 	if s.pruneEvery == 0 {
 		s.pruneEvery = 1000
@@ -127,24 +131,32 @@ func (s *Store) Close() { s.leases.Close() }
 // Handler's long transactions.
 func (s *Store) prepare() {
 	c, f := s.n.claims, s.n.failures
-	// A claim takes the row if it is absent or its lease or retention has
-	// ended. A row it did not take is a done mark (token NULL, unexpired)
-	// or someone else's claim; it is read from the statement's snapshot,
-	// which may predate a concurrent claim that committed meanwhile: that
-	// row is not visible then, and the key is processing.
+	// A claim takes the row (claimed) if it is absent or forgotten: its
+	// forget_at has passed. It turns an abandoned claim (a token whose
+	// lease has ended, its forget_at not yet passed) into a forgotten row
+	// (token NULL, lease_until and forget_at -infinity) and takes nothing
+	// (abandoned). ON CONFLICT waits for a concurrent claim of the row and
+	// then judges its newest version, so of concurrent claims of an
+	// abandoned row the first reports it abandoned and the next takes it.
+	// A row that the claim did not take is a done mark (token NULL,
+	// unexpired) or someone else's claim: it is read from the statement's
+	// snapshot, which differs from the version judged only if a concurrent
+	// statement changed the row meanwhile, and then the key was processing
+	// during this statement (the other statement took it), the answer
+	// given; or it was done by this statement's clock.
 	s.claimSQL = `WITH taken AS (
   INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
   VALUES ($1, $2, statement_timestamp() + $3::interval, statement_timestamp() + $3::interval + $4::interval)
-  ON CONFLICT (key) DO UPDATE
-    SET token = excluded.token, lease_until = excluded.lease_until, forget_at = excluded.forget_at
-    WHERE c.lease_until <= statement_timestamp()
-  RETURNING 1
+  ON CONFLICT (key) DO UPDATE SET
+    token = CASE WHEN c.forget_at <= statement_timestamp() THEN excluded.token END,
+    lease_until = CASE WHEN c.forget_at <= statement_timestamp() THEN excluded.lease_until ELSE '-infinity' END,
+    forget_at = CASE WHEN c.forget_at <= statement_timestamp() THEN excluded.forget_at ELSE '-infinity' END
+  WHERE c.forget_at <= statement_timestamp() OR (c.token IS NOT NULL AND c.lease_until <= statement_timestamp())
+  RETURNING c.token IS NOT NULL AS claimed
 )
-SELECT CASE
-  WHEN EXISTS (SELECT FROM taken) THEN 1
-  WHEN EXISTS (SELECT FROM ` + c + ` WHERE key = $1 AND token IS NULL AND lease_until > statement_timestamp()) THEN 3
-  ELSE 2
-END`
+SELECT COALESCE(
+  (SELECT CASE WHEN claimed THEN 1 ELSE 4 END FROM taken),
+  CASE WHEN EXISTS (SELECT FROM ` + c + ` WHERE key = $1 AND token IS NULL AND lease_until > statement_timestamp()) THEN 3 ELSE 2 END)`
 	s.extendSQL = `UPDATE ` + c + `
 SET lease_until = statement_timestamp() + $3::interval, forget_at = statement_timestamp() + $3::interval + $4::interval
 WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
@@ -234,6 +246,8 @@ func (s *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 		return store.Processing, nil
 	case 3:
 		return store.Done, nil
+	case 4:
+		return store.Abandoned, nil
 	}
 	return 0, s.fail("claim", key, fmt.Errorf("unexpected status %d", n))
 }

@@ -141,3 +141,96 @@ func TestSchemaSQL(t *testing.T) {
 		}
 	}
 }
+
+// age moves the times of key's row back by d, as if d had passed on the
+// database's clock: the tests of the abandoned window need no sleep.
+func age(t *testing.T, pool *pgxpool.Pool, table, key string, d time.Duration) {
+	t.Helper()
+	tag, err := pool.Exec(context.Background(), `UPDATE `+table+` SET lease_until = lease_until - $2::interval, forget_at = forget_at - $2::interval WHERE key = $1`, []byte(key), d)
+	if err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("ageing %q by %v: %v, %d rows", key, d, err, tag.RowsAffected())
+	}
+}
+
+// A claim whose lease ended is abandoned for AbandonedRetention after the
+// lease: owned by nobody, kept by Prune, reported once by Claim; after
+// that window it is forgotten. A done mark is done until its retention
+// ends.
+func TestAbandonedWindow(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	s := newStore(t, pool, pgstore.Options{Table: table, AbandonedRetention: time.Hour, PruneEvery: -1})
+	claim := func(key, token string, want store.Status) {
+		t.Helper()
+		if got, err := s.Claim(ctx, key, token, time.Minute); err != nil || got != want {
+			t.Fatalf("Claim(%q, %q) = %v, %v; want %v", key, token, got, err, want)
+		}
+	}
+	prune := func(want int64) {
+		t.Helper()
+		if n, err := s.Prune(ctx, 100); err != nil || n != want {
+			t.Fatalf("Prune = %d, %v; want %d", n, err, want)
+		}
+	}
+
+	// Within the window.
+	claim("lapsed", "t1", store.Claimed)
+	age(t, pool, table, "lapsed", time.Minute+time.Second)
+	prune(0)
+	for name, err := range map[string]error{
+		"Extend":   s.Extend(ctx, "lapsed", "t1", time.Minute),
+		"Complete": s.Complete(ctx, "lapsed", "t1", time.Minute),
+		"Release":  s.Release(ctx, "lapsed", "t1"),
+	} {
+		if !errors.Is(err, store.ErrLostClaim) {
+			t.Errorf("%s by the lapsed owner = %v; want ErrLostClaim", name, err)
+		}
+	}
+	claim("lapsed", "t2", store.Abandoned)
+	if err := s.Complete(ctx, "lapsed", "t2", time.Minute); !errors.Is(err, store.ErrLostClaim) {
+		t.Errorf("Complete by the claimer that found it abandoned = %v; want ErrLostClaim", err)
+	}
+	prune(1) // the row that Claim left forgotten
+	claim("lapsed", "t3", store.Claimed)
+
+	// Past the window: absent, not abandoned.
+	claim("old", "t1", store.Claimed)
+	age(t, pool, table, "old", time.Minute+time.Hour+time.Second)
+	claim("old", "t2", store.Claimed)
+	claim("older", "t1", store.Claimed)
+	age(t, pool, table, "older", time.Minute+time.Hour+time.Second)
+	prune(1)
+	claim("older", "t2", store.Claimed)
+
+	// A done mark, with a retention far shorter than the abandoned window.
+	claim("done", "t1", store.Claimed)
+	if err := s.Complete(ctx, "done", "t1", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	age(t, pool, table, "done", time.Minute-time.Second)
+	prune(0)
+	claim("done", "t2", store.Done)
+	age(t, pool, table, "done", 2*time.Second)
+	claim("done", "t2", store.Claimed)
+}
+
+// Each claim carries its own abandoned window: a store with a short one
+// does not forget the claim of a store with a long one.
+func TestAbandonedWindowPerClaim(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	long := newStore(t, pool, pgstore.Options{Table: table, AbandonedRetention: time.Hour, PruneEvery: -1})
+	short := newStore(t, pool, pgstore.Options{Table: table, AbandonedRetention: time.Minute, PruneEvery: -1})
+	if st, err := long.Claim(ctx, "k", "t1", time.Minute); err != nil || st != store.Claimed {
+		t.Fatalf("Claim = %v, %v; want claimed", st, err)
+	}
+	age(t, pool, table, "k", 5*time.Minute)
+	if n, err := short.Prune(ctx, 100); err != nil || n != 0 {
+		t.Errorf("Prune by the short store = %d, %v; want 0", n, err)
+	}
+	if st, err := short.Claim(ctx, "k", "t2", time.Minute); err != nil || st != store.Abandoned {
+		t.Errorf("Claim by the short store = %v, %v; want abandoned", st, err)
+	}
+}
