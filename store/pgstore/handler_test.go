@@ -469,3 +469,56 @@ func uniq(ids []string) map[string]bool {
 	}
 	return m
 }
+
+// An attempt that died over the inbox (its claim abandoned, its
+// transaction never committed) is a failed attempt: Retry counts it and
+// runs the message again in the same delivery, and the handler commits
+// its effect and done mark under the new claim; at MaxAttempts the
+// message is dead-lettered without running again.
+func TestStackAbandonedAttempt(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	f := newInbox(t, pool)
+	table := strings.TrimSuffix(f.effects, "_effects")
+	var calls atomic.Int32
+	h := rabbitmw.Chain(
+		middleware.Retry(f.st, middleware.RetryOptions{MaxAttempts: 2}),
+		middleware.Recover(),
+		middleware.Dedup(f.st, middleware.DedupOptions{}),
+	)(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		calls.Add(1)
+		return f.insert(ctx, tx, d)
+	}, pgstore.HandlerOptions{}))
+	die := func(id string) { // a consumer that claimed id and died
+		t.Helper()
+		if st, err := f.st.Claim(ctx, id, "dead", time.Minute); err != nil || st != store.Claimed {
+			t.Fatalf("Claim(%q) = %v, %v; want claimed", id, st, err)
+		}
+		age(t, pool, table, id, time.Minute+time.Second)
+	}
+
+	die("m1")
+	if dec := rabbitmw.Decide(h.Handle(ctx, delivery("m1"))); dec.Outcome != rabbitmw.Ack {
+		t.Fatalf("after one death: %v (%v); want acked, run again in the same delivery", dec.Outcome, dec.Err)
+	}
+	if n, c := f.count(t, "m1"), calls.Load(); n != 1 || c != 1 {
+		t.Errorf("after one death: %d effects, %d handler calls; want 1, 1", n, c)
+	}
+	if st := f.status(t, "m1"); st != store.Done {
+		t.Errorf("m1 is %v; want done", st)
+	}
+
+	// m2's first death is counted; its second reaches MaxAttempts.
+	calls.Store(0)
+	if _, err := f.st.Fail(ctx, "m2", time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	die("m2")
+	dec := rabbitmw.Decide(h.Handle(ctx, delivery("m2")))
+	if dec.Outcome != rabbitmw.DeadLetter || !errors.Is(dec.Err, middleware.ErrAbandoned) || dec.Attempts != 2 {
+		t.Fatalf("after a second death: %v after %d attempts (%v); want dead-lettered after 2, abandoned", dec.Outcome, dec.Attempts, dec.Err)
+	}
+	if n, c := f.count(t, "m2"), calls.Load(); n != 0 || c != 0 {
+		t.Errorf("m2 dead-lettered: %d effects, %d handler calls; want 0, 0", n, c)
+	}
+}
