@@ -45,14 +45,17 @@ type runResult struct {
 	RedisByCommand  map[string]int64 `json:"redis_by_command,omitempty"`
 	RedisRoundTrips int64            `json:"redis_round_trips"` // by the contender's client
 	// RedisSetupRoundTrips counts connection handshakes (not in the above).
-	RedisSetupRoundTrips int64      `json:"redis_setup_round_trips"`
-	RTTAck               rttSummary `json:"rtt_per_ack"`
-	RTTDuplicate         rttSummary `json:"rtt_per_duplicate"`
-	P50Micros            float64    `json:"p50_us"`
-	P99Micros            float64    `json:"p99_us"`
-	CPU                  cpuUsage   `json:"cpu"`
-	LeftReady            int        `json:"left_in_queue"`
-	LeftDead             int        `json:"left_in_dlq"`
+	RedisSetupRoundTrips int64 `json:"redis_setup_round_trips"`
+	// PostgresRoundTrips counts the statements sent by the contender's
+	// pool (BEGIN and COMMIT included).
+	PostgresRoundTrips int64      `json:"postgres_round_trips,omitempty"`
+	RTTAck             rttSummary `json:"rtt_per_ack"`
+	RTTDuplicate       rttSummary `json:"rtt_per_duplicate"`
+	P50Micros          float64    `json:"p50_us"`
+	P99Micros          float64    `json:"p99_us"`
+	CPU                cpuUsage   `json:"cpu"`
+	LeftReady          int        `json:"left_in_queue"`
+	LeftDead           int        `json:"left_in_dlq"`
 
 	lat []int64
 }
@@ -161,14 +164,24 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 	if err != nil {
 		return res, err
 	}
-	var rttBefore, setupBefore int64
+	var pg *pgRun
+	if c.pg {
+		if pg, err = e.newPgRun(ctx, b.prefix, c.workers); err != nil {
+			return res, err
+		}
+		defer pg.close()
+	}
+	var rttBefore, setupBefore, pgBefore int64
 	if rt != nil {
 		rttBefore, setupBefore = rt.n.Load(), rt.setup.Load()
+	}
+	if pg != nil {
+		pgBefore = pg.rt.n.Load()
 	}
 
 	cpuBefore := e.cpuTimes(ctx)
 	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout)
-	err = c.consume(rctx, e, b, rc, rec)
+	err = c.consume(rctx, e, b, rc, pg, rec)
 	cancel()
 	cpuAfter := e.cpuTimes(ctx)
 	if err != nil {
@@ -210,6 +223,9 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 	if rt != nil {
 		res.RedisRoundTrips = rt.n.Load() - rttBefore
 		res.RedisSetupRoundTrips = rt.setup.Load() - setupBefore
+	}
+	if pg != nil {
+		res.PostgresRoundTrips = pg.rt.n.Load() - pgBefore
 	}
 	slices.Sort(res.lat)
 	res.P50Micros = micros(percentile(res.lat, 50))
@@ -325,7 +341,7 @@ func summarize(name string, runs []runResult) summary {
 		rates = append(rates, r.MsgsPerSec)
 		lat = append(lat, r.lat...)
 		cmds += r.RedisCommands
-		rtts += r.RedisRoundTrips
+		rtts += r.RedisRoundTrips + r.PostgresRoundTrips
 		s.Deliveries += r.Deliveries
 		s.Effects += r.Effects
 		s.UniqueEffects += r.UniqueEffects
@@ -373,7 +389,7 @@ func meanCPU(runs []runResult) cpuUsage {
 	for _, r := range runs {
 		w := float64(r.Deliveries)
 		n += w
-		for _, f := range [][2]*float64{{&sum.Self, &r.CPU.Self}, {&sum.Redis, &r.CPU.Redis}, {&sum.Rabbit, &r.CPU.Rabbit}} {
+		for _, f := range [][2]*float64{{&sum.Self, &r.CPU.Self}, {&sum.Redis, &r.CPU.Redis}, {&sum.Rabbit, &r.CPU.Rabbit}, {&sum.Postgres, &r.CPU.Postgres}} {
 			if *f[0] < 0 || *f[1] < 0 {
 				*f[0] = -1
 			} else {
@@ -381,7 +397,7 @@ func meanCPU(runs []runResult) cpuUsage {
 			}
 		}
 	}
-	for _, f := range []*float64{&sum.Self, &sum.Redis, &sum.Rabbit} {
+	for _, f := range []*float64{&sum.Self, &sum.Redis, &sum.Rabbit, &sum.Postgres} {
 		if *f >= 0 && n > 0 {
 			*f /= n
 		}

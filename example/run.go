@@ -47,8 +47,18 @@ func run(ctx context.Context, cfg config) (*report, error) {
 		return nil, err
 	}
 	defer closeBroker()
-	st, closeStore, err := openStore(cfg, "rabbitmw-example:"+runID+":")
-	if err != nil {
+	var (
+		st         store.Store
+		inbox      *inbox // with -postgres: the PostgreSQL inbox
+		closeStore func()
+	)
+	if cfg.inbox {
+		inbox, err = openInbox(ctx, cfg.postgresURL, "rabbitmw_example_"+runID)
+		if err != nil {
+			return nil, err
+		}
+		st, closeStore = inbox.st, inbox.close
+	} else if st, closeStore, err = openStore(cfg, "rabbitmw-example:"+runID+":"); err != nil {
 		return nil, err
 	}
 	defer closeStore()
@@ -68,6 +78,10 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	// acknowledgement of one message once, as a crash after its effect
 	// would.
 	biz := &business{effect: rep.effect}
+	var handler rabbitmw.Handler = biz
+	if inbox != nil {
+		handler = inbox.handler(biz)
+	}
 	lose := &loseAckOnce{key: lostAckKey}
 	var consumers sync.WaitGroup
 	consumeCtx, stopConsumers := context.WithCancel(ctx)
@@ -82,7 +96,7 @@ func run(ctx context.Context, cfg config) (*report, error) {
 			middleware.Recover(),
 			middleware.Dedup(st, middleware.DedupOptions{Lease: lease, BusyDelay: 100 * time.Millisecond, UnavailableDelay: 200 * time.Millisecond}),
 			middleware.Timeout(10*time.Second),
-		)(biz)
+		)(handler)
 		consumers.Add(1)
 		go func() {
 			defer consumers.Done()
@@ -275,6 +289,16 @@ func (b *business) Handle(ctx context.Context, d *amqp.Delivery) error {
 	if err != nil {
 		return rabbitmw.Permanent(err)
 	}
+	if err := b.decide(ctx, key, d); err != nil {
+		return err
+	}
+	b.effect(key)
+	return nil
+}
+
+// decide is everything the business does before its effect: it fails,
+// panics or takes its time as the message's scenario says.
+func (b *business) decide(ctx context.Context, key string, d *amqp.Delivery) error {
 	switch d.Type {
 	case kindFail:
 		if !b.fixed.Load() {
@@ -298,7 +322,6 @@ func (b *business) Handle(ctx context.Context, d *amqp.Delivery) error {
 			return ctx.Err()
 		}
 	}
-	b.effect(key)
 	return nil
 }
 

@@ -90,9 +90,10 @@ type DedupOptions struct {
 //     handler; the store has removed the abandoned claim;
 //   - claim won: Dedup calls the handler, renewing the lease every Lease/3
 //     while it runs. On success it marks the key done, if its token still
-//     owns it; on error or panic it releases the claim, if its token still
-//     owns it, so another attempt can claim it, and returns the error (or
-//     lets the panic go on).
+//     owns it (unless the handler marked it done itself: see [Claim]); on
+//     error or panic it releases the claim, if its token still owns it, so
+//     another attempt can claim it, and returns the error (or lets the
+//     panic go on).
 //
 // If the lease is lost while the handler runs (the key was taken over or
 // deleted, or renewal failed for so long that the lease may have ended),
@@ -222,13 +223,19 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 			h.store.Release(bookkeeping(ctx), key, token)
 		}
 	}()
-	err = h.next.Handle(hctx, d)
+	cc := &claimContext{Context: hctx, claim: Claim{key: key, token: token, retention: h.retention}}
+	err = h.next.Handle(cc, d)
 	finished = true
 	// Why the handler's context ended, if it did, before anything later
 	// can cancel it.
 	cause := context.Cause(hctx)
 
 	lost, validUntil := h.renewer.stop(l)
+	if err == nil && cc.claim.marked.Load() {
+		// The handler's own commit marked the key done: that is the
+		// answer, even if a renewal since found the claim gone (done).
+		return nil
+	}
 	if lost != nil {
 		// Another owner has the key, or nobody: nothing to mark.
 		return rabbitmw.RetryAfter(errors.Join(err, lost), h.busy)

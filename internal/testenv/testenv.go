@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 )
@@ -24,6 +25,7 @@ import (
 const (
 	DefaultRedisAddr   = "127.0.0.1:6379"
 	DefaultRabbitMQURL = "amqp://guest:guest@127.0.0.1:5672/"
+	DefaultPostgresURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
 )
 
 // InCI reports whether the tests run under CI (the CI variable is true), in
@@ -111,6 +113,26 @@ func find(t testing.TB, what, env, def, hint string, ping func(where string) err
 		Missing(t, what+" at "+where, hint+"; or set "+env+" ("+err.Error()+")")
 	}
 	return where
+}
+
+// PostgresURL returns the connection URL of the PostgreSQL server for
+// tests: DATABASE_URL, or postgres://postgres@127.0.0.1:5432/test. It skips
+// t (fails it under CI) when no PostgreSQL accepts a connection there and
+// answers a query.
+func PostgresURL(t testing.TB) string {
+	t.Helper()
+	return find(t, "PostgreSQL", "DATABASE_URL", DefaultPostgresURL,
+		"start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+		func(url string) error {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			conn, err := pgx.Connect(ctx, url)
+			if err != nil {
+				return err
+			}
+			defer conn.Close(context.Background())
+			return conn.Ping(ctx)
+		})
 }
 
 // CloseConnections closes, with rabbitmqctl, every connection to the local

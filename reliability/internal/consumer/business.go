@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
@@ -40,9 +41,62 @@ var (
 )
 
 type business struct {
-	cfg     config
-	rdb     *redis.Client
-	effects *atomic.Int64
+	cfg          config
+	rdb          *redis.Client
+	effects      *atomic.Int64
+	effectsTable string // with PostgreSQL: where inTx inserts effects
+}
+
+// inTx is the business handler of the PostgreSQL inbox: the effect is a
+// row in tx, which commits with the message's done mark. Modes normal,
+// slow and stubborn as in handler (stubborn: its statements ignore ctx's
+// cancellation too); in poison mode, the orders "ok" and "kill" as in
+// poison, the handler calls counted in the effects Redis.
+func (b *business) inTx(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	id, err := middleware.Key(d)
+	if err != nil {
+		return rabbitmw.Permanent(err)
+	}
+	switch b.cfg.mode {
+	case "slow":
+		b.event(ctx, "start", id, "")
+		if err := wait(ctx, b.cfg.hold); err != nil {
+			b.event(ctx, "cancelled", id, context.Cause(ctx).Error())
+			return err
+		}
+	case "stubborn":
+		b.event(ctx, "start", id, "")
+		time.Sleep(b.cfg.hold)
+		if ctx.Err() != nil {
+			b.event(ctx, "ignored", id, context.Cause(ctx).Error())
+		}
+		ctx = context.WithoutCancel(ctx)
+	case "poison":
+		b.rdb.Incr(ctx, b.key("attempts:"+id))
+		var o order
+		if err := json.Unmarshal(d.Body, &o); err != nil {
+			return rabbitmw.Permanent(fmt.Errorf("business: malformed order: %w", err))
+		}
+		switch o.Kind {
+		case "kill":
+			return b.kill()
+		case "", "ok":
+		default:
+			return rabbitmw.Permanent(fmt.Errorf("business: order kind %q is not played over PostgreSQL", o.Kind))
+		}
+		fallthrough
+	default:
+		if b.cfg.work > 0 {
+			if err := wait(ctx, b.cfg.work); err != nil {
+				return err
+			}
+		}
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+b.effectsTable+` (id, consumer) VALUES ($1, $2)`, id, b.cfg.name); err != nil {
+		return fmt.Errorf("business: inserting the effect of %s: %w", id, err)
+	}
+	b.effects.Add(1)
+	return nil
 }
 
 func (b *business) key(name string) string { return b.cfg.effectsPrefix + name }
@@ -116,16 +170,7 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 		}
 		return b.apply(ctx, id)
 	case "kill":
-		// As an OOM kill or a segfault in cgo would: at once, with the
-		// other handlers in flight, nothing returned, nothing released.
-		self, err := os.FindProcess(os.Getpid())
-		if err == nil {
-			err = self.Kill() // SIGKILL
-		}
-		if err != nil {
-			return fmt.Errorf("business: killing the process: %w", err)
-		}
-		select {}
+		return b.kill()
 	case "poison":
 		return rabbitmw.Permanent(errPoison)
 	case "fail":
@@ -139,6 +184,20 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 		panic("business: order " + id + " panicked")
 	}
 	return rabbitmw.Permanent(fmt.Errorf("business: unknown order kind %q", o.Kind))
+}
+
+// kill kills the process, as an OOM kill or a segfault in cgo would: at
+// once, with the other handlers in flight, nothing returned, nothing
+// released. It returns only if it could not.
+func (b *business) kill() error {
+	self, err := os.FindProcess(os.Getpid())
+	if err == nil {
+		err = self.Kill() // SIGKILL
+	}
+	if err != nil {
+		return fmt.Errorf("business: killing the process: %w", err)
+	}
+	select {}
 }
 
 // countDeliveries is a layer that counts each delivery of a message.

@@ -8,8 +8,12 @@
 // a graceful shutdown) and cuts it off from its servers. It is not meant
 // for anything else.
 //
-// Effects, under the prefix P given by -effects-prefix, in the effects
-// Redis (-effects):
+// With -store postgres://…, the store is pgstore's inbox in that database,
+// and the effect of a message is a row (id, consumer) inserted into the
+// table <-store-prefix>_effects in the handler's transaction, which commits
+// with the done mark; the suite counts effects there. Otherwise, effects,
+// under the prefix P given by -effects-prefix, in the effects Redis
+// (-effects):
 //
 //	P effect:<key>   the number of times the effect of the message with
 //	                 idempotency key <key> was applied
@@ -49,6 +53,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
@@ -57,6 +62,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/reliability/internal/stats"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
 )
 
 // config is the command line.
@@ -95,8 +101,8 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&c.amqpURL, "amqp", "amqp://guest:guest@127.0.0.1:5672/", "AMQP URL of RabbitMQ")
 	fs.StringVar(&c.queue, "queue", "", "work queue (required)")
 	fs.StringVar(&c.name, "name", "consumer", "consumer name: in the effect log, and the process in fault headers")
-	fs.StringVar(&c.storeAddr, "store", "127.0.0.1:6379", "address of the Redis that holds the idempotency store")
-	fs.StringVar(&c.storePrefix, "store-prefix", "", "prefix of the store's keys")
+	fs.StringVar(&c.storeAddr, "store", "127.0.0.1:6379", "address of the Redis that holds the idempotency store; a postgres:// URL selects the PostgreSQL inbox (pgstore, effects as rows in the handler's transaction)")
+	fs.StringVar(&c.storePrefix, "store-prefix", "", "prefix of the store's keys; with PostgreSQL, the store's table (effects in <table>_effects)")
 	fs.BoolVar(&c.storeCtxTimeout, "store-context-timeouts", false, "let the store's Redis client honour context deadlines (redis.Options.ContextTimeoutEnabled)")
 	fs.StringVar(&c.effectsAddr, "effects", "127.0.0.1:6379", "address of the Redis that records effects")
 	fs.StringVar(&c.effectsPrefix, "effects-prefix", "", "prefix of the effect keys (required)")
@@ -211,11 +217,31 @@ func (c *counters) observe(next rabbitmw.Handler) rabbitmw.Handler {
 func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	var cnt counters
 
-	storeClient := redis.NewClient(&redis.Options{Addr: cfg.storeAddr, ContextTimeoutEnabled: cfg.storeCtxTimeout})
-	defer storeClient.Close()
 	effectsClient := redis.NewClient(&redis.Options{Addr: cfg.effectsAddr})
 	defer effectsClient.Close()
-	st := store.NewRedis(storeClient, store.RedisOptions{Prefix: cfg.storePrefix})
+	biz := &business{cfg: cfg, rdb: effectsClient, effects: &cnt.effects}
+	var st store.Store
+	var handler rabbitmw.Handler
+	if pg := strings.HasPrefix(cfg.storeAddr, "postgres://") || strings.HasPrefix(cfg.storeAddr, "postgresql://"); pg {
+		pool, err := pgxpool.New(ctx, cfg.storeAddr)
+		if err != nil {
+			return cnt.snapshot(cfg.name, err), err
+		}
+		defer pool.Close()
+		pst := pgstore.New(pool, pgstore.Options{Table: cfg.storePrefix})
+		defer pst.Close()
+		if err := pst.Check(ctx); err != nil {
+			return cnt.snapshot(cfg.name, err), err
+		}
+		biz.effectsTable = cfg.storePrefix + "_effects"
+		st = pst
+		handler = pgstore.Handler(pst, biz.inTx, pgstore.HandlerOptions{RetryDelay: cfg.unavailable})
+	} else {
+		storeClient := redis.NewClient(&redis.Options{Addr: cfg.storeAddr, ContextTimeoutEnabled: cfg.storeCtxTimeout})
+		defer storeClient.Close()
+		st = store.NewRedis(storeClient, store.RedisOptions{Prefix: cfg.storePrefix})
+		handler = biz.handler()
+	}
 
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).
 		With(slog.String("consumer", cfg.name))
@@ -224,7 +250,6 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	if cfg.backoffMin > 0 {
 		retryOpts.Backoff = middleware.Exponential(cfg.backoffMin, cfg.backoffMax)
 	}
-	biz := &business{cfg: cfg, rdb: effectsClient, effects: &cnt.effects}
 	layers := []rabbitmw.Middleware{cnt.observe}
 	if cfg.countDeliveries {
 		layers = append(layers, biz.countDeliveries)
@@ -241,7 +266,7 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 		}),
 		middleware.Timeout(cfg.timeout),
 	)
-	h := rabbitmw.Chain(layers...)(biz.handler())
+	h := rabbitmw.Chain(layers...)(handler)
 
 	b := broker.New(cfg.amqpURL, broker.Options{
 		Logger:       logger,
