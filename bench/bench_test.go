@@ -134,8 +134,8 @@ func TestResultJSON(t *testing.T) {
 		v    any
 		want []string
 	}{
-		{&compareResult{}, []string{"Runs", "machine", "run_id", "settings", "summary", "targets"}},
-		{&sweepResult{}, []string{"cells", "defaults", "grid_prefetch_per_worker", "grid_workers", "machine", "run_id", "settings"}},
+		{&compareResult{}, []string{"Runs", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings", "summary", "targets"}},
+		{&sweepResult{}, []string{"cells", "defaults", "grid_prefetch_per_worker", "grid_workers", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings"}},
 	} {
 		b, err := json.Marshal(tc.v)
 		if err != nil {

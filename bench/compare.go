@@ -254,6 +254,9 @@ type runHeader struct {
 	Machine  machine  `json:"machine"`
 	RunID    string   `json:"run_id"`
 	Settings settings `json:"settings"`
+	// RabbitIdle is RabbitMQ's CPU per second while idle, subtracted from
+	// its CPU figures; 0 when unknown.
+	RabbitIdle float64 `json:"rabbitmq_idle_cpu_per_s"`
 }
 
 // compareResult is the output of a comparison run.
@@ -436,7 +439,8 @@ func runCompare(ctx context.Context, e *env, cfg config, prefetch, workers int, 
 		}
 	}
 	res := &compareResult{runHeader: runHeader{
-		RunID: e.runID,
+		RunID:      e.runID,
+		RabbitIdle: e.rabbitIdle,
 		Settings: settings{
 			Messages: cfg.n, Size: cfg.size, Dup: cfg.dup, Rounds: cfg.rounds,
 			Prefetch: prefetch, Workers: workers, Defaults: defaults, Persistent: cfg.persistent,

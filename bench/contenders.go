@@ -26,6 +26,8 @@ const (
 	redisName    = "rabbitmw-redis"
 	redisDupName = "rabbitmw-redis-dup"
 	// postgresName: see postgres.go.
+	// redisBatchName is the Redis contender over store.RedisBatcher.
+	redisBatchName = "rabbitmw-redis-batch"
 	// redisAPName runs only when -only names it: the Redis contender over
 	// go-redis's autopipeliner, which batches the commands of concurrent
 	// callers into pipelines (BENCHMARKS.md says what it showed).
@@ -47,7 +49,7 @@ const (
 // contenderNames is every contender, in the order of the table;
 // defaultContenders those that run when -only is not given.
 var (
-	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, postgresName, redisAPName}
+	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, postgresName, redisBatchName, redisAPName}
 	defaultContenders = slices.Clip(contenderNames[:len(contenderNames)-1])
 )
 
@@ -76,6 +78,7 @@ const (
 	kindRabbitmwRedis
 	kindRabbitmwRedisAP
 	kindRabbitmwPostgres
+	kindRabbitmwRedisBatch
 )
 
 // newContender returns the contender called name at the common prefetch and
@@ -100,6 +103,8 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 		c.kind, c.redis = kindRabbitmwRedisAP, true
 	case postgresName:
 		c.kind, c.pg = kindRabbitmwPostgres, true
+	case redisBatchName:
+		c.kind, c.redis = kindRabbitmwRedisBatch, true
 	default:
 		panic("bench: unknown contender " + name)
 	}
@@ -133,6 +138,11 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(ap, store.RedisOptions{Prefix: b.prefix}), false, rec)
 	case kindRabbitmwPostgres:
 		return consumePostgres(ctx, e.cfg.amqpURL, b.queue, c.opts, pg, rec)
+	case kindRabbitmwRedisBatch:
+		// Round trips are counted per pipeline, not per delivery: the
+		// batch's hook cannot tell which delivery a pipeline serves.
+		bt := store.NewRedisBatcher(rc, store.RedisBatcherOptions{})
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(bt, store.RedisOptions{Prefix: b.prefix}), false, rec)
 	}
 	panic("bench: unknown contender kind")
 }

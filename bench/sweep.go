@@ -41,8 +41,9 @@ func runSweep(ctx context.Context, e *env, cfg config, defPrefetch, defWorkers i
 	}
 	res := &sweepResult{
 		runHeader: runHeader{
-			RunID:    e.runID,
-			Settings: settings{Messages: cfg.n, Size: cfg.size, Dup: cfg.dup, Rounds: cfg.rounds, Persistent: cfg.persistent},
+			RabbitIdle: e.rabbitIdle,
+			RunID:      e.runID,
+			Settings:   settings{Messages: cfg.n, Size: cfg.size, Dup: cfg.dup, Rounds: cfg.rounds, Persistent: cfg.persistent},
 		},
 		Defaults: [2]int{defPrefetch, defWorkers},
 		Workers:  cfg.sweepWorkers,
