@@ -49,7 +49,7 @@ const (
 // contenderNames is every contender, in the order of the table;
 // defaultContenders those that run when -only is not given.
 var (
-	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, postgresName, redisBatchName, redisAPName}
+	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, postgresName, redisBatchName, watermillName, redisAPName}
 	defaultContenders = slices.Clip(contenderNames[:len(contenderNames)-1])
 )
 
@@ -79,6 +79,7 @@ const (
 	kindRabbitmwRedisAP
 	kindRabbitmwPostgres
 	kindRabbitmwRedisBatch
+	kindWatermill
 )
 
 // newContender returns the contender called name at the common prefetch and
@@ -105,6 +106,8 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 		c.kind, c.pg = kindRabbitmwPostgres, true
 	case redisBatchName:
 		c.kind, c.redis = kindRabbitmwRedisBatch, true
+	case watermillName:
+		c.kind = kindWatermill
 	default:
 		panic("bench: unknown contender " + name)
 	}
@@ -138,6 +141,8 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(ap, store.RedisOptions{Prefix: b.prefix}), false, rec)
 	case kindRabbitmwPostgres:
 		return consumePostgres(ctx, e.cfg.amqpURL, b.queue, c.opts, pg, rec)
+	case kindWatermill:
+		return consumeWatermill(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec)
 	case kindRabbitmwRedisBatch:
 		// Round trips are counted per pipeline, not per delivery: the
 		// batch's hook cannot tell which delivery a pipeline serves.

@@ -61,7 +61,7 @@ func (r *compareResult) print(w io.Writer) {
 	}
 	tw.Flush()
 	fmt.Fprintln(w)
-	fmt.Fprintf(w, "CPU ms per 1,000 delivered messages while consuming (the servers: server wide, so other clients' load counts; RabbitMQ's idle CPU, %.1f %% of a core, subtracted):", r.RabbitIdle*100)
+	fmt.Fprintf(w, "CPU ms per 1,000 delivered messages while consuming (the servers: server wide, so other clients' load counts; RabbitMQ's idle CPU, %.1f %% of a core, subtracted):\n", r.RabbitIdle*100)
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "contender\tthis process\tRedis server\tRabbitMQ server\tPostgreSQL server\ttotal\t")
 	for _, s := range r.Summary {
