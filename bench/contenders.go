@@ -187,7 +187,9 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 				o := handle(pctx, &d)
 				var err error
 				if o == rabbitmw.Ack || o == rabbitmw.Duplicate {
-					err = d.Ack(false)
+					if err = d.Ack(false); err == nil {
+						rec.acked(d.MessageId)
+					}
 				} else {
 					err = d.Nack(false, true)
 				}
@@ -251,6 +253,9 @@ func consumeStack(ctx context.Context, url, queue string, opts broker.ConsumeOpt
 	h := rabbitmw.Chain(stamp(rec, trackRTT), stack)(business)
 	opts.Topology = topology
 	opts.OnSettle = func(d *amqp.Delivery, o rabbitmw.Outcome, err error) {
+		if err == nil && (o == rabbitmw.Ack || o == rabbitmw.Duplicate) {
+			rec.acked(d.MessageId)
+		}
 		var start, rtt int64
 		if p := rec.probe(d.DeliveryTag); p != nil {
 			start, rtt = p.start.Swap(0), int64(p.rtt.Load())

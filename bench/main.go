@@ -72,6 +72,8 @@ type config struct {
 	prefetch    int // 0: the broker's default
 	workers     int // 0: the broker's default
 	sweep       bool
+	latency     bool // -latency: publish→ack latency at a light load
+	rate        int  // -rate: its messages per second
 	only        []string
 	jsonPath    string
 	timeout     time.Duration
@@ -125,6 +127,8 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&cfg.rounds, "rounds", 3, "rounds; each runs every contender once")
 	fs.IntVar(&cfg.prefetch, "prefetch", 0, "prefetch of every contender but hand-written-p1 (default: the broker's default)")
 	fs.IntVar(&cfg.workers, "workers", 0, "workers of every contender but hand-written-p1 (default: the broker's default)")
+	fs.BoolVar(&cfg.latency, "latency", false, "measure publish-to-ack latency at a light load instead: -n messages (use about 2000) published at -rate (contenders raw, rabbitmw-redis, rabbitmw-redis-batch, unless -only)")
+	fs.IntVar(&cfg.rate, "rate", 200, "-latency: messages per second")
 	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders raw, rabbitmw-redis and hand-written, unless -only)")
 	only := fs.String("only", "", "comma-separated contenders to run (default: all but rabbitmw-redis-ap; for -sweep: raw,rabbitmw-redis,hand-written)")
 	fs.StringVar(&cfg.jsonPath, "json", "", "also write the results as JSON to this file")
@@ -154,6 +158,8 @@ func parseFlags(args []string) (config, error) {
 		return cfg, errors.New("-prefetch must be in [0, 65535]")
 	case cfg.workers < 0:
 		return cfg, errors.New("-workers must not be negative")
+	case cfg.rate < 1:
+		return cfg, errors.New("-rate must be at least 1")
 	case cfg.timeout <= 0:
 		return cfg, errors.New("-timeout must be positive")
 	}
@@ -223,6 +229,9 @@ func run(ctx context.Context, cfg config) error {
 
 	out := os.Stdout
 	e.machine.print(out)
+	if cfg.latency {
+		return runLatency(ctx, e, cfg, prefetch, workers)
+	}
 	if cfg.sweep {
 		res, err := runSweep(ctx, e, cfg, defPrefetch, defWorkers)
 		if err != nil {

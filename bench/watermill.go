@@ -99,6 +99,9 @@ func stampWatermill(rec *recorder) message.HandlerMiddleware {
 			case m.Metadata.Get(ranKey) == "":
 				o = rabbitmw.Duplicate
 			}
+			if err == nil {
+				rec.acked(m.UUID) // just before the ack, which Watermill sends in its own goroutine
+			}
 			rec.end(start, o, -1, nil)
 			return out, err
 		}
