@@ -73,10 +73,17 @@ func (e *env) latencyRun(ctx context.Context, c contender, label string) (lat []
 			return nil, err
 		}
 	}
+	var pg *pgRun
+	if c.pg {
+		if pg, err = e.newPgRun(ctx, b.prefix, c.workers); err != nil {
+			return nil, err
+		}
+		defer pg.close()
+	}
 	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout)
 	defer cancel()
 	errc := make(chan error, 1)
-	go func() { errc <- c.consume(rctx, e, b, rc, rec) }()
+	go func() { errc <- c.consume(rctx, e, b, rc, pg, rec) }()
 
 	ch, err := e.channel()
 	if err != nil {
