@@ -341,6 +341,9 @@ func (c *memConn) cancel(tag string) error {
 }
 
 func (c *memConn) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	if err := ctx.Err(); err != nil {
+		return err // nothing sent
+	}
 	if err := msg.Headers.Validate(); err != nil {
 		return fmt.Errorf("broker: publish: invalid headers: %w", err)
 	}
