@@ -107,6 +107,7 @@ func TestSlowHandlerDoesNotStallReconnection(t *testing.T) {
 		}
 		synctest.Wait()
 		equal(t, "consumer sessions while the slow handler runs", f.logs.count("broker: consuming"), 2)
+		equal(t, "records of the lost connection", f.logs.count("WARN broker: connection lost"), 1)
 		equal(t, "handler calls of slow (the first still running, its redelivery done)", len(j.callsOf("slow")), 2)
 		equal(t, "new deliveries started while the slow handler runs", j.started("next"), 1)
 		equal(t, "most handlers at once", g.most(), 2)
@@ -170,6 +171,7 @@ func TestShutdownWaitsForHandlersOfLostConnections(t *testing.T) {
 				} else {
 					isErr(t, "Consume", err, c.wantErr)
 					contains(t, "error", err.Error(), "1 handlers did not return")
+					equal(t, "reports of the handlers in the error", strings.Count(err.Error(), "did not return"), 1)
 				}
 				equal(t, "Consume returned after", took, c.wantTook)
 				equal(t, "the lost connection's handler returned before Consume", returned.Load(), c.honours)
@@ -313,8 +315,11 @@ func lateResults(t *testing.T, f *fixture, slowConfirms func()) {
 		}
 	}
 	noErr(t, "Consume after a shutdown past its deadline", r.stop(t))
-	// The delayed copies come back to the work queue.
-	eventually(t, 20*time.Second, "delayed copies not back", func() bool { return f.length(f.q+".delay.50ms") == 0 })
+	// The delayed copies come back to the work queue (RabbitMQ moves them
+	// out of the delay queue a moment before they are in the work queue).
+	eventually(t, 20*time.Second, "delayed copies not back", func() bool {
+		return f.length(f.q+".delay.50ms") == 0 && f.length(f.q)+f.length(f.q+".dlq") >= len(ids)
+	})
 	copies := f.ids()
 	for _, id := range ids {
 		if n := copies[id]; n != 1 {
@@ -330,6 +335,27 @@ func lateResults(t *testing.T, f *fixture, slowConfirms func()) {
 		}
 		equal(t, "settlements of "+id, settled[id], []string{want})
 	}
+}
+
+// A result that comes just before the end of the grace is settled even if
+// its confirm comes after it: Consume waits for the settlement.
+func TestSettlementInProgressAtTheEndOfTheGrace(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		f.publish("x", []byte("x"), nil)
+		f.mem.setConfirmDelay(time.Second)
+		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			<-ctx.Done()
+			time.Sleep(shutdownGrace / 2)
+			return rabbitmw.Permanent(errBoom)
+		}), ConsumeOptions{ShutdownTimeout: time.Second})
+		synctest.Wait()
+		begin := time.Now()
+		noErr(t, "Consume", r.stop(t))
+		equal(t, "Consume returned after", time.Since(begin), time.Second+shutdownGrace/2+time.Second)
+		f.mem.setConfirmDelay(0)
+		equal(t, "copies", f.ids(), map[string]int{"x": 1})
+	})
 }
 
 // A confirm that comes after a long wait still settles the original: it is
