@@ -183,11 +183,11 @@ func (b *Broker) Consume(ctx context.Context, queue string, h rabbitmw.Handler, 
 
 // A consumer is one Consume call.
 //
-// Each delivery is handled on a goroutine of its own (handle), which holds
-// one of the consumer's slots from the moment serve takes the delivery
-// until it is settled. Consume waits for these goroutines before it
-// returns, but for those whose handlers it gave up on at the shutdown
-// deadline (see drain).
+// Each session has workers goroutines (work) that handle its deliveries.
+// A worker takes one of the consumer's slots before it takes a delivery,
+// and frees it once the delivery is settled. Consume waits for the
+// workers of every session before it returns, but for those whose
+// handlers it gave up on at the shutdown deadline (see drain).
 type consumer struct {
 	b        *Broker
 	h        rabbitmw.Handler
@@ -199,11 +199,11 @@ type consumer struct {
 	onSettle func(*amqp.Delivery, rabbitmw.Outcome, error)
 	log      *slog.Logger
 
-	// slots holds a token per delivery being handled or settled, on any
-	// session: at most workers. A handler of a lost session keeps its
-	// slot until it returns.
-	slots    chan struct{}
-	handlers sync.WaitGroup // the handle goroutines
+	// slots holds a token per worker taking, handling or settling a
+	// delivery, on any session: at most workers. A worker of a lost
+	// session keeps its slot until its handler returns.
+	slots   chan struct{}
+	running sync.WaitGroup // the workers of every session
 
 	mu       sync.Mutex
 	handling int  // handlers started and not returned
@@ -237,7 +237,7 @@ func (c *consumer) run(ctx context.Context) error {
 		gaveUp := c.gaveUp
 		c.mu.Unlock()
 		if !gaveUp {
-			c.handlers.Wait() // all settled: they are ending, if not ended
+			c.running.Wait() // their sessions are closed: they are ending
 		}
 		if err == nil {
 			c.log.LogAttrs(ctx, slog.LevelInfo, "broker: consumer stopped")
@@ -305,58 +305,42 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 			close(givenUp)
 		})
 	}
-	// serve takes a free slot, then a delivery to use it for.
-	held := false
-	release := func() {
-		if held {
-			<-c.slots
-			held = false
-		}
+	// The workers end when stop is closed (by stopTaking: serve then
+	// gives back what deliveries still holds), when deliveries is closed
+	// (at once when s is lost), or when s is lost while they wait for a
+	// slot; a worker in a handler ends after it. The last one to end
+	// closes done.
+	var (
+		stop       = make(chan struct{})
+		stopTaking = sync.OnceFunc(func() { close(stop) })
+		left       atomic.Int64
+		done       = make(chan struct{})
+	)
+	left.Store(int64(c.workers))
+	c.running.Add(c.workers)
+	for range c.workers {
+		go func() {
+			defer c.running.Done()
+			defer func() {
+				if left.Add(-1) == 0 {
+					close(done)
+				}
+			}()
+			c.work(hctx, s, deliveries, stop, giveUp)
+		}()
 	}
-	defer release()
 	lost := func() error {
 		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: connection lost",
-			slog.String("reason", s.reason().Error()), slog.Int("in_flight", c.running()))
+			slog.String("reason", s.reason().Error()), slog.Int("in_flight", c.inFlight()))
 		return s.reason()
 	}
 	cancelled := s.cancelled()
 	for {
-		var free chan<- struct{}
-		var next <-chan amqp.Delivery
-		if held {
-			next = deliveries
-		} else {
-			free = c.slots
-		}
 		select {
-		case free <- struct{}{}:
-			held = true
-
-		case d, ok := <-next:
-			if !ok {
-				// The consumer was cancelled by the server, or s was lost.
-				// The notice may still be on its way.
-				release()
-				select {
-				case tag, ok := <-cancelled:
-					if ok {
-						return c.cancelledByServer(ctx, cancelHandlers, s, deliveries, tag)
-					}
-					<-s.closed()
-					return lost()
-				case <-s.closed():
-					return lost()
-				case <-time.After(time.Second):
-					return lostError(errors.New("delivery channel closed"))
-				}
-			}
-			held = false
-			c.start(hctx, s, d, giveUp)
-
 		case <-ctx.Done():
-			release()
+			stopTaking()
 			c.log.LogAttrs(ctx, slog.LevelInfo, "broker: shutting down",
-				slog.Int("in_flight", c.running()), slog.Duration("timeout", c.timeout))
+				slog.Int("in_flight", c.inFlight()), slog.Duration("timeout", c.timeout))
 			if err := s.cancel(c.tag); err != nil {
 				c.log.LogAttrs(ctx, slog.LevelDebug, "broker: cancel consumer", slog.String("error", err.Error()))
 			}
@@ -369,7 +353,7 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 
 		case <-givenUp:
 			c.log.LogAttrs(ctx, slog.LevelWarn, "broker: giving the connection up",
-				slog.String("reason", giveUpErr.Error()), slog.Int("in_flight", c.running()))
+				slog.String("reason", giveUpErr.Error()), slog.Int("in_flight", c.inFlight()))
 			return giveUpErr
 
 		case tag, ok := <-cancelled:
@@ -378,12 +362,31 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 				cancelled = nil
 				continue
 			}
-			release()
+			stopTaking()
 			return c.cancelledByServer(ctx, cancelHandlers, s, deliveries, tag)
+
+		case <-done:
+			// deliveries was closed: the consumer was cancelled by the
+			// server, or s was lost. The notice may still be on its way.
+			select {
+			case tag, ok := <-cancelled:
+				if ok {
+					stopTaking()
+					return c.cancelledByServer(ctx, cancelHandlers, s, deliveries, tag)
+				}
+				<-s.closed()
+				return lost()
+			case <-s.closed():
+				return lost()
+			case <-time.After(time.Second):
+				return lostError(errors.New("delivery channel closed"))
+			}
 		}
 	}
 }
 
+// cancelledByServer ends the session whose consumer the server
+// cancelled; its workers must be stopped already.
 func (c *consumer) cancelledByServer(ctx context.Context, cancelHandlers context.CancelFunc, s session, deliveries <-chan amqp.Delivery, tag string) error {
 	err := fmt.Errorf("%w: queue %q (consumer %q); was the queue deleted?", ErrConsumerCancelled, c.top.queue, tag)
 	c.log.LogAttrs(ctx, slog.LevelError, "broker: consumer cancelled by the server", slog.String("consumer_tag", tag))
@@ -409,59 +412,74 @@ func (c *consumer) giveBack(ctx context.Context, s session, deliveries <-chan am
 	}
 }
 
-// running returns the number of handlers started and not returned.
-func (c *consumer) running() int {
+// inFlight returns the number of handlers started and not returned.
+func (c *consumer) inFlight() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.handling
 }
 
-// start handles d on a goroutine of its own, which takes over the slot
-// serve holds for it.
-func (c *consumer) start(hctx context.Context, s session, d amqp.Delivery, giveUp func(error)) {
-	c.mu.Lock()
-	c.handling++
-	c.mu.Unlock()
-	c.handlers.Add(1)
-	go c.handle(hctx, s, &d, giveUp)
+// work runs the handler for each delivery until deliveries is closed or
+// stop is. It takes a slot first, then a delivery; it ends at once if s is
+// closed while it waits for a slot. It ends without freeing its slot if
+// drain gave up on its handler.
+func (c *consumer) work(hctx context.Context, s session, deliveries <-chan amqp.Delivery, stop <-chan struct{}, giveUp func(error)) {
+	for {
+		select {
+		case <-stop:
+			return
+		case <-s.closed():
+			return
+		case c.slots <- struct{}{}:
+		}
+		var d amqp.Delivery
+		var ok bool
+		select {
+		case d, ok = <-deliveries:
+		case <-stop:
+		}
+		switch {
+		case !ok:
+			<-c.slots
+			return
+		case isClosed(stop):
+			// Shutting down: give back what was not started.
+			c.report(hctx, &d, rabbitmw.Requeue, d.Nack(false, true))
+			<-c.slots
+			return
+		case isClosed(s.closed()):
+			// Its channel is gone: it cannot be settled, and the server
+			// redelivers it. Handling it would only duplicate work.
+			<-c.slots
+			continue
+		}
+		c.mu.Lock()
+		c.handling++
+		c.mu.Unlock()
+		if !c.handle(hctx, s, &d, giveUp) {
+			return
+		}
+	}
 }
 
-// handle runs the handler for d and settles d on s, then frees its slot.
-// It ends when both are done. If s is gone by the time the handler
-// returns, d is not settled: the server redelivers it. If drain gave up on
-// the handler meanwhile, d is not settled either, and the slot is kept:
-// drain counts on it.
-func (c *consumer) handle(hctx context.Context, s session, d *amqp.Delivery, giveUp func(error)) {
-	defer c.handlers.Done()
-	if isClosed(s) {
-		// Received on a connection that has closed since: d cannot be
-		// settled, and the server redelivers it. Handling it would only
-		// duplicate work.
-		if !c.returned() {
-			<-c.slots
-		}
-		return
-	}
+// handle runs the handler for d, settles d on s, and frees the worker's
+// slot. If s is gone by the time the handler returns, d is not settled:
+// the server redelivers it. If drain gave up on the handler meanwhile, d
+// is not settled either, the slot is kept (drain counts on it), and handle
+// reports false: the worker must end.
+func (c *consumer) handle(hctx context.Context, s session, d *amqp.Delivery, giveUp func(error)) bool {
 	dec := c.decide(hctx, d)
 	if c.returned() {
 		c.report(hctx, d, dec.Outcome, errUnsettled)
-		return
+		return false
 	}
 	defer func() { <-c.slots }()
-	if isClosed(s) {
+	if isClosed(s.closed()) {
 		c.report(hctx, d, dec.Outcome, errUnsettled)
-		return
+		return true
 	}
-	// The settlement has a context of its own: the shutdown deadline,
-	// which cancels hctx, must not cut the wait for a copy's confirm
-	// short. A result that comes after the deadline gets a short one.
-	timeout := settleTimeout
-	if hctx.Err() != nil {
-		timeout = lateSettleTimeout
-	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(hctx), timeout)
-	defer cancel()
-	c.settle(ctx, s, d, dec, giveUp)
+	c.settle(hctx, s, d, dec, giveUp)
+	return true
 }
 
 // returned counts a handler out, and reports whether drain gave up on it.
@@ -472,22 +490,25 @@ func (c *consumer) returned() (gaveUp bool) {
 	return c.gaveUp
 }
 
-func isClosed(s session) bool {
+// isClosed reports whether ch is closed; nothing is ever sent on it.
+func isClosed(ch <-chan struct{}) bool {
 	select {
-	case <-s.closed():
+	case <-ch:
 		return true
 	default:
 		return false
 	}
 }
 
-// drain waits, for at most the shutdown timeout, for the handlers of every
-// session to return and their results to be settled; then it cancels the
+// drain waits, for at most the shutdown timeout, for the workers of every
+// session to free their slots: their handlers returned, their results
+// settled, what they had not started given back. Then it cancels the
 // handlers' context and waits shutdownGrace more; then it gives up on the
 // handlers still running, and waits at most lateSettleTimeout for the
 // settlements in progress. It returns an error wrapping ErrShutdownTimeout
 // if it gave up on a handler or a settlement. Only the first call waits;
-// later ones return its result. Serve must not be taking slots meanwhile.
+// later ones return its result. The workers of the live session, if
+// any, must be stopped: they take no slot any more.
 func (c *consumer) drain(cancelHandlers context.CancelFunc) error {
 	c.drainOnce.Do(func() { c.drainErr = c.awaitHandlers(cancelHandlers) })
 	return c.drainErr
@@ -573,20 +594,31 @@ func (c *consumer) call(ctx context.Context, d *amqp.Delivery) (err error) {
 	return c.h.Handle(ctx, d)
 }
 
-// settle settles d by dec. ctx bounds the wait for a copy's confirm.
-func (c *consumer) settle(ctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision, giveUp func(error)) {
+// settle settles d by dec; hctx is the context its handler ran with.
+func (c *consumer) settle(hctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision, giveUp func(error)) {
 	var err error
 	switch dec.Outcome {
 	case rabbitmw.Ack, rabbitmw.Duplicate:
 		err = d.Ack(false)
-	case rabbitmw.Delay:
-		err = c.delay(ctx, s, d, dec, giveUp)
-	case rabbitmw.DeadLetter:
-		err = c.deadLetter(ctx, s, d, dec, giveUp)
+	case rabbitmw.Delay, rabbitmw.DeadLetter:
+		// The copy has a context of its own: the shutdown deadline, which
+		// cancels hctx, must not cut the wait for its confirm short. A
+		// result that came after the deadline gets a short one.
+		timeout := settleTimeout
+		if hctx.Err() != nil {
+			timeout = lateSettleTimeout
+		}
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(hctx), timeout)
+		if dec.Outcome == rabbitmw.Delay {
+			err = c.delay(ctx, s, d, dec, giveUp)
+		} else {
+			err = c.deadLetter(ctx, s, d, dec, giveUp)
+		}
+		cancel()
 	default: // Requeue
 		err = d.Nack(false, true)
 	}
-	c.report(ctx, d, dec.Outcome, err)
+	c.report(hctx, d, dec.Outcome, err)
 }
 
 // delay sends a copy of d to the delay queue for dec.Delay and acks d once
@@ -652,7 +684,7 @@ func (c *consumer) copyFailed(ctx context.Context, s session, d *amqp.Delivery, 
 		slog.String("message_id", d.MessageId),
 		slog.String("to", queue),
 		slog.String("error", err.Error()))
-	if !isClosed(s) {
+	if !isClosed(s.closed()) {
 		giveUp(fmt.Errorf("%w: the %s copy of message %q was not confirmed: %w", ErrConnectionLost, what, d.MessageId, err))
 	}
 	return errUnsettled
