@@ -25,6 +25,7 @@ const (
 	memoryName   = "rabbitmw-memory"
 	redisName    = "rabbitmw-redis"
 	redisDupName = "rabbitmw-redis-dup"
+	// postgresName: see postgres.go.
 	// redisAPName runs only when -only names it: the Redis contender over
 	// go-redis's autopipeliner, which batches the commands of concurrent
 	// callers into pipelines (BENCHMARKS.md says what it showed).
@@ -46,7 +47,7 @@ const (
 // contenderNames is every contender, in the order of the table;
 // defaultContenders those that run when -only is not given.
 var (
-	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, redisAPName}
+	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, postgresName, redisAPName}
 	defaultContenders = slices.Clip(contenderNames[:len(contenderNames)-1])
 )
 
@@ -61,6 +62,7 @@ type contender struct {
 	// them itself.
 	opts  broker.ConsumeOptions
 	redis bool // uses Redis
+	pg    bool // uses PostgreSQL
 	dup   bool // its messages repeat ids (-dup)
 	kind  kind
 }
@@ -73,6 +75,7 @@ const (
 	kindRabbitmwMemory
 	kindRabbitmwRedis
 	kindRabbitmwRedisAP
+	kindRabbitmwPostgres
 )
 
 // newContender returns the contender called name at the common prefetch and
@@ -95,6 +98,8 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 		c.kind, c.redis, c.dup = kindRabbitmwRedis, true, true
 	case redisAPName:
 		c.kind, c.redis = kindRabbitmwRedisAP, true
+	case postgresName:
+		c.kind, c.pg = kindRabbitmwPostgres, true
 	default:
 		panic("bench: unknown contender " + name)
 	}
@@ -103,8 +108,9 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 
 // consume consumes b with c until every message is settled for good (acked,
 // or acked as a duplicate), recording into rec. rc is the contender's Redis
-// client, for those that use Redis.
-func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Client, rec *recorder) error {
+// client, for those that use Redis; pg the run's database, for those that
+// use PostgreSQL.
+func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Client, pg *pgRun, rec *recorder) error {
 	switch c.kind {
 	case kindRaw:
 		return consumeRaw(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec,
@@ -125,6 +131,8 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 		}
 		defer ap.Close()
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(ap, store.RedisOptions{Prefix: b.prefix}), false, rec)
+	case kindRabbitmwPostgres:
+		return consumePostgres(ctx, e.cfg.amqpURL, b.queue, c.opts, pg, rec)
 	}
 	panic("bench: unknown contender kind")
 }
@@ -213,13 +221,19 @@ func handWritten(rc *redis.Client, prefix string, rec *recorder) func(context.Co
 // stack over st. An outermost layer stamps the start of each delivery, by
 // its delivery tag, and ConsumeOptions.OnSettle the end.
 func consumeRabbitmw(ctx context.Context, url, queue string, opts broker.ConsumeOptions, st store.Store, trackRTT bool, rec *recorder) error {
-	b := broker.New(url, broker.Options{})
-	defer b.Close()
 	business := rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
 		rec.effect(d.MessageId)
 		return nil
 	})
-	h := rabbitmw.Chain(stamp(rec, trackRTT), benchstack.Recommended(st))(business)
+	return consumeStack(ctx, url, queue, opts, benchstack.Recommended(st), business, trackRTT, rec)
+}
+
+// consumeStack consumes queue with broker.Consume and stack around
+// business, as consumeRabbitmw describes.
+func consumeStack(ctx context.Context, url, queue string, opts broker.ConsumeOptions, stack rabbitmw.Middleware, business rabbitmw.Handler, trackRTT bool, rec *recorder) error {
+	b := broker.New(url, broker.Options{})
+	defer b.Close()
+	h := rabbitmw.Chain(stamp(rec, trackRTT), stack)(business)
 	opts.Topology = topology
 	opts.OnSettle = func(d *amqp.Delivery, o rabbitmw.Outcome, err error) {
 		var start, rtt int64

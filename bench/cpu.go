@@ -15,7 +15,7 @@ import (
 // server (INFO cpu, user + system) and by the RabbitMQ server (from /proc,
 // when it runs on this machine). A negative value is unknown.
 type cpuTimes struct {
-	self, redis, rabbit time.Duration
+	self, redis, rabbit, postgres time.Duration
 }
 
 // cpuUsage is CPU time per delivered message over a run, in microseconds;
@@ -25,10 +25,12 @@ type cpuUsage struct {
 	Self   float64 `json:"bench_us_per_msg"`
 	Redis  float64 `json:"redis_us_per_msg"`
 	Rabbit float64 `json:"rabbitmq_us_per_msg"`
+	// Postgres: the PostgreSQL server's processes on this machine.
+	Postgres float64 `json:"postgres_us_per_msg"`
 }
 
 func (e *env) cpuTimes(ctx context.Context) cpuTimes {
-	t := cpuTimes{self: -1, redis: -1, rabbit: -1}
+	t := cpuTimes{self: -1, redis: -1, rabbit: -1, postgres: postgresCPU()}
 	var ru syscall.Rusage
 	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) == nil {
 		t.self = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
@@ -63,7 +65,7 @@ func (t cpuTimes) usage(later cpuTimes, messages int64) cpuUsage {
 		}
 		return float64(b-a) / float64(time.Microsecond) / float64(messages)
 	}
-	return cpuUsage{Self: per(t.self, later.self), Redis: per(t.redis, later.redis), Rabbit: per(t.rabbit, later.rabbit)}
+	return cpuUsage{Self: per(t.self, later.self), Redis: per(t.redis, later.redis), Rabbit: per(t.rabbit, later.rabbit), Postgres: per(t.postgres, later.postgres)}
 }
 
 // rabbitPID finds the RabbitMQ server's Erlang VM among this machine's

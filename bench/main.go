@@ -31,6 +31,9 @@
 //	rabbitmw-memory     broker.Consume, the recommended stack, memory store
 //	rabbitmw-redis      the same over the Redis store
 //	rabbitmw-redis-dup  the same with -dup of the message ids duplicated
+//	rabbitmw-postgres   the PostgreSQL inbox: the stack over pgstore and
+//	                    pgstore.Handler, the effect a row inserted in the
+//	                    transaction that commits the done mark
 //	rabbitmw-redis-ap   rabbitmw-redis over go-redis's autopipeliner; only
 //	                    when -only names it
 //
@@ -41,7 +44,7 @@
 // bench uses queues and Redis keys whose names start with a prefix unique to
 // the run ("rmwbench-..."), and deletes them when a run ends, so it can share
 // the servers with other work. RABBITMQ_URL and REDIS_ADDR stand for -amqp
-// and -redis.
+// and -redis, DATABASE_URL for -postgres.
 package main
 
 import (
@@ -59,22 +62,23 @@ import (
 
 // config is what the flags say.
 type config struct {
-	amqpURL    string
-	redisAddr  string
-	n          int
-	size       int
-	dup        float64
-	rounds     int
-	prefetch   int // 0: the broker's default
-	workers    int // 0: the broker's default
-	sweep      bool
-	only       []string
-	jsonPath   string
-	timeout    time.Duration
-	persistent bool
-	stack      bool
-	stackOnly  bool
-	cpuProfile string
+	amqpURL     string
+	redisAddr   string
+	postgresURL string
+	n           int
+	size        int
+	dup         float64
+	rounds      int
+	prefetch    int // 0: the broker's default
+	workers     int // 0: the broker's default
+	sweep       bool
+	only        []string
+	jsonPath    string
+	timeout     time.Duration
+	persistent  bool
+	stack       bool
+	stackOnly   bool
+	cpuProfile  string
 
 	sweepWorkers  []int
 	sweepPrefetch []int // multiples of workers
@@ -114,6 +118,7 @@ func parseFlags(args []string) (config, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.StringVar(&cfg.amqpURL, "amqp", envOr("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"), "AMQP URL of the RabbitMQ server")
 	fs.StringVar(&cfg.redisAddr, "redis", envOr("REDIS_ADDR", "127.0.0.1:6379"), "address of the Redis server")
+	fs.StringVar(&cfg.postgresURL, "postgres", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"), "URL of the PostgreSQL database of rabbitmw-postgres")
 	fs.IntVar(&cfg.n, "n", 20000, "messages per run")
 	fs.IntVar(&cfg.size, "size", 256, "message body size in bytes")
 	fs.Float64Var(&cfg.dup, "dup", 0.2, "fraction of the messages of rabbitmw-redis-dup that repeat an earlier message's id")

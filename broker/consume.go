@@ -631,7 +631,7 @@ func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec r
 		// short, or the message's own expiration may cut its stay.
 		due = time.Now().Add(dec.Delay)
 	}
-	msg := republishing(d, delayHeaders(d, dec, due))
+	msg := republishing(d, delayHeaders(d, dec, c.top.queue, due))
 	if err := c.publishCopy(ctx, s, tr.queue, msg); err != nil {
 		return c.copyFailed(ctx, s, d, "delay", tr.queue, err, giveUp)
 	}

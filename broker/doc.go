@@ -25,8 +25,7 @@
 //
 // A tier is named in its largest exact unit: "1s", "5s", "30s", "2m",
 // "10m", "1h", "1500ms". With DeclareAll (the default) Consume declares all
-// of them; with DeclareSupport all but Q, whose existence it checks (for a
-// work queue declared elsewhere with arguments of its own); with
+// of them; with [DeclareSupport] all but Q, whose existence it checks; with
 // DeclareNone none. Declaring is idempotent and safe from many consumers at
 // once. A work queue that exists with other arguments is a fatal error
 // (ErrQueueArguments) whose text names the fix.
@@ -47,7 +46,9 @@
 // A copy keeps the message's properties (but UserId, moved to the
 // HeaderUserID header, since RabbitMQ refuses a publish by another user),
 // its body and all its headers, whatever their types, including those
-// RabbitMQ adds (x-death, x-delivery-count). It is persistent. It carries
+// RabbitMQ adds (x-death, x-delivery-count); a copy sent to a delay queue
+// carries the x-death records that name Q in HeaderDeaths instead, lest
+// RabbitMQ drop it as a dead-letter cycle. It is persistent. It carries
 // the attempt count ([rabbitmw.HeaderAttempts]) and the original exchange
 // and routing key; a dead-lettered copy also the fault headers: error text
 // and type, work queue, time, host and process (see the Header
@@ -104,6 +105,15 @@
 // message that reached no queue (ErrUnroutable) or that the server refused
 // (ErrNacked). Messages are persistent unless the caller says otherwise,
 // and get a random MessageId when they have none.
+//
+// # The dead-letter queue
+//
+// [Broker.DeadLetters] lists the messages of Q.dlq without changing it,
+// [Broker.Replay] sends them back to their work queue once their cause is
+// fixed, [Broker.PurgeDeadLetters] removes them, and
+// [Broker.ExportDeadLetters] and [Broker.ImportDeadLetters] save them to
+// JSON Lines and back; each selects messages with a [Filter]. The command
+// cmd/rabbitmw does the same from a shell.
 //
 // # In-memory server
 //

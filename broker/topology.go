@@ -19,8 +19,12 @@ const (
 	// delay queues. It is the zero value, and the default.
 	DeclareAll DeclareMode = iota
 	// DeclareSupport declares the dead-letter queue and the delay queues,
-	// and checks that the work queue exists, for a work queue declared
-	// elsewhere with arguments of its own.
+	// and only checks that the work queue exists (a passive declare), for a
+	// work queue declared elsewhere: with arguments of its own, or with
+	// none, as hand-written consumers declare it. The work queue is never
+	// declared, so its arguments never change, and Quorum and DeliveryLimit
+	// have no effect. Consume does not need the work queue's dead-letter
+	// route: it publishes its dead-letter copies itself.
 	DeclareSupport
 	// DeclareNone declares nothing: every queue must exist already.
 	DeclareNone

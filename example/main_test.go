@@ -27,6 +27,9 @@ func TestExample(t *testing.T) {
 		{"servers", func(t *testing.T) config {
 			return config{amqpURL: testenv.RabbitMQURL(t), redisAddr: testenv.RedisAddr(t)}
 		}},
+		{"postgres-inbox", func(t *testing.T) config {
+			return config{postgresURL: testenv.PostgresURL(t), inbox: true}
+		}},
 	}
 	for _, r := range runs {
 		t.Run(r.name, func(t *testing.T) {

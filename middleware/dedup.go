@@ -33,6 +33,16 @@ var (
 	ErrLeaseLost = errors.New("middleware: claim lost")
 )
 
+// ErrAbandoned is returned by [Dedup] when the message's last attempt never
+// finished: the store found its claim abandoned (store.Abandoned), because
+// the consumer that held it died, or lost the store, before its lease
+// ended, without marking the message done or releasing it. Dedup does not
+// run the handler; the next claim of the message can take it. Unlike
+// Dedup's other errors, it is a failed attempt, and [Retry] counts it: a
+// message that kills every consumer that handles it is dead-lettered after
+// MaxAttempts crashes instead of looping.
+var ErrAbandoned = errors.New("middleware: an attempt never finished: its consumer died, or lost its lease, while handling the message")
+
 // DedupOptions configures [Dedup]. The zero value selects the defaults.
 type DedupOptions struct {
 	// Key returns a delivery's idempotency key. Default: [Key] (message_id,
@@ -72,13 +82,18 @@ type DedupOptions struct {
 //   - key done: the message is a duplicate; Dedup returns an error that
 //     wraps rabbitmw.ErrDuplicate (it is acknowledged) without calling
 //     the handler;
-//   - key claimed by another consumer: Dedup returns ErrBusy, to be tried
-//     again after BusyDelay (not at once, which would spin);
+//   - key claimed by another consumer (or by one that died, until its
+//     lease ends): Dedup returns ErrBusy, to be tried again after
+//     BusyDelay (not at once, which would spin);
+//   - key abandoned (the lease of its last claim ended with neither done
+//     mark nor release): Dedup returns ErrAbandoned without calling the
+//     handler; the store has removed the abandoned claim;
 //   - claim won: Dedup calls the handler, renewing the lease every Lease/3
 //     while it runs. On success it marks the key done, if its token still
-//     owns it; on error or panic it releases the claim, if its token still
-//     owns it, so another attempt can claim it, and returns the error (or
-//     lets the panic go on).
+//     owns it (unless the handler marked it done itself: see [Claim]); on
+//     error or panic it releases the claim, if its token still owns it, so
+//     another attempt can claim it, and returns the error (or lets the
+//     panic go on).
 //
 // If the lease is lost while the handler runs (the key was taken over or
 // deleted, or renewal failed for so long that the lease may have ended),
@@ -189,6 +204,10 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 		return &keyError{key: key, err: rabbitmw.ErrDuplicate}
 	case status == store.Processing:
 		return rabbitmw.RetryAfter(&keyError{key: key, err: ErrBusy}, h.busy)
+	case status == store.Abandoned:
+		// Nothing to wait for: the next claim takes the key. Retry counts
+		// the attempt, and tries again.
+		return &keyError{key: key, err: ErrAbandoned}
 	case status != store.Claimed:
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status), h.unavailable)
 	}
@@ -204,13 +223,19 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 			h.store.Release(bookkeeping(ctx), key, token)
 		}
 	}()
-	err = h.next.Handle(hctx, d)
+	cc := &claimContext{Context: hctx, claim: Claim{key: key, token: token, retention: h.retention}}
+	err = h.next.Handle(cc, d)
 	finished = true
 	// Why the handler's context ended, if it did, before anything later
 	// can cancel it.
 	cause := context.Cause(hctx)
 
 	lost, validUntil := h.renewer.stop(l)
+	if err == nil && cc.claim.marked.Load() {
+		// The handler's own commit marked the key done: that is the
+		// answer, even if a renewal since found the claim gone (done).
+		return nil
+	}
 	if lost != nil {
 		// Another owner has the key, or nobody: nothing to mark.
 		return rabbitmw.RetryAfter(errors.Join(err, lost), h.busy)

@@ -80,6 +80,8 @@ type consumerOpts struct {
 	work, hold             time.Duration
 	countDeliveries        bool
 	shutdownTimeout        time.Duration
+	quorum                 bool
+	deliveryLimit          int
 }
 
 func (o consumerOpts) args() []string {
@@ -121,6 +123,10 @@ func (o consumerOpts) args() []string {
 		a = append(a, "-count-deliveries")
 	}
 	dur("shutdown-timeout", o.shutdownTimeout)
+	if o.quorum {
+		a = append(a, "-quorum")
+	}
+	num("delivery-limit", o.deliveryLimit)
 	return a
 }
 
@@ -139,6 +145,9 @@ type proc struct {
 // startConsumer starts a consumer named name on the run's queue.
 func (r *run) startConsumer(name string, o consumerOpts) *proc {
 	r.t.Helper()
+	if r.topo.Quorum && !o.quorum {
+		o.quorum, o.deliveryLimit = true, r.topo.DeliveryLimit
+	}
 	args := append([]string{
 		"-amqp", r.amqpURL,
 		"-queue", r.queue,

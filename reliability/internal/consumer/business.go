@@ -5,10 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
@@ -36,7 +38,7 @@ return n`)
 // even when its context ended the hold early: as a handler that settles
 // its result whatever the shutdown does.
 type order struct {
-	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "panic", "later"
+	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "once", "panic", "kill", "later"
 }
 
 // laterDelay is the delay a "later" order asks for, longer than any tier
@@ -49,9 +51,62 @@ var (
 )
 
 type business struct {
-	cfg     config
-	rdb     *redis.Client
-	effects *atomic.Int64
+	cfg          config
+	rdb          *redis.Client
+	effects      *atomic.Int64
+	effectsTable string // with PostgreSQL: where inTx inserts effects
+}
+
+// inTx is the business handler of the PostgreSQL inbox: the effect is a
+// row in tx, which commits with the message's done mark. Modes normal,
+// slow and stubborn as in handler (stubborn: its statements ignore ctx's
+// cancellation too); in poison mode, the orders "ok" and "kill" as in
+// poison, the handler calls counted in the effects Redis.
+func (b *business) inTx(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	id, err := middleware.Key(d)
+	if err != nil {
+		return rabbitmw.Permanent(err)
+	}
+	switch b.cfg.mode {
+	case "slow":
+		b.event(ctx, "start", id, "")
+		if err := wait(ctx, b.cfg.hold); err != nil {
+			b.event(ctx, "cancelled", id, context.Cause(ctx).Error())
+			return err
+		}
+	case "stubborn":
+		b.event(ctx, "start", id, "")
+		time.Sleep(b.cfg.hold)
+		if ctx.Err() != nil {
+			b.event(ctx, "ignored", id, context.Cause(ctx).Error())
+		}
+		ctx = context.WithoutCancel(ctx)
+	case "poison":
+		b.rdb.Incr(ctx, b.key("attempts:"+id))
+		var o order
+		if err := json.Unmarshal(d.Body, &o); err != nil {
+			return rabbitmw.Permanent(fmt.Errorf("business: malformed order: %w", err))
+		}
+		switch o.Kind {
+		case "kill":
+			return b.kill()
+		case "", "ok":
+		default:
+			return rabbitmw.Permanent(fmt.Errorf("business: order kind %q is not played over PostgreSQL", o.Kind))
+		}
+		fallthrough
+	default:
+		if b.cfg.work > 0 {
+			if err := wait(ctx, b.cfg.work); err != nil {
+				return err
+			}
+		}
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+b.effectsTable+` (id, consumer) VALUES ($1, $2)`, id, b.cfg.name); err != nil {
+		return fmt.Errorf("business: inserting the effect of %s: %w", id, err)
+	}
+	b.effects.Add(1)
+	return nil
 }
 
 func (b *business) key(name string) string { return b.cfg.effectsPrefix + name }
@@ -108,9 +163,10 @@ func (b *business) slow(ctx context.Context, id string) error {
 	return b.apply(ctx, id)
 }
 
-// poison handles a JSON order by its kind.
+// poison handles a JSON order by its kind: "once" fails at its first
+// handler call (as counted in attempts:<key>), and succeeds after.
 func (b *business) poison(ctx context.Context, id string, body []byte) error {
-	b.rdb.Incr(ctx, b.key("attempts:"+id))
+	calls, _ := b.rdb.Incr(ctx, b.key("attempts:"+id)).Result()
 	var o order
 	if err := json.Unmarshal(body, &o); err != nil {
 		return rabbitmw.Permanent(fmt.Errorf("business: malformed order: %w", err))
@@ -125,17 +181,43 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 	}
 	switch o.Kind {
 	case "", "ok":
+		if b.cfg.work > 0 {
+			if err := wait(ctx, b.cfg.work); err != nil {
+				return err
+			}
+		}
 		return b.apply(ctx, id)
+	case "kill":
+		return b.kill()
 	case "poison":
 		return rabbitmw.Permanent(errPoison)
 	case "fail":
 		return errGateway
+	case "once":
+		if calls <= 1 {
+			return errGateway
+		}
+		return b.apply(ctx, id)
 	case "panic":
 		panic("business: order " + id + " panicked")
 	case "later":
 		return rabbitmw.RetryAfter(errGateway, laterDelay)
 	}
 	return rabbitmw.Permanent(fmt.Errorf("business: unknown order kind %q", o.Kind))
+}
+
+// kill kills the process, as an OOM kill or a segfault in cgo would: at
+// once, with the other handlers in flight, nothing returned, nothing
+// released. It returns only if it could not.
+func (b *business) kill() error {
+	self, err := os.FindProcess(os.Getpid())
+	if err == nil {
+		err = self.Kill() // SIGKILL
+	}
+	if err != nil {
+		return fmt.Errorf("business: killing the process: %w", err)
+	}
+	select {}
 }
 
 // countDeliveries is a layer that counts each delivery of a message.
@@ -147,6 +229,21 @@ func (b *business) countDeliveries(next rabbitmw.Handler) rabbitmw.Handler {
 			b.rdb.Incr(ctx, b.key("deliveries:(no key)"))
 		}
 		return next.Handle(ctx, d)
+	})
+}
+
+// countAbandoned is a layer, beneath Retry and above Dedup, that counts
+// the deliveries that found their message's last attempt abandoned.
+func (b *business) countAbandoned(next rabbitmw.Handler) rabbitmw.Handler {
+	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		err := next.Handle(ctx, d)
+		if errors.Is(err, middleware.ErrAbandoned) {
+			if id, kerr := middleware.Key(d); kerr == nil {
+				b.rdb.Incr(context.WithoutCancel(ctx), b.key("abandoned:"+id))
+			}
+			b.rdb.Incr(context.WithoutCancel(ctx), b.key("abandoned"))
+		}
+		return err
 	})
 }
 
