@@ -287,6 +287,9 @@ func (s *amqpSession) confirms(confirms <-chan amqp.Confirmation, returns <-chan
 }
 
 func (s *amqpSession) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	if err := ctx.Err(); err != nil {
+		return err // nothing sent
+	}
 	p := &pendingPublish{id: msg.MessageId, done: make(chan error, 1), resolved: make(chan struct{})}
 	for {
 		s.pendMu.Lock()

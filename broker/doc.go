@@ -52,8 +52,10 @@
 // the attempt count ([rabbitmw.HeaderAttempts]) and the original exchange
 // and routing key; a dead-lettered copy also the fault headers: error text
 // and type, work queue, time, host and process (see the Header
-// constants). When a copy cannot be published or confirmed, the original
-// is nacked with requeue after about a second.
+// constants). The original is acked once the copy is confirmed; when the
+// server refuses the copy, the original is nacked with requeue after about
+// a second; while the copy's fate is unknown, the original is never
+// settled (see below).
 //
 // A delay longer than the longest tier goes to the longest tier, with the
 // HeaderNotBefore header (so does any delayed message with an Expiration
@@ -73,10 +75,14 @@
 // lost connection (the handler's result could not be settled), after a
 // lost confirm on publish, or, rarely, as a second copy:
 //
-//   - if the connection drops between the server's confirm of a copy and
-//     the ack of the original, the original is redelivered and its copy
-//     exists too: the dead-letter queue may then hold a second copy, and a
-//     retried message may run twice;
+//   - if the connection drops between the sending of a copy (delayed or
+//     dead-lettered) and the ack of its original, whether the copy was
+//     confirmed or its confirm was still on its way, the original is
+//     redelivered and the copy may exist too: the dead-letter queue may
+//     then hold a second copy, and a retried message may run twice. The
+//     same holds for a copy whose confirm has not come after two minutes
+//     (Consume then gives the connection up), and for one still waiting
+//     for its confirm when a shutdown gives up on its handlers;
 //   - Publish retries after a lost connection, and the first copy may have
 //     reached its queue.
 //
@@ -88,7 +94,9 @@
 //
 // A handler that never returns holds a worker and a prefetch slot; at
 // shutdown Consume gives up on it after ConsumeOptions.ShutdownTimeout and
-// reports it. A handler's panic never crashes the process.
+// reports it. A handler still running when its connection is lost keeps
+// its worker, but not the consumer: Consume connects again at once, and
+// the other workers go on. A handler's panic never crashes the process.
 //
 // # Publishing
 //

@@ -67,6 +67,10 @@ type Memory struct {
 	quit      chan struct{} // closed by Close
 	wg        sync.WaitGroup
 
+	// confirmDelay is how long a publish waits for its confirm (for tests
+	// of a busy server); 0: no wait.
+	confirmDelay time.Duration
+
 	// Counters that tests read.
 	unknownTags     int // settlements of unknown delivery tags
 	requeuedOnClose int // deliveries returned to a queue because their connection closed
@@ -129,6 +133,15 @@ func (m *Memory) Close() {
 func (m *Memory) setDown(down bool) {
 	m.mu.Lock()
 	m.down = down
+	m.mu.Unlock()
+}
+
+// setConfirmDelay makes every publish wait d for its confirm, as on a busy
+// server: the message is in its queue at once, and a publish whose context
+// ends first returns the context's error, as amqp091's does.
+func (m *Memory) setConfirmDelay(d time.Duration) {
+	m.mu.Lock()
+	m.confirmDelay = d
 	m.mu.Unlock()
 }
 

@@ -184,7 +184,8 @@ func TestMemoryDeadLetterCycle(t *testing.T) {
 }
 
 // Many reconnects leave no goroutine behind while Consume keeps running:
-// each session's workers and pumps end before the next session starts.
+// each session's pumps end with it, and each handler's goroutine with its
+// handler.
 func TestMemoryReconnectsLeakNothing(t *testing.T) {
 	f := setupWith(t, backends[0], Topology{}, 20*time.Millisecond)
 	j := newJournal()

@@ -41,6 +41,8 @@ type session interface {
 	// publish publishes msg with the mandatory flag and waits for the
 	// server's confirm. It returns an error wrapping ErrUnroutable for a
 	// returned message or a missing exchange, and ErrNacked for a nack.
+	// Under a ctx that is done already it sends nothing, and returns
+	// ctx.Err().
 	publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
 	// get takes one message from queue with manual ack (basic.get).
 	get(ctx context.Context, queue string) (*amqp.Delivery, bool, error)

@@ -404,21 +404,22 @@ func (closedSession) closed() <-chan struct{} {
 }
 
 // A delivery taken from a session that has closed is not handled: it
-// cannot be settled, and the server redelivers it.
+// cannot be settled, and the server redelivers it. The worker's slot is
+// freed.
 func TestWorkerSkipsDeliveryOfClosedSession(t *testing.T) {
 	var calls atomic.Int32
 	c := &consumer{h: rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
 		calls.Add(1)
 		return nil
-	}), log: slog.New(slog.DiscardHandler)}
+	}), log: slog.New(slog.DiscardHandler), workers: 1, slots: make(chan struct{}, 1)}
 	rec := &countingAcker{}
 	deliveries := make(chan amqp.Delivery, 1)
 	deliveries <- amqp.Delivery{Acknowledger: rec, DeliveryTag: 1}
 	close(deliveries)
-	var stopping atomic.Bool
-	c.work(context.Background(), closedSession{}, deliveries, &stopping)
+	c.work(context.Background(), closedSession{}, deliveries, make(chan struct{}), func(error) {})
 	equal(t, "handler calls", calls.Load(), int32(0))
 	equal(t, "settlements", rec.n.Load(), int32(0))
+	equal(t, "slots held", len(c.slots), 0)
 }
 
 type countingAcker struct{ n atomic.Int32 }

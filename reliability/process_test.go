@@ -67,6 +67,7 @@ func consumerBinary(t *testing.T) string {
 
 // consumerOpts are the consumer's flags; zero values leave its defaults.
 type consumerOpts struct {
+	amqpURL                string // instead of the run's
 	storeAddr, storePrefix string
 	storeContextTimeouts   bool
 	workers, prefetch      int
@@ -78,6 +79,7 @@ type consumerOpts struct {
 	mode                   string
 	work, hold             time.Duration
 	countDeliveries        bool
+	shutdownTimeout        time.Duration
 	quorum                 bool
 	deliveryLimit          int
 }
@@ -99,6 +101,7 @@ func (o consumerOpts) args() []string {
 			a = append(a, "-"+name, v.String())
 		}
 	}
+	str("amqp", o.amqpURL) // after the run's -amqp: the last one counts
 	str("store", o.storeAddr)
 	str("store-prefix", o.storePrefix)
 	if o.storeContextTimeouts {
@@ -119,6 +122,7 @@ func (o consumerOpts) args() []string {
 	if o.countDeliveries {
 		a = append(a, "-count-deliveries")
 	}
+	dur("shutdown-timeout", o.shutdownTimeout)
 	if o.quorum {
 		a = append(a, "-quorum")
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -31,9 +32,18 @@ return n`)
 
 // A poison-mode body is a JSON object; its kind says what the handler does
 // with it. A body that is not JSON is malformed: dead-lettered at once.
+//
+// A kind "slow-<kind>" ("slow" alone is "slow-ok") first holds the order
+// for -hold, recording a "start" event, and then does what <kind> says,
+// even when its context ended the hold early: as a handler that settles
+// its result whatever the shutdown does.
 type order struct {
-	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "once", "panic", "kill"
+	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "once", "panic", "kill", "later"
 }
+
+// laterDelay is the delay a "later" order asks for, longer than any tier
+// of the suite: its copy stays in the longest delay queue.
+const laterDelay = time.Hour
 
 var (
 	errPoison  = errors.New("business: order refused: poison")
@@ -161,6 +171,14 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 	if err := json.Unmarshal(body, &o); err != nil {
 		return rabbitmw.Permanent(fmt.Errorf("business: malformed order: %w", err))
 	}
+	if o.Kind == "slow" {
+		o.Kind = "slow-ok"
+	}
+	if kind, ok := strings.CutPrefix(o.Kind, "slow-"); ok {
+		b.event(ctx, "start", id, "")
+		_ = wait(ctx, b.cfg.hold) // the kind decides, however the hold ended
+		o.Kind = kind
+	}
 	switch o.Kind {
 	case "", "ok":
 		if b.cfg.work > 0 {
@@ -182,6 +200,8 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 		return b.apply(ctx, id)
 	case "panic":
 		panic("business: order " + id + " panicked")
+	case "later":
+		return rabbitmw.RetryAfter(errGateway, laterDelay)
 	}
 	return rabbitmw.Permanent(fmt.Errorf("business: unknown order kind %q", o.Kind))
 }

@@ -21,7 +21,8 @@
 //	P distinct       the number of messages applied at least once
 //	P log            one entry per effect, "<name> <key>", in order
 //	P events         what slow handlers did: "start|cancelled|ignored
-//	                 <name> <key> [cause]"
+//	                 <name> <key> [cause]"; in poison mode, the "start" of
+//	                 each slow order
 //	P attempts:<key> handler calls for the message (modes slow, stubborn
 //	                 and poison)
 //	P deliveries:<key> deliveries of the message (with -count-deliveries)
@@ -120,7 +121,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.backoffMax, "backoff-max", 0, "Retry backoff maximum")
 	fs.StringVar(&c.mode, "mode", "normal", "business handler: normal, slow, stubborn or poison")
 	fs.DurationVar(&c.work, "work", 0, "normal mode, and ok orders in poison mode: time spent before the effect")
-	fs.DurationVar(&c.hold, "hold", 5*time.Second, "slow and stubborn modes: time spent before the effect")
+	fs.DurationVar(&c.hold, "hold", 5*time.Second, "slow and stubborn modes: time spent before the effect; poison mode: the hold of a slow order")
 	fs.BoolVar(&c.countDeliveries, "count-deliveries", false, "count the deliveries of each message")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 10*time.Second, "ConsumeOptions.ShutdownTimeout")
 	if err := fs.Parse(args); err != nil {
