@@ -50,6 +50,7 @@ var behaviours = []struct {
 	{"PublishConfirmsAndMessageID", testPublishConfirms},
 	{"PublishUnroutable", testPublishUnroutable},
 	{"PublishConcurrent", testPublishConcurrent},
+	{"Observer", testObserver},
 }
 
 func TestBehaviour(t *testing.T) {
