@@ -218,6 +218,7 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 	case status == store.Abandoned:
 		// Nothing to wait for: the next claim takes the key. Retry counts
 		// the attempt, and tries again.
+		observe(h.observe, ctx, DedupAbandoned, key, nil)
 		return &keyError{key: key, err: ErrAbandoned}
 	case status != store.Claimed:
 		err = fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status)

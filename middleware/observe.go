@@ -8,8 +8,8 @@ import (
 // A DedupEventKind is one kind of [DedupEvent].
 type DedupEventKind int
 
-// The kinds of Dedup's events. Claimed, Duplicate, Busy and Unavailable
-// are its answer for a delivery, one per delivery; LeaseRenewed and
+// The kinds of Dedup's events. Claimed, Duplicate, Busy, Unavailable and
+// Abandoned are its answer for a delivery, one per delivery; LeaseRenewed and
 // LeaseLost happen to a claim while its handler runs.
 const (
 	// DedupClaimed: the claim was won and the handler runs.
@@ -22,6 +22,9 @@ const (
 	// DedupUnavailable: the store could not be reached for the claim. The
 	// handler does not run, unless DedupOptions.FailOpen.
 	DedupUnavailable
+	// DedupAbandoned: the message's last attempt never finished (see
+	// [ErrAbandoned]); the handler does not run.
+	DedupAbandoned
 	// DedupLeaseRenewed: a renewal extended the claim while the handler
 	// ran.
 	DedupLeaseRenewed
@@ -31,7 +34,8 @@ const (
 )
 
 // String returns the kind as metrics and traces name it: "claimed",
-// "duplicate", "busy", "unavailable", "lease_renewed" or "lease_lost".
+// "duplicate", "busy", "unavailable", "abandoned", "lease_renewed" or
+// "lease_lost".
 func (k DedupEventKind) String() string {
 	switch k {
 	case DedupClaimed:
@@ -42,6 +46,8 @@ func (k DedupEventKind) String() string {
 		return "busy"
 	case DedupUnavailable:
 		return "unavailable"
+	case DedupAbandoned:
+		return "abandoned"
 	case DedupLeaseRenewed:
 		return "lease_renewed"
 	case DedupLeaseLost:

@@ -116,3 +116,22 @@ func TestDedupObserveLeaseLost(t *testing.T) {
 		t.Errorf("events = %v; want %v", got, want)
 	}
 }
+
+// A claim whose lease ended unfinished is reported as abandoned.
+func TestDedupObserveAbandoned(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := store.NewMemory()
+		var log eventLog
+		h := middleware.Dedup(s, middleware.DedupOptions{Observe: log.observe})(nop)
+		ctx := context.Background()
+		s.Claim(ctx, "m1", "crashed", time.Second) // a consumer that died
+		time.Sleep(2 * time.Second)
+		d, _ := deliver("m1", "")
+		if err := h.Handle(ctx, d); !errors.Is(err, middleware.ErrAbandoned) {
+			t.Fatalf("Handle = %v; want ErrAbandoned", err)
+		}
+		if got, want := log.got(), []string{"abandoned"}; !slices.Equal(got, want) {
+			t.Errorf("events = %v; want %v", got, want)
+		}
+	})
+}

@@ -189,9 +189,9 @@ func destination(exchange, key, queue string) string {
 }
 
 // ErrorType returns the error.type that the spans and metrics give a
-// failure, low in cardinality: "busy", "lease_lost" or "store_unavailable"
-// for [middleware.ErrBusy], [middleware.ErrLeaseLost] and
-// [middleware.ErrStoreUnavailable]; "timeout" for
+// failure, low in cardinality: "busy", "lease_lost", "store_unavailable"
+// or "abandoned" for [middleware.ErrBusy], [middleware.ErrLeaseLost],
+// [middleware.ErrStoreUnavailable] and [middleware.ErrAbandoned]; "timeout" for
 // context.DeadlineExceeded; "canceled" for context.Canceled; "panic" for
 // a [rabbitmw.PanicError]; otherwise the Go type of the innermost error
 // (the end of its Unwrap chain, taking the first of several wrapped
@@ -208,6 +208,8 @@ func ErrorType(err error) string {
 		return "lease_lost"
 	case errors.Is(err, middleware.ErrStoreUnavailable):
 		return "store_unavailable"
+	case errors.Is(err, middleware.ErrAbandoned):
+		return "abandoned"
 	case errors.Is(err, context.DeadlineExceeded):
 		return "timeout"
 	case errors.Is(err, context.Canceled):

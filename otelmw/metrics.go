@@ -82,7 +82,7 @@ func (m *instruments) init(meter metric.Meter, consumer attribute.Set) error {
 		metric.WithUnit("{attempt}"), metric.WithDescription("Attempts a message took, counted when it was acked or dead-lettered."),
 		metric.WithExplicitBucketBoundaries(1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30))
 	m.dedup, errs[5] = meter.Int64Counter("rabbitmw.dedup.results",
-		metric.WithUnit("{delivery}"), metric.WithDescription("Dedup's answers: claimed, duplicate, busy or unavailable."))
+		metric.WithUnit("{delivery}"), metric.WithDescription("Dedup's answers: claimed, duplicate, busy, unavailable or abandoned."))
 	m.renewals, errs[6] = meter.Int64Counter("rabbitmw.dedup.lease.renewals",
 		metric.WithUnit("{renewal}"), metric.WithDescription("Leases renewed while their handler ran."))
 	m.leasesLost, errs[7] = meter.Int64Counter("rabbitmw.dedup.leases.lost",
