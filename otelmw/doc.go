@@ -5,9 +5,10 @@
 // the application's choice. Nothing else in rabbitmw imports it, so a
 // program that does not links no OpenTelemetry.
 //
-// One [Telemetry] serves a service. Wire it in three places: its layer
-// first in the chain, its Dedup observer in the Dedup layer, and its
-// broker observer in the Broker:
+// A [Telemetry] serves the consumers of one queue, which Options.Queue
+// names (a delivery does not), and any number of publishers. Wire it in
+// three places: its layer first in the chain, its Dedup observer in the
+// Dedup layer, and its broker observer in the Broker:
 //
 //	tel := otelmw.New(otelmw.Options{Queue: "orders"})
 //	b := broker.New(url, broker.Options{Observer: tel.Broker()})

@@ -40,8 +40,8 @@ type Options struct {
 	NewRoot bool
 }
 
-// Telemetry makes the spans and metrics of one service's consumers and
-// publishers: a layer for the chain ([Telemetry.Middleware]), observers
+// Telemetry makes the spans and metrics of the consumers of one queue and
+// of publishers: a layer for the chain ([Telemetry.Middleware]), observers
 // for the Dedup layer ([Telemetry.Dedup]) and the broker
 // ([Telemetry.Broker]), and helpers for plain channels
 // ([Telemetry.StartPublish], [Telemetry.Inject]). It is safe for
