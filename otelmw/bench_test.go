@@ -68,7 +68,8 @@ func BenchmarkChain(b *testing.B) {
 
 // BenchmarkLayer is the layer alone, in front of a handler that does
 // nothing, for a delivery without trace context and for one with a W3C
-// traceparent (which the "noop" setup does not read; "noop-w3c" does).
+// traceparent (which the "noop" setup does not read; "noop-w3c" does), and
+// over the global providers of a program that never set them.
 func BenchmarkLayer(b *testing.B) {
 	nop := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
 	setups := append(telemetries, struct {
@@ -76,6 +77,11 @@ func BenchmarkLayer(b *testing.B) {
 		opts func(b *testing.B) otelmw.Options
 	}{"noop-w3c", func(*testing.B) otelmw.Options {
 		return otelmw.Options{TracerProvider: tracenoop.NewTracerProvider(), MeterProvider: metricnoop.NewMeterProvider(), Propagator: w3c}
+	}}, struct {
+		name string
+		opts func(b *testing.B) otelmw.Options
+	}{"global-unset", func(*testing.B) otelmw.Options {
+		return otelmw.Options{} // the global providers, never set
 	}})
 	for _, tm := range setups {
 		for _, hdr := range []struct {

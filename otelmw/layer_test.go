@@ -10,11 +10,13 @@ import (
 	"testing"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/baggage"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/otelmw"
 )
@@ -174,6 +176,38 @@ func TestCoreDoesNotLinkOpenTelemetry(t *testing.T) {
 	for _, p := range strings.Fields(string(out)) {
 		if strings.HasPrefix(p, "go.opentelemetry.io/") || strings.Contains(p, "prometheus") || strings.HasSuffix(p, "/otelmw") {
 			t.Errorf("go list -deps of the core lists %s", p)
+		}
+	}
+}
+
+// The broker's events count by queue: reconnects (the shared connection
+// without a queue), delay copies (with error.type when not published),
+// dead-letters by the copy's error type (when published).
+func TestBrokerEvents(t *testing.T) {
+	r := newRig(t, otelmw.Options{Queue: "q"})
+	obs := r.tel.Broker()
+	ctx := context.Background()
+	obs.Reconnect(broker.ReconnectEvent{Queue: "q", Err: broker.ErrConnectionLost})
+	obs.Reconnect(broker.ReconnectEvent{Err: broker.ErrUnreachable})
+	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.Delay, Queue: "q", To: "q.delay.1s"})
+	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.Delay, Queue: "q", To: "q.delay.1s", Err: context.DeadlineExceeded})
+	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.DeadLetter, Queue: "q", To: "q.dlq", ErrorType: "*json.SyntaxError"})
+	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.DeadLetter, Queue: "q", To: "q.dlq", ErrorType: "*json.SyntaxError", Err: broker.ErrNacked})
+	rm := r.metrics(t)
+	dest := attribute.String("messaging.destination.name", "q")
+	for _, c := range []struct {
+		name string
+		kvs  []attribute.KeyValue
+		want int64
+	}{
+		{"rabbitmw.reconnects", nil, 2},
+		{"rabbitmw.reconnects", []attribute.KeyValue{dest}, 1},
+		{"rabbitmw.delay.republishes", []attribute.KeyValue{dest, attribute.String("rabbitmw.delay.queue", "q.delay.1s")}, 2},
+		{"rabbitmw.delay.republishes", []attribute.KeyValue{attribute.String("error.type", "timeout")}, 1},
+		{"rabbitmw.dead_letters", []attribute.KeyValue{dest, attribute.String("error.type", "*json.SyntaxError")}, 1},
+	} {
+		if got := count(rm, c.name, c.kvs...); got != c.want {
+			t.Errorf("%s%v = %d; want %d", c.name, c.kvs, got, c.want)
 		}
 	}
 }
