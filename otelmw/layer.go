@@ -3,7 +3,6 @@ package otelmw
 import (
 	"context"
 	"errors"
-	"reflect"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -12,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -193,10 +193,8 @@ func destination(exchange, key, queue string) string {
 // or "abandoned" for [middleware.ErrBusy], [middleware.ErrLeaseLost],
 // [middleware.ErrStoreUnavailable] and [middleware.ErrAbandoned]; "timeout" for
 // context.DeadlineExceeded; "canceled" for context.Canceled; "panic" for
-// a [rabbitmw.PanicError]; otherwise the Go type of the innermost error
-// (the end of its Unwrap chain, taking the first of several wrapped
-// errors), as the broker's HeaderErrorType gives it, such as
-// "*json.SyntaxError". ErrorType(nil) is "".
+// a [rabbitmw.PanicError]; otherwise [broker.ErrorType], the Go type of
+// the innermost error, such as "*json.SyntaxError". ErrorType(nil) is "".
 func ErrorType(err error) string {
 	var pe *rabbitmw.PanicError
 	switch {
@@ -217,19 +215,5 @@ func ErrorType(err error) string {
 	case errors.As(err, &pe):
 		return "panic"
 	}
-	for {
-		switch u := err.(type) {
-		case interface{ Unwrap() error }:
-			if next := u.Unwrap(); next != nil {
-				err = next
-				continue
-			}
-		case interface{ Unwrap() []error }:
-			if errs := u.Unwrap(); len(errs) > 0 && errs[0] != nil {
-				err = errs[0]
-				continue
-			}
-		}
-		return reflect.TypeOf(err).String()
-	}
+	return broker.ErrorType(err)
 }
