@@ -204,28 +204,28 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 		rctx, rcancel := context.WithTimeout(bookkeeping(ctx), time.Second)
 		h.store.Release(rctx, key, token)
 		rcancel()
-		observe(h.observe, ctx, DedupUnavailable, key, err)
+		notify(h.observe, ctx, DedupUnavailable, key, err)
 		if h.failOpen && ctx.Err() == nil {
 			return h.next.Handle(ctx, d)
 		}
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: %w", ErrStoreUnavailable, key, err), h.unavailable)
 	case status == store.Done:
-		observe(h.observe, ctx, DedupDuplicate, key, nil)
+		notify(h.observe, ctx, DedupDuplicate, key, nil)
 		return &keyError{key: key, err: rabbitmw.ErrDuplicate}
 	case status == store.Processing:
-		observe(h.observe, ctx, DedupBusy, key, nil)
+		notify(h.observe, ctx, DedupBusy, key, nil)
 		return rabbitmw.RetryAfter(&keyError{key: key, err: ErrBusy}, h.busy)
 	case status == store.Abandoned:
 		// Nothing to wait for: the next claim takes the key. Retry counts
 		// the attempt, and tries again.
-		observe(h.observe, ctx, DedupAbandoned, key, nil)
+		notify(h.observe, ctx, DedupAbandoned, key, nil)
 		return &keyError{key: key, err: ErrAbandoned}
 	case status != store.Claimed:
 		err = fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status)
-		observe(h.observe, ctx, DedupUnavailable, key, err)
+		notify(h.observe, ctx, DedupUnavailable, key, err)
 		return rabbitmw.RetryAfter(err, h.unavailable)
 	}
-	observe(h.observe, ctx, DedupClaimed, key, nil)
+	notify(h.observe, ctx, DedupClaimed, key, nil)
 
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -253,7 +253,7 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 	}
 	if lost != nil {
 		// Another owner has the key, or nobody: nothing to mark.
-		observe(h.observe, ctx, DedupLeaseLost, key, lost)
+		notify(h.observe, ctx, DedupLeaseLost, key, lost)
 		return rabbitmw.RetryAfter(errors.Join(err, lost), h.busy)
 	}
 	if err != nil {
@@ -284,10 +284,10 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 	case errors.Is(cerr, store.ErrLostClaim) && retried:
 		// Likelier than a takeover: an earlier attempt marked the key done
 		// and its answer was lost. The redelivery will tell (a duplicate).
-		observe(h.observe, ctx, DedupLeaseLost, key, cerr)
+		notify(h.observe, ctx, DedupLeaseLost, key, cerr)
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded; marking %q done failed, then found the claim gone, most likely marked done by the failed attempt: %w", ErrLeaseLost, key, cerr), h.busy)
 	case errors.Is(cerr, store.ErrLostClaim):
-		observe(h.observe, ctx, DedupLeaseLost, key, cerr)
+		notify(h.observe, ctx, DedupLeaseLost, key, cerr)
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but %q was taken over before it was marked done: %w", ErrLeaseLost, key, cerr), h.busy)
 	default:
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but marking %q done failed: %w", ErrStoreUnavailable, key, cerr), h.unavailable)

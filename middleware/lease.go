@@ -258,7 +258,7 @@ func (r *renewer) renew(l *claimLease) {
 	cancelHandler, ctx, key := l.cancel, l.ctx, l.key
 	r.mu.Unlock()
 	if err == nil {
-		observe(r.observe, ctx, DedupLeaseRenewed, key, nil)
+		notify(r.observe, ctx, DedupLeaseRenewed, key, nil)
 	}
 	if cause != nil {
 		cancelHandler(cause)

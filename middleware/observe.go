@@ -67,9 +67,9 @@ type DedupEvent struct {
 	Err error
 }
 
-// observe calls the observer, if there is one, with an event of a
+// notify calls the observer, if there is one, with an event of a
 // delivery whose context is ctx.
-func observe(f func(context.Context, DedupEvent), ctx context.Context, kind DedupEventKind, key string, err error) {
+func notify(f func(context.Context, DedupEvent), ctx context.Context, kind DedupEventKind, key string, err error) {
 	if f != nil {
 		f(ctx, DedupEvent{Kind: kind, Key: key, Err: err})
 	}
