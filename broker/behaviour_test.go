@@ -53,6 +53,7 @@ var behaviours = []struct {
 	{"PublishConfirmsAndMessageID", testPublishConfirms},
 	{"PublishUnroutable", testPublishUnroutable},
 	{"PublishConcurrent", testPublishConcurrent},
+	{"Observer", testObserver},
 }
 
 func TestBehaviour(t *testing.T) {

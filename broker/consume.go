@@ -265,6 +265,7 @@ func (c *consumer) run(ctx context.Context) error {
 			return end(err)
 		}
 		d := bo.next()
+		c.b.cfg.obs.reconnect(c.top.queue, err, d)
 		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: reconnecting", server,
 			slog.String("error", err.Error()), slog.Duration("retry_in", d))
 		if !sleep(ctx, d) {
@@ -632,7 +633,9 @@ func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec r
 		due = time.Now().Add(dec.Delay)
 	}
 	msg := republishing(d, delayHeaders(d, dec, c.top.queue, due))
-	if err := c.publishCopy(ctx, s, tr.queue, msg); err != nil {
+	err := c.publishCopy(ctx, s, tr.queue, msg)
+	c.b.cfg.obs.republish(ctx, RepublishEvent{Outcome: rabbitmw.Delay, Queue: c.top.queue, To: tr.queue, Delay: dec.Delay, Err: err, Delivery: d})
+	if err != nil {
 		return c.copyFailed(ctx, s, d, "delay", tr.queue, err, giveUp)
 	}
 	return d.Ack(false)
@@ -642,7 +645,10 @@ func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec r
 // and acks d once the copy is confirmed.
 func (c *consumer) deadLetter(ctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision, giveUp func(error)) error {
 	h := faultHeaders(d, dec, c.top.queue, time.Now(), c.b.cfg.host, c.b.cfg.process)
-	if err := c.publishCopy(ctx, s, c.top.dlq, republishing(d, h)); err != nil {
+	err := c.publishCopy(ctx, s, c.top.dlq, republishing(d, h))
+	errType, _ := h[HeaderErrorType].(string)
+	c.b.cfg.obs.republish(ctx, RepublishEvent{Outcome: rabbitmw.DeadLetter, Queue: c.top.queue, To: c.top.dlq, ErrorType: errType, Err: err, Delivery: d})
+	if err != nil {
 		return c.copyFailed(ctx, s, d, "dead-letter", c.top.dlq, err, giveUp)
 	}
 	errText, _ := h[HeaderError].(string)

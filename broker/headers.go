@@ -97,7 +97,7 @@ func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time
 	var text, typ string
 	if dec.Err != nil {
 		text = truncate(dec.Err.Error(), maxErrorText)
-		typ = fmt.Sprintf("%T", innermost(dec.Err))
+		typ = ErrorType(dec.Err)
 	}
 	h[HeaderError] = text
 	h[HeaderErrorType] = typ
@@ -324,6 +324,15 @@ func setIfAbsent(h amqp.Table, k string, v any) {
 	if _, ok := h[k]; !ok {
 		h[k] = v
 	}
+}
+
+// ErrorType returns the [HeaderErrorType] of a message dead-lettered with
+// err as its reason; "" for nil.
+func ErrorType(err error) string {
+	if err == nil {
+		return ""
+	}
+	return fmt.Sprintf("%T", innermost(err))
 }
 
 // innermost follows the chain of err to its end: through Unwrap() error,

@@ -33,6 +33,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"os/signal"
 	"time"
@@ -45,6 +46,8 @@ func main() {
 	flag.StringVar(&cfg.postgresURL, "postgres", "", "URL of a PostgreSQL database: run the scenarios a second time over the PostgreSQL inbox there")
 	flag.DurationVar(&cfg.timeout, "timeout", time.Minute, "how long the scenarios may take")
 	verbose := flag.Bool("v", false, "print the log records of the stack and the broker")
+	flag.BoolVar(&cfg.trace, "trace", false, "trace the run with OpenTelemetry and print each message's trace as a tree")
+	metrics := flag.String("metrics", "", "serve the run's OpenTelemetry metrics to Prometheus at http://`ADDR`/metrics, until interrupted")
 	flag.Parse()
 
 	cfg.logger = slog.New(slog.DiscardHandler)
@@ -53,12 +56,23 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
+	var err error
+	if cfg.metrics, err = listenMetrics(*metrics); err != nil {
+		fmt.Fprintln(os.Stderr, "example: -metrics:", err)
+		os.Exit(2)
+	}
+	cfg.serving = func(addr string) {
+		fmt.Fprintf(os.Stderr, "example: done; serving metrics at http://%s/metrics until interrupted\n", addr)
+		<-ctx.Done()
+	}
 
 	runs := []config{cfg}
 	if cfg.postgresURL != "" {
 		pg := cfg
 		pg.inbox = true
 		runs = append(runs, pg)
+		// One metrics server, for the last run.
+		runs[0].metrics, runs[0].serving = nil, nil
 	}
 	ok := true
 	for i, c := range runs {
@@ -71,6 +85,9 @@ func main() {
 			os.Exit(2)
 		}
 		rep.print(os.Stdout)
+		if rep.spans != nil {
+			rep.spans.print(os.Stdout)
+		}
 		ok = ok && rep.ok()
 	}
 	if !ok {
@@ -89,6 +106,11 @@ type config struct {
 	inbox       bool
 	timeout     time.Duration
 	logger      *slog.Logger
+	trace       bool         // -trace: collect the spans, for report.spans
+	metrics     net.Listener // -metrics: serve Prometheus on it; nil for none
+	// serving, if set, is called with the metrics server's address once
+	// the run is over, before the server stops.
+	serving func(addr string)
 }
 
 func (c config) describe(w io.Writer) {

@@ -31,6 +31,7 @@ type report struct {
 	replayed  int                  // messages replayed from it
 	elapsed   time.Duration
 	consumers []string
+	spans     *spanTree // the run's spans, with -trace
 }
 
 type msgStats struct {

@@ -42,7 +42,16 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	runID := randomHex(4)
 	queue := "rabbitmw-example-" + runID
 
-	b, closeBroker, err := openBroker(cfg)
+	tel, err := openTelemetry(cfg, queue)
+	if err != nil {
+		return nil, err
+	}
+	var observer broker.Observer
+	if tel != nil {
+		defer tel.close(context.WithoutCancel(ctx))
+		observer = tel.tel.Broker()
+	}
+	b, closeBroker, err := openBroker(cfg, observer)
 	if err != nil {
 		return nil, err
 	}
@@ -87,16 +96,21 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	consumeCtx, stopConsumers := context.WithCancel(ctx)
 	defer stopConsumers()
 	errs := make(chan error, 2)
+	var first []rabbitmw.Middleware // the telemetry layer, if any
+	var observe func(context.Context, middleware.DedupEvent)
+	if tel != nil {
+		first, observe = []rabbitmw.Middleware{tel.tel.Middleware()}, tel.tel.Dedup()
+	}
 	for _, name := range []string{"A", "B"} {
-		h := rabbitmw.Chain(
+		h := rabbitmw.Chain(append(first,
 			rep.observe(name),
 			lose.layer(),
 			middleware.Log(cfg.logger.With("consumer", name)),
 			middleware.Retry(st, middleware.RetryOptions{MaxAttempts: attempts, Backoff: backoff}),
 			middleware.Recover(),
-			middleware.Dedup(st, middleware.DedupOptions{Lease: lease, BusyDelay: 100 * time.Millisecond, UnavailableDelay: 200 * time.Millisecond}),
+			middleware.Dedup(st, middleware.DedupOptions{Lease: lease, BusyDelay: 100 * time.Millisecond, UnavailableDelay: 200 * time.Millisecond, Observe: observe}),
 			middleware.Timeout(10*time.Second),
-		)(handler)
+		)...)(handler)
 		consumers.Add(1)
 		go func() {
 			defer consumers.Done()
@@ -128,6 +142,12 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	}
 	if waitErr != nil {
 		return nil, waitErr
+	}
+	if tel != nil {
+		rep.spans = tel.spans
+		if tel.server != nil && cfg.serving != nil {
+			cfg.serving(tel.addr)
+		}
 	}
 	return rep, nil
 }
@@ -209,8 +229,8 @@ func publishAll(ctx context.Context, b *broker.Broker, queue string, rep *report
 }
 
 // openBroker returns the in-memory broker, or one for cfg.amqpURL.
-func openBroker(cfg config) (*broker.Broker, func(), error) {
-	opts := broker.Options{Logger: cfg.logger, KeepEmptyMessageID: true}
+func openBroker(cfg config, observer broker.Observer) (*broker.Broker, func(), error) {
+	opts := broker.Options{Logger: cfg.logger, KeepEmptyMessageID: true, Observer: observer}
 	if cfg.amqpURL == "" {
 		m := broker.NewMemory()
 		b := m.Broker(opts)

@@ -70,6 +70,11 @@ type DedupOptions struct {
 	// later. It trades the at-most-once effect for availability: a message
 	// may then be processed twice.
 	FailOpen bool
+	// Observe, if set, is called with each of Dedup's events (see
+	// [DedupEvent]), on the goroutine that found it, with the context of
+	// the delivery it concerns. It is meant for metrics and traces: it
+	// must be quick and safe for concurrent use.
+	Observe func(ctx context.Context, e DedupEvent)
 }
 
 // Dedup returns a layer that lets each message's handler succeed at most
@@ -125,11 +130,13 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 		busy:        orDefault(opts.BusyDelay, 5*time.Second),
 		unavailable: orDefault(opts.UnavailableDelay, 5*time.Second),
 		failOpen:    opts.FailOpen,
+		observe:     opts.Observe,
 	}
 	if cfg.key == nil {
 		cfg.key = Key
 	}
 	cfg.renewer = newRenewer(s, cfg.lease)
+	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		return &dedup{dedupConfig: cfg, next: next}
 	}
@@ -151,6 +158,7 @@ type dedupConfig struct {
 	busy        time.Duration
 	unavailable time.Duration
 	failOpen    bool
+	observe     func(context.Context, DedupEvent)
 	renewer     *renewer
 }
 
@@ -196,21 +204,28 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 		rctx, rcancel := context.WithTimeout(bookkeeping(ctx), time.Second)
 		h.store.Release(rctx, key, token)
 		rcancel()
+		notify(h.observe, ctx, DedupUnavailable, key, err)
 		if h.failOpen && ctx.Err() == nil {
 			return h.next.Handle(ctx, d)
 		}
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: %w", ErrStoreUnavailable, key, err), h.unavailable)
 	case status == store.Done:
+		notify(h.observe, ctx, DedupDuplicate, key, nil)
 		return &keyError{key: key, err: rabbitmw.ErrDuplicate}
 	case status == store.Processing:
+		notify(h.observe, ctx, DedupBusy, key, nil)
 		return rabbitmw.RetryAfter(&keyError{key: key, err: ErrBusy}, h.busy)
 	case status == store.Abandoned:
 		// Nothing to wait for: the next claim takes the key. Retry counts
 		// the attempt, and tries again.
+		notify(h.observe, ctx, DedupAbandoned, key, nil)
 		return &keyError{key: key, err: ErrAbandoned}
 	case status != store.Claimed:
-		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status), h.unavailable)
+		err = fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status)
+		notify(h.observe, ctx, DedupUnavailable, key, err)
+		return rabbitmw.RetryAfter(err, h.unavailable)
 	}
+	notify(h.observe, ctx, DedupClaimed, key, nil)
 
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -238,6 +253,7 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 	}
 	if lost != nil {
 		// Another owner has the key, or nobody: nothing to mark.
+		notify(h.observe, ctx, DedupLeaseLost, key, lost)
 		return rabbitmw.RetryAfter(errors.Join(err, lost), h.busy)
 	}
 	if err != nil {
@@ -268,8 +284,10 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 	case errors.Is(cerr, store.ErrLostClaim) && retried:
 		// Likelier than a takeover: an earlier attempt marked the key done
 		// and its answer was lost. The redelivery will tell (a duplicate).
+		notify(h.observe, ctx, DedupLeaseLost, key, cerr)
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded; marking %q done failed, then found the claim gone, most likely marked done by the failed attempt: %w", ErrLeaseLost, key, cerr), h.busy)
 	case errors.Is(cerr, store.ErrLostClaim):
+		notify(h.observe, ctx, DedupLeaseLost, key, cerr)
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but %q was taken over before it was marked done: %w", ErrLeaseLost, key, cerr), h.busy)
 	default:
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but marking %q done failed: %w", ErrStoreUnavailable, key, cerr), h.unavailable)
