@@ -713,9 +713,9 @@ func testServerDown(t *testing.T, be backend) {
 	}
 	q := queueName(t)
 	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
+	start := time.Now() // before the context, whose deadline counts from its making
 	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
 	defer cancel()
-	start := time.Now()
 	err := b.Consume(ctx, q, h, ConsumeOptions{})
 	took := time.Since(start)
 	noErr(t, "Consume when its context is done", err)
