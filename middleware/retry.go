@@ -60,11 +60,15 @@ type RetryOptions struct {
 //     not counted. These are Dedup's ErrBusy, ErrStoreUnavailable and
 //     ErrLeaseLost, and any error once ctx is done (the consumer is
 //     shutting down).
-//   - Dedup's ErrAbandoned: the attempt before never finished (its
-//     consumer died, or lost its lease). It is counted as a failed
-//     attempt. At the limit the message is dead-lettered, with that
-//     reason, without running the handler again. Below it, if s did not
-//     record the failure (s is nil, or its Fail failed), Retry returns it
+//   - Dedup's ErrAbandoned, unmarked as Dedup returns it: the attempt
+//     before never finished (its consumer died, or lost its lease). (If a
+//     layer beneath, such as another Retry, already marked it with
+//     rabbitmw.Permanent, rabbitmw.RetryAfter or rabbitmw.WithAttempts,
+//     that settlement stands, and it is read as the errors below.) It is
+//     counted as a failed attempt. At the limit the message is
+//     dead-lettered, with that reason, without running the handler again.
+//     Below it, if s did not record the failure (s is nil, or its Fail
+//     failed), Retry returns it
 //     wrapped in rabbitmw.RetryAfter with Backoff(n) and the count n: the
 //     copy that the broker package republishes carries n, whereas the
 //     redelivery after a crash of a retry in place would carry the count
@@ -133,7 +137,7 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 	}
 	err := h.next.Handle(ctx, d)
 	counted := 0 // failures of d counted by this delivery
-	if err != nil && errors.Is(err, ErrAbandoned) {
+	if abandoned(err) {
 		// Counted even if ctx is done: the store no longer holds the
 		// abandoned claim, so nothing else can count it.
 		n, stored, cerr := h.count(ctx, d, 0)
@@ -220,6 +224,17 @@ func (e *exhaustedError) Error() string {
 func (e *exhaustedError) Unwrap() error { return e.err }
 
 func (e *exhaustedError) Is(target error) bool { return target == ErrRetriesExhausted }
+
+// abandoned reports whether err is Dedup's ErrAbandoned as Dedup returns
+// it, not a settlement that a layer beneath (another Retry) already decided
+// and counted, such as its dead-letter at the limit.
+func abandoned(err error) bool {
+	if err == nil {
+		return false
+	}
+	dec := rabbitmw.Decide(err)
+	return dec.Outcome == rabbitmw.Requeue && dec.Attempts == 0 && errors.Is(err, ErrAbandoned)
+}
 
 // notAFailure reports whether err says the message was not at fault: it was
 // not attempted, or its attempt succeeded but could not be recorded.

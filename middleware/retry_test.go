@@ -379,6 +379,33 @@ func TestRetryAbandonedCrashLoop(t *testing.T) {
 	}
 }
 
+// Two Retry layers (a service-wide one around a per-handler one, say):
+// the inner dead-letters an abandoned message at its limit without running
+// the handler again. Its result still wraps ErrAbandoned, but the outer
+// reads it as the dead-letter it is: it does not count the attempt again
+// nor, below its own limit, run the handler again.
+func TestRetryNestedKeepsTheInnerDeadLetterOfAnAbandonedMessage(t *testing.T) {
+	ctx := context.Background()
+	s := store.NewMemory()
+	s.Fail(ctx, "m1", time.Hour)
+	s.Fail(ctx, "m1", time.Hour) // two crashes counted already
+	calls := 0
+	inner := middleware.Retry(s, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})
+	outer := middleware.Retry(s, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})
+	h := outer(inner(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+		calls++
+		if calls == 1 {
+			return abandoned // the third crash
+		}
+		return errBoom // stands for the crash it would be
+	})))
+	d, _ := deliver("m1", "")
+	err := h.Handle(ctx, d)
+	if dec := rabbitmw.Decide(err); calls != 1 || dec.Outcome != rabbitmw.DeadLetter {
+		t.Errorf("handler called %d times, %v (%v); want 1 call, dead-lettered at the inner limit", calls, dec.Outcome, err)
+	}
+}
+
 // Two messages whose attempts were abandoned together are not tried again
 // together: while one is retried, the retry of the other waits for its
 // turn, so that if the first kills the process again, the second is not in
