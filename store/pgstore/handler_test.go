@@ -161,6 +161,40 @@ func TestHandlerLostClaimRollsBack(t *testing.T) {
 	}
 }
 
+// A Dedup over another store (Redis, kept from before the inbox, or a
+// Memory in a test) is as wrong as no Dedup, though it gives the handler a
+// claim: the done mark finds no row for the key, and the message is
+// dead-lettered with ErrNoClaim, not rolled back as a lost lease (which
+// Retry does not count) and delayed forever.
+func TestHandlerUnderDedupOfAnotherStore(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	other := store.NewMemory()
+	h := rabbitmw.Chain(
+		middleware.Retry(other, middleware.RetryOptions{MaxAttempts: 3}),
+		middleware.Recover(),
+		middleware.Dedup(other, middleware.DedupOptions{}),
+	)(pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}))
+	var last rabbitmw.Decision
+	for attempt := 1; attempt <= 10; attempt++ {
+		d := delivery("m1")
+		d.Redelivered = attempt > 1
+		last = rabbitmw.Decide(h.Handle(ctx, d))
+		if last.Outcome == rabbitmw.Ack || last.Outcome == rabbitmw.DeadLetter {
+			break
+		}
+	}
+	if last.Outcome != rabbitmw.DeadLetter {
+		t.Errorf("after 10 deliveries under a Dedup of another store: %v after %v, attempts %d (%v); want dead-lettered, the chain being built wrong",
+			last.Outcome, last.Delay, last.Attempts, last.Err)
+	} else if !errors.Is(last.Err, pgstore.ErrNoClaim) {
+		t.Errorf("dead-lettered with %v; want ErrNoClaim", last.Err)
+	}
+	if n := f.count(t, "m1"); n != 0 {
+		t.Errorf("%d effects committed; want 0", n)
+	}
+}
+
 // A connection that drops itself right after it sent a COMMIT: the server
 // commits, the client never hears.
 type commitCutter struct {
