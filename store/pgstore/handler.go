@@ -146,12 +146,15 @@ func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitm
 		return h.handle(ctx, func(ctx context.Context) (txn, error) {
 			// database/sql rolls a transaction back when the context of
 			// BeginTx ends: that would take the commit's decision away
-			// from handle. Statements still run under ctx.
-			tx, err := db.BeginTx(context.WithoutCancel(ctx), txo)
+			// from handle, so the transaction's context ends only when
+			// sqlTxn says so. Statements still run under ctx.
+			tctx, end := context.WithCancel(context.WithoutCancel(ctx))
+			tx, err := db.BeginTx(tctx, txo)
 			if err != nil {
+				end()
 				return nil, err
 			}
-			return sqlTxn{tx}, nil
+			return sqlTxn{tx, end}, nil
 		}, func(ctx context.Context, t txn) error {
 			return fn(ctx, t.(sqlTxn).Tx, d)
 		})
@@ -179,7 +182,16 @@ func (t pgxTxn) queryInt(ctx context.Context, sql string, args ...any) (n int, e
 func (t pgxTxn) commit(ctx context.Context) error   { return t.Commit(ctx) }
 func (t pgxTxn) rollback(ctx context.Context) error { return t.Rollback(ctx) }
 
-type sqlTxn struct{ *sql.Tx }
+// An sqlTxn is a transaction of database/sql, whose Commit and Rollback
+// take no context: pgx's driver runs them under the context the
+// transaction began with, so ending that context (end) bounds them.
+// Commit marks the transaction done before it sends the COMMIT, so an end
+// during the COMMIT does not roll it back: it abandons the connection, and
+// the outcome is unknown.
+type sqlTxn struct {
+	*sql.Tx
+	end context.CancelFunc
+}
 
 func (sqlTxn) broken() bool { return false } // database/sql does not say; lost reports driver.ErrBadConn
 
@@ -187,8 +199,17 @@ func (t sqlTxn) queryInt(ctx context.Context, sql string, args ...any) (n int, e
 	err = t.QueryRowContext(ctx, sql, args...).Scan(&n)
 	return n, err
 }
-func (t sqlTxn) commit(context.Context) error   { return t.Commit() }
-func (t sqlTxn) rollback(context.Context) error { return t.Rollback() }
+func (t sqlTxn) commit(ctx context.Context) error   { return t.settle(ctx, t.Commit) }
+func (t sqlTxn) rollback(ctx context.Context) error { return t.settle(ctx, t.Rollback) }
+
+// settle runs commit or rollback, ending the transaction's context if ctx
+// is done first, and in any case when it returns.
+func (t sqlTxn) settle(ctx context.Context, f func() error) error {
+	stop := context.AfterFunc(ctx, t.end)
+	defer t.end()
+	defer stop()
+	return f()
+}
 
 // lost reports whether err says the database could not be reached or
 // went away: the connection broke (class 08), or the server is shutting
