@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -298,6 +299,110 @@ func TestRetryAbandoned(t *testing.T) {
 				t.Errorf("failure count afterwards = %d; want %d", n-1, tt.wantCount)
 			}
 		})
+	}
+}
+
+// ErrAbandoned promises that a message that kills every consumer that
+// handles it is dead-lettered after MaxAttempts crashes. Each life of the
+// consumer below finds the claim of the life before abandoned, and dies in
+// the handler if it runs it (runtime.Goexit ends the goroutine; Dedup's
+// deferred release runs, so each life first plants the dead claim that a
+// SIGKILL leaves, and lets its lease end). The redelivery after a crash
+// carries the same headers as the delivery before, so when Retry cannot
+// count the abandoned attempt in its store (it has none, or Fail fails), it
+// delays the message instead of trying it again in place: the broker's
+// delayed copy carries the count, and the next life counts on from it.
+func TestRetryAbandonedCrashLoop(t *testing.T) {
+	for _, tt := range []struct {
+		name       string
+		retryStore func(store.Store) store.Store
+	}{
+		{"Retry with the store", func(s store.Store) store.Store { return s }},
+		{"Retry with a nil store", func(store.Store) store.Store { return nil }},
+		{"Retry with a store that cannot count", func(s store.Store) store.Store {
+			f := &faultyStore{Store: s}
+			set(&f.fail, errors.New("connection refused"))
+			return f
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ctx := context.Background()
+				s := store.NewMemory()
+				const lease = time.Minute
+				ran, lives := 0, 6
+				var final error
+				headers := amqp.Table{} // of the next delivery
+				for life := 1; life <= lives && final == nil; life++ {
+					// The previous life died holding the claim; its lease ended.
+					if st, err := s.Claim(ctx, "m1", "dead-process-token", lease); err != nil || st != store.Claimed {
+						t.Fatalf("life %d: planting the dead claim: %v, %v", life, st, err)
+					}
+					time.Sleep(lease + time.Second)
+					h := middleware.Retry(tt.retryStore(s), middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})(
+						middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+							func(context.Context, *amqp.Delivery) error {
+								ran++
+								runtime.Goexit() // the consumer dies here
+								return nil
+							})))
+					d, _ := deliver("m1", "")
+					d.Redelivered = true
+					d.Headers = headers
+					result := make(chan error, 1)
+					exited := make(chan struct{})
+					go func() {
+						defer close(exited)
+						result <- h.Handle(ctx, d)
+					}()
+					<-exited
+					select {
+					case final = <-result:
+						if dec := rabbitmw.Decide(final); dec.Outcome == rabbitmw.Delay {
+							// The broker republishes a copy with the count;
+							// the handler kills the consumer on it, and its
+							// redelivery comes to the next life.
+							headers = amqp.Table{rabbitmw.HeaderAttempts: int32(dec.Attempts)}
+							final = nil
+						}
+					default: // died
+					}
+				}
+				if final == nil {
+					t.Fatalf("the handler ran (and killed its consumer) %d times in %d lives, never dead-lettered; want a dead-letter after MaxAttempts 3", ran, lives)
+				}
+				if dec := rabbitmw.Decide(final); dec.Outcome != rabbitmw.DeadLetter || !errors.Is(final, middleware.ErrAbandoned) {
+					t.Errorf("final result %v: %v; want dead-lettered with ErrAbandoned", final, dec.Outcome)
+				}
+			})
+		})
+	}
+}
+
+// Two Retry layers (a service-wide one around a per-handler one, say):
+// the inner dead-letters an abandoned message at its limit without running
+// the handler again. Its result still wraps ErrAbandoned, but the outer
+// reads it as the dead-letter it is: it does not count the attempt again
+// nor, below its own limit, run the handler again.
+func TestRetryNestedKeepsTheInnerDeadLetterOfAnAbandonedMessage(t *testing.T) {
+	ctx := context.Background()
+	s := store.NewMemory()
+	s.Fail(ctx, "m1", time.Hour)
+	s.Fail(ctx, "m1", time.Hour) // two crashes counted already
+	calls := 0
+	inner := middleware.Retry(s, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})
+	outer := middleware.Retry(s, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})
+	h := outer(inner(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+		calls++
+		if calls == 1 {
+			return abandoned // the third crash
+		}
+		return errBoom // stands for the crash it would be
+	})))
+	d, _ := deliver("m1", "")
+	err := h.Handle(ctx, d)
+	if dec := rabbitmw.Decide(err); calls != 1 || dec.Outcome != rabbitmw.DeadLetter {
+		t.Errorf("handler called %d times, %v (%v); want 1 call, dead-lettered at the inner limit", calls, dec.Outcome, err)
 	}
 }
 

@@ -20,7 +20,9 @@ import (
 // Errors of [Handler] and [SQLHandler].
 var (
 	// ErrNoClaim: the handler runs without a claim of middleware.Dedup
-	// over the same Store, so it has no key to mark done. The message is
+	// over the same Store, so it has no key to mark done: no Dedup runs in
+	// front of it, or one over another store (the done mark then finds no
+	// row for the key while Dedup's claim holds). The message is
 	// dead-lettered: the chain is built wrong.
 	ErrNoClaim = errors.New("pgstore: the transactional handler runs without a claim: put middleware.Dedup, over the same pgstore.Store, in front of it")
 	// ErrTxSettled: the function committed or rolled back the transaction
@@ -92,7 +94,8 @@ type HandlerOptions struct {
 //     took effect, the key is done and the redelivery is a duplicate; if
 //     not, nothing was committed and the redelivery runs fn again.
 //   - fn committed or rolled back tx: [ErrTxSettled], dead-lettered.
-//   - no Dedup in front: [ErrNoClaim], dead-lettered.
+//   - no Dedup in front, or a Dedup over another store: [ErrNoClaim],
+//     dead-lettered.
 //
 // The transaction touches the claim's row only at step 3, just before the
 // commit, so Dedup's lease renewals (on connections of their own, see
@@ -143,12 +146,15 @@ func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitm
 		return h.handle(ctx, func(ctx context.Context) (txn, error) {
 			// database/sql rolls a transaction back when the context of
 			// BeginTx ends: that would take the commit's decision away
-			// from handle. Statements still run under ctx.
-			tx, err := db.BeginTx(context.WithoutCancel(ctx), txo)
+			// from handle, so the transaction's context ends only when
+			// sqlTxn says so. Statements still run under ctx.
+			tctx, end := context.WithCancel(context.WithoutCancel(ctx))
+			tx, err := db.BeginTx(tctx, txo)
 			if err != nil {
+				end()
 				return nil, err
 			}
-			return sqlTxn{tx}, nil
+			return sqlTxn{tx, end}, nil
 		}, func(ctx context.Context, t txn) error {
 			return fn(ctx, t.(sqlTxn).Tx, d)
 		})
@@ -159,7 +165,8 @@ func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitm
 type txn interface {
 	// broken reports whether the transaction's connection is gone.
 	broken() bool
-	exec(ctx context.Context, sql string, args ...any) (rows int64, err error)
+	// queryInt runs a statement that answers one integer.
+	queryInt(ctx context.Context, sql string, args ...any) (int, error)
 	commit(ctx context.Context) error
 	rollback(ctx context.Context) error
 }
@@ -168,26 +175,41 @@ type pgxTxn struct{ pgx.Tx }
 
 func (t pgxTxn) broken() bool { return t.Conn().IsClosed() }
 
-func (t pgxTxn) exec(ctx context.Context, sql string, args ...any) (int64, error) {
-	tag, err := t.Exec(ctx, sql, args...)
-	return tag.RowsAffected(), err
+func (t pgxTxn) queryInt(ctx context.Context, sql string, args ...any) (n int, err error) {
+	err = t.QueryRow(ctx, sql, args...).Scan(&n)
+	return n, err
 }
 func (t pgxTxn) commit(ctx context.Context) error   { return t.Commit(ctx) }
 func (t pgxTxn) rollback(ctx context.Context) error { return t.Rollback(ctx) }
 
-type sqlTxn struct{ *sql.Tx }
+// An sqlTxn is a transaction of database/sql, whose Commit and Rollback
+// take no context: pgx's driver runs them under the context the
+// transaction began with, so ending that context (end) bounds them.
+// Commit marks the transaction done before it sends the COMMIT, so an end
+// during the COMMIT does not roll it back: it abandons the connection, and
+// the outcome is unknown.
+type sqlTxn struct {
+	*sql.Tx
+	end context.CancelFunc
+}
 
 func (sqlTxn) broken() bool { return false } // database/sql does not say; lost reports driver.ErrBadConn
 
-func (t sqlTxn) exec(ctx context.Context, sql string, args ...any) (int64, error) {
-	res, err := t.ExecContext(ctx, sql, args...)
-	if err != nil {
-		return 0, err
-	}
-	return res.RowsAffected()
+func (t sqlTxn) queryInt(ctx context.Context, sql string, args ...any) (n int, err error) {
+	err = t.QueryRowContext(ctx, sql, args...).Scan(&n)
+	return n, err
 }
-func (t sqlTxn) commit(context.Context) error   { return t.Commit() }
-func (t sqlTxn) rollback(context.Context) error { return t.Rollback() }
+func (t sqlTxn) commit(ctx context.Context) error   { return t.settle(ctx, t.Commit) }
+func (t sqlTxn) rollback(ctx context.Context) error { return t.settle(ctx, t.Rollback) }
+
+// settle runs commit or rollback, ending the transaction's context if ctx
+// is done first, and in any case when it returns.
+func (t sqlTxn) settle(ctx context.Context, f func() error) error {
+	stop := context.AfterFunc(ctx, t.end)
+	defer t.end()
+	defer stop()
+	return f()
+}
 
 // lost reports whether err says the database could not be reached or
 // went away: the connection broke (class 08), or the server is shutting
@@ -252,7 +274,7 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		}
 		return err
 	}
-	n, err := t.exec(ctx, h.s.markSQL, []byte(key), []byte(c.Token()), c.Retention())
+	marked, err := t.queryInt(ctx, h.s.markSQL, []byte(key), []byte(c.Token()), c.Retention())
 	switch {
 	case err != nil && ctx.Err() != nil:
 		// Cancelled: by the Timeout layer, or by Dedup because the lease
@@ -268,7 +290,12 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		return fmt.Errorf("pgstore: mark %q done: %w", key, err)
 	case err != nil:
 		return h.unavailable(fmt.Errorf("pgstore: mark %q done: %w", key, err))
-	case n == 0:
+	case marked < 0 && ctx.Err() == nil:
+		// No row at all, while Dedup still holds its claim (it would have
+		// cancelled ctx had its renewals found the row gone): the claim is
+		// in another store.
+		return rabbitmw.Permanent(fmt.Errorf("%w: key %q has no claim in this store: the Dedup in front holds its claim in another store", ErrNoClaim, key))
+	case marked <= 0:
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: %q is no longer owned by this claim (its lease ended, or another consumer took it over): the transaction was rolled back", middleware.ErrLeaseLost, key), h.retry)
 	}
 	open = false

@@ -161,6 +161,40 @@ func TestHandlerLostClaimRollsBack(t *testing.T) {
 	}
 }
 
+// A Dedup over another store (Redis, kept from before the inbox, or a
+// Memory in a test) is as wrong as no Dedup, though it gives the handler a
+// claim: the done mark finds no row for the key, and the message is
+// dead-lettered with ErrNoClaim, not rolled back as a lost lease (which
+// Retry does not count) and delayed forever.
+func TestHandlerUnderDedupOfAnotherStore(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	other := store.NewMemory()
+	h := rabbitmw.Chain(
+		middleware.Retry(other, middleware.RetryOptions{MaxAttempts: 3}),
+		middleware.Recover(),
+		middleware.Dedup(other, middleware.DedupOptions{}),
+	)(pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}))
+	var last rabbitmw.Decision
+	for attempt := 1; attempt <= 10; attempt++ {
+		d := delivery("m1")
+		d.Redelivered = attempt > 1
+		last = rabbitmw.Decide(h.Handle(ctx, d))
+		if last.Outcome == rabbitmw.Ack || last.Outcome == rabbitmw.DeadLetter {
+			break
+		}
+	}
+	if last.Outcome != rabbitmw.DeadLetter {
+		t.Errorf("after 10 deliveries under a Dedup of another store: %v after %v, attempts %d (%v); want dead-lettered, the chain being built wrong",
+			last.Outcome, last.Delay, last.Attempts, last.Err)
+	} else if !errors.Is(last.Err, pgstore.ErrNoClaim) {
+		t.Errorf("dead-lettered with %v; want ErrNoClaim", last.Err)
+	}
+	if n := f.count(t, "m1"); n != 0 {
+		t.Errorf("%d effects committed; want 0", n)
+	}
+}
+
 // A connection that drops itself right after it sent a COMMIT: the server
 // commits, the client never hears.
 type commitCutter struct {
@@ -219,6 +253,88 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 	// Nor is the lost answer counted as a failure of the message.
 	if n, err := f.st.Fail(ctx, "m1", time.Minute); err != nil || n != 1 {
 		t.Errorf("failure count = %d, %v; want 0 before this Fail", n-1, err)
+	}
+}
+
+// A connection that swallows the COMMIT it is asked to send, once armed:
+// the server never answers, as when the network drops it.
+type commitSwallower struct {
+	net.Conn
+	armed *atomic.Bool
+}
+
+func (c commitSwallower) Write(b []byte) (int, error) {
+	if len(b) > 0 && b[0] == 'Q' && bytes.Contains(bytes.ToLower(b), []byte("commit")) && c.armed.CompareAndSwap(true, false) {
+		return len(b), nil
+	}
+	return c.Conn.Write(b)
+}
+
+// HandlerOptions.CommitTimeout bounds the commit, of Handler and of
+// SQLHandler alike (database/sql's Commit takes no context): a commit whose
+// answer never comes does not hold the delivery, its worker and its row
+// lock forever; its outcome is unknown, so the store is unavailable.
+func TestHandlerCommitTimeoutBoundsTheCommit(t *testing.T) {
+	ctx := context.Background()
+	base := newPool(t)
+	cfg := base.Config()
+	var armed atomic.Bool
+	var mu sync.Mutex
+	var conns []net.Conn
+	dial := cfg.ConnConfig.DialFunc
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		mu.Lock()
+		conns = append(conns, c)
+		mu.Unlock()
+		return commitSwallower{c, &armed}, nil
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	f := newInbox(t, pool)
+	db := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { db.Close() })
+	t.Cleanup(func() { // unblocks a commit still waiting
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	opts := pgstore.HandlerOptions{CommitTimeout: 200 * time.Millisecond}
+	for _, tt := range []struct {
+		name string
+		h    rabbitmw.Handler
+	}{
+		{"Handler", pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+			armed.Store(true)
+			return f.insert(ctx, tx, d)
+		}, opts)},
+		{"SQLHandler", pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
+			armed.Store(true)
+			_, err := tx.ExecContext(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId)
+			return err
+		}, opts)},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := rabbitmw.Chain(middleware.Dedup(f.st, middleware.DedupOptions{}))(tt.h)
+			done := make(chan error, 1)
+			go func() { done <- h.Handle(ctx, delivery("m-"+tt.name)) }()
+			select {
+			case err := <-done:
+				if !errors.Is(err, middleware.ErrStoreUnavailable) {
+					t.Errorf("Handle = %v; want ErrStoreUnavailable (the commit's answer was lost)", err)
+				}
+			case <-time.After(15 * time.Second): // waits for the real server's (non-)answer
+				t.Errorf("Handle still waiting on its commit 15 s after it was sent, with CommitTimeout %v", opts.CommitTimeout)
+			}
+		})
 	}
 }
 

@@ -164,10 +164,17 @@ WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 SET token = NULL, lease_until = statement_timestamp() + $3::interval, forget_at = statement_timestamp() + $3::interval
 WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 	// The done mark of Handler: Complete, in the handler's transaction.
-	// clock_timestamp: the transaction may have waited on a row lock.
-	s.markSQL = `UPDATE ` + c + `
-SET token = NULL, lease_until = clock_timestamp() + $3::interval, forget_at = clock_timestamp() + $3::interval
-WHERE key = $1 AND token = $2 AND lease_until > clock_timestamp()`
+	// clock_timestamp: the transaction may have waited on a row lock. It
+	// answers 1 if it marked the key done; else 0 if the key has a row
+	// (another claim's, or an ended lease), -1 if it has none. CASE looks
+	// the row up only when the mark missed.
+	s.markSQL = `WITH marked AS (
+  UPDATE ` + c + `
+  SET token = NULL, lease_until = clock_timestamp() + $3::interval, forget_at = clock_timestamp() + $3::interval
+  WHERE key = $1 AND token = $2 AND lease_until > clock_timestamp()
+  RETURNING 1
+)
+SELECT CASE WHEN EXISTS (SELECT FROM marked) THEN 1 WHEN EXISTS (SELECT FROM ` + c + ` WHERE key = $1) THEN 0 ELSE -1 END`
 	s.releaseSQL = `DELETE FROM ` + c + ` WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 	s.failSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at) VALUES ($1, 1, statement_timestamp() + $2::interval)
 ON CONFLICT (key) DO UPDATE
