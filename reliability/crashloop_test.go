@@ -2,7 +2,7 @@
 
 package reliability_test
 
-// Scenario 9, a message that kills its consumer: among a stream of orders,
+// Scenario 10, a message that kills its consumer: among a stream of orders,
 // one makes the consumer process SIGKILL itself (as an OOM kill or a
 // segfault in cgo would), on a classic queue and on a quorum queue with a
 // delivery limit (the README's setup). A supervisor restarts the consumer
@@ -224,7 +224,7 @@ wait:
 		twice = "twice: none may be, effect and done mark commit together"
 	}
 	record(t, row{
-		Scenario:     "9 message that kills its consumer, " + kind,
+		Scenario:     "10 message that kills its consumer, " + kind,
 		Messages:     len(msgs),
 		Duplicates:   0,
 		Faults:       fmt.Sprintf("1 order SIGKILLs its consumer, which is restarted; lease %v, MaxAttempts %d", crashLoopLease, crashLoopAttempts),

@@ -2,7 +2,7 @@
 
 package reliability_test
 
-// Scenario 9 over the PostgreSQL inbox: as TestCrashLoop's classic queue,
+// Scenario 10 over the PostgreSQL inbox: as TestCrashLoop's classic queue,
 // with the orders' effects rows in the transaction that commits their done
 // marks. The killer must reach the dead-letter queue after at most
 // MaxAttempts deaths, counted through the abandoned claims in pgstore's

@@ -2,7 +2,7 @@
 
 package reliability_test
 
-// Scenario 10, shutdown past its deadline: a consumer holds 16 slow orders
+// Scenario 11, shutdown past its deadline: a consumer holds 16 slow orders
 // (one per worker) when it gets SIGTERM. Its ShutdownTimeout (300 ms)
 // passes, the handlers' context is cancelled, and each returns its result
 // all the same: a delay, whose copy goes to the delay queue, or a
@@ -142,7 +142,7 @@ func TestShutdownPastDeadline(t *testing.T) {
 	t.Logf("%d orders: %d in one place, %d twice or more (%d copies too many), %d lost; %d settlements failed; took %v",
 		orders, once, twice, extra, lost, settleErrors, time.Since(began).Round(time.Millisecond))
 	record(t, row{
-		Scenario:     "10 shutdown past its deadline",
+		Scenario:     "11 shutdown past its deadline",
 		Messages:     orders,
 		Faults:       fmt.Sprintf("%d × SIGTERM with %d slow handlers, ShutdownTimeout 300 ms", rounds, workers),
 		Once:         once,

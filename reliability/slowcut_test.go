@@ -2,7 +2,7 @@
 
 package reliability_test
 
-// Scenario 11, a slow handler during a connection loss: the consumer
+// Scenario 12, a slow handler during a connection loss: the consumer
 // reaches RabbitMQ through a TCP proxy. One order takes 20 s; two seconds
 // into it, the proxy closes every connection through it, and an order is
 // published right after. The consumer must connect again at once, not
@@ -102,7 +102,7 @@ func TestSlowHandlerConnectionCut(t *testing.T) {
 	t.Logf("consumer: %+v; took %v", e.stats[0], time.Since(began).Round(time.Millisecond))
 	v := e.v
 	record(t, row{
-		Scenario:     "11 slow handler, connection cut",
+		Scenario:     "12 slow handler, connection cut",
 		Messages:     len(ids),
 		Faults:       fmt.Sprintf("TCP proxy closes the connection %v into a %v handler", 2*time.Second, hold),
 		Once:         len(v.once),
