@@ -68,8 +68,11 @@ type Topology struct {
 	// DeliveryLimit sets x-delivery-limit on a quorum work queue: after
 	// that many returns to the queue (requeues, lost connections), the
 	// server dead-letters the message to the dead-letter queue, without
-	// fault headers. It is a safety net under the Retry layer. 0 means none;
-	// it requires Quorum.
+	// fault headers. It counts the returns of one copy only: every delayed
+	// retry and every "busy" delay is a fresh copy whose count starts
+	// again, so it does not stop a message that kills its consumer (the
+	// Retry layer does: a death is a failed attempt). 0 means none; it
+	// requires Quorum.
 	DeliveryLimit int
 }
 
