@@ -78,6 +78,8 @@ type consumerOpts struct {
 	mode                   string
 	work, hold             time.Duration
 	countDeliveries        bool
+	amqpURL                string        // instead of the run's (a proxy's, say)
+	retryAfter             time.Duration // for poison-mode orders of kind "retry"
 }
 
 func (o consumerOpts) args() []string {
@@ -117,6 +119,8 @@ func (o consumerOpts) args() []string {
 	if o.countDeliveries {
 		a = append(a, "-count-deliveries")
 	}
+	str("amqp", o.amqpURL) // after the run's -amqp: the last one counts
+	dur("retry-after", o.retryAfter)
 	return a
 }
 

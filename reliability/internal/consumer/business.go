@@ -30,7 +30,10 @@ return n`)
 // A poison-mode body is a JSON object; its kind says what the handler does
 // with it. A body that is not JSON is malformed: dead-lettered at once.
 type order struct {
-	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "panic"
+	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "panic", "retry"
+	// Fails is, for kind "retry", how many of the handler's first calls
+	// ask for a retry after -retry-after; the calls after them succeed.
+	Fails int64 `json:"fails"`
 }
 
 var (
@@ -100,7 +103,8 @@ func (b *business) slow(ctx context.Context, id string) error {
 
 // poison handles a JSON order by its kind.
 func (b *business) poison(ctx context.Context, id string, body []byte) error {
-	b.rdb.Incr(ctx, b.key("attempts:"+id))
+	// On a Redis error calls is 0: a "retry" order asks for a retry.
+	calls, _ := b.rdb.Incr(ctx, b.key("attempts:"+id)).Result()
 	var o order
 	if err := json.Unmarshal(body, &o); err != nil {
 		return rabbitmw.Permanent(fmt.Errorf("business: malformed order: %w", err))
@@ -114,6 +118,11 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 		return errGateway
 	case "panic":
 		panic("business: order " + id + " panicked")
+	case "retry":
+		if calls <= o.Fails {
+			return rabbitmw.RetryAfter(errGateway, b.cfg.retryAfter)
+		}
+		return b.apply(ctx, id)
 	}
 	return rabbitmw.Permanent(fmt.Errorf("business: unknown order kind %q", o.Kind))
 }

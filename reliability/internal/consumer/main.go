@@ -80,6 +80,7 @@ type config struct {
 	hold            time.Duration
 	countDeliveries bool
 	shutdownTimeout time.Duration
+	retryAfter      time.Duration
 }
 
 func parseFlags(args []string) (config, error) {
@@ -109,6 +110,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.hold, "hold", 5*time.Second, "slow and stubborn modes: time spent before the effect")
 	fs.BoolVar(&c.countDeliveries, "count-deliveries", false, "count the deliveries of each message")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 10*time.Second, "ConsumeOptions.ShutdownTimeout")
+	fs.DurationVar(&c.retryAfter, "retry-after", time.Millisecond, "poison mode, kind retry: the delay its failed calls ask for (rabbitmw.RetryAfter)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
