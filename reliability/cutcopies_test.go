@@ -3,22 +3,25 @@
 package reliability_test
 
 // Connection cuts while copies are in flight: most results are delays and
-// dead-letters, so that at every cut the consumer is publishing delay and
-// dead-letter copies and waiting for their confirms. A TCP proxy between
-// the consumer process and RabbitMQ closes the consumer's connections
-// 200 ms after each reconnection, while messages keep coming. After every cut the consumer
-// connects again and resumes; messages published after the last cut are
-// consumed; nothing is lost and no effect happens twice. Dead-letter
-// copies may exist twice (a copy confirmed, then the ack of its original
-// lost with the connection): they are counted.
+// dead-letters, so that at every cut the consumers are publishing delay
+// and dead-letter copies and waiting for their confirms. A TCP proxy
+// between two consumer processes and RabbitMQ closes their connections
+// 40 ms after they consume again, 60 times, while messages keep coming.
+// After every cut the consumers connect again and resume; messages
+// published after the last cut are consumed; nothing is lost and no
+// effect happens twice. Dead-letter copies may exist twice (a copy
+// confirmed, then the ack of its original lost with the connection): they
+// are counted.
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"net"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -29,13 +32,12 @@ import (
 
 func TestCutsWithCopiesInFlight(t *testing.T) {
 	const (
-		backlog   = 200 // published before the first cut
-		batches   = 40  // one per cut
-		perBatch  = 15
-		every     = 200 * time.Millisecond
-		tail      = 100 // published after the last cut
-		attempts  = 4   // the consumer's Retry limit
-		retryFail = 1   // failed calls of a "retry" order before it succeeds
+		backlog  = 200 // published before the first cut
+		batches  = 60  // one per cut
+		perBatch = 8
+		every    = 40 * time.Millisecond
+		tail     = 100 // published after the last cut
+		attempts = 4   // the consumer's Retry limit
 	)
 	rng := rand.New(rand.NewPCG(seed(t), 11))
 	r := newRun(t, "cutcopies", 50*time.Millisecond)
@@ -59,30 +61,33 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 		busy:        50 * time.Millisecond,
 		unavailable: 50 * time.Millisecond,
 		timeout:     5 * time.Second,
-		// Longer than the one delay queue: a failed "retry" order cycles
-		// through it, unhandled, until it is due (HeaderNotBefore), a
-		// copy every 50 ms or so.
-		retryAfter: 3 * time.Second,
+		// Reconnections within 100 ms, so that the cuts come fast: the
+		// backoff never resets, each session lasting less than a second.
+		reconnectMax: 100 * time.Millisecond,
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	began := time.Now()
 
-	// Three orders in five succeed after one retry, three seconds later
-	// (dozens of delay copies each), one is refused (a dead-letter copy),
-	// one always fails (three delay copies, then a dead-letter copy).
+	// A "retry" order fails once and asks to be retried after a delay
+	// longer than the one delay queue: it cycles through that queue,
+	// unhandled, a copy every 50 ms or so, until it is due
+	// (HeaderNotBefore); then it succeeds. The backlog's retry orders
+	// cycle through most of the cuts, the later ones for a second. A
+	// "poison" order is refused (a dead-letter copy); a "fail" order
+	// always fails (three delay copies, then a dead-letter copy).
 	var (
 		effectIDs, deadIDs, all []string
 		n                       int
 	)
-	next := func(kind string) amqp.Publishing {
+	next := func(kind, after string) amqp.Publishing {
 		id := fmt.Sprintf("c-%05d", n)
 		n++
 		all = append(all, id)
 		body := map[string]any{"kind": kind}
 		switch kind {
 		case "retry":
-			body["fails"] = retryFail
+			body["fails"], body["after"] = 1, after
 			effectIDs = append(effectIDs, id)
 		case "ok":
 			effectIDs = append(effectIDs, id)
@@ -92,10 +97,10 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 		b, _ := json.Marshal(body)
 		return amqp.Publishing{MessageId: id, Body: b}
 	}
-	batch := func(size int, kinds ...string) []amqp.Publishing {
+	batch := func(size int, after string, kinds ...string) []amqp.Publishing {
 		msgs := make([]amqp.Publishing, size)
 		for i := range msgs {
-			msgs[i] = next(kinds[rng.IntN(len(kinds))])
+			msgs[i] = next(kinds[rng.IntN(len(kinds))], after)
 		}
 		return msgs
 	}
@@ -106,22 +111,25 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 		}
 	}
 
-	p := r.startConsumer("cuts-A", opts)
+	var consumes atomic.Int64 // basic.consume methods sent through the proxy
+	px.onSent(func(b []byte) {
+		if bytes.Contains(b, basicConsume) {
+			consumes.Add(1)
+		}
+	})
+	procs := []*proc{r.startConsumer("cuts-A", opts), r.startConsumer("cuts-B", opts)}
 	mix := []string{"retry", "retry", "retry", "poison", "fail"}
-	publish(batch(backlog, mix...))
-	if err := r.waitCount(ctx, "distinct", 1); err != nil {
-		t.Fatal(err)
-	}
-	// A batch, then a cut once the consumer has been connected for
-	// a while: every cut finds a session at work, with copies in flight.
+	publish(batch(backlog, "10s", mix...))
+	// A batch, then a cut once every consumer is consuming again (its
+	// basic.consume went through the proxy) and has been for a moment:
+	// every cut finds sessions at work, with copies in flight, and none
+	// in its handshake.
 	var progress []int64
 	for range batches {
-		publish(batch(perBatch, mix...))
-		cctx, ccancel := context.WithTimeout(ctx, 20*time.Second)
-		err := px.awaitConn(cctx)
-		ccancel()
-		if err != nil {
-			t.Fatalf("the consumer did not connect again within 20s of cut %d (%d effects then): %v", len(progress), r.count(ctx, "total"), err)
+		publish(batch(perBatch, "1s", mix...))
+		want := int64(len(progress)+1) * int64(len(procs))
+		if err := awaitCount(ctx, &consumes, want, 20*time.Second); err != nil {
+			t.Fatalf("the consumers did not all consume again within 20s of cut %d (%d effects then): %v", len(progress), r.count(ctx, "total"), err)
 		}
 		time.Sleep(every)
 		px.heal() // closes every connection through the proxy
@@ -130,16 +138,19 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	lastCut := time.Now()
 	atLastCut := r.count(ctx, "total")
 
-	// The consumer must resume after the last cut: these are consumed
-	// only if it does.
-	publish(batch(tail, "ok", "retry"))
+	// The consumers must resume after the last cut: these are consumed
+	// only if they do.
+	publish(batch(tail, "1s", "ok", "retry"))
 	qctx, qcancel := context.WithTimeout(ctx, 40*time.Second)
 	defer qcancel()
 	if err := r.awaitQuiet(qctx, len(all), 2*time.Second); err != nil {
 		t.Fatalf("after the last cut (%d effects then): %v", atLastCut, err)
 	}
-	resumedIn := time.Since(lastCut)
-	e := r.end(ctx, all, p)
+	endedIn := time.Since(lastCut)
+	if n, want := consumes.Load(), int64(batches+1)*int64(len(procs)); n < want {
+		t.Errorf("%d basic.consume sent in all; want %d, one per consumer before the first cut and after each", n, want)
+	}
+	e := r.end(ctx, all, procs...)
 	v := e.v
 
 	dlqCopies := map[string]int{}
@@ -178,41 +189,48 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(notDead), first(notDead), len(noEffect), first(noEffect))
 	}
 	if after := r.count(ctx, "total"); after <= atLastCut {
-		t.Errorf("effects: %d at the last cut, %d at the end; want more (the consumer resumed)", atLastCut, after)
+		t.Errorf("effects: %d at the last cut, %d at the end; want more (the consumers resumed)", atLastCut, after)
 	}
-	lostConns := p.logCount(`msg="broker: connection lost"`)
-	if lostConns == 0 {
-		t.Errorf("the consumer never logged a lost connection; want one for each cut that found it connected")
+	var lostConns []int
+	var settleErrors int64
+	for i, p := range procs {
+		n := p.logCount(`msg="broker: connection lost"`)
+		if n == 0 {
+			t.Errorf("consumer %s never logged a lost connection; want one for each cut that found it connected", p.name)
+		}
+		lostConns = append(lostConns, n)
+		settleErrors += e.stats[i].SettleErrors
 	}
 	t.Logf("effects after each cut: %v", progress)
-	t.Logf("consumer: %+v; %d lost connections logged for %d cuts; the run ended %v after the last cut; took %v",
-		e.stats[0], lostConns, batches, resumedIn.Round(time.Millisecond), time.Since(began).Round(time.Millisecond))
+	t.Logf("consumers: %+v; lost connections logged %v for %d cuts; the run ended %v after the last cut; took %v",
+		e.stats, lostConns, batches, endedIn.Round(time.Millisecond), time.Since(began).Round(time.Millisecond))
 	record(t, row{
 		Scenario:     "cuts with copies in flight",
 		Messages:     len(all),
-		Faults:       fmt.Sprintf("%d × proxy closes the consumer's connection, %v after it connected", batches, every),
+		Faults:       fmt.Sprintf("%d × proxy closes the consumers' connections, %v after they consume", batches, every),
 		Once:         len(v.once),
 		Twice:        len(v.twice),
 		Lost:         len(v.lost),
 		DeadLettered: len(v.deadLettered),
-		Note: fmt.Sprintf("%d lost connections logged; %d dead-lettered ids with two copies or more in the DLQ (%d copies in all); %d settlements failed",
-			lostConns, dlqTwice, len(e.dead), e.stats[0].SettleErrors),
+		Note: fmt.Sprintf("2 consumers; lost connections logged %v; %d dead-lettered ids with two copies or more in the DLQ (%d copies in all); %d settlements failed",
+			lostConns, dlqTwice, len(e.dead), settleErrors),
 	})
 }
 
-// awaitConn waits until a connection goes through p, or ctx is done.
-func (p *proxy) awaitConn(ctx context.Context) error {
-	for {
-		p.mu.Lock()
-		n := len(p.conns)
-		p.mu.Unlock()
-		if n > 0 {
-			return nil
-		}
+// basicConsume is the class and method id of basic.consume, as a method
+// frame carries them.
+var basicConsume = []byte{0, 60, 0, 20}
+
+// awaitCount waits until n reaches want, for at most d.
+func awaitCount(ctx context.Context, n *atomic.Int64, want int64, d time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, d)
+	defer cancel()
+	for n.Load() < want {
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return fmt.Errorf("%d of %d: %w", n.Load(), want, ctx.Err())
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
+	return nil
 }

@@ -78,8 +78,8 @@ type consumerOpts struct {
 	mode                   string
 	work, hold             time.Duration
 	countDeliveries        bool
-	amqpURL                string        // instead of the run's (a proxy's, say)
-	retryAfter             time.Duration // for poison-mode orders of kind "retry"
+	amqpURL                string // instead of the run's (a proxy's, say)
+	reconnectMax           time.Duration
 }
 
 func (o consumerOpts) args() []string {
@@ -120,7 +120,7 @@ func (o consumerOpts) args() []string {
 		a = append(a, "-count-deliveries")
 	}
 	str("amqp", o.amqpURL) // after the run's -amqp: the last one counts
-	dur("retry-after", o.retryAfter)
+	dur("reconnect-max", o.reconnectMax)
 	return a
 }
 

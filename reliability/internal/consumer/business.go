@@ -31,9 +31,11 @@ return n`)
 // with it. A body that is not JSON is malformed: dead-lettered at once.
 type order struct {
 	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "panic", "retry"
-	// Fails is, for kind "retry", how many of the handler's first calls
-	// ask for a retry after -retry-after; the calls after them succeed.
-	Fails int64 `json:"fails"`
+	// Fails and After are for kind "retry": the handler's first Fails
+	// calls return rabbitmw.RetryAfter with After (a time.Duration string;
+	// default 1ms); the calls after them succeed.
+	Fails int64  `json:"fails"`
+	After string `json:"after"`
 }
 
 var (
@@ -119,10 +121,18 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 	case "panic":
 		panic("business: order " + id + " panicked")
 	case "retry":
-		if calls <= o.Fails {
-			return rabbitmw.RetryAfter(errGateway, b.cfg.retryAfter)
+		if calls > o.Fails {
+			return b.apply(ctx, id)
 		}
-		return b.apply(ctx, id)
+		after := time.Millisecond
+		if o.After != "" {
+			d, err := time.ParseDuration(o.After)
+			if err != nil {
+				return rabbitmw.Permanent(fmt.Errorf("business: order after %q: %w", o.After, err))
+			}
+			after = d
+		}
+		return rabbitmw.RetryAfter(errGateway, after)
 	}
 	return rabbitmw.Permanent(fmt.Errorf("business: unknown order kind %q", o.Kind))
 }

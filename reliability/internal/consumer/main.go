@@ -80,7 +80,7 @@ type config struct {
 	hold            time.Duration
 	countDeliveries bool
 	shutdownTimeout time.Duration
-	retryAfter      time.Duration
+	reconnectMax    time.Duration
 }
 
 func parseFlags(args []string) (config, error) {
@@ -110,7 +110,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.hold, "hold", 5*time.Second, "slow and stubborn modes: time spent before the effect")
 	fs.BoolVar(&c.countDeliveries, "count-deliveries", false, "count the deliveries of each message")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 10*time.Second, "ConsumeOptions.ShutdownTimeout")
-	fs.DurationVar(&c.retryAfter, "retry-after", time.Millisecond, "poison mode, kind retry: the delay its failed calls ask for (rabbitmw.RetryAfter)")
+	fs.DurationVar(&c.reconnectMax, "reconnect-max", time.Second, "broker.Options.ReconnectMax (ReconnectMin is 50ms, or this if shorter)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -238,8 +238,8 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 
 	b := broker.New(cfg.amqpURL, broker.Options{
 		Logger:       logger,
-		ReconnectMin: 50 * time.Millisecond,
-		ReconnectMax: time.Second,
+		ReconnectMin: min(50*time.Millisecond, cfg.reconnectMax),
+		ReconnectMax: cfg.reconnectMax,
 		Process:      cfg.name,
 	})
 	defer b.Close()
