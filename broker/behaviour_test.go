@@ -47,6 +47,11 @@ var behaviours = []struct {
 	{"PublishConfirmsAndMessageID", testPublishConfirms},
 	{"PublishUnroutable", testPublishUnroutable},
 	{"PublishConcurrent", testPublishConcurrent},
+	{"PublishInvalidMessage", testPublishInvalid},
+	{"PublishFrameBoundary", testPublishFrameBoundary},
+	{"DeadLetterCopyCutToFit", testDeadLetterCopyCutToFit},
+	{"DelayCopyTooBigIsDeadLettered", testDelayCopyTooBigIsDeadLettered},
+	{"CopyThatCannotBeSentIsRejected", testCopyThatCannotBeSentIsRejected},
 }
 
 func TestBehaviour(t *testing.T) {

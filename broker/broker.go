@@ -47,6 +47,12 @@ var (
 	// ErrQueueArguments reports a queue that exists with other arguments than
 	// the ones the topology declares (RabbitMQ's 406 PRECONDITION_FAILED).
 	ErrQueueArguments = errors.New("broker: queue exists with other arguments")
+	// ErrInvalidMessage reports a message that cannot be sent as it is: a
+	// property, name or header that AMQP 0-9-1 cannot carry, or that
+	// amqp091 could not read back. It is refused before anything is sent,
+	// and trying again cannot help; the error names the field and the
+	// limit.
+	ErrInvalidMessage = errors.New("broker: invalid message")
 	// ErrShutdownTimeout reports handlers that had not returned when the
 	// shutdown deadline (ConsumeOptions.ShutdownTimeout) and a short grace
 	// had passed.
