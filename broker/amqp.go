@@ -143,10 +143,11 @@ func (t *amqpTransport) dialError(err error) error {
 // the result or for their context, whichever comes first. A write that
 // stays blocked ends when close closes the socket.
 type amqpSession struct {
-	conn *amqp.Connection
-	raw  net.Conn // the socket under conn
-	pub  *amqp.Channel
-	con  *amqp.Channel
+	conn     *amqp.Connection
+	raw      net.Conn // the socket under conn
+	maxProps int      // see session.maxProperties
+	pub      *amqp.Channel
+	con      *amqp.Channel
 
 	done    chan struct{}
 	err     error // why done was closed; written before
@@ -230,6 +231,9 @@ func newAMQPSession(conn *amqp.Connection, raw net.Conn) (*amqpSession, error) {
 		pending:  make(map[uint64]*pendingPublish),
 		returned: make(map[string]int),
 		byID:     make(map[string]*pendingPublish),
+	}
+	if n := conn.Config.FrameSize; n > 0 { // negotiated by now
+		s.maxProps = n - frameOverhead
 	}
 	var err error
 	if s.pub, err = conn.Channel(); err != nil {
@@ -385,6 +389,15 @@ func (s *amqpSession) send(p *pendingPublish) {
 var errAbandoned = errors.New("publish abandoned")
 
 func (s *amqpSession) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	// amqp091 would refuse an invalid message as it writes it, closing the
+	// connection; RabbitMQ, or a consumer's amqp091, would close theirs.
+	size, err := checkPublishing(exchange, key, msg)
+	if err == nil {
+		err = fitFrame(size, s.maxProps, 0)
+	}
+	if err != nil {
+		return err
+	}
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -579,6 +592,7 @@ func (s *amqpSession) get(_ context.Context, queue string) (*amqp.Delivery, bool
 	return &d, true, nil
 }
 
+func (s *amqpSession) maxProperties() int       { return s.maxProps }
 func (s *amqpSession) closed() <-chan struct{}  { return s.done }
 func (s *amqpSession) reason() error            { return s.err }
 func (s *amqpSession) cancelled() <-chan string { return s.cancels }

@@ -52,7 +52,8 @@
 // and routing key; a dead-lettered copy also the fault headers: error text
 // and type, work queue, time, host and process (see the Header
 // constants). When a copy cannot be published or confirmed, the original
-// is nacked with requeue after about a second.
+// is nacked with requeue after about a second; a copy that can never be
+// sent (ErrInvalidMessage) is not tried again (see [Broker.Consume]).
 //
 // A delay longer than the longest tier goes to the longest tier, with the
 // HeaderNotBefore header (so does any delayed message with an Expiration
@@ -95,7 +96,10 @@
 // returns when the server confirmed the message, and an error for a
 // message that reached no queue (ErrUnroutable) or that the server refused
 // (ErrNacked). Messages are persistent unless the caller says otherwise,
-// and get a random MessageId when they have none.
+// and get a random MessageId when they have none. A message that cannot
+// be sent as it is (a property over 255 bytes, a header amqp091 cannot
+// send or read back, headers too big for a frame) is refused at once with
+// ErrInvalidMessage, and the connection is left alone.
 //
 // # In-memory server
 //

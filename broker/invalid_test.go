@@ -3,6 +3,7 @@ package broker
 import (
 	"context"
 	"errors"
+	"net"
 	"strconv"
 	"strings"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
 // frameMax is the frame size of the test servers: RabbitMQ's default, which
@@ -277,4 +279,39 @@ func testCopyThatCannotBeSentIsRejected(t *testing.T, be backend) {
 	equal(t, "handler calls", len(j.callsOf("full")), 1)
 	equal(t, "queue "+f.q, f.length(f.q), 0)
 	equal(t, "Error records about the rejected message", f.logs.count("ERROR", "rejected", "full"), 1)
+}
+
+// checkPublishing counts the header frame exactly as amqp091 writes it:
+// the size field of the frame on the wire, for a message with every
+// property and a header of every type, is the size it returns.
+func TestRabbitMQPropertiesSizeIsTheWireSize(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	uri, err := amqp.ParseURI(url)
+	noErr(t, "ParseURI", err)
+	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+	uri.Host, uri.Port = "127.0.0.1", px.port()
+	tr := newAMQPTransport(uri.String(), Options{}.resolve())
+	ctx := testContext(t, time.Minute)
+	s, err := tr.dial(ctx, "rabbitmw test properties size")
+	noErr(t, "dial", err)
+	defer s.close()
+	msgs := []amqp.Publishing{
+		{},
+		{MessageId: "m"},
+		{
+			ContentType: "text/plain", ContentEncoding: "gzip", DeliveryMode: amqp.Persistent, Priority: 3,
+			CorrelationId: "c", ReplyTo: "r", Expiration: "60000", MessageId: "id", Timestamp: time.Unix(1700000000, 0),
+			Type: "t", UserId: "guest", AppId: "a", Headers: allTypes(), Body: []byte("body"),
+		},
+	}
+	for i, msg := range msgs {
+		want, err := checkPublishing("", "nowhere", msg)
+		noErr(t, "checkPublishing", err)
+		px.record()
+		// No queue has that name: the server returns it.
+		isErr(t, "publish", s.publish(ctx, "", "nowhere", msg), ErrUnroutable)
+		if got := px.headerFrameSize(t); got != want {
+			t.Errorf("message %d: header frame of %d bytes on the wire; checkPublishing says %d", i, got, want)
+		}
+	}
 }

@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"net"
 	"strconv"
@@ -154,6 +155,40 @@ type stallProxy struct {
 	gate  chan struct{} // closed while client bytes flow
 	conns []net.Conn
 	wg    sync.WaitGroup
+	sent  []byte // what clients sent since record, if recording
+	rec   bool
+}
+
+// record starts keeping what clients send, forgetting what was kept.
+func (p *stallProxy) record() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.rec, p.sent = true, nil
+}
+
+// headerFrameSize returns the size field of the last content header frame
+// (type 2) that a client sent since record. The recording must start at
+// a frame's beginning.
+func (p *stallProxy) headerFrameSize(t *testing.T) int {
+	t.Helper()
+	p.mu.Lock()
+	b := p.sent
+	p.mu.Unlock()
+	size := -1
+	for len(b) >= 8 {
+		n := int(binary.BigEndian.Uint32(b[3:7]))
+		if len(b) < 8+n {
+			t.Fatalf("recorded a partial frame of %d bytes", n)
+		}
+		if b[0] == 2 {
+			size = n
+		}
+		b = b[8+n:]
+	}
+	if size < 0 {
+		t.Fatal("no header frame recorded")
+	}
+	return size
 }
 
 func startStallProxy(t *testing.T, target string) *stallProxy {
@@ -225,6 +260,13 @@ func (p *stallProxy) pump(dst, src net.Conn, gated bool) {
 			<-g
 		}
 		n, err := src.Read(buf)
+		if n > 0 && gated {
+			p.mu.Lock()
+			if p.rec {
+				p.sent = append(p.sent, buf[:n]...)
+			}
+			p.mu.Unlock()
+		}
 		if n > 0 {
 			if _, werr := dst.Write(buf[:n]); werr != nil {
 				return
