@@ -128,11 +128,11 @@ func (t *amqpTransport) dialError(err error) error {
 // short-lived channel each, so that the server's refusals (which close the
 // channel they occur on) do not end the session.
 //
-// It runs three goroutines, all ended when the connection closes (the
-// notify channels that the first two read are closed by amqp091 then, and
-// done is closed by the first): watch, which closes done when the
-// connection or con or pub closes; confirms, which resolves publishes; and
-// publisher, the only caller of pub.Publish.
+// It runs three goroutines, all ended when the connection closes: watch,
+// which closes done when the connection or con or pub closes; confirms,
+// which resolves publishes; both end when amqp091 closes the notify
+// channels they read; and publisher, the only caller of pub.Publish, which
+// ends when done is closed.
 //
 // amqp091's Publish can block for long: on the channel's mutex, which it
 // holds while it writes (behind another publish) and which the channel's

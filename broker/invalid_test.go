@@ -162,6 +162,11 @@ func testPublishInvalid(t *testing.T, be backend) {
 		t.Errorf("the shared session was replaced; want it untouched")
 	}
 	equal(t, "retry warnings", f.logs.count("failed; retrying"), 0)
+	for _, r := range f.logs.all() {
+		if len(r) > 2000 {
+			t.Errorf("a log record of %d bytes: %.200s…; want no value printed whole", len(r), r)
+		}
+	}
 	f.drain(f.q)
 }
 
