@@ -10,7 +10,7 @@ import (
 
 // BenchmarkChain measures the whole recommended stack per delivery, on the
 // happy path (a new message id each time: claim, handler, complete) and for
-// a duplicate (claim only), over each store. go run ./bench -stack-only
+// a duplicate (claim only), over each store. (cd bench && go run . -stack-only)
 // runs the same loop.
 func BenchmarkChain(b *testing.B) {
 	stores := []struct {

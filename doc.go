@@ -26,8 +26,8 @@
 //
 // Layers never acknowledge anything: the code that owns the channel
 // settles each delivery once, from the result. The broker package does
-// it with delay queues and a dead-letter queue of its own; [Settle] does
-// it on a plain amqp091 channel.
+// it with delay queues and a dead-letter queue of its own; a [Settler]
+// does it on a plain amqp091 channel.
 //
 // # The recommended stack
 //
@@ -47,8 +47,9 @@
 // its handler succeeds at most once (across consumers, redeliveries and
 // producer resends, within Dedup's retention); a failing message is
 // retried with growing delays and then dead-lettered with its reason,
-// never acknowledged and lost; a panic is a failed attempt; an
-// unreachable store delays messages instead of letting them through twice.
+// never acknowledged and lost; a panic is a failed attempt, and so is an
+// attempt whose consumer died while handling it; an unreachable store
+// delays messages instead of letting them through twice.
 // Where these end is documented on the layers: chiefly, a process that
 // dies between the business effect and the done mark leaves a message that
 // is processed again once its lease expires, so an effect that must never

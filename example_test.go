@@ -66,6 +66,30 @@ func ExampleSettle() {
 	// delivery 2: duplicate
 }
 
+// A Settler holds a delayed delivery off the consumer's loop, so the
+// deliveries after it settle at once. (A Recorder stands in for the channel
+// here.)
+func ExampleSettler() {
+	s := rabbitmw.NewSettler(rabbitmw.SettlerOptions{})
+	ch := rabbitmwtest.NewRecorder() // in production: the *amqp.Channel deliveries come from
+	for _, err := range []error{
+		nil,
+		rabbitmw.RetryAfter(errors.New("bank unreachable"), time.Minute),
+		rabbitmw.Permanent(errors.New("malformed JSON")),
+	} {
+		d := ch.Deliver(amqp.Publishing{})
+		s.Settle(context.Background(), d, err) // err: what the handler returned
+		fmt.Printf("delivery %d: %s\n", d.DeliveryTag, ch.Settlement(d.DeliveryTag))
+	}
+	s.Close() // requeues at once what still waits out its delay
+	fmt.Printf("after Close, delivery 2: %s\n", ch.Settlement(2))
+	// Output:
+	// delivery 1: acked
+	// delivery 2: unsettled
+	// delivery 3: dead-lettered
+	// after Close, delivery 2: requeued
+}
+
 func ExampleDecide() {
 	for _, err := range []error{
 		nil,

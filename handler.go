@@ -25,8 +25,8 @@ import (
 //
 // A Handler never calls Ack, Nack or Reject on the delivery: the code that
 // owns the channel settles it, once, from the returned error (the broker
-// package, or [Settle] for a plain amqp091 channel). A Handler may read the
-// delivery but must not modify it, nor keep it after Handle returns.
+// package, or a [Settler] for a plain amqp091 channel). A Handler may read
+// the delivery but must not modify it, nor keep it after Handle returns.
 //
 // Handle must honour the cancellation of ctx: when ctx is done the work
 // should stop and Handle return. A Handler may be called concurrently from

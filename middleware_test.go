@@ -92,7 +92,7 @@ func (f *fixture) recording() rabbitmw.Handler {
 
 // result is one delivery's settlement, as a plain channel would see it.
 type result struct {
-	settled string // by the Recorder: acked, requeued, rejected
+	settled string // by the Recorder: acked, requeued, dead-lettered
 	dec     rabbitmw.Decision
 }
 
@@ -113,7 +113,7 @@ func deliver(t *testing.T, h rabbitmw.Handler, msg amqp.Publishing, redelivered 
 }
 
 // untilSettled redelivers msg, as RabbitMQ would after a requeue, until it
-// leaves the queue (acked or rejected), and returns every result.
+// leaves the queue (acked or dead-lettered), and returns every result.
 func untilSettled(t *testing.T, h rabbitmw.Handler, msg amqp.Publishing) []result {
 	t.Helper()
 	var all []result
@@ -163,8 +163,8 @@ func TestStackFailingMessageRetriedThenDeadLettered(t *testing.T) {
 		}
 	}
 	last := results[len(results)-1]
-	if last.settled != "rejected" || last.dec.Outcome != rabbitmw.DeadLetter || last.dec.Attempts != 5 {
-		t.Errorf("last delivery: settled %s as %v, attempts %d; want rejected (dead-lettered), attempts 5", last.settled, last.dec.Outcome, last.dec.Attempts)
+	if last.settled != "dead-lettered" || last.dec.Outcome != rabbitmw.DeadLetter || last.dec.Attempts != 5 {
+		t.Errorf("last delivery: settled %s as %v, attempts %d; want dead-lettered, attempts 5", last.settled, last.dec.Outcome, last.dec.Attempts)
 	}
 	if !errors.Is(last.dec.Err, middleware.ErrRetriesExhausted) || !strings.Contains(last.dec.Err.Error(), "payment gateway said no") {
 		t.Errorf("dead-letter reason %q; want the last error, after ErrRetriesExhausted", last.dec.Err)
@@ -211,8 +211,8 @@ func TestStackAlwaysPanickingIsDeadLettered(t *testing.T) {
 	f := newFixture(t, middleware.DedupOptions{})
 	h := f.stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { panic("always") }))
 	results := untilSettled(t, h, amqp.Publishing{MessageId: "panic-2", Body: []byte("x")})
-	if last := results[len(results)-1]; last.settled != "rejected" || len(results) != 5 {
-		t.Fatalf("after %d deliveries settled %s; want rejected after 5", len(results), last.settled)
+	if last := results[len(results)-1]; last.settled != "dead-lettered" || len(results) != 5 {
+		t.Fatalf("after %d deliveries settled %s; want dead-lettered after 5", len(results), last.settled)
 	}
 }
 
@@ -331,7 +331,7 @@ func TestStackBadInput(t *testing.T) {
 		wantSettled string
 		wantErr     string
 	}{
-		{"no message id and an empty body: dead-lettered with the reason", amqp.Publishing{}, "rejected", "no message id and an empty body"},
+		{"no message id and an empty body: dead-lettered with the reason", amqp.Publishing{}, "dead-lettered", "no message id and an empty body"},
 		{"no message id: keyed by the body", amqp.Publishing{Body: []byte("a body")}, "acked", ""},
 		{"a 16 MiB body", amqp.Publishing{Body: huge}, "acked", ""},
 		{"headers of every type", amqp.Publishing{MessageId: "h-1", Headers: amqp.Table{
@@ -391,8 +391,10 @@ func TestStackStoreOutage(t *testing.T) {
 
 // legacyConsumer is the hand-written pattern that teams run today, ported
 // as is (its flaws included), to check that our consumers can share a queue
-// and a Redis with a fleet of them during a migration.
-func legacyConsumer(ctx context.Context, c *redis.Client, d *amqp.Delivery, effect func(string)) string {
+// and a Redis with a fleet of them during a migration. It returns how the
+// delivery is to be settled: "acked", "requeued", or "dropped" (acked at the
+// fifth failure, logged as "moved to dead letter": the message is gone).
+func legacyConsumer(ctx context.Context, c *redis.Client, d *amqp.Delivery, effect func(string) error) string {
 	id := d.MessageId
 	if ok, _ := c.SetNX(ctx, "msg:"+id, "processing", 0).Result(); !ok {
 		if v, _ := c.Get(ctx, "msg:"+id).Result(); v == "done" {
@@ -401,7 +403,15 @@ func legacyConsumer(ctx context.Context, c *redis.Client, d *amqp.Delivery, effe
 		return "requeued"
 	}
 	c.Expire(ctx, "msg:"+id, 300*time.Second)
-	effect(id)
+	if err := effect(id); err != nil {
+		c.Del(ctx, "msg:"+id)
+		n, _ := c.Incr(ctx, "retry:"+id).Result()
+		c.Expire(ctx, "retry:"+id, 24*time.Hour)
+		if n >= 5 {
+			return "dropped"
+		}
+		return "requeued"
+	}
 	c.Set(ctx, "msg:"+id, "done", 0)
 	c.Expire(ctx, "msg:"+id, 24*time.Hour)
 	c.Del(ctx, "retry:"+id)
@@ -425,7 +435,10 @@ func TestStackJoinsHandWrittenFleet(t *testing.T) {
 					if (i+c+attempt)%2 == 0 {
 						settled = deliver(t, ours, msg, attempt > 0).settled
 					} else {
-						settled = legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, f.effect)
+						settled = legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, func(id string) error {
+							f.effect(id)
+							return nil
+						})
 					}
 					if settled != "requeued" {
 						return
@@ -442,4 +455,56 @@ func TestStackJoinsHandWrittenFleet(t *testing.T) {
 			t.Errorf("mixed-%d applied %d times by the mixed fleet; want 1", i, n)
 		}
 	}
+}
+
+// A fleet of both kinds shares the failure count, retry:<id>: a message
+// that failed four times in one kind reaches the limit at its fifth failure
+// in the other. Ours dead-letters it; a hand-written consumer acks it
+// ("moved to dead letter"), and the message is gone.
+func TestStackSharesFailureCountWithHandWrittenFleet(t *testing.T) {
+	ctx := context.Background()
+	down := errors.New("down")
+	failing := func(string) error { return down }
+	msg := amqp.Publishing{MessageId: "shared-1", Body: []byte("x")}
+	t.Run("hand-written failures first", func(t *testing.T) {
+		f := newFixture(t, middleware.DedupOptions{})
+		ours := f.stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return down }))
+		for i := range 4 {
+			if got := legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, failing); got != "requeued" {
+				t.Fatalf("hand-written failure %d: %s; want requeued", i+1, got)
+			}
+		}
+		if r := deliver(t, ours, msg, true); r.dec.Outcome != rabbitmw.DeadLetter || !errors.Is(r.dec.Err, middleware.ErrRetriesExhausted) {
+			t.Errorf("our fifth failure: %v (%v); want dead-lettered with ErrRetriesExhausted", r.dec.Outcome, r.dec.Err)
+		}
+	})
+	t.Run("rabbitmw failures first", func(t *testing.T) {
+		f := newFixture(t, middleware.DedupOptions{})
+		ours := f.stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return down }))
+		for i := range 4 {
+			if r := deliver(t, ours, msg, i > 0); r.dec.Outcome != rabbitmw.Delay {
+				t.Fatalf("our failure %d: %v; want delayed", i+1, r.dec.Outcome)
+			}
+		}
+		if got := legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, failing); got != "dropped" {
+			t.Errorf("hand-written fifth failure: %s; want dropped", got)
+		}
+	})
+	// With a FailurePrefix of our own, our failures stay out of their count.
+	t.Run("rabbitmw failures first, counted apart", func(t *testing.T) {
+		f := newFixture(t, middleware.DedupOptions{})
+		st := store.NewRedis(f.client, store.RedisOptions{FailurePrefix: "rabbitmw-retry:"})
+		ours := rabbitmw.Chain(
+			middleware.Retry(st, middleware.RetryOptions{Backoff: func(int) time.Duration { return time.Millisecond }}),
+			middleware.Dedup(st, middleware.DedupOptions{}),
+		)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return down }))
+		for i := range 4 {
+			if r := deliver(t, ours, msg, i > 0); r.dec.Outcome != rabbitmw.Delay {
+				t.Fatalf("our failure %d: %v; want delayed", i+1, r.dec.Outcome)
+			}
+		}
+		if got := legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, failing); got != "requeued" {
+			t.Errorf("hand-written first failure after four of ours: %s; want requeued", got)
+		}
+	})
 }

@@ -64,8 +64,8 @@ type Decision struct {
 }
 
 // Decide reads a handler's result by the settlement contract documented on
-// [Handler]. It is the one place that contract is implemented: [Settle], the
-// broker package and the Log layer all call it.
+// [Handler]. It is the one place that contract is implemented: [Settle],
+// [Settler], the broker package and the Log layer all call it.
 //
 // Markers made by [Permanent] and [RetryAfter] may wrap each other; the
 // outermost one decides, so a layer nearer the settling code overrides the
@@ -208,6 +208,12 @@ func (e *attemptsError) Unwrap() error { return e.err }
 //     delay. If ctx is done first, Settle requeues the message at once and
 //     returns ctx's error joined to the requeue's result.
 //
+// Settle waits out a Delay in the caller's goroutine, so it suits a
+// goroutine per delivery, and tests. A loop that receives deliveries one by
+// one must not wait: one busy message or one backoff would stall the whole
+// consumer. Such a loop settles with a [Settler], which holds delayed
+// deliveries off the loop.
+//
 // Settle returns the error of the Ack, Nack or Reject call, if any (for
 // example [amqp.ErrClosed] when the channel is gone, in which case RabbitMQ
 // redelivers the message). It must be called once per delivery.
@@ -216,29 +222,41 @@ func Settle(ctx context.Context, d *amqp.Delivery, err error) error {
 		return ErrNoDelivery
 	}
 	dec := Decide(err)
-	var serr error
-	switch dec.Outcome {
-	case Ack, Duplicate:
-		serr = d.Ack(false)
-	case Requeue:
-		serr = d.Nack(false, true)
-	case Delay:
+	if dec.Outcome == Delay {
 		if ctx == nil {
 			ctx = context.Background()
 		}
 		t := time.NewTimer(dec.Delay)
 		select {
 		case <-t.C:
-			serr = d.Nack(false, true)
 		case <-ctx.Done():
 			t.Stop()
-			serr = errors.Join(ctx.Err(), d.Nack(false, true))
+			return settled(d, dec, errors.Join(ctx.Err(), d.Nack(false, true)))
 		}
-	case DeadLetter:
-		serr = d.Reject(false)
 	}
-	if serr != nil {
-		return fmt.Errorf("rabbitmw: settle delivery %d as %s: %w", d.DeliveryTag, dec.Outcome, serr)
+	return settleNow(d, dec)
+}
+
+// settleNow settles d as dec asks, without waiting: a Delay whose time is
+// up is a requeue.
+func settleNow(d *amqp.Delivery, dec Decision) error {
+	var err error
+	switch dec.Outcome {
+	case Ack, Duplicate:
+		err = d.Ack(false)
+	case Requeue, Delay:
+		err = d.Nack(false, true)
+	case DeadLetter:
+		err = d.Reject(false)
+	}
+	return settled(d, dec, err)
+}
+
+// settled wraps the error of settling d, if any, with the delivery and the
+// outcome.
+func settled(d *amqp.Delivery, dec Decision, err error) error {
+	if err != nil {
+		return fmt.Errorf("rabbitmw: settle delivery %d as %s: %w", d.DeliveryTag, dec.Outcome, err)
 	}
 	return nil
 }

@@ -2,6 +2,9 @@ package main
 
 import (
 	"context"
+	"encoding/json"
+	"maps"
+	"slices"
 	"testing"
 	"time"
 )
@@ -102,25 +105,75 @@ func TestTargets(t *testing.T) {
 	raw := summary{Contender: rawName, Median: 1000}
 	for _, tc := range []struct {
 		name              string
-		summaries         []summary
+		summaries         summaries
 		ratio, roundTrips string
 	}{
 		{"nothing measured", nil, notMeasured, notMeasured},
-		{"ratio met, duplicates not run", []summary{raw, {Contender: redisName, Median: 800, RTTAck: rtt(2, 2)}}, met, notMeasured},
-		{"ratio missed, a third round trip", []summary{raw, {Contender: redisName, Median: 799, RTTAck: rtt(2.01, 3)}}, missed, missed},
-		{"both measured and within", []summary{
+		{"ratio met, duplicates not run", summaries{raw, {Contender: redisName, Median: 800, RTTAck: rtt(2, 2)}}, met, notMeasured},
+		{"ratio missed, a third round trip", summaries{raw, {Contender: redisName, Median: 799, RTTAck: rtt(2.01, 3)}}, missed, missed},
+		{"both measured and within", summaries{
 			{Contender: redisName, RTTAck: rtt(2, 2)},
 			{Contender: redisDupName, RTTAck: rtt(2, 2), RTTDuplicate: rtt(1, 1)},
 		}, notMeasured, met},
-		{"a duplicate with two round trips", []summary{
+		{"a duplicate with two round trips", summaries{
 			{Contender: redisName, RTTAck: rtt(2, 2)},
 			{Contender: redisDupName, RTTAck: rtt(2, 2), RTTDuplicate: rtt(1.01, 2)},
 		}, notMeasured, missed},
 	} {
-		r := &compareResult{Summary: tc.summaries, Settings: settings{Defaults: true}}
+		r := &compareResult{Summary: tc.summaries, runHeader: runHeader{Settings: settings{Defaults: true}}}
 		ts := r.targets()
 		if ts[0].Status != tc.ratio || ts[1].Status != tc.roundTrips {
 			t.Errorf("%s: ratio %s, round trips %s; want %s, %s (%s; %s)", tc.name, ts[0].Status, ts[1].Status, tc.ratio, tc.roundTrips, ts[0].Detail, ts[1].Detail)
 		}
+	}
+}
+
+// The two outputs start alike, and keep their JSON keys.
+func TestResultJSON(t *testing.T) {
+	for _, tc := range []struct {
+		v    any
+		want []string
+	}{
+		{&compareResult{}, []string{"Runs", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings", "summary", "targets"}},
+		{&sweepResult{}, []string{"cells", "defaults", "grid_prefetch_per_worker", "grid_workers", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings"}},
+	} {
+		b, err := json.Marshal(tc.v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m map[string]any
+		if err := json.Unmarshal(b, &m); err != nil {
+			t.Fatal(err)
+		}
+		if got := slices.Sorted(maps.Keys(m)); !slices.Equal(got, tc.want) {
+			t.Errorf("%T keys = %v; want %v", tc.v, got, tc.want)
+		}
+	}
+}
+
+// Each contender of a set of summaries is related to raw's median.
+func TestRelateToRaw(t *testing.T) {
+	ss := summaries{{Contender: redisName, Median: 500}, {Contender: rawName, Median: 1000}}
+	ss.relateToRaw()
+	if ss.find(redisName).RatioToRaw != 0.5 || ss.find(rawName).RatioToRaw != 1 {
+		t.Errorf("ratios %v; want 0.5 and 1", ss)
+	}
+	ss = summaries{{Contender: redisName, Median: 500}}
+	ss.relateToRaw()
+	if ss.find(rawName) != nil || ss[0].RatioToRaw != 0 {
+		t.Errorf("without raw: %v; want ratio 0", ss)
+	}
+}
+
+func TestInRoundOrder(t *testing.T) {
+	items := []string{"a", "b", "c"}
+	if got := inRoundOrder(items, 1); !slices.Equal(got, []string{"a", "b", "c"}) {
+		t.Errorf("round 1: %v; want a b c", got)
+	}
+	if got := inRoundOrder(items, 2); !slices.Equal(got, []string{"c", "b", "a"}) {
+		t.Errorf("round 2: %v; want c b a", got)
+	}
+	if !slices.Equal(items, []string{"a", "b", "c"}) {
+		t.Errorf("inRoundOrder changed its argument: %v", items)
 	}
 }

@@ -45,14 +45,17 @@ type runResult struct {
 	RedisByCommand  map[string]int64 `json:"redis_by_command,omitempty"`
 	RedisRoundTrips int64            `json:"redis_round_trips"` // by the contender's client
 	// RedisSetupRoundTrips counts connection handshakes (not in the above).
-	RedisSetupRoundTrips int64      `json:"redis_setup_round_trips"`
-	RTTAck               rttSummary `json:"rtt_per_ack"`
-	RTTDuplicate         rttSummary `json:"rtt_per_duplicate"`
-	P50Micros            float64    `json:"p50_us"`
-	P99Micros            float64    `json:"p99_us"`
-	CPU                  cpuUsage   `json:"cpu"`
-	LeftReady            int        `json:"left_in_queue"`
-	LeftDead             int        `json:"left_in_dlq"`
+	RedisSetupRoundTrips int64 `json:"redis_setup_round_trips"`
+	// PostgresRoundTrips counts the statements sent by the contender's
+	// pool (BEGIN and COMMIT included).
+	PostgresRoundTrips int64      `json:"postgres_round_trips,omitempty"`
+	RTTAck             rttSummary `json:"rtt_per_ack"`
+	RTTDuplicate       rttSummary `json:"rtt_per_duplicate"`
+	P50Micros          float64    `json:"p50_us"`
+	P99Micros          float64    `json:"p99_us"`
+	CPU                cpuUsage   `json:"cpu"`
+	LeftReady          int        `json:"left_in_queue"`
+	LeftDead           int        `json:"left_in_dlq"`
 
 	lat []int64
 }
@@ -161,14 +164,24 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 	if err != nil {
 		return res, err
 	}
-	var rttBefore, setupBefore int64
+	var pg *pgRun
+	if c.pg {
+		if pg, err = e.newPgRun(ctx, b.prefix, c.workers); err != nil {
+			return res, err
+		}
+		defer pg.close()
+	}
+	var rttBefore, setupBefore, pgBefore int64
 	if rt != nil {
 		rttBefore, setupBefore = rt.n.Load(), rt.setup.Load()
+	}
+	if pg != nil {
+		pgBefore = pg.rt.n.Load()
 	}
 
 	cpuBefore := e.cpuTimes(ctx)
 	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout)
-	err = c.consume(rctx, e, b, rc, rec)
+	err = c.consume(rctx, e, b, rc, pg, rec)
 	cancel()
 	cpuAfter := e.cpuTimes(ctx)
 	if err != nil {
@@ -211,6 +224,9 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		res.RedisRoundTrips = rt.n.Load() - rttBefore
 		res.RedisSetupRoundTrips = rt.setup.Load() - setupBefore
 	}
+	if pg != nil {
+		res.PostgresRoundTrips = pg.rt.n.Load() - pgBefore
+	}
 	slices.Sort(res.lat)
 	res.P50Micros = micros(percentile(res.lat, 50))
 	res.P99Micros = micros(percentile(res.lat, 99))
@@ -220,17 +236,36 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 	return res, nil
 }
 
+// inRoundOrder returns a copy of items in the order of round (from 1):
+// forwards in odd rounds, backwards in even ones, so that a slow spell of
+// the machine hurts all of them alike.
+func inRoundOrder[T any](items []T, round int) []T {
+	order := slices.Clone(items)
+	if round%2 == 0 {
+		slices.Reverse(order)
+	}
+	return order
+}
+
 func micros(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
+
+// runHeader opens each output of bench: where, which run, with what.
+type runHeader struct {
+	Machine  machine  `json:"machine"`
+	RunID    string   `json:"run_id"`
+	Settings settings `json:"settings"`
+	// RabbitIdle is RabbitMQ's CPU per second while idle, subtracted from
+	// its CPU figures; 0 when unknown.
+	RabbitIdle float64 `json:"rabbitmq_idle_cpu_per_s"`
+}
 
 // compareResult is the output of a comparison run.
 type compareResult struct {
-	Machine  machine    `json:"machine"`
-	RunID    string     `json:"run_id"`
-	Settings settings   `json:"settings"`
-	Summary  []summary  `json:"summary"`
-	Stack    *stackCost `json:"stack,omitempty"`
-	Targets  []target   `json:"targets"`
-	Runs     []runResult
+	runHeader
+	Summary summaries  `json:"summary"`
+	Stack   *stackCost `json:"stack,omitempty"`
+	Targets []target   `json:"targets"`
+	Runs    []runResult
 }
 
 type settings struct {
@@ -242,6 +277,30 @@ type settings struct {
 	Workers    int     `json:"workers"`
 	Defaults   bool    `json:"defaults"` // prefetch and workers are the broker's defaults
 	Persistent bool    `json:"persistent"`
+}
+
+// summaries are those of the contenders of one run, or of one cell of a
+// sweep.
+type summaries []summary
+
+// find returns the summary of the contender name, or nil.
+func (ss summaries) find(name string) *summary {
+	for i := range ss {
+		if ss[i].Contender == name {
+			return &ss[i]
+		}
+	}
+	return nil
+}
+
+// relateToRaw sets the RatioToRaw of each summary, when raw ran.
+func (ss summaries) relateToRaw() {
+	if raw := ss.find(rawName); raw != nil && raw.Median > 0 {
+		median := raw.Median
+		for i := range ss {
+			ss[i].RatioToRaw = ss[i].Median / median
+		}
+	}
 }
 
 // summary is one contender over all rounds.
@@ -285,7 +344,7 @@ func summarize(name string, runs []runResult) summary {
 		rates = append(rates, r.MsgsPerSec)
 		lat = append(lat, r.lat...)
 		cmds += r.RedisCommands
-		rtts += r.RedisRoundTrips
+		rtts += r.RedisRoundTrips + r.PostgresRoundTrips
 		s.Deliveries += r.Deliveries
 		s.Effects += r.Effects
 		s.UniqueEffects += r.UniqueEffects
@@ -333,7 +392,7 @@ func meanCPU(runs []runResult) cpuUsage {
 	for _, r := range runs {
 		w := float64(r.Deliveries)
 		n += w
-		for _, f := range [][2]*float64{{&sum.Self, &r.CPU.Self}, {&sum.Redis, &r.CPU.Redis}, {&sum.Rabbit, &r.CPU.Rabbit}} {
+		for _, f := range [][2]*float64{{&sum.Self, &r.CPU.Self}, {&sum.Redis, &r.CPU.Redis}, {&sum.Rabbit, &r.CPU.Rabbit}, {&sum.Postgres, &r.CPU.Postgres}} {
 			if *f[0] < 0 || *f[1] < 0 {
 				*f[0] = -1
 			} else {
@@ -341,7 +400,7 @@ func meanCPU(runs []runResult) cpuUsage {
 			}
 		}
 	}
-	for _, f := range []*float64{&sum.Self, &sum.Redis, &sum.Rabbit} {
+	for _, f := range []*float64{&sum.Self, &sum.Redis, &sum.Rabbit, &sum.Postgres} {
 		if *f >= 0 && n > 0 {
 			*f /= n
 		}
@@ -379,21 +438,18 @@ func runCompare(ctx context.Context, e *env, cfg config, prefetch, workers int, 
 			cs = append(cs, newContender(name, prefetch, workers, opts))
 		}
 	}
-	res := &compareResult{
-		RunID: e.runID,
+	res := &compareResult{runHeader: runHeader{
+		RunID:      e.runID,
+		RabbitIdle: e.rabbitIdle,
 		Settings: settings{
 			Messages: cfg.n, Size: cfg.size, Dup: cfg.dup, Rounds: cfg.rounds,
 			Prefetch: prefetch, Workers: workers, Defaults: defaults, Persistent: cfg.persistent,
 		},
-	}
+	}}
 	res.Settings.print(os.Stdout, e.runID)
 	byName := make(map[string][]runResult)
 	for round := 1; round <= cfg.rounds; round++ {
-		order := slices.Clone(cs)
-		if round%2 == 0 {
-			slices.Reverse(order)
-		}
-		for _, c := range order {
+		for _, c := range inRoundOrder(cs, round) {
 			r, err := e.run(ctx, c, round, fmt.Sprintf("%s.r%d", c.name, round))
 			if err != nil {
 				return nil, fmt.Errorf("%s, round %d: %w", c.name, round, err)
@@ -411,23 +467,10 @@ func runCompare(ctx context.Context, e *env, cfg config, prefetch, workers int, 
 	for _, c := range cs {
 		res.Summary = append(res.Summary, summarize(c.name, byName[c.name]))
 	}
-	if raw := res.find(rawName); raw != nil && raw.Median > 0 {
-		for i := range res.Summary {
-			res.Summary[i].RatioToRaw = res.Summary[i].Median / raw.Median
-		}
-	}
+	res.Summary.relateToRaw()
 	res.Targets = res.targets()
 	e.machine.LoadEnd = loadAverage()
 	return res, nil
-}
-
-func (r *compareResult) find(name string) *summary {
-	for i := range r.Summary {
-		if r.Summary[i].Contender == name {
-			return &r.Summary[i]
-		}
-	}
-	return nil
 }
 
 // progress reports a finished run on stderr, to show that bench is alive.

@@ -25,6 +25,9 @@ const (
 	memoryName   = "rabbitmw-memory"
 	redisName    = "rabbitmw-redis"
 	redisDupName = "rabbitmw-redis-dup"
+	// postgresName: see postgres.go.
+	// redisBatchName is the Redis contender over store.RedisBatcher.
+	redisBatchName = "rabbitmw-redis-batch"
 	// redisAPName runs only when -only names it: the Redis contender over
 	// go-redis's autopipeliner, which batches the commands of concurrent
 	// callers into pipelines (BENCHMARKS.md says what it showed).
@@ -46,7 +49,7 @@ const (
 // contenderNames is every contender, in the order of the table;
 // defaultContenders those that run when -only is not given.
 var (
-	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, redisAPName}
+	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, postgresName, redisBatchName, watermillName, redisAPName}
 	defaultContenders = slices.Clip(contenderNames[:len(contenderNames)-1])
 )
 
@@ -61,6 +64,7 @@ type contender struct {
 	// them itself.
 	opts  broker.ConsumeOptions
 	redis bool // uses Redis
+	pg    bool // uses PostgreSQL
 	dup   bool // its messages repeat ids (-dup)
 	kind  kind
 }
@@ -73,6 +77,9 @@ const (
 	kindRabbitmwMemory
 	kindRabbitmwRedis
 	kindRabbitmwRedisAP
+	kindRabbitmwPostgres
+	kindRabbitmwRedisBatch
+	kindWatermill
 )
 
 // newContender returns the contender called name at the common prefetch and
@@ -95,6 +102,12 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 		c.kind, c.redis, c.dup = kindRabbitmwRedis, true, true
 	case redisAPName:
 		c.kind, c.redis = kindRabbitmwRedisAP, true
+	case postgresName:
+		c.kind, c.pg = kindRabbitmwPostgres, true
+	case redisBatchName:
+		c.kind, c.redis = kindRabbitmwRedisBatch, true
+	case watermillName:
+		c.kind = kindWatermill
 	default:
 		panic("bench: unknown contender " + name)
 	}
@@ -103,8 +116,9 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 
 // consume consumes b with c until every message is settled for good (acked,
 // or acked as a duplicate), recording into rec. rc is the contender's Redis
-// client, for those that use Redis.
-func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Client, rec *recorder) error {
+// client, for those that use Redis; pg the run's database, for those that
+// use PostgreSQL.
+func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Client, pg *pgRun, rec *recorder) error {
 	switch c.kind {
 	case kindRaw:
 		return consumeRaw(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec,
@@ -125,6 +139,15 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 		}
 		defer ap.Close()
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(ap, store.RedisOptions{Prefix: b.prefix}), false, rec)
+	case kindRabbitmwPostgres:
+		return consumePostgres(ctx, e.cfg.amqpURL, b.queue, c.opts, pg, rec)
+	case kindWatermill:
+		return consumeWatermill(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec)
+	case kindRabbitmwRedisBatch:
+		// Round trips are counted per pipeline, not per delivery: the
+		// batch's hook cannot tell which delivery a pipeline serves.
+		bt := store.NewRedisBatcher(rc, store.RedisBatcherOptions{})
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(bt, store.RedisOptions{Prefix: b.prefix}), false, rec)
 	}
 	panic("bench: unknown contender kind")
 }
@@ -164,7 +187,9 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 				o := handle(pctx, &d)
 				var err error
 				if o == rabbitmw.Ack || o == rabbitmw.Duplicate {
-					err = d.Ack(false)
+					if err = d.Ack(false); err == nil {
+						rec.acked(d.MessageId)
+					}
 				} else {
 					err = d.Nack(false, true)
 				}
@@ -213,15 +238,24 @@ func handWritten(rc *redis.Client, prefix string, rec *recorder) func(context.Co
 // stack over st. An outermost layer stamps the start of each delivery, by
 // its delivery tag, and ConsumeOptions.OnSettle the end.
 func consumeRabbitmw(ctx context.Context, url, queue string, opts broker.ConsumeOptions, st store.Store, trackRTT bool, rec *recorder) error {
-	b := broker.New(url, broker.Options{})
-	defer b.Close()
 	business := rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
 		rec.effect(d.MessageId)
 		return nil
 	})
-	h := rabbitmw.Chain(stamp(rec, trackRTT), benchstack.Recommended(st))(business)
+	return consumeStack(ctx, url, queue, opts, benchstack.Recommended(st), business, trackRTT, rec)
+}
+
+// consumeStack consumes queue with broker.Consume and stack around
+// business, as consumeRabbitmw describes.
+func consumeStack(ctx context.Context, url, queue string, opts broker.ConsumeOptions, stack rabbitmw.Middleware, business rabbitmw.Handler, trackRTT bool, rec *recorder) error {
+	b := broker.New(url, broker.Options{})
+	defer b.Close()
+	h := rabbitmw.Chain(stamp(rec, trackRTT), stack)(business)
 	opts.Topology = topology
 	opts.OnSettle = func(d *amqp.Delivery, o rabbitmw.Outcome, err error) {
+		if err == nil && (o == rabbitmw.Ack || o == rabbitmw.Duplicate) {
+			rec.acked(d.MessageId)
+		}
 		var start, rtt int64
 		if p := rec.probe(d.DeliveryTag); p != nil {
 			start, rtt = p.start.Swap(0), int64(p.rtt.Load())

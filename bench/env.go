@@ -37,6 +37,11 @@ type env struct {
 	// rabbitPID is the local RabbitMQ server's process, for its CPU time;
 	// 0 when it is not known.
 	rabbitPID int
+	// rabbitIdle is the CPU time RabbitMQ spends per second of wall time
+	// when this program sends it nothing (measured at start-up): its
+	// timers, its management plugin, other users' idle connections. It is
+	// subtracted from RabbitMQ's CPU over each consuming window.
+	rabbitIdle float64
 }
 
 // topology is the topology of every queue bench declares: the broker's
@@ -59,6 +64,7 @@ func connect(ctx context.Context, cfg config) (*env, error) {
 	if u, err := amqp.ParseURI(cfg.amqpURL); err == nil {
 		if ip := net.ParseIP(u.Host); u.Host == "localhost" || (ip != nil && ip.IsLoopback()) {
 			e.rabbitPID = rabbitPID()
+			e.rabbitIdle = idleCPU(ctx, e.rabbitPID, idleSample)
 		}
 	}
 	e.machine = describeMachine(ctx, e)

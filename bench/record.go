@@ -51,6 +51,27 @@ type recorder struct {
 	probes []probe // by delivery tag (rabbitmw contenders)
 
 	rttAck, rttDup rttTally
+
+	// -latency only: when each message was published, by index, and the
+	// publish-to-ack latencies.
+	pubAt  []atomic.Int64
+	ackLat []int64
+	nack   atomic.Int64
+}
+
+// acked records that the delivery of message id was acked, for -latency.
+func (r *recorder) acked(id string) {
+	if r.pubAt == nil {
+		return
+	}
+	t := now()
+	if i, err := strconv.Atoi(id[1:]); err == nil && i >= 0 && i < len(r.pubAt) {
+		if p := r.pubAt[i].Load(); p > 0 {
+			if j := r.nack.Add(1) - 1; j < int64(len(r.ackLat)) {
+				r.ackLat[j] = t - p
+			}
+		}
+	}
 }
 
 // rttTally sums the round trips of the deliveries of one outcome.

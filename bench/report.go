@@ -49,7 +49,7 @@ func (s settings) print(w io.Writer, runID string) {
 func (r *compareResult) print(w io.Writer) {
 	fmt.Fprintf(w, "load average at end: %s\n\n", r.Machine.LoadEnd)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "contender\tprefetch\tworkers\tmsgs/s median\tmin–max\t× raw\tp50\tp99\tRedis cmds/msg\tRedis RTT/msg\t")
+	fmt.Fprintln(tw, "contender\tprefetch\tworkers\tmsgs/s median\tmin–max\t× raw\tp50\tp99\tRedis cmds/msg\tstore RTT/msg\t")
 	for _, s := range r.Summary {
 		ratio := "–"
 		if s.RatioToRaw > 0 {
@@ -61,22 +61,27 @@ func (r *compareResult) print(w io.Writer) {
 	}
 	tw.Flush()
 	fmt.Fprintln(w)
-	fmt.Fprintln(w, "CPU time per delivered message while consuming, µs (Redis and RabbitMQ: server wide, so other clients' load counts):")
+	fmt.Fprintf(w, "CPU ms per 1,000 delivered messages while consuming (the servers: server wide, so other clients' load counts; RabbitMQ's idle CPU, %.1f %% of a core, subtracted):\n", r.RabbitIdle*100)
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "contender\tthis process\tRedis server\tRabbitMQ server\ttotal\t")
+	fmt.Fprintln(tw, "contender\tthis process\tRedis server\tRabbitMQ server\tPostgreSQL server\ttotal\t")
 	for _, s := range r.Summary {
 		c := s.CPU
 		total := "–"
 		if c.Self >= 0 && c.Redis >= 0 && c.Rabbit >= 0 {
-			total = fmt.Sprintf("%.0f", c.Self+c.Redis+c.Rabbit)
+			t := c.Self + c.Redis + c.Rabbit
+			if c.Postgres > 0 {
+				t += c.Postgres
+			}
+			total = fmt.Sprintf("%.0f", t)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t\n", s.Contender, fmtCPU(c.Self), fmtCPU(c.Redis), fmtCPU(c.Rabbit), total)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t\n", s.Contender, fmtCPU(c.Self), fmtCPU(c.Redis), fmtCPU(c.Rabbit), fmtCPU(c.Postgres), total)
 	}
 	tw.Flush()
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "msgs/s: messages over the time from the first delivery to the last settlement; p50/p99: from the")
 	fmt.Fprintln(w, "handler's start to the return of its ack; Redis cmds: INFO commandstats, server wide (commands run")
-	fmt.Fprintln(w, "by Lua scripts count, and so would another client's); RTT: requests sent by the contender's client.")
+	fmt.Fprintln(w, "by Lua scripts count, and so would another client's); store RTT: requests sent by the contender's store")
+	fmt.Fprintln(w, "client (Redis commands and pipelines; PostgreSQL statements, BEGIN and COMMIT included).")
 	fmt.Fprintln(w)
 	for _, s := range r.Summary {
 		s.printDetail(w)
@@ -104,7 +109,7 @@ func (s summary) printDetail(w io.Writer) {
 	fmt.Fprintf(w, "%s: %d deliveries (%s), %d effects of %d message ids",
 		s.Contender, s.Deliveries, outcomes(s.Outcomes), s.Effects, s.UniqueEffects)
 	if s.RTTAck.N > 0 || s.RTTDuplicate.N > 0 {
-		fmt.Fprintf(w, "; Redis RTT per ack %.2f (max %d)", s.RTTAck.Mean, s.RTTAck.Max)
+		fmt.Fprintf(w, "; store RTT per ack %.2f (max %d)", s.RTTAck.Mean, s.RTTAck.Max)
 		if s.RTTDuplicate.N > 0 {
 			fmt.Fprintf(w, ", per duplicate %.2f (max %d)", s.RTTDuplicate.Mean, s.RTTDuplicate.Max)
 		}
@@ -139,8 +144,8 @@ func outcomes(m map[string]int64) string {
 
 // targets checks the figures against the targets of issue 5.
 func (r *compareResult) targets() []target {
-	raw, redis, dup := r.find(rawName), r.find(redisName), r.find(redisDupName)
-	handP1, hand := r.find(handP1Name), r.find(handName)
+	raw, redis, dup := r.Summary.find(rawName), r.Summary.find(redisName), r.Summary.find(redisDupName)
+	handP1, hand := r.Summary.find(handP1Name), r.Summary.find(handName)
 	var ts []target
 
 	t := target{Name: "rabbitmw-redis ≥ 0.8 × raw msgs/s at the default settings", Status: notMeasured, Detail: "needs raw and rabbitmw-redis"}
@@ -148,7 +153,7 @@ func (r *compareResult) targets() []target {
 		ratio := redis.Median / raw.Median
 		t.Status = verdict(ratio >= 0.8)
 		t.Detail = fmt.Sprintf("%.2f (%s vs %s msgs/s, medians)", ratio, thousands(redis.Median), thousands(raw.Median))
-		if mem := r.find(memoryName); mem != nil {
+		if mem := r.Summary.find(memoryName); mem != nil {
 			t.Detail += fmt.Sprintf("; rabbitmw-memory %.2f", mem.Median/raw.Median)
 		}
 		if !r.Settings.Defaults {

@@ -14,9 +14,7 @@ import (
 // sweepResult is the output of -sweep: for each cell of the prefetch ×
 // workers grid, a summary of each contender over the rounds.
 type sweepResult struct {
-	Machine  machine     `json:"machine"`
-	RunID    string      `json:"run_id"`
-	Settings settings    `json:"settings"`
+	runHeader
 	Defaults [2]int      `json:"defaults"` // the broker's prefetch and workers
 	Workers  []int       `json:"grid_workers"`
 	Factors  []int       `json:"grid_prefetch_per_worker"`
@@ -27,16 +25,7 @@ type sweepCell struct {
 	Prefetch int       `json:"prefetch"`
 	Workers  int       `json:"workers"`
 	Factor   int       `json:"prefetch_per_worker"`
-	Summary  []summary `json:"summary"`
-}
-
-func (c *sweepCell) find(name string) *summary {
-	for i := range c.Summary {
-		if c.Summary[i].Contender == name {
-			return &c.Summary[i]
-		}
-	}
-	return nil
+	Summary  summaries `json:"summary"`
 }
 
 // runSweep runs the contenders (by default raw, rabbitmw-redis and
@@ -51,8 +40,11 @@ func runSweep(ctx context.Context, e *env, cfg config, defPrefetch, defWorkers i
 		return nil, fmt.Errorf("-sweep: %s has fixed settings; it is hand-written at workers 1, prefetch 1", handP1Name)
 	}
 	res := &sweepResult{
-		RunID:    e.runID,
-		Settings: settings{Messages: cfg.n, Size: cfg.size, Dup: cfg.dup, Rounds: cfg.rounds, Persistent: cfg.persistent},
+		runHeader: runHeader{
+			RabbitIdle: e.rabbitIdle,
+			RunID:      e.runID,
+			Settings:   settings{Messages: cfg.n, Size: cfg.size, Dup: cfg.dup, Rounds: cfg.rounds, Persistent: cfg.persistent},
+		},
 		Defaults: [2]int{defPrefetch, defWorkers},
 		Workers:  cfg.sweepWorkers,
 		Factors:  cfg.sweepPrefetch,
@@ -85,11 +77,7 @@ func runSweep(ctx context.Context, e *env, cfg config, defPrefetch, defWorkers i
 		runs[i] = make(map[string][]runResult)
 	}
 	for round := 1; round <= cfg.rounds; round++ {
-		order := slices.Clone(jobs)
-		if round%2 == 0 {
-			slices.Reverse(order)
-		}
-		for _, j := range order {
+		for _, j := range inRoundOrder(jobs, round) {
 			c := j.c
 			r, err := e.run(ctx, c, round, fmt.Sprintf("%s.p%dw%d.r%d", c.name, c.prefetch, c.workers, round))
 			if err != nil {
@@ -106,11 +94,7 @@ func runSweep(ctx context.Context, e *env, cfg config, defPrefetch, defWorkers i
 				cell.Summary = append(cell.Summary, summarize(name, rs))
 			}
 		}
-		if raw := cell.find(rawName); raw != nil && raw.Median > 0 {
-			for i := range cell.Summary {
-				cell.Summary[i].RatioToRaw = cell.Summary[i].Median / raw.Median
-			}
-		}
+		cell.Summary.relateToRaw()
 	}
 	e.machine.LoadEnd = loadAverage()
 	return res, nil
@@ -130,7 +114,7 @@ func (r *sweepResult) print(w io.Writer) {
 	// The grid: one table per contender but raw, each cell msgs/s and its
 	// ratio to raw in the same cell.
 	for _, name := range contenderNames {
-		if name == rawName || r.Cells[0].find(name) == nil {
+		if name == rawName || r.Cells[0].Summary.find(name) == nil {
 			continue
 		}
 		fmt.Fprintf(w, "%s, msgs/s median (× raw at the same setting); * = the broker's defaults (prefetch %d, workers %d)\n", name, r.Defaults[0], r.Defaults[1])
@@ -144,7 +128,7 @@ func (r *sweepResult) print(w io.Writer) {
 			fmt.Fprintf(tw, "%d\t", wk)
 			for _, k := range r.Factors {
 				c := r.cell(wk, k)
-				s := c.find(name)
+				s := c.Summary.find(name)
 				mark := ""
 				if c.Prefetch == r.Defaults[0] && c.Workers == r.Defaults[1] {
 					mark = "*"
@@ -179,11 +163,11 @@ func (r *sweepResult) print(w io.Writer) {
 	fmt.Fprintln(w)
 
 	// rabbitmw-redis against hand-written, cell by cell.
-	if r.Cells[0].find(redisName) != nil && r.Cells[0].find(handName) != nil {
+	if r.Cells[0].Summary.find(redisName) != nil && r.Cells[0].Summary.find(handName) != nil {
 		ahead, worst := 0, 0.0
 		var worstCell sweepCell
 		for _, c := range r.Cells {
-			ratio := c.find(redisName).Median / c.find(handName).Median
+			ratio := c.Summary.find(redisName).Median / c.Summary.find(handName).Median
 			if ratio > 1 {
 				ahead++
 			}

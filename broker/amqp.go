@@ -399,7 +399,7 @@ func (s *amqpSession) publish(ctx context.Context, exchange, key string, msg amq
 		return err
 	}
 	if err := ctx.Err(); err != nil {
-		return err
+		return err // nothing sent
 	}
 	p := &pendingPublish{
 		exchange:  exchange,

@@ -35,8 +35,14 @@ var behaviours = []struct {
 	{"ShutdownWithHandlersInFlight", testShutdownInFlight},
 	{"ShutdownTimeout", testShutdownTimeout},
 	{"ConnectionLoss", testConnectionLoss},
+	{"SlowHandlerDoesNotStallReconnection", testSlowHandlerReconnects},
+	{"ResultsAfterTheShutdownDeadline", testLateResults},
+	{"PublishWithDoneContextSendsNothing", testPublishWithDoneContext},
 	{"QuorumDeliveryLimit", testQuorumDeliveryLimit},
 	{"RejectGoesToDeadLetterQueue", testReject},
+	{"DeadLetterCycleRule", testDeadLetterCycleRule},
+	{"ReplayOfExpiredMessages", testReplayExpired},
+	{"ReplayOfMessagesOverTheDeliveryLimit", testReplayDeliveryLimit},
 	{"HeadersOfEveryType", testHeaderTypes},
 	{"LargeBodies", testLargeBodies},
 	{"DeclareNoneMissingQueue", testDeclareNoneMissing},
@@ -46,6 +52,7 @@ var behaviours = []struct {
 	{"PublishConfirmsAndMessageID", testPublishConfirms},
 	{"PublishUnroutable", testPublishUnroutable},
 	{"PublishConcurrent", testPublishConcurrent},
+	{"Observer", testObserver},
 	{"PublishInvalidMessage", testPublishInvalid},
 	{"PublishFrameBoundary", testPublishFrameBoundary},
 	{"DeadLetterCopyCutToFit", testDeadLetterCopyCutToFit},
@@ -710,9 +717,9 @@ func testServerDown(t *testing.T, be backend) {
 	}
 	q := queueName(t)
 	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
+	start := time.Now() // before the context, whose deadline counts from its making
 	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
 	defer cancel()
-	start := time.Now()
 	err := b.Consume(ctx, q, h, ConsumeOptions{})
 	took := time.Since(start)
 	noErr(t, "Consume when its context is done", err)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -84,6 +85,8 @@ type Options struct {
 	// key it by its body (middleware.Key), as hand-written consumers do:
 	// two messages with the same body are one message.
 	KeepEmptyMessageID bool
+	// Observer receives the Broker's events, and those of its consumers.
+	Observer Observer
 }
 
 // config is Options with the defaults resolved.
@@ -94,6 +97,7 @@ type config struct {
 	host         string
 	process      string
 	keepNoID     bool
+	obs          Observer
 	serverString string // set by the transport, for logs
 }
 
@@ -112,6 +116,7 @@ func (o Options) resolve() config {
 		host:      o.Host,
 		process:   o.Process,
 		keepNoID:  o.KeepEmptyMessageID,
+		obs:       o.Observer,
 	}
 	switch {
 	case c.rmin < 0, c.rmax < 0, c.heartbeat < 0:
@@ -260,6 +265,7 @@ func (b *Broker) do(ctx context.Context, op string, f func(session) error) error
 			return err
 		}
 		d := bo.next()
+		b.cfg.obs.reconnect("", err, d)
 		b.cfg.log.LogAttrs(ctx, slog.LevelWarn, "broker: "+op+" failed; retrying",
 			slog.String("server", b.cfg.serverString),
 			slog.String("error", err.Error()),
@@ -310,12 +316,21 @@ func (b *Broker) do(ctx context.Context, op string, f func(session) error) error
 // does not say which publish it refused.
 //
 // Publish is safe for concurrent use.
-func (b *Broker) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+func (b *Broker) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) (err error) {
 	if msg.DeliveryMode == 0 {
 		msg.DeliveryMode = amqp.Persistent
 	}
 	if msg.MessageId == "" && !b.cfg.keepNoID {
 		msg.MessageId = newMessageID()
+	}
+	if b.cfg.obs.Publish != nil {
+		msg.Headers = maps.Clone(msg.Headers)
+		if msg.Headers == nil {
+			msg.Headers = amqp.Table{}
+		}
+		if done := b.cfg.obs.Publish(ctx, exchange, key, &msg); done != nil {
+			defer func() { done(err) }()
+		}
 	}
 	size, err := checkPublishing(exchange, key, msg)
 	if err != nil {

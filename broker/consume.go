@@ -8,6 +8,7 @@ import (
 	"maps"
 	"runtime/debug"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -19,7 +20,8 @@ import (
 // ConsumeOptions configures one Consume call. The zero value selects the
 // defaults noted on each field.
 type ConsumeOptions struct {
-	// Workers is the number of handlers run at once. Default 16. In the
+	// Workers is the number of handlers run at once, counting those still
+	// running on a connection that was lost (see Consume). Default 16. In the
 	// prefetch × workers sweep of BENCHMARKS.md (a handler that does no
 	// work, the Redis store, 2 cores), 64 workers made 26 % more messages
 	// per second than 16, at four times the latency. For a rate r of
@@ -38,7 +40,7 @@ type ConsumeOptions struct {
 	// Topology describes the queues that serve the work queue.
 	Topology Topology
 	// ShutdownTimeout is how long handlers in flight may run after the
-	// context of Consume is cancelled. Default 30s.
+	// context of Consume is cancelled (see Consume). Default 30s.
 	ShutdownTimeout time.Duration
 	// ConsumerTag names the consumer on the server. Default: a unique tag
 	// made of "rabbitmw", the process name and random digits.
@@ -58,17 +60,19 @@ const (
 	defaultWorkers         = 16
 	defaultShutdownTimeout = 30 * time.Second
 	// shutdownGrace is how long Consume waits, after the shutdown deadline
-	// cancelled the handlers' context, for them to return and be settled.
+	// cancelled the handlers' context, for them to return.
 	shutdownGrace = time.Second
-	// settleTimeout bounds the publish of a delayed or dead-lettered copy,
-	// confirm included.
-	settleTimeout = 30 * time.Second
-	// requeueBackoff is the pause before a delivery whose copy could not be
-	// published is requeued, so that a failing publish is never a hot loop.
+	// lateSettleTimeout bounds the settlement of a result that came after
+	// the shutdown deadline; Consume waits that long, after the grace, for
+	// the settlements in progress.
+	lateSettleTimeout = 2 * time.Second
+	// settleTimeout bounds the wait for the confirm of a delayed or
+	// dead-lettered copy. A session whose confirm has not come by then is
+	// taken for broken, and given up.
+	settleTimeout = 2 * time.Minute
+	// requeueBackoff is the pause before a delivery whose copy was refused
+	// is requeued, so that a failing publish is never a hot loop.
 	requeueBackoff = time.Second
-	// stableSession is how long a session must have lasted for the
-	// reconnection backoff to start again from its minimum.
-	stableSession = time.Second
 )
 
 var consumerSeq atomic.Uint64
@@ -84,34 +88,53 @@ var consumerSeq atomic.Uint64
 //   - DeadLetter: a copy with fault headers goes to the dead-letter queue;
 //     the original is acked once the server confirmed the copy.
 //
-// If the copy cannot be published or is not confirmed, the original is
+// The original of a copy is settled only once the copy's fate is known. If
+// the server refuses the copy (unroutable, or nacked), the original is
 // nacked with requeue after a pause of about a second: a message is never
 // lost for a failed settlement, and never requeued in a hot loop. A copy
 // that can never be sent (ErrInvalidMessage: too big for a frame with the
 // headers it adds) is not tried again: a delayed message is dead-lettered
 // instead, and a dead-letter copy is sent with its fault headers cut
 // short or, if even that does not fit, the original is rejected to the
-// work queue's dead-letter exchange, and the reason logged at Error. A panic
-// that escapes h becomes rabbitmw.Permanent(&rabbitmw.PanicError{...}): the
+// work queue's dead-letter exchange, and the reason logged at Error. If the
+// copy's fate cannot be known, because the connection is lost before its
+// confirm, or the confirm has not come two minutes after the copy was sent
+// (Consume then gives the connection up, and connects again), the original
+// is left to the server, which redelivers it: the message then exists
+// twice, as the original and as its copy. That is the one window in which
+// Consume duplicates a message; Dedup absorbs the second. A panic that
+// escapes h becomes rabbitmw.Permanent(&rabbitmw.PanicError{...}): the
 // message is dead-lettered, the panic logged at Error, and the process goes
 // on.
 //
 // Consume declares the topology first (opts.Topology), then consumes. When
-// the connection or a channel is lost, it waits for the handlers in flight
-// (their deliveries cannot be settled any more: the server requeues them),
-// then connects again with backoff (Options.ReconnectMin/Max), declares
-// again and resumes. A delivery received on a connection that has since
-// closed is not handled. Each state change is logged.
+// the connection or a channel is lost (a server's consumer_timeout closes
+// the channel too), it connects again at once, with backoff
+// (Options.ReconnectMin/Max, starting again from the minimum once a
+// connection is consuming), declares again and resumes. Handlers still
+// running on the lost connection finish in the background: their
+// deliveries cannot be settled any more, the server redelivers them, and
+// Dedup absorbs the redeliveries. They keep their worker until they
+// return: at most opts.Workers handlers run at once, whatever connection
+// their deliveries came on. A delivery received on a connection that has
+// since closed is not handled. Each state change is logged.
 //
 // Consume blocks until ctx is cancelled or a fatal error. On cancellation it
 // stops taking deliveries (basic.cancel), requeues the ones received but not
 // started, lets the handlers in flight finish and settles them, then closes
-// its connection and returns nil. Handlers run with a context that is
-// cancelled only when opts.ShutdownTimeout has passed after ctx was
-// cancelled; if some have still not returned a second later, Consume closes
-// the connection (the server requeues their messages) and returns an error
-// wrapping ErrShutdownTimeout that says how many. Those handlers' goroutines
-// end when the handlers return; their settlements then fail.
+// its connection and returns nil. Handlers, those of lost connections
+// included, run with a context that is cancelled only when
+// opts.ShutdownTimeout has passed after ctx was cancelled. A result that
+// comes after that deadline is still settled, once, under a context of its
+// own that lasts two seconds: no copy is published under a context that is
+// done. If some handlers have still not returned a second after the
+// deadline, Consume waits up to two seconds more for the settlements in
+// progress, closes the connection (the server requeues the messages of the
+// handlers still running) and returns an error wrapping ErrShutdownTimeout
+// that says how many. Those handlers' goroutines end when the handlers
+// return; their results are not settled. Every other goroutine of Consume
+// has ended when it returns. A fatal error ends Consume the same way, after
+// the same wait for the handlers in flight.
 //
 // Fatal errors: wrong credentials (ErrAccessRefused), a missing queue
 // (ErrQueueNotFound), a work queue with other arguments
@@ -160,10 +183,17 @@ func (b *Broker) Consume(ctx context.Context, queue string, h rabbitmw.Handler, 
 	if c.tag == "" {
 		c.tag = "rabbitmw-" + b.cfg.process + "-" + strconv.FormatUint(consumerSeq.Add(1), 10) + "-" + newMessageID()[:8]
 	}
+	c.slots = make(chan struct{}, c.workers)
 	return c.run(ctx)
 }
 
 // A consumer is one Consume call.
+//
+// Each session has workers goroutines (work) that handle its deliveries.
+// A worker takes one of the consumer's slots before it takes a delivery,
+// and frees it once the delivery is settled. Consume waits for the
+// workers of every session before it returns, but for those whose
+// handlers it gave up on at the shutdown deadline (see drain).
 type consumer struct {
 	b        *Broker
 	h        rabbitmw.Handler
@@ -174,8 +204,24 @@ type consumer struct {
 	tag      string
 	onSettle func(*amqp.Delivery, rabbitmw.Outcome, error)
 	log      *slog.Logger
-	inflight atomic.Int64 // handlers running
+
+	// slots holds a token per worker taking, handling or settling a
+	// delivery, on any session: at most workers. A worker of a lost
+	// session keeps its slot until its handler returns.
+	slots   chan struct{}
+	running sync.WaitGroup // the workers of every session
+
+	mu       sync.Mutex
+	handling int  // handlers started and not returned
+	gaveUp   bool // drain stopped waiting for the handlers still running
+
+	drainOnce sync.Once
+	drainErr  error
 }
+
+// errUnsettled is what OnSettle hears of a delivery whose session was gone
+// when its result came: the server redelivers it.
+var errUnsettled = fmt.Errorf("broker: not settled, its connection is gone; the server redelivers it: %w", amqp.ErrClosed)
 
 func (c *consumer) run(ctx context.Context) error {
 	// Handlers run under hctx, which outlives ctx: it is cancelled only at
@@ -184,95 +230,138 @@ func (c *consumer) run(ctx context.Context) error {
 	defer cancelHandlers()
 	server := slog.String("server", c.b.cfg.serverString)
 	bo := newBackoff(c.b.cfg.rmin, c.b.cfg.rmax)
-	stopped := func() error {
-		c.log.LogAttrs(ctx, slog.LevelInfo, "broker: consumer stopped")
-		return nil
+	// end waits for the handlers still running, on any session, as the
+	// shutdown rules say (serve may have waited for them already), and
+	// returns err joined to drain's error.
+	end := func(err error) error {
+		if derr := c.drain(cancelHandlers); derr != nil {
+			c.log.LogAttrs(ctx, slog.LevelError, "broker: consumer stopped with handlers still running",
+				slog.String("error", derr.Error()))
+			err = errors.Join(err, derr)
+		}
+		c.mu.Lock()
+		gaveUp := c.gaveUp
+		c.mu.Unlock()
+		if !gaveUp {
+			c.running.Wait() // their sessions are closed: they are ending
+		}
+		if err == nil {
+			c.log.LogAttrs(ctx, slog.LevelInfo, "broker: consumer stopped")
+		}
+		return err
 	}
 	for {
 		if ctx.Err() != nil {
-			return stopped()
+			return end(nil)
 		}
 		c.log.LogAttrs(ctx, slog.LevelInfo, "broker: connecting", server)
 		s, err := c.b.tr.dial(ctx, "rabbitmw consume "+c.top.queue+" ("+c.b.cfg.process+")")
 		switch {
 		case err != nil && ctx.Err() != nil:
-			return stopped()
+			return end(nil)
 		case err == nil:
-			start := time.Now()
-			var consumed bool
-			consumed, err = c.serve(ctx, hctx, cancelHandlers, s)
-			if consumed && time.Since(start) >= stableSession {
-				bo.reset()
-			}
+			err = c.serve(ctx, hctx, cancelHandlers, s, bo.reset)
 			if err == nil || (retryable(err) && ctx.Err() != nil) {
-				return stopped()
+				return end(nil)
 			}
 		}
 		if !retryable(err) {
 			c.log.LogAttrs(ctx, slog.LevelError, "broker: consumer stopped by a fatal error", server,
 				slog.String("error", err.Error()))
-			return err
+			return end(err)
 		}
 		d := bo.next()
+		c.b.cfg.obs.reconnect(c.top.queue, err, d)
 		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: reconnecting", server,
 			slog.String("error", err.Error()), slog.Duration("retry_in", d))
 		if !sleep(ctx, d) {
-			return stopped()
+			return end(nil)
 		}
 	}
 }
 
-// serve consumes on s until ctx is cancelled (nil), s is lost (an error
-// wrapping ErrConnectionLost) or a fatal error. consumed reports whether the
-// consumer started. serve closes s before it returns.
-func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.CancelFunc, s session) (consumed bool, err error) {
+// serve consumes on s until ctx is cancelled (nil), s is lost or given up
+// (an error wrapping ErrConnectionLost) or a fatal error. When ctx is
+// cancelled or the server cancels the consumer, serve drains the handlers
+// before it returns, so that they can settle on s; when s is lost, it
+// returns at once, whatever handlers still run. It calls consuming once
+// the consumer is started. serve closes s before it returns.
+func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.CancelFunc, s session, consuming func()) error {
 	defer s.close()
 	if err := s.declare(ctx, c.top.specs()); err != nil {
-		return false, c.top.refusal(err)
+		return c.top.refusal(err)
 	}
 	deliveries, err := s.consume(c.top.queue, c.tag, c.prefetch)
 	if err != nil {
-		return false, c.top.refusal(err)
+		return c.top.refusal(err)
 	}
+	consuming()
 	c.log.LogAttrs(ctx, slog.LevelInfo, "broker: consuming",
 		slog.String("consumer_tag", c.tag), slog.Int("workers", c.workers), slog.Int("prefetch", c.prefetch))
 
-	// The workers end when deliveries is closed: after the consumer is
-	// cancelled and what it had received was handed out, or at once when s
-	// is lost. The last one to end closes done.
+	// A handler whose copy's fate is unknown gives s up through giveUp;
+	// serve then returns, and closes s.
 	var (
-		stopping atomic.Bool
-		running  atomic.Int64
-		done     = make(chan struct{})
+		giveUpOnce sync.Once
+		givenUp    = make(chan struct{})
+		giveUpErr  error
 	)
-	running.Store(int64(c.workers))
+	giveUp := func(err error) {
+		giveUpOnce.Do(func() {
+			giveUpErr = err
+			close(givenUp)
+		})
+	}
+	// The workers end when stop is closed (by stopTaking: serve then
+	// gives back what deliveries still holds), when deliveries is closed
+	// (at once when s is lost), or when s is lost while they wait for a
+	// slot; a worker in a handler ends after it. The last one to end
+	// closes done.
+	var (
+		stop       = make(chan struct{})
+		stopTaking = sync.OnceFunc(func() { close(stop) })
+		left       atomic.Int64
+		done       = make(chan struct{})
+	)
+	left.Store(int64(c.workers))
+	c.running.Add(c.workers)
 	for range c.workers {
 		go func() {
+			defer c.running.Done()
 			defer func() {
-				if running.Add(-1) == 0 {
+				if left.Add(-1) == 0 {
 					close(done)
 				}
 			}()
-			c.work(hctx, s, deliveries, &stopping)
+			c.work(hctx, s, deliveries, stop, giveUp)
 		}()
 	}
-
+	lost := func() error {
+		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: connection lost",
+			slog.String("reason", s.reason().Error()), slog.Int("in_flight", c.inFlight()))
+		return s.reason()
+	}
 	cancelled := s.cancelled()
 	for {
 		select {
 		case <-ctx.Done():
-			stopping.Store(true)
+			stopTaking()
 			c.log.LogAttrs(ctx, slog.LevelInfo, "broker: shutting down",
-				slog.Int64("in_flight", c.inflight.Load()), slog.Duration("timeout", c.timeout))
+				slog.Int("in_flight", c.inFlight()), slog.Duration("timeout", c.timeout))
 			if err := s.cancel(c.tag); err != nil {
 				c.log.LogAttrs(ctx, slog.LevelDebug, "broker: cancel consumer", slog.String("error", err.Error()))
 			}
-			return true, c.drain(cancelHandlers, done)
+			c.giveBack(ctx, s, deliveries)
+			c.drain(cancelHandlers) // run reports its error
+			return nil
 
 		case <-s.closed():
-			c.log.LogAttrs(ctx, slog.LevelWarn, "broker: connection lost",
-				slog.String("reason", s.reason().Error()), slog.Int64("in_flight", c.inflight.Load()))
-			return true, c.awaitWorkers(ctx, cancelHandlers, done, s.reason())
+			return lost()
+
+		case <-givenUp:
+			c.log.LogAttrs(ctx, slog.LevelWarn, "broker: giving the connection up",
+				slog.String("reason", giveUpErr.Error()), slog.Int("in_flight", c.inFlight()))
+			return giveUpErr
 
 		case tag, ok := <-cancelled:
 			if !ok {
@@ -280,7 +369,8 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 				cancelled = nil
 				continue
 			}
-			return true, c.cancelledByServer(ctx, cancelHandlers, done, &stopping, tag)
+			stopTaking()
+			return c.cancelledByServer(ctx, cancelHandlers, s, deliveries, tag)
 
 		case <-done:
 			// deliveries was closed: the consumer was cancelled by the
@@ -288,86 +378,194 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 			select {
 			case tag, ok := <-cancelled:
 				if ok {
-					return true, c.cancelledByServer(ctx, cancelHandlers, done, &stopping, tag)
+					stopTaking()
+					return c.cancelledByServer(ctx, cancelHandlers, s, deliveries, tag)
 				}
 				<-s.closed()
-				return true, s.reason()
+				return lost()
 			case <-s.closed():
-				return true, s.reason()
+				return lost()
 			case <-time.After(time.Second):
-				return true, lostError(errors.New("delivery channel closed"))
+				return lostError(errors.New("delivery channel closed"))
 			}
 		}
 	}
 }
 
-func (c *consumer) cancelledByServer(ctx context.Context, cancelHandlers context.CancelFunc, done chan struct{}, stopping *atomic.Bool, tag string) error {
-	stopping.Store(true)
+// cancelledByServer ends the session whose consumer the server
+// cancelled; its workers must be stopped already.
+func (c *consumer) cancelledByServer(ctx context.Context, cancelHandlers context.CancelFunc, s session, deliveries <-chan amqp.Delivery, tag string) error {
 	err := fmt.Errorf("%w: queue %q (consumer %q); was the queue deleted?", ErrConsumerCancelled, c.top.queue, tag)
 	c.log.LogAttrs(ctx, slog.LevelError, "broker: consumer cancelled by the server", slog.String("consumer_tag", tag))
-	if derr := c.drain(cancelHandlers, done); derr != nil {
-		return errors.Join(err, derr)
-	}
+	c.giveBack(ctx, s, deliveries)
+	c.drain(cancelHandlers) // run reports its error
 	return err
 }
 
-// awaitWorkers waits for the workers of a lost session, and returns lost.
-// If ctx is cancelled meanwhile, the shutdown deadline applies: it returns
-// nil, or drain's error.
-func (c *consumer) awaitWorkers(ctx context.Context, cancelHandlers context.CancelFunc, done chan struct{}, lost error) error {
-	select {
-	case <-done:
-		return lost
-	case <-ctx.Done():
-		return c.drain(cancelHandlers, done)
-	}
-}
-
-// drain waits for the workers to end, for at most the shutdown timeout;
-// then it cancels the handlers' context and waits shutdownGrace more.
-func (c *consumer) drain(cancelHandlers context.CancelFunc, done chan struct{}) error {
-	t := time.NewTimer(c.timeout)
-	defer t.Stop()
-	select {
-	case <-done:
-		return nil
-	case <-t.C:
-	}
-	cancelHandlers()
-	t.Reset(shutdownGrace)
-	select {
-	case <-done:
-		return nil
-	case <-t.C:
-	}
-	n := c.inflight.Load()
-	return fmt.Errorf("%w: %d handlers did not return within %v of the shutdown, plus %v after their context was cancelled; their messages return to the queue",
-		ErrShutdownTimeout, n, c.timeout, shutdownGrace)
-}
-
-// work runs the handler for each delivery until deliveries is closed.
-func (c *consumer) work(ctx context.Context, s session, deliveries <-chan amqp.Delivery, stopping *atomic.Bool) {
-	for d := range deliveries {
-		if stopping.Load() {
-			// Shutting down: give back what was not started.
-			c.report(ctx, &d, rabbitmw.Requeue, d.Nack(false, true))
-			continue
-		}
+// giveBack requeues, unhandled, what deliveries still holds once the
+// consumer was cancelled: until deliveries is closed (the server's consumer
+// is gone, and what it had sent was handed out) or s is lost.
+func (c *consumer) giveBack(ctx context.Context, s session, deliveries <-chan amqp.Delivery) {
+	for {
 		select {
+		case d, ok := <-deliveries:
+			if !ok {
+				return
+			}
+			c.report(ctx, &d, rabbitmw.Requeue, d.Nack(false, true))
 		case <-s.closed():
+			return
+		}
+	}
+}
+
+// inFlight returns the number of handlers started and not returned.
+func (c *consumer) inFlight() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.handling
+}
+
+// work runs the handler for each delivery until deliveries is closed or
+// stop is. It takes a slot first, then a delivery; it ends at once if s is
+// closed while it waits for a slot. It ends without freeing its slot if
+// drain gave up on its handler.
+func (c *consumer) work(hctx context.Context, s session, deliveries <-chan amqp.Delivery, stop <-chan struct{}, giveUp func(error)) {
+	for {
+		select {
+		case <-stop:
+			return
+		case <-s.closed():
+			return
+		case c.slots <- struct{}{}:
+		}
+		var d amqp.Delivery
+		var ok bool
+		select {
+		case d, ok = <-deliveries:
+		case <-stop:
+		}
+		switch {
+		case !ok:
+			<-c.slots
+			return
+		case isClosed(stop):
+			// Shutting down: give back what was not started.
+			c.report(hctx, &d, rabbitmw.Requeue, d.Nack(false, true))
+			<-c.slots
+			return
+		case isClosed(s.closed()):
 			// Its channel is gone: it cannot be settled, and the server
 			// redelivers it. Handling it would only duplicate work.
+			<-c.slots
 			continue
-		default:
 		}
-		c.inflight.Add(1)
-		c.process(ctx, s, &d)
-		c.inflight.Add(-1)
+		c.mu.Lock()
+		c.handling++
+		c.mu.Unlock()
+		if !c.handle(hctx, s, &d, giveUp) {
+			return
+		}
 	}
 }
 
-// process handles one delivery and settles it.
-func (c *consumer) process(ctx context.Context, s session, d *amqp.Delivery) {
+// handle runs the handler for d, settles d on s, and frees the worker's
+// slot. If s is gone by the time the handler returns, d is not settled:
+// the server redelivers it. If drain gave up on the handler meanwhile, d
+// is not settled either, the slot is kept (drain counts on it), and handle
+// reports false: the worker must end.
+func (c *consumer) handle(hctx context.Context, s session, d *amqp.Delivery, giveUp func(error)) bool {
+	dec := c.decide(hctx, d)
+	if c.returned() {
+		c.report(hctx, d, dec.Outcome, errUnsettled)
+		return false
+	}
+	defer func() { <-c.slots }()
+	if isClosed(s.closed()) {
+		c.report(hctx, d, dec.Outcome, errUnsettled)
+		return true
+	}
+	c.settle(hctx, s, d, dec, giveUp)
+	return true
+}
+
+// returned counts a handler out, and reports whether drain gave up on it.
+func (c *consumer) returned() (gaveUp bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.handling--
+	return c.gaveUp
+}
+
+// isClosed reports whether ch is closed; nothing is ever sent on it.
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// drain waits, for at most the shutdown timeout, for the workers of every
+// session to free their slots: their handlers returned, their results
+// settled, what they had not started given back. Then it cancels the
+// handlers' context and waits shutdownGrace more; then it gives up on the
+// handlers still running, and waits at most lateSettleTimeout for the
+// settlements in progress. It returns an error wrapping ErrShutdownTimeout
+// if it gave up on a handler or a settlement. Only the first call waits;
+// later ones return its result. The workers of the live session, if
+// any, must be stopped: they take no slot any more.
+func (c *consumer) drain(cancelHandlers context.CancelFunc) error {
+	c.drainOnce.Do(func() { c.drainErr = c.awaitHandlers(cancelHandlers) })
+	return c.drainErr
+}
+
+func (c *consumer) awaitHandlers(cancelHandlers context.CancelFunc) error {
+	// Every slot drain holds is one that no handler holds.
+	held := 0
+	take := func(want int, d time.Duration) bool {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		for held < want {
+			select {
+			case c.slots <- struct{}{}:
+				held++
+			case <-t.C:
+				return false
+			}
+		}
+		return true
+	}
+	if take(c.workers, c.timeout) {
+		return nil
+	}
+	cancelHandlers()
+	if take(c.workers, shutdownGrace) {
+		return nil
+	}
+	// The handlers still running keep their slots (see handle); the other
+	// slots are held by settlements, until they end.
+	c.mu.Lock()
+	c.gaveUp = true
+	stuck := c.handling
+	c.mu.Unlock()
+	take(c.workers-stuck, lateSettleTimeout)
+	unsettled := c.workers - stuck - held
+	if stuck == 0 && unsettled == 0 {
+		return nil
+	}
+	what := fmt.Sprintf("%d handlers did not return within %v of the shutdown, plus %v after their context was cancelled",
+		stuck, c.timeout, shutdownGrace)
+	if unsettled > 0 {
+		what += fmt.Sprintf(", and %d settlements did not end %v later", unsettled, lateSettleTimeout)
+	}
+	return fmt.Errorf("%w: %s; their messages return to the queue", ErrShutdownTimeout, what)
+}
+
+// decide runs the handler for d, unless d is not due yet, and returns what
+// to do with d.
+func (c *consumer) decide(ctx context.Context, d *amqp.Delivery) rabbitmw.Decision {
 	if nb, ok := notBefore(d.Headers); ok {
 		switch rest := time.Until(nb); {
 		case rest > maxNotBefore:
@@ -375,15 +573,13 @@ func (c *consumer) process(ctx context.Context, s session, d *amqp.Delivery) {
 			// mistake), and the message would cycle through the delay
 			// queues for it: dead-letter it, with the reason.
 			err := fmt.Errorf("broker: header %s is %v ahead, beyond the %v a delay may last", HeaderNotBefore, rest.Round(time.Second), maxNotBefore)
-			c.settle(ctx, s, d, rabbitmw.Decide(rabbitmw.Permanent(err)))
-			return
+			return rabbitmw.Decide(rabbitmw.Permanent(err))
 		case rest > 0:
 			// Not due yet: back to a delay queue, unhandled.
-			c.settle(ctx, s, d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: rest})
-			return
+			return rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: rest}
 		}
 	}
-	c.settle(ctx, s, d, rabbitmw.Decide(c.call(ctx, d)))
+	return rabbitmw.Decide(c.call(ctx, d))
 }
 
 // maxNotBefore bounds how far ahead HeaderNotBefore may be: a message whose
@@ -405,20 +601,31 @@ func (c *consumer) call(ctx context.Context, d *amqp.Delivery) (err error) {
 	return c.h.Handle(ctx, d)
 }
 
-// settle settles d by dec.
-func (c *consumer) settle(ctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision) {
+// settle settles d by dec; hctx is the context its handler ran with.
+func (c *consumer) settle(hctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision, giveUp func(error)) {
 	var err error
 	switch dec.Outcome {
 	case rabbitmw.Ack, rabbitmw.Duplicate:
 		err = d.Ack(false)
-	case rabbitmw.Delay:
-		err = c.delay(ctx, s, d, dec)
-	case rabbitmw.DeadLetter:
-		err = c.deadLetter(ctx, s, d, dec)
+	case rabbitmw.Delay, rabbitmw.DeadLetter:
+		// The copy has a context of its own: the shutdown deadline, which
+		// cancels hctx, must not cut the wait for its confirm short. A
+		// result that came after the deadline gets a short one.
+		timeout := settleTimeout
+		if hctx.Err() != nil {
+			timeout = lateSettleTimeout
+		}
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(hctx), timeout)
+		if dec.Outcome == rabbitmw.Delay {
+			err = c.delay(ctx, s, d, dec, giveUp)
+		} else {
+			err = c.deadLetter(ctx, s, d, dec, giveUp)
+		}
+		cancel()
 	default: // Requeue
 		err = d.Nack(false, true)
 	}
-	c.report(ctx, d, dec.Outcome, err)
+	c.report(hctx, d, dec.Outcome, err)
 }
 
 // delay sends a copy of d to the delay queue for dec.Delay and acks d once
@@ -426,7 +633,7 @@ func (c *consumer) settle(ctx context.Context, s session, d *amqp.Delivery, dec 
 // with what a delay adds, it would not leave a frame's headroom free, as
 // it must since it comes back with RabbitMQ's x-death) would fail the same
 // way every time: d is dead-lettered instead, with the reason.
-func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision) error {
+func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision, giveUp func(error)) error {
 	tr, over := c.top.tierFor(dec.Delay)
 	var due time.Time
 	if over || d.Expiration != "" {
@@ -434,16 +641,18 @@ func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec r
 		// short, or the message's own expiration may cut its stay.
 		due = time.Now().Add(dec.Delay)
 	}
-	msg := republishing(d, delayHeaders(d, dec, due))
-	if err := c.publishCopy(ctx, s, tr.queue, msg, retryHeadroom); err != nil {
-		if errors.Is(err, ErrInvalidMessage) {
-			return c.deadLetter(ctx, s, d, rabbitmw.Decision{
-				Outcome:  rabbitmw.DeadLetter,
-				Attempts: dec.Attempts,
-				Err:      copyRefused("delay", err, dec.Err),
-			})
-		}
-		return c.requeueAfter(ctx, s, d, "delay", tr.queue, err)
+	msg := republishing(d, delayHeaders(d, dec, c.top.queue, due))
+	err := c.publishCopy(ctx, s, tr.queue, msg, retryHeadroom)
+	c.b.cfg.obs.republish(ctx, RepublishEvent{Outcome: rabbitmw.Delay, Queue: c.top.queue, To: tr.queue, Delay: dec.Delay, Err: err, Delivery: d})
+	if errors.Is(err, ErrInvalidMessage) {
+		return c.deadLetter(ctx, s, d, rabbitmw.Decision{
+			Outcome:  rabbitmw.DeadLetter,
+			Attempts: dec.Attempts,
+			Err:      copyRefused("delay", err, dec.Err),
+		}, giveUp)
+	}
+	if err != nil {
+		return c.copyFailed(ctx, s, d, "delay", tr.queue, err, giveUp)
 	}
 	return d.Ack(false)
 }
@@ -475,7 +684,7 @@ const maxCutErrorText = 512
 // x-death (reason "rejected") (DeclareAll declares them; a work queue
 // declared elsewhere without them drops it). It is never requeued: it
 // would fail the same way again.
-func (c *consumer) deadLetter(ctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision) error {
+func (c *consumer) deadLetter(ctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision, giveUp func(error)) error {
 	h := faultHeaders(d, dec, c.top.queue, time.Now(), c.b.cfg.host, c.b.cfg.process)
 	errText, _ := h[HeaderError].(string)
 	attempts, _ := h[rabbitmw.HeaderAttempts].(int64)
@@ -487,16 +696,18 @@ func (c *consumer) deadLetter(ctx context.Context, s session, d *amqp.Delivery, 
 		cut[rabbitmw.HeaderAttempts] = attempts
 		cut[HeaderOriginalQueue] = c.top.queue
 		err = c.publishCopy(ctx, s, c.top.dlq, republishing(d, cut), 0)
-		if errors.Is(err, ErrInvalidMessage) {
-			c.log.LogAttrs(ctx, slog.LevelError, "broker: dead-letter copy cannot be sent; the message is rejected to the work queue's dead-letter exchange",
-				slog.String("message_id", d.MessageId),
-				slog.String("error", errText),
-				slog.String("reason", err.Error()))
-			return d.Reject(false)
-		}
+	}
+	errType, _ := h[HeaderErrorType].(string)
+	c.b.cfg.obs.republish(ctx, RepublishEvent{Outcome: rabbitmw.DeadLetter, Queue: c.top.queue, To: c.top.dlq, ErrorType: errType, Err: err, Delivery: d})
+	if errors.Is(err, ErrInvalidMessage) {
+		c.log.LogAttrs(ctx, slog.LevelError, "broker: dead-letter copy cannot be sent; the message is rejected to the work queue's dead-letter exchange",
+			slog.String("message_id", d.MessageId),
+			slog.String("error", errText),
+			slog.String("reason", err.Error()))
+		return d.Reject(false)
 	}
 	if err != nil {
-		return c.requeueAfter(ctx, s, d, "dead-letter", c.top.dlq, err)
+		return c.copyFailed(ctx, s, d, "dead-letter", c.top.dlq, err, giveUp)
 	}
 	c.log.LogAttrs(ctx, slog.LevelWarn, "broker: message dead-lettered",
 		slog.String("message_id", d.MessageId),
@@ -505,10 +716,18 @@ func (c *consumer) deadLetter(ctx context.Context, s session, d *amqp.Delivery, 
 	return d.Ack(false)
 }
 
-// publishCopy publishes a copy to queue and waits for its confirm, for at
-// most settleTimeout. It refuses a copy that would not leave headroom bytes
-// of a frame free (ErrInvalidMessage).
+// errNotSent is wrapped by the error of a copy that was not sent.
+var errNotSent = errors.New("broker: copy not sent")
+
+// publishCopy publishes msg to queue on s and waits for the server's
+// confirm. Under a context that is done already it sends nothing, and
+// returns an error wrapping errNotSent. It refuses a copy that would not
+// leave headroom bytes of a frame free (ErrInvalidMessage), sending
+// nothing.
 func (c *consumer) publishCopy(ctx context.Context, s session, queue string, msg amqp.Publishing, headroom int) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("%w: %w", errNotSent, err)
+	}
 	if headroom > 0 {
 		size, err := checkPublishing("", queue, msg)
 		if err == nil {
@@ -518,13 +737,34 @@ func (c *consumer) publishCopy(ctx context.Context, s session, queue string, msg
 			return err
 		}
 	}
-	ctx, cancel := context.WithTimeout(ctx, settleTimeout)
-	defer cancel()
 	return s.publish(ctx, "", queue, msg)
 }
 
-// requeueAfter logs a failed republish, pauses (unless the session or ctx
-// ends first), and requeues d.
+// copyFailed settles d, whose copy to queue failed with err. A copy known
+// not to be in queue (not sent, or refused by the server) leaves d to be
+// requeued (requeueAfter). A copy whose fate is unknown (the session was
+// lost, or ctx ended, before its confirm) may be in queue: requeueing d
+// would make the message exist twice, acking it would lose the message if
+// the copy is not there. So d is left as it is, and s given up: the server
+// redelivers d.
+func (c *consumer) copyFailed(ctx context.Context, s session, d *amqp.Delivery, what, queue string, err error, giveUp func(error)) error {
+	unknown := !errors.Is(err, errNotSent) &&
+		(errors.Is(err, ErrConnectionLost) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled))
+	if !unknown {
+		return c.requeueAfter(ctx, s, d, what, queue, err)
+	}
+	c.log.LogAttrs(ctx, slog.LevelWarn, "broker: "+what+" copy not confirmed; the server redelivers the message",
+		slog.String("message_id", d.MessageId),
+		slog.String("to", queue),
+		slog.String("error", err.Error()))
+	if !isClosed(s.closed()) {
+		giveUp(fmt.Errorf("%w: the %s copy of message %q was not confirmed: %w", ErrConnectionLost, what, d.MessageId, err))
+	}
+	return errUnsettled
+}
+
+// requeueAfter logs a copy that was not published, pauses (unless the
+// session or ctx ends first), and requeues d.
 func (c *consumer) requeueAfter(ctx context.Context, s session, d *amqp.Delivery, what, queue string, err error) error {
 	c.log.LogAttrs(ctx, slog.LevelWarn, "broker: "+what+" copy not published; requeueing the message",
 		slog.String("message_id", d.MessageId),

@@ -25,8 +25,7 @@
 //
 // A tier is named in its largest exact unit: "1s", "5s", "30s", "2m",
 // "10m", "1h", "1500ms". With DeclareAll (the default) Consume declares all
-// of them; with DeclareSupport all but Q, whose existence it checks (for a
-// work queue declared elsewhere with arguments of its own); with
+// of them; with [DeclareSupport] all but Q, whose existence it checks; with
 // DeclareNone none. Declaring is idempotent and safe from many consumers at
 // once. A work queue that exists with other arguments is a fatal error
 // (ErrQueueArguments) whose text names the fix.
@@ -47,13 +46,17 @@
 // A copy keeps the message's properties (but UserId, moved to the
 // HeaderUserID header, since RabbitMQ refuses a publish by another user),
 // its body and all its headers, whatever their types, including those
-// RabbitMQ adds (x-death, x-delivery-count). It is persistent. It carries
+// RabbitMQ adds (x-death, x-delivery-count); a copy sent to a delay queue
+// carries the x-death records that name Q in HeaderDeaths instead, lest
+// RabbitMQ drop it as a dead-letter cycle. It is persistent. It carries
 // the attempt count ([rabbitmw.HeaderAttempts]) and the original exchange
 // and routing key; a dead-lettered copy also the fault headers: error text
 // and type, work queue, time, host and process (see the Header
-// constants). When a copy cannot be published or confirmed, the original
-// is nacked with requeue after about a second; a copy that can never be
-// sent (ErrInvalidMessage) is not tried again (see [Broker.Consume]).
+// constants). The original is acked once the copy is confirmed; when the
+// server refuses the copy, the original is nacked with requeue after about
+// a second; while the copy's fate is unknown, the original is never
+// settled (see below). A copy that can never be sent (ErrInvalidMessage)
+// is not tried again (see [Broker.Consume]).
 //
 // A delay longer than the longest tier goes to the longest tier, with the
 // HeaderNotBefore header (so does any delayed message with an Expiration
@@ -73,10 +76,14 @@
 // lost connection (the handler's result could not be settled), after a
 // lost confirm on publish, or, rarely, as a second copy:
 //
-//   - if the connection drops between the server's confirm of a copy and
-//     the ack of the original, the original is redelivered and its copy
-//     exists too: the dead-letter queue may then hold a second copy, and a
-//     retried message may run twice;
+//   - if the connection drops between the sending of a copy (delayed or
+//     dead-lettered) and the ack of its original, whether the copy was
+//     confirmed or its confirm was still on its way, the original is
+//     redelivered and the copy may exist too: the dead-letter queue may
+//     then hold a second copy, and a retried message may run twice. The
+//     same holds for a copy whose confirm has not come after two minutes
+//     (Consume then gives the connection up), and for one still waiting
+//     for its confirm when a shutdown gives up on its handlers;
 //   - Publish retries after a lost connection, and the first copy may have
 //     reached its queue.
 //
@@ -88,7 +95,9 @@
 //
 // A handler that never returns holds a worker and a prefetch slot; at
 // shutdown Consume gives up on it after ConsumeOptions.ShutdownTimeout and
-// reports it. A handler's panic never crashes the process.
+// reports it. A handler still running when its connection is lost keeps
+// its worker, but not the consumer: Consume connects again at once, and
+// the other workers go on. A handler's panic never crashes the process.
 //
 // # Publishing
 //
@@ -100,6 +109,15 @@
 // be sent as it is (a property over 255 bytes, a header amqp091 cannot
 // send or read back, headers too big for a frame) is refused at once with
 // ErrInvalidMessage, and the connection is left alone.
+//
+// # The dead-letter queue
+//
+// [Broker.DeadLetters] lists the messages of Q.dlq without changing it,
+// [Broker.Replay] sends them back to their work queue once their cause is
+// fixed, [Broker.PurgeDeadLetters] removes them, and
+// [Broker.ExportDeadLetters] and [Broker.ImportDeadLetters] save them to
+// JSON Lines and back; each selects messages with a [Filter]. The command
+// cmd/rabbitmw does the same from a shell.
 //
 // # In-memory server
 //

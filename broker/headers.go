@@ -55,25 +55,49 @@ const (
 	// RabbitMQ itself writes (an array of tables, each with an integer
 	// count), moved there from the copy sent to a delay queue: RabbitMQ
 	// 3.10 updates x-death when the copy expires, and a malformed one
-	// crashes the delay queue.
+	// crashes the delay queue. A HeaderDeaths that is not in x-death's
+	// form is kept there too, if HeaderMalformedXDeath is free, when the
+	// delay copy needs HeaderDeaths for records of its own.
 	HeaderMalformedXDeath = "x-rabbitmw-x-death"
+	// HeaderDeaths keeps the x-death records that name the work queue:
+	// those RabbitMQ wrote when it dead-lettered the message out of the
+	// work queue (it expired there, or went past a length or delivery
+	// limit, or was rejected) before the message came back to it, replayed
+	// from the dead-letter queue by an operator or a shovel. When the delay
+	// queue dead-letters a copy back to the work queue, RabbitMQ 3.10
+	// takes such a record, with no reject among the later ones, for a
+	// dead-letter cycle, and drops the copy. So the copy sent to a delay
+	// queue carries those records here instead of in x-death: in x-death's
+	// form (an array of tables), merged with the records moved there on
+	// earlier hops, one record per queue and reason, the counts added, as
+	// RabbitMQ counts. The copy keeps its x-death, empty if nothing else is
+	// left, so that RabbitMQ leaves x-first-death-* as they were.
+	//
+	// So a handler sees, on a message back from a delay queue, x-death as
+	// RabbitMQ wrote it but for the records that name the work queue, and
+	// those records here. The dead-lettered copy has them back in x-death,
+	// merged the same way, and no HeaderDeaths: the dead-letter queue shows
+	// the message's whole history. (A HeaderDeaths not in x-death's form
+	// is not merged.)
+	HeaderDeaths = "x-rabbitmw-deaths"
 )
 
 // maxErrorText bounds HeaderError, in bytes.
 const maxErrorText = 4 << 10
 
 // faultHeaders returns the headers of the dead-lettered copy of d: all of
-// d's headers, whatever their types, plus the fault headers that say why,
-// where and when. The attempt count is dec.Attempts, or, when no layer
-// counted (0), the count recorded on d plus this failed attempt. It does not
-// modify d.
+// d's headers, whatever their types, the records of HeaderDeaths back in
+// x-death, plus the fault headers that say why, where and when. The attempt
+// count is dec.Attempts, or, when no layer counted (0), the count recorded
+// on d plus this failed attempt. It does not modify d.
 func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time.Time, host, process string) amqp.Table {
 	h := make(amqp.Table, len(d.Headers)+9)
 	maps.Copy(h, d.Headers)
+	restoreDeaths(h)
 	var text, typ string
 	if dec.Err != nil {
 		text = truncate(dec.Err.Error(), maxErrorText)
-		typ = fmt.Sprintf("%T", innermost(dec.Err))
+		typ = ErrorType(dec.Err)
 	}
 	h[HeaderError] = text
 	h[HeaderErrorType] = typ
@@ -91,11 +115,14 @@ func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time
 	return h
 }
 
-// delayHeaders returns the headers of the copy of d sent to a delay queue:
-// all of d's, the attempt count of dec when a layer counted one, the
-// original exchange and routing key at the first hop, and HeaderNotBefore
-// when notBefore is not zero (removed otherwise).
-func delayHeaders(d *amqp.Delivery, dec rabbitmw.Decision, notBefore time.Time) amqp.Table {
+// delayHeaders returns the headers of the copy of d, from work queue
+// queue, sent to a delay queue: all of d's, the attempt count of dec when a
+// layer counted one, the original exchange and routing key at the first
+// hop, and HeaderNotBefore when notBefore is not zero (removed otherwise).
+// An x-death not in RabbitMQ's form moves to HeaderMalformedXDeath; the
+// records of one in that form that name queue move to HeaderDeaths. It
+// does not modify d.
+func delayHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, notBefore time.Time) amqp.Table {
 	h := make(amqp.Table, len(d.Headers)+4)
 	maps.Copy(h, d.Headers)
 	if dec.Attempts > 0 {
@@ -111,8 +138,99 @@ func delayHeaders(d *amqp.Delivery, dec rabbitmw.Decision, notBefore time.Time) 
 	if v, ok := h["x-death"]; ok && !wellFormedXDeath(v) {
 		delete(h, "x-death")
 		setIfAbsent(h, HeaderMalformedXDeath, v)
+	} else {
+		setAsideDeaths(h, queue)
 	}
 	return h
+}
+
+// setAsideDeaths moves the records of h's x-death, in RabbitMQ's form, that
+// name queue to HeaderDeaths, merged into those already there (see
+// HeaderDeaths). It leaves x-death an array, if empty. It modifies h, not
+// the values in it.
+func setAsideDeaths(h amqp.Table, queue string) {
+	deaths, _ := h["x-death"].([]any)
+	kept := make([]any, 0, len(deaths))
+	var moved []any
+	for _, d := range deaths {
+		if r, _ := d.(amqp.Table); r["queue"] == queue {
+			moved = append(moved, d)
+		} else {
+			kept = append(kept, d)
+		}
+	}
+	if len(moved) == 0 {
+		return
+	}
+	var earlier []any
+	if v, ok := h[HeaderDeaths]; ok {
+		if wellFormedXDeath(v) {
+			earlier = v.([]any)
+		} else {
+			setIfAbsent(h, HeaderMalformedXDeath, v)
+		}
+	}
+	h[HeaderDeaths] = mergeDeaths(moved, earlier)
+	h["x-death"] = kept
+}
+
+// restoreDeaths puts the records of h's HeaderDeaths back in its x-death,
+// merged (see HeaderDeaths), and removes HeaderDeaths; it does nothing
+// unless both are in RabbitMQ's form of x-death, or x-death is absent. It
+// modifies h, not the values in it.
+func restoreDeaths(h amqp.Table) {
+	aside, ok := h[HeaderDeaths]
+	if !ok || !wellFormedXDeath(aside) {
+		return
+	}
+	v, ok := h["x-death"]
+	if ok && !wellFormedXDeath(v) {
+		return
+	}
+	deaths, _ := v.([]any)
+	h["x-death"] = mergeDeaths(deaths, aside.([]any))
+	delete(h, HeaderDeaths)
+}
+
+// mergeDeaths returns the x-death records of newer, then those of older
+// with a queue and reason that none of newer's has. A record of newer with
+// the queue and reason of one of older is replaced by that older one, its
+// count the sum of both (a record without a count counts 1): RabbitMQ
+// keeps the first record of a queue and reason, time and all, and counts
+// the later dead-letterings in it. Both must be in RabbitMQ's form of
+// x-death; neither is modified.
+func mergeDeaths(newer, older []any) []any {
+	out := make([]any, 0, len(newer)+len(older))
+	merged := make([]bool, len(older))
+	for _, d := range newer {
+		r := d.(amqp.Table)
+		for i, o := range older {
+			e := o.(amqp.Table)
+			if !merged[i] && e["queue"] == r["queue"] && e["reason"] == r["reason"] {
+				merged[i] = true
+				c := maps.Clone(e)
+				c["count"] = deathCount(e) + deathCount(r)
+				d = c
+				break
+			}
+		}
+		out = append(out, d)
+	}
+	for i, o := range older {
+		if !merged[i] {
+			out = append(out, o)
+		}
+	}
+	return out
+}
+
+// deathCount returns the count of x-death record r, in RabbitMQ's form: 1
+// if it has none.
+func deathCount(r amqp.Table) int64 {
+	if n, ok := r["count"].(int64); ok {
+		return n
+	}
+	return 1
 }
 
 // wellFormedXDeath reports whether v has the form RabbitMQ gives x-death,
@@ -206,6 +324,15 @@ func setIfAbsent(h amqp.Table, k string, v any) {
 	if _, ok := h[k]; !ok {
 		h[k] = v
 	}
+}
+
+// ErrorType returns the [HeaderErrorType] of a message dead-lettered with
+// err as its reason; "" for nil.
+func ErrorType(err error) string {
+	if err == nil {
+		return ""
+	}
+	return fmt.Sprintf("%T", innermost(err))
 }
 
 // innermost follows the chain of err to its end: through Unwrap() error,

@@ -341,7 +341,7 @@ func (c *memConn) cancel(tag string) error {
 	return nil
 }
 
-func (c *memConn) publish(_ context.Context, exchange, key string, msg amqp.Publishing) error {
+func (c *memConn) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
 	size, err := checkPublishing(exchange, key, msg)
 	if err == nil {
 		err = fitFrame(size, c.maxProperties(), 0)
@@ -349,27 +349,50 @@ func (c *memConn) publish(_ context.Context, exchange, key string, msg amqp.Publ
 	if err != nil {
 		return err
 	}
+	if err := ctx.Err(); err != nil {
+		return err // nothing sent
+	}
+	delay, err := c.route(exchange, key, msg)
+	if err != nil || delay == 0 {
+		return err
+	}
+	// The server has the message; its confirm comes after delay.
+	t := time.NewTimer(delay)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-c.done:
+		return c.err // written before done was closed
+	}
+}
+
+// route puts msg in its queue, or refuses it, and returns the server's
+// confirm delay (Memory.setConfirmDelay).
+func (c *memConn) route(exchange, key string, msg amqp.Publishing) (time.Duration, error) {
 	m := c.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if err := c.lost(); err != nil {
-		return err
+		return 0, err
 	}
 	if msg.UserId != "" && msg.UserId != memUser {
 		err := &amqp.Error{Code: amqp.PreconditionFailed, Server: true, Recover: true,
 			Reason: "PRECONDITION_FAILED - user_id property set to '" + msg.UserId + "' but authenticated user was '" + memUser + "'"}
 		c.shutdown(err) // as RabbitMQ closes the channel
-		return fmt.Errorf("broker: publish refused by the server: %w", err)
+		return 0, fmt.Errorf("broker: publish refused by the server: %w", err)
 	}
 	if exchange != "" {
-		return fmt.Errorf("%w: exchange %q does not exist (the memory server has only the default exchange)", ErrUnroutable, exchange)
+		return 0, fmt.Errorf("%w: exchange %q does not exist (the memory server has only the default exchange)", ErrUnroutable, exchange)
 	}
 	q := m.queues[key]
 	if q == nil {
-		return fmt.Errorf("%w: exchange %q, routing key %q", ErrUnroutable, exchange, key)
+		return 0, fmt.Errorf("%w: exchange %q, routing key %q", ErrUnroutable, exchange, key)
 	}
 	m.enqueue(q, &memMsg{pub: wirePublishing(msg), exchange: exchange, key: key})
-	return nil
+	return m.confirmDelay, nil
 }
 
 func (c *memConn) get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {

@@ -2,7 +2,10 @@ package broker
 
 import (
 	"bytes"
+	"maps"
+	"reflect"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 
@@ -26,11 +29,13 @@ import (
 //     exchange ""), x-dead-letter-routing-key and x-delivery-limit;
 //     redeclaring with other arguments fails with 406 PRECONDITION_FAILED,
 //     a passive declare of a missing queue with 404 NOT_FOUND;
-//   - dead-lettering on expiry at the head of a queue with a TTL, on a
-//     reject or nack without requeue, and past a quorum queue's delivery
-//     limit, with the x-death, x-first-death-queue, x-first-death-reason and
-//     x-first-death-exchange headers as RabbitMQ writes them; a message
-//     that would circle through dead-lettering without a reject is dropped;
+//   - dead-lettering on expiry at the head of a queue (by its TTL or the
+//     message's Expiration, in milliseconds), on a reject or nack without
+//     requeue, and past a quorum queue's delivery limit, with the x-death,
+//     x-first-death-queue, x-first-death-reason and x-first-death-exchange
+//     headers as RabbitMQ writes them; a message that would circle through
+//     dead-lettering without a reject is dropped, by RabbitMQ's rule (see
+//     deadLetterCycle);
 //   - per-consumer prefetch, delivery tags per connection, ack, nack and
 //     reject (multiple too), Redelivered on a returned message, an
 //     x-delivery-count header on quorum queues; a settlement with an unknown
@@ -46,12 +51,12 @@ import (
 //
 // Delivered messages are real amqp.Delivery values whose Acknowledger is
 // the memory connection: settling one after its connection closed returns
-// amqp.ErrClosed. Per-message TTL (the Expiration property), exchanges
-// other than the default one, bindings and persistence are not emulated.
+// amqp.ErrClosed. Exchanges other than the default one, bindings and
+// persistence are not emulated.
 //
 // Memory starts a goroutine per consumer, which ends when the consumer is
 // cancelled or its connection closes, and one clock goroutine for TTLs,
-// started when a queue with a TTL first holds a message and ended by Close.
+// started when a message that can expire is first queued and ended by Close.
 // Call Close when done with a Memory.
 type Memory struct {
 	mu        sync.Mutex
@@ -64,6 +69,10 @@ type Memory struct {
 	clockWake chan struct{} // cap 1
 	quit      chan struct{} // closed by Close
 	wg        sync.WaitGroup
+
+	// confirmDelay is how long a publish waits for its confirm (for tests
+	// of a busy server); 0: no wait.
+	confirmDelay time.Duration
 
 	// Counters that tests read.
 	unknownTags     int // settlements of unknown delivery tags
@@ -130,6 +139,15 @@ func (m *Memory) setDown(down bool) {
 	m.mu.Unlock()
 }
 
+// setConfirmDelay makes every publish wait d for its confirm, as on a busy
+// server: the message is in its queue at once, and a publish whose context
+// ends first returns the context's error, as amqp091's does.
+func (m *Memory) setConfirmDelay(d time.Duration) {
+	m.mu.Lock()
+	m.confirmDelay = d
+	m.mu.Unlock()
+}
+
 // memStats is a snapshot of m's counters.
 type memStats struct {
 	unknownTags, requeuedOnClose, nacked, conns int
@@ -182,7 +200,20 @@ type memMsg struct {
 	key         string
 	redelivered bool
 	returns     int       // returns to the queue (x-delivery-count on quorum queues)
-	expires     time.Time // in a queue with a TTL
+	expires     time.Time // zero if it never expires
+}
+
+// msgTTL returns the time a message with the Expiration property
+// expiration may stay in q: the shorter of q's x-message-ttl and the
+// message's own TTL (whole milliseconds), if either is set.
+func msgTTL(q *memQueue, expiration string) (time.Duration, bool) {
+	ttl, ok := q.ttl, q.hasTTL
+	if ms, err := strconv.ParseUint(expiration, 10, 32); err == nil {
+		if own := time.Duration(ms) * time.Millisecond; !ok || own < ttl {
+			ttl, ok = own, true
+		}
+	}
+	return ttl, ok
 }
 
 // A memUnacked is a delivery not yet settled.
@@ -196,8 +227,8 @@ type memUnacked struct {
 func (m *Memory) enqueue(q *memQueue, msg *memMsg) {
 	m.seq++
 	msg.seq = m.seq
-	if q.hasTTL {
-		msg.expires = time.Now().Add(q.ttl)
+	if ttl, ok := msgTTL(q, msg.pub.Expiration); ok {
+		msg.expires = time.Now().Add(ttl)
 		m.startClock()
 	}
 	q.ready = append(q.ready, msg)
@@ -232,7 +263,8 @@ func (m *Memory) requeue(q *memQueue, msg *memMsg) {
 }
 
 // deadLetter sends msg, leaving q for reason, to q's dead-letter target, if
-// any, as RabbitMQ does. m.mu must be held.
+// any, as RabbitMQ does: with the dead-lettering recorded in its headers
+// (see addDeath) and without its Expiration property. m.mu must be held.
 func (m *Memory) deadLetter(q *memQueue, msg *memMsg, reason string) {
 	if !q.dlx || q.dlxName != "" {
 		return // no dead-letter exchange, or one the memory server lacks: dropped
@@ -242,66 +274,141 @@ func (m *Memory) deadLetter(q *memQueue, msg *memMsg, reason string) {
 		key = q.dlrk
 	}
 	target := m.queues[key]
-	if target == nil || deadLetterCycle(msg.pub.Headers, key) {
-		return // unroutable, or a cycle: dropped, as RabbitMQ does
+	if target == nil {
+		return // unroutable: dropped
 	}
 	pub := msg.pub
-	pub.Headers = addDeath(copyTable(pub.Headers), q.name, reason, msg.exchange, msg.key, time.Now())
+	pub.Headers = addDeath(copyTable(pub.Headers), q.name, reason, msg.exchange, msg.key, pub.Expiration, time.Now())
+	pub.Expiration = ""
+	if reason != "rejected" && deadLetterCycle(pub.Headers["x-death"], key) {
+		return // a cycle: dropped, as RabbitMQ does
+	}
 	m.enqueue(target, &memMsg{pub: pub, exchange: q.dlxName, key: key})
 }
 
-// deadLetterCycle reports whether dead-lettering a message with headers h
-// to queue target closes a cycle that no client took part in: the message
-// was dead-lettered from target before, and never rejected. RabbitMQ drops
-// such a message rather than let it circle forever.
-func deadLetterCycle(h amqp.Table, target string) bool {
-	deaths, _ := h["x-death"].([]any)
-	cycle := false
-	for _, d := range deaths {
-		t, _ := d.(amqp.Table)
-		if t["reason"] == "rejected" {
+// deadLetterCycle reports whether deaths, the x-death header of a message
+// being dead-lettered for a reason other than rejected, with this
+// dead-lettering already recorded, closes a cycle through queue target
+// that no client took part in: the records, most recent first, reach one
+// that names target with no record of a reject on the way (that one
+// included), and nothing but records. RabbitMQ 3.10 drops such a message
+// rather than let it circle forever.
+func deadLetterCycle(deaths any, target string) bool {
+	records, _ := deaths.([]any)
+	for _, d := range records {
+		r, ok := d.(amqp.Table)
+		if !ok {
+			return false // put there by a client: not a cycle of the server's making
+		}
+		if r["queue"] == target {
+			return r["reason"] != "rejected"
+		}
+		if r["reason"] == "rejected" {
 			return false
 		}
-		if t["queue"] == target {
-			cycle = true
-		}
 	}
-	return cycle
+	return false
 }
 
-// addDeath records a dead-lettering in h as RabbitMQ 3.10 does: x-death
-// holds one table per (queue, reason), most recent first, with a count;
-// x-first-death-* are set at the first one.
-func addDeath(h amqp.Table, queue, reason, exchange, key string, at time.Time) amqp.Table {
+// addDeath records in h a dead-lettering out of queue for reason, as
+// RabbitMQ 3.10 does, and returns h:
+//
+//   - with no x-death, it sets x-death to the one new record, and
+//     x-first-death-reason, -queue and -exchange, over any set before;
+//   - with an x-death that is not an array, it sets x-death to the new
+//     record alone;
+//   - otherwise it groups the records by queue and reason, one record for
+//     each, which reverses their order when there are two or more (the
+//     server does so); the record of this queue and reason, if any, counts
+//     one more and keeps its time, exchange and routing keys; it goes
+//     first, or a new record with a count of 1 does.
+//
+// A record has count, reason, queue, time, exchange (the one the message
+// was published to) and routing-keys, and original-expiration when the
+// message had an Expiration.
+func addDeath(h amqp.Table, queue, reason, exchange, key, expiration string, at time.Time) amqp.Table {
 	if h == nil {
 		h = amqp.Table{}
 	}
-	deaths, _ := h["x-death"].([]any)
-	count := int64(1)
-	for i, d := range deaths {
-		t, ok := d.(amqp.Table)
-		if ok && t["queue"] == queue && t["reason"] == reason {
-			n, _ := header.Integer(t["count"])
-			count = n + 1
-			deaths = slices.Delete(slices.Clone(deaths), i, i+1)
-			break
-		}
-	}
 	entry := amqp.Table{
-		"count":        count,
+		"count":        int64(1),
 		"reason":       reason,
 		"queue":        queue,
 		"time":         time.Unix(at.Unix(), 0),
 		"exchange":     exchange,
 		"routing-keys": []any{key},
 	}
-	h["x-death"] = append([]any{entry}, deaths...)
-	if _, ok := h["x-first-death-reason"]; !ok {
+	if expiration != "" {
+		entry["original-expiration"] = expiration
+	}
+	v, present := h["x-death"]
+	deaths, isArray := v.([]any)
+	switch {
+	case !present:
 		h["x-first-death-reason"] = reason
 		h["x-first-death-queue"] = queue
 		h["x-first-death-exchange"] = exchange
+		h["x-death"] = []any{entry}
+		return h
+	case !isArray:
+		h["x-death"] = []any{entry}
+		return h
 	}
+	others := make([]any, 0, len(deaths))
+	for _, d := range groupDeaths(deaths) {
+		if r, ok := d.(amqp.Table); ok && r["queue"] == queue && r["reason"] == reason {
+			entry = copyTable(r)
+			n, ok := header.Integer(r["count"])
+			if !ok {
+				n = 0 // RabbitMQ counts a record without a count as none
+			}
+			entry["count"] = n + 1
+			continue
+		}
+		others = append(others, d)
+	}
+	h["x-death"] = append([]any{entry}, others...)
 	return h
+}
+
+// groupDeaths returns the x-death records of deaths as RabbitMQ 3.10
+// regroups them before it adds one: one or none as they are; of several,
+// the first record of each queue and reason, given the number of such
+// records as its count if it has none, in the reverse order. (An element
+// that is not a table, which crashes the server's queue process, is kept as
+// a record of its own.)
+func groupDeaths(deaths []any) []any {
+	if len(deaths) <= 1 {
+		return deaths
+	}
+	same := func(a, b amqp.Table) bool {
+		return reflect.DeepEqual(a["queue"], b["queue"]) && reflect.DeepEqual(a["reason"], b["reason"])
+	}
+	var grouped []any
+	for i, d := range deaths {
+		r, ok := d.(amqp.Table)
+		if !ok {
+			grouped = append(grouped, d)
+			continue
+		}
+		seen, n := false, 0
+		for j, e := range deaths {
+			if o, ok := e.(amqp.Table); ok && same(r, o) {
+				seen = seen || j < i
+				n++
+			}
+		}
+		if seen {
+			continue
+		}
+		if _, ok := r["count"]; !ok {
+			r = maps.Clone(r)
+			r["count"] = int64(n)
+		}
+		grouped = append(grouped, r)
+	}
+	slices.Reverse(grouped)
+	return grouped
 }
 
 // dispatch hands q's ready messages to its consumers with room under their
@@ -411,17 +518,14 @@ func (m *Memory) clock() {
 	}
 }
 
-// expire dead-letters the expired messages at the heads of queues with a
-// TTL, and returns the next expiry (zero if none). m.mu must be held.
+// expire dead-letters the expired messages at the heads of queues, and
+// returns the next expiry (zero if none). m.mu must be held.
 func (m *Memory) expire(now time.Time) time.Time {
 	var next time.Time
 	for again := true; again; {
 		again = false
 		for _, q := range m.queues {
-			if !q.hasTTL {
-				continue
-			}
-			for len(q.ready) > 0 && !q.ready[0].expires.After(now) {
+			for len(q.ready) > 0 && expired(q.ready[0], now) {
 				msg := q.ready[0]
 				q.ready[0] = nil
 				q.ready = q.ready[1:]
@@ -431,13 +535,18 @@ func (m *Memory) expire(now time.Time) time.Time {
 		}
 	}
 	for _, q := range m.queues {
-		if q.hasTTL && len(q.ready) > 0 {
-			if e := q.ready[0].expires; next.IsZero() || e.Before(next) {
+		if len(q.ready) > 0 {
+			if e := q.ready[0].expires; !e.IsZero() && (next.IsZero() || e.Before(next)) {
 				next = e
 			}
 		}
 	}
 	return next
+}
+
+// expired reports whether msg, at the head of its queue, has expired at now.
+func expired(msg *memMsg, now time.Time) bool {
+	return !msg.expires.IsZero() && !msg.expires.After(now)
 }
 
 // wirePublishing returns a copy of msg as the wire would carry it.

@@ -184,7 +184,8 @@ func TestMemoryDeadLetterCycle(t *testing.T) {
 }
 
 // Many reconnects leave no goroutine behind while Consume keeps running:
-// each session's workers and pumps end before the next session starts.
+// each session's pumps end with it, and each handler's goroutine with its
+// handler.
 func TestMemoryReconnectsLeakNothing(t *testing.T) {
 	f := setupWith(t, backends[0], Topology{}, 20*time.Millisecond)
 	j := newJournal()
@@ -209,4 +210,33 @@ func TestMemoryReconnectsLeakNothing(t *testing.T) {
 		t.Errorf("goroutines after 20 reconnects = %d; want about %d, as before", n, base)
 	}
 	noErr(t, "Consume after cancel", r.stop(t))
+}
+
+// The cycle rule on x-death as the server leaves it, the new record first
+// (the cases that a real server can run are in the DeadLetterCycleRule
+// behaviour).
+func TestMemoryDeadLetterCycleRule(t *testing.T) {
+	rec := func(queue, reason string) amqp.Table {
+		return amqp.Table{"queue": queue, "reason": reason, "count": int64(1)}
+	}
+	tests := []struct {
+		name   string
+		deaths any
+		cycle  bool
+	}{
+		{"none", nil, false},
+		{"not an array", "x", false},
+		{"only other queues", []any{rec("q.delay.1s", "expired"), rec("other", "maxlen")}, false},
+		{"the target, automatic", []any{rec("q.delay.1s", "expired"), rec("q", "delivery_limit")}, true},
+		{"the target itself, at once", []any{rec("q", "expired")}, true},
+		{"the target, rejected", []any{rec("q.delay.1s", "expired"), rec("q", "rejected")}, false},
+		{"a reject on the way", []any{rec("q.delay.1s", "expired"), rec("other", "rejected"), rec("q", "expired")}, false},
+		{"a reject before", []any{rec("q.delay.1s", "expired"), rec("q", "expired"), rec("other", "rejected")}, true},
+		{"a string on the way", []any{rec("q.delay.1s", "expired"), "legacy", rec("q", "expired")}, false},
+	}
+	for _, tt := range tests {
+		if got := deadLetterCycle(tt.deaths, "q"); got != tt.cycle {
+			t.Errorf("deadLetterCycle(%s) = %v; want %v", tt.name, got, tt.cycle)
+		}
+	}
 }

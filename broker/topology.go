@@ -19,8 +19,12 @@ const (
 	// delay queues. It is the zero value, and the default.
 	DeclareAll DeclareMode = iota
 	// DeclareSupport declares the dead-letter queue and the delay queues,
-	// and checks that the work queue exists, for a work queue declared
-	// elsewhere with arguments of its own.
+	// and only checks that the work queue exists (a passive declare), for a
+	// work queue declared elsewhere: with arguments of its own, or with
+	// none, as hand-written consumers declare it. The work queue is never
+	// declared, so its arguments never change, and Quorum and DeliveryLimit
+	// have no effect. Consume does not need the work queue's dead-letter
+	// route: it publishes its dead-letter copies itself.
 	DeclareSupport
 	// DeclareNone declares nothing: every queue must exist already.
 	DeclareNone
@@ -64,8 +68,11 @@ type Topology struct {
 	// DeliveryLimit sets x-delivery-limit on a quorum work queue: after
 	// that many returns to the queue (requeues, lost connections), the
 	// server dead-letters the message to the dead-letter queue, without
-	// fault headers. It is a safety net under the Retry layer. 0 means none;
-	// it requires Quorum.
+	// fault headers. It counts the returns of one copy only: every delayed
+	// retry and every "busy" delay is a fresh copy whose count starts
+	// again, so it does not stop a message that kills its consumer (the
+	// Retry layer does: a death is a failed attempt). 0 means none; it
+	// requires Quorum.
 	DeliveryLimit int
 }
 

@@ -40,10 +40,12 @@ type session interface {
 	cancel(tag string) error
 	// publish publishes msg with the mandatory flag and waits for the
 	// server's confirm. It returns an error wrapping ErrUnroutable for a
-	// returned message or a missing exchange, and ErrNacked for a nack;
-	// it refuses a message that cannot be sent (checkPublishing, or one
-	// whose properties and headers exceed maxProperties) with an error
-	// wrapping ErrInvalidMessage, sending nothing.
+	// returned message or a missing exchange, and ErrNacked for a nack.
+	// Under a ctx that is done already it sends nothing, and returns
+	// ctx.Err(). It refuses a message that cannot be sent
+	// (checkPublishing, or one whose properties and headers exceed
+	// maxProperties) with an error wrapping ErrInvalidMessage, sending
+	// nothing.
 	publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
 	// maxProperties is the most bytes the properties and headers of a
 	// message may take on this connection: its frame size less a frame's

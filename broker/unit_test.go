@@ -169,11 +169,11 @@ func TestDelayHeadersAndRepublishing(t *testing.T) {
 	}
 	snapshot := maps.Clone(d.Headers)
 	due := time.UnixMilli(1234567)
-	h := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, due)
+	h := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, "q", due)
 	equal(t, "attempts kept when the Decision has none", h[rabbitmw.HeaderAttempts], int64(2))
 	equal(t, "not-before", h[HeaderNotBefore], int64(1234567))
 	equal(t, "original exchange", h[HeaderOriginalExchange], "ex")
-	h = delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second, Attempts: 3}, time.Time{})
+	h = delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second, Attempts: 3}, "q", time.Time{})
 	equal(t, "attempts from the Decision", h[rabbitmw.HeaderAttempts], int64(3))
 	if _, ok := h[HeaderNotBefore]; ok {
 		t.Error("stale not-before kept; want it removed when the tier covers the delay")
@@ -404,21 +404,22 @@ func (closedSession) closed() <-chan struct{} {
 }
 
 // A delivery taken from a session that has closed is not handled: it
-// cannot be settled, and the server redelivers it.
+// cannot be settled, and the server redelivers it. The worker's slot is
+// freed.
 func TestWorkerSkipsDeliveryOfClosedSession(t *testing.T) {
 	var calls atomic.Int32
 	c := &consumer{h: rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
 		calls.Add(1)
 		return nil
-	}), log: slog.New(slog.DiscardHandler)}
+	}), log: slog.New(slog.DiscardHandler), workers: 1, slots: make(chan struct{}, 1)}
 	rec := &countingAcker{}
 	deliveries := make(chan amqp.Delivery, 1)
 	deliveries <- amqp.Delivery{Acknowledger: rec, DeliveryTag: 1}
 	close(deliveries)
-	var stopping atomic.Bool
-	c.work(context.Background(), closedSession{}, deliveries, &stopping)
+	c.work(context.Background(), closedSession{}, deliveries, make(chan struct{}), func(error) {})
 	equal(t, "handler calls", calls.Load(), int32(0))
 	equal(t, "settlements", rec.n.Load(), int32(0))
+	equal(t, "slots held", len(c.slots), 0)
 }
 
 type countingAcker struct{ n atomic.Int32 }
@@ -452,7 +453,7 @@ func TestDelayHeadersMalformedXDeath(t *testing.T) {
 	}
 	for _, tt := range tests {
 		d := &amqp.Delivery{Headers: amqp.Table{"x-death": tt.xd}}
-		h := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, time.Time{})
+		h := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, "q", time.Time{})
 		_, kept := h["x-death"]
 		moved, ok := h[HeaderMalformedXDeath]
 		if kept == tt.moved || ok != tt.moved || (tt.moved && !equalTables(amqp.Table{"v": moved}, amqp.Table{"v": tt.xd})) {
@@ -474,4 +475,202 @@ func TestTopologyQueues(t *testing.T) {
 	if _, err := (Topology{Delays: []time.Duration{-time.Second}}).Queues("orders"); err == nil {
 		t.Error("Queues of an invalid Topology = nil error; want an error")
 	}
+}
+
+// death is an x-death record as RabbitMQ writes it.
+func death(queue, reason string, count int64, at time.Time) amqp.Table {
+	return amqp.Table{"count": count, "reason": reason, "queue": queue, "time": at,
+		"exchange": "", "routing-keys": []any{queue}}
+}
+
+// A copy sent to a delay queue carries the x-death records that name the
+// work queue in HeaderDeaths, merged with those set aside before; x-death
+// keeps the others, and stays an array.
+func TestDelayHeadersSetAsideWorkQueueDeaths(t *testing.T) {
+	t1, t2, t3 := time.Unix(100, 0), time.Unix(200, 0), time.Unix(300, 0)
+	malformed := []any{"legacy"}
+	tests := []struct {
+		name              string
+		headers           amqp.Table
+		xDeath, deaths    any // want; nil: absent
+		malformedXDeath   any
+		firstDeathQueue   any
+		untouchedFirstDie bool
+	}{
+		{
+			name:    "no records of the work queue",
+			headers: amqp.Table{"x-death": []any{death("q.delay.1s", "expired", 2, t1)}, HeaderDeaths: malformed},
+			xDeath:  []any{death("q.delay.1s", "expired", 2, t1)},
+			deaths:  malformed,
+		},
+		{
+			name: "the record of an expiry in the work queue, alone",
+			headers: amqp.Table{"x-death": []any{death("q", "expired", 1, t1)},
+				"x-first-death-queue": "q", "x-first-death-reason": "expired", "x-first-death-exchange": ""},
+			xDeath:          []any{},
+			deaths:          []any{death("q", "expired", 1, t1)},
+			firstDeathQueue: "q",
+		},
+		{
+			name: "every reason, among other queues' records, in order",
+			headers: amqp.Table{"x-death": []any{
+				death("q.delay.1s", "expired", 1, t3), death("q", "delivery_limit", 1, t2), death("elsewhere", "rejected", 1, t1),
+				death("q", "rejected", 2, t1), death("q", "maxlen", 1, t1),
+			}},
+			xDeath: []any{death("q.delay.1s", "expired", 1, t3), death("elsewhere", "rejected", 1, t1)},
+			deaths: []any{death("q", "delivery_limit", 1, t2), death("q", "rejected", 2, t1), death("q", "maxlen", 1, t1)},
+		},
+		{
+			name: "merged into those set aside on earlier hops",
+			headers: amqp.Table{
+				"x-death":    []any{death("q.delay.1s", "expired", 1, t3), death("q", "delivery_limit", 2, t3)},
+				HeaderDeaths: []any{death("q", "expired", 1, t1), death("q", "delivery_limit", 3, t2)},
+			},
+			xDeath: []any{death("q.delay.1s", "expired", 1, t3)},
+			// The newer record's place, the older one's time, both counts.
+			deaths: []any{death("q", "delivery_limit", 5, t2), death("q", "expired", 1, t1)},
+		},
+		{
+			name:    "a record without a count counts one",
+			headers: amqp.Table{"x-death": []any{amqp.Table{"queue": "q", "reason": "expired"}}, HeaderDeaths: []any{death("q", "expired", 1, t1)}},
+			xDeath:  []any{},
+			deaths:  []any{death("q", "expired", 2, t1)},
+		},
+		{
+			name:            "over a HeaderDeaths not in x-death's form",
+			headers:         amqp.Table{"x-death": []any{death("q", "expired", 1, t1)}, HeaderDeaths: malformed},
+			xDeath:          []any{},
+			deaths:          []any{death("q", "expired", 1, t1)},
+			malformedXDeath: malformed,
+		},
+	}
+	for _, tt := range tests {
+		d := &amqp.Delivery{Headers: tt.headers}
+		snapshot := copyTable(tt.headers)
+		h := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, "q", time.Time{})
+		equal(t, tt.name+": x-death", h["x-death"], tt.xDeath)
+		equal(t, tt.name+": "+HeaderDeaths, h[HeaderDeaths], tt.deaths)
+		equal(t, tt.name+": "+HeaderMalformedXDeath, h[HeaderMalformedXDeath], tt.malformedXDeath)
+		equal(t, tt.name+": x-first-death-queue", h["x-first-death-queue"], tt.firstDeathQueue)
+		if !equalTables(d.Headers, snapshot) {
+			t.Errorf("%s: the delivery's headers were modified: %#v", tt.name, d.Headers)
+		}
+	}
+}
+
+// The dead-lettered copy has the records of HeaderDeaths back in x-death,
+// merged, and no HeaderDeaths; unless either is not in x-death's form.
+func TestFaultHeadersRestoreDeaths(t *testing.T) {
+	t1, t2 := time.Unix(100, 0), time.Unix(200, 0)
+	malformed := []any{"legacy"}
+	tests := []struct {
+		name           string
+		headers        amqp.Table
+		xDeath, deaths any // want; nil: absent
+	}{
+		{
+			name:    "nothing set aside",
+			headers: amqp.Table{"x-death": []any{death("q.delay.1s", "expired", 1, t2)}},
+			xDeath:  []any{death("q.delay.1s", "expired", 1, t2)},
+		},
+		{
+			name: "after the delay hop",
+			headers: amqp.Table{
+				"x-death":    []any{death("q.delay.1s", "expired", 2, t2)},
+				HeaderDeaths: []any{death("q", "expired", 1, t1), death("q", "delivery_limit", 3, t1)},
+			},
+			xDeath: []any{death("q.delay.1s", "expired", 2, t2), death("q", "expired", 1, t1), death("q", "delivery_limit", 3, t1)},
+		},
+		{
+			name: "the same queue and reason on both sides",
+			headers: amqp.Table{
+				"x-death":    []any{death("q", "delivery_limit", 1, t2), death("q.delay.1s", "expired", 1, t2)},
+				HeaderDeaths: []any{death("q", "delivery_limit", 2, t1)},
+			},
+			xDeath: []any{death("q", "delivery_limit", 3, t1), death("q.delay.1s", "expired", 1, t2)},
+		},
+		{
+			name:    "no x-death",
+			headers: amqp.Table{HeaderDeaths: []any{death("q", "expired", 1, t1)}},
+			xDeath:  []any{death("q", "expired", 1, t1)},
+		},
+		{
+			name:    "a HeaderDeaths not in x-death's form",
+			headers: amqp.Table{"x-death": []any{death("q.delay.1s", "expired", 1, t2)}, HeaderDeaths: malformed},
+			xDeath:  []any{death("q.delay.1s", "expired", 1, t2)},
+			deaths:  malformed,
+		},
+		{
+			name:    "an x-death not in its form",
+			headers: amqp.Table{"x-death": malformed, HeaderDeaths: []any{death("q", "expired", 1, t1)}},
+			xDeath:  malformed,
+			deaths:  []any{death("q", "expired", 1, t1)},
+		},
+	}
+	for _, tt := range tests {
+		d := &amqp.Delivery{Headers: tt.headers}
+		snapshot := copyTable(tt.headers)
+		h := faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(errBoom)), "q", time.Now(), "h", "p")
+		equal(t, tt.name+": x-death", h["x-death"], tt.xDeath)
+		equal(t, tt.name+": "+HeaderDeaths, h[HeaderDeaths], tt.deaths)
+		if !equalTables(d.Headers, snapshot) {
+			t.Errorf("%s: the delivery's headers were modified: %#v", tt.name, d.Headers)
+		}
+	}
+}
+
+// FuzzDelayHop checks, for any x-death in RabbitMQ's form, that the copy
+// sent to a delay queue comes back to the work queue (the memory server's
+// model of RabbitMQ's cycle check keeps it, with the hop recorded), and
+// that the dead-lettered copy then counts every dead-lettering of the
+// history, per queue and reason, in x-death.
+func FuzzDelayHop(f *testing.F) {
+	f.Add([]byte{0})
+	f.Add([]byte{1, 5, 9, 2})
+	f.Add([]byte{4, 4, 4, 1, 0, 13, 7, 7})
+	f.Fuzz(func(t *testing.T, seed []byte) {
+		queues := []string{"q", "q.delay.1s", "q.dlq", "other"}
+		reasons := []string{"expired", "rejected", "maxlen", "delivery_limit"}
+		want := map[string]int64{}
+		deaths := []any{}
+		var aside []any
+		seen := map[string]bool{} // one record per queue and reason in each, as RabbitMQ writes them
+		for i, b := range seed {
+			queue, reason := queues[b%4], reasons[b/4%4]
+			r := death(queue, reason, int64(b/16%3+1), time.Unix(int64(i), 0))
+			earlier := b >= 192 && queue == "q" // set aside on an earlier hop
+			key := fmt.Sprint(earlier, queue, reason)
+			if seen[key] {
+				continue
+			}
+			seen[key] = true
+			if earlier {
+				aside = append(aside, r)
+			} else {
+				deaths = append(deaths, r)
+			}
+			want[queue+" "+reason] += r["count"].(int64)
+		}
+		h := amqp.Table{"x-death": deaths}
+		if aside != nil {
+			h[HeaderDeaths] = aside
+		}
+		d := &amqp.Delivery{Headers: h}
+		copyHeaders := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, "q", time.Time{})
+		back := addDeath(copyTable(copyHeaders), "q.delay.1s", "expired", "", "q.delay.1s", "", time.Unix(1000, 0))
+		if deadLetterCycle(back["x-death"], "q") {
+			t.Fatalf("the delay copy with x-death %v is dropped as a cycle", back["x-death"])
+		}
+		want["q.delay.1s expired"]++
+		dead := faultHeaders(&amqp.Delivery{Headers: back}, rabbitmw.Decide(rabbitmw.Permanent(errBoom)), "q", time.Now(), "h", "p")
+		if v, ok := dead[HeaderDeaths]; ok {
+			t.Fatalf("%s = %v on the dead-lettered copy; want it in x-death", HeaderDeaths, v)
+		}
+		got := map[string]int64{}
+		for _, r := range dead["x-death"].([]any) {
+			r := r.(amqp.Table)
+			got[fmt.Sprint(r["queue"], " ", r["reason"])] += r["count"].(int64)
+		}
+		equal(t, "dead-letterings per queue and reason", got, want)
+	})
 }

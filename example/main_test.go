@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"log/slog"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -26,6 +28,9 @@ func TestExample(t *testing.T) {
 		{"embedded", func(*testing.T) config { return config{} }},
 		{"servers", func(t *testing.T) config {
 			return config{amqpURL: testenv.RabbitMQURL(t), redisAddr: testenv.RedisAddr(t)}
+		}},
+		{"postgres-inbox", func(t *testing.T) config {
+			return config{postgresURL: testenv.PostgresURL(t), inbox: true}
 		}},
 	}
 	for _, r := range runs {
@@ -69,5 +74,55 @@ func TestExampleVerdictCatchesDoubleEffect(t *testing.T) {
 	rep.print(&out)
 	if !strings.Contains(out.String(), "order-1: business effect 2 time(s), want 1") {
 		t.Errorf("the verdict does not name the double effect:\n%s", out.String())
+	}
+}
+
+// -trace prints each message's trace, and -metrics serves the metrics to
+// Prometheus: a scrape at the end of the run finds every message counted.
+func TestExampleTelemetry(t *testing.T) {
+	l, err := listenMetrics("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var scraped string
+	cfg := config{timeout: time.Minute, logger: slog.New(slog.DiscardHandler), trace: true, metrics: l}
+	cfg.serving = func(addr string) {
+		resp, err := http.Get("http://" + addr + "/metrics")
+		if err != nil {
+			t.Errorf("scrape: %v", err)
+			return
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		scraped = string(body)
+	}
+	rep, err := run(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("run: %v", err)
+	}
+	for _, want := range []string{
+		`messaging_client_consumed_messages_total{`,
+		`messaging_client_sent_messages_total{`,
+		`messaging_process_duration_seconds_bucket{`,
+		`rabbitmw_dedup_results_total{`,
+		`rabbitmw_dedup_result="duplicate"`,
+		`rabbitmw_dead_letters_total{error_type="*errors.errorString"`,
+		`rabbitmw_delay_republishes_total{`,
+		`rabbitmw_handlers_active{`,
+		`rabbitmw_message_attempts_bucket{`,
+	} {
+		if !strings.Contains(scraped, want) {
+			t.Errorf("the scrape has no %s", want)
+		}
+	}
+	if t.Failed() {
+		t.Log(scraped)
+	}
+	var out bytes.Buffer
+	rep.spans.print(&out)
+	for _, want := range []string{"send rabbitmw-example-", "process rabbitmw-example-", "outcome=dead-lettered attempt=5", "[dedup.duplicate]", "dedup.lease_renewed"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the traces printed have no %q:\n%s", want, out.String())
+		}
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/url"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
@@ -41,13 +42,32 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	runID := randomHex(4)
 	queue := "rabbitmw-example-" + runID
 
-	b, closeBroker, err := openBroker(cfg)
+	tel, err := openTelemetry(cfg, queue)
+	if err != nil {
+		return nil, err
+	}
+	var observer broker.Observer
+	if tel != nil {
+		defer tel.close(context.WithoutCancel(ctx))
+		observer = tel.tel.Broker()
+	}
+	b, closeBroker, err := openBroker(cfg, observer)
 	if err != nil {
 		return nil, err
 	}
 	defer closeBroker()
-	st, closeStore, err := openStore(cfg, "rabbitmw-example:"+runID+":")
-	if err != nil {
+	var (
+		st         store.Store
+		inbox      *inbox // with -postgres: the PostgreSQL inbox
+		closeStore func()
+	)
+	if cfg.inbox {
+		inbox, err = openInbox(ctx, cfg.postgresURL, "rabbitmw_example_"+runID)
+		if err != nil {
+			return nil, err
+		}
+		st, closeStore = inbox.st, inbox.close
+	} else if st, closeStore, err = openStore(cfg, "rabbitmw-example:"+runID+":"); err != nil {
 		return nil, err
 	}
 	defer closeStore()
@@ -67,21 +87,30 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	// acknowledgement of one message once, as a crash after its effect
 	// would.
 	biz := &business{effect: rep.effect}
+	var handler rabbitmw.Handler = biz
+	if inbox != nil {
+		handler = inbox.handler(biz)
+	}
 	lose := &loseAckOnce{key: lostAckKey}
 	var consumers sync.WaitGroup
 	consumeCtx, stopConsumers := context.WithCancel(ctx)
 	defer stopConsumers()
 	errs := make(chan error, 2)
+	var first []rabbitmw.Middleware // the telemetry layer, if any
+	var observe func(context.Context, middleware.DedupEvent)
+	if tel != nil {
+		first, observe = []rabbitmw.Middleware{tel.tel.Middleware()}, tel.tel.Dedup()
+	}
 	for _, name := range []string{"A", "B"} {
-		h := rabbitmw.Chain(
+		h := rabbitmw.Chain(append(first,
 			rep.observe(name),
 			lose.layer(),
 			middleware.Log(cfg.logger.With("consumer", name)),
 			middleware.Retry(st, middleware.RetryOptions{MaxAttempts: attempts, Backoff: backoff}),
 			middleware.Recover(),
-			middleware.Dedup(st, middleware.DedupOptions{Lease: lease, BusyDelay: 100 * time.Millisecond, UnavailableDelay: 200 * time.Millisecond}),
+			middleware.Dedup(st, middleware.DedupOptions{Lease: lease, BusyDelay: 100 * time.Millisecond, UnavailableDelay: 200 * time.Millisecond, Observe: observe}),
 			middleware.Timeout(10*time.Second),
-		)(biz)
+		)...)(handler)
 		consumers.Add(1)
 		go func() {
 			defer consumers.Done()
@@ -98,6 +127,11 @@ func run(ctx context.Context, cfg config) (*report, error) {
 		return nil, err
 	}
 	waitErr := rep.waitSettled(ctx, b, queue, errs)
+	if waitErr == nil {
+		// The operator reads the dead-letter queue, fixes the cause of
+		// fail-1's failures, and replays it, with its failure count reset.
+		waitErr = rep.replayFixed(ctx, b, queue, st, biz)
+	}
 	stopConsumers()
 	consumers.Wait()
 	close(errs)
@@ -109,14 +143,60 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	if waitErr != nil {
 		return nil, waitErr
 	}
-	names, err := topo.Queues(queue)
-	if err != nil {
-		return nil, err
-	}
-	if err := rep.readDeadLetters(context.WithoutCancel(ctx), b, names.DeadLetter); err != nil {
-		return nil, err
+	if tel != nil {
+		rep.spans = tel.spans
+		if tel.server != nil && cfg.serving != nil {
+			cfg.serving(tel.addr)
+		}
 	}
 	return rep, nil
+}
+
+// replayFixed reads the dead-letter queue into the report, fixes the
+// business handler, and replays fail-1, resetting its failure count; it
+// returns once the replayed message's effect happened.
+func (r *report) replayFixed(ctx context.Context, b *broker.Broker, queue string, st store.Store, biz *business) error {
+	dead, err := b.DeadLetters(ctx, queue, broker.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("listing the dead-letter queue: %w", err)
+	}
+	r.mu.Lock()
+	for _, dl := range dead {
+		r.dead = append(r.dead, *dl.Message)
+	}
+	r.mu.Unlock()
+	biz.fixed.Store(true)
+	res, err := b.Replay(ctx, queue, broker.ReplayOptions{
+		Filter: broker.Filter{IDs: []string{"fail-1"}},
+		ResetFailures: func(ctx context.Context, d *amqp.Delivery) error {
+			key, err := middleware.Key(d)
+			if err != nil {
+				return err
+			}
+			return st.ResetFailures(ctx, key)
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("replaying fail-1: %w", err)
+	}
+	r.mu.Lock()
+	r.replayed = res.Replayed
+	r.mu.Unlock()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		r.mu.Lock()
+		done := r.stats("fail-1").effects > 0
+		r.mu.Unlock()
+		if done {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the replayed fail-1 was not handled in time: %w", ctx.Err())
+		case <-tick.C:
+		}
+	}
 }
 
 // publishAll publishes every scenario's copies.
@@ -149,8 +229,8 @@ func publishAll(ctx context.Context, b *broker.Broker, queue string, rep *report
 }
 
 // openBroker returns the in-memory broker, or one for cfg.amqpURL.
-func openBroker(cfg config) (*broker.Broker, func(), error) {
-	opts := broker.Options{Logger: cfg.logger, KeepEmptyMessageID: true}
+func openBroker(cfg config, observer broker.Observer) (*broker.Broker, func(), error) {
+	opts := broker.Options{Logger: cfg.logger, KeepEmptyMessageID: true, Observer: observer}
 	if cfg.amqpURL == "" {
 		m := broker.NewMemory()
 		b := m.Broker(opts)
@@ -216,6 +296,7 @@ func (c *countingStore) Extend(ctx context.Context, key, token string, lease tim
 // effect (in a real service, a charge or a shipment) by recording it.
 type business struct {
 	effect func(key string)
+	fixed  atomic.Bool // the cause of kindFail's failures is fixed
 
 	mu       sync.Mutex
 	panicked map[string]bool
@@ -228,9 +309,21 @@ func (b *business) Handle(ctx context.Context, d *amqp.Delivery) error {
 	if err != nil {
 		return rabbitmw.Permanent(err)
 	}
+	if err := b.decide(ctx, key, d); err != nil {
+		return err
+	}
+	b.effect(key)
+	return nil
+}
+
+// decide is everything the business does before its effect: it fails,
+// panics or takes its time as the message's scenario says.
+func (b *business) decide(ctx context.Context, key string, d *amqp.Delivery) error {
 	switch d.Type {
 	case kindFail:
-		return errDeclined
+		if !b.fixed.Load() {
+			return errDeclined
+		}
 	case kindPanicOnce:
 		b.mu.Lock()
 		first := !b.panicked[key]
@@ -249,7 +342,6 @@ func (b *business) Handle(ctx context.Context, d *amqp.Delivery) error {
 			return ctx.Err()
 		}
 	}
-	b.effect(key)
 	return nil
 }
 

@@ -49,6 +49,15 @@ func BenchmarkLayer(b *testing.B) {
 	b.Run("Log/json", func(b *testing.B) {
 		benchLayer(b, middleware.Log(slog.New(slog.NewJSONHandler(io.Discard, nil)))(nop), false)
 	})
+	b.Run("Log/json/options", func(b *testing.B) {
+		opts := middleware.LogOptions{
+			DuplicateLevel: slog.LevelDebug,
+			AppendAttrs: func(attrs []slog.Attr, d *amqp.Delivery) []slog.Attr {
+				return append(attrs, slog.String("tenant", "acme"))
+			},
+		}
+		benchLayer(b, middleware.LogWith(slog.New(slog.NewJSONHandler(io.Discard, nil)), opts)(nop), false)
+	})
 	b.Run("Retry/success", func(b *testing.B) {
 		benchLayer(b, middleware.Retry(store.NewMemory(), middleware.RetryOptions{})(nop), false)
 	})

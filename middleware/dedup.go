@@ -33,6 +33,16 @@ var (
 	ErrLeaseLost = errors.New("middleware: claim lost")
 )
 
+// ErrAbandoned is returned by [Dedup] when the message's last attempt never
+// finished: the store found its claim abandoned (store.Abandoned), because
+// the consumer that held it died, or lost the store, before its lease
+// ended, without marking the message done or releasing it. Dedup does not
+// run the handler; the next claim of the message can take it. Unlike
+// Dedup's other errors, it is a failed attempt, and [Retry] counts it: a
+// message that kills every consumer that handles it is dead-lettered after
+// MaxAttempts crashes instead of looping.
+var ErrAbandoned = errors.New("middleware: an attempt never finished: its consumer died, or lost its lease, while handling the message")
+
 // DedupOptions configures [Dedup]. The zero value selects the defaults.
 type DedupOptions struct {
 	// Key returns a delivery's idempotency key. Default: [Key] (message_id,
@@ -60,6 +70,11 @@ type DedupOptions struct {
 	// later. It trades the at-most-once effect for availability: a message
 	// may then be processed twice.
 	FailOpen bool
+	// Observe, if set, is called with each of Dedup's events (see
+	// [DedupEvent]), on the goroutine that found it, with the context of
+	// the delivery it concerns. It is meant for metrics and traces: it
+	// must be quick and safe for concurrent use.
+	Observe func(ctx context.Context, e DedupEvent)
 }
 
 // Dedup returns a layer that lets each message's handler succeed at most
@@ -72,13 +87,18 @@ type DedupOptions struct {
 //   - key done: the message is a duplicate; Dedup returns an error that
 //     wraps rabbitmw.ErrDuplicate (it is acknowledged) without calling
 //     the handler;
-//   - key claimed by another consumer: Dedup returns ErrBusy, to be tried
-//     again after BusyDelay (not at once, which would spin);
+//   - key claimed by another consumer (or by one that died, until its
+//     lease ends): Dedup returns ErrBusy, to be tried again after
+//     BusyDelay (not at once, which would spin);
+//   - key abandoned (the lease of its last claim ended with neither done
+//     mark nor release): Dedup returns ErrAbandoned without calling the
+//     handler; the store has removed the abandoned claim;
 //   - claim won: Dedup calls the handler, renewing the lease every Lease/3
 //     while it runs. On success it marks the key done, if its token still
-//     owns it; on error or panic it releases the claim, if its token still
-//     owns it, so another attempt can claim it, and returns the error (or
-//     lets the panic go on).
+//     owns it (unless the handler marked it done itself: see [Claim]); on
+//     error or panic it releases the claim, if its token still owns it, so
+//     another attempt can claim it, and returns the error (or lets the
+//     panic go on).
 //
 // If the lease is lost while the handler runs (the key was taken over or
 // deleted, or renewal failed for so long that the lease may have ended),
@@ -110,11 +130,13 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 		busy:        orDefault(opts.BusyDelay, 5*time.Second),
 		unavailable: orDefault(opts.UnavailableDelay, 5*time.Second),
 		failOpen:    opts.FailOpen,
+		observe:     opts.Observe,
 	}
 	if cfg.key == nil {
 		cfg.key = Key
 	}
 	cfg.renewer = newRenewer(s, cfg.lease)
+	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		return &dedup{dedupConfig: cfg, next: next}
 	}
@@ -136,6 +158,7 @@ type dedupConfig struct {
 	busy        time.Duration
 	unavailable time.Duration
 	failOpen    bool
+	observe     func(context.Context, DedupEvent)
 	renewer     *renewer
 }
 
@@ -181,17 +204,28 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 		rctx, rcancel := context.WithTimeout(bookkeeping(ctx), time.Second)
 		h.store.Release(rctx, key, token)
 		rcancel()
+		notify(h.observe, ctx, DedupUnavailable, key, err)
 		if h.failOpen && ctx.Err() == nil {
 			return h.next.Handle(ctx, d)
 		}
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: %w", ErrStoreUnavailable, key, err), h.unavailable)
 	case status == store.Done:
+		notify(h.observe, ctx, DedupDuplicate, key, nil)
 		return &keyError{key: key, err: rabbitmw.ErrDuplicate}
 	case status == store.Processing:
+		notify(h.observe, ctx, DedupBusy, key, nil)
 		return rabbitmw.RetryAfter(&keyError{key: key, err: ErrBusy}, h.busy)
+	case status == store.Abandoned:
+		// Nothing to wait for: the next claim takes the key. Retry counts
+		// the attempt, and tries again.
+		notify(h.observe, ctx, DedupAbandoned, key, nil)
+		return &keyError{key: key, err: ErrAbandoned}
 	case status != store.Claimed:
-		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status), h.unavailable)
+		err = fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status)
+		notify(h.observe, ctx, DedupUnavailable, key, err)
+		return rabbitmw.RetryAfter(err, h.unavailable)
 	}
+	notify(h.observe, ctx, DedupClaimed, key, nil)
 
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -204,15 +238,22 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 			h.store.Release(bookkeeping(ctx), key, token)
 		}
 	}()
-	err = h.next.Handle(hctx, d)
+	cc := &claimContext{Context: hctx, claim: Claim{key: key, token: token, retention: h.retention}}
+	err = h.next.Handle(cc, d)
 	finished = true
 	// Why the handler's context ended, if it did, before anything later
 	// can cancel it.
 	cause := context.Cause(hctx)
 
 	lost, validUntil := h.renewer.stop(l)
+	if err == nil && cc.claim.marked.Load() {
+		// The handler's own commit marked the key done: that is the
+		// answer, even if a renewal since found the claim gone (done).
+		return nil
+	}
 	if lost != nil {
 		// Another owner has the key, or nobody: nothing to mark.
+		notify(h.observe, ctx, DedupLeaseLost, key, lost)
 		return rabbitmw.RetryAfter(errors.Join(err, lost), h.busy)
 	}
 	if err != nil {
@@ -243,8 +284,10 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 	case errors.Is(cerr, store.ErrLostClaim) && retried:
 		// Likelier than a takeover: an earlier attempt marked the key done
 		// and its answer was lost. The redelivery will tell (a duplicate).
+		notify(h.observe, ctx, DedupLeaseLost, key, cerr)
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded; marking %q done failed, then found the claim gone, most likely marked done by the failed attempt: %w", ErrLeaseLost, key, cerr), h.busy)
 	case errors.Is(cerr, store.ErrLostClaim):
+		notify(h.observe, ctx, DedupLeaseLost, key, cerr)
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but %q was taken over before it was marked done: %w", ErrLeaseLost, key, cerr), h.busy)
 	default:
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but marking %q done failed: %w", ErrStoreUnavailable, key, cerr), h.unavailable)

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -68,7 +69,7 @@ func TestDedup(t *testing.T) {
 			name:      "permanent handler error releases the claim and dead-letters",
 			id:        "m1",
 			handler:   func(context.Context, *amqp.Delivery) error { return rabbitmw.Permanent(errBoom) },
-			wantCalls: 1, wantOutcome: rabbitmw.DeadLetter, wantIs: errBoom, wantSettle: "rejected", wantState: store.Claimed,
+			wantCalls: 1, wantOutcome: rabbitmw.DeadLetter, wantIs: errBoom, wantSettle: "dead-lettered", wantState: store.Claimed,
 		},
 		{
 			name:      "store unreachable fails closed: handler not run, delayed",
@@ -92,7 +93,7 @@ func TestDedup(t *testing.T) {
 		},
 		{
 			name:      "no message id and no body: dead-lettered with the reason, handler not run",
-			wantCalls: 0, wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrNoKey, wantSettle: "rejected",
+			wantCalls: 0, wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrNoKey, wantSettle: "dead-lettered",
 		},
 		{
 			name: "namespace keeps services apart",
@@ -553,4 +554,38 @@ func TestDedupFailOpenNotOnDoneContext(t *testing.T) {
 	if n := calls.Load(); n != 0 {
 		t.Errorf("handler called %d times on a done context; want 0", n)
 	}
+}
+
+// A claim whose lease ended without a done mark or a release (its consumer
+// died) is reported as ErrAbandoned: the handler does not run, the message
+// is requeued (Retry counts the attempt), and the next claim takes the key.
+// Finding it costs one round trip, like any claim.
+func TestDedupAbandonedClaim(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		s := &faultyStore{Store: store.NewMemory()}
+		var calls int
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: time.Minute})(rabbitmw.HandlerFunc(
+			func(context.Context, *amqp.Delivery) error { calls++; return nil }))
+		if _, err := s.Claim(ctx, "m1", "dead consumer", time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Minute)
+		before := s.Calls("claim") + s.Calls("release")
+		d, rec := deliver("m1", "")
+		err := h.Handle(ctx, d)
+		if calls != 0 || !errors.Is(err, middleware.ErrAbandoned) || rabbitmw.Decide(err).Outcome != rabbitmw.Requeue {
+			t.Errorf("Handle of an abandoned message = %v (%v), %d handler calls; want ErrAbandoned, requeued, no call", err, rabbitmw.Decide(err).Outcome, calls)
+		}
+		if n := s.Calls("claim") + s.Calls("release") - before; n != 1 {
+			t.Errorf("%d store calls for an abandoned message; want 1 (the claim)", n)
+		}
+		if got := settle(t, d, rec, err); got != "requeued" {
+			t.Errorf("settled %s; want requeued", got)
+		}
+		d, _ = deliver("m1", "")
+		if err := h.Handle(ctx, d); err != nil || calls != 1 {
+			t.Errorf("the next delivery: %v, %d handler calls; want nil, 1", err, calls)
+		}
+	})
 }

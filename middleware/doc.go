@@ -43,7 +43,8 @@
 // [rabbitmw.Decide]; none of them acknowledges anything. Dedup returns
 // errors wrapping rabbitmw.ErrDuplicate (acknowledge), ErrBusy,
 // ErrStoreUnavailable or ErrLeaseLost (each inside a rabbitmw.RetryAfter,
-// and none counted by Retry as a failure). Retry returns
+// and none counted by Retry as a failure), or ErrAbandoned (the attempt
+// before never finished: its consumer died; Retry counts it). Retry returns
 // rabbitmw.RetryAfter or rabbitmw.Permanent, with the attempt count
 // attached. Recover returns *rabbitmw.PanicError. Timeout wraps ErrTimeout.
 //
@@ -62,5 +63,10 @@
 // idempotent where a repeat would be costly.
 //
 // With Retry, a failing message is never acknowledged: it is delayed, then
-// dead-lettered with its reason. Nothing in this package drops a message.
+// dead-lettered with its reason. An attempt whose consumer died (or lost
+// the store until its lease ended) counts as a failed attempt, so a message
+// that kills its consumer is dead-lettered too, after MaxAttempts deaths;
+// a death is counted when the next delivery finds the lease ended, within
+// the store's abandoned retention (store.Memory, store.Redis). Nothing in
+// this package drops a message.
 package middleware

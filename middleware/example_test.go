@@ -81,6 +81,32 @@ func ExampleLog() {
 	// level=WARN msg=delivery message_id=pay-1 delivery_tag=9 routing_key=payments redelivered=false attempt=1 outcome=delayed delay=5s error="bank unreachable"
 }
 
+// A busy consumer keeps its duplicates out of an Info log, and adds the
+// tenant each message belongs to (here from a header) to its record.
+func ExampleLogWith() {
+	logger := slog.New(slog.NewTextHandler(os.Stdout, &slog.HandlerOptions{
+		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr { // drop what varies between runs
+			if a.Key == slog.TimeKey || a.Key == "duration" {
+				return slog.Attr{}
+			}
+			return a
+		},
+	}))
+	h := middleware.LogWith(logger, middleware.LogOptions{
+		DuplicateLevel: slog.LevelDebug,
+		AppendAttrs: func(attrs []slog.Attr, d *amqp.Delivery) []slog.Attr {
+			t, _ := d.Headers["tenant"].(string)
+			return append(attrs, slog.String("tenant", t))
+		},
+	})(middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { return nil })))
+	for tag := range uint64(2) { // the same message twice: the duplicate is logged at Debug
+		h.Handle(context.Background(), &amqp.Delivery{MessageId: "pay-1", DeliveryTag: tag + 1, Headers: amqp.Table{"tenant": "acme"}})
+	}
+	// Output:
+	// level=INFO msg=delivery message_id=pay-1 delivery_tag=1 routing_key="" redelivered=false attempt=1 outcome=acked tenant=acme
+}
+
 func ExampleTimeout() {
 	h := middleware.Timeout(10 * time.Millisecond)(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
 		<-ctx.Done() // a slow call that honours its context

@@ -34,6 +34,7 @@ type renewer struct {
 	store        store.Store
 	lease, every time.Duration
 	pool         sync.Pool // of *claimLease
+	observe      func(context.Context, DedupEvent)
 
 	mu         sync.Mutex
 	head, tail *claimLease // queued claims, in order of due time
@@ -254,8 +255,11 @@ func (r *renewer) renew(l *claimLease) {
 	if cause != nil && l.queued {
 		r.unlink(l)
 	}
-	cancelHandler := l.cancel
+	cancelHandler, ctx, key := l.cancel, l.ctx, l.key
 	r.mu.Unlock()
+	if err == nil {
+		notify(r.observe, ctx, DedupLeaseRenewed, key, nil)
+	}
 	if cause != nil {
 		cancelHandler(cause)
 	}

@@ -138,3 +138,95 @@ func TestLogNilDiscards(t *testing.T) {
 		t.Errorf("Log(nil) wrapped the handler in %T; want it returned unchanged", got)
 	}
 }
+
+// tenant is an AppendAttrs that adds the tenant header of a delivery, and
+// counts its calls.
+func tenant(calls *int) func([]slog.Attr, *amqp.Delivery) []slog.Attr {
+	return func(attrs []slog.Attr, d *amqp.Delivery) []slog.Attr {
+		*calls++
+		t, _ := d.Headers["tenant"].(string)
+		return append(attrs, slog.String("tenant", t))
+	}
+}
+
+func TestLogWith(t *testing.T) {
+	dup := fmt.Errorf("dedup: %w", rabbitmw.ErrDuplicate)
+	quiet := middleware.LogOptions{AckLevel: slog.LevelDebug, DuplicateLevel: slog.LevelDebug}
+	tests := []struct {
+		name      string
+		opts      middleware.LogOptions
+		level     slog.Level // the handler's
+		result    error
+		wantLevel string // "" for no record
+	}{
+		{"duplicate at Debug", middleware.LogOptions{DuplicateLevel: slog.LevelDebug}, slog.LevelDebug, dup, "DEBUG"},
+		{"duplicate at Debug, not written at Info", middleware.LogOptions{DuplicateLevel: slog.LevelDebug}, slog.LevelInfo, dup, ""},
+		{"acked stays at Info", middleware.LogOptions{DuplicateLevel: slog.LevelDebug}, slog.LevelDebug, nil, "INFO"},
+		{"acked at Debug", quiet, slog.LevelDebug, nil, "DEBUG"},
+		{"requeued stays at Warn", quiet, slog.LevelDebug, errBoom, "WARN"},
+		{"delayed stays at Warn", quiet, slog.LevelDebug, rabbitmw.RetryAfter(errBoom, time.Second), "WARN"},
+		{"dead-lettered stays at Error", quiet, slog.LevelDebug, rabbitmw.Permanent(errBoom), "ERROR"},
+		{"a level above Error", middleware.LogOptions{DuplicateLevel: slog.LevelError + 4}, slog.LevelError + 4, dup, "ERROR+4"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var buf bytes.Buffer
+			l := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: tt.level}))
+			calls := 0
+			opts := tt.opts
+			opts.AppendAttrs = tenant(&calls)
+			h := middleware.LogWith(l, opts)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return tt.result }))
+			d, _ := deliver("m1", "")
+			d.Headers = amqp.Table{"tenant": "acme"}
+			if err := h.Handle(context.Background(), d); err != tt.result {
+				t.Fatalf("LogWith changed the result: %v; want %v", err, tt.result)
+			}
+			if tt.wantLevel == "" {
+				if buf.Len() != 0 || calls != 0 {
+					t.Errorf("wrote %q, called AppendAttrs %d times; want no record and no call", buf.String(), calls)
+				}
+				return
+			}
+			rec := decodeOne(t, &buf)
+			if rec["level"] != tt.wantLevel || rec["tenant"] != "acme" || rec["message_id"] != "m1" {
+				t.Errorf("record = %v; want level %s, tenant acme, message_id m1", rec, tt.wantLevel)
+			}
+			if calls != 1 {
+				t.Errorf("AppendAttrs called %d times; want 1", calls)
+			}
+		})
+	}
+}
+
+// The attributes a user adds come after the layer's own, in order.
+func TestLogWithAttrsOrder(t *testing.T) {
+	var buf bytes.Buffer
+	l := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{
+		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
+			if a.Key == slog.TimeKey || a.Key == "duration" {
+				return slog.Attr{}
+			}
+			return a
+		},
+	}))
+	many := func(attrs []slog.Attr, d *amqp.Delivery) []slog.Attr {
+		for i := range 12 { // beyond any room the layer keeps
+			attrs = append(attrs, slog.Int(fmt.Sprint("a", i), i))
+		}
+		return attrs
+	}
+	h := middleware.LogWith(l, middleware.LogOptions{AppendAttrs: many})(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return errBoom }))
+	h.Handle(context.Background(), &amqp.Delivery{MessageId: "m1", DeliveryTag: 2})
+	want := "level=WARN msg=delivery message_id=m1 delivery_tag=2 routing_key=\"\" redelivered=false attempt=1 outcome=requeued error=boom" +
+		" a0=0 a1=1 a2=2 a3=3 a4=4 a5=5 a6=6 a7=7 a8=8 a9=9 a10=10 a11=11\n"
+	if got := buf.String(); got != want {
+		t.Errorf("record =\n%s; want\n%s", got, want)
+	}
+}
+
+func TestLogWithNilDiscards(t *testing.T) {
+	var h rabbitmw.Handler = plainHandler{}
+	if got := middleware.LogWith(nil, middleware.LogOptions{DuplicateLevel: slog.LevelDebug})(h); got != h {
+		t.Errorf("LogWith(nil, …) wrapped the handler in %T; want it returned unchanged", got)
+	}
+}

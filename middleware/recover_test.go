@@ -52,7 +52,7 @@ func TestRecover(t *testing.T) {
 			handler:    panickyHandler(rabbitmw.Permanent(errBoom)),
 			wantText:   "panic: boom",
 			wantIs:     errBoom,
-			wantSettle: "rejected",
+			wantSettle: "dead-lettered",
 		},
 	}
 	for _, tt := range tests {

@@ -60,6 +60,28 @@ type RetryOptions struct {
 //     not counted. These are Dedup's ErrBusy, ErrStoreUnavailable and
 //     ErrLeaseLost, and any error once ctx is done (the consumer is
 //     shutting down).
+//   - Dedup's ErrAbandoned, unmarked as Dedup returns it: the attempt
+//     before never finished (its consumer died, or lost its lease). (If a
+//     layer beneath, such as another Retry, already marked it with
+//     rabbitmw.Permanent, rabbitmw.RetryAfter or rabbitmw.WithAttempts,
+//     that settlement stands, and it is read as the errors below.) It is
+//     counted as a failed attempt. At the limit the message is
+//     dead-lettered, with that reason, without running the handler again.
+//     Below it, if s did not record the failure (s is nil, or its Fail
+//     failed), Retry returns it
+//     wrapped in rabbitmw.RetryAfter with Backoff(n) and the count n: the
+//     copy that the broker package republishes carries n, whereas the
+//     redelivery after a crash of a retry in place would carry the count
+//     of before, and the crashes would never add up. If s recorded it,
+//     Retry tries the message again at once, in the same delivery (Dedup
+//     claims it afresh), and reads that result as below. These retries
+//     run one at a time among the handlers that one Retry layer wraps
+//     (every chain built with it): a retry waits for the one running to
+//     return, or for ctx to be done (the message is then delayed by
+//     Backoff(n)). So the messages that were in flight together when
+//     their consumer died are tried again apart, and a message that kills
+//     its consumer does not take the same neighbours along at every
+//     crash, to the dead-letter queue at last.
 //   - any other error, including a panic turned into an error by Recover
 //     and a timeout: a failed attempt. Below the limit, Retry returns it
 //     wrapped in rabbitmw.RetryAfter with Backoff(n), or the delay the
@@ -74,6 +96,7 @@ func Retry(s store.Store, opts RetryOptions) rabbitmw.Middleware {
 		key:       opts.Key,
 		namespace: opts.Namespace,
 		ttl:       orDefault(opts.TTL, 24*time.Hour),
+		alone:     make(chan struct{}, 1),
 	}
 	if cfg.max <= 0 {
 		cfg.max = 5
@@ -96,6 +119,8 @@ type retryConfig struct {
 	key       func(*amqp.Delivery) (string, error)
 	namespace string
 	ttl       time.Duration
+	// alone is held by the retry of an abandoned message while it runs.
+	alone chan struct{}
 }
 
 type retry struct {
@@ -111,17 +136,44 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 		ctx = context.Background()
 	}
 	err := h.next.Handle(ctx, d)
+	counted := 0 // failures of d counted by this delivery
+	if abandoned(err) {
+		// Counted even if ctx is done: the store no longer holds the
+		// abandoned claim, so nothing else can count it.
+		n, stored, cerr := h.count(ctx, d, 0)
+		if cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+		if n >= h.max {
+			h.reset(ctx, d)
+			return rabbitmw.Permanent(rabbitmw.WithAttempts(&exhaustedError{n: n, err: err}, n))
+		}
+		if !stored {
+			// Only the copy that a delay republishes carries n: a crash
+			// of a retry in place would bring back the same headers, and
+			// the count would start again from them.
+			return rabbitmw.RetryAfter(rabbitmw.WithAttempts(err, n), h.backoff(n))
+		}
+		ran, rerr := h.retryAlone(ctx, d)
+		if !ran {
+			return rabbitmw.RetryAfter(rabbitmw.WithAttempts(errors.Join(err, rerr), n), h.backoff(n))
+		}
+		err, counted = rerr, n
+	}
 	dec := rabbitmw.Decide(err)
 	switch {
 	case dec.Outcome == rabbitmw.Ack:
-		if d.Redelivered || rabbitmw.PriorAttempts(d) > 0 {
+		if counted > 0 || d.Redelivered || rabbitmw.PriorAttempts(d) > 0 {
 			h.reset(ctx, d)
 		}
 		return nil
 	case dec.Outcome == rabbitmw.Duplicate, notAFailure(err), ctx.Err() != nil:
+		if counted > 0 {
+			return rabbitmw.WithAttempts(err, counted)
+		}
 		return err
 	}
-	n, cerr := h.count(ctx, d)
+	n, _, cerr := h.count(ctx, d, counted)
 	if cerr != nil {
 		err = errors.Join(err, cerr)
 	}
@@ -138,6 +190,22 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 		delay = dec.Delay
 	}
 	return rabbitmw.RetryAfter(rabbitmw.WithAttempts(err, n), delay)
+}
+
+// retryAlone runs the layers beneath again for d, once no other retry of
+// an abandoned message by this layer is running, and returns their result.
+// If ctx is done first, it runs nothing and returns ctx's error.
+func (h *retry) retryAlone(ctx context.Context, d *amqp.Delivery) (ran bool, err error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	select {
+	case h.alone <- struct{}{}:
+		defer func() { <-h.alone }()
+		return true, h.next.Handle(ctx, d)
+	case <-ctx.Done():
+		return false, ctx.Err()
+	}
 }
 
 // exhaustedError is the reason Retry gives for dead-lettering a message.
@@ -157,6 +225,17 @@ func (e *exhaustedError) Unwrap() error { return e.err }
 
 func (e *exhaustedError) Is(target error) bool { return target == ErrRetriesExhausted }
 
+// abandoned reports whether err is Dedup's ErrAbandoned as Dedup returns
+// it, not a settlement that a layer beneath (another Retry) already decided
+// and counted, such as its dead-letter at the limit.
+func abandoned(err error) bool {
+	if err == nil {
+		return false
+	}
+	dec := rabbitmw.Decide(err)
+	return dec.Outcome == rabbitmw.Requeue && dec.Attempts == 0 && errors.Is(err, ErrAbandoned)
+}
+
 // notAFailure reports whether err says the message was not at fault: it was
 // not attempted, or its attempt succeeded but could not be recorded.
 func notAFailure(err error) bool {
@@ -165,22 +244,25 @@ func notAFailure(err error) bool {
 
 // count records a failure of d and returns the number of failed attempts,
 // including this one: the larger of the store's count and the count the
-// delivery carries, plus one. A store error is returned with the header's
-// count, so the failure is never lost, only counted less precisely.
-func (h *retry) count(ctx context.Context, d *amqp.Delivery) (int, error) {
-	n := rabbitmw.PriorAttempts(d) + 1
+// delivery carries (or the count before, if this delivery counted one
+// already), plus one. stored reports whether the store recorded the
+// failure; if not, only a copy of the message that carries n in its
+// header remembers it. A store error is returned with the header's count,
+// so the failure is never lost, only counted less precisely.
+func (h *retry) count(ctx context.Context, d *amqp.Delivery, before int) (n int, stored bool, err error) {
+	n = max(rabbitmw.PriorAttempts(d), before) + 1
 	if h.store == nil {
-		return n, nil
+		return n, false, nil
 	}
 	key, err := namespaced(h.namespace, h.key, d)
 	if err != nil {
-		return n, nil // nothing to count under: the header alone counts
+		return n, false, nil // nothing to count under: the header alone counts
 	}
 	got, err := h.store.Fail(bookkeeping(ctx), key, h.ttl)
 	if err != nil {
-		return n, fmt.Errorf("middleware: retry: counting the failure of %q: %w", key, err)
+		return n, false, fmt.Errorf("middleware: retry: counting the failure of %q: %w", key, err)
 	}
-	return max(n, int(min(got, 1<<30))), nil
+	return max(n, int(min(got, 1<<30))), true, nil
 }
 
 // reset clears d's failure count, on a best-effort basis: a count left

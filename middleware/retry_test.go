@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
+	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -51,11 +54,11 @@ func TestRetry(t *testing.T) {
 		},
 		{
 			name: "fifth failure is dead-lettered with its last error, never acked", result: errBoom, prior: 4,
-			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantIs: middleware.ErrRetriesExhausted, wantCount: 0, wantSettle: "rejected",
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantIs: middleware.ErrRetriesExhausted, wantCount: 0, wantSettle: "dead-lettered",
 		},
 		{
 			name: "MaxAttempts 2", result: errBoom, prior: 1, opts: middleware.RetryOptions{MaxAttempts: 2},
-			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantIs: errBoom, wantSettle: "rejected",
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantIs: errBoom, wantSettle: "dead-lettered",
 		},
 		{
 			name: "success after failures clears the count", prior: 3, redeliv: true,
@@ -67,7 +70,7 @@ func TestRetry(t *testing.T) {
 		},
 		{
 			name: "permanent error is dead-lettered at once, count cleared", result: rabbitmw.Permanent(errBoom), prior: 1,
-			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantIs: errBoom, wantCount: 0, wantSettle: "rejected",
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantIs: errBoom, wantCount: 0, wantSettle: "dead-lettered",
 		},
 		{
 			name: "duplicate is not a failure", result: fmt.Errorf("x: %w", rabbitmw.ErrDuplicate), prior: 1,
@@ -95,11 +98,11 @@ func TestRetry(t *testing.T) {
 		},
 		{
 			name: "a panic is a failure", result: &rabbitmw.PanicError{Value: "x"}, prior: 4,
-			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantSettle: "rejected",
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantSettle: "dead-lettered",
 		},
 		{
 			name: "the header is a floor when the store was wiped", result: errBoom, header: int64(4),
-			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantSettle: "rejected",
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 5, wantSettle: "dead-lettered",
 		},
 		{
 			name: "a header of another type still counts", result: errBoom, header: "3",
@@ -220,4 +223,245 @@ func TestExponential(t *testing.T) {
 			middleware.Exponential(bad[0], bad[1])
 		}()
 	}
+}
+
+// abandoned is what Dedup returns for a message whose last attempt never
+// finished.
+var abandoned = fmt.Errorf("middleware: dedup: key %q: %w", "m1", middleware.ErrAbandoned)
+
+// An attempt that never finished (Dedup's ErrAbandoned) is a failed
+// attempt: counted, and tried again at once in the same delivery; at the
+// limit the message is dead-lettered without running the handler again.
+func TestRetryAbandoned(t *testing.T) {
+	ctx := context.Background()
+	tests := []struct {
+		name    string
+		prior   int     // failures already counted in the store
+		results []error // of the layers beneath, call by call
+
+		wantCalls    int
+		wantOutcome  rabbitmw.Outcome
+		wantDelay    time.Duration
+		wantAttempts int
+		wantIs       []error
+		wantCount    int
+	}{
+		{
+			name: "counted, tried again at once, the success clears the count", results: []error{abandoned, nil},
+			wantCalls: 2, wantOutcome: rabbitmw.Ack, wantCount: 0,
+		},
+		{
+			name: "a failure of the retry is counted too", results: []error{abandoned, errBoom},
+			wantCalls: 2, wantOutcome: rabbitmw.Delay, wantDelay: 2 * time.Second, wantAttempts: 2, wantIs: []error{errBoom}, wantCount: 2,
+		},
+		{
+			name: "a failure of the retry at the limit", results: []error{abandoned, errBoom}, prior: 1,
+			wantCalls: 2, wantOutcome: rabbitmw.DeadLetter, wantAttempts: 3, wantIs: []error{middleware.ErrRetriesExhausted, errBoom}, wantCount: 0,
+		},
+		{
+			name: "a busy retry keeps the count", results: []error{abandoned, rabbitmw.RetryAfter(middleware.ErrBusy, 7*time.Second)},
+			wantCalls: 2, wantOutcome: rabbitmw.Delay, wantDelay: 7 * time.Second, wantAttempts: 1, wantIs: []error{middleware.ErrBusy}, wantCount: 1,
+		},
+		{
+			name: "abandoned again: counted, not tried a third time", results: []error{abandoned, abandoned},
+			wantCalls: 2, wantOutcome: rabbitmw.Delay, wantDelay: 2 * time.Second, wantAttempts: 2, wantIs: []error{middleware.ErrAbandoned}, wantCount: 2,
+		},
+		{
+			name: "at the limit: dead-lettered, the handler not run again", results: []error{abandoned}, prior: 2,
+			wantCalls: 1, wantOutcome: rabbitmw.DeadLetter, wantAttempts: 3, wantIs: []error{middleware.ErrRetriesExhausted, middleware.ErrAbandoned}, wantCount: 0,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := &faultyStore{Store: store.NewMemory()}
+			for range tt.prior {
+				s.Fail(ctx, "m1", time.Hour)
+			}
+			calls := 0
+			h := middleware.Retry(s, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})(rabbitmw.HandlerFunc(
+				func(context.Context, *amqp.Delivery) error {
+					calls++
+					return tt.results[calls-1]
+				}))
+			d, _ := deliver("m1", "")
+			err := h.Handle(ctx, d)
+			dec := rabbitmw.Decide(err)
+			if calls != tt.wantCalls || dec.Outcome != tt.wantOutcome || dec.Delay != tt.wantDelay || dec.Attempts != tt.wantAttempts {
+				t.Errorf("%d calls, Decide(%v) = %v after %v, attempts %d; want %d calls, %v after %v, attempts %d",
+					calls, err, dec.Outcome, dec.Delay, dec.Attempts, tt.wantCalls, tt.wantOutcome, tt.wantDelay, tt.wantAttempts)
+			}
+			for _, target := range tt.wantIs {
+				if !errors.Is(err, target) {
+					t.Errorf("result %v does not wrap %v", err, target)
+				}
+			}
+			if n, _ := s.Store.Fail(ctx, "m1", time.Hour); int(n)-1 != tt.wantCount {
+				t.Errorf("failure count afterwards = %d; want %d", n-1, tt.wantCount)
+			}
+		})
+	}
+}
+
+// ErrAbandoned promises that a message that kills every consumer that
+// handles it is dead-lettered after MaxAttempts crashes. Each life of the
+// consumer below finds the claim of the life before abandoned, and dies in
+// the handler if it runs it (runtime.Goexit ends the goroutine; Dedup's
+// deferred release runs, so each life first plants the dead claim that a
+// SIGKILL leaves, and lets its lease end). The redelivery after a crash
+// carries the same headers as the delivery before, so when Retry cannot
+// count the abandoned attempt in its store (it has none, or Fail fails), it
+// delays the message instead of trying it again in place: the broker's
+// delayed copy carries the count, and the next life counts on from it.
+func TestRetryAbandonedCrashLoop(t *testing.T) {
+	for _, tt := range []struct {
+		name       string
+		retryStore func(store.Store) store.Store
+	}{
+		{"Retry with the store", func(s store.Store) store.Store { return s }},
+		{"Retry with a nil store", func(store.Store) store.Store { return nil }},
+		{"Retry with a store that cannot count", func(s store.Store) store.Store {
+			f := &faultyStore{Store: s}
+			set(&f.fail, errors.New("connection refused"))
+			return f
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ctx := context.Background()
+				s := store.NewMemory()
+				const lease = time.Minute
+				ran, lives := 0, 6
+				var final error
+				headers := amqp.Table{} // of the next delivery
+				for life := 1; life <= lives && final == nil; life++ {
+					// The previous life died holding the claim; its lease ended.
+					if st, err := s.Claim(ctx, "m1", "dead-process-token", lease); err != nil || st != store.Claimed {
+						t.Fatalf("life %d: planting the dead claim: %v, %v", life, st, err)
+					}
+					time.Sleep(lease + time.Second)
+					h := middleware.Retry(tt.retryStore(s), middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})(
+						middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+							func(context.Context, *amqp.Delivery) error {
+								ran++
+								runtime.Goexit() // the consumer dies here
+								return nil
+							})))
+					d, _ := deliver("m1", "")
+					d.Redelivered = true
+					d.Headers = headers
+					result := make(chan error, 1)
+					exited := make(chan struct{})
+					go func() {
+						defer close(exited)
+						result <- h.Handle(ctx, d)
+					}()
+					<-exited
+					select {
+					case final = <-result:
+						if dec := rabbitmw.Decide(final); dec.Outcome == rabbitmw.Delay {
+							// The broker republishes a copy with the count;
+							// the handler kills the consumer on it, and its
+							// redelivery comes to the next life.
+							headers = amqp.Table{rabbitmw.HeaderAttempts: int32(dec.Attempts)}
+							final = nil
+						}
+					default: // died
+					}
+				}
+				if final == nil {
+					t.Fatalf("the handler ran (and killed its consumer) %d times in %d lives, never dead-lettered; want a dead-letter after MaxAttempts 3", ran, lives)
+				}
+				if dec := rabbitmw.Decide(final); dec.Outcome != rabbitmw.DeadLetter || !errors.Is(final, middleware.ErrAbandoned) {
+					t.Errorf("final result %v: %v; want dead-lettered with ErrAbandoned", final, dec.Outcome)
+				}
+			})
+		})
+	}
+}
+
+// Two Retry layers (a service-wide one around a per-handler one, say):
+// the inner dead-letters an abandoned message at its limit without running
+// the handler again. Its result still wraps ErrAbandoned, but the outer
+// reads it as the dead-letter it is: it does not count the attempt again
+// nor, below its own limit, run the handler again.
+func TestRetryNestedKeepsTheInnerDeadLetterOfAnAbandonedMessage(t *testing.T) {
+	ctx := context.Background()
+	s := store.NewMemory()
+	s.Fail(ctx, "m1", time.Hour)
+	s.Fail(ctx, "m1", time.Hour) // two crashes counted already
+	calls := 0
+	inner := middleware.Retry(s, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})
+	outer := middleware.Retry(s, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})
+	h := outer(inner(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+		calls++
+		if calls == 1 {
+			return abandoned // the third crash
+		}
+		return errBoom // stands for the crash it would be
+	})))
+	d, _ := deliver("m1", "")
+	err := h.Handle(ctx, d)
+	if dec := rabbitmw.Decide(err); calls != 1 || dec.Outcome != rabbitmw.DeadLetter {
+		t.Errorf("handler called %d times, %v (%v); want 1 call, dead-lettered at the inner limit", calls, dec.Outcome, err)
+	}
+}
+
+// Two messages whose attempts were abandoned together are not tried again
+// together: while one is retried, the retry of the other waits for its
+// turn, so that if the first kills the process again, the second is not in
+// flight with it. A retry that is still waiting when ctx is done is
+// delayed instead.
+func TestRetryAbandonedOneAtATime(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		s := store.NewMemory()
+		finish := make(chan struct{})
+		var mu sync.Mutex
+		calls := map[string]int{}
+		h := middleware.Retry(s, middleware.RetryOptions{Backoff: linear})(rabbitmw.HandlerFunc(
+			func(_ context.Context, d *amqp.Delivery) error {
+				mu.Lock()
+				calls[d.MessageId]++
+				n := calls[d.MessageId]
+				mu.Unlock()
+				if n == 1 {
+					return abandoned
+				}
+				if d.MessageId == "first" {
+					<-finish
+				}
+				return nil
+			}))
+		called := func(id string) int {
+			mu.Lock()
+			defer mu.Unlock()
+			return calls[id]
+		}
+		results := map[string]chan error{"first": make(chan error, 1), "second": make(chan error, 1), "third": make(chan error, 1)}
+		handle := func(ctx context.Context, id string) {
+			d, _ := deliver(id, "")
+			results[id] <- h.Handle(ctx, d)
+		}
+		go handle(ctx, "first")
+		synctest.Wait() // first is being tried again, alone
+		go handle(ctx, "second")
+		tctx, tcancel := context.WithCancel(ctx)
+		go handle(tctx, "third")
+		synctest.Wait()
+		if n, m := called("second"), called("third"); n != 1 || m != 1 {
+			t.Fatalf("while first is tried again, second and third were called %d and %d times; want once each (their abandoned attempt), then waiting", n, m)
+		}
+		tcancel()
+		dec := rabbitmw.Decide(<-results["third"])
+		if dec.Outcome != rabbitmw.Delay || dec.Delay != time.Second || dec.Attempts != 1 || !errors.Is(dec.Err, middleware.ErrAbandoned) {
+			t.Errorf("third, cancelled while waiting: %v after %v, attempts %d (%v); want delayed 1s, attempts 1, ErrAbandoned", dec.Outcome, dec.Delay, dec.Attempts, dec.Err)
+		}
+		close(finish)
+		for _, id := range []string{"first", "second"} {
+			if err := <-results[id]; err != nil || called(id) != 2 {
+				t.Errorf("%s = %v after %d calls; want nil after 2 (abandoned, then tried again)", id, err, called(id))
+			}
+		}
+	})
 }

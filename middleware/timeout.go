@@ -38,8 +38,8 @@ func Timeout(d time.Duration) rabbitmw.Middleware {
 			if ctx == nil {
 				ctx = context.Background()
 			}
-			tctx, cancel := context.WithTimeout(ctx, d)
-			defer cancel()
+			tctx := newLazyDeadline(ctx, time.Now().Add(d))
+			defer tctx.end()
 			err := next.Handle(tctx, dv)
 			if err != nil && errors.Is(tctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil {
 				return fmt.Errorf("%w after %v: %w", ErrTimeout, d, err)

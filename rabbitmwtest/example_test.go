@@ -29,6 +29,6 @@ func ExampleRecorder() {
 	fmt.Println(rec.Calls())
 	// Output:
 	// acked
-	// rejected
+	// dead-lettered
 	// [ack(tag=1) reject(tag=2, requeue=false)]
 }

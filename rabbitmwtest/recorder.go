@@ -101,10 +101,19 @@ func (r *Recorder) Calls() []Call {
 	return append([]Call(nil), r.calls...)
 }
 
-// Settlement returns how the delivery with the given tag was settled:
-// "acked", "requeued" (a nack or reject with requeue), "rejected" (without
-// requeue, so dead-lettered), "unsettled", or "settled N times" when the
-// tag received more than one call, which is always a bug.
+// Settlement returns how the delivery with the given tag was settled, in
+// the words of [github.com/rabbitmw/rabbitmw.Outcome], so far as a channel
+// can tell them apart:
+//
+//   - "acked": an ack (the Ack or Duplicate outcome);
+//   - "requeued": a nack or reject with requeue (Requeue, or Delay once its
+//     delay is over);
+//   - "dead-lettered": a nack or reject without requeue (DeadLetter). On a
+//     real channel RabbitMQ routes such a message to the queue's
+//     dead-letter exchange, and drops it if the queue has none;
+//   - "unsettled": no call yet;
+//   - "settled N times": more than one call for the tag, which is always a
+//     bug.
 func (r *Recorder) Settlement(tag uint64) string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -126,6 +135,6 @@ func (r *Recorder) Settlement(tag uint64) string {
 	case c.Requeue:
 		return "requeued"
 	default:
-		return "rejected"
+		return "dead-lettered"
 	}
 }

@@ -44,6 +44,7 @@ type run struct {
 	b         *broker.Broker // publishes and inspects
 	rdb       *redis.Client  // reads the effects
 	logDir    string
+	pg        *pgEffects // with the PostgreSQL inbox: where effects are counted
 
 	mu    sync.Mutex
 	procs []*proc
@@ -54,6 +55,13 @@ type run struct {
 // when RabbitMQ or Redis is missing.
 func newRun(t *testing.T, scenario string, delays ...time.Duration) *run {
 	t.Helper()
+	return newRunWith(t, scenario, broker.Topology{Delays: delays})
+}
+
+// newRunWith is newRun with a topology of its own: the consumers run with
+// its queue type and delivery limit too.
+func newRunWith(t *testing.T, scenario string, topo broker.Topology) *run {
+	t.Helper()
 	stamp := strconv.FormatInt(time.Now().UnixNano(), 36)
 	r := &run{
 		t:         t,
@@ -62,8 +70,8 @@ func newRun(t *testing.T, scenario string, delays ...time.Duration) *run {
 		redisAddr: testenv.RedisAddr(t),
 		queue:     "rabbitmw-reliability-" + scenario + "-" + stamp,
 		prefix:    "rabbitmw-reliability:" + scenario + ":" + stamp + ":",
-		delays:    delays,
-		topo:      broker.Topology{Delays: delays},
+		delays:    topo.Delays,
+		topo:      topo,
 		logDir:    t.TempDir(),
 	}
 	r.bin = consumerBinary(t)
@@ -214,6 +222,9 @@ func (r *run) publishAsync(ctx context.Context, msgs []amqp.Publishing, parallel
 
 // count returns the counter name of the run's effects (total, distinct).
 func (r *run) count(ctx context.Context, name string) int64 {
+	if r.pg != nil {
+		return r.pg.count(ctx, r.t, name)
+	}
 	n, err := r.rdb.Get(ctx, r.prefix+name).Int64()
 	if err != nil && !errors.Is(err, redis.Nil) {
 		r.t.Logf("GET %s: %v", r.prefix+name, err)
@@ -381,6 +392,9 @@ func (e ending) wantEachOnce(t *testing.T) {
 // effect, in order, from the run's effect log; and checks the log against
 // the per-message counters of the keys in ids.
 func (r *run) effectLog(ctx context.Context, ids []string) (map[string][]string, error) {
+	if r.pg != nil {
+		return r.pg.log(ctx)
+	}
 	entries, err := r.rdb.LRange(ctx, r.prefix+"log", 0, -1).Result()
 	if err != nil {
 		return nil, err

@@ -67,6 +67,7 @@ func consumerBinary(t *testing.T) string {
 
 // consumerOpts are the consumer's flags; zero values leave its defaults.
 type consumerOpts struct {
+	amqpURL                string // instead of the run's
 	storeAddr, storePrefix string
 	storeContextTimeouts   bool
 	workers, prefetch      int
@@ -78,7 +79,9 @@ type consumerOpts struct {
 	mode                   string
 	work, hold             time.Duration
 	countDeliveries        bool
-	amqpURL                string // instead of the run's (a proxy's, say)
+	shutdownTimeout        time.Duration
+	quorum                 bool
+	deliveryLimit          int
 	reconnectMax           time.Duration
 }
 
@@ -99,6 +102,7 @@ func (o consumerOpts) args() []string {
 			a = append(a, "-"+name, v.String())
 		}
 	}
+	str("amqp", o.amqpURL) // after the run's -amqp: the last one counts
 	str("store", o.storeAddr)
 	str("store-prefix", o.storePrefix)
 	if o.storeContextTimeouts {
@@ -119,7 +123,11 @@ func (o consumerOpts) args() []string {
 	if o.countDeliveries {
 		a = append(a, "-count-deliveries")
 	}
-	str("amqp", o.amqpURL) // after the run's -amqp: the last one counts
+	dur("shutdown-timeout", o.shutdownTimeout)
+	if o.quorum {
+		a = append(a, "-quorum")
+	}
+	num("delivery-limit", o.deliveryLimit)
 	dur("reconnect-max", o.reconnectMax)
 	return a
 }
@@ -139,6 +147,9 @@ type proc struct {
 // startConsumer starts a consumer named name on the run's queue.
 func (r *run) startConsumer(name string, o consumerOpts) *proc {
 	r.t.Helper()
+	if r.topo.Quorum && !o.quorum {
+		o.quorum, o.deliveryLimit = true, r.topo.DeliveryLimit
+	}
 	args := append([]string{
 		"-amqp", r.amqpURL,
 		"-queue", r.queue,

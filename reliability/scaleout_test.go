@@ -212,8 +212,8 @@ func TestClusterStack(t *testing.T) {
 			}
 		}
 		last := rs[len(rs)-1]
-		if len(rs) != limit || last.settled != "rejected" || last.dec.Outcome != rabbitmw.DeadLetter || last.dec.Attempts != limit {
-			t.Errorf("%s: after %d deliveries settled %s as %v, attempts %d; want rejected (dead-lettered) after %d, attempts %d", id, len(rs), last.settled, last.dec.Outcome, last.dec.Attempts, limit, limit)
+		if len(rs) != limit || last.settled != "dead-lettered" || last.dec.Outcome != rabbitmw.DeadLetter || last.dec.Attempts != limit {
+			t.Errorf("%s: after %d deliveries settled %s as %v, attempts %d; want dead-lettered after %d, attempts %d", id, len(rs), last.settled, last.dec.Outcome, last.dec.Attempts, limit, limit)
 			continue
 		}
 		if !errors.Is(last.dec.Err, middleware.ErrRetriesExhausted) || !errors.Is(last.dec.Err, errGateway) {
@@ -343,7 +343,7 @@ func (f *stackFixture) attemptsOf(id string) int {
 
 // settlement is one delivery's end, as a plain channel would see it.
 type settlement struct {
-	settled string // by the Recorder: acked, requeued, rejected
+	settled string // by the Recorder: acked, requeued, dead-lettered
 	dec     rabbitmw.Decision
 }
 
@@ -351,7 +351,7 @@ type settlement struct {
 const maxDeliveries = 100
 
 // untilSettled delivers msg, and delivers it again after each requeue, as
-// RabbitMQ would, until it leaves the queue (acked or rejected). Each
+// RabbitMQ would, until it leaves the queue (acked or dead-lettered). Each
 // delivery runs h and is settled by rabbitmw.Settle, which waits out the
 // delay the result asked for before it nacks. It returns every delivery's
 // settlement, and an error if one could not be settled or the message

@@ -7,9 +7,11 @@ package reliability_test
 // file named by RELIABILITY_REPORT, if set.
 
 import (
+	"cmp"
 	"fmt"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -56,7 +58,7 @@ func summaryTable() string {
 	b.WriteString("| scenario | messages | duplicates published | faults injected | effects once | effects twice | lost | dead-lettered | note |\n")
 	b.WriteString("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |\n")
 	rows := slices.Clone(summary.rows)
-	slices.SortStableFunc(rows, func(a, b row) int { return strings.Compare(a.Scenario[:1], b.Scenario[:1]) })
+	slices.SortStableFunc(rows, func(a, b row) int { return cmp.Compare(scenarioNumber(a.Scenario), scenarioNumber(b.Scenario)) })
 	for _, r := range rows {
 		fmt.Fprintf(&b, "| %s | %d | %d | %s | %d | %d | %d | %d | %s |\n",
 			r.Scenario, r.Messages, r.Duplicates, r.Faults, r.Once, r.Twice, r.Lost, r.DeadLettered, r.Note)
@@ -76,4 +78,12 @@ func printSummary() {
 			fmt.Fprintf(os.Stderr, "writing RELIABILITY_REPORT: %v\n", err)
 		}
 	}
+}
+
+// scenarioNumber is the number a scenario's name starts with ("10 shutdown
+// …" is 10), so that the table lists 9 before 10; 0 for a name without one.
+func scenarioNumber(name string) int {
+	digits, _, _ := strings.Cut(name, " ")
+	n, _ := strconv.Atoi(digits)
+	return n
 }

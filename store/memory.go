@@ -15,6 +15,12 @@ import (
 // (each write pays for a small share of a sweep), so a Memory needs no
 // goroutine and nothing to close. Its zero value is ready to use.
 type Memory struct {
+	// AbandonedRetention is how long a claim whose lease ended without
+	// Complete or Release is remembered after the lease, for Claim to
+	// report it Abandoned (see [Store]). Zero means
+	// [DefaultAbandonedRetention]. Set it before the first call.
+	AbandonedRetention time.Duration
+
 	mu     sync.Mutex
 	claims map[string]claim
 	fails  map[string]counter
@@ -23,8 +29,9 @@ type Memory struct {
 }
 
 type claim struct {
-	token   string // empty when done
-	expires time.Time
+	token   string    // empty when done
+	expires time.Time // the end of the lease, or of the done mark
+	forget  time.Time // when the entry is gone: expires, plus the abandoned retention of a claim
 }
 
 type counter struct {
@@ -43,31 +50,47 @@ func (m *Memory) Claim(ctx context.Context, key, token string, lease time.Durati
 	now := time.Now()
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if c, ok := m.claims[key]; ok && now.Before(c.expires) {
-		if c.token == "" {
+	if c, ok := m.claims[key]; ok {
+		switch {
+		case now.Before(c.expires) && c.token == "":
 			return Done, nil
+		case now.Before(c.expires):
+			return Processing, nil
+		case now.Before(c.forget):
+			delete(m.claims, key)
+			return Abandoned, nil
 		}
-		return Processing, nil
 	}
 	if m.claims == nil {
 		m.claims = make(map[string]claim)
 	}
-	m.claims[key] = claim{token: token, expires: now.Add(lease)}
+	m.claims[key] = m.leased(token, now, lease)
 	m.wrote(now)
 	return Claimed, nil
+}
+
+// leased returns the entry of a claim by token for lease from now.
+func (m *Memory) leased(token string, now time.Time, lease time.Duration) claim {
+	end := now.Add(lease)
+	keep := m.AbandonedRetention
+	if keep <= 0 {
+		keep = DefaultAbandonedRetention
+	}
+	return claim{token: token, expires: end, forget: end.Add(keep)}
 }
 
 // Extend implements [Store].
 func (m *Memory) Extend(ctx context.Context, key, token string, lease time.Duration) error {
 	return m.owned(ctx, key, token, func(now time.Time) {
-		m.claims[key] = claim{token: token, expires: now.Add(lease)}
+		m.claims[key] = m.leased(token, now, lease)
 	})
 }
 
 // Complete implements [Store].
 func (m *Memory) Complete(ctx context.Context, key, token string, retention time.Duration) error {
 	return m.owned(ctx, key, token, func(now time.Time) {
-		m.claims[key] = claim{expires: now.Add(retention)}
+		end := now.Add(retention)
+		m.claims[key] = claim{expires: end, forget: end}
 	})
 }
 
@@ -142,7 +165,7 @@ func (m *Memory) wrote(now time.Time) {
 	}
 	m.writes = 0
 	for k, c := range m.claims {
-		if !now.Before(c.expires) {
+		if !now.Before(c.forget) {
 			delete(m.claims, k)
 		}
 	}
@@ -154,9 +177,9 @@ func (m *Memory) wrote(now time.Time) {
 	m.kept = len(m.claims) + len(m.fails)
 }
 
-// Len returns the number of keys that are claimed or done and not expired,
-// and the number of live failure counters. It is meant for tests and
-// diagnostics.
+// Len returns the number of keys that are claimed or done and not expired
+// (abandoned claims are not counted), and the number of live failure
+// counters. It is meant for tests and diagnostics.
 func (m *Memory) Len() (claims, failures int) {
 	now := time.Now()
 	m.mu.Lock()

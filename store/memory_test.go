@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/store"
@@ -24,7 +25,8 @@ func TestMemoryZeroValue(t *testing.T) {
 // The sweep must keep a long-running Memory from growing with expired
 // entries that are never touched again.
 func TestMemorySweepsExpiredEntries(t *testing.T) {
-	m := store.NewMemory()
+	// Claims abandoned for a millisecond: they expire with the rest.
+	m := &store.Memory{AbandonedRetention: time.Millisecond}
 	ctx := context.Background()
 	for i := range 5000 {
 		k := fmt.Sprint("short-", i)
@@ -51,4 +53,36 @@ func TestMemorySweepsExpiredEntries(t *testing.T) {
 	if held := m.Held(); held != live {
 		t.Fatalf("Memory holds %d entries for %d live ones; want the 10,000 expired ones swept", held, live)
 	}
+}
+
+// An abandoned claim is kept for the abandoned retention after its lease,
+// then forgotten, on the store's clock.
+func TestMemoryAbandonedRetention(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		for _, tc := range []struct {
+			name string
+			m    *store.Memory
+			keep time.Duration
+		}{
+			{"default", store.NewMemory(), store.DefaultAbandonedRetention},
+			{"an hour", &store.Memory{AbandonedRetention: time.Hour}, time.Hour},
+		} {
+			claim := func(key string, want store.Status) {
+				t.Helper()
+				if got, err := tc.m.Claim(ctx, key, "t", time.Minute); err != nil || got != want {
+					t.Fatalf("%s: Claim(%s) = %v, %v; want %v", tc.name, key, got, err, want)
+				}
+			}
+			claim("a", store.Claimed)
+			claim("b", store.Claimed)
+			time.Sleep(time.Minute + tc.keep - time.Second)
+			claim("a", store.Abandoned)
+			if claims, _ := tc.m.Len(); claims != 0 {
+				t.Errorf("%s: Len() = %d claims with one abandoned; want 0", tc.name, claims)
+			}
+			time.Sleep(time.Second)
+			claim("b", store.Claimed)
+		}
+	})
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -23,6 +24,12 @@ type RedisOptions struct {
 	// FailurePrefix precedes a message key in the key holding its failure
 	// count. Default "retry:".
 	FailurePrefix string
+	// AbandonedRetention is how long a claim whose lease ended without
+	// Complete or Release is remembered after the lease, for Claim to
+	// report it Abandoned (see [Store]); a claim's key lives for its lease
+	// plus this. Each claim carries its own, so stores with different
+	// settings can share keys. Default [DefaultAbandonedRetention].
+	AbandonedRetention time.Duration
 }
 
 // Redis is a [Store] in Redis, over any [redis.UniversalClient]: a single
@@ -32,18 +39,29 @@ type RedisOptions struct {
 //
 // Key layout, with the default options, for message key K:
 //
-//	msg:K    "done" once K is done; any other value is the token of the owner
-//	         processing K (hand-written consumers write "processing")
+//	msg:K    "done" once K is done; "rabbitmw:claim:<ms>:<token>" while it
+//	         is claimed by <token> of a Redis store, its key expiring <ms>
+//	         (the abandoned retention) after its lease ends; any other
+//	         value is the mark of a hand-written consumer processing K
+//	         ("processing")
 //	retry:K  the failure count of K, an integer
+//
+// Redis's own clock measures the lease: a claim of ours is processing
+// while its key's remaining time (PTTL) is more than <ms>, and abandoned
+// after that, until the key expires. Hand-written consumers see an
+// abandoned claim as work in progress, as they see their own marks; the
+// first Claim by this store that finds it removes it.
 //
 // Every state change is one round trip: Claim, Extend, Complete, Release and
 // Fail each run one Lua script (EVALSHA; a script not yet in Redis's cache
 // costs one more round trip, once, unless [Redis.Load] cached it), and each
 // script touches a single key, so the
-// store works unchanged on Redis Cluster. A claim left without expiry (a
-// hand-written consumer that died between SETNX and EXPIRE) is given the
-// claimer's lease the first time Claim finds it, so it cannot block its
-// message forever.
+// store works unchanged on Redis Cluster. A mark of a hand-written consumer
+// is processing until it expires, and nobody owns it: this store never
+// completes or releases it. One left without expiry (a hand-written
+// consumer that died between SETNX and EXPIRE) is given the claimer's
+// lease the first time Claim finds it, so it cannot block its message
+// forever.
 //
 // Errors from the client, including timeouts, are wrapped with the
 // operation and key; redis.Nil never escapes.
@@ -58,6 +76,7 @@ type RedisOptions struct {
 type Redis struct {
 	client               RedisClient
 	claimPre, failurePre string
+	abandoned            int64 // the abandoned retention, in milliseconds
 }
 
 // NewRedis returns a Redis store that uses client, which the caller keeps
@@ -73,10 +92,15 @@ func NewRedis(client RedisClient, opts RedisOptions) *Redis {
 	if failurePre == "" {
 		failurePre = "retry:"
 	}
+	abandoned := opts.AbandonedRetention
+	if abandoned <= 0 {
+		abandoned = DefaultAbandonedRetention
+	}
 	return &Redis{
 		client:     client,
 		claimPre:   opts.Prefix + claimPre,
 		failurePre: opts.Prefix + failurePre,
+		abandoned:  millis(abandoned),
 	}
 }
 
@@ -93,40 +117,68 @@ type RedisClient interface {
 // The value of a done mark. Hand-written consumers compare with it.
 const doneMark = "done"
 
+// claimTag begins the value of every claim this store writes, followed by
+// the claim's abandoned retention in milliseconds, a colon and the token.
+const claimTag = "rabbitmw:claim:"
+
 // Each script touches KEYS[1] only. Results: claim returns 1 (claimed),
-// 2 (processing) or 3 (done); the owner-checked ones return 1 when the
-// token owned the key, else 0; fail returns the new count.
+// 2 (processing), 3 (done) or 4 (abandoned); the owner-checked ones return
+// 1 when the token owned the key, else 0; fail returns the new count.
+//
+// The owner-checked scripts begin with ownedLua, which sets keep to the
+// abandoned retention of the claim in KEYS[1] (ARGV[1] the token) if that
+// token owns it: the value is ours, its token is ARGV[1], and its lease has
+// not ended. Milliseconds are formatted with %d: Lua would print a large
+// number in exponent notation, which PX and PEXPIRE refuse.
+const ownedLua = `
+local v = redis.call('GET', KEYS[1])
+local keep, token
+if v then
+  keep, token = string.match(v, '^rabbitmw:claim:(%d+):(.*)$')
+end
+if token ~= ARGV[1] or redis.call('PTTL', KEYS[1]) <= tonumber(keep) then
+  return 0
+end
+`
+
 var (
+	// ARGV: the claim's value, its PX (lease plus abandoned retention),
+	// the lease alone (for a hand-written mark without expiry).
 	claimScript = redis.NewScript(`
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return 1
 end
-if redis.call('GET', KEYS[1]) == 'done' then
+local v = redis.call('GET', KEYS[1])
+if v == 'done' then
   return 3
 end
+local keep = string.match(v, '^rabbitmw:claim:(%d+):')
+if keep then
+  if redis.call('PTTL', KEYS[1]) > tonumber(keep) then
+    return 2
+  end
+  redis.call('DEL', KEYS[1])
+  return 4
+end
 if redis.call('PTTL', KEYS[1]) == -1 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
 return 2`)
 
-	extendScript = redis.NewScript(`
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0`)
+	// ARGV: the token, the lease.
+	extendScript = redis.NewScript(ownedLua + `
+redis.call('PEXPIRE', KEYS[1], string.format('%d', tonumber(ARGV[2]) + tonumber(keep)))
+return 1`)
 
-	completeScript = redis.NewScript(`
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], 'done', 'PX', ARGV[2])
-  return 1
-end
-return 0`)
+	// ARGV: the token, the retention of the done mark.
+	completeScript = redis.NewScript(ownedLua + `
+redis.call('SET', KEYS[1], 'done', 'PX', ARGV[2])
+return 1`)
 
-	releaseScript = redis.NewScript(`
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0`)
+	// ARGV: the token.
+	releaseScript = redis.NewScript(ownedLua + `
+redis.call('DEL', KEYS[1])
+return 1`)
 
 	failScript = redis.NewScript(`
 local n = redis.call('INCR', KEYS[1])
@@ -152,7 +204,9 @@ func (r *Redis) Load(ctx context.Context) error {
 
 // Claim implements [Store].
 func (r *Redis) Claim(ctx context.Context, key, token string, lease time.Duration) (Status, error) {
-	n, err := r.run(ctx, claimScript, r.claimPre+key, token, millis(lease))
+	ms := millis(lease)
+	value := claimTag + strconv.FormatInt(r.abandoned, 10) + ":" + token
+	n, err := r.run(ctx, claimScript, r.claimPre+key, value, ms+r.abandoned, ms)
 	if err != nil {
 		return 0, r.fail("claim", key, err)
 	}
@@ -163,6 +217,8 @@ func (r *Redis) Claim(ctx context.Context, key, token string, lease time.Duratio
 		return Processing, nil
 	case 3:
 		return Done, nil
+	case 4:
+		return Abandoned, nil
 	}
 	return 0, r.fail("claim", key, fmt.Errorf("unexpected script result %d", n))
 }

@@ -52,8 +52,8 @@ func TestRedisLegacyLayout(t *testing.T) {
 	if v, _ := m.Get("msg:a"); v == "done" || v == "" {
 		t.Fatalf("msg:a = %q while processing; want a token that is not \"done\"", v)
 	}
-	if ttl := m.TTL("msg:a"); ttl <= 0 || ttl > time.Minute {
-		t.Fatalf("TTL(msg:a) = %v; want the lease, set with the claim", ttl)
+	if ttl, want := m.TTL("msg:a"), time.Minute+store.DefaultAbandonedRetention; ttl <= store.DefaultAbandonedRetention || ttl > want {
+		t.Fatalf("TTL(msg:a) = %v; want %v, the lease and the abandoned retention, set with the claim", ttl, want)
 	}
 	if err := s.Complete(ctx, "a", "tok", 24*time.Hour); err != nil {
 		t.Fatal(err)
@@ -71,9 +71,22 @@ func TestRedisLegacyLayout(t *testing.T) {
 			t.Fatalf("Claim(%s) = %v, %v; want %v", key, got, err, want)
 		}
 	}
-	// Its claims cannot be stolen: only the owner's token completes.
-	if err := s.Complete(ctx, "c", "tok", time.Hour); !errors.Is(err, store.ErrLostClaim) {
-		t.Fatalf("Complete(c) of a hand-written claim = %v; want ErrLostClaim", err)
+	// Its claims cannot be stolen: no token of ours owns them, not even
+	// one spelt as the mark.
+	for _, tok := range []string{"tok", "processing"} {
+		if err := s.Complete(ctx, "c", tok, time.Hour); !errors.Is(err, store.ErrLostClaim) {
+			t.Fatalf("Complete(c, %q) of a hand-written claim = %v; want ErrLostClaim", tok, err)
+		}
+	}
+	// It keeps its meaning to the end: processing until it expires, then
+	// absent, never abandoned (its consumer's crash is not ours to count).
+	m.FastForward(299 * time.Second)
+	if got, err := s.Claim(ctx, "c", "tok", time.Minute); err != nil || got != store.Processing {
+		t.Fatalf("Claim(c) near the end of its EXPIRE = %v, %v; want processing", got, err)
+	}
+	m.FastForward(2 * time.Second)
+	if got, err := s.Claim(ctx, "c", "tok", time.Minute); err != nil || got != store.Claimed {
+		t.Fatalf("Claim(c) after its EXPIRE = %v, %v; want claimed", got, err)
 	}
 
 	// SETNX without EXPIRE (a crash between the two) would block the
@@ -176,4 +189,80 @@ func TestRedisConformanceAutoPipeline(t *testing.T) {
 		t.Cleanup(func() { ap.Close() })
 		return store.NewRedis(ap, store.RedisOptions{})
 	})
+}
+
+// A claim's key outlives its lease by the abandoned retention, measured by
+// Redis: within it, Claim reports the claim abandoned (once); after it,
+// the key is gone.
+func TestRedisAbandonedClaims(t *testing.T) {
+	m, c := newMiniredis(t)
+	ctx := context.Background()
+	s := store.NewRedis(c, store.RedisOptions{AbandonedRetention: time.Hour})
+	if got, err := s.Claim(ctx, "a", "tok", time.Minute); err != nil || got != store.Claimed {
+		t.Fatalf("Claim(a) = %v, %v; want claimed", got, err)
+	}
+	if v, _ := m.Get("msg:a"); v != "rabbitmw:claim:3600000:tok" {
+		t.Fatalf("msg:a = %q; want the tagged claim with its abandoned retention", v)
+	}
+	if ttl := m.TTL("msg:a"); !near(ttl, time.Hour+time.Minute) {
+		t.Fatalf("TTL(msg:a) = %v; want the lease and the abandoned retention", ttl)
+	}
+	m.FastForward(time.Minute)
+	if err := s.Extend(ctx, "a", "tok", time.Minute); !errors.Is(err, store.ErrLostClaim) {
+		t.Fatalf("Extend after the lease = %v; want ErrLostClaim", err)
+	}
+	if !m.Exists("msg:a") {
+		t.Fatal("msg:a gone with the lease; want it kept for the abandoned retention")
+	}
+	for i, want := range []store.Status{store.Abandoned, store.Claimed} {
+		if got, err := s.Claim(ctx, "a", "tok2", time.Minute); err != nil || got != want {
+			t.Fatalf("Claim %d of a after its lease = %v, %v; want %v", i+1, got, err, want)
+		}
+	}
+
+	// Past the abandoned retention, the key is gone and the crash uncounted.
+	if _, err := s.Claim(ctx, "b", "tok", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	m.FastForward(time.Hour + time.Minute)
+	if got, err := s.Claim(ctx, "b", "tok2", time.Minute); err != nil || got != store.Claimed {
+		t.Fatalf("Claim(b) after the abandoned retention = %v, %v; want claimed", got, err)
+	}
+
+	// Extend keeps the claim's own retention.
+	if err := s.Extend(ctx, "b", "tok2", 2*time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if ttl := m.TTL("msg:b"); !near(ttl, time.Hour+2*time.Minute) {
+		t.Fatalf("TTL(msg:b) after Extend = %v; want the new lease and the abandoned retention", ttl)
+	}
+}
+
+// near reports whether a TTL read on miniredis's wall clock is want, set
+// within the last seconds.
+func near(ttl, want time.Duration) bool { return ttl <= want && ttl > want-5*time.Second }
+
+// Each claim carries its abandoned retention: a store with another setting
+// reads a claim's lease right.
+func TestRedisAbandonedRetentionPerClaim(t *testing.T) {
+	m, c := newMiniredis(t)
+	ctx := context.Background()
+	short := store.NewRedis(c, store.RedisOptions{AbandonedRetention: time.Minute})
+	long := store.NewRedis(c, store.RedisOptions{}) // 24 hours
+	if _, err := short.Claim(ctx, "k", "tok", time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := long.Claim(ctx, "k", "tok2", time.Hour); err != nil || got != store.Processing {
+		t.Fatalf("Claim by a store with a longer retention, within the lease = %v, %v; want processing", got, err)
+	}
+	if err := long.Complete(ctx, "k", "tok", time.Hour); err != nil {
+		t.Fatalf("Complete by the owner through a store with a longer retention = %v; want nil", err)
+	}
+	if _, err := long.Claim(ctx, "j", "tok", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	m.FastForward(time.Minute)
+	if got, err := short.Claim(ctx, "j", "tok2", time.Hour); err != nil || got != store.Abandoned {
+		t.Fatalf("Claim by a store with a shorter retention, after the lease = %v, %v; want abandoned", got, err)
+	}
 }

@@ -14,7 +14,7 @@ import (
 )
 
 // ErrLostClaim is returned by Extend, Complete and Release when the caller's
-// token no longer owns the key: its lease expired, another owner claimed it,
+// token no longer owns the key: its lease ended, another owner claimed it,
 // it was completed, or it was deleted.
 var ErrLostClaim = errors.New("store: lost claim")
 
@@ -30,9 +30,15 @@ const (
 	Processing
 	// Done: the key was completed and its done mark has not expired.
 	Done
+	// Abandoned: the key held a claim whose lease ended without Complete
+	// or Release, so its attempt never finished: the owner died, or could
+	// not reach the store for the rest of its lease. Claim removed that
+	// claim and took nothing: the caller owns nothing, and the next Claim
+	// of the key can take it.
+	Abandoned
 )
 
-// String returns "claimed", "processing" or "done".
+// String returns "claimed", "processing", "done" or "abandoned".
 func (s Status) String() string {
 	switch s {
 	case Claimed:
@@ -41,14 +47,31 @@ func (s Status) String() string {
 		return "processing"
 	case Done:
 		return "done"
+	case Abandoned:
+		return "abandoned"
 	}
 	return "invalid"
 }
 
-// A Store holds the state of message keys. A key is in one of three states:
-// absent, processing (claimed by one owner, identified by a token, until its
-// lease ends) or done (until its retention ends). Separately, a key has a
-// failure counter.
+// DefaultAbandonedRetention is how long [Memory] and [Redis] remember an
+// abandoned claim after its lease ended, unless told otherwise.
+const DefaultAbandonedRetention = 24 * time.Hour
+
+// A Store holds the state of message keys. A key is in one of four states:
+//
+//   - absent;
+//   - processing: claimed by one owner, identified by a token, until its
+//     lease ends. The token owns the key while it is processing, and only
+//     then;
+//   - abandoned: its lease ended without Complete or Release. The store
+//     remembers an abandoned claim for a while after its lease ended (its
+//     abandoned retention: at least a minute; [DefaultAbandonedRetention]
+//     for Memory and Redis), so that the next Claim can report that an
+//     attempt never finished; then the key is absent. Nobody owns an
+//     abandoned claim, not even the token that took it;
+//   - done: until its retention ends.
+//
+// Separately, a key has a failure counter.
 //
 // Every method is atomic with respect to the others for the same key, and a
 // Store is safe for concurrent use by many goroutines and, for a shared
@@ -66,9 +89,11 @@ func (s Status) String() string {
 type Store interface {
 	// Claim takes key for token with the given lease, if key is absent.
 	// It returns Claimed if it did so, Processing if another owner holds
-	// the key, and Done if the key is done; only Claimed changes anything.
-	// Claim is a single atomic operation: of many concurrent claims of an
-	// absent key, exactly one returns Claimed.
+	// the key, and Done if the key is done. If key is abandoned, Claim
+	// makes it absent and returns Abandoned, taking nothing. Only Claimed
+	// and Abandoned change anything. Claim is a single atomic operation:
+	// of many concurrent claims of an absent key, exactly one returns
+	// Claimed; of an abandoned key, exactly one returns Abandoned.
 	Claim(ctx context.Context, key, token string, lease time.Duration) (Status, error)
 
 	// Extend sets the lease of key to lease from now, if token owns it;

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 )
@@ -24,6 +25,7 @@ import (
 const (
 	DefaultRedisAddr   = "127.0.0.1:6379"
 	DefaultRabbitMQURL = "amqp://guest:guest@127.0.0.1:5672/"
+	DefaultPostgresURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
 )
 
 // InCI reports whether the tests run under CI (the CI variable is true), in
@@ -66,21 +68,15 @@ func probe(key string, f func() error) error {
 // PING there.
 func RedisAddr(t testing.TB) string {
 	t.Helper()
-	addr := os.Getenv("REDIS_ADDR")
-	if addr == "" {
-		addr = DefaultRedisAddr
-	}
-	err := probe("redis:"+addr, func() error {
-		c := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: time.Second, MaxRetries: -1})
-		defer c.Close()
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		return c.Ping(ctx).Err()
-	})
-	if err != nil {
-		Missing(t, "Redis at "+addr, "start it with: redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save \"\" --appendonly no; or set REDIS_ADDR ("+err.Error()+")")
-	}
-	return addr
+	return find(t, "Redis", "REDIS_ADDR", DefaultRedisAddr,
+		`start it with: redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no`,
+		func(addr string) error {
+			c := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: time.Second, MaxRetries: -1})
+			defer c.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			defer cancel()
+			return c.Ping(ctx).Err()
+		})
 }
 
 // RabbitMQURL returns the AMQP URL of the RabbitMQ server for tests:
@@ -88,25 +84,55 @@ func RedisAddr(t testing.TB) string {
 // under CI) when no RabbitMQ accepts a connection there.
 func RabbitMQURL(t testing.TB) string {
 	t.Helper()
-	url := os.Getenv("RABBITMQ_URL")
-	if url == "" {
-		url = DefaultRabbitMQURL
-	}
-	err := probe("amqp:"+url, func() error {
-		conn, err := amqp.DialConfig(url, amqp.Config{
-			Dial: func(network, addr string) (net.Conn, error) {
-				return net.DialTimeout(network, addr, 2*time.Second)
-			},
+	return find(t, "RabbitMQ", "RABBITMQ_URL", DefaultRabbitMQURL,
+		"start it with: rabbitmq-server -detached",
+		func(url string) error {
+			conn, err := amqp.DialConfig(url, amqp.Config{
+				Dial: func(network, addr string) (net.Conn, error) {
+					return net.DialTimeout(network, addr, 2*time.Second)
+				},
+			})
+			if err != nil {
+				return err
+			}
+			return conn.Close()
 		})
-		if err != nil {
-			return err
-		}
-		return conn.Close()
-	})
-	if err != nil {
-		Missing(t, "RabbitMQ at "+url, "start it with: rabbitmq-server -detached; or set RABBITMQ_URL ("+err.Error()+")")
+}
+
+// find returns where the server what is: the value of the environment
+// variable env, or def. It pings the server there once per process, and
+// skips t (fails it under CI) when the ping failed, with hint, which says
+// how to start it.
+func find(t testing.TB, what, env, def, hint string, ping func(where string) error) string {
+	t.Helper()
+	where := os.Getenv(env)
+	if where == "" {
+		where = def
 	}
-	return url
+	if err := probe(what+" "+where, func() error { return ping(where) }); err != nil {
+		Missing(t, what+" at "+where, hint+"; or set "+env+" ("+err.Error()+")")
+	}
+	return where
+}
+
+// PostgresURL returns the connection URL of the PostgreSQL server for
+// tests: DATABASE_URL, or postgres://postgres@127.0.0.1:5432/test. It skips
+// t (fails it under CI) when no PostgreSQL accepts a connection there and
+// answers a query.
+func PostgresURL(t testing.TB) string {
+	t.Helper()
+	return find(t, "PostgreSQL", "DATABASE_URL", DefaultPostgresURL,
+		"start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+		func(url string) error {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			conn, err := pgx.Connect(ctx, url)
+			if err != nil {
+				return err
+			}
+			defer conn.Close(context.Background())
+			return conn.Ping(ctx)
+		})
 }
 
 // CloseConnections closes, with rabbitmqctl, every connection to the local

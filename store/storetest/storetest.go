@@ -60,6 +60,7 @@ var cases = []struct {
 	{"OwnerChecks", testOwnerChecks},
 	{"Release", testRelease},
 	{"LeaseExpiry", testLeaseExpiry},
+	{"ConcurrentAbandonedClaims", testConcurrentAbandonedClaims},
 	{"Extend", testExtend},
 	{"DoneExpiry", testDoneExpiry},
 	{"KeysIndependent", testKeysIndependent},
@@ -194,17 +195,72 @@ func testRelease(t *testing.T, f *fixture) {
 	expect(t, "Release again", f.s.Release(bg, k, "t1"), false)
 	expect(t, "Complete after release", f.s.Complete(bg, k, "t1", longTTL), false)
 	f.claim(t, k, "t2", longTTL, store.Claimed)
+
+	// A released claim leaves nothing behind: not abandoned once its
+	// lease would have ended.
+	j := f.key("j")
+	f.claim(t, j, "t1", shortTTL, store.Claimed)
+	expect(t, "Release by the owner", f.s.Release(bg, j, "t1"), true)
+	time.Sleep(expired)
+	f.claim(t, j, "t2", longTTL, store.Claimed)
 }
 
+// A lease that ends without Complete or Release leaves an abandoned claim:
+// owned by nobody, reported once by Claim, which removes it.
 func testLeaseExpiry(t *testing.T, f *fixture) {
 	k := f.key("k")
 	f.claim(t, k, "t1", shortTTL, store.Claimed)
 	time.Sleep(expired)
-	f.claim(t, k, "t2", longTTL, store.Claimed)
 	expect(t, "Extend by the expired owner", f.s.Extend(bg, k, "t1", longTTL), false)
 	expect(t, "Complete by the expired owner", f.s.Complete(bg, k, "t1", longTTL), false)
 	expect(t, "Release by the expired owner", f.s.Release(bg, k, "t1"), false)
-	expect(t, "Complete by the new owner", f.s.Complete(bg, k, "t2", longTTL), true)
+	f.claim(t, k, "t2", longTTL, store.Abandoned)
+	// Claim took nothing for t2, and left the key absent.
+	expect(t, "Complete by the claimer that found the claim abandoned", f.s.Complete(bg, k, "t2", longTTL), false)
+	f.claim(t, k, "t3", longTTL, store.Claimed)
+	f.claim(t, k, "t4", longTTL, store.Processing)
+	expect(t, "Complete by the new owner", f.s.Complete(bg, k, "t3", longTTL), true)
+}
+
+func testConcurrentAbandonedClaims(t *testing.T, f *fixture) {
+	const n = 64
+	k := f.key("k")
+	f.claim(t, k, "t0", shortTTL, store.Claimed)
+	time.Sleep(expired)
+	var (
+		wg      sync.WaitGroup
+		start   = make(chan struct{})
+		results = make([]store.Status, n)
+		errs    = make([]error, n)
+	)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			results[i], errs[i] = f.s.Claim(bg, k, fmt.Sprintf("token-%d", i), longTTL)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	got := map[store.Status]int{}
+	winner := -1
+	for i := range n {
+		if errs[i] != nil {
+			t.Fatalf("Claim %d error: %v", i, errs[i])
+		}
+		got[results[i]]++
+		if results[i] == store.Claimed {
+			winner = i
+		}
+	}
+	// The first claim finds the claim abandoned and removes it; of those
+	// after it, one takes the key and the others find it processing.
+	if got[store.Abandoned] != 1 || got[store.Claimed] != 1 || got[store.Processing] != n-2 {
+		t.Fatalf("%d concurrent claims of an abandoned key: %d abandoned, %d claimed, %d processing, %d other; want 1, 1, %d, 0",
+			n, got[store.Abandoned], got[store.Claimed], got[store.Processing], n-got[store.Abandoned]-got[store.Claimed]-got[store.Processing], n-2)
+	}
+	expect(t, "Complete by the winner", f.s.Complete(bg, k, fmt.Sprintf("token-%d", winner), longTTL), true)
 }
 
 func testExtend(t *testing.T, f *fixture) {
@@ -216,6 +272,7 @@ func testExtend(t *testing.T, f *fixture) {
 	// Extend also shortens: the lease runs from the call.
 	expect(t, "Extend by the owner", f.s.Extend(bg, k, "t1", shortTTL), true)
 	time.Sleep(expired)
+	f.claim(t, k, "t3", longTTL, store.Abandoned)
 	f.claim(t, k, "t3", longTTL, store.Claimed)
 }
 

@@ -5,9 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
@@ -29,8 +32,13 @@ return n`)
 
 // A poison-mode body is a JSON object; its kind says what the handler does
 // with it. A body that is not JSON is malformed: dead-lettered at once.
+//
+// A kind "slow-<kind>" ("slow" alone is "slow-ok") first holds the order
+// for -hold, recording a "start" event, and then does what <kind> says,
+// even when its context ended the hold early: as a handler that settles
+// its result whatever the shutdown does.
 type order struct {
-	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "panic", "retry"
+	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "once", "panic", "kill", "later", "retry"
 	// Fails and After are for kind "retry": the handler's first Fails
 	// calls return rabbitmw.RetryAfter with After (a time.Duration string;
 	// default 1ms); the calls after them succeed.
@@ -38,15 +46,72 @@ type order struct {
 	After string `json:"after"`
 }
 
+// laterDelay is the delay a "later" order asks for, longer than any tier
+// of the suite: its copy stays in the longest delay queue.
+const laterDelay = time.Hour
+
 var (
 	errPoison  = errors.New("business: order refused: poison")
 	errGateway = errors.New("business: payment gateway failed")
 )
 
 type business struct {
-	cfg     config
-	rdb     *redis.Client
-	effects *atomic.Int64
+	cfg          config
+	rdb          *redis.Client
+	effects      *atomic.Int64
+	effectsTable string // with PostgreSQL: where inTx inserts effects
+}
+
+// inTx is the business handler of the PostgreSQL inbox: the effect is a
+// row in tx, which commits with the message's done mark. Modes normal,
+// slow and stubborn as in handler (stubborn: its statements ignore ctx's
+// cancellation too); in poison mode, the orders "ok" and "kill" as in
+// poison, the handler calls counted in the effects Redis.
+func (b *business) inTx(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	id, err := middleware.Key(d)
+	if err != nil {
+		return rabbitmw.Permanent(err)
+	}
+	switch b.cfg.mode {
+	case "slow":
+		b.event(ctx, "start", id, "")
+		if err := wait(ctx, b.cfg.hold); err != nil {
+			b.event(ctx, "cancelled", id, context.Cause(ctx).Error())
+			return err
+		}
+	case "stubborn":
+		b.event(ctx, "start", id, "")
+		time.Sleep(b.cfg.hold)
+		if ctx.Err() != nil {
+			b.event(ctx, "ignored", id, context.Cause(ctx).Error())
+		}
+		ctx = context.WithoutCancel(ctx)
+	case "poison":
+		b.rdb.Incr(ctx, b.key("attempts:"+id))
+		var o order
+		if err := json.Unmarshal(d.Body, &o); err != nil {
+			return rabbitmw.Permanent(fmt.Errorf("business: malformed order: %w", err))
+		}
+		switch o.Kind {
+		case "kill":
+			return b.kill()
+		case "", "ok":
+		default:
+			return rabbitmw.Permanent(fmt.Errorf("business: order kind %q is not played over PostgreSQL", o.Kind))
+		}
+		fallthrough
+	default:
+		if b.cfg.work > 0 {
+			if err := wait(ctx, b.cfg.work); err != nil {
+				return err
+			}
+		}
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+b.effectsTable+` (id, consumer) VALUES ($1, $2)`, id, b.cfg.name); err != nil {
+		return fmt.Errorf("business: inserting the effect of %s: %w", id, err)
+	}
+	b.effects.Add(1)
+	return nil
 }
 
 func (b *business) key(name string) string { return b.cfg.effectsPrefix + name }
@@ -103,23 +168,45 @@ func (b *business) slow(ctx context.Context, id string) error {
 	return b.apply(ctx, id)
 }
 
-// poison handles a JSON order by its kind.
+// poison handles a JSON order by its kind: "once" fails at its first
+// handler call (as counted in attempts:<key>), and succeeds after.
 func (b *business) poison(ctx context.Context, id string, body []byte) error {
-	// On a Redis error calls is 0: a "retry" order asks for a retry.
 	calls, _ := b.rdb.Incr(ctx, b.key("attempts:"+id)).Result()
 	var o order
 	if err := json.Unmarshal(body, &o); err != nil {
 		return rabbitmw.Permanent(fmt.Errorf("business: malformed order: %w", err))
 	}
+	if o.Kind == "slow" {
+		o.Kind = "slow-ok"
+	}
+	if kind, ok := strings.CutPrefix(o.Kind, "slow-"); ok {
+		b.event(ctx, "start", id, "")
+		_ = wait(ctx, b.cfg.hold) // the kind decides, however the hold ended
+		o.Kind = kind
+	}
 	switch o.Kind {
 	case "", "ok":
+		if b.cfg.work > 0 {
+			if err := wait(ctx, b.cfg.work); err != nil {
+				return err
+			}
+		}
 		return b.apply(ctx, id)
+	case "kill":
+		return b.kill()
 	case "poison":
 		return rabbitmw.Permanent(errPoison)
 	case "fail":
 		return errGateway
+	case "once":
+		if calls <= 1 {
+			return errGateway
+		}
+		return b.apply(ctx, id)
 	case "panic":
 		panic("business: order " + id + " panicked")
+	case "later":
+		return rabbitmw.RetryAfter(errGateway, laterDelay)
 	case "retry":
 		if calls > o.Fails {
 			return b.apply(ctx, id)
@@ -137,6 +224,20 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 	return rabbitmw.Permanent(fmt.Errorf("business: unknown order kind %q", o.Kind))
 }
 
+// kill kills the process, as an OOM kill or a segfault in cgo would: at
+// once, with the other handlers in flight, nothing returned, nothing
+// released. It returns only if it could not.
+func (b *business) kill() error {
+	self, err := os.FindProcess(os.Getpid())
+	if err == nil {
+		err = self.Kill() // SIGKILL
+	}
+	if err != nil {
+		return fmt.Errorf("business: killing the process: %w", err)
+	}
+	select {}
+}
+
 // countDeliveries is a layer that counts each delivery of a message.
 func (b *business) countDeliveries(next rabbitmw.Handler) rabbitmw.Handler {
 	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
@@ -146,6 +247,21 @@ func (b *business) countDeliveries(next rabbitmw.Handler) rabbitmw.Handler {
 			b.rdb.Incr(ctx, b.key("deliveries:(no key)"))
 		}
 		return next.Handle(ctx, d)
+	})
+}
+
+// countAbandoned is a layer, beneath Retry and above Dedup, that counts
+// the deliveries that found their message's last attempt abandoned.
+func (b *business) countAbandoned(next rabbitmw.Handler) rabbitmw.Handler {
+	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		err := next.Handle(ctx, d)
+		if errors.Is(err, middleware.ErrAbandoned) {
+			if id, kerr := middleware.Key(d); kerr == nil {
+				b.rdb.Incr(context.WithoutCancel(ctx), b.key("abandoned:"+id))
+			}
+			b.rdb.Incr(context.WithoutCancel(ctx), b.key("abandoned"))
+		}
+		return err
 	})
 }
 

@@ -8,8 +8,12 @@
 // a graceful shutdown) and cuts it off from its servers. It is not meant
 // for anything else.
 //
-// Effects, under the prefix P given by -effects-prefix, in the effects
-// Redis (-effects):
+// With -store postgres://…, the store is pgstore's inbox in that database,
+// and the effect of a message is a row (id, consumer) inserted into the
+// table <-store-prefix>_effects in the handler's transaction, which commits
+// with the done mark; the suite counts effects there. Otherwise, effects,
+// under the prefix P given by -effects-prefix, in the effects Redis
+// (-effects):
 //
 //	P effect:<key>   the number of times the effect of the message with
 //	                 idempotency key <key> was applied
@@ -17,10 +21,15 @@
 //	P distinct       the number of messages applied at least once
 //	P log            one entry per effect, "<name> <key>", in order
 //	P events         what slow handlers did: "start|cancelled|ignored
-//	                 <name> <key> [cause]"
+//	                 <name> <key> [cause]"; in poison mode, the "start" of
+//	                 each slow order
 //	P attempts:<key> handler calls for the message (modes slow, stubborn
 //	                 and poison)
 //	P deliveries:<key> deliveries of the message (with -count-deliveries)
+//	P abandoned:<key> deliveries that found the message's last attempt
+//	                 abandoned (Dedup's ErrAbandoned: a consumer died
+//	                 holding it)
+//	P abandoned      the same, all messages
 //
 // The four writes of an effect are one Lua script: atomic, so an effect
 // is never counted without its log entry, or the reverse.
@@ -45,6 +54,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
@@ -53,6 +63,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/reliability/internal/stats"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
 )
 
 // config is the command line.
@@ -71,6 +82,8 @@ type config struct {
 	busy            time.Duration
 	unavailable     time.Duration
 	delays          []time.Duration
+	quorum          bool
+	deliveryLimit   int
 	timeout         time.Duration
 	maxAttempts     int
 	backoffMin      time.Duration
@@ -90,8 +103,8 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&c.amqpURL, "amqp", "amqp://guest:guest@127.0.0.1:5672/", "AMQP URL of RabbitMQ")
 	fs.StringVar(&c.queue, "queue", "", "work queue (required)")
 	fs.StringVar(&c.name, "name", "consumer", "consumer name: in the effect log, and the process in fault headers")
-	fs.StringVar(&c.storeAddr, "store", "127.0.0.1:6379", "address of the Redis that holds the idempotency store")
-	fs.StringVar(&c.storePrefix, "store-prefix", "", "prefix of the store's keys")
+	fs.StringVar(&c.storeAddr, "store", "127.0.0.1:6379", "address of the Redis that holds the idempotency store; a postgres:// URL selects the PostgreSQL inbox (pgstore, effects as rows in the handler's transaction)")
+	fs.StringVar(&c.storePrefix, "store-prefix", "", "prefix of the store's keys; with PostgreSQL, the store's table (effects in <table>_effects)")
 	fs.BoolVar(&c.storeCtxTimeout, "store-context-timeouts", false, "let the store's Redis client honour context deadlines (redis.Options.ContextTimeoutEnabled)")
 	fs.StringVar(&c.effectsAddr, "effects", "127.0.0.1:6379", "address of the Redis that records effects")
 	fs.StringVar(&c.effectsPrefix, "effects-prefix", "", "prefix of the effect keys (required)")
@@ -101,13 +114,15 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.busy, "busy", 0, "Dedup busy delay (0: the default)")
 	fs.DurationVar(&c.unavailable, "unavailable", 0, "Dedup unavailable delay (0: the default)")
 	fs.StringVar(&delays, "delays", "", "delay tiers, comma-separated (empty: the broker's default)")
+	fs.BoolVar(&c.quorum, "quorum", false, "the work queue is a quorum queue (Topology.Quorum)")
+	fs.IntVar(&c.deliveryLimit, "delivery-limit", 0, "the quorum queue's delivery limit (Topology.DeliveryLimit)")
 	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "Timeout layer: the handler's deadline")
 	fs.IntVar(&c.maxAttempts, "max-attempts", 0, "Retry attempts (0: the default, 5)")
 	fs.DurationVar(&c.backoffMin, "backoff-min", 0, "Retry backoff minimum (0: the default backoff)")
 	fs.DurationVar(&c.backoffMax, "backoff-max", 0, "Retry backoff maximum")
 	fs.StringVar(&c.mode, "mode", "normal", "business handler: normal, slow, stubborn or poison")
-	fs.DurationVar(&c.work, "work", 0, "normal mode: time spent before the effect")
-	fs.DurationVar(&c.hold, "hold", 5*time.Second, "slow and stubborn modes: time spent before the effect")
+	fs.DurationVar(&c.work, "work", 0, "normal mode, and ok orders in poison mode: time spent before the effect")
+	fs.DurationVar(&c.hold, "hold", 5*time.Second, "slow and stubborn modes: time spent before the effect; poison mode: the hold of a slow order")
 	fs.BoolVar(&c.countDeliveries, "count-deliveries", false, "count the deliveries of each message")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 10*time.Second, "ConsumeOptions.ShutdownTimeout")
 	fs.DurationVar(&c.reconnectMax, "reconnect-max", time.Second, "broker.Options.ReconnectMax (ReconnectMin is 50ms, or this if shorter)")
@@ -205,11 +220,31 @@ func (c *counters) observe(next rabbitmw.Handler) rabbitmw.Handler {
 func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	var cnt counters
 
-	storeClient := redis.NewClient(&redis.Options{Addr: cfg.storeAddr, ContextTimeoutEnabled: cfg.storeCtxTimeout})
-	defer storeClient.Close()
 	effectsClient := redis.NewClient(&redis.Options{Addr: cfg.effectsAddr})
 	defer effectsClient.Close()
-	st := store.NewRedis(storeClient, store.RedisOptions{Prefix: cfg.storePrefix})
+	biz := &business{cfg: cfg, rdb: effectsClient, effects: &cnt.effects}
+	var st store.Store
+	var handler rabbitmw.Handler
+	if pg := strings.HasPrefix(cfg.storeAddr, "postgres://") || strings.HasPrefix(cfg.storeAddr, "postgresql://"); pg {
+		pool, err := pgxpool.New(ctx, cfg.storeAddr)
+		if err != nil {
+			return cnt.snapshot(cfg.name, err), err
+		}
+		defer pool.Close()
+		pst := pgstore.New(pool, pgstore.Options{Table: cfg.storePrefix})
+		defer pst.Close()
+		if err := pst.Check(ctx); err != nil {
+			return cnt.snapshot(cfg.name, err), err
+		}
+		biz.effectsTable = cfg.storePrefix + "_effects"
+		st = pst
+		handler = pgstore.Handler(pst, biz.inTx, pgstore.HandlerOptions{RetryDelay: cfg.unavailable})
+	} else {
+		storeClient := redis.NewClient(&redis.Options{Addr: cfg.storeAddr, ContextTimeoutEnabled: cfg.storeCtxTimeout})
+		defer storeClient.Close()
+		st = store.NewRedis(storeClient, store.RedisOptions{Prefix: cfg.storePrefix})
+		handler = biz.handler()
+	}
 
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).
 		With(slog.String("consumer", cfg.name))
@@ -218,7 +253,6 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	if cfg.backoffMin > 0 {
 		retryOpts.Backoff = middleware.Exponential(cfg.backoffMin, cfg.backoffMax)
 	}
-	biz := &business{cfg: cfg, rdb: effectsClient, effects: &cnt.effects}
 	layers := []rabbitmw.Middleware{cnt.observe}
 	if cfg.countDeliveries {
 		layers = append(layers, biz.countDeliveries)
@@ -227,6 +261,7 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 		middleware.Log(logger),
 		middleware.Retry(st, retryOpts),
 		middleware.Recover(),
+		biz.countAbandoned,
 		middleware.Dedup(st, middleware.DedupOptions{
 			Lease:            cfg.lease,
 			BusyDelay:        cfg.busy,
@@ -234,7 +269,7 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 		}),
 		middleware.Timeout(cfg.timeout),
 	)
-	h := rabbitmw.Chain(layers...)(biz.handler())
+	h := rabbitmw.Chain(layers...)(handler)
 
 	b := broker.New(cfg.amqpURL, broker.Options{
 		Logger:       logger,
@@ -246,7 +281,7 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	err := b.Consume(ctx, cfg.queue, h, broker.ConsumeOptions{
 		Workers:         cfg.workers,
 		Prefetch:        cfg.prefetch,
-		Topology:        broker.Topology{Delays: cfg.delays},
+		Topology:        broker.Topology{Delays: cfg.delays, Quorum: cfg.quorum, DeliveryLimit: cfg.deliveryLimit},
 		ShutdownTimeout: cfg.shutdownTimeout,
 		OnSettle: func(_ *amqp.Delivery, _ rabbitmw.Outcome, err error) {
 			if err != nil {

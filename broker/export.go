@@ -1,0 +1,438 @@
+package broker
+
+import (
+	"bufio"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"strconv"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// An ExportedMessage is one line of an export (see [Broker.ExportDeadLetters]):
+// a message's body, properties and headers, each header with its AMQP
+// type, so that [Broker.ImportDeadLetters] publishes the same message.
+type ExportedMessage struct {
+	// Queue is the queue the message was read from.
+	Queue      string     `json:"queue"`
+	Properties Properties `json:"properties"`
+	// Headers are the message's headers: see [TypedValue].
+	Headers map[string]TypedValue `json:"headers,omitempty"`
+	// Body is the body, in base64 (standard encoding, padded).
+	Body string `json:"body"`
+}
+
+// Properties are the AMQP basic properties of a message, but the headers.
+type Properties struct {
+	ContentType     string    `json:"content_type,omitempty"`
+	ContentEncoding string    `json:"content_encoding,omitempty"`
+	DeliveryMode    uint8     `json:"delivery_mode,omitempty"`
+	Priority        uint8     `json:"priority,omitempty"`
+	CorrelationID   string    `json:"correlation_id,omitempty"`
+	ReplyTo         string    `json:"reply_to,omitempty"`
+	Expiration      string    `json:"expiration,omitempty"`
+	MessageID       string    `json:"message_id,omitempty"`
+	Timestamp       time.Time `json:"timestamp,omitzero"`
+	Type            string    `json:"type,omitempty"`
+	UserID          string    `json:"user_id,omitempty"`
+	AppID           string    `json:"app_id,omitempty"`
+}
+
+// A TypedValue is a header value with its AMQP type, in JSON:
+//
+//	{"type": "string", "value": "text"}
+//
+// The types, named after the Go types that amqp091 decodes them to, and
+// the JSON of their values:
+//
+//	bool                              true or false
+//	int8, uint8, int16, uint16,       a number
+//	int32, uint32
+//	int64                             a number, as a string (JSON numbers
+//	                                  lose precision beyond 2^53 in many
+//	                                  readers)
+//	float32, float64                  a string that strconv.ParseFloat
+//	                                  reads back exactly ("NaN", "+Inf"
+//	                                  included)
+//	decimal                           {"scale": 2, "value": 12345}
+//	string                            a string
+//	bytes                             base64
+//	timestamp                         RFC 3339, UTC, in whole seconds
+//	void                              null (no value)
+//	array                             an array of typed values
+//	table                             an object of typed values
+//
+// A Go int is written as int32, as amqp091 sends it.
+type TypedValue struct {
+	Type  string          `json:"type"`
+	Value json.RawMessage `json:"value,omitempty"`
+}
+
+// ExportOptions selects the messages that [Broker.ExportDeadLetters]
+// writes. The zero value writes them all.
+type ExportOptions struct {
+	Filter
+	// Limit, if positive, is the largest number of messages written.
+	Limit int
+	// Progress, if not nil, is called as the dead-letter queue is read
+	// (see ListOptions.Progress).
+	Progress func(done, total int)
+}
+
+// ExportDeadLetters writes the messages of the dead-letter queue of work
+// queue queue that opts selects to w, in JSON Lines: one
+// [ExportedMessage] per line, in queue order. The queue is left as it
+// was: it is read as [Broker.DeadLetters] does. It returns the number of
+// messages written.
+func (b *Broker) ExportDeadLetters(ctx context.Context, queue string, w io.Writer, opts ExportOptions) (int, error) {
+	snap, err := b.snapshot(ctx, queue, opts.Progress)
+	if err != nil {
+		return 0, err
+	}
+	enc := json.NewEncoder(w)
+	enc.SetEscapeHTML(false)
+	n := 0
+	for _, dl := range snap.msgs {
+		if opts.Limit > 0 && n == opts.Limit {
+			break
+		}
+		if !opts.Filter.match(dl) {
+			continue
+		}
+		m, err := ExportMessage(snap.dlq, dl.Message)
+		if err == nil {
+			err = enc.Encode(m)
+		}
+		if err != nil {
+			return n, errors.Join(fmt.Errorf("broker: export %q: %w", dl.ID, err), snap.close(b))
+		}
+		n++
+	}
+	return n, snap.close(b)
+}
+
+// ImportOptions configures [Broker.ImportDeadLetters].
+type ImportOptions struct {
+	// To, if set, is the queue the messages are published to. Default:
+	// the dead-letter queue of the work queue given to
+	// ImportDeadLetters.
+	To string
+	// Progress, if not nil, is called after each message published, with
+	// the number so far.
+	Progress func(done int)
+}
+
+// ImportDeadLetters publishes the messages that r holds, written by
+// [Broker.ExportDeadLetters], to the dead-letter queue of work queue queue
+// (or to opts.To), in order, each with publisher confirms, and returns the
+// number published. Each goes as it was exported: body, properties and
+// headers, types included, but UserId, which moves to [HeaderUserID]
+// (RabbitMQ refuses a publish whose user-id is not the connection's). An
+// empty MessageId stays empty.
+//
+// A line that is not an exported message stops the import, with an error
+// that names its line; the messages before it were published. It refuses
+// a destination queue that does not exist before publishing anything.
+func (b *Broker) ImportDeadLetters(ctx context.Context, queue string, r io.Reader, opts ImportOptions) (int, error) {
+	dest := opts.To
+	if dest == "" {
+		var err error
+		if dest, err = deadLetterQueue(queue); err != nil {
+			return 0, err
+		}
+	}
+	s, err := b.dialOwn(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer s.close()
+	if err := s.declare(ctx, []queueSpec{{name: dest, passive: true}}); err != nil {
+		return 0, refusal(dest, unwrapQueueError(err))
+	}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<30)
+	n, line := 0, 0
+	for sc.Scan() {
+		line++
+		if len(sc.Bytes()) == 0 {
+			continue
+		}
+		var m ExportedMessage
+		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
+			return n, fmt.Errorf("broker: import: line %d: %w", line, err)
+		}
+		msg, err := m.Publishing()
+		if err != nil {
+			return n, fmt.Errorf("broker: import: line %d: %w", line, err)
+		}
+		if err := s.publish(ctx, "", dest, msg); err != nil {
+			return n, fmt.Errorf("broker: import: line %d: publish to %q: %w", line, dest, err)
+		}
+		n++
+		if opts.Progress != nil {
+			opts.Progress(n)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return n, fmt.Errorf("broker: import: after line %d: %w", line, err)
+	}
+	return n, nil
+}
+
+// ExportMessage returns d, read from queue, as an ExportedMessage. It fails
+// only for a header of a Go type that no AMQP type holds.
+func ExportMessage(queue string, d *amqp.Delivery) (*ExportedMessage, error) {
+	m := &ExportedMessage{
+		Queue: queue,
+		Properties: Properties{
+			ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
+			DeliveryMode: d.DeliveryMode, Priority: d.Priority,
+			CorrelationID: d.CorrelationId, ReplyTo: d.ReplyTo, Expiration: d.Expiration,
+			MessageID: d.MessageId, Timestamp: d.Timestamp, Type: d.Type,
+			UserID: d.UserId, AppID: d.AppId,
+		},
+		Body: base64.StdEncoding.EncodeToString(d.Body),
+	}
+	if !m.Properties.Timestamp.IsZero() {
+		m.Properties.Timestamp = m.Properties.Timestamp.UTC()
+	}
+	if len(d.Headers) > 0 {
+		m.Headers = make(map[string]TypedValue, len(d.Headers))
+		for k, v := range d.Headers {
+			tv, err := typed(v)
+			if err != nil {
+				return nil, fmt.Errorf("header %q: %w", k, err)
+			}
+			m.Headers[k] = tv
+		}
+	}
+	return m, nil
+}
+
+// Publishing returns the message m describes, ready to publish (see
+// [Broker.ImportDeadLetters] for UserId).
+func (m *ExportedMessage) Publishing() (amqp.Publishing, error) {
+	body, err := base64.StdEncoding.DecodeString(m.Body)
+	if err != nil {
+		return amqp.Publishing{}, fmt.Errorf("body: %w", err)
+	}
+	p := m.Properties
+	var h amqp.Table
+	if m.Headers != nil {
+		h = make(amqp.Table, len(m.Headers))
+		for k, tv := range m.Headers {
+			v, err := tv.decode()
+			if err != nil {
+				return amqp.Publishing{}, fmt.Errorf("header %q: %w", k, err)
+			}
+			h[k] = v
+		}
+	}
+	if p.UserID != "" {
+		if h == nil {
+			h = amqp.Table{}
+		}
+		setIfAbsent(h, HeaderUserID, p.UserID)
+	}
+	var ts time.Time
+	if !p.Timestamp.IsZero() {
+		ts = time.Unix(p.Timestamp.Unix(), 0) // as amqp091 decodes it
+	}
+	return amqp.Publishing{
+		Headers: h, ContentType: p.ContentType, ContentEncoding: p.ContentEncoding,
+		DeliveryMode: p.DeliveryMode, Priority: p.Priority, CorrelationId: p.CorrelationID,
+		ReplyTo: p.ReplyTo, Expiration: p.Expiration, MessageId: p.MessageID, Timestamp: ts,
+		Type: p.Type, AppId: p.AppID, Body: body,
+	}, nil
+}
+
+func raw(v any) json.RawMessage {
+	b, _ := json.Marshal(v) // only called with values json encodes
+	return b
+}
+
+// typed returns v with its AMQP type.
+func typed(v any) (TypedValue, error) {
+	num := func(t string, n int64) TypedValue { return TypedValue{t, raw(n)} }
+	flt := func(t string, f float64, bits int) TypedValue {
+		return TypedValue{t, raw(strconv.FormatFloat(f, 'g', -1, bits))}
+	}
+	switch x := v.(type) {
+	case nil:
+		return TypedValue{Type: "void"}, nil
+	case bool:
+		return TypedValue{"bool", raw(x)}, nil
+	case int8:
+		return num("int8", int64(x)), nil
+	case uint8:
+		return num("uint8", int64(x)), nil
+	case int16:
+		return num("int16", int64(x)), nil
+	case uint16:
+		return num("uint16", int64(x)), nil
+	case int32:
+		return num("int32", int64(x)), nil
+	case int:
+		if x < math.MinInt32 || x > math.MaxInt32 {
+			return TypedValue{}, fmt.Errorf("int %d does not fit the int32 that amqp091 sends", x)
+		}
+		return num("int32", int64(x)), nil
+	case uint32:
+		return num("uint32", int64(x)), nil
+	case int64:
+		return TypedValue{"int64", raw(strconv.FormatInt(x, 10))}, nil
+	case float32:
+		return flt("float32", float64(x), 32), nil
+	case float64:
+		return flt("float64", x, 64), nil
+	case amqp.Decimal:
+		return TypedValue{"decimal", raw(map[string]int64{"scale": int64(x.Scale), "value": int64(x.Value)})}, nil
+	case string:
+		return TypedValue{"string", raw(x)}, nil
+	case []byte:
+		return TypedValue{"bytes", raw(base64.StdEncoding.EncodeToString(x))}, nil
+	case time.Time:
+		return TypedValue{"timestamp", raw(x.UTC().Format(time.RFC3339))}, nil
+	case []any:
+		a := make([]TypedValue, len(x))
+		for i, e := range x {
+			tv, err := typed(e)
+			if err != nil {
+				return TypedValue{}, fmt.Errorf("[%d]: %w", i, err)
+			}
+			a[i] = tv
+		}
+		return TypedValue{"array", raw(a)}, nil
+	case amqp.Table:
+		t := make(map[string]TypedValue, len(x))
+		for k, e := range x {
+			tv, err := typed(e)
+			if err != nil {
+				return TypedValue{}, fmt.Errorf("%q: %w", k, err)
+			}
+			t[k] = tv
+		}
+		return TypedValue{"table", raw(t)}, nil
+	}
+	return TypedValue{}, fmt.Errorf("no AMQP type holds a %T", v)
+}
+
+// decode returns the Go value of tv, of the type amqp091 decodes it to.
+func (tv TypedValue) decode() (any, error) {
+	var err error
+	into := func(p any) {
+		if err == nil {
+			err = json.Unmarshal(tv.Value, p)
+		}
+	}
+	integer := func(lo, hi int64) int64 {
+		var n int64
+		into(&n)
+		if err == nil && (n < lo || n > hi) {
+			err = fmt.Errorf("%d out of the range of %s", n, tv.Type)
+		}
+		return n
+	}
+	float := func(bits int) float64 {
+		var s string
+		into(&s)
+		if err != nil {
+			return 0
+		}
+		f, e := strconv.ParseFloat(s, bits)
+		err = e
+		return f
+	}
+	var v any
+	switch tv.Type {
+	case "void":
+		if len(tv.Value) > 0 && string(tv.Value) != "null" {
+			err = errors.New("void with a value")
+		}
+	case "bool":
+		var b bool
+		into(&b)
+		v = b
+	case "int8":
+		v = int8(integer(math.MinInt8, math.MaxInt8))
+	case "uint8":
+		v = uint8(integer(0, math.MaxUint8))
+	case "int16":
+		v = int16(integer(math.MinInt16, math.MaxInt16))
+	case "uint16":
+		v = uint16(integer(0, math.MaxUint16))
+	case "int32":
+		v = int32(integer(math.MinInt32, math.MaxInt32))
+	case "uint32":
+		v = uint32(integer(0, math.MaxUint32))
+	case "int64":
+		var s string
+		into(&s)
+		if err == nil {
+			v, err = strconv.ParseInt(s, 10, 64)
+		}
+	case "float32":
+		v = float32(float(32))
+	case "float64":
+		v = float(64)
+	case "decimal":
+		var d struct{ Scale, Value int64 }
+		into(&d)
+		if err == nil && (d.Scale < 0 || d.Scale > math.MaxUint8 || d.Value < math.MinInt32 || d.Value > math.MaxInt32) {
+			err = fmt.Errorf("decimal out of range: scale %d, value %d", d.Scale, d.Value)
+		}
+		v = amqp.Decimal{Scale: uint8(d.Scale), Value: int32(d.Value)}
+	case "string":
+		var s string
+		into(&s)
+		v = s
+	case "bytes":
+		var s string
+		into(&s)
+		if err == nil {
+			v, err = base64.StdEncoding.DecodeString(s)
+		}
+	case "timestamp":
+		var s string
+		into(&s)
+		if err == nil {
+			var t time.Time
+			t, err = time.Parse(time.RFC3339Nano, s)
+			v = time.Unix(t.Unix(), 0) // as amqp091 decodes it
+		}
+	case "array":
+		var a []TypedValue
+		into(&a)
+		out := make([]any, len(a))
+		for i, e := range a {
+			if err != nil {
+				break
+			}
+			out[i], err = e.decode()
+		}
+		v = out
+	case "table":
+		var t map[string]TypedValue
+		into(&t)
+		out := make(amqp.Table, len(t))
+		for k, e := range t {
+			if err != nil {
+				break
+			}
+			out[k], err = e.decode()
+		}
+		v = out
+	default:
+		err = fmt.Errorf("unknown type %q", tv.Type)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", tv.Type, err)
+	}
+	return v, nil
+}

@@ -1,0 +1,479 @@
+package broker
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"regexp"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/goleak"
+
+	"github.com/rabbitmw/rabbitmw"
+)
+
+// The consumer's lifecycle: what becomes of handlers and their results when
+// a connection is lost and when Consume shuts down. The tests named Test…
+// run on the memory server in a synctest bubble, where time is the test's;
+// the test… functions are cases of the behaviours table.
+
+// A gauge counts the handlers running, and the most that ran at once.
+type gauge struct {
+	mu       sync.Mutex
+	now, max int
+}
+
+// enter counts a handler in; the returned func counts it out.
+func (g *gauge) enter() (leave func()) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.now++
+	g.max = max(g.max, g.now)
+	return func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		g.now--
+	}
+}
+
+func (g *gauge) most() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.max
+}
+
+// A gate is a channel that handlers wait on, opened once by the test or,
+// at the latest, when the test ends, so that no handler outlives it.
+type gate struct {
+	once sync.Once
+	ch   chan struct{}
+}
+
+func newGate(t *testing.T) *gate {
+	g := &gate{ch: make(chan struct{})}
+	t.Cleanup(g.open)
+	return g
+}
+
+func (g *gate) open() { g.once.Do(func() { close(g.ch) }) }
+
+// started returns the number of calls of the ids with prefix.
+func (j *journal) started(prefix string) int {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	n := 0
+	for id, calls := range j.calls {
+		if strings.HasPrefix(id, prefix) {
+			n += len(calls)
+		}
+	}
+	return n
+}
+
+// A handler still running when its connection is lost does not hold up
+// the reconnection: a delivery of the new connection is handled while it
+// runs. It keeps its worker: with it, never more than Workers handlers run.
+func TestSlowHandlerDoesNotStallReconnection(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		var g gauge
+		slow, next := newGate(t), newGate(t)
+		j := newJournal()
+		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			defer g.enter()()
+			n := j.record(d)
+			switch {
+			case d.MessageId == "slow" && n == 1:
+				<-slow.ch
+			case strings.HasPrefix(d.MessageId, "next"):
+				<-next.ch
+			}
+			return nil
+		}), ConsumeOptions{Workers: 2})
+		f.publish("slow", nil, nil)
+		synctest.Wait()
+		equal(t, "handler calls of slow", len(j.callsOf("slow")), 1)
+
+		f.mem.CloseConnections()
+		time.Sleep(time.Second) // past the reconnection backoff
+		for i := range 3 {
+			f.publish(fmt.Sprint("next", i), nil, nil)
+		}
+		synctest.Wait()
+		equal(t, "consumer sessions while the slow handler runs", f.logs.count("broker: consuming"), 2)
+		equal(t, "records of the lost connection", f.logs.count("WARN broker: connection lost"), 1)
+		equal(t, "handler calls of slow (the first still running, its redelivery done)", len(j.callsOf("slow")), 2)
+		equal(t, "new deliveries started while the slow handler runs", j.started("next"), 1)
+		equal(t, "most handlers at once", g.most(), 2)
+
+		slow.open() // its slot goes to the next delivery
+		synctest.Wait()
+		equal(t, "new deliveries started once the slow handler returned", j.started("next"), 2)
+		next.open()
+		synctest.Wait()
+		equal(t, "new deliveries handled", j.started("next"), 3)
+		equal(t, "most handlers at once", g.most(), 2)
+		noErr(t, "Consume after cancel", r.stop(t))
+		f.assertSettled(t)
+	})
+}
+
+// At shutdown, Consume accounts for the handlers of a lost connection as
+// for its own: it waits for them until the deadline, then cancels their
+// context, and gives up on those that still run after the grace.
+func TestShutdownWaitsForHandlersOfLostConnections(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		honours  bool // the handler returns when its context is cancelled
+		wantTook time.Duration
+		wantErr  error
+	}{
+		{"HandlerReturnsAtTheDeadline", true, 5 * time.Second, nil},
+		{"HandlerIgnoresItsContext", false, 5*time.Second + shutdownGrace, ErrShutdownTimeout},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				f := setup(t, backends[0], Topology{})
+				stuck := newGate(t)
+				var returned atomic.Bool
+				j := newJournal()
+				r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+					if j.record(d) > 1 {
+						return nil
+					}
+					defer returned.Store(true)
+					if c.honours {
+						<-ctx.Done()
+						return ctx.Err()
+					}
+					<-stuck.ch
+					return nil
+				}), ConsumeOptions{Workers: 2, ShutdownTimeout: 5 * time.Second})
+				f.publish("slow", nil, nil)
+				synctest.Wait()
+				f.mem.CloseConnections()
+				time.Sleep(time.Second)
+				synctest.Wait()
+				equal(t, "handler calls (the first still running, the redelivery done)", len(j.callsOf("slow")), 2)
+
+				begin := time.Now()
+				r.cancel()
+				err := r.wait(t, time.Minute)
+				took := time.Since(begin)
+				if c.wantErr == nil {
+					noErr(t, "Consume", err)
+				} else {
+					isErr(t, "Consume", err, c.wantErr)
+					contains(t, "error", err.Error(), "1 handlers did not return")
+					equal(t, "reports of the handlers in the error", strings.Count(err.Error(), "did not return"), 1)
+				}
+				equal(t, "Consume returned after", took, c.wantTook)
+				equal(t, "the lost connection's handler returned before Consume", returned.Load(), c.honours)
+			})
+		})
+	}
+}
+
+// The reconnection backoff starts again from its minimum once a session is
+// consuming, however soon it is lost: cuts right after each reconnection
+// must not make the waits grow.
+func TestReconnectionBackoffResetsOnceConsuming(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		logs := newLogRecorder(t)
+		m := NewMemory()
+		t.Cleanup(m.Close)
+		const minimum = time.Second
+		b := m.Broker(Options{Logger: slog.New(logs), ReconnectMin: minimum, ReconnectMax: time.Hour})
+		t.Cleanup(func() { b.Close() })
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() {
+			done <- b.Consume(ctx, "q", rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }),
+				ConsumeOptions{Topology: Topology{Delays: testTiers}})
+		}()
+		const cuts = 10
+		begin := time.Now()
+		for i := range cuts {
+			for logs.count("broker: consuming") < i+1 {
+				if time.Since(begin) > 24*time.Hour {
+					t.Fatalf("consumer sessions after a day = %d; want %d", logs.count("broker: consuming"), i+1)
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			m.CloseConnections() // at once: the session lasted no time
+		}
+		for logs.count("broker: consuming") < cuts+1 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		took := time.Since(begin)
+		cancel()
+		noErr(t, "Consume after cancel", <-done)
+		waits := retryWaits(t, logs)
+		equal(t, "reconnections", len(waits), cuts)
+		for i, w := range waits {
+			if w > minimum {
+				t.Errorf("wait before reconnection %d = %v; want <= %v (ReconnectMin: the session before was consuming)", i+1, w, minimum)
+			}
+		}
+		if took > cuts*minimum+time.Second {
+			t.Errorf("%d reconnections took %v; want at most about %v", cuts, took, cuts*minimum)
+		}
+	})
+}
+
+var retryIn = regexp.MustCompile(`retry_in="([^"]+)"`)
+
+// retryWaits returns the waits logged before reconnections, in order.
+func retryWaits(t *testing.T, logs *logRecorder) []time.Duration {
+	t.Helper()
+	var waits []time.Duration
+	for _, r := range logs.all() {
+		if !strings.Contains(r, "broker: reconnecting") {
+			continue
+		}
+		m := retryIn.FindStringSubmatch(r)
+		if m == nil {
+			t.Fatalf("reconnection record without retry_in: %s", r)
+		}
+		d, err := time.ParseDuration(m[1])
+		noErr(t, "parse retry_in", err)
+		waits = append(waits, d)
+	}
+	return waits
+}
+
+// ids returns how many copies of each message id the work queue, its
+// delay queues and its dead-letter queue hold, taking them out.
+func (f *fixture) ids() map[string]int {
+	f.t.Helper()
+	top, err := f.top.resolve(f.q)
+	noErr(f.t, "resolve", err)
+	n := map[string]int{}
+	for _, q := range top.names() {
+		for _, d := range f.drain(q) {
+			n[d.MessageId]++
+		}
+	}
+	return n
+}
+
+// Handlers that return a delay or a dead-letter after the shutdown
+// deadline cancelled their context, on a server whose confirms take a
+// moment: each result is settled once, under a context of its own. No
+// message exists twice (a copy in a delay queue or the dead-letter queue,
+// and the original requeued), none is lost.
+func TestResultsAfterTheShutdownDeadlineSettledOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		lateResults(t, f, func() { f.mem.setConfirmDelay(10 * time.Millisecond) })
+	})
+}
+
+// testLateResults is TestResultsAfterTheShutdownDeadlineSettledOnce on
+// both backends, with the real clock.
+func testLateResults(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	lateResults(t, f, func() {})
+}
+
+func lateResults(t *testing.T, f *fixture, slowConfirms func()) {
+	const workers = 4
+	ids := []string{"r0", "p0", "r1", "p1", "r2", "p2", "r3", "p3"}
+	for _, id := range ids {
+		f.publish(id, []byte("x"), nil)
+	}
+	slowConfirms()
+	var mu sync.Mutex
+	settled := map[string][]string{}
+	started := make(chan string, len(ids))
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		started <- d.MessageId
+		<-ctx.Done() // the shutdown deadline
+		if strings.HasPrefix(d.MessageId, "r") {
+			return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond)
+		}
+		return rabbitmw.Permanent(errBoom)
+	}), ConsumeOptions{Workers: workers, Prefetch: len(ids), ShutdownTimeout: 100 * time.Millisecond,
+		OnSettle: func(d *amqp.Delivery, o rabbitmw.Outcome, err error) {
+			mu.Lock()
+			defer mu.Unlock()
+			settled[d.MessageId] = append(settled[d.MessageId], fmt.Sprintf("%v %v", o, err))
+		}})
+	inFlight := map[string]bool{}
+	for range workers {
+		select {
+		case id := <-started:
+			inFlight[id] = true
+		case <-time.After(20 * time.Second):
+			t.Fatalf("handlers started = %d; want %d", len(inFlight), workers)
+		}
+	}
+	noErr(t, "Consume after a shutdown past its deadline", r.stop(t))
+	// The delayed copies come back to the work queue (RabbitMQ moves them
+	// out of the delay queue a moment before they are in the work queue).
+	eventually(t, 20*time.Second, "delayed copies not back", func() bool {
+		return f.length(f.q+".delay.50ms") == 0 && f.length(f.q)+f.length(f.q+".dlq") >= len(ids)
+	})
+	copies := f.ids()
+	for _, id := range ids {
+		if n := copies[id]; n != 1 {
+			t.Errorf("copies of %s (handler started: %t) = %d; want 1", id, inFlight[id], n)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for id := range inFlight {
+		want := rabbitmw.Delay.String() + " <nil>"
+		if strings.HasPrefix(id, "p") {
+			want = rabbitmw.DeadLetter.String() + " <nil>"
+		}
+		equal(t, "settlements of "+id, settled[id], []string{want})
+	}
+}
+
+// A result that comes just before the end of the grace is settled even if
+// its confirm comes after it: Consume waits for the settlement.
+func TestSettlementInProgressAtTheEndOfTheGrace(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		f.publish("x", []byte("x"), nil)
+		f.mem.setConfirmDelay(time.Second)
+		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			<-ctx.Done()
+			time.Sleep(shutdownGrace / 2)
+			return rabbitmw.Permanent(errBoom)
+		}), ConsumeOptions{ShutdownTimeout: time.Second})
+		synctest.Wait()
+		begin := time.Now()
+		noErr(t, "Consume", r.stop(t))
+		equal(t, "Consume returned after", time.Since(begin), time.Second+shutdownGrace/2+time.Second)
+		f.mem.setConfirmDelay(0)
+		equal(t, "copies", f.ids(), map[string]int{"x": 1})
+	})
+}
+
+// A confirm that comes after a long wait still settles the original: it is
+// acked then, neither requeued while its copy exists nor lost.
+func TestLateConfirmSettlesTheOriginal(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		f.publish("x", []byte("x"), nil)
+		f.mem.setConfirmDelay(40 * time.Second)
+		j := newJournal()
+		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			if j.record(d) == 1 {
+				return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond)
+			}
+			return nil
+		}), ConsumeOptions{})
+		time.Sleep(time.Minute)
+		synctest.Wait()
+		equal(t, "handler calls (the original, its delayed copy)", len(j.callsOf("x")), 2)
+		equal(t, "deliveries nacked with requeue", f.mem.stats().nacked, 0)
+		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 1)
+		f.mem.setConfirmDelay(0)
+		noErr(t, "Consume after cancel", r.stop(t))
+		f.assertSettled(t)
+	})
+}
+
+// A copy whose confirm never comes: the original is not requeued while
+// its copy may exist; the session is given up after settleTimeout, and the
+// server redelivers the original. This is the window the docs name: the
+// message then exists twice.
+func TestConfirmThatNeverComesGivesTheSessionUp(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		f.publish("x", []byte("x"), nil)
+		f.mem.setConfirmDelay(time.Hour)
+		j := newJournal()
+		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			if j.record(d) == 1 {
+				return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond)
+			}
+			return nil
+		}), ConsumeOptions{})
+		time.Sleep(settleTimeout + time.Minute)
+		synctest.Wait()
+		s := f.mem.stats()
+		equal(t, "deliveries nacked with requeue", s.nacked, 0)
+		equal(t, "deliveries returned by the connection's close", s.requeuedOnClose, 1)
+		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 2)
+		equal(t, "warnings about the copy", f.logs.count("WARN", "not confirmed", `message_id="x"`), 1)
+		equal(t, "handler calls (the original, its copy, the original again)", len(j.callsOf("x")), 3)
+		f.mem.setConfirmDelay(0)
+		noErr(t, "Consume after cancel", r.stop(t))
+	})
+}
+
+// A publish whose context is done already sends nothing.
+func testPublishWithDoneContext(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	ctx := testContext(t, 20*time.Second)
+	done, cancel := context.WithCancel(ctx)
+	cancel()
+	var late, barrier error
+	noErr(t, "session", f.b.do(ctx, "publish", func(s session) error {
+		late = s.publish(done, "", f.q, amqp.Publishing{MessageId: "late", Body: []byte("x")})
+		// Confirmed after the first would be, on the same channel.
+		barrier = s.publish(ctx, "", f.q, amqp.Publishing{MessageId: "barrier", Body: []byte("x")})
+		return nil
+	}))
+	isErr(t, "publish with a done context", late, context.Canceled)
+	noErr(t, "publish with a live context", barrier)
+	got := f.drain(f.q)
+	var sent []string
+	for _, d := range got {
+		sent = append(sent, d.MessageId)
+	}
+	equal(t, "messages in the queue", sent, []string{"barrier"})
+}
+
+// testSlowHandlerReconnects is TestSlowHandlerDoesNotStallReconnection on
+// both backends, with the real clock.
+func testSlowHandlerReconnects(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	before := goleak.IgnoreCurrent()
+	var g gauge
+	slow, next := newGate(t), newGate(t)
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		defer g.enter()()
+		n := j.record(d)
+		switch {
+		case d.MessageId == "slow" && n == 1:
+			<-slow.ch
+		case strings.HasPrefix(d.MessageId, "next"):
+			<-next.ch
+		}
+		return nil
+	}), ConsumeOptions{Workers: 2})
+	f.publish("slow", nil, nil)
+	eventually(t, 20*time.Second, "slow not started", func() bool { return len(j.callsOf("slow")) == 1 })
+	f.be.drop(t, f.mem, f.process)
+	for i := range 3 {
+		f.publish(fmt.Sprint("next", i), nil, nil)
+	}
+	eventually(t, 20*time.Second, "no new delivery handled while the lost connection's handler runs", func() bool {
+		return j.started("next") >= 1
+	})
+	slow.open()
+	eventually(t, 20*time.Second, "second new delivery not started", func() bool { return j.started("next") >= 2 })
+	next.open()
+	eventually(t, 20*time.Second, "new deliveries not handled", func() bool { return j.started("next") == 3 })
+	noErr(t, "Consume after cancel", r.stop(t))
+	equal(t, "most handlers at once (Workers)", g.most(), 2)
+	f.assertSettled(t)
+	if f.mem != nil {
+		// Every goroutine of the Consume call ended with it, the lost
+		// session's handler included. (On RabbitMQ, the Broker's shared
+		// connection, dialled again after the drop, has goroutines too.)
+		goleak.VerifyNone(t, before)
+	}
+}

@@ -1,0 +1,44 @@
+package broker
+
+import "context"
+
+// PurgeOptions selects the messages that [Broker.PurgeDeadLetters]
+// removes. The zero value removes them all.
+type PurgeOptions struct {
+	Filter
+	// DryRun selects, and removes nothing.
+	DryRun bool
+	// Limit, if positive, is the largest number of messages removed.
+	Limit int
+	// ScanProgress, if not nil, is called as the dead-letter queue is read
+	// (see ListOptions.Progress).
+	ScanProgress func(done, total int)
+}
+
+// PurgeDeadLetters removes from the dead-letter queue of work queue queue
+// the messages that opts selects, and returns them; the others stay, in
+// their order. It reads the queue as [Broker.DeadLetters] does. With an
+// error, the messages returned are those removed before it.
+func (b *Broker) PurgeDeadLetters(ctx context.Context, queue string, opts PurgeOptions) ([]*DeadLetter, error) {
+	snap, err := b.snapshot(ctx, queue, opts.ScanProgress)
+	if err != nil {
+		return nil, err
+	}
+	var removed []*DeadLetter
+	for i, dl := range snap.msgs {
+		if opts.Limit > 0 && len(removed) == opts.Limit {
+			break
+		}
+		if !opts.Filter.match(dl) {
+			continue
+		}
+		if !opts.DryRun {
+			if err := snap.ack(i); err != nil {
+				snap.close(b)
+				return removed, err
+			}
+		}
+		removed = append(removed, dl)
+	}
+	return removed, snap.close(b)
+}

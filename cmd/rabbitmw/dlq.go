@@ -1,0 +1,438 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+	"unicode/utf8"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/middleware"
+)
+
+func (e *env) dlq(ctx context.Context, args []string) error {
+	if len(args) == 0 {
+		return usageError("dlq: name a subcommand: ls, show, replay, purge, export, import")
+	}
+	switch args[0] {
+	case "ls", "list":
+		return e.dlqList(ctx, args[1:])
+	case "show":
+		return e.dlqShow(ctx, args[1:])
+	case "replay":
+		return e.dlqReplay(ctx, args[1:])
+	case "purge":
+		return e.dlqPurge(ctx, args[1:])
+	case "export":
+		return e.dlqExport(ctx, args[1:])
+	case "import":
+		return e.dlqImport(ctx, args[1:])
+	}
+	return usageError("dlq: unknown subcommand %q: ls, show, replay, purge, export, import", args[0])
+}
+
+// classify gives err its exit code.
+func classify(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, broker.ErrNoDestination), errors.Is(err, broker.ErrQueueNotFound):
+		return &exitError{exitRefused, err}
+	}
+	return err
+}
+
+func needQueue(c *common, pos []string, want int) error {
+	if c.queue == "" {
+		return usageError("-q QUEUE is required")
+	}
+	if len(pos) != want {
+		return usageError("unexpected arguments %q", pos[want:])
+	}
+	return nil
+}
+
+func (e *env) dlqList(ctx context.Context, args []string) error {
+	fs := newFlags("dlq ls", e.stderr)
+	var c common
+	var f filterFlags
+	c.register(fs, true)
+	f.register(fs)
+	limit := fs.Int("limit", 0, "list at most this many messages")
+	pos, err := parse(fs, args)
+	if err == nil {
+		err = needQueue(&c, pos, 0)
+	}
+	if err != nil {
+		return err
+	}
+	b := c.broker()
+	defer b.Close()
+	bar := newProgress(e.stderr, "reading")
+	dls, err := b.DeadLetters(ctx, c.queue, broker.ListOptions{Filter: f.filter(), Limit: *limit, Progress: bar.update})
+	bar.done()
+	if err != nil {
+		return classify(err)
+	}
+	if c.json {
+		return writeJSON(e.stdout, nonNil(dls))
+	}
+	e.table(dls)
+	return nil
+}
+
+func nonNil(dls []*broker.DeadLetter) []*broker.DeadLetter {
+	if dls == nil {
+		return []*broker.DeadLetter{}
+	}
+	return dls
+}
+
+// table prints dead-lettered messages, one a line.
+func (e *env) table(dls []*broker.DeadLetter) {
+	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(w, "ID\tQUEUE\tATTEMPTS\tERROR TYPE\tFIRST FAILURE\tLAST FAILURE\tREPLAYS\tSIZE\tERROR")
+	for _, dl := range dls {
+		queue := dl.Queue
+		if queue == "" {
+			queue = "-"
+			if dl.DeadLetteredFrom != "" {
+				queue = "(" + dl.DeadLetteredFrom + ", " + dl.Reason + ")"
+			}
+		}
+		text := dl.Error
+		if len(dl.Malformed) > 0 {
+			text = "[malformed: " + strings.Join(dl.Malformed, ", ") + "] " + text
+		}
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\t%s\t%d\t%d\t%s\n", orDash(dl.ID), queue, dl.Attempts, orDash(dl.ErrorType),
+			stamp(dl.FirstFailure), stamp(dl.LastFailure), dl.Replays, dl.BodySize, cut(oneLine(text), 60))
+	}
+	w.Flush()
+	fmt.Fprintf(e.stdout, "%d message(s)\n", len(dls))
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func stamp(t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	return t.UTC().Format(time.RFC3339)
+}
+
+func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
+
+// cut shortens s to n runes.
+func cut(s string, n int) string {
+	if utf8.RuneCountInString(s) <= n {
+		return s
+	}
+	r := []rune(s)
+	return string(r[:n-1]) + "…"
+}
+
+func (e *env) dlqShow(ctx context.Context, args []string) error {
+	fs := newFlags("dlq show", e.stderr)
+	var c common
+	c.register(fs, true)
+	pos, err := parse(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) == 0 {
+		return usageError("dlq show: name a message id")
+	}
+	if err := needQueue(&c, pos, len(pos)); err != nil {
+		return err
+	}
+	b := c.broker()
+	defer b.Close()
+	dls, err := b.DeadLetters(ctx, c.queue, broker.ListOptions{Filter: broker.Filter{IDs: pos}})
+	if err != nil {
+		return classify(err)
+	}
+	if len(dls) == 0 {
+		return &exitError{exitNotFound, fmt.Errorf("no message with id %q in the dead-letter queue of %q", strings.Join(pos, ", "), c.queue)}
+	}
+	if c.json {
+		var out []any
+		for _, dl := range dls {
+			m, err := broker.ExportMessage(c.queue+".dlq", dl.Message)
+			if err != nil {
+				return err
+			}
+			out = append(out, struct {
+				*broker.DeadLetter
+				Message *broker.ExportedMessage `json:"message"`
+			}{dl, m})
+		}
+		return writeJSON(e.stdout, out)
+	}
+	for i, dl := range dls {
+		if i > 0 {
+			fmt.Fprintln(e.stdout)
+		}
+		e.show(dl)
+	}
+	return nil
+}
+
+// show prints one message in full.
+func (e *env) show(dl *broker.DeadLetter) {
+	d := dl.Message
+	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+	row := func(k, v string) {
+		if v != "" {
+			fmt.Fprintf(w, "%s\t%s\n", k, v)
+		}
+	}
+	row("id", orDash(dl.ID))
+	row("queue", dl.Queue)
+	row("dead-lettered from", dl.DeadLetteredFrom)
+	row("reason", dl.Reason)
+	row("error type", dl.ErrorType)
+	row("error", dl.Error)
+	row("attempts", strconv.Itoa(dl.Attempts))
+	row("first failure", stamp(dl.FirstFailure))
+	row("last failure", stamp(dl.LastFailure))
+	row("host", dl.Host)
+	row("process", dl.Process)
+	row("replays", strconv.Itoa(dl.Replays))
+	row("malformed headers", strings.Join(dl.Malformed, ", "))
+	row("content type", d.ContentType)
+	row("content encoding", d.ContentEncoding)
+	row("correlation id", d.CorrelationId)
+	row("type", d.Type)
+	row("app id", d.AppId)
+	if !d.Timestamp.IsZero() {
+		row("timestamp", stamp(d.Timestamp))
+	}
+	row("body size", strconv.Itoa(dl.BodySize))
+	w.Flush()
+	fmt.Fprintln(e.stdout, "headers:")
+	printTable(e.stdout, d.Headers, "  ")
+	fmt.Fprintln(e.stdout, "body:")
+	body := d.Body
+	more := ""
+	if len(body) > 2048 {
+		body, more = body[:2048], fmt.Sprintf("… (%d bytes more)", len(d.Body)-2048)
+	}
+	if utf8.Valid(body) {
+		fmt.Fprintf(e.stdout, "  %s%s\n", body, more)
+	} else {
+		fmt.Fprintf(e.stdout, "  %q%s\n", body, more)
+	}
+}
+
+// printTable prints headers with their types, sorted, nested tables
+// indented.
+func printTable(w interface{ Write([]byte) (int, error) }, t amqp.Table, indent string) {
+	for _, k := range slices.Sorted(maps.Keys(t)) {
+		printValue(w, k, t[k], indent)
+	}
+}
+
+func printValue(w interface{ Write([]byte) (int, error) }, k string, v any, indent string) {
+	switch x := v.(type) {
+	case amqp.Table:
+		fmt.Fprintf(w, "%s%s (table):\n", indent, k)
+		printTable(w, x, indent+"  ")
+	case []any:
+		fmt.Fprintf(w, "%s%s (array of %d):\n", indent, k, len(x))
+		for i, e := range x {
+			printValue(w, "["+strconv.Itoa(i)+"]", e, indent+"  ")
+		}
+	case time.Time:
+		fmt.Fprintf(w, "%s%s (timestamp): %s\n", indent, k, stamp(x))
+	case []byte:
+		fmt.Fprintf(w, "%s%s (bytes): %q\n", indent, k, x)
+	case string:
+		fmt.Fprintf(w, "%s%s: %s\n", indent, k, x)
+	default:
+		fmt.Fprintf(w, "%s%s (%T): %v\n", indent, k, v, v)
+	}
+}
+
+func (e *env) dlqReplay(ctx context.Context, args []string) error {
+	fs := newFlags("dlq replay", e.stderr)
+	var c common
+	var f filterFlags
+	var sf storeFlags
+	c.register(fs, true)
+	f.register(fs)
+	sf.register(fs)
+	to := fs.String("to", "", "send the messages to this queue (required for messages that have no original queue)")
+	dry := fs.Bool("dry-run", false, "list what would be replayed, and move nothing")
+	limit := fs.Int("limit", 0, "replay at most this many messages")
+	rate := fs.Float64("rate", 0, "replay at most this many messages a second")
+	reset := fs.Bool("reset-failures", false, "reset each message's failure count in the store (needs --redis)")
+	history := fs.Int("history", 0, "earlier lives kept in the history header (default 5)")
+	pos, err := parse(fs, args)
+	if err == nil {
+		err = needQueue(&c, pos, 0)
+	}
+	if err == nil && (*limit < 0 || *rate < 0) {
+		err = usageError("--limit and --rate must not be negative")
+	}
+	if err != nil {
+		return err
+	}
+	opts := broker.ReplayOptions{Filter: f.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HistoryLimit: *history}
+	if *reset {
+		st, closeStore, err := sf.open()
+		if err != nil {
+			return err
+		}
+		defer closeStore()
+		opts.ResetFailures = func(ctx context.Context, d *amqp.Delivery) error {
+			k, err := middleware.Key(d)
+			if err != nil {
+				return nil // nothing was ever counted under no key
+			}
+			return st.ResetFailures(ctx, sf.key(k))
+		}
+	}
+	b := c.broker()
+	defer b.Close()
+	scan := newProgress(e.stderr, "reading")
+	bar := newProgress(e.stderr, "replaying")
+	opts.ScanProgress = scan.update
+	opts.Progress = func(done, total int) {
+		scan.done()
+		bar.update(done, total)
+	}
+	res, err := b.Replay(ctx, c.queue, opts)
+	scan.done()
+	bar.done()
+	if c.json {
+		if jerr := writeJSON(e.stdout, struct {
+			Scanned  int                  `json:"scanned"`
+			Selected []*broker.DeadLetter `json:"selected"`
+			Replayed int                  `json:"replayed"`
+			DryRun   bool                 `json:"dry_run"`
+			Error    string               `json:"error,omitempty"`
+		}{res.Scanned, nonNil(res.Selected), res.Replayed, *dry, errText(err)}); jerr != nil {
+			return jerr
+		}
+	} else if err == nil || res.Replayed > 0 {
+		if *dry {
+			e.table(res.Selected)
+			fmt.Fprintf(e.stdout, "dry run: would replay %d of %d message(s) in %s.dlq\n", len(res.Selected), res.Scanned, c.queue)
+		} else {
+			fmt.Fprintf(e.stdout, "replayed %d of %d selected message(s) (%d in %s.dlq)\n", res.Replayed, len(res.Selected), res.Scanned, c.queue)
+		}
+	}
+	return classify(err)
+}
+
+func errText(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}
+
+func (e *env) dlqPurge(ctx context.Context, args []string) error {
+	fs := newFlags("dlq purge", e.stderr)
+	var c common
+	var f filterFlags
+	c.register(fs, true)
+	f.register(fs)
+	all := fs.Bool("all", false, "remove every message (required without a filter)")
+	dry := fs.Bool("dry-run", false, "list what would be removed, and remove nothing")
+	limit := fs.Int("limit", 0, "remove at most this many messages")
+	pos, err := parse(fs, args)
+	if err == nil {
+		err = needQueue(&c, pos, 0)
+	}
+	if err != nil {
+		return err
+	}
+	if f.empty() && !*all {
+		return &exitError{exitRefused, errors.New("dlq purge: no filter given: pass --all to remove every message")}
+	}
+	b := c.broker()
+	defer b.Close()
+	bar := newProgress(e.stderr, "reading")
+	removed, err := b.PurgeDeadLetters(ctx, c.queue, broker.PurgeOptions{Filter: f.filter(), DryRun: *dry, Limit: *limit, ScanProgress: bar.update})
+	bar.done()
+	if c.json {
+		if jerr := writeJSON(e.stdout, struct {
+			Removed []*broker.DeadLetter `json:"removed"`
+			DryRun  bool                 `json:"dry_run"`
+			Error   string               `json:"error,omitempty"`
+		}{nonNil(removed), *dry, errText(err)}); jerr != nil {
+			return jerr
+		}
+	} else {
+		e.table(removed)
+		if *dry {
+			fmt.Fprintf(e.stdout, "dry run: would remove %d message(s)\n", len(removed))
+		} else {
+			fmt.Fprintf(e.stdout, "removed %d message(s)\n", len(removed))
+		}
+	}
+	return classify(err)
+}
+
+func (e *env) dlqExport(ctx context.Context, args []string) error {
+	fs := newFlags("dlq export", e.stderr)
+	var c common
+	var f filterFlags
+	c.register(fs, true)
+	f.register(fs)
+	limit := fs.Int("limit", 0, "export at most this many messages")
+	pos, err := parse(fs, args)
+	if err == nil {
+		err = needQueue(&c, pos, 0)
+	}
+	if err != nil {
+		return err
+	}
+	b := c.broker()
+	defer b.Close()
+	bar := newProgress(e.stderr, "exporting")
+	w := bufio.NewWriter(e.stdout)
+	n, err := b.ExportDeadLetters(ctx, c.queue, w, broker.ExportOptions{Filter: f.filter(), Limit: *limit, Progress: bar.update})
+	bar.done()
+	if ferr := w.Flush(); err == nil {
+		err = ferr
+	}
+	fmt.Fprintf(e.stderr, "exported %d message(s)\n", n)
+	return classify(err)
+}
+
+func (e *env) dlqImport(ctx context.Context, args []string) error {
+	fs := newFlags("dlq import", e.stderr)
+	var c common
+	c.register(fs, true)
+	to := fs.String("to", "", "publish to this queue instead of the dead-letter queue")
+	pos, err := parse(fs, args)
+	if err == nil {
+		err = needQueue(&c, pos, 0)
+	}
+	if err != nil {
+		return err
+	}
+	b := c.broker()
+	defer b.Close()
+	bar := newProgress(e.stderr, "importing")
+	n, err := b.ImportDeadLetters(ctx, c.queue, bufio.NewReaderSize(e.stdin, 1<<20), broker.ImportOptions{To: *to, Progress: func(n int) { bar.update(n, 0) }})
+	bar.done()
+	fmt.Fprintf(e.stderr, "imported %d message(s)\n", n)
+	return classify(err)
+}

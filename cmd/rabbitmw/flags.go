@@ -1,0 +1,182 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+const defaultURL = "amqp://guest:guest@127.0.0.1:5672/"
+
+// common are the flags every command that talks to RabbitMQ has.
+type common struct {
+	url   string
+	queue string
+	json  bool
+}
+
+func (c *common) register(fs *flag.FlagSet, queue bool) {
+	fs.StringVar(&c.url, "amqp", "", "AMQP URL of the server (default $RABBITMQ_URL, else "+defaultURL+")")
+	if queue {
+		fs.StringVar(&c.queue, "q", "", "the work queue (required)")
+	}
+	fs.BoolVar(&c.json, "json", false, "print JSON instead of a table")
+}
+
+func (c *common) broker() *broker.Broker {
+	url := c.url
+	if url == "" {
+		url = os.Getenv("RABBITMQ_URL")
+	}
+	if url == "" {
+		url = defaultURL
+	}
+	return broker.New(url, broker.Options{ReconnectMax: 2 * time.Second})
+}
+
+// newFlags returns a flag set that reports its errors to the caller.
+func newFlags(name string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("rabbitmw "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	return fs
+}
+
+// parse parses args, flags and positional arguments in any order, and
+// returns the positional ones.
+func parse(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, &exitError{exitOK, errors.New("help shown")}
+			}
+			return nil, &exitError{exitUsage, err}
+		}
+		args = fs.Args()
+		if len(args) == 0 {
+			return pos, nil
+		}
+		if args[0] == "--" {
+			return append(pos, args[1:]...), nil
+		}
+		pos = append(pos, args[0])
+		args = args[1:]
+	}
+}
+
+// list is a repeatable, comma-separated flag.
+type list []string
+
+func (l *list) String() string { return strings.Join(*l, ",") }
+func (l *list) Set(s string) error {
+	for _, v := range strings.Split(s, ",") {
+		if v = strings.TrimSpace(v); v != "" {
+			*l = append(*l, v)
+		}
+	}
+	return nil
+}
+
+// when is a time flag: RFC 3339, or a duration before now.
+type when struct{ t time.Time }
+
+func (w *when) String() string {
+	if w.t.IsZero() {
+		return ""
+	}
+	return w.t.Format(time.RFC3339)
+}
+
+func (w *when) Set(s string) error {
+	if d, err := time.ParseDuration(s); err == nil {
+		w.t = time.Now().Add(-d)
+		return nil
+	}
+	t, err := time.Parse(time.RFC3339, s)
+	if err != nil {
+		return fmt.Errorf("%q is neither an RFC 3339 time nor a duration", s)
+	}
+	w.t = t
+	return nil
+}
+
+// filterFlags are the flags that select dead-lettered messages.
+type filterFlags struct {
+	ids          list
+	errorType    string
+	since, until when
+}
+
+func (f *filterFlags) register(fs *flag.FlagSet) {
+	fs.Var(&f.ids, "id", "select this message id (repeatable, or comma-separated)")
+	fs.StringVar(&f.errorType, "error-type", "", "select this error type, as in the ERROR TYPE column")
+	fs.Var(&f.since, "since", "select messages that failed at or after this time (RFC 3339, or a duration before now)")
+	fs.Var(&f.until, "until", "select messages that failed before this time")
+}
+
+func (f *filterFlags) filter() broker.Filter {
+	return broker.Filter{IDs: f.ids, ErrorType: f.errorType, Since: f.since.t, Until: f.until.t}
+}
+
+func (f *filterFlags) empty() bool {
+	return len(f.ids) == 0 && f.errorType == "" && f.since.t.IsZero() && f.until.t.IsZero()
+}
+
+// storeFlags name a store and its key layout.
+type storeFlags struct {
+	redis         string
+	postgres      string
+	prefix        string
+	claimPrefix   string
+	failurePrefix string
+	namespace     string
+}
+
+func (s *storeFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&s.redis, "redis", "", "Redis address (host:port) or URL (redis://...)")
+	fs.StringVar(&s.postgres, "postgres", "", "PostgreSQL URL (not supported yet)")
+	fs.StringVar(&s.prefix, "prefix", "", "RedisOptions.Prefix of the consumers")
+	fs.StringVar(&s.claimPrefix, "claim-prefix", "", `RedisOptions.ClaimPrefix (default "msg:")`)
+	fs.StringVar(&s.failurePrefix, "failure-prefix", "", `RedisOptions.FailurePrefix (default "retry:")`)
+	fs.StringVar(&s.namespace, "namespace", "", "the Namespace of the consumers' Dedup and Retry layers")
+}
+
+// open returns the store the flags name, and a function that closes it.
+func (s *storeFlags) open() (*store.Redis, func(), error) {
+	switch {
+	case s.postgres != "":
+		return nil, nil, usageError("--postgres: not supported by this version; use --redis")
+	case s.redis == "":
+		return nil, nil, usageError("--redis is required")
+	}
+	var opts *redis.Options
+	if strings.Contains(s.redis, "://") {
+		var err error
+		if opts, err = redis.ParseURL(s.redis); err != nil {
+			return nil, nil, usageError("--redis: %v", err)
+		}
+	} else {
+		opts = &redis.Options{Addr: s.redis}
+	}
+	opts.ContextTimeoutEnabled = true
+	c := redis.NewClient(opts)
+	st := store.NewRedis(c, store.RedisOptions{Prefix: s.prefix, ClaimPrefix: s.claimPrefix, FailurePrefix: s.failurePrefix})
+	return st, func() { c.Close() }, nil
+}
+
+// key returns the store key of message key k, as Dedup and Retry write it.
+func (s *storeFlags) key(k string) string {
+	if s.namespace != "" {
+		return s.namespace + ":" + k
+	}
+	return k
+}

@@ -1,0 +1,62 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+)
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.SetEscapeHTML(false)
+	return enc.Encode(v)
+}
+
+// A progress draws a bar on a terminal, at most ten times a second; it
+// draws nothing when w is not a terminal.
+type progress struct {
+	w     io.Writer
+	label string
+	on    bool
+	drawn bool
+	last  time.Time
+}
+
+func newProgress(w io.Writer, label string) *progress {
+	f, ok := w.(*os.File)
+	on := false
+	if ok {
+		if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
+			on = true
+		}
+	}
+	return &progress{w: w, label: label, on: on}
+}
+
+// update draws done of total (total 0: unknown).
+func (p *progress) update(done, total int) {
+	if !p.on || (time.Since(p.last) < 100*time.Millisecond && done != total) || (total > 0 && total < 100 && !p.drawn) {
+		return
+	}
+	p.last = time.Now()
+	p.drawn = true
+	if total <= 0 {
+		fmt.Fprintf(p.w, "\r%s %d", p.label, done)
+		return
+	}
+	const width = 30
+	n := done * width / total
+	fmt.Fprintf(p.w, "\r%s [%s%s] %d/%d", p.label, strings.Repeat("=", n), strings.Repeat(" ", width-n), done, total)
+}
+
+// done ends the bar's line, if one was drawn.
+func (p *progress) done() {
+	if p.drawn {
+		fmt.Fprintln(p.w)
+		p.drawn = false
+	}
+}

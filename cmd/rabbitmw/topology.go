@@ -1,0 +1,129 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/rabbitmw/rabbitmw/broker"
+)
+
+func (e *env) topology(ctx context.Context, args []string) error {
+	if len(args) == 0 {
+		return usageError("topology: name a subcommand: declare, delete, show")
+	}
+	sub := args[0]
+	if sub != "declare" && sub != "delete" && sub != "show" {
+		return usageError("topology: unknown subcommand %q: declare, delete, show", sub)
+	}
+	fs := newFlags("topology "+sub, e.stderr)
+	var c common
+	c.register(fs, true)
+	quorum := fs.Bool("quorum", false, "the work queue is a quorum queue")
+	limit := fs.Int("delivery-limit", 0, "x-delivery-limit of a quorum work queue")
+	var delays list
+	fs.Var(&delays, "delays", "the delay ladder, comma-separated (default 1s,5s,30s,2m,10m,1h)")
+	support := fs.Bool("support", false, "declare only the dead-letter and delay queues (DeclareSupport)")
+	pos, err := parse(fs, args[1:])
+	if err == nil {
+		err = needQueue(&c, pos, 0)
+	}
+	if err != nil {
+		return err
+	}
+	top := broker.Topology{Quorum: *quorum, DeliveryLimit: *limit}
+	if *support {
+		top.Declare = broker.DeclareSupport
+	}
+	for _, s := range delays {
+		d, err := time.ParseDuration(s)
+		if err != nil {
+			return usageError("--delays: %v", err)
+		}
+		top.Delays = append(top.Delays, d)
+	}
+	names, err := top.Queues(c.queue)
+	if err != nil {
+		return usageError("%v", err)
+	}
+	b := c.broker()
+	defer b.Close()
+	switch sub {
+	case "declare":
+		if err := b.Declare(ctx, c.queue, top); err != nil {
+			if errors.Is(err, broker.ErrQueueArguments) {
+				return &exitError{exitRefused, err}
+			}
+			return classify(err)
+		}
+	case "delete":
+		if err := b.Delete(ctx, c.queue, top); err != nil {
+			return err
+		}
+		fmt.Fprintf(e.stdout, "deleted %s and its dead-letter and delay queues\n", c.queue)
+		return nil
+	}
+	return e.showTopology(ctx, b, c, top, names)
+}
+
+// showTopology prints each queue of the topology: whether it exists, its
+// ready messages, and the arguments the topology declares it with
+// (RabbitMQ's AMQP interface does not tell a queue's arguments).
+func (e *env) showTopology(ctx context.Context, b *broker.Broker, c common, top broker.Topology, names broker.Queues) error {
+	type row struct {
+		Queue     string `json:"queue"`
+		Role      string `json:"role"`
+		Exists    bool   `json:"exists"`
+		Messages  int    `json:"messages"`
+		Arguments string `json:"arguments"`
+	}
+	var rows []row
+	add := func(q, role, args string) error {
+		n, err := b.Len(ctx, q)
+		r := row{Queue: q, Role: role, Exists: err == nil, Messages: n, Arguments: args}
+		if err != nil && !errors.Is(err, broker.ErrQueueNotFound) {
+			return err
+		}
+		rows = append(rows, r)
+		return nil
+	}
+	work := "x-dead-letter-exchange=\"\" x-dead-letter-routing-key=" + names.DeadLetter
+	if top.Quorum {
+		work += " x-queue-type=quorum"
+		if top.DeliveryLimit > 0 {
+			work += fmt.Sprintf(" x-delivery-limit=%d", top.DeliveryLimit)
+		}
+	}
+	if top.Declare == broker.DeclareSupport {
+		work = "(declared elsewhere)"
+	}
+	if err := add(names.Work, "work", work); err != nil {
+		return err
+	}
+	if err := add(names.DeadLetter, "dead-letter", "(none)"); err != nil {
+		return err
+	}
+	for _, q := range names.Delays {
+		tier := q[strings.LastIndex(q, ".")+1:]
+		d, _ := time.ParseDuration(tier)
+		if err := add(q, "delay "+tier, fmt.Sprintf("x-message-ttl=%d x-dead-letter-exchange=\"\" x-dead-letter-routing-key=%s", d.Milliseconds(), names.Work)); err != nil {
+			return err
+		}
+	}
+	if c.json {
+		return writeJSON(e.stdout, rows)
+	}
+	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(w, "QUEUE\tROLE\tEXISTS\tMESSAGES\tARGUMENTS")
+	for _, r := range rows {
+		n := fmt.Sprint(r.Messages)
+		if !r.Exists {
+			n = "-"
+		}
+		fmt.Fprintf(w, "%s\t%s\t%v\t%s\t%s\n", r.Queue, r.Role, r.Exists, n, r.Arguments)
+	}
+	return w.Flush()
+}

@@ -1,0 +1,67 @@
+package middleware
+
+import (
+	"context"
+	"sync/atomic"
+	"time"
+)
+
+// A Claim is the claim that [Dedup] holds on a delivery's key while the
+// handler beneath it runs. The handler finds it with [ClaimFrom].
+//
+// It exists for handlers that write the done mark themselves, in the same
+// transaction as their effect, in a store that shares the effect's database
+// (package pgstore's transactional handler is one): such a handler marks
+// Key done under Token, in its transaction, only if Token still owns Key,
+// commits, and then calls MarkedDone, so that Dedup writes no second done
+// mark. Any other handler can ignore it.
+type Claim struct {
+	key, token string
+	retention  time.Duration
+	marked     atomic.Bool
+}
+
+// Key returns the store key that Dedup claimed, with its namespace.
+func (c *Claim) Key() string { return c.key }
+
+// Token returns the owner token of the claim: the one that owns Key in the
+// store while the claim lasts.
+func (c *Claim) Token() string { return c.token }
+
+// Retention returns how long Dedup keeps a done mark
+// ([DedupOptions].Retention, or its default).
+func (c *Claim) Retention() time.Duration { return c.retention }
+
+// MarkedDone tells Dedup that the handler has marked Key done in the store
+// under Token itself, and that the mark is durable (its transaction
+// committed). If the handler then returns nil, Dedup writes no done mark
+// and returns nil. Call it only after the commit succeeded: if the commit's
+// answer was lost, return an error instead, and the redelivery finds the
+// key done if the commit took effect. It is safe to call from any
+// goroutine.
+func (c *Claim) MarkedDone() { c.marked.Store(true) }
+
+type claimKey struct{}
+
+// ClaimFrom returns the claim that Dedup holds for the delivery whose
+// handler received ctx, and false if no Dedup runs in front of the handler
+// (or Dedup runs it without a claim, with FailOpen while the store is
+// unreachable).
+func ClaimFrom(ctx context.Context) (*Claim, bool) {
+	c, ok := ctx.Value(claimKey{}).(*Claim)
+	return c, ok
+}
+
+// claimContext is the handler's context with its Claim: one allocation for
+// both, rather than a Claim and a context.WithValue.
+type claimContext struct {
+	context.Context
+	claim Claim
+}
+
+func (c *claimContext) Value(key any) any {
+	if key == (claimKey{}) {
+		return &c.claim
+	}
+	return c.Context.Value(key)
+}

@@ -1,0 +1,137 @@
+package middleware_test
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+// eventLog records Dedup's events, with the context each came with.
+type eventLog struct {
+	mu     sync.Mutex
+	kinds  []string
+	keys   []string
+	tagged int // events whose context carries the delivery's tag
+}
+
+type tagKey struct{}
+
+func (l *eventLog) observe(ctx context.Context, e middleware.DedupEvent) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.kinds = append(l.kinds, e.Kind.String())
+	l.keys = append(l.keys, e.Key)
+	if ctx.Value(tagKey{}) != nil {
+		l.tagged++
+	}
+}
+
+func (l *eventLog) got() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.kinds)
+}
+
+// Each of Dedup's answers reaches Observe once, with the delivery's
+// context (through which a tracing layer finds its span) and the key.
+func TestDedupObserve(t *testing.T) {
+	s := &faultyStore{Store: store.NewMemory()}
+	var log eventLog
+	h := middleware.Dedup(s, middleware.DedupOptions{Namespace: "ns", Observe: log.observe})(nop)
+	ctx := context.WithValue(context.Background(), tagKey{}, true)
+
+	d, _ := deliver("m1", "")
+	h.Handle(ctx, d) // claimed, then done
+	h.Handle(ctx, d) // duplicate
+	s.Store.Claim(ctx, "ns:m2", "other", time.Minute)
+	d2, _ := deliver("m2", "")
+	h.Handle(ctx, d2) // busy
+	set(&s.claim, errBoom)
+	d3, _ := deliver("m3", "")
+	h.Handle(ctx, d3) // unavailable
+
+	want := []string{"claimed", "duplicate", "busy", "unavailable"}
+	if got := log.got(); !slices.Equal(got, want) {
+		t.Errorf("events = %v; want %v", got, want)
+	}
+	if want := []string{"ns:m1", "ns:m1", "ns:m2", "ns:m3"}; !slices.Equal(log.keys, want) {
+		t.Errorf("keys = %v; want %v", log.keys, want)
+	}
+	if log.tagged != len(want) {
+		t.Errorf("%d of %d events came with the delivery's context", log.tagged, len(want))
+	}
+}
+
+// Renewals and a lost lease are events too, the renewals with the
+// delivery's context though they run on the renewer's goroutines.
+func TestDedupObserveLease(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := store.NewMemory()
+		var log eventLog
+		const lease = 3 * time.Second
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, Observe: log.observe})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				time.Sleep(lease + lease/2) // renewals at 1, 2, 3 and 4 s
+				synctest.Wait()
+				return nil
+			}))
+		ctx := context.WithValue(context.Background(), tagKey{}, true)
+		d, _ := deliver("m1", "")
+		if err := h.Handle(ctx, d); err != nil {
+			t.Fatalf("Handle = %v; want nil", err)
+		}
+		want := []string{"claimed", "lease_renewed", "lease_renewed", "lease_renewed", "lease_renewed"}
+		if got := log.got(); !slices.Equal(got, want) {
+			t.Errorf("events = %v; want %v", got, want)
+		}
+		if log.tagged != len(want) {
+			t.Errorf("%d of %d events came with the delivery's context", log.tagged, len(want))
+		}
+	})
+}
+
+// A claim found taken over when the success is to be recorded is
+// reported as lost.
+func TestDedupObserveLeaseLost(t *testing.T) {
+	s := &faultyStore{Store: store.NewMemory()}
+	set(&s.complete, store.ErrLostClaim)
+	var log eventLog
+	h := middleware.Dedup(s, middleware.DedupOptions{Observe: log.observe})(nop)
+	d, _ := deliver("m1", "")
+	if err := h.Handle(context.Background(), d); !errors.Is(err, middleware.ErrLeaseLost) {
+		t.Fatalf("Handle = %v; want ErrLeaseLost", err)
+	}
+	want := []string{"claimed", "lease_lost"}
+	if got := log.got(); !slices.Equal(got, want) {
+		t.Errorf("events = %v; want %v", got, want)
+	}
+}
+
+// A claim whose lease ended unfinished is reported as abandoned.
+func TestDedupObserveAbandoned(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := store.NewMemory()
+		var log eventLog
+		h := middleware.Dedup(s, middleware.DedupOptions{Observe: log.observe})(nop)
+		ctx := context.Background()
+		s.Claim(ctx, "m1", "crashed", time.Second) // a consumer that died
+		time.Sleep(2 * time.Second)
+		d, _ := deliver("m1", "")
+		if err := h.Handle(ctx, d); !errors.Is(err, middleware.ErrAbandoned) {
+			t.Fatalf("Handle = %v; want ErrAbandoned", err)
+		}
+		if got, want := log.got(), []string{"abandoned"}; !slices.Equal(got, want) {
+			t.Errorf("events = %v; want %v", got, want)
+		}
+	})
+}

@@ -1,0 +1,213 @@
+package otelmw_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os/exec"
+	"strings"
+	"testing"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/baggage"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/otelmw"
+)
+
+const (
+	traceID     = "4bf92f3577b34da6a3ce929d0e0e4736"
+	parentID    = "00f067aa0ba902b7"
+	traceparent = "00-" + traceID + "-" + parentID + "-01"
+)
+
+// The creation context is read from string and []byte header values, with
+// its baggage; the span is its child, or with NewRoot a root linked to it.
+func TestCreationContext(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		value   any
+		newRoot bool
+	}{
+		{"string", traceparent, false},
+		{"bytes", []byte(traceparent), false},
+		{"bytes/NewRoot", []byte(traceparent), true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := newRig(t, otelmw.Options{Queue: "q", NewRoot: c.newRoot})
+			var member string
+			h := r.tel.Middleware()(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+				member = baggage.FromContext(ctx).Member("tenant").Value()
+				return nil
+			}))
+			d := &amqp.Delivery{Headers: amqp.Table{"traceparent": c.value, "baggage": []byte("tenant=acme")}, RoutingKey: "q"}
+			if err := h.Handle(context.Background(), d); err != nil {
+				t.Fatal(err)
+			}
+			spans := r.spans.Ended()
+			if len(spans) != 1 {
+				t.Fatalf("%d spans; want 1", len(spans))
+			}
+			s := spans[0]
+			if member != "acme" {
+				t.Errorf("baggage tenant in the handler = %q; want acme", member)
+			}
+			links := s.Links()
+			if len(links) != 1 || links[0].SpanContext.TraceID().String() != traceID || links[0].SpanContext.SpanID().String() != parentID {
+				t.Errorf("links = %v; want one, to the creation context", links)
+			}
+			gotParent := s.Parent().SpanID().String()
+			if c.newRoot {
+				if s.Parent().IsValid() || s.SpanContext().TraceID().String() == traceID {
+					t.Errorf("NewRoot: parent %v, trace %v; want a root of a new trace", gotParent, s.SpanContext().TraceID())
+				}
+			} else if gotParent != parentID || s.SpanContext().TraceID().String() != traceID {
+				t.Errorf("parent %v in trace %v; want %v in %v", gotParent, s.SpanContext().TraceID(), parentID, traceID)
+			}
+		})
+	}
+}
+
+// messaging.destination.name and the span name, from the exchange, the
+// routing key and the queue.
+func TestDestination(t *testing.T) {
+	for _, c := range []struct {
+		exchange, key, queue string
+		want                 string
+	}{
+		{"", "orders", "orders", "orders"},
+		{"shop", "order.created", "orders", "shop:order.created:orders"},
+		{"shop", "", "orders", "shop:orders"},
+		{"shop", "order.created", "", "shop:order.created"},
+		{"", "", "", ""},
+	} {
+		r := newRig(t, otelmw.Options{Queue: c.queue})
+		h := r.tel.Middleware()(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }))
+		h.Handle(context.Background(), &amqp.Delivery{Exchange: c.exchange, RoutingKey: c.key})
+		s := r.spans.Ended()[0]
+		wantName := strings.TrimSpace("process " + c.want)
+		if got := attr(s, "messaging.destination.name").AsString(); got != c.want || s.Name() != wantName {
+			t.Errorf("(%q, %q, %q): destination %q, span %q; want %q, %q", c.exchange, c.key, c.queue, got, s.Name(), c.want, wantName)
+		}
+	}
+}
+
+// A panic through the layer ends the span as an error, counts the handler
+// as no longer active, and goes on.
+func TestPanicGoesThrough(t *testing.T) {
+	r := newRig(t, otelmw.Options{Queue: "q"})
+	h := r.tel.Middleware()(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { panic("boom") }))
+	func() {
+		defer func() {
+			if v := recover(); v != "boom" {
+				t.Errorf("recovered %v; want the handler's panic", v)
+			}
+		}()
+		h.Handle(context.Background(), &amqp.Delivery{})
+	}()
+	s := r.spans.Ended()
+	if len(s) != 1 || s[0].Status().Code != codes.Error || attr(s[0], "error.type").AsString() != "panic" {
+		t.Fatalf("spans %v; want one, ended with status Error and error.type panic", s)
+	}
+	if n := count(r.metrics(t), "rabbitmw.handlers.active"); n != 0 {
+		t.Errorf("rabbitmw.handlers.active = %d after the panic; want 0", n)
+	}
+}
+
+func TestErrorType(t *testing.T) {
+	jsonErr := json.Unmarshal([]byte("{"), new(any))
+	for _, c := range []struct {
+		err  error
+		want string
+	}{
+		{nil, ""},
+		{rabbitmw.RetryAfter(fmt.Errorf("x: %w", middleware.ErrBusy), 1), "busy"},
+		{middleware.ErrLeaseLost, "lease_lost"},
+		{rabbitmw.RetryAfter(middleware.ErrStoreUnavailable, 1), "store_unavailable"},
+		{fmt.Errorf("call: %w", context.DeadlineExceeded), "timeout"},
+		{context.Canceled, "canceled"},
+		{rabbitmw.Permanent(&rabbitmw.PanicError{Value: 1}), "panic"},
+		{rabbitmw.Permanent(fmt.Errorf("decode: %w", jsonErr)), "*json.SyntaxError"},
+		{errors.Join(errors.New("a"), jsonErr), "*errors.errorString"},
+		{errors.New("plain"), "*errors.errorString"},
+	} {
+		if got := otelmw.ErrorType(c.err); got != c.want {
+			t.Errorf("ErrorType(%v) = %q; want %q", c.err, got, c.want)
+		}
+	}
+}
+
+// Inject writes the context into a copy of the headers; HeaderCarrier
+// reads it back.
+func TestInject(t *testing.T) {
+	r := newRig(t, otelmw.Options{})
+	ctx, span := r.tp.Tracer("t").Start(context.Background(), "client")
+	defer span.End()
+	shared := amqp.Table{"custom": "kept"}
+	msg := amqp.Publishing{Headers: shared}
+	r.tel.Inject(ctx, &msg)
+	if len(shared) != 1 {
+		t.Errorf("shared headers = %v after Inject; want them untouched", shared)
+	}
+	if msg.Headers["custom"] != "kept" {
+		t.Errorf("headers = %v; want the caller's kept", msg.Headers)
+	}
+	got := w3c.Extract(context.Background(), otelmw.HeaderCarrier(msg.Headers))
+	if sc := trace.SpanContextFromContext(got); sc.SpanID() != span.SpanContext().SpanID() {
+		t.Errorf("extracted span %v; want %v", sc.SpanID(), span.SpanContext().SpanID())
+	}
+}
+
+// The core packages do not link OpenTelemetry: only a program that
+// imports otelmw does.
+func TestCoreDoesNotLinkOpenTelemetry(t *testing.T) {
+	core := []string{"github.com/rabbitmw/rabbitmw", "github.com/rabbitmw/rabbitmw/middleware",
+		"github.com/rabbitmw/rabbitmw/store/...", "github.com/rabbitmw/rabbitmw/broker/...", "github.com/rabbitmw/rabbitmw/rabbitmwtest"}
+	out, err := exec.Command("go", append([]string{"list", "-deps"}, core...)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("go list -deps: %v\n%s", err, out)
+	}
+	for _, p := range strings.Fields(string(out)) {
+		if strings.HasPrefix(p, "go.opentelemetry.io/") || strings.Contains(p, "prometheus") || strings.HasSuffix(p, "/otelmw") {
+			t.Errorf("go list -deps of the core lists %s", p)
+		}
+	}
+}
+
+// The broker's events count by queue: reconnects (the shared connection
+// without a queue), delay copies (with error.type when not published),
+// dead-letters by the copy's error type (when published).
+func TestBrokerEvents(t *testing.T) {
+	r := newRig(t, otelmw.Options{Queue: "q"})
+	obs := r.tel.Broker()
+	ctx := context.Background()
+	obs.Reconnect(broker.ReconnectEvent{Queue: "q", Err: broker.ErrConnectionLost})
+	obs.Reconnect(broker.ReconnectEvent{Err: broker.ErrUnreachable})
+	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.Delay, Queue: "q", To: "q.delay.1s"})
+	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.Delay, Queue: "q", To: "q.delay.1s", Err: context.DeadlineExceeded})
+	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.DeadLetter, Queue: "q", To: "q.dlq", ErrorType: "*json.SyntaxError"})
+	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.DeadLetter, Queue: "q", To: "q.dlq", ErrorType: "*json.SyntaxError", Err: broker.ErrNacked})
+	rm := r.metrics(t)
+	dest := attribute.String("messaging.destination.name", "q")
+	for _, c := range []struct {
+		name string
+		kvs  []attribute.KeyValue
+		want int64
+	}{
+		{"rabbitmw.reconnects", nil, 2},
+		{"rabbitmw.reconnects", []attribute.KeyValue{dest}, 1},
+		{"rabbitmw.delay.republishes", []attribute.KeyValue{dest, attribute.String("rabbitmw.delay.queue", "q.delay.1s")}, 2},
+		{"rabbitmw.delay.republishes", []attribute.KeyValue{attribute.String("error.type", "timeout")}, 1},
+		{"rabbitmw.dead_letters", []attribute.KeyValue{dest, attribute.String("error.type", "*json.SyntaxError")}, 1},
+	} {
+		if got := count(rm, c.name, c.kvs...); got != c.want {
+			t.Errorf("%s%v = %d; want %d", c.name, c.kvs, got, c.want)
+		}
+	}
+}

@@ -1,0 +1,640 @@
+package pgstore_test
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
+	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
+)
+
+// inboxFixture is a store, an effects table beside it, and the stack.
+type inboxFixture struct {
+	pool    *pgxpool.Pool
+	st      *pgstore.Store
+	effects string // table name
+}
+
+func newInbox(t *testing.T, pool *pgxpool.Pool) *inboxFixture {
+	t.Helper()
+	table := uniqueTable(t, pool)
+	f := &inboxFixture{pool: pool, st: newStore(t, pool, pgstore.Options{Table: table}), effects: table + "_effects"}
+	if _, err := pool.Exec(context.Background(), `CREATE TABLE `+f.effects+` (seq serial PRIMARY KEY, id text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+f.effects) })
+	return f
+}
+
+// insert is the business effect: a row in the effects table, in tx.
+func (f *inboxFixture) insert(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	_, err := tx.Exec(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId)
+	return err
+}
+
+// count returns the number of effects of id.
+func (f *inboxFixture) count(t *testing.T, id string) int {
+	t.Helper()
+	var n int
+	if err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+f.effects+` WHERE id = $1`, id).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// status claims id for a stranger, with a short lease, and reports what it
+// found.
+func (f *inboxFixture) status(t *testing.T, id string) store.Status {
+	t.Helper()
+	st, err := f.st.Claim(context.Background(), id, "stranger", time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+// stack is the recommended stack over the store, around h.
+func (f *inboxFixture) stack(h rabbitmw.Handler, dedup middleware.DedupOptions) rabbitmw.Handler {
+	return rabbitmw.Chain(
+		middleware.Retry(f.st, middleware.RetryOptions{}),
+		middleware.Recover(),
+		middleware.Dedup(f.st, dedup),
+		middleware.Timeout(30*time.Second),
+	)(h)
+}
+
+func delivery(id string) *amqp.Delivery {
+	return rabbitmwtest.NewRecorder().Deliver(amqp.Publishing{MessageId: id, Body: []byte(id)})
+}
+
+func TestHandlerEffectAndMarkCommitTogether(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	counting := &countingStore{Store: f.st}
+	h := rabbitmw.Chain(
+		middleware.Retry(f.st, middleware.RetryOptions{}),
+		middleware.Recover(),
+		middleware.Dedup(counting, middleware.DedupOptions{}),
+	)(pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}))
+	if err := h.Handle(ctx, delivery("m1")); err != nil {
+		t.Fatalf("first delivery: %v", err)
+	}
+	if n := counting.completes.Load(); n != 0 {
+		t.Errorf("Dedup called Complete %d times after the handler's commit; want 0", n)
+	}
+	if err := h.Handle(ctx, delivery("m1")); !errors.Is(err, rabbitmw.ErrDuplicate) {
+		t.Fatalf("second delivery = %v; want a duplicate", err)
+	}
+	if n := f.count(t, "m1"); n != 1 {
+		t.Errorf("%d effects; want 1", n)
+	}
+	if st := f.status(t, "m1"); st != store.Done {
+		t.Errorf("key is %v; want done", st)
+	}
+}
+
+func TestHandlerFailureRollsBack(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	boom := errors.New("boom")
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		return boom
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	err := h.Handle(ctx, delivery("m1"))
+	if !errors.Is(err, boom) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
+		t.Fatalf("Handle = %v; want boom, retried after a backoff", err)
+	}
+	if n := f.count(t, "m1"); n != 0 {
+		t.Errorf("%d effects; want 0 (rolled back)", n)
+	}
+	if st := f.status(t, "m1"); st != store.Claimed {
+		t.Errorf("key is %v; want absent (claimable)", st)
+	}
+}
+
+// Another consumer took the message over while the function ran: its
+// transaction must not commit the effect.
+func TestHandlerLostClaimRollsBack(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		c, _ := middleware.ClaimFrom(ctx)
+		// The lease ends and another consumer claims the key.
+		if err := f.st.Release(ctx, c.Key(), c.Token()); err != nil {
+			t.Errorf("Release: %v", err)
+		}
+		if st, err := f.st.Claim(ctx, c.Key(), "thief", time.Minute); err != nil || st != store.Claimed {
+			t.Errorf("Claim by the thief = %v, %v", st, err)
+		}
+		return f.insert(ctx, tx, d)
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	err := h.Handle(ctx, delivery("m1"))
+	if !errors.Is(err, middleware.ErrLeaseLost) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
+		t.Fatalf("Handle = %v; want ErrLeaseLost, retried later", err)
+	}
+	if n := f.count(t, "m1"); n != 0 {
+		t.Errorf("%d effects; want 0 (rolled back)", n)
+	}
+	if err := f.st.Complete(ctx, "m1", "thief", time.Minute); err != nil {
+		t.Errorf("the thief's claim was touched: Complete = %v", err)
+	}
+}
+
+// A Dedup over another store (Redis, kept from before the inbox, or a
+// Memory in a test) is as wrong as no Dedup, though it gives the handler a
+// claim: the done mark finds no row for the key, and the message is
+// dead-lettered with ErrNoClaim, not rolled back as a lost lease (which
+// Retry does not count) and delayed forever.
+func TestHandlerUnderDedupOfAnotherStore(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	other := store.NewMemory()
+	h := rabbitmw.Chain(
+		middleware.Retry(other, middleware.RetryOptions{MaxAttempts: 3}),
+		middleware.Recover(),
+		middleware.Dedup(other, middleware.DedupOptions{}),
+	)(pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}))
+	var last rabbitmw.Decision
+	for attempt := 1; attempt <= 10; attempt++ {
+		d := delivery("m1")
+		d.Redelivered = attempt > 1
+		last = rabbitmw.Decide(h.Handle(ctx, d))
+		if last.Outcome == rabbitmw.Ack || last.Outcome == rabbitmw.DeadLetter {
+			break
+		}
+	}
+	if last.Outcome != rabbitmw.DeadLetter {
+		t.Errorf("after 10 deliveries under a Dedup of another store: %v after %v, attempts %d (%v); want dead-lettered, the chain being built wrong",
+			last.Outcome, last.Delay, last.Attempts, last.Err)
+	} else if !errors.Is(last.Err, pgstore.ErrNoClaim) {
+		t.Errorf("dead-lettered with %v; want ErrNoClaim", last.Err)
+	}
+	if n := f.count(t, "m1"); n != 0 {
+		t.Errorf("%d effects committed; want 0", n)
+	}
+}
+
+// A connection that drops itself right after it sent a COMMIT: the server
+// commits, the client never hears.
+type commitCutter struct {
+	net.Conn
+	armed *atomic.Bool
+}
+
+func (c commitCutter) Write(b []byte) (int, error) {
+	n, err := c.Conn.Write(b)
+	if err == nil && len(b) > 0 && b[0] == 'Q' && bytes.Contains(bytes.ToLower(b), []byte("commit")) && c.armed.CompareAndSwap(true, false) {
+		c.Conn.Close()
+	}
+	return n, err
+}
+
+func TestHandlerCommitAnswerLost(t *testing.T) {
+	ctx := context.Background()
+	base := newPool(t)
+	cfg := base.Config()
+	var armed atomic.Bool
+	dial := cfg.ConnConfig.DialFunc
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return commitCutter{c, &armed}, nil
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close) // after the tables are dropped (cleanups run last first)
+	f := newInbox(t, pool)
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		armed.Store(true)
+		return f.insert(ctx, tx, d)
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	err = h.Handle(ctx, delivery("m1"))
+	if !errors.Is(err, middleware.ErrStoreUnavailable) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
+		t.Fatalf("Handle = %v; want ErrStoreUnavailable, retried later", err)
+	}
+	if armed.Load() {
+		t.Fatal("the commit was never cut")
+	}
+	if n := f.count(t, "m1"); n != 1 {
+		t.Fatalf("%d effects; want 1 (the commit took effect)", n)
+	}
+	// The retry finds the message done: no second effect, no second mark.
+	if err := h.Handle(ctx, delivery("m1")); !errors.Is(err, rabbitmw.ErrDuplicate) {
+		t.Fatalf("redelivery = %v; want a duplicate", err)
+	}
+	if n := f.count(t, "m1"); n != 1 {
+		t.Errorf("%d effects after the redelivery; want 1", n)
+	}
+	// Nor is the lost answer counted as a failure of the message.
+	if n, err := f.st.Fail(ctx, "m1", time.Minute); err != nil || n != 1 {
+		t.Errorf("failure count = %d, %v; want 0 before this Fail", n-1, err)
+	}
+}
+
+// A connection that swallows the COMMIT it is asked to send, once armed:
+// the server never answers, as when the network drops it.
+type commitSwallower struct {
+	net.Conn
+	armed *atomic.Bool
+}
+
+func (c commitSwallower) Write(b []byte) (int, error) {
+	if len(b) > 0 && b[0] == 'Q' && bytes.Contains(bytes.ToLower(b), []byte("commit")) && c.armed.CompareAndSwap(true, false) {
+		return len(b), nil
+	}
+	return c.Conn.Write(b)
+}
+
+// HandlerOptions.CommitTimeout bounds the commit, of Handler and of
+// SQLHandler alike (database/sql's Commit takes no context): a commit whose
+// answer never comes does not hold the delivery, its worker and its row
+// lock forever; its outcome is unknown, so the store is unavailable.
+func TestHandlerCommitTimeoutBoundsTheCommit(t *testing.T) {
+	ctx := context.Background()
+	base := newPool(t)
+	cfg := base.Config()
+	var armed atomic.Bool
+	var mu sync.Mutex
+	var conns []net.Conn
+	dial := cfg.ConnConfig.DialFunc
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		mu.Lock()
+		conns = append(conns, c)
+		mu.Unlock()
+		return commitSwallower{c, &armed}, nil
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	f := newInbox(t, pool)
+	db := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { db.Close() })
+	t.Cleanup(func() { // unblocks a commit still waiting
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	opts := pgstore.HandlerOptions{CommitTimeout: 200 * time.Millisecond}
+	for _, tt := range []struct {
+		name string
+		h    rabbitmw.Handler
+	}{
+		{"Handler", pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+			armed.Store(true)
+			return f.insert(ctx, tx, d)
+		}, opts)},
+		{"SQLHandler", pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
+			armed.Store(true)
+			_, err := tx.ExecContext(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId)
+			return err
+		}, opts)},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := rabbitmw.Chain(middleware.Dedup(f.st, middleware.DedupOptions{}))(tt.h)
+			done := make(chan error, 1)
+			go func() { done <- h.Handle(ctx, delivery("m-"+tt.name)) }()
+			select {
+			case err := <-done:
+				if !errors.Is(err, middleware.ErrStoreUnavailable) {
+					t.Errorf("Handle = %v; want ErrStoreUnavailable (the commit's answer was lost)", err)
+				}
+			case <-time.After(15 * time.Second): // waits for the real server's (non-)answer
+				t.Errorf("Handle still waiting on its commit 15 s after it was sent, with CommitTimeout %v", opts.CommitTimeout)
+			}
+		})
+	}
+}
+
+func TestHandlerPanic(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		panic("oops")
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	err := h.Handle(ctx, delivery("m1"))
+	var pe *rabbitmw.PanicError
+	if !errors.As(err, &pe) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
+		t.Fatalf("Handle = %v; want a PanicError, retried after a backoff", err)
+	}
+	if n := f.count(t, "m1"); n != 0 {
+		t.Errorf("%d effects; want 0 (rolled back)", n)
+	}
+	if st := f.status(t, "m1"); st != store.Claimed {
+		t.Errorf("key is %v; want absent (claimable)", st)
+	}
+	// Counted as a failed attempt.
+	if n, err := f.st.Fail(ctx, "m1", time.Minute); err != nil || n != 2 {
+		t.Errorf("Fail = %d, %v; want 2 (the panic counted once)", n, err)
+	}
+}
+
+func TestHandlerSelfSettledTx(t *testing.T) {
+	for _, how := range []string{"commit", "rollback"} {
+		t.Run(how, func(t *testing.T) {
+			ctx := context.Background()
+			f := newInbox(t, newPool(t))
+			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if err := f.insert(ctx, tx, d); err != nil {
+					return err
+				}
+				if how == "commit" {
+					return tx.Commit(ctx)
+				}
+				return tx.Rollback(ctx)
+			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			err := h.Handle(ctx, delivery("m1"))
+			if !errors.Is(err, pgstore.ErrTxSettled) || rabbitmw.Decide(err).Outcome != rabbitmw.DeadLetter {
+				t.Fatalf("Handle = %v; want ErrTxSettled, dead-lettered", err)
+			}
+			if st := f.status(t, "m1"); st == store.Done {
+				t.Errorf("key is done; want not marked")
+			}
+		})
+	}
+}
+
+func TestHandlerSerializationFailureIsOrdinary(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	for _, code := range []string{"40001", "40P01"} {
+		h := f.stack(pgstore.Handler(f.st, func(context.Context, pgx.Tx, *amqp.Delivery) error {
+			return &pgconn.PgError{Code: code, Message: "could not serialize access"}
+		}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+		err := h.Handle(ctx, delivery("m-"+code))
+		if rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
+			t.Errorf("SQLSTATE %s: Handle = %v (%v); want tried again after a backoff", code, err, rabbitmw.Decide(err).Outcome)
+		}
+	}
+}
+
+func TestHandlerWithoutDedup(t *testing.T) {
+	f := newInbox(t, newPool(t))
+	err := pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}).Handle(context.Background(), delivery("m1"))
+	if !errors.Is(err, pgstore.ErrNoClaim) || rabbitmw.Decide(err).Outcome != rabbitmw.DeadLetter {
+		t.Fatalf("Handle = %v; want ErrNoClaim, dead-lettered", err)
+	}
+	if n := f.count(t, "m1"); n != 0 {
+		t.Errorf("%d effects; want 0", n)
+	}
+}
+
+// countingStore counts Extend and Complete calls.
+type countingStore struct {
+	store.Store
+	extends, completes atomic.Int64
+}
+
+func (c *countingStore) Complete(ctx context.Context, key, token string, retention time.Duration) error {
+	c.completes.Add(1)
+	return c.Store.Complete(ctx, key, token, retention)
+}
+
+func (c *countingStore) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	err := c.Store.Extend(ctx, key, token, lease)
+	if err == nil {
+		c.extends.Add(1)
+	}
+	return err
+}
+
+// A transaction much longer than the lease, holding a row lock, on a pool
+// of one connection: the lease is renewed on the store's own connections,
+// the done mark does not wait for a renewal, and the message is marked
+// done once.
+func TestHandlerLongTransactionShortLease(t *testing.T) {
+	ctx := context.Background()
+	base := newPool(t)
+	cfg := base.Config()
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close) // after the tables are dropped (cleanups run last first)
+	f := newInbox(t, pool)
+	counting := &countingStore{Store: f.st}
+	const lease, hold = 900 * time.Millisecond, 3 * time.Second
+	h := rabbitmw.Chain(
+		middleware.Retry(f.st, middleware.RetryOptions{}),
+		middleware.Recover(),
+		middleware.Dedup(counting, middleware.DedupOptions{Lease: lease}),
+	)(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		select { // a long transaction: waits for nothing but time
+		case <-time.After(hold):
+			return nil
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+	}, pgstore.HandlerOptions{}))
+	if err := h.Handle(ctx, delivery("m1")); err != nil {
+		t.Fatalf("Handle: %v", err)
+	}
+	if n := counting.extends.Load(); n < 2 {
+		t.Errorf("%d renewals during a %v transaction with a %v lease; want at least 2", n, hold, lease)
+	}
+	if n := f.count(t, "m1"); n != 1 {
+		t.Errorf("%d effects; want 1", n)
+	}
+	if st := f.status(t, "m1"); st != store.Done {
+		t.Errorf("key is %v; want done", st)
+	}
+}
+
+func TestSQLHandler(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	f := newInbox(t, pool)
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	insert := func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
+		_, err := tx.ExecContext(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId)
+		return err
+	}
+	h := f.stack(pgstore.SQLHandler(f.st, db, insert, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	if err := h.Handle(ctx, delivery("m1")); err != nil {
+		t.Fatalf("first delivery: %v", err)
+	}
+	if err := h.Handle(ctx, delivery("m1")); !errors.Is(err, rabbitmw.ErrDuplicate) {
+		t.Fatalf("second delivery = %v; want a duplicate", err)
+	}
+	if n := f.count(t, "m1"); n != 1 {
+		t.Errorf("%d effects; want 1", n)
+	}
+	selfCommit := pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
+		return tx.Commit()
+	}, pgstore.HandlerOptions{})
+	if err := f.stack(selfCommit, middleware.DedupOptions{}).Handle(ctx, delivery("m2")); !errors.Is(err, pgstore.ErrTxSettled) {
+		t.Errorf("self-committed = %v; want ErrTxSettled", err)
+	}
+	if st := f.status(t, "m2"); st == store.Done {
+		t.Errorf("self-committed key is done; want not marked")
+	}
+}
+
+// The recommended stack, with the transactional handler, over many
+// concurrent deliveries with duplicates and first attempts that fail:
+// every effect once.
+func TestStackConcurrentDuplicates(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	var attempts sync.Map
+	h := rabbitmw.Chain(
+		middleware.Log(nil),
+		middleware.Retry(f.st, middleware.RetryOptions{Backoff: func(int) time.Duration { return time.Millisecond }}),
+		middleware.Recover(),
+		middleware.Dedup(f.st, middleware.DedupOptions{BusyDelay: time.Millisecond}),
+		middleware.Timeout(30*time.Second),
+	)(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		v, _ := attempts.LoadOrStore(d.MessageId, new(atomic.Int64))
+		if v.(*atomic.Int64).Add(1) == 1 && strings.HasSuffix(d.MessageId, "7") {
+			return errors.New("first attempt fails")
+		}
+		return nil
+	}, pgstore.HandlerOptions{}))
+	const n = 200
+	var ids []string
+	for i := range n {
+		id := fmt.Sprintf("m%03d", i)
+		ids = append(ids, id, id) // every message delivered twice, at once
+		if i%5 == 0 {
+			ids = append(ids, id)
+		}
+	}
+	work := make(chan string, len(ids))
+	for _, id := range ids {
+		work <- id
+	}
+	var pending sync.WaitGroup
+	pending.Add(len(ids))
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for id := range work {
+				switch rabbitmw.Decide(h.Handle(ctx, delivery(id))).Outcome {
+				case rabbitmw.Ack, rabbitmw.Duplicate:
+					pending.Done()
+				case rabbitmw.DeadLetter:
+					t.Errorf("%s dead-lettered", id)
+					pending.Done()
+				default:
+					work <- id // tried again
+				}
+			}
+		}()
+	}
+	pending.Wait()
+	close(work)
+	wg.Wait()
+	var rows, distinct int
+	if err := f.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT id) FROM `+f.effects).Scan(&rows, &distinct); err != nil {
+		t.Fatal(err)
+	}
+	if rows != distinct || distinct != len(uniq(ids)) {
+		t.Errorf("%d effect rows for %d distinct ids; want %d, once each", rows, distinct, len(uniq(ids)))
+	}
+}
+
+func uniq(ids []string) map[string]bool {
+	m := map[string]bool{}
+	for _, id := range ids {
+		m[id] = true
+	}
+	return m
+}
+
+// An attempt that died over the inbox (its claim abandoned, its
+// transaction never committed) is a failed attempt: Retry counts it and
+// runs the message again in the same delivery, and the handler commits
+// its effect and done mark under the new claim; at MaxAttempts the
+// message is dead-lettered without running again.
+func TestStackAbandonedAttempt(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	f := newInbox(t, pool)
+	table := strings.TrimSuffix(f.effects, "_effects")
+	var calls atomic.Int32
+	h := rabbitmw.Chain(
+		middleware.Retry(f.st, middleware.RetryOptions{MaxAttempts: 2}),
+		middleware.Recover(),
+		middleware.Dedup(f.st, middleware.DedupOptions{}),
+	)(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		calls.Add(1)
+		return f.insert(ctx, tx, d)
+	}, pgstore.HandlerOptions{}))
+	die := func(id string) { // a consumer that claimed id and died
+		t.Helper()
+		if st, err := f.st.Claim(ctx, id, "dead", time.Minute); err != nil || st != store.Claimed {
+			t.Fatalf("Claim(%q) = %v, %v; want claimed", id, st, err)
+		}
+		age(t, pool, table, id, time.Minute+time.Second)
+	}
+
+	die("m1")
+	if dec := rabbitmw.Decide(h.Handle(ctx, delivery("m1"))); dec.Outcome != rabbitmw.Ack {
+		t.Fatalf("after one death: %v (%v); want acked, run again in the same delivery", dec.Outcome, dec.Err)
+	}
+	if n, c := f.count(t, "m1"), calls.Load(); n != 1 || c != 1 {
+		t.Errorf("after one death: %d effects, %d handler calls; want 1, 1", n, c)
+	}
+	if st := f.status(t, "m1"); st != store.Done {
+		t.Errorf("m1 is %v; want done", st)
+	}
+
+	// m2's first death is counted; its second reaches MaxAttempts.
+	calls.Store(0)
+	if _, err := f.st.Fail(ctx, "m2", time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	die("m2")
+	dec := rabbitmw.Decide(h.Handle(ctx, delivery("m2")))
+	if dec.Outcome != rabbitmw.DeadLetter || !errors.Is(dec.Err, middleware.ErrAbandoned) || dec.Attempts != 2 {
+		t.Fatalf("after a second death: %v after %d attempts (%v); want dead-lettered after 2, abandoned", dec.Outcome, dec.Attempts, dec.Err)
+	}
+	if n, c := f.count(t, "m2"), calls.Load(); n != 0 || c != 0 {
+		t.Errorf("m2 dead-lettered: %d effects, %d handler calls; want 0, 0", n, c)
+	}
+}

@@ -1,0 +1,337 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+// Options configures a [Store]. The zero value selects the defaults.
+type Options struct {
+	// Table is the name of the table of claims and done marks; the failure
+	// counters are in Table + "_failures". A lower-case SQL identifier of
+	// at most 43 characters, optionally schema-qualified ("inbox.claims").
+	// Default [DefaultTable].
+	Table string
+	// AbandonedRetention is how long a claim whose lease ended without
+	// Complete or Release is remembered after the lease, for Claim to
+	// report it Abandoned (see [store.Store]); then its row is forgotten,
+	// and Prune may delete it. Each row carries its own (its forget_at), so
+	// stores with different settings can share a table. Zero means
+	// [store.DefaultAbandonedRetention].
+	AbandonedRetention time.Duration
+	// PruneEvery: every PruneEvery-th Claim on this Store also deletes up
+	// to 2*PruneEvery forgotten rows (see [Store.Prune]) before it returns.
+	// Default 1000; negative turns it off, for a deployment that calls
+	// Prune on a schedule of its own.
+	PruneEvery int
+}
+
+// Store is a [store.Store] in PostgreSQL, over a [pgxpool.Pool]. It keeps
+// the claims and done marks of message keys in one table, one row per key,
+// and the failure counters in a second; [Schema] gives their SQL. Put it in
+// the database that holds the effects of the messages, and use [Handler]:
+// the effect and its done mark then commit in one transaction.
+//
+// Every state change is one SQL statement, one round trip: a claim is an
+// INSERT … ON CONFLICT … DO UPDATE that takes the row only where it has
+// been forgotten, makes an abandoned claim forgotten, and reads the status
+// of a row it did not change in the same statement; Extend, Complete and
+// Release are an UPDATE or DELETE
+// that checks the token and the lease in its WHERE clause; Fail is an
+// upsert that returns the count. Leases, retention and counter expiry are
+// measured by the database's clock (statement_timestamp), never the
+// consumer's.
+//
+// Rows are not deleted when they expire. A row is forgotten, as if absent,
+// at its forget_at: the end of a done mark's retention, AbandonedRetention
+// after the end of a claim's lease, or at once when Claim found the claim
+// abandoned; an expired failure counter at its expires_at. Every
+// PruneEvery-th Claim runs [Store.Prune], which deletes a bounded batch of
+// forgotten rows through an index on forget_at. See Prune for the cost.
+//
+// Extend runs on connections of its own, a second pool of at most two
+// connections made from pool's configuration: a lease is renewed even when
+// every connection of pool is held by a handler's transaction. Close closes
+// them.
+//
+// Errors from PostgreSQL and from the pool are wrapped with the operation
+// and key.
+type Store struct {
+	pool, leases   *pgxpool.Pool
+	table          string // as given in Options
+	n              names
+	abandoned      time.Duration
+	pruneEvery     int
+	claims         atomic.Uint64
+	claimSQL       string
+	extendSQL      string
+	completeSQL    string
+	releaseSQL     string
+	failSQL        string
+	resetSQL       string
+	pruneClaimsSQL string
+	pruneFailsSQL  string
+	markSQL        string
+}
+
+// New returns a Store that keeps its state in pool, which the caller keeps
+// and closes; Close the Store before pool. New does not reach the database:
+// call [Store.Migrate] or [Store.Check] at start-up. It panics if pool is
+// nil or opts.Table is not a valid name.
+func New(pool *pgxpool.Pool, opts Options) *Store {
+	if pool == nil {
+		panic("pgstore: New: nil pool")
+	}
+	n, err := parseTable(opts.Table)
+	if err != nil {
+		panic("pgstore: New: " + err.Error())
+	}
+	if opts.AbandonedRetention < 0 {
+		panic("pgstore: New: negative AbandonedRetention")
+	}
+	cfg := pool.Config()
+	cfg.MaxConns, cfg.MinConns = 2, 0
+	leases, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		panic("pgstore: New: a pool for lease renewals: " + err.Error())
+	}
+	s := &Store{
+		pool:       pool,
+		leases:     leases,
+		table:      opts.Table,
+		n:          n,
+		abandoned:  opts.AbandonedRetention,
+		pruneEvery: opts.PruneEvery,
+	}
+	if s.abandoned == 0 {
+		s.abandoned = store.DefaultAbandonedRetention
+	}
+	if s.pruneEvery == 0 {
+		s.pruneEvery = 1000
+	}
+	s.prepare()
+	return s
+}
+
+// Close closes the connections that the Store opened for lease renewals.
+// It does not close the pool given to New.
+func (s *Store) Close() { s.leases.Close() }
+
+// The statements. $1 is always the key; now is statement_timestamp(), the
+// time PostgreSQL received the statement, constant within it; never now(),
+// which is the start of the transaction and would stand still in
+// Handler's long transactions.
+func (s *Store) prepare() {
+	c, f := s.n.claims, s.n.failures
+	// A claim takes the row (claimed) if it is absent or forgotten: its
+	// forget_at has passed. It turns an abandoned claim (a token whose
+	// lease has ended, its forget_at not yet passed) into a forgotten row
+	// (token NULL, lease_until and forget_at -infinity) and takes nothing
+	// (abandoned). ON CONFLICT waits for a concurrent claim of the row and
+	// then judges its newest version, so of concurrent claims of an
+	// abandoned row the first reports it abandoned and the next takes it.
+	// A row that the claim did not take is a done mark (token NULL,
+	// unexpired) or someone else's claim: it is read from the statement's
+	// snapshot, which differs from the version judged only if a concurrent
+	// statement changed the row meanwhile, and then the key was processing
+	// during this statement (the other statement took it), the answer
+	// given; or it was done by this statement's clock.
+	s.claimSQL = `WITH taken AS (
+  INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
+  VALUES ($1, $2, statement_timestamp() + $3::interval, statement_timestamp() + $3::interval + $4::interval)
+  ON CONFLICT (key) DO UPDATE SET
+    token = CASE WHEN c.forget_at <= statement_timestamp() THEN excluded.token END,
+    lease_until = CASE WHEN c.forget_at <= statement_timestamp() THEN excluded.lease_until ELSE '-infinity' END,
+    forget_at = CASE WHEN c.forget_at <= statement_timestamp() THEN excluded.forget_at ELSE '-infinity' END
+  WHERE c.forget_at <= statement_timestamp() OR (c.token IS NOT NULL AND c.lease_until <= statement_timestamp())
+  RETURNING c.token IS NOT NULL AS claimed
+)
+SELECT COALESCE(
+  (SELECT CASE WHEN claimed THEN 1 ELSE 4 END FROM taken),
+  CASE WHEN EXISTS (SELECT FROM ` + c + ` WHERE key = $1 AND token IS NULL AND lease_until > statement_timestamp()) THEN 3 ELSE 2 END)`
+	s.extendSQL = `UPDATE ` + c + `
+SET lease_until = statement_timestamp() + $3::interval, forget_at = statement_timestamp() + $3::interval + $4::interval
+WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
+	s.completeSQL = `UPDATE ` + c + `
+SET token = NULL, lease_until = statement_timestamp() + $3::interval, forget_at = statement_timestamp() + $3::interval
+WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
+	// The done mark of Handler: Complete, in the handler's transaction.
+	// clock_timestamp: the transaction may have waited on a row lock. It
+	// answers 1 if it marked the key done; else 0 if the key has a row
+	// (another claim's, or an ended lease), -1 if it has none. CASE looks
+	// the row up only when the mark missed.
+	s.markSQL = `WITH marked AS (
+  UPDATE ` + c + `
+  SET token = NULL, lease_until = clock_timestamp() + $3::interval, forget_at = clock_timestamp() + $3::interval
+  WHERE key = $1 AND token = $2 AND lease_until > clock_timestamp()
+  RETURNING 1
+)
+SELECT CASE WHEN EXISTS (SELECT FROM marked) THEN 1 WHEN EXISTS (SELECT FROM ` + c + ` WHERE key = $1) THEN 0 ELSE -1 END`
+	s.releaseSQL = `DELETE FROM ` + c + ` WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
+	s.failSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at) VALUES ($1, 1, statement_timestamp() + $2::interval)
+ON CONFLICT (key) DO UPDATE
+  SET count = CASE WHEN f.expires_at > statement_timestamp() THEN f.count + 1 ELSE 1 END, expires_at = excluded.expires_at
+RETURNING count`
+	s.resetSQL = `DELETE FROM ` + f + ` WHERE key = $1`
+	// SKIP LOCKED: a prune never waits for, nor blocks, a claim of the
+	// same row; FOR UPDATE re-checks forget_at on the newest version.
+	s.pruneClaimsSQL = `DELETE FROM ` + c + ` WHERE key IN (
+  SELECT key FROM ` + c + ` WHERE forget_at <= statement_timestamp() LIMIT $1 FOR UPDATE SKIP LOCKED)`
+	s.pruneFailsSQL = `DELETE FROM ` + f + ` WHERE key IN (
+  SELECT key FROM ` + f + ` WHERE expires_at <= statement_timestamp() LIMIT $1 FOR UPDATE SKIP LOCKED)`
+}
+
+// Migrate creates the store's tables and indexes if they do not exist (the
+// SQL of [Schema]), then checks them as [Store.Check] does. Concurrent
+// calls, from several processes, are serialised by an advisory lock.
+func (s *Store) Migrate(ctx context.Context) error {
+	var schemaErr error
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, "rabbitmw pgstore "+s.n.claims); err != nil {
+			return err
+		}
+		// A table made by something else is reported, not altered.
+		if schemaErr = s.checkSchema(ctx, tx, true); schemaErr != nil {
+			return schemaErr
+		}
+		_, err := tx.Exec(ctx, s.n.schemaSQL())
+		return err
+	})
+	switch {
+	case schemaErr != nil:
+		return schemaErr
+	case err != nil:
+		return s.unreachable("migrate", err)
+	}
+	return s.checkSchema(ctx, s.pool, false)
+}
+
+// Check reports whether the database answers and the store's tables exist
+// with the columns the store needs. Call it (or Migrate) at start-up, so
+// that a wrong DSN or a missing migration fails the consumer then, with an
+// error that says so, rather than its first message. A schema mismatch
+// wraps [ErrSchema].
+func (s *Store) Check(ctx context.Context) error {
+	if err := s.pool.Ping(ctx); err != nil {
+		return s.unreachable("check", err)
+	}
+	return s.checkSchema(ctx, s.pool, false)
+}
+
+// unreachable wraps an error of a call that reached no particular key.
+func (s *Store) unreachable(op string, err error) error {
+	cfg := s.pool.Config().ConnConfig
+	return fmt.Errorf("pgstore: %s: PostgreSQL at %s:%d, database %q: %w", op, cfg.Host, cfg.Port, cfg.Database, err)
+}
+
+func (s *Store) fail(op, key string, err error) error {
+	return fmt.Errorf("pgstore: %s %q: %w", op, key, err)
+}
+
+// Claim implements [store.Store].
+func (s *Store) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	var n int
+	if err := s.pool.QueryRow(ctx, s.claimSQL, []byte(key), []byte(token), lease, s.abandoned).Scan(&n); err != nil {
+		return 0, s.fail("claim", key, err)
+	}
+	if s.pruneEvery > 0 && s.claims.Add(1)%uint64(s.pruneEvery) == 0 {
+		// Errors are dropped: the next prune tries again.
+		s.Prune(ctx, 2*s.pruneEvery)
+	}
+	switch n {
+	case 1:
+		return store.Claimed, nil
+	case 2:
+		return store.Processing, nil
+	case 3:
+		return store.Done, nil
+	case 4:
+		return store.Abandoned, nil
+	}
+	return 0, s.fail("claim", key, fmt.Errorf("unexpected status %d", n))
+}
+
+// Extend implements [store.Store].
+func (s *Store) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	return s.owned(ctx, s.leases, "extend", s.extendSQL, key, token, lease, s.abandoned)
+}
+
+// Complete implements [store.Store].
+func (s *Store) Complete(ctx context.Context, key, token string, retention time.Duration) error {
+	return s.owned(ctx, s.pool, "complete", s.completeSQL, key, token, retention)
+}
+
+// Release implements [store.Store].
+func (s *Store) Release(ctx context.Context, key, token string) error {
+	return s.owned(ctx, s.pool, "release", s.releaseSQL, key, token)
+}
+
+func (s *Store) owned(ctx context.Context, pool *pgxpool.Pool, op, sql, key, token string, args ...any) error {
+	tag, err := pool.Exec(ctx, sql, append([]any{[]byte(key), []byte(token)}, args...)...)
+	if err != nil {
+		return s.fail(op, key, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return store.ErrLostClaim
+	}
+	return nil
+}
+
+// Fail implements [store.Store].
+func (s *Store) Fail(ctx context.Context, key string, ttl time.Duration) (int64, error) {
+	var n int64
+	if err := s.pool.QueryRow(ctx, s.failSQL, []byte(key), ttl).Scan(&n); err != nil {
+		return 0, s.fail("fail", key, err)
+	}
+	return n, nil
+}
+
+// ResetFailures implements [store.Store].
+func (s *Store) ResetFailures(ctx context.Context, key string) error {
+	if _, err := s.pool.Exec(ctx, s.resetSQL, []byte(key)); err != nil {
+		return s.fail("reset failures", key, err)
+	}
+	return nil
+}
+
+// Prune deletes up to limit forgotten rows from each of the store's tables
+// (done marks past their retention, lapsed claims past AbandonedRetention,
+// expired failure counters) and returns how many it deleted. Claim calls
+// it every PruneEvery claims; call it yourself on a schedule if you set
+// PruneEvery negative.
+//
+// Cost: two DELETE statements, two round trips. Each finds its rows through
+// an index range scan (forget_at, expires_at), skips rows that another
+// statement holds locked, and deletes at most limit rows, so it holds row
+// locks on those rows only and for one statement. Deleted rows leave dead
+// tuples for autovacuum, as any DELETE does; the two indexes on forget_at
+// and expires_at cost one more index entry per write (these updates are
+// not HOT, since forget_at changes with every claim and renewal).
+func (s *Store) Prune(ctx context.Context, limit int) (int64, error) {
+	var total int64
+	for _, sql := range []string{s.pruneClaimsSQL, s.pruneFailsSQL} {
+		tag, err := s.pool.Exec(ctx, sql, limit)
+		if err != nil {
+			return total, s.unreachable("prune", err)
+		}
+		total += tag.RowsAffected()
+	}
+	return total, nil
+}
+
+var _ store.Store = (*Store)(nil)
+
+// isPgError reports whether err is an error that PostgreSQL sent, as
+// opposed to one of the connection or the client.
+func isPgError(err error) bool {
+	var pe interface{ SQLState() string }
+	return errors.As(err, &pe)
+}

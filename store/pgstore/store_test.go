@@ -1,0 +1,236 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
+	"github.com/rabbitmw/rabbitmw/store/storetest"
+)
+
+func TestConformance(t *testing.T) {
+	pool := newPool(t)
+	s := newStore(t, pool, pgstore.Options{})
+	storetest.Run(t, func(t *testing.T) store.Store { return s })
+}
+
+// The piggy-backed prune deletes rows whose retention ended, and only
+// those.
+func TestPrune(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	s := newStore(t, pool, pgstore.Options{Table: table, PruneEvery: 10, AbandonedRetention: time.Millisecond})
+	for _, k := range []string{"done", "lapsed"} {
+		if st, err := s.Claim(ctx, k, "t1", 50*time.Millisecond); err != nil || st != store.Claimed {
+			t.Fatalf("Claim(%s) = %v, %v", k, st, err)
+		}
+	}
+	if err := s.Complete(ctx, "done", "t1", 50*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Fail(ctx, "failed", 50*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := s.Claim(ctx, "kept", "t1", time.Hour); err != nil || st != store.Claimed {
+		t.Fatalf("Claim(kept) = %v, %v", st, err)
+	}
+	time.Sleep(200 * time.Millisecond) // waits for the database's clock
+	for i := range 7 {                 // the 10th claim prunes
+		if _, err := s.Claim(ctx, "other"+string(rune('a'+i)), "t1", time.Hour); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var claims, fails int
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+table+`), (SELECT count(*) FROM `+table+`_failures)`).Scan(&claims, &fails); err != nil {
+		t.Fatal(err)
+	}
+	if claims != 8 || fails != 0 {
+		t.Errorf("after the prune: %d claim rows, %d failure rows; want 8 (kept and 7 others), 0", claims, fails)
+	}
+	if n, err := s.Prune(ctx, 100); err != nil || n != 0 {
+		t.Errorf("Prune again = %d, %v; want 0, nil", n, err)
+	}
+}
+
+func TestBadTableName(t *testing.T) {
+	for _, name := range []string{"Inbox", "in-box", `x"; DROP TABLE y; --`, "a.b.c", strings.Repeat("a", 44), "1abc"} {
+		func() {
+			defer func() {
+				r := recover()
+				if r == nil || !strings.HasPrefix(r.(string), "pgstore: New: table name") {
+					t.Errorf("New(Table %q) panicked with %v; want a pgstore: New: table name panic", name, r)
+				}
+			}()
+			pgstore.New(&pgxpool.Pool{}, pgstore.Options{Table: name})
+		}()
+	}
+}
+
+// A schema-qualified table works: quoting does not put the dot inside the
+// name.
+func TestSchemaQualifiedTable(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	schema := uniqueTable(t, pool)
+	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+schema); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pool.Exec(context.Background(), `DROP SCHEMA `+schema+` CASCADE`) })
+	s := newStore(t, pool, pgstore.Options{Table: schema + ".inbox"})
+	if st, err := s.Claim(ctx, "k", "t1", time.Minute); err != nil || st != store.Claimed {
+		t.Fatalf("Claim = %v, %v; want claimed", st, err)
+	}
+	if err := s.Check(ctx); err != nil {
+		t.Errorf("Check: %v", err)
+	}
+}
+
+// A table of that name made by something else is refused, with the fix.
+func TestOtherSchema(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+table+` (id serial PRIMARY KEY, body text)`); err != nil {
+		t.Fatal(err)
+	}
+	s := pgstore.New(pool, pgstore.Options{Table: table})
+	defer s.Close()
+	for name, call := range map[string]func(context.Context) error{"Migrate": s.Migrate, "Check": s.Check} {
+		err := call(ctx)
+		if !errors.Is(err, pgstore.ErrSchema) || !strings.Contains(err.Error(), "id integer, body text") || !strings.Contains(err.Error(), "Options.Table") {
+			t.Errorf("%s = %v; want ErrSchema naming the columns found and the fix", name, err)
+		}
+	}
+	// A missing table names the migration.
+	s2 := pgstore.New(pool, pgstore.Options{Table: table + "_x"})
+	defer s2.Close()
+	if err := s2.Check(ctx); !errors.Is(err, pgstore.ErrSchema) || !strings.Contains(err.Error(), "Migrate") {
+		t.Errorf("Check of a missing table = %v; want ErrSchema naming Migrate", err)
+	}
+}
+
+// A DSN where nothing answers: a clear error at start-up, promptly.
+func TestUnreachable(t *testing.T) {
+	pool, err := pgxpool.New(context.Background(), "postgres://postgres@127.0.0.1:1/test?connect_timeout=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	s := pgstore.New(pool, pgstore.Options{})
+	defer s.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err = s.Check(ctx)
+	if err == nil || !strings.Contains(err.Error(), "PostgreSQL at 127.0.0.1:1") {
+		t.Errorf("Check = %v; want an error naming the server", err)
+	}
+}
+
+func TestSchemaSQL(t *testing.T) {
+	sql := pgstore.Schema("")
+	for _, want := range []string{`CREATE TABLE IF NOT EXISTS "rabbitmw_inbox"`, `"rabbitmw_inbox_failures"`, "forget_at"} {
+		if !strings.Contains(sql, want) {
+			t.Errorf("Schema(\"\") lacks %q:\n%s", want, sql)
+		}
+	}
+}
+
+// age moves the times of key's row back by d, as if d had passed on the
+// database's clock: the tests of the abandoned window need no sleep.
+func age(t *testing.T, pool *pgxpool.Pool, table, key string, d time.Duration) {
+	t.Helper()
+	tag, err := pool.Exec(context.Background(), `UPDATE `+table+` SET lease_until = lease_until - $2::interval, forget_at = forget_at - $2::interval WHERE key = $1`, []byte(key), d)
+	if err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("ageing %q by %v: %v, %d rows", key, d, err, tag.RowsAffected())
+	}
+}
+
+// A claim whose lease ended is abandoned for AbandonedRetention after the
+// lease: owned by nobody, kept by Prune, reported once by Claim; after
+// that window it is forgotten. A done mark is done until its retention
+// ends.
+func TestAbandonedWindow(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	s := newStore(t, pool, pgstore.Options{Table: table, AbandonedRetention: time.Hour, PruneEvery: -1})
+	claim := func(key, token string, want store.Status) {
+		t.Helper()
+		if got, err := s.Claim(ctx, key, token, time.Minute); err != nil || got != want {
+			t.Fatalf("Claim(%q, %q) = %v, %v; want %v", key, token, got, err, want)
+		}
+	}
+	prune := func(want int64) {
+		t.Helper()
+		if n, err := s.Prune(ctx, 100); err != nil || n != want {
+			t.Fatalf("Prune = %d, %v; want %d", n, err, want)
+		}
+	}
+
+	// Within the window.
+	claim("lapsed", "t1", store.Claimed)
+	age(t, pool, table, "lapsed", time.Minute+time.Second)
+	prune(0)
+	for name, err := range map[string]error{
+		"Extend":   s.Extend(ctx, "lapsed", "t1", time.Minute),
+		"Complete": s.Complete(ctx, "lapsed", "t1", time.Minute),
+		"Release":  s.Release(ctx, "lapsed", "t1"),
+	} {
+		if !errors.Is(err, store.ErrLostClaim) {
+			t.Errorf("%s by the lapsed owner = %v; want ErrLostClaim", name, err)
+		}
+	}
+	claim("lapsed", "t2", store.Abandoned)
+	if err := s.Complete(ctx, "lapsed", "t2", time.Minute); !errors.Is(err, store.ErrLostClaim) {
+		t.Errorf("Complete by the claimer that found it abandoned = %v; want ErrLostClaim", err)
+	}
+	prune(1) // the row that Claim left forgotten
+	claim("lapsed", "t3", store.Claimed)
+
+	// Past the window: absent, not abandoned.
+	claim("old", "t1", store.Claimed)
+	age(t, pool, table, "old", time.Minute+time.Hour+time.Second)
+	claim("old", "t2", store.Claimed)
+	claim("older", "t1", store.Claimed)
+	age(t, pool, table, "older", time.Minute+time.Hour+time.Second)
+	prune(1)
+	claim("older", "t2", store.Claimed)
+
+	// A done mark, with a retention far shorter than the abandoned window.
+	claim("done", "t1", store.Claimed)
+	if err := s.Complete(ctx, "done", "t1", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	age(t, pool, table, "done", time.Minute-time.Second)
+	prune(0)
+	claim("done", "t2", store.Done)
+	age(t, pool, table, "done", 2*time.Second)
+	claim("done", "t2", store.Claimed)
+}
+
+// Each claim carries its own abandoned window: a store with a short one
+// does not forget the claim of a store with a long one.
+func TestAbandonedWindowPerClaim(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	long := newStore(t, pool, pgstore.Options{Table: table, AbandonedRetention: time.Hour, PruneEvery: -1})
+	short := newStore(t, pool, pgstore.Options{Table: table, AbandonedRetention: time.Minute, PruneEvery: -1})
+	if st, err := long.Claim(ctx, "k", "t1", time.Minute); err != nil || st != store.Claimed {
+		t.Fatalf("Claim = %v, %v; want claimed", st, err)
+	}
+	age(t, pool, table, "k", 5*time.Minute)
+	if n, err := short.Prune(ctx, 100); err != nil || n != 0 {
+		t.Errorf("Prune by the short store = %d, %v; want 0", n, err)
+	}
+	if st, err := short.Claim(ctx, "k", "t2", time.Minute); err != nil || st != store.Abandoned {
+		t.Errorf("Claim by the short store = %v, %v; want abandoned", st, err)
+	}
+}

@@ -1,0 +1,91 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// inspectScript returns the value of KEYS[1] (false when absent) and its
+// PTTL. A script, rather than GET and PTTL, because RedisClient is
+// scripts and DEL; it touches one key, so it runs on Redis Cluster.
+var inspectScript = redis.NewScript(`
+return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}`)
+
+// Inspect implements [Inspector]: two round trips, one for the claim key
+// and one for the failure key (which may live on different Cluster
+// shards).
+func (r *Redis) Inspect(ctx context.Context, key string) (KeyState, error) {
+	var k KeyState
+	v, ttl, err := r.peek(ctx, r.claimPre+key)
+	if err != nil {
+		return k, r.fail("inspect", key, err)
+	}
+	if v != nil {
+		k.Status, k.Token, k.TTL = claimState(*v, ttl)
+	}
+	v, ttl, err = r.peek(ctx, r.failurePre+key)
+	if err != nil {
+		return k, r.fail("inspect", key, err)
+	}
+	if v != nil {
+		n, err := strconv.ParseInt(*v, 10, 64)
+		if err != nil {
+			return k, r.fail("inspect", key, fmt.Errorf("failure count %q: %w", *v, err))
+		}
+		k.Failures, k.FailuresTTL = n, ttl
+	}
+	return k, nil
+}
+
+// claimState reads the value v of a claim key with time to live ttl (see
+// the key layout on [Redis]).
+func claimState(v string, ttl time.Duration) (Status, string, time.Duration) {
+	if v == doneMark {
+		return Done, "", ttl
+	}
+	rest, ok := strings.CutPrefix(v, claimTag)
+	if !ok {
+		return Processing, v, ttl // a hand-written consumer's mark
+	}
+	ms, token, ok := strings.Cut(rest, ":")
+	keep, err := strconv.ParseInt(ms, 10, 64)
+	if !ok || err != nil || ttl < 0 {
+		return Processing, v, ttl
+	}
+	if retention := time.Duration(keep) * time.Millisecond; ttl > retention {
+		return Processing, token, ttl - retention
+	}
+	return Abandoned, token, ttl
+}
+
+// peek returns the value of k (nil when absent) and its time to live (-1
+// when it has no expiry).
+func (r *Redis) peek(ctx context.Context, k string) (*string, time.Duration, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, 0, err
+	}
+	res, err := inspectScript.Run(ctx, r.client, []string{k}).Slice()
+	if err != nil {
+		return nil, 0, err
+	}
+	if len(res) != 2 {
+		return nil, 0, fmt.Errorf("unexpected script result %v", res)
+	}
+	s, ok := res[0].(string)
+	if !ok {
+		return nil, 0, nil
+	}
+	ms, _ := res[1].(int64)
+	ttl := time.Duration(ms) * time.Millisecond
+	if ms < 0 {
+		ttl = -1
+	}
+	return &s, ttl, nil
+}
+
+var _ Inspector = (*Redis)(nil)

@@ -1,0 +1,285 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// DefaultMaxBatch is the most commands a [RedisBatcher] sends in one
+// pipeline when its options leave MaxBatch zero.
+const DefaultMaxBatch = 64
+
+// RedisBatcherOptions configures a [RedisBatcher]. The zero value selects
+// the defaults.
+type RedisBatcherOptions struct {
+	// MaxBatch caps the commands in one pipeline; the callers beyond it wait
+	// for the next one. Default [DefaultMaxBatch]. It panics if negative.
+	MaxBatch int
+}
+
+// PipelineClient is what a [RedisBatcher] needs of the client it wraps:
+// scripts and pipelines. A [redis.Client], a [redis.ClusterClient] and a
+// [redis.Ring] have both.
+type PipelineClient interface {
+	redis.Scripter
+	Pipeline() redis.Pipeliner
+}
+
+// A RedisBatcher is a [RedisClient] that coalesces the script calls (Eval,
+// EvalSha, EvalRO, EvalShaRO) and DELs of concurrent callers into
+// pipelines, one round trip for many commands. Give it to [NewRedis] in
+// place of the client it wraps.
+//
+// Batching has no timer. A call is sent at once, in the caller's own
+// goroutine, when no pipeline of this batcher is in flight; a call made
+// while one is in flight waits for it, and the next pipeline carries every
+// call that queued meanwhile, at most MaxBatch of them (the rest wait for
+// the one after). So at light load nothing waits and every call is its own
+// round trip, and under load the batches grow with the concurrency. The
+// pipelines after the first of a busy spell are sent by a goroutine of the
+// batcher, which exits as soon as nothing is queued.
+//
+// Each call gets its own command and result, as on the wrapped client: one
+// command's error (a script's NOSCRIPT, which makes [redis.Script.Run]
+// send the script again with EVAL as its next call) does not touch the
+// others of its pipeline; an error of the connection fails every command
+// of that pipeline. A caller whose context ends while it waits returns at
+// once with the context's error: if its command was not yet sent, it is
+// never sent; if it was, its result is dropped and the command may or may
+// not have taken effect, as the [Store] contract allows for any error. A
+// queued pipeline runs until the latest deadline of its callers, or with
+// no deadline when one of them has none (the client's own timeouts then
+// bound it).
+//
+// On a Redis Cluster, wrap the [redis.ClusterClient]: its pipelines split
+// the commands by slot, send one pipeline per node, in parallel, and follow
+// MOVED and ASK redirections per command, so a batch never crosses nodes
+// on the wire. One batcher then has one batch in flight for the whole
+// cluster.
+//
+// Commands go through the wrapped client's pipelines and therefore through
+// its connection pool, which checks a connection's health (one system call)
+// each time a pipeline takes one: that is one check per batch rather than
+// per command, and it is what finds a connection that the server closed
+// (after a restart, say) before a batch is written to it.
+//
+// ScriptLoad and ScriptExists are not batched; they go straight to the
+// wrapped client, so that on a Cluster [Redis.Load] reaches every primary.
+// A RedisBatcher is safe for concurrent use and holds nothing to close.
+type RedisBatcher struct {
+	client PipelineClient
+	max    int
+
+	mu    sync.Mutex
+	busy  bool         // a pipeline is in flight; calls queue
+	queue []*batchCall // calls waiting for the next pipeline, in order
+}
+
+// NewRedisBatcher returns a batcher over client, which the caller keeps
+// and closes. It panics if client is nil or opts.MaxBatch is negative.
+func NewRedisBatcher(client PipelineClient, opts RedisBatcherOptions) *RedisBatcher {
+	if client == nil {
+		panic("store: NewRedisBatcher: nil client")
+	}
+	if opts.MaxBatch < 0 {
+		panic(fmt.Sprintf("store: NewRedisBatcher: negative MaxBatch %d", opts.MaxBatch))
+	}
+	max := opts.MaxBatch
+	if max == 0 {
+		max = DefaultMaxBatch
+	}
+	return &RedisBatcher{client: client, max: max}
+}
+
+type batchOp uint8
+
+const (
+	opEval batchOp = iota
+	opEvalSha
+	opEvalRO
+	opEvalShaRO
+	opDel
+)
+
+// A batchCall is one caller's command. The fields after op are written by
+// the sender before done is closed, and read by the caller only after.
+type batchCall struct {
+	ctx    context.Context
+	op     batchOp
+	script string // source or SHA1
+	keys   []string
+	args   []any
+	done   chan struct{} // closed once cmd or del holds the result
+
+	cmd *redis.Cmd
+	del *redis.IntCmd
+}
+
+// Eval implements [redis.Scripter], batched.
+func (b *RedisBatcher) Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
+	return b.script(ctx, opEval, script, keys, args)
+}
+
+// EvalSha implements [redis.Scripter], batched.
+func (b *RedisBatcher) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
+	return b.script(ctx, opEvalSha, sha1, keys, args)
+}
+
+// EvalRO implements [redis.Scripter], batched.
+func (b *RedisBatcher) EvalRO(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
+	return b.script(ctx, opEvalRO, script, keys, args)
+}
+
+// EvalShaRO implements [redis.Scripter], batched.
+func (b *RedisBatcher) EvalShaRO(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
+	return b.script(ctx, opEvalShaRO, sha1, keys, args)
+}
+
+// ScriptExists implements [redis.Scripter] on the wrapped client.
+func (b *RedisBatcher) ScriptExists(ctx context.Context, hashes ...string) *redis.BoolSliceCmd {
+	return b.client.ScriptExists(ctx, hashes...)
+}
+
+// ScriptLoad implements [redis.Scripter] on the wrapped client.
+func (b *RedisBatcher) ScriptLoad(ctx context.Context, script string) *redis.StringCmd {
+	return b.client.ScriptLoad(ctx, script)
+}
+
+// Del deletes keys, batched.
+func (b *RedisBatcher) Del(ctx context.Context, keys ...string) *redis.IntCmd {
+	c := &batchCall{ctx: ctx, op: opDel, keys: keys}
+	if err := b.do(c); err != nil {
+		cmd := redis.NewIntCmd(ctx, "del")
+		cmd.SetErr(err)
+		return cmd
+	}
+	return c.del
+}
+
+func (b *RedisBatcher) script(ctx context.Context, op batchOp, script string, keys []string, args []any) *redis.Cmd {
+	c := &batchCall{ctx: ctx, op: op, script: script, keys: keys, args: args}
+	if err := b.do(c); err != nil {
+		cmd := redis.NewCmd(ctx)
+		cmd.SetErr(err)
+		return cmd
+	}
+	return c.cmd
+}
+
+// do runs c, alone at once if nothing is in flight, else in a later
+// pipeline. It returns a non-nil error only when c's context ended before
+// c's result came; c's own result is then not to be read.
+func (b *RedisBatcher) do(c *batchCall) error {
+	b.mu.Lock()
+	if !b.busy {
+		b.busy = true
+		b.mu.Unlock()
+		b.send(c.ctx, []*batchCall{c})
+		b.next()
+		return nil
+	}
+	c.done = make(chan struct{})
+	b.queue = append(b.queue, c)
+	b.mu.Unlock()
+
+	select {
+	case <-c.done:
+		return nil
+	case <-c.ctx.Done():
+	}
+	b.mu.Lock()
+	if i := slices.Index(b.queue, c); i >= 0 {
+		b.queue = slices.Delete(b.queue, i, i+1)
+	}
+	b.mu.Unlock()
+	select {
+	case <-c.done: // the result came after all: give it
+		return nil
+	default:
+		return c.ctx.Err()
+	}
+}
+
+// next is called by the sender of a pipeline once its results are
+// delivered: it hands what queued meanwhile to a goroutine that sends
+// pipelines until the queue is empty, or marks the batcher idle.
+func (b *RedisBatcher) next() {
+	b.mu.Lock()
+	if len(b.queue) == 0 {
+		b.busy = false
+		b.mu.Unlock()
+		return
+	}
+	b.mu.Unlock()
+	go b.drain()
+}
+
+// drain sends the queued calls, MaxBatch at a time, and returns once the
+// queue is empty, leaving the batcher idle.
+func (b *RedisBatcher) drain() {
+	for {
+		b.mu.Lock()
+		n := min(len(b.queue), b.max)
+		if n == 0 {
+			b.busy = false
+			b.mu.Unlock()
+			return
+		}
+		batch := slices.Clone(b.queue[:n])
+		b.queue = slices.Delete(b.queue, 0, n)
+		b.mu.Unlock()
+
+		ctx, cancel := batchContext(batch)
+		b.send(ctx, batch)
+		cancel()
+		for _, c := range batch {
+			close(c.done)
+		}
+	}
+}
+
+// batchContext returns the context a pipeline of batch runs under: no
+// values and no cancellation of any one caller, and the latest of their
+// deadlines if every one has a deadline.
+func batchContext(batch []*batchCall) (context.Context, context.CancelFunc) {
+	var latest time.Time
+	for _, c := range batch {
+		d, ok := c.ctx.Deadline()
+		if !ok {
+			return context.Background(), func() {}
+		}
+		if d.After(latest) {
+			latest = d
+		}
+	}
+	return context.WithDeadline(context.Background(), latest)
+}
+
+// send sends batch as one pipeline under ctx and leaves each call's result
+// in its command.
+func (b *RedisBatcher) send(ctx context.Context, batch []*batchCall) {
+	pipe := b.client.Pipeline()
+	for _, c := range batch {
+		switch c.op {
+		case opEval:
+			c.cmd = pipe.Eval(ctx, c.script, c.keys, c.args...)
+		case opEvalSha:
+			c.cmd = pipe.EvalSha(ctx, c.script, c.keys, c.args...)
+		case opEvalRO:
+			c.cmd = pipe.EvalRO(ctx, c.script, c.keys, c.args...)
+		case opEvalShaRO:
+			c.cmd = pipe.EvalShaRO(ctx, c.script, c.keys, c.args...)
+		case opDel:
+			c.del = pipe.Del(ctx, c.keys...)
+		}
+	}
+	// Exec's error is the first command's error; each command holds its own.
+	_, _ = pipe.Exec(ctx)
+}
+
+var _ RedisClient = (*RedisBatcher)(nil)

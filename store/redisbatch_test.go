@@ -1,0 +1,338 @@
+package store_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"slices"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/storetest"
+)
+
+func TestRedisBatcherConformanceMiniredis(t *testing.T) {
+	storetest.Run(t, func(t *testing.T) store.Store {
+		_, c := newMiniredis(t)
+		return store.NewRedis(store.NewRedisBatcher(c, store.RedisBatcherOptions{}), store.RedisOptions{})
+	})
+}
+
+func TestRedisBatcherConformanceServer(t *testing.T) {
+	addr := testenv.RedisAddr(t)
+	c := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
+	t.Cleanup(func() { c.Close() })
+	b := store.NewRedisBatcher(c, store.RedisBatcherOptions{})
+	storetest.Run(t, func(t *testing.T) store.Store {
+		return store.NewRedis(b, store.RedisOptions{Prefix: "rabbitmw-test-batch:"})
+	})
+}
+
+// A gate is a redis.Hook that records the size of every pipeline and, while
+// closed, holds each pipeline before it is sent until the test lets it go.
+type gate struct {
+	mu     sync.Mutex
+	sizes  []int
+	closed bool
+	held   chan struct{} // receives once per held pipeline
+	open   chan struct{} // a send lets one held pipeline go
+}
+
+func newGate() *gate {
+	return &gate{held: make(chan struct{}, 100), open: make(chan struct{})}
+}
+
+func (g *gate) close() { g.mu.Lock(); g.closed = true; g.mu.Unlock() }
+
+func (g *gate) Sizes() []int { g.mu.Lock(); defer g.mu.Unlock(); return slices.Clone(g.sizes) }
+
+func (g *gate) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (g *gate) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+
+func (g *gate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if n := cmds[0].Name(); n == "hello" || n == "client" || n == "auth" {
+			return next(ctx, cmds) // a new connection's handshake
+		}
+		g.mu.Lock()
+		g.sizes = append(g.sizes, len(cmds))
+		closed := g.closed
+		g.mu.Unlock()
+		if closed {
+			g.held <- struct{}{}
+			<-g.open
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// gated returns a miniredis client with a closed gate, and a batcher over it.
+func gated(t *testing.T, opts store.RedisBatcherOptions) (*miniredis.Miniredis, *redis.Client, *gate, *store.RedisBatcher) {
+	t.Helper()
+	m, c := newMiniredis(t)
+	g := newGate()
+	g.close()
+	c.AddHook(g)
+	return m, c, g, store.NewRedisBatcher(c, opts)
+}
+
+// waitQueued waits until n calls wait in b's queue: they are goroutines of
+// the test, scheduled by the runtime, and nothing else tells when they got
+// there.
+func waitQueued(t *testing.T, b *store.RedisBatcher, n int) {
+	t.Helper()
+	for b.Queued() < n {
+		runtime.Gosched()
+	}
+}
+
+const echo = "return ARGV[1]"
+
+// While a pipeline is in flight, concurrent calls queue, and the next
+// pipeline carries all of them, each with its own result.
+func TestRedisBatcherCoalesces(t *testing.T) {
+	_, _, g, b := gated(t, store.RedisBatcherOptions{})
+	ctx := context.Background()
+
+	first := make(chan string, 1)
+	go func() { first <- b.Eval(ctx, echo, []string{"k0"}, "first").Val().(string) }()
+	<-g.held
+
+	const n = 20
+	got := make([]string, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			key := "k" + strconv.Itoa(i)
+			got[i], errs[i] = b.Eval(ctx, echo, []string{key}, "v"+strconv.Itoa(i)).Text()
+		})
+	}
+	waitQueued(t, b, n)
+	g.open <- struct{}{} // the first pipeline
+	<-g.held
+	g.open <- struct{}{} // the second
+	wg.Wait()
+	if v := <-first; v != "first" {
+		t.Errorf("first call = %q; want %q", v, "first")
+	}
+	for i := range n {
+		if want := "v" + strconv.Itoa(i); got[i] != want || errs[i] != nil {
+			t.Errorf("call %d = %q, %v; want %q, nil", i, got[i], errs[i], want)
+		}
+	}
+	if s := g.Sizes(); !slices.Equal(s, []int{1, n}) {
+		t.Errorf("pipeline sizes = %v; want [1 %d]", s, n)
+	}
+}
+
+// MaxBatch caps a pipeline; the calls beyond it go in the next one.
+func TestRedisBatcherMaxBatch(t *testing.T) {
+	_, _, g, b := gated(t, store.RedisBatcherOptions{MaxBatch: 3})
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	wg.Go(func() { b.Del(ctx, "x") })
+	<-g.held
+	for i := range 7 {
+		wg.Go(func() { b.Del(ctx, "k"+strconv.Itoa(i)) })
+	}
+	waitQueued(t, b, 7)
+	g.open <- struct{}{}
+	for range 3 {
+		<-g.held
+		g.open <- struct{}{}
+	}
+	wg.Wait()
+	if s := g.Sizes(); !slices.Equal(s, []int{1, 3, 3, 1}) {
+		t.Errorf("pipeline sizes = %v; want [1 3 3 1]", s)
+	}
+}
+
+// Many goroutines, with no gate: every caller gets its own result, and the
+// commands travel in fewer pipelines than there are calls.
+func TestRedisBatcherConcurrent(t *testing.T) {
+	_, c := newMiniredis(t)
+	g := newGate()
+	c.AddHook(g)
+	b := store.NewRedisBatcher(c, store.RedisBatcherOptions{MaxBatch: 8})
+	ctx := context.Background()
+	const workers, each = 16, 50
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for i := range each {
+				want := fmt.Sprintf("%d-%d", w, i)
+				if err := b.EvalSha(ctx, "", nil).Err(); err == nil {
+					t.Errorf("EvalSha of an empty digest succeeded")
+				}
+				got, err := b.Eval(ctx, echo, []string{want}, want).Text()
+				if got != want || err != nil {
+					t.Errorf("Eval(%s) = %q, %v; want %q, nil", want, got, err, want)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	sizes := g.Sizes()
+	total := 0
+	for _, s := range sizes {
+		total += s
+		if s > 8 {
+			t.Errorf("a pipeline of %d commands; want at most MaxBatch 8", s)
+		}
+	}
+	if total != 2*workers*each {
+		t.Errorf("%d commands sent; want %d", total, 2*workers*each)
+	}
+	t.Logf("%d commands in %d pipelines", total, len(sizes))
+}
+
+// Script.Run over the batcher: EVALSHA answered NOSCRIPT in a pipeline is
+// sent again as EVAL, for each caller, and the others of its pipeline are
+// not touched.
+func TestRedisBatcherNoScript(t *testing.T) {
+	_, c, g, b := gated(t, store.RedisBatcherOptions{})
+	ctx := context.Background()
+	s := redis.NewScript("return 'ran ' .. ARGV[1]")
+	if err := s.Load(ctx, b).Err(); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	wg.Go(func() { b.Del(ctx, "x") })
+	<-g.held
+	c.ScriptFlush(ctx) // every EVALSHA of the next pipeline fails
+	const n = 6
+	got := make([]string, n)
+	for i := range n {
+		wg.Go(func() { got[i], _ = s.Run(ctx, b, []string{"k"}, strconv.Itoa(i)).Text() })
+	}
+	waitQueued(t, b, n)
+	g.mu.Lock()
+	g.closed = false
+	g.mu.Unlock()
+	g.open <- struct{}{}
+	wg.Wait()
+	for i := range n {
+		if want := "ran " + strconv.Itoa(i); got[i] != want {
+			t.Errorf("Run %d = %q; want %q", i, got[i], want)
+		}
+	}
+}
+
+// A caller whose context ends while it waits returns at once, and its
+// command is never sent; the others are not touched.
+func TestRedisBatcherContextEndsWhileQueued(t *testing.T) {
+	m, _, g, b := gated(t, store.RedisBatcherOptions{})
+	bg := context.Background()
+	var wg sync.WaitGroup
+	wg.Go(func() { b.Del(bg, "x") })
+	<-g.held
+
+	ctx, cancel := context.WithCancelCause(bg)
+	var leftErr error
+	var left sync.WaitGroup
+	left.Go(func() { leftErr = b.Eval(ctx, "redis.call('SET', KEYS[1], 'x')", []string{"abandoned"}).Err() })
+	wg.Go(func() { b.Eval(bg, "redis.call('SET', KEYS[1], 'x')", []string{"kept"}) })
+	waitQueued(t, b, 2)
+	cancel(errors.New("caller gave up"))
+	left.Wait()
+	if !errors.Is(leftErr, context.Canceled) {
+		t.Errorf("Eval after its context ended = %v; want context.Canceled", leftErr)
+	}
+	if q := b.Queued(); q != 1 {
+		t.Errorf("%d calls queued after one left; want 1", q)
+	}
+	g.open <- struct{}{}
+	<-g.held
+	g.open <- struct{}{}
+	wg.Wait()
+	if m.Exists("abandoned") || !m.Exists("kept") {
+		t.Errorf("abandoned exists %v, kept %v; want false, true", m.Exists("abandoned"), m.Exists("kept"))
+	}
+	if s := g.Sizes(); !slices.Equal(s, []int{1, 1}) {
+		t.Errorf("pipeline sizes = %v; want [1 1]", s)
+	}
+}
+
+// A caller whose context ends while its pipeline is in flight returns at
+// once with the context's error; the pipeline goes on for the others.
+func TestRedisBatcherContextEndsInFlight(t *testing.T) {
+	_, _, g, b := gated(t, store.RedisBatcherOptions{})
+	bg := context.Background()
+	var wg sync.WaitGroup
+	wg.Go(func() { b.Del(bg, "x") })
+	<-g.held
+
+	ctx, cancel := context.WithCancel(bg)
+	var leftErr error
+	var left sync.WaitGroup
+	left.Go(func() { leftErr = b.Eval(ctx, echo, []string{"a"}, "a").Err() })
+	var kept string
+	wg.Go(func() { kept, _ = b.Eval(bg, echo, []string{"b"}, "b").Text() })
+	waitQueued(t, b, 2)
+	g.open <- struct{}{}
+	<-g.held // the second pipeline, holding both, is in flight
+	cancel()
+	left.Wait()
+	if !errors.Is(leftErr, context.Canceled) {
+		t.Errorf("Eval whose context ended in flight = %v; want context.Canceled", leftErr)
+	}
+	g.open <- struct{}{}
+	wg.Wait()
+	if kept != "b" {
+		t.Errorf("the other call = %q; want %q", kept, "b")
+	}
+}
+
+// Redis restarts while a pipeline is in flight: its commands fail with the
+// connection's error, each caller gets one, and the batcher goes on once
+// Redis is back.
+func TestRedisBatcherRestartMidBatch(t *testing.T) {
+	m, _, g, b := gated(t, store.RedisBatcherOptions{})
+	bg := context.Background()
+	var wg sync.WaitGroup
+	wg.Go(func() { b.Del(bg, "x") })
+	<-g.held
+	const n = 5
+	errs := make([]error, n)
+	for i := range n {
+		wg.Go(func() { errs[i] = b.Eval(bg, echo, []string{"k"}, "v").Err() })
+	}
+	waitQueued(t, b, n)
+	g.open <- struct{}{}
+	<-g.held
+	m.Close()
+	g.open <- struct{}{}
+	wg.Wait()
+	for i, err := range errs {
+		if err == nil {
+			t.Errorf("call %d while Redis was down = %v; want a connection error", i, err)
+		}
+	}
+	if err := m.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	g.mu.Lock()
+	g.closed = false
+	g.mu.Unlock()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		v, err := b.Eval(bg, echo, []string{"k"}, "back").Text()
+		if err == nil && v == "back" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("Eval after the restart = %q, %v; want \"back\"", v, err)
+		}
+		time.Sleep(10 * time.Millisecond) // waits for the server to answer
+	}
+}
