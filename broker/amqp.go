@@ -16,6 +16,7 @@ import (
 const (
 	dialTimeout      = 30 * time.Second // TCP connect
 	handshakeTimeout = 30 * time.Second // TLS and AMQP handshakes
+	closeTimeout     = 5 * time.Second  // the connection.close handshake
 )
 
 // amqpTransport connects to RabbitMQ with amqp091. Its connections have no
@@ -96,7 +97,10 @@ func (t *amqpTransport) dial(ctx context.Context, name string) (session, error) 
 		conn.Close()
 		return nil, fmt.Errorf("%w: %s: %w", ErrUnreachable, t, ctx.Err())
 	}
-	s, err := newAMQPSession(conn)
+	mu.Lock()
+	socket := raw
+	mu.Unlock()
+	s, err := newAMQPSession(conn, socket)
 	if err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("%w: %s: open channels: %w", ErrUnreachable, t, err)
@@ -124,25 +128,41 @@ func (t *amqpTransport) dialError(err error) error {
 // short-lived channel each, so that the server's refusals (which close the
 // channel they occur on) do not end the session.
 //
-// It runs two goroutines, both ended when the connection closes (the
-// notify channels they read are closed by amqp091 then): watch, which closes
-// done when the connection or con or pub closes, and confirms, which
-// resolves publishes.
+// It runs three goroutines, all ended when the connection closes: watch,
+// which closes done when the connection or con or pub closes; confirms,
+// which resolves publishes; both end when amqp091 closes the notify
+// channels they read; and publisher, the only caller of pub.Publish, which
+// ends when done is closed.
+//
+// amqp091's Publish can block for long: on the channel's mutex, which it
+// holds while it writes (behind another publish) and which the channel's
+// shutdown holds; and on the socket, when the server stops reading (a
+// resource alarm) or the network stops answering. PublishWithContext looks
+// at its context only before it starts. So the callers of publish do not
+// call it: they hand their message to the publisher goroutine and wait for
+// the result or for their context, whichever comes first. A write that
+// stays blocked ends when close closes the socket.
 type amqpSession struct {
-	conn *amqp.Connection
-	pub  *amqp.Channel
-	con  *amqp.Channel
+	conn     *amqp.Connection
+	raw      net.Conn // the socket under conn
+	maxProps int      // see session.maxProperties
+	pub      *amqp.Channel
+	con      *amqp.Channel
 
 	done    chan struct{}
 	err     error // why done was closed; written before
 	cancels chan string
 	wg      sync.WaitGroup
 
-	// pubMu serialises GetNextPublishSeqNo with Publish so that each
-	// publish knows its sequence number. It is never held by the confirms
-	// goroutine, which amqp091's reader may be blocked on.
-	pubMu sync.Mutex
-	// pendMu guards pending, returned and byID, and only ever briefly.
+	// requests hands a publish to the publisher goroutine. Unbuffered: a
+	// publish handed over is being sent, and one not handed over can be
+	// given up.
+	requests chan *pendingPublish
+
+	// pendMu guards pending, returned, byID, unconfirmed and the settled
+	// flag of each publish, and is only ever held briefly: never across a
+	// call of amqp091 that may wait for its reader, which may be blocked
+	// handing a confirm to the confirms goroutine.
 	pendMu   sync.Mutex
 	pending  map[uint64]*pendingPublish
 	returned map[string]int // message id -> basic.returns not yet matched
@@ -151,26 +171,44 @@ type amqpSession struct {
 	// in flight at once could not be told apart: a publish waits until the
 	// one before it with its id is resolved.
 	byID map[string]*pendingPublish
+	// unconfirmed is set when the confirms goroutine has ended: no confirm
+	// will come for a publish sent after that.
+	unconfirmed bool
 
 	getMu sync.Mutex
 	getCh *amqp.Channel
 }
 
-// A pendingPublish waits for its confirm. done receives nil, ErrUnroutable,
-// ErrNacked, or errChannelClosed; resolved is closed then.
+// A pendingPublish is one call of publish: the message, and its result.
+// It is resolved exactly once, by whichever comes first of its confirm (or
+// return), the close of its channel, a failure to send it, or its caller
+// giving up before it was sent; done then receives the result (nil,
+// ErrUnroutable, ErrNacked, errChannelClosed, a *sendError, or the
+// caller's context error) and resolved is closed.
 type pendingPublish struct {
-	id       string
-	done     chan error
+	exchange, key string
+	msg           amqp.Publishing
+	// abandoned is the caller's ctx.Done(): once it is closed, a publish
+	// not yet sent is not sent.
+	abandoned <-chan struct{}
+
+	done     chan error // buffered: resolve never blocks
 	resolved chan struct{}
+	settled  bool
 }
 
-// resolve delivers res to p and lets the next publish of p's id go.
-// s.pendMu must be held.
+// resolve settles p with res, unless it is settled already (the first
+// result stands), and lets the next publish of p's id go. s.pendMu must be
+// held.
 func (s *amqpSession) resolve(p *pendingPublish, res error) {
-	p.done <- res // buffered: never blocks
+	if p.settled {
+		return
+	}
+	p.settled = true
+	p.done <- res
 	close(p.resolved)
-	if s.byID[p.id] == p {
-		delete(s.byID, p.id)
+	if s.byID[p.msg.MessageId] == p {
+		delete(s.byID, p.msg.MessageId)
 	}
 }
 
@@ -178,14 +216,24 @@ func (s *amqpSession) resolve(p *pendingPublish, res error) {
 // confirm; the session's reason says why.
 var errChannelClosed = errors.New("publish channel closed")
 
-func newAMQPSession(conn *amqp.Connection) (*amqpSession, error) {
+// A sendError is amqp091's failure to send a publish.
+type sendError struct{ err error }
+
+func (e *sendError) Error() string { return e.err.Error() }
+
+func newAMQPSession(conn *amqp.Connection, raw net.Conn) (*amqpSession, error) {
 	s := &amqpSession{
 		conn:     conn,
+		raw:      raw,
 		done:     make(chan struct{}),
 		cancels:  make(chan string, 1),
+		requests: make(chan *pendingPublish),
 		pending:  make(map[uint64]*pendingPublish),
 		returned: make(map[string]int),
 		byID:     make(map[string]*pendingPublish),
+	}
+	if n := conn.Config.FrameSize; n > 0 { // negotiated by now
+		s.maxProps = n - frameOverhead
 	}
 	var err error
 	if s.pub, err = conn.Channel(); err != nil {
@@ -209,9 +257,10 @@ func newAMQPSession(conn *amqp.Connection) (*amqpSession, error) {
 	// recorded before the ack can be received.
 	returns := s.pub.NotifyReturn(make(chan amqp.Return))
 	confirms := s.pub.NotifyPublish(make(chan amqp.Confirmation))
-	s.wg.Add(2)
+	s.wg.Add(3)
 	go s.watch(connClosed, pubClosed, conClosed)
 	go s.confirms(confirms, returns)
+	go s.publisher()
 	return s, nil
 }
 
@@ -259,26 +308,25 @@ func (s *amqpSession) confirms(confirms <-chan amqp.Confirmation, returns <-chan
 					s.resolve(p, errChannelClosed)
 					delete(s.pending, seq)
 				}
+				s.unconfirmed = true
 				s.pendMu.Unlock()
 				return
 			}
 			s.pendMu.Lock()
 			p := s.pending[c.DeliveryTag]
 			delete(s.pending, c.DeliveryTag)
-			var res error
 			if p != nil {
-				if n := s.returned[p.id]; n > 0 {
+				var res error
+				if n := s.returned[p.msg.MessageId]; n > 0 {
 					if n == 1 {
-						delete(s.returned, p.id)
+						delete(s.returned, p.msg.MessageId)
 					} else {
-						s.returned[p.id] = n - 1
+						s.returned[p.msg.MessageId] = n - 1
 					}
 					res = ErrUnroutable
 				} else if !c.Ack {
 					res = ErrNacked
 				}
-			}
-			if p != nil {
 				s.resolve(p, res)
 			}
 			s.pendMu.Unlock()
@@ -286,16 +334,86 @@ func (s *amqpSession) confirms(confirms <-chan amqp.Confirmation, returns <-chan
 	}
 }
 
+// publisher sends the publishes handed to it, one at a time, until done is
+// closed; it ends then. Being the only caller of pub.Publish, it knows the
+// sequence number of each publish without holding a lock across the call.
+func (s *amqpSession) publisher() {
+	defer s.wg.Done()
+	for {
+		select {
+		case p := <-s.requests:
+			s.send(p)
+		case <-s.done:
+			return
+		}
+	}
+}
+
+// send publishes p on pub and records it as pending its confirm.
+func (s *amqpSession) send(p *pendingPublish) {
+	select {
+	case <-p.abandoned:
+		// Its caller gave up before it was sent: it is not sent.
+		s.pendMu.Lock()
+		s.resolve(p, errAbandoned)
+		s.pendMu.Unlock()
+		return
+	default:
+	}
+	// Outside pendMu: amqp091 takes its confirms' lock here, which its
+	// reader holds while it hands a confirm to the confirms goroutine.
+	seq := s.pub.GetNextPublishSeqNo()
+	s.pendMu.Lock()
+	if s.unconfirmed {
+		// The channel closed, and its confirms with it.
+		s.resolve(p, errChannelClosed)
+		s.pendMu.Unlock()
+		return
+	}
+	s.pending[seq] = p
+	s.pendMu.Unlock()
+	if err := s.pub.Publish(p.exchange, p.key, true, false, p.msg); err != nil {
+		// The confirms goroutine may have failed p already, if the channel
+		// closed meanwhile: the first result stands.
+		s.pendMu.Lock()
+		if s.pending[seq] == p {
+			delete(s.pending, seq)
+		}
+		s.resolve(p, &sendError{err: err})
+		s.pendMu.Unlock()
+	}
+}
+
+// errAbandoned resolves a publish whose caller gave up before it was sent;
+// nobody reads it.
+var errAbandoned = errors.New("publish abandoned")
+
 func (s *amqpSession) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	// amqp091 would refuse an invalid message as it writes it, closing the
+	// connection; RabbitMQ, or a consumer's amqp091, would close theirs.
+	size, err := checkPublishing(exchange, key, msg)
+	if err == nil {
+		err = fitFrame(size, s.maxProps, 0)
+	}
+	if err != nil {
+		return err
+	}
 	if err := ctx.Err(); err != nil {
 		return err // nothing sent
 	}
-	p := &pendingPublish{id: msg.MessageId, done: make(chan error, 1), resolved: make(chan struct{})}
+	p := &pendingPublish{
+		exchange:  exchange,
+		key:       key,
+		msg:       msg,
+		abandoned: ctx.Done(),
+		done:      make(chan error, 1),
+		resolved:  make(chan struct{}),
+	}
 	for {
 		s.pendMu.Lock()
-		prev := s.byID[p.id]
+		prev := s.byID[msg.MessageId]
 		if prev == nil {
-			s.byID[p.id] = p
+			s.byID[msg.MessageId] = p
 			s.pendMu.Unlock()
 			break
 		}
@@ -308,42 +426,34 @@ func (s *amqpSession) publish(ctx context.Context, exchange, key string, msg amq
 			return s.err
 		}
 	}
-	s.pubMu.Lock()
-	select {
-	case <-s.done:
-		s.pubMu.Unlock()
-		s.pendMu.Lock()
-		s.resolve(p, s.err)
-		s.pendMu.Unlock()
-		return s.err
-	default:
-	}
-	seq := s.pub.GetNextPublishSeqNo()
-	s.pendMu.Lock()
-	s.pending[seq] = p
-	s.pendMu.Unlock()
-	err := s.pub.Publish(exchange, key, true, false, msg)
-	if err != nil {
-		s.pendMu.Lock()
-		delete(s.pending, seq)
-		s.resolve(p, err)
-		s.pendMu.Unlock()
-	}
-	s.pubMu.Unlock()
-	if err != nil {
-		return s.translate(err)
-	}
 	var res error
+	select {
+	case s.requests <- p:
+	case <-ctx.Done():
+		res = ctx.Err()
+	case <-s.done:
+		res = s.err
+	}
+	if res != nil {
+		// Not handed over: it is ours to resolve.
+		s.pendMu.Lock()
+		s.resolve(p, res)
+		s.pendMu.Unlock()
+		return res
+	}
 	select {
 	case res = <-p.done:
 	case <-ctx.Done():
-		// The entry stays in pending: the confirms goroutine removes it,
+		// The publish stays pending: the confirms goroutine removes it,
 		// and matches its return, if any.
 		return ctx.Err()
 	}
+	var se *sendError
 	switch {
 	case res == nil:
 		return nil
+	case errors.As(res, &se):
+		return s.translate(se.err)
 	case errors.Is(res, errChannelClosed):
 		<-s.done // closed by watch, if not already: pub is closed
 		var ae *amqp.Error
@@ -482,12 +592,20 @@ func (s *amqpSession) get(_ context.Context, queue string) (*amqp.Delivery, bool
 	return &d, true, nil
 }
 
+func (s *amqpSession) maxProperties() int       { return s.maxProps }
 func (s *amqpSession) closed() <-chan struct{}  { return s.done }
 func (s *amqpSession) reason() error            { return s.err }
 func (s *amqpSession) cancelled() <-chan string { return s.cancels }
 
 func (s *amqpSession) close() error {
-	err := s.conn.Close()
+	err := s.conn.CloseDeadline(time.Now().Add(closeTimeout))
+	// A write that amqp091 is blocked in holds the publish channel's
+	// mutex, which the connection's shutdown waits for (and CloseDeadline
+	// returns at once if that shutdown has begun): closing the socket ends
+	// the write, the shutdown, and the session's goroutines.
+	if s.raw != nil {
+		s.raw.Close()
+	}
 	s.wg.Wait()
 	if errors.Is(err, amqp.ErrClosed) {
 		err = nil

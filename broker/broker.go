@@ -48,6 +48,12 @@ var (
 	// ErrQueueArguments reports a queue that exists with other arguments than
 	// the ones the topology declares (RabbitMQ's 406 PRECONDITION_FAILED).
 	ErrQueueArguments = errors.New("broker: queue exists with other arguments")
+	// ErrInvalidMessage reports a message that cannot be sent as it is: a
+	// property, name or header that AMQP 0-9-1 cannot carry, or that
+	// amqp091 could not read back. It is refused before anything is sent,
+	// and trying again cannot help; the error names the field and the
+	// limit.
+	ErrInvalidMessage = errors.New("broker: invalid message")
 	// ErrShutdownTimeout reports handlers that had not returned when the
 	// shutdown deadline (ConsumeOptions.ShutdownTimeout) and a short grace
 	// had passed.
@@ -289,6 +295,20 @@ func (b *Broker) do(ctx context.Context, op string, f func(session) error) error
 // When ctx is done first, Publish returns an error wrapping ctx.Err(); the
 // message may or may not have been delivered.
 //
+// A message that cannot be sent as it is fails at once with an error
+// wrapping ErrInvalidMessage, before anything is sent and without touching
+// the connection: an exchange, routing key or short-string property
+// (MessageId, CorrelationId, ReplyTo, Type, AppId, UserId, ContentType,
+// ContentEncoding, Expiration) over 255 bytes; a header value of a type
+// amqp091 does not send (it sends bool, int8, uint8, int16, uint16,
+// int32, uint32, int64, float32, float64, amqp.Decimal, string, []byte,
+// time.Time, amqp.Table, []any and nil; an int only within 32 bits), a
+// header name over 255 bytes, or tables and arrays nested more than 32
+// deep or holding more than 8192 entries, which amqp091 cannot read back;
+// properties and headers that leave less than 8 KiB of the server's frame
+// (frame_max, 128 KiB by default) free, for the headers added when the
+// message is retried or dead-lettered.
+//
 // A publish the server refuses by closing the channel (a UserId that is not
 // the connection's user, a body above the server's size limit, a missing
 // write permission) fails with the server's error; publishes in flight on
@@ -312,10 +332,14 @@ func (b *Broker) Publish(ctx context.Context, exchange, key string, msg amqp.Pub
 			defer func() { done(err) }()
 		}
 	}
-	if err := msg.Headers.Validate(); err != nil {
-		return fmt.Errorf("broker: publish: invalid headers: %w", err)
+	size, err := checkPublishing(exchange, key, msg)
+	if err != nil {
+		return err
 	}
 	return b.do(ctx, "publish", func(s session) error {
+		if err := fitFrame(size, s.maxProperties(), retryHeadroom); err != nil {
+			return err
+		}
 		return s.publish(ctx, exchange, key, msg)
 	})
 }

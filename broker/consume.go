@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"runtime/debug"
 	"strconv"
 	"sync"
@@ -90,7 +91,12 @@ var consumerSeq atomic.Uint64
 // The original of a copy is settled only once the copy's fate is known. If
 // the server refuses the copy (unroutable, or nacked), the original is
 // nacked with requeue after a pause of about a second: a message is never
-// lost for a failed settlement, and never requeued in a hot loop. If the
+// lost for a failed settlement, and never requeued in a hot loop. A copy
+// that can never be sent (ErrInvalidMessage: too big for a frame with the
+// headers it adds) is not tried again: a delayed message is dead-lettered
+// instead, and a dead-letter copy is sent with its fault headers cut
+// short or, if even that does not fit, the original is rejected to the
+// work queue's dead-letter exchange, and the reason logged at Error. If the
 // copy's fate cannot be known, because the connection is lost before its
 // confirm, or the confirm has not come two minutes after the copy was sent
 // (Consume then gives the connection up, and connects again), the original
@@ -623,7 +629,10 @@ func (c *consumer) settle(hctx context.Context, s session, d *amqp.Delivery, dec
 }
 
 // delay sends a copy of d to the delay queue for dec.Delay and acks d once
-// the copy is confirmed.
+// the copy is confirmed. A copy that cannot be sent (ErrInvalidMessage:
+// with what a delay adds, it would not leave a frame's headroom free, as
+// it must since it comes back with RabbitMQ's x-death) would fail the same
+// way every time: d is dead-lettered instead, with the reason.
 func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision, giveUp func(error)) error {
 	tr, over := c.top.tierFor(dec.Delay)
 	var due time.Time
@@ -633,26 +642,73 @@ func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec r
 		due = time.Now().Add(dec.Delay)
 	}
 	msg := republishing(d, delayHeaders(d, dec, c.top.queue, due))
-	err := c.publishCopy(ctx, s, tr.queue, msg)
+	err := c.publishCopy(ctx, s, tr.queue, msg, retryHeadroom)
 	c.b.cfg.obs.republish(ctx, RepublishEvent{Outcome: rabbitmw.Delay, Queue: c.top.queue, To: tr.queue, Delay: dec.Delay, Err: err, Delivery: d})
+	if errors.Is(err, ErrInvalidMessage) {
+		return c.deadLetter(ctx, s, d, rabbitmw.Decision{
+			Outcome:  rabbitmw.DeadLetter,
+			Attempts: dec.Attempts,
+			Err:      copyRefused("delay", err, dec.Err),
+		}, giveUp)
+	}
 	if err != nil {
 		return c.copyFailed(ctx, s, d, "delay", tr.queue, err, giveUp)
 	}
 	return d.Ack(false)
 }
 
+// copyRefused is the reason for dead-lettering a message whose copy of kind
+// what could not be sent (refusal), after its handler's result (cause, nil
+// for a delivery that was not handled): cause first, so that the error
+// type header names the handler's error.
+func copyRefused(what string, refusal, cause error) error {
+	if cause == nil {
+		return fmt.Errorf("broker: the %s copy cannot be sent: %w", what, refusal)
+	}
+	return fmt.Errorf("%w (and the %s copy cannot be sent: %v)", cause, what, refusal)
+}
+
+// maxCutErrorText bounds HeaderError on a dead-letter copy cut to fit.
+const maxCutErrorText = 512
+
 // deadLetter sends a copy of d with fault headers to the dead-letter queue
 // and acks d once the copy is confirmed.
+//
+// A copy that cannot be sent (ErrInvalidMessage; with d as delivered,
+// only because its fault headers make it too big for a frame) is sent
+// again without most of them: d's headers, the attempt count, the queue,
+// and HeaderError cut to 512 bytes, saying so. If even that cannot be
+// sent, d fills its frame: it is rejected without requeue, and the
+// reason logged at Error. The work queue's dead-letter arguments then take
+// it to the dead-letter queue, without fault headers, with RabbitMQ's
+// x-death (reason "rejected") (DeclareAll declares them; a work queue
+// declared elsewhere without them drops it). It is never requeued: it
+// would fail the same way again.
 func (c *consumer) deadLetter(ctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision, giveUp func(error)) error {
 	h := faultHeaders(d, dec, c.top.queue, time.Now(), c.b.cfg.host, c.b.cfg.process)
-	err := c.publishCopy(ctx, s, c.top.dlq, republishing(d, h))
+	errText, _ := h[HeaderError].(string)
+	attempts, _ := h[rabbitmw.HeaderAttempts].(int64)
+	err := c.publishCopy(ctx, s, c.top.dlq, republishing(d, h), 0)
+	if errors.Is(err, ErrInvalidMessage) {
+		cut := make(amqp.Table, len(d.Headers)+3)
+		maps.Copy(cut, d.Headers)
+		cut[HeaderError] = truncate("broker: fault headers cut, the dead-letter copy did not fit ("+err.Error()+"): "+errText, maxCutErrorText)
+		cut[rabbitmw.HeaderAttempts] = attempts
+		cut[HeaderOriginalQueue] = c.top.queue
+		err = c.publishCopy(ctx, s, c.top.dlq, republishing(d, cut), 0)
+	}
 	errType, _ := h[HeaderErrorType].(string)
 	c.b.cfg.obs.republish(ctx, RepublishEvent{Outcome: rabbitmw.DeadLetter, Queue: c.top.queue, To: c.top.dlq, ErrorType: errType, Err: err, Delivery: d})
+	if errors.Is(err, ErrInvalidMessage) {
+		c.log.LogAttrs(ctx, slog.LevelError, "broker: dead-letter copy cannot be sent; the message is rejected to the work queue's dead-letter exchange",
+			slog.String("message_id", d.MessageId),
+			slog.String("error", errText),
+			slog.String("reason", err.Error()))
+		return d.Reject(false)
+	}
 	if err != nil {
 		return c.copyFailed(ctx, s, d, "dead-letter", c.top.dlq, err, giveUp)
 	}
-	errText, _ := h[HeaderError].(string)
-	attempts, _ := h[rabbitmw.HeaderAttempts].(int64)
 	c.log.LogAttrs(ctx, slog.LevelWarn, "broker: message dead-lettered",
 		slog.String("message_id", d.MessageId),
 		slog.String("error", errText),
@@ -665,10 +721,21 @@ var errNotSent = errors.New("broker: copy not sent")
 
 // publishCopy publishes msg to queue on s and waits for the server's
 // confirm. Under a context that is done already it sends nothing, and
-// returns an error wrapping errNotSent.
-func (c *consumer) publishCopy(ctx context.Context, s session, queue string, msg amqp.Publishing) error {
+// returns an error wrapping errNotSent. It refuses a copy that would not
+// leave headroom bytes of a frame free (ErrInvalidMessage), sending
+// nothing.
+func (c *consumer) publishCopy(ctx context.Context, s session, queue string, msg amqp.Publishing, headroom int) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("%w: %w", errNotSent, err)
+	}
+	if headroom > 0 {
+		size, err := checkPublishing("", queue, msg)
+		if err == nil {
+			err = fitFrame(size, s.maxProperties(), headroom)
+		}
+		if err != nil {
+			return err
+		}
 	}
 	return s.publish(ctx, "", queue, msg)
 }

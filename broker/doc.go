@@ -55,7 +55,8 @@
 // constants). The original is acked once the copy is confirmed; when the
 // server refuses the copy, the original is nacked with requeue after about
 // a second; while the copy's fate is unknown, the original is never
-// settled (see below).
+// settled (see below). A copy that can never be sent (ErrInvalidMessage)
+// is not tried again (see [Broker.Consume]).
 //
 // A delay longer than the longest tier goes to the longest tier, with the
 // HeaderNotBefore header (so does any delayed message with an Expiration
@@ -104,7 +105,10 @@
 // returns when the server confirmed the message, and an error for a
 // message that reached no queue (ErrUnroutable) or that the server refused
 // (ErrNacked). Messages are persistent unless the caller says otherwise,
-// and get a random MessageId when they have none.
+// and get a random MessageId when they have none. A message that cannot
+// be sent as it is (a property over 255 bytes, a header amqp091 cannot
+// send or read back, headers too big for a frame) is refused at once with
+// ErrInvalidMessage, and the connection is left alone.
 //
 // # The dead-letter queue
 //

@@ -146,6 +146,7 @@ func (c *memConn) shutdown(reason *amqp.Error) {
 	}
 }
 
+func (c *memConn) maxProperties() int       { return memFrameMax - frameOverhead }
 func (c *memConn) closed() <-chan struct{}  { return c.done }
 func (c *memConn) reason() error            { return c.err }
 func (c *memConn) cancelled() <-chan string { return c.cancels }
@@ -341,11 +342,15 @@ func (c *memConn) cancel(tag string) error {
 }
 
 func (c *memConn) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	size, err := checkPublishing(exchange, key, msg)
+	if err == nil {
+		err = fitFrame(size, c.maxProperties(), 0)
+	}
+	if err != nil {
+		return err
+	}
 	if err := ctx.Err(); err != nil {
 		return err // nothing sent
-	}
-	if err := msg.Headers.Validate(); err != nil {
-		return fmt.Errorf("broker: publish: invalid headers: %w", err)
 	}
 	delay, err := c.route(exchange, key, msg)
 	if err != nil || delay == 0 {

@@ -44,7 +44,10 @@ import (
 //     queues; deleting a queue cancels its consumers (basic.cancel);
 //   - header values and timestamps as the wire carries them (int becomes
 //     int32, times lose their fractions of a second), and a publish whose
-//     UserId is not "guest", the memory server's only user, is refused.
+//     UserId is not "guest", the memory server's only user, is refused;
+//   - a frame_max of 128 KiB, RabbitMQ's default; a message that amqp091
+//     or RabbitMQ could not carry is refused as on RabbitMQ
+//     (ErrInvalidMessage).
 //
 // Delivered messages are real amqp.Delivery values whose Acknowledger is
 // the memory connection: settling one after its connection closed returns

@@ -42,8 +42,15 @@ type session interface {
 	// server's confirm. It returns an error wrapping ErrUnroutable for a
 	// returned message or a missing exchange, and ErrNacked for a nack.
 	// Under a ctx that is done already it sends nothing, and returns
-	// ctx.Err().
+	// ctx.Err(). It refuses a message that cannot be sent
+	// (checkPublishing, or one whose properties and headers exceed
+	// maxProperties) with an error wrapping ErrInvalidMessage, sending
+	// nothing.
 	publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
+	// maxProperties is the most bytes the properties and headers of a
+	// message may take on this connection: its frame size less a frame's
+	// header and end (0: no limit).
+	maxProperties() int
 	// get takes one message from queue with manual ack (basic.get).
 	get(ctx context.Context, queue string) (*amqp.Delivery, bool, error)
 	// length returns the number of ready messages in queue.

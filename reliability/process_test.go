@@ -82,6 +82,7 @@ type consumerOpts struct {
 	shutdownTimeout        time.Duration
 	quorum                 bool
 	deliveryLimit          int
+	reconnectMax           time.Duration
 }
 
 func (o consumerOpts) args() []string {
@@ -127,6 +128,7 @@ func (o consumerOpts) args() []string {
 		a = append(a, "-quorum")
 	}
 	num("delivery-limit", o.deliveryLimit)
+	dur("reconnect-max", o.reconnectMax)
 	return a
 }
 

@@ -22,6 +22,9 @@ type proxy struct {
 	cut   bool
 	conns map[net.Conn]bool // open connections, both sides
 	wg    sync.WaitGroup    // the accept loop and the pumps
+	// sent, if set, is called with the bytes a client sent, once they are
+	// forwarded. It is called under mu: it must be quick.
+	sent func([]byte)
 }
 
 // startProxy starts a proxy to target on a free loopback port. It is
@@ -59,7 +62,7 @@ func (p *proxy) accept() {
 		if cut {
 			// Accepted, and never answered: the pump reads and drops.
 			p.wg.Add(1)
-			go p.pump(nil, c)
+			go p.pump(nil, c, true)
 			continue
 		}
 		up, err := net.Dial("tcp", p.target)
@@ -72,8 +75,8 @@ func (p *proxy) accept() {
 			continue
 		}
 		p.wg.Add(2)
-		go p.pump(up, c) // client to server
-		go p.pump(c, up) // server to client
+		go p.pump(up, c, true) // client to server
+		go p.pump(c, up, false)
 	}
 }
 
@@ -91,7 +94,8 @@ func (p *proxy) track(c net.Conn) bool {
 
 // pump copies from src to dst until either closes; while the proxy is cut
 // (or dst is nil) it reads and drops. Closing one side closes the other.
-func (p *proxy) pump(dst, src net.Conn) {
+// fromClient says that src is a client, whose bytes sent sees.
+func (p *proxy) pump(dst, src net.Conn, fromClient bool) {
 	defer p.wg.Done()
 	defer func() {
 		src.Close()
@@ -104,11 +108,16 @@ func (p *proxy) pump(dst, src net.Conn) {
 		n, err := src.Read(buf)
 		if n > 0 && dst != nil {
 			p.mu.Lock()
-			cut := p.cut
+			cut, sent := p.cut, p.sent
 			p.mu.Unlock()
 			if !cut {
 				if _, werr := dst.Write(buf[:n]); werr != nil {
 					return
+				}
+				if fromClient && sent != nil {
+					p.mu.Lock()
+					sent(buf[:n])
+					p.mu.Unlock()
 				}
 			}
 		}
@@ -116,6 +125,13 @@ func (p *proxy) pump(dst, src net.Conn) {
 			return
 		}
 	}
+}
+
+// onSent sets the function that sees what clients send (nil: none).
+func (p *proxy) onSent(f func([]byte)) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.sent = f
 }
 
 // partition stops all traffic through the proxy.

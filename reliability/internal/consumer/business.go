@@ -38,7 +38,12 @@ return n`)
 // even when its context ended the hold early: as a handler that settles
 // its result whatever the shutdown does.
 type order struct {
-	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "once", "panic", "kill", "later"
+	Kind string `json:"kind"` // "ok" (or absent), "poison", "fail", "once", "panic", "kill", "later", "retry"
+	// Fails and After are for kind "retry": the handler's first Fails
+	// calls return rabbitmw.RetryAfter with After (a time.Duration string;
+	// default 1ms); the calls after them succeed.
+	Fails int64  `json:"fails"`
+	After string `json:"after"`
 }
 
 // laterDelay is the delay a "later" order asks for, longer than any tier
@@ -202,6 +207,19 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 		panic("business: order " + id + " panicked")
 	case "later":
 		return rabbitmw.RetryAfter(errGateway, laterDelay)
+	case "retry":
+		if calls > o.Fails {
+			return b.apply(ctx, id)
+		}
+		after := time.Millisecond
+		if o.After != "" {
+			d, err := time.ParseDuration(o.After)
+			if err != nil {
+				return rabbitmw.Permanent(fmt.Errorf("business: order after %q: %w", o.After, err))
+			}
+			after = d
+		}
+		return rabbitmw.RetryAfter(errGateway, after)
 	}
 	return rabbitmw.Permanent(fmt.Errorf("business: unknown order kind %q", o.Kind))
 }

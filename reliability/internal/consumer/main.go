@@ -93,6 +93,7 @@ type config struct {
 	hold            time.Duration
 	countDeliveries bool
 	shutdownTimeout time.Duration
+	reconnectMax    time.Duration
 }
 
 func parseFlags(args []string) (config, error) {
@@ -124,6 +125,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.hold, "hold", 5*time.Second, "slow and stubborn modes: time spent before the effect; poison mode: the hold of a slow order")
 	fs.BoolVar(&c.countDeliveries, "count-deliveries", false, "count the deliveries of each message")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 10*time.Second, "ConsumeOptions.ShutdownTimeout")
+	fs.DurationVar(&c.reconnectMax, "reconnect-max", time.Second, "broker.Options.ReconnectMax (ReconnectMin is 50ms, or this if shorter)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -271,8 +273,8 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 
 	b := broker.New(cfg.amqpURL, broker.Options{
 		Logger:       logger,
-		ReconnectMin: 50 * time.Millisecond,
-		ReconnectMax: time.Second,
+		ReconnectMin: min(50*time.Millisecond, cfg.reconnectMax),
+		ReconnectMax: cfg.reconnectMax,
 		Process:      cfg.name,
 	})
 	defer b.Close()

@@ -1,0 +1,279 @@
+package broker
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+)
+
+// The publishes of one amqp091 session, from 16 goroutines, while its
+// connection closes: each returns, none blocks. The close and the confirms
+// race; whatever their order, each publish is settled once. (Before, a
+// publish waiting for the channel's mutex while the channel shut down was
+// resolved by the confirms goroutine and again by its own failed Publish,
+// and the second resolution blocked forever, holding the session's locks;
+// every publish after it blocked too.)
+func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	b := New(url, Options{})
+	t.Cleanup(func() { b.Close() })
+	ctx := testContext(t, 2*time.Minute)
+	q, top := queueName(t), Topology{Delays: []time.Duration{time.Second}}
+	noErr(t, "Declare", b.Declare(ctx, q, top))
+	t.Cleanup(func() { b.Delete(context.Background(), q, top) })
+
+	tr := newAMQPTransport(url, Options{}.resolve())
+	const (
+		publishers = 16
+		maxTries   = 300
+		budget     = 45 * time.Second
+	)
+	began := time.Now()
+	tries, settled := 0, 0
+	for ; tries < maxTries && time.Since(began) < budget; tries++ {
+		s, err := tr.dial(ctx, "rabbitmw test publish race")
+		noErr(t, "dial", err)
+		var (
+			wg        sync.WaitGroup
+			confirmed atomic.Int64
+			started   = make(chan struct{})
+			once      sync.Once
+		)
+		for range publishers {
+			wg.Go(func() {
+				for {
+					err := s.publish(ctx, "", q, amqp.Publishing{Body: []byte("x")})
+					if err != nil {
+						return
+					}
+					if confirmed.Add(1) >= publishers {
+						once.Do(func() { close(started) })
+					}
+				}
+			})
+		}
+		select {
+		case <-started:
+		case <-time.After(20 * time.Second):
+			t.Fatalf("try %d: no publish confirmed in 20s", tries+1)
+		}
+		closed := make(chan error, 1)
+		go func() { closed <- s.close() }()
+		returned := make(chan struct{})
+		go func() { wg.Wait(); close(returned) }()
+		select {
+		case <-returned:
+		case <-time.After(15 * time.Second):
+			t.Fatalf("try %d: publishes still blocked 15s after their connection was closed; want each to return", tries+1)
+		}
+		select {
+		case <-closed:
+		case <-time.After(15 * time.Second):
+			t.Fatalf("try %d: session close did not return within 15s", tries+1)
+		}
+		settled += int(confirmed.Load())
+	}
+	t.Logf("%d tries in %v; %d publishes confirmed", tries, time.Since(began).Round(time.Millisecond), settled)
+	noErr(t, "Delete", b.Delete(ctx, q, top))
+}
+
+// A publish whose socket stops taking bytes (a server that stops reading,
+// as under a resource alarm, or a network that stops answering) returns
+// when its context is done, and closing the session then ends its
+// goroutines. amqp091's Publish, PublishWithContext included, watches no
+// context once it has started writing.
+func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	uri, err := amqp.ParseURI(url)
+	noErr(t, "ParseURI", err)
+	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+	uri.Host, uri.Port = "127.0.0.1", px.port()
+	tr := newAMQPTransport(uri.String(), Options{}.resolve())
+	ctx := testContext(t, time.Minute)
+	s, err := tr.dial(ctx, "rabbitmw test stalled publish")
+	noErr(t, "dial", err)
+	// A round trip before the stall (no queue has the empty name).
+	isErr(t, "publish before the stall", s.publish(ctx, "", "", amqp.Publishing{Body: []byte("x")}), ErrUnroutable)
+
+	px.stall()
+	// Far more than the socket buffers hold: the write blocks.
+	body := make([]byte, 64<<20)
+	pctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- s.publish(pctx, "", "", amqp.Publishing{Body: body}) }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("publish on a stalled socket = %v; want its context's deadline", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("publish on a stalled socket still blocked 10s after its 1s context ended")
+	}
+	// A second publish waits behind the first one's write: its context
+	// ends it too.
+	pctx2, cancel2 := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel2()
+	go func() { done <- s.publish(pctx2, "", "", amqp.Publishing{Body: []byte("y")}) }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("second publish on a stalled socket = %v; want its context's deadline", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("second publish on a stalled socket still blocked 10s after its context ended")
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- s.close() }()
+	select {
+	case <-closed:
+	case <-time.After(20 * time.Second):
+		t.Fatal("closing a session with a write blocked did not return within 20s")
+	}
+}
+
+// A stallProxy forwards TCP connections to target until stall is called:
+// from then on it reads nothing more from its clients (their writes block
+// once the socket buffers are full) and still forwards what the server
+// sends. It closes every connection, and ends its goroutines, when the
+// test ends.
+type stallProxy struct {
+	l      net.Listener
+	target string
+
+	mu    sync.Mutex
+	gate  chan struct{} // closed while client bytes flow
+	conns []net.Conn
+	wg    sync.WaitGroup
+	sent  []byte // what clients sent since record, if recording
+	rec   bool
+}
+
+// record starts keeping what clients send, forgetting what was kept.
+func (p *stallProxy) record() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.rec, p.sent = true, nil
+}
+
+// headerFrameSize returns the size field of the last content header frame
+// (type 2) that a client sent since record. The recording must start at
+// a frame's beginning.
+func (p *stallProxy) headerFrameSize(t *testing.T) int {
+	t.Helper()
+	p.mu.Lock()
+	b := p.sent
+	p.mu.Unlock()
+	size := -1
+	for len(b) >= 8 {
+		n := int(binary.BigEndian.Uint32(b[3:7]))
+		if len(b) < 8+n {
+			t.Fatalf("recorded a partial frame of %d bytes", n)
+		}
+		if b[0] == 2 {
+			size = n
+		}
+		b = b[8+n:]
+	}
+	if size < 0 {
+		t.Fatal("no header frame recorded")
+	}
+	return size
+}
+
+func startStallProxy(t *testing.T, target string) *stallProxy {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	noErr(t, "listen", err)
+	p := &stallProxy{l: l, target: target, gate: make(chan struct{})}
+	close(p.gate)
+	p.wg.Add(1)
+	go p.accept() // ends when l is closed
+	t.Cleanup(func() {
+		l.Close()
+		p.mu.Lock()
+		select {
+		case <-p.gate:
+		default:
+			close(p.gate)
+		}
+		for _, c := range p.conns {
+			c.Close()
+		}
+		p.mu.Unlock()
+		p.wg.Wait()
+	})
+	return p
+}
+
+func (p *stallProxy) port() int { return p.l.Addr().(*net.TCPAddr).Port }
+
+func (p *stallProxy) stall() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.gate = make(chan struct{})
+}
+
+func (p *stallProxy) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.l.Accept()
+		if err != nil {
+			return
+		}
+		up, err := net.Dial("tcp", p.target)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		p.mu.Lock()
+		p.conns = append(p.conns, c, up)
+		p.mu.Unlock()
+		p.wg.Add(2)
+		go p.pump(up, c, true) // client to server
+		go p.pump(c, up, false)
+	}
+}
+
+// pump copies src to dst until either fails; a gated pump waits for the
+// gate before each read.
+func (p *stallProxy) pump(dst, src net.Conn, gated bool) {
+	defer p.wg.Done()
+	defer dst.Close()
+	defer src.Close()
+	buf := make([]byte, 32<<10)
+	for {
+		if gated {
+			p.mu.Lock()
+			g := p.gate
+			p.mu.Unlock()
+			<-g
+		}
+		n, err := src.Read(buf)
+		if n > 0 && gated {
+			p.mu.Lock()
+			if p.rec {
+				p.sent = append(p.sent, buf[:n]...)
+			}
+			p.mu.Unlock()
+		}
+		if n > 0 {
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
