@@ -205,7 +205,7 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	t.Logf("consumers: %+v; lost connections logged %v for %d cuts; the run ended %v after the last cut; took %v",
 		e.stats, lostConns, batches, endedIn.Round(time.Millisecond), time.Since(began).Round(time.Millisecond))
 	record(t, row{
-		Scenario:     "cuts with copies in flight",
+		Scenario:     "13 connection cuts with copies in flight",
 		Messages:     len(all),
 		Faults:       fmt.Sprintf("%d × proxy closes the consumers' connections, %v after they consume", batches, every),
 		Once:         len(v.once),
