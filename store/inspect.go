@@ -6,8 +6,9 @@ import (
 )
 
 // An Inspector tells what a store holds for a message key, for operators
-// and tools. It is an optional interface: [Memory] and [Redis] implement
-// it; test for it with a type assertion.
+// and tools. It is an optional interface: [Memory], [Redis] and
+// [github.com/rabbitmw/rabbitmw/store/pgstore.Store] implement it; test for
+// it with a type assertion.
 //
 // Inspect reads and changes nothing: an expired entry reads as absent, as
 // for every method of [Store]. It is not atomic across the claim and the

@@ -279,7 +279,7 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 	dry := fs.Bool("dry-run", false, "list what would be replayed, and move nothing")
 	limit := fs.Int("limit", 0, "replay at most this many messages")
 	rate := fs.Float64("rate", 0, "replay at most this many messages a second")
-	reset := fs.Bool("reset-failures", false, "reset each message's failure count in the store (needs --redis)")
+	reset := fs.Bool("reset-failures", false, "reset each message's failure count in the store (needs --redis or --postgres)")
 	history := fs.Int("history", 0, "earlier lives kept in the history header (default 5)")
 	pos, err := parse(fs, args)
 	if err == nil {
@@ -293,7 +293,7 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 	}
 	opts := broker.ReplayOptions{Filter: f.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HistoryLimit: *history}
 	if *reset {
-		st, closeStore, err := sf.open()
+		st, closeStore, err := sf.open(ctx)
 		if err != nil {
 			return err
 		}

@@ -1,18 +1,22 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
 )
 
 const defaultURL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -135,6 +139,7 @@ func (f *filterFlags) empty() bool {
 type storeFlags struct {
 	redis         string
 	postgres      string
+	table         string
 	prefix        string
 	claimPrefix   string
 	failurePrefix string
@@ -143,20 +148,34 @@ type storeFlags struct {
 
 func (s *storeFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&s.redis, "redis", "", "Redis address (host:port) or URL (redis://...)")
-	fs.StringVar(&s.postgres, "postgres", "", "PostgreSQL URL (not supported yet)")
+	fs.StringVar(&s.postgres, "postgres", "", "PostgreSQL URL (postgres://...) of a pgstore")
+	fs.StringVar(&s.table, "table", "", "pgstore Options.Table of the consumers (default "+strconv.Quote(pgstore.DefaultTable)+")")
 	fs.StringVar(&s.prefix, "prefix", "", "RedisOptions.Prefix of the consumers")
 	fs.StringVar(&s.claimPrefix, "claim-prefix", "", `RedisOptions.ClaimPrefix (default "msg:")`)
 	fs.StringVar(&s.failurePrefix, "failure-prefix", "", `RedisOptions.FailurePrefix (default "retry:")`)
 	fs.StringVar(&s.namespace, "namespace", "", "the Namespace of the consumers' Dedup and Retry layers")
 }
 
+// inspectingStore is a store that the commands can inspect.
+type inspectingStore interface {
+	store.Store
+	store.Inspector
+}
+
 // open returns the store the flags name, and a function that closes it.
-func (s *storeFlags) open() (*store.Redis, func(), error) {
+func (s *storeFlags) open(ctx context.Context) (inspectingStore, func(), error) {
 	switch {
+	case s.redis != "" && s.postgres != "":
+		return nil, nil, usageError("name one store: --redis or --postgres")
 	case s.postgres != "":
-		return nil, nil, usageError("--postgres: not supported by this version; use --redis")
+		if s.prefix != "" || s.claimPrefix != "" || s.failurePrefix != "" {
+			return nil, nil, usageError("--prefix, --claim-prefix and --failure-prefix are for --redis")
+		}
+		return s.openPostgres(ctx)
 	case s.redis == "":
-		return nil, nil, usageError("--redis is required")
+		return nil, nil, usageError("--redis or --postgres is required")
+	case s.table != "":
+		return nil, nil, usageError("--table is for --postgres")
 	}
 	var opts *redis.Options
 	if strings.Contains(s.redis, "://") {
@@ -171,6 +190,49 @@ func (s *storeFlags) open() (*store.Redis, func(), error) {
 	c := redis.NewClient(opts)
 	st := store.NewRedis(c, store.RedisOptions{Prefix: s.prefix, ClaimPrefix: s.claimPrefix, FailurePrefix: s.failurePrefix})
 	return st, func() { c.Close() }, nil
+}
+
+// openPostgres opens the pgstore of --postgres and --table, and checks that
+// the database answers and holds the store's tables.
+func (s *storeFlags) openPostgres(ctx context.Context) (inspectingStore, func(), error) {
+	cfg, err := pgxpool.ParseConfig(s.postgres)
+	if err != nil {
+		return nil, nil, usageError("--postgres: %v", err)
+	}
+	if cfg.ConnConfig.ConnectTimeout == 0 {
+		cfg.ConnConfig.ConnectTimeout = 5 * time.Second
+	}
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--postgres: %w", err)
+	}
+	st, err := newPgStore(pool, s.table)
+	if err != nil {
+		pool.Close()
+		return nil, nil, err
+	}
+	closeAll := func() {
+		st.Close()
+		pool.Close()
+	}
+	if err := st.Check(ctx); err != nil {
+		closeAll()
+		return nil, nil, err
+	}
+	return st, closeAll, nil
+}
+
+// newPgStore returns pgstore.New(pool, table), or a usage error where New
+// panics: a bad table name is the operator's typing here, not a
+// programmer's error.
+func newPgStore(pool *pgxpool.Pool, table string) (st *pgstore.Store, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = usageError("--table: %v", r)
+		}
+	}()
+	return pgstore.New(pool, pgstore.Options{Table: table}), nil
 }
 
 // key returns the store key of message key k, as Dedup and Retry write it.

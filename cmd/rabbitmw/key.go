@@ -22,7 +22,7 @@ func (e *env) key(ctx context.Context, args []string) error {
 	if len(pos) != 1 {
 		return usageError("key: name one message key (its message id, or the MD5 of a body without one)")
 	}
-	st, closeStore, err := sf.open()
+	st, closeStore, err := sf.open(ctx)
 	if err != nil {
 		return err
 	}

@@ -7,11 +7,12 @@
 //	rabbitmw dlq show -q orders <message id>
 //	rabbitmw dlq replay -q orders [--id ID]... [--error-type T] [--since S] [--until U]
 //	                     [--to Q] [--dry-run] [--limit N] [--rate R]
-//	                     [--reset-failures --redis ADDR] [--history N]
+//	                     [--reset-failures (--redis ADDR | --postgres URL)] [--history N]
 //	rabbitmw dlq purge -q orders (--all | filters) [--dry-run] [--limit N]
 //	rabbitmw dlq export -q orders [filters] > orders.jsonl
 //	rabbitmw dlq import -q orders [--to Q] < orders.jsonl
 //	rabbitmw key <message id> --redis 127.0.0.1:6379 [--prefix P] [--namespace NS]
+//	rabbitmw key <message id> --postgres postgres://app@db/shop [--table T] [--namespace NS]
 //	rabbitmw topology declare|delete|show -q orders [--quorum] [--delivery-limit N] [--delays 1s,5s]
 //
 // The server is --amqp, or else $RABBITMQ_URL, or else
@@ -68,7 +69,7 @@ func usageError(format string, args ...any) error {
 
 const usage = `usage:
   rabbitmw dlq ls|show|replay|purge|export|import -q QUEUE [flags]
-  rabbitmw key ID --redis ADDR [flags]
+  rabbitmw key ID (--redis ADDR | --postgres URL) [flags]
   rabbitmw topology declare|delete|show -q QUEUE [flags]
 Run a command with -h for its flags.`
 

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
@@ -23,6 +24,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
 )
 
 // replayWindow is broker.Replay's number of messages in flight.
@@ -377,5 +379,81 @@ func TestReplayKilledMidway(t *testing.T) {
 	t.Logf("duplicates in the work queue: %d", dups)
 	if dups > replayWindow || len(left) != 0 || len(counts) != n {
 		t.Errorf("duplicates %d (want at most %d, the replay's window), left in the dead-letter queue %d (want 0), distinct %d (want %d)", dups, replayWindow, len(left), len(counts), n)
+	}
+}
+
+// rabbitmw key --postgres reads a pgstore: a claimed key, a done one with
+// failures, an absent one; and refuses a missing table and mixed flags.
+func TestKeyPostgres(t *testing.T) {
+	ctx := context.Background()
+	url := testenv.PostgresURL(t)
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	b := make([]byte, 6)
+	rand.Read(b)
+	table := "rmwtest_cli_" + hex.EncodeToString(b)
+	t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+table+`, `+table+`_failures`) })
+	st := pgstore.New(pool, pgstore.Options{Table: table})
+	t.Cleanup(st.Close)
+	if err := st.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Claim(ctx, "ns:b", "web-7/4242/0a1b2c3d4e5f/1", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Claim(ctx, "ns:c", "t1", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Complete(ctx, "ns:c", "t1", time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if _, err := st.Fail(ctx, "ns:c", time.Hour); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	out, stderr, code := cli(t, "", nil, "key", "b", "--postgres", url, "--table", table, "--namespace", "ns")
+	expectCode(t, "key b --postgres", code, exitOK, stderr)
+	words := strings.Join(strings.Fields(out), " ") // the table's columns, one space apart
+	for _, want := range []string{"key ns:b", "state claimed", "owner host web-7, pid 4242", "lease left", "failures 0"} {
+		if !strings.Contains(words, want) {
+			t.Errorf("key b --postgres output lacks %q:\n%s", want, out)
+		}
+	}
+	out, stderr, code = cli(t, "", nil, "key", "--json", "c", "--postgres", url, "--table", table, "--namespace", "ns")
+	expectCode(t, "key c --postgres", code, exitOK, stderr)
+	var ks struct {
+		State       string
+		TTL         float64 `json:"ttl_seconds"`
+		Failures    int64
+		FailuresTTL float64 `json:"failures_ttl_seconds"`
+	}
+	if err := json.Unmarshal([]byte(out), &ks); err != nil || ks.State != "done" || ks.TTL <= 1800 || ks.TTL > 3600 ||
+		ks.Failures != 3 || ks.FailuresTTL <= 1800 || ks.FailuresTTL > 3600 {
+		t.Errorf("key --json c --postgres = %+v (%v); want done for about an hour, 3 failures for about an hour\n%s", ks, err, out)
+	}
+	out, stderr, code = cli(t, "", nil, "key", "a", "--postgres", url, "--table", table)
+	expectCode(t, "key a --postgres", code, exitOK, stderr)
+	if words := strings.Join(strings.Fields(out), " "); !strings.Contains(words, "state absent") || !strings.Contains(words, "failures 0") {
+		t.Errorf("key a --postgres output:\n%s", out)
+	}
+
+	_, stderr, code = cli(t, "", nil, "key", "b", "--postgres", url, "--table", table+"_missing")
+	expectCode(t, "key --postgres of a missing table", code, exitFailed, stderr)
+	if !strings.Contains(stderr, "does not exist") {
+		t.Errorf("missing table: stderr %q; want it to say the table does not exist", stderr)
+	}
+	for name, args := range map[string][]string{
+		"--redis and --postgres": {"--redis", "127.0.0.1:6379", "--postgres", url},
+		"--postgres --prefix":    {"--postgres", url, "--prefix", "p:"},
+		"--redis --table":        {"--redis", "127.0.0.1:6379", "--table", table},
+		"a bad --table":          {"--postgres", url, "--table", "Bad-Name"},
+	} {
+		_, stderr, code = cli(t, "", nil, append([]string{"key", "b"}, args...)...)
+		expectCode(t, "key "+name, code, exitUsage, stderr)
 	}
 }

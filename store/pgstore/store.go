@@ -80,6 +80,7 @@ type Store struct {
 	pruneClaimsSQL string
 	pruneFailsSQL  string
 	markSQL        string
+	inspectSQL     string
 }
 
 // New returns a Store that keeps its state in pool, which the caller keeps
@@ -181,6 +182,7 @@ ON CONFLICT (key) DO UPDATE
   SET count = CASE WHEN f.expires_at > statement_timestamp() THEN f.count + 1 ELSE 1 END, expires_at = excluded.expires_at
 RETURNING count`
 	s.resetSQL = `DELETE FROM ` + f + ` WHERE key = $1`
+	s.inspectSQL = s.n.inspectSQL()
 	// SKIP LOCKED: a prune never waits for, nor blocks, a claim of the
 	// same row; FOR UPDATE re-checks forget_at on the newest version.
 	s.pruneClaimsSQL = `DELETE FROM ` + c + ` WHERE key IN (

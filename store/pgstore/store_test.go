@@ -20,6 +20,24 @@ func TestConformance(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) store.Store { return s })
 }
 
+func TestInspector(t *testing.T) {
+	pool := newPool(t)
+	s := newStore(t, pool, pgstore.Options{})
+	storetest.RunInspector(t, func(t *testing.T) store.Store { return s })
+
+	// An abandoned claim is forgotten AbandonedRetention after its lease.
+	s = newStore(t, pool, pgstore.Options{AbandonedRetention: time.Hour})
+	ctx := context.Background()
+	if _, err := s.Claim(ctx, "k", "t1", time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond) // waits for the database's clock
+	got, err := s.Inspect(ctx, "k")
+	if err != nil || got.Status != store.Abandoned || got.TTL <= 50*time.Minute || got.TTL > time.Hour {
+		t.Errorf("Inspect after the lease = %+v, %v; want abandoned, TTL about 1h", got, err)
+	}
+}
+
 // The piggy-backed prune deletes rows whose retention ended, and only
 // those.
 func TestPrune(t *testing.T) {
