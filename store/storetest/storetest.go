@@ -117,9 +117,10 @@ func testClaimHeld(t *testing.T, f *fixture) {
 	expect(t, "Complete by the owner", f.s.Complete(bg, k, "t1", longTTL), true)
 }
 
-func testConcurrentClaims(t *testing.T, f *fixture) {
-	const n = 64
-	k := f.key("k")
+// claimAtOnce runs n claims of k at once, for tokens "token-0" to
+// "token-<n-1>", and returns their statuses; a claim's error fails t.
+func claimAtOnce(t *testing.T, f *fixture, k string, n int) []store.Status {
+	t.Helper()
 	var (
 		wg      sync.WaitGroup
 		start   = make(chan struct{})
@@ -136,11 +137,20 @@ func testConcurrentClaims(t *testing.T, f *fixture) {
 	}
 	close(start)
 	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("Claim %d error: %v", i, err)
+		}
+	}
+	return results
+}
+
+func testConcurrentClaims(t *testing.T, f *fixture) {
+	const n = 64
+	k := f.key("k")
+	results := claimAtOnce(t, f, k, n)
 	winner := -1
 	for i := range n {
-		if errs[i] != nil {
-			t.Fatalf("Claim %d error: %v", i, errs[i])
-		}
 		switch results[i] {
 		case store.Claimed:
 			if winner >= 0 {
@@ -229,28 +239,10 @@ func testConcurrentAbandonedClaims(t *testing.T, f *fixture) {
 	k := f.key("k")
 	f.claim(t, k, "t0", shortTTL, store.Claimed)
 	time.Sleep(expired)
-	var (
-		wg      sync.WaitGroup
-		start   = make(chan struct{})
-		results = make([]store.Status, n)
-		errs    = make([]error, n)
-	)
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			results[i], errs[i] = f.s.Claim(bg, k, fmt.Sprintf("token-%d", i), longTTL)
-		}()
-	}
-	close(start)
-	wg.Wait()
+	results := claimAtOnce(t, f, k, n)
 	got := map[store.Status]int{}
 	winner := -1
 	for i := range n {
-		if errs[i] != nil {
-			t.Fatalf("Claim %d error: %v", i, errs[i])
-		}
 		got[results[i]]++
 		if results[i] == store.Claimed {
 			winner = i
