@@ -22,6 +22,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
 )
 
 // env holds the servers and what bench needs to prepare and clean up after
@@ -382,10 +383,10 @@ func (e *env) newRedisClient(ctx context.Context, conns int) (*redis.Client, *ro
 // contenders run with exactly what rabbitmw runs with, whatever the
 // defaults are.
 func brokerSettings(ctx context.Context, prefetch, workers int) (int, int, error) {
-	m := broker.NewMemory()
+	m := brokertest.NewServer()
 	defer m.Close()
 	h := &settingsHandler{found: make(chan [2]int, 1)}
-	b := m.Broker(broker.Options{Logger: slog.New(h)})
+	b := broker.New(m.URL(), broker.Options{Logger: slog.New(h)})
 	defer b.Close()
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()

@@ -15,6 +15,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 )
 
 // ConsumeOptions configures one Consume call. The zero value selects the
@@ -255,7 +256,7 @@ func (c *consumer) run(ctx context.Context) error {
 			return end(nil)
 		}
 		c.log.LogAttrs(ctx, slog.LevelInfo, "broker: connecting", server)
-		s, err := c.b.tr.dial(ctx, "rabbitmw consume "+c.top.queue+" ("+c.b.cfg.process+")")
+		s, err := c.b.tr.Dial(ctx, "rabbitmw consume "+c.top.queue+" ("+c.b.cfg.process+")")
 		switch {
 		case err != nil && ctx.Err() != nil:
 			return end(nil)
@@ -287,11 +288,11 @@ func (c *consumer) run(ctx context.Context) error {
 // returns at once, whatever handlers still run. It calls consuming once
 // the consumer is started. serve closes s before it returns.
 func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.CancelFunc, s session, consuming func()) error {
-	defer s.close()
-	if err := s.declare(ctx, c.top.specs()); err != nil {
+	defer s.Close()
+	if err := s.Declare(ctx, c.top.specs()); err != nil {
 		return c.top.refusal(err)
 	}
-	deliveries, err := s.consume(c.top.queue, c.tag, c.prefetch)
+	deliveries, err := s.Consume(c.top.queue, c.tag, c.prefetch)
 	if err != nil {
 		return c.top.refusal(err)
 	}
@@ -338,24 +339,24 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 	}
 	lost := func() error {
 		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: connection lost",
-			slog.String("reason", s.reason().Error()), slog.Int("in_flight", c.inFlight()))
-		return s.reason()
+			slog.String("reason", s.Reason().Error()), slog.Int("in_flight", c.inFlight()))
+		return s.Reason()
 	}
-	cancelled := s.cancelled()
+	cancelled := s.Cancelled()
 	for {
 		select {
 		case <-ctx.Done():
 			stopTaking()
 			c.log.LogAttrs(ctx, slog.LevelInfo, "broker: shutting down",
 				slog.Int("in_flight", c.inFlight()), slog.Duration("timeout", c.timeout))
-			if err := s.cancel(c.tag); err != nil {
+			if err := s.Cancel(c.tag); err != nil {
 				c.log.LogAttrs(ctx, slog.LevelDebug, "broker: cancel consumer", slog.String("error", err.Error()))
 			}
 			c.giveBack(ctx, s, deliveries)
 			c.drain(cancelHandlers) // run reports its error
 			return nil
 
-		case <-s.closed():
+		case <-s.Closed():
 			return lost()
 
 		case <-givenUp:
@@ -365,7 +366,7 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 
 		case tag, ok := <-cancelled:
 			if !ok {
-				// Closed with the connection: s.closed() follows.
+				// Closed with the connection: s.Closed() follows.
 				cancelled = nil
 				continue
 			}
@@ -381,9 +382,9 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 					stopTaking()
 					return c.cancelledByServer(ctx, cancelHandlers, s, deliveries, tag)
 				}
-				<-s.closed()
+				<-s.Closed()
 				return lost()
-			case <-s.closed():
+			case <-s.Closed():
 				return lost()
 			case <-time.After(time.Second):
 				return lostError(errors.New("delivery channel closed"))
@@ -413,7 +414,7 @@ func (c *consumer) giveBack(ctx context.Context, s session, deliveries <-chan am
 				return
 			}
 			c.report(ctx, &d, rabbitmw.Requeue, d.Nack(false, true))
-		case <-s.closed():
+		case <-s.Closed():
 			return
 		}
 	}
@@ -435,7 +436,7 @@ func (c *consumer) work(hctx context.Context, s session, deliveries <-chan amqp.
 		select {
 		case <-stop:
 			return
-		case <-s.closed():
+		case <-s.Closed():
 			return
 		case c.slots <- struct{}{}:
 		}
@@ -454,7 +455,7 @@ func (c *consumer) work(hctx context.Context, s session, deliveries <-chan amqp.
 			c.report(hctx, &d, rabbitmw.Requeue, d.Nack(false, true))
 			<-c.slots
 			return
-		case isClosed(s.closed()):
+		case isClosed(s.Closed()):
 			// Its channel is gone: it cannot be settled, and the server
 			// redelivers it. Handling it would only duplicate work.
 			<-c.slots
@@ -481,7 +482,7 @@ func (c *consumer) handle(hctx context.Context, s session, d *amqp.Delivery, giv
 		return false
 	}
 	defer func() { <-c.slots }()
-	if isClosed(s.closed()) {
+	if isClosed(s.Closed()) {
 		c.report(hctx, d, dec.Outcome, errUnsettled)
 		return true
 	}
@@ -692,7 +693,7 @@ func (c *consumer) deadLetter(ctx context.Context, s session, d *amqp.Delivery, 
 	if errors.Is(err, ErrInvalidMessage) {
 		cut := make(amqp.Table, len(d.Headers)+3)
 		maps.Copy(cut, d.Headers)
-		cut[HeaderError] = truncate("broker: fault headers cut, the dead-letter copy did not fit ("+err.Error()+"): "+errText, maxCutErrorText)
+		cut[HeaderError] = transport.Truncate("broker: fault headers cut, the dead-letter copy did not fit ("+err.Error()+"): "+errText, maxCutErrorText)
 		cut[rabbitmw.HeaderAttempts] = attempts
 		cut[HeaderOriginalQueue] = c.top.queue
 		err = c.publishCopy(ctx, s, c.top.dlq, republishing(d, cut), 0)
@@ -729,15 +730,15 @@ func (c *consumer) publishCopy(ctx context.Context, s session, queue string, msg
 		return fmt.Errorf("%w: %w", errNotSent, err)
 	}
 	if headroom > 0 {
-		size, err := checkPublishing("", queue, msg)
+		size, err := transport.CheckPublishing("", queue, msg)
 		if err == nil {
-			err = fitFrame(size, s.maxProperties(), headroom)
+			err = transport.FitFrame(size, s.MaxProperties(), headroom)
 		}
 		if err != nil {
 			return err
 		}
 	}
-	return s.publish(ctx, "", queue, msg)
+	return s.Publish(ctx, "", queue, msg)
 }
 
 // copyFailed settles d, whose copy to queue failed with err. A copy known
@@ -757,7 +758,7 @@ func (c *consumer) copyFailed(ctx context.Context, s session, d *amqp.Delivery, 
 		slog.String("message_id", d.MessageId),
 		slog.String("to", queue),
 		slog.String("error", err.Error()))
-	if !isClosed(s.closed()) {
+	if !isClosed(s.Closed()) {
 		giveUp(fmt.Errorf("%w: the %s copy of message %q was not confirmed: %w", ErrConnectionLost, what, d.MessageId, err))
 	}
 	return errUnsettled
@@ -774,7 +775,7 @@ func (c *consumer) requeueAfter(ctx context.Context, s session, d *amqp.Delivery
 	select {
 	case <-t.C:
 	case <-ctx.Done():
-	case <-s.closed():
+	case <-s.Closed():
 	}
 	t.Stop()
 	return d.Nack(false, true)

@@ -2,8 +2,8 @@
 // every delivery by the handler's result: acknowledged, requeued, retried
 // after a delay, or moved to a dead-letter queue with headers that say why.
 // It reconnects after a lost connection, shuts down gracefully, publishes
-// with confirms, and has an in-memory stand-in for RabbitMQ ([Memory]) on
-// which the same code runs.
+// with confirms. Package brokertest provides an in-memory stand-in for
+// RabbitMQ on which the same code runs, for tests.
 //
 //	b := broker.New("amqp://guest:guest@127.0.0.1:5672/", broker.Options{Logger: logger})
 //	defer b.Close()
@@ -121,7 +121,8 @@
 //
 // # In-memory server
 //
-// [Memory] emulates the parts of RabbitMQ the broker uses; tests and the
-// examples run the same consumer on it, including reconnection
-// ([Memory.CloseConnections]).
+// Package [github.com/rabbitmw/rabbitmw/broker/brokertest] emulates the
+// parts of RabbitMQ the broker uses, as net/http/httptest serves HTTP:
+// New(srv.URL(), opts) connects to it, and tests and the examples run the
+// same consumer on it, reconnection included.
 package broker

@@ -41,7 +41,7 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 	began := time.Now()
 	tries, settled := 0, 0
 	for ; tries < maxTries && time.Since(began) < budget; tries++ {
-		s, err := tr.dial(ctx, "rabbitmw test publish race")
+		s, err := tr.Dial(ctx, "rabbitmw test publish race")
 		noErr(t, "dial", err)
 		var (
 			wg        sync.WaitGroup
@@ -52,7 +52,7 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 		for range publishers {
 			wg.Go(func() {
 				for {
-					err := s.publish(ctx, "", q, amqp.Publishing{Body: []byte("x")})
+					err := s.Publish(ctx, "", q, amqp.Publishing{Body: []byte("x")})
 					if err != nil {
 						return
 					}
@@ -68,7 +68,7 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 			t.Fatalf("try %d: no publish confirmed in 20s", tries+1)
 		}
 		closed := make(chan error, 1)
-		go func() { closed <- s.close() }()
+		go func() { closed <- s.Close() }()
 		returned := make(chan struct{})
 		go func() { wg.Wait(); close(returned) }()
 		select {
@@ -100,10 +100,10 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 	uri.Host, uri.Port = "127.0.0.1", px.port()
 	tr := newAMQPTransport(uri.String(), Options{}.resolve())
 	ctx := testContext(t, time.Minute)
-	s, err := tr.dial(ctx, "rabbitmw test stalled publish")
+	s, err := tr.Dial(ctx, "rabbitmw test stalled publish")
 	noErr(t, "dial", err)
 	// A round trip before the stall (no queue has the empty name).
-	isErr(t, "publish before the stall", s.publish(ctx, "", "", amqp.Publishing{Body: []byte("x")}), ErrUnroutable)
+	isErr(t, "publish before the stall", s.Publish(ctx, "", "", amqp.Publishing{Body: []byte("x")}), ErrUnroutable)
 
 	px.stall()
 	// Far more than the socket buffers hold: the write blocks.
@@ -111,7 +111,7 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 	pctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
 	done := make(chan error, 1)
-	go func() { done <- s.publish(pctx, "", "", amqp.Publishing{Body: body}) }()
+	go func() { done <- s.Publish(pctx, "", "", amqp.Publishing{Body: body}) }()
 	select {
 	case err := <-done:
 		if !errors.Is(err, context.DeadlineExceeded) {
@@ -124,7 +124,7 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 	// ends it too.
 	pctx2, cancel2 := context.WithTimeout(ctx, 200*time.Millisecond)
 	defer cancel2()
-	go func() { done <- s.publish(pctx2, "", "", amqp.Publishing{Body: []byte("y")}) }()
+	go func() { done <- s.Publish(pctx2, "", "", amqp.Publishing{Body: []byte("y")}) }()
 	select {
 	case err := <-done:
 		if !errors.Is(err, context.DeadlineExceeded) {
@@ -134,7 +134,7 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 		t.Fatal("second publish on a stalled socket still blocked 10s after its context ended")
 	}
 	closed := make(chan error, 1)
-	go func() { closed <- s.close() }()
+	go func() { closed <- s.Close() }()
 	select {
 	case <-closed:
 	case <-time.After(20 * time.Second):

@@ -17,6 +17,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 )
@@ -232,8 +233,8 @@ func publishAll(ctx context.Context, b *broker.Broker, queue string, rep *report
 func openBroker(cfg config, observer broker.Observer) (*broker.Broker, func(), error) {
 	opts := broker.Options{Logger: cfg.logger, KeepEmptyMessageID: true, Observer: observer}
 	if cfg.amqpURL == "" {
-		m := broker.NewMemory()
-		b := m.Broker(opts)
+		m := brokertest.NewServer()
+		b := broker.New(m.URL(), opts)
 		return b, func() { b.Close(); m.Close() }, nil
 	}
 	b := broker.New(cfg.amqpURL, opts)
