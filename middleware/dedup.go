@@ -14,18 +14,19 @@ import (
 )
 
 // Errors returned by [Dedup], always wrapped in a rabbitmw.RetryAfter: the
-// message is tried again later, and [Retry] does not count these as failed
+// message is tried again later. Each is marked rabbitmw.NotCounted, and so
+// is every error that wraps one: [Retry] does not count them as failed
 // attempts, since the handler did not fail (it did not run, or it ran and
 // succeeded).
 var (
 	// ErrBusy: another consumer holds the claim on the message's key.
-	ErrBusy = errors.New("middleware: message is being processed by another consumer")
+	ErrBusy = rabbitmw.NotCounted(errors.New("middleware: message is being processed by another consumer"))
 	// ErrStoreUnavailable: the store did not answer, so the message was
 	// not processed (fail closed), or its done mark could not be written.
-	ErrStoreUnavailable = errors.New("middleware: idempotency store unavailable")
+	ErrStoreUnavailable = rabbitmw.NotCounted(errors.New("middleware: idempotency store unavailable"))
 	// ErrLeaseLost: the claim was taken over or deleted while the handler
 	// ran, so its result was not recorded.
-	ErrLeaseLost = errors.New("middleware: claim lost")
+	ErrLeaseLost = rabbitmw.NotCounted(errors.New("middleware: claim lost"))
 )
 
 // ErrAbandoned is returned by [Dedup] when the message's last attempt never
