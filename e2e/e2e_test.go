@@ -1,4 +1,4 @@
-package rabbitmw_test
+package e2e_test
 
 // End to end: the recommended stack, the broker and the Redis store
 // together, on real servers (RabbitMQ and Redis) and on the in-memory

@@ -1,4 +1,4 @@
-package rabbitmw_test
+package e2e_test
 
 // Migration from the hand-written pattern, on real servers: hand-written
 // consumers (legacyConsumer, on a plain amqp091 channel) and broker.Consume

@@ -1,4 +1,4 @@
-package rabbitmw_test
+package e2e_test
 
 // The whole recommended stack, end to end, over miniredis: what a user of
 // a plain amqp091 channel gets from Chain and Settle.
