@@ -14,6 +14,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
@@ -139,7 +140,7 @@ func TestDedup(t *testing.T) {
 				}
 				return nil
 			})
-			d, rec := deliver(tt.id, tt.body)
+			d, rec := deliverytest.New(tt.id, tt.body)
 			err := middleware.Dedup(s, tt.opts)(h).Handle(ctx, d)
 
 			if got := int(calls.Load()); got != tt.wantCalls {
@@ -152,7 +153,7 @@ func TestDedup(t *testing.T) {
 			if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
 				t.Errorf("result %v does not wrap %v", err, tt.wantIs)
 			}
-			if got := settle(t, d, rec, err); got != tt.wantSettle {
+			if got := deliverytest.Settle(t, d, rec, err); got != tt.wantSettle {
 				t.Errorf("settled %s; want %s", got, tt.wantSettle)
 			}
 			if tt.wantState != 0 {
@@ -176,7 +177,7 @@ func TestDedupReleasesOnPanic(t *testing.T) {
 	s := store.NewMemory()
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { panic("kaboom") }))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	func() {
 		defer func() {
 			if v := recover(); v != "kaboom" {
@@ -204,7 +205,7 @@ func TestDedupRenewsLease(t *testing.T) {
 			time.Sleep(lease)
 			return ctx.Err()
 		}))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	if err := h.Handle(ctx, d); err != nil {
 		t.Fatalf("Handle = %v; want nil", err)
 	}
@@ -238,7 +239,7 @@ func TestDedupLostLeaseCancelsHandler(t *testing.T) {
 				return errors.New("handler was not cancelled")
 			}
 		}))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	err := h.Handle(ctx, d)
 	if !errors.Is(cause, middleware.ErrLeaseLost) || !errors.Is(cause, store.ErrLostClaim) {
 		t.Errorf("handler context cause = %v; want ErrLeaseLost wrapping store.ErrLostClaim", cause)
@@ -269,7 +270,7 @@ func TestDedupUnrenewableLeaseCancelsHandler(t *testing.T) {
 				return errors.New("handler was not cancelled")
 			}
 		}))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	start := time.Now()
 	err := h.Handle(context.Background(), d)
 	if !errors.Is(cause, middleware.ErrStoreUnavailable) {
@@ -294,7 +295,7 @@ func TestDedupCompletesAfterCancel(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { cancel(); return nil }))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	if err := h.Handle(ctx, d); err != nil {
 		t.Fatalf("Handle = %v; want nil", err)
 	}
@@ -311,13 +312,13 @@ func TestDedupRoundTrips(t *testing.T) {
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
 	ctx := context.Background()
-	d, _ := deliver("warm-up", "") // load the scripts
+	d, _ := deliverytest.New("warm-up", "") // load the scripts
 	h.Handle(ctx, d)
 	for _, tc := range []struct {
 		name string
 		want int64
 	}{{"first delivery", 2}, {"duplicate", 1}} {
-		d, _ := deliver("m1", "")
+		d, _ := deliverytest.New("m1", "")
 		before := rt.Count()
 		h.Handle(ctx, d)
 		if got := rt.Count() - before; got != tc.want {
@@ -336,7 +337,7 @@ func TestDedupTokensAreDistinct(t *testing.T) {
 	for g := range goroutines {
 		wg.Go(func() {
 			for range claims {
-				d, _ := deliver(fmt.Sprint("m", g), "")
+				d, _ := deliverytest.New(fmt.Sprint("m", g), "")
 				h.Handle(context.Background(), d)
 			}
 		})
@@ -402,7 +403,7 @@ func TestDedupRenewsManyLeases(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			time.Sleep(time.Duration(i) * lease / 7)
-			d, _ := deliver(fmt.Sprint(i), "")
+			d, _ := deliverytest.New(fmt.Sprint(i), "")
 			if err := h.Handle(ctx, d); err != nil {
 				t.Error(err)
 			}
@@ -471,7 +472,7 @@ func TestDedupHangingRenewalCancelsHandler(t *testing.T) {
 				return errors.New("handler was not cancelled")
 			}
 		}))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	err := h.Handle(context.Background(), d)
 	if extendFirst {
 		t.Errorf("the handler was cancelled only after the hanging renewal returned; want it cancelled before the lease ends")
@@ -497,7 +498,7 @@ func TestDedupFinishedHandlerDoesNotWaitForRenewal(t *testing.T) {
 			time.Sleep(lease / 2) // past the first renewal, at lease/3, which hangs
 			return nil
 		}))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	start := time.Now()
 	if err := h.Handle(context.Background(), d); err != nil {
 		t.Fatalf("Handle = %v; want nil", err)
@@ -528,7 +529,7 @@ func TestDedupReleasesAnUnansweredClaim(t *testing.T) {
 	s := lostReplyStore{store.NewMemory()}
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	if err := h.Handle(context.Background(), d); !errors.Is(err, middleware.ErrStoreUnavailable) {
 		t.Fatalf("Handle = %v; want ErrStoreUnavailable", err)
 	}
@@ -547,7 +548,7 @@ func TestDedupFailOpenNotOnDoneContext(t *testing.T) {
 		func(context.Context, *amqp.Delivery) error { calls.Add(1); return nil }))
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	if err := h.Handle(ctx, d); err == nil {
 		t.Error("Handle with a done context and a failed claim = nil; want an error")
 	}
@@ -572,7 +573,7 @@ func TestDedupAbandonedClaim(t *testing.T) {
 		}
 		time.Sleep(time.Minute)
 		before := s.Calls("claim") + s.Calls("release")
-		d, rec := deliver("m1", "")
+		d, rec := deliverytest.New("m1", "")
 		err := h.Handle(ctx, d)
 		if calls != 0 || !errors.Is(err, middleware.ErrAbandoned) || rabbitmw.Decide(err).Outcome != rabbitmw.Requeue {
 			t.Errorf("Handle of an abandoned message = %v (%v), %d handler calls; want ErrAbandoned, requeued, no call", err, rabbitmw.Decide(err).Outcome, calls)
@@ -580,10 +581,10 @@ func TestDedupAbandonedClaim(t *testing.T) {
 		if n := s.Calls("claim") + s.Calls("release") - before; n != 1 {
 			t.Errorf("%d store calls for an abandoned message; want 1 (the claim)", n)
 		}
-		if got := settle(t, d, rec, err); got != "requeued" {
+		if got := deliverytest.Settle(t, d, rec, err); got != "requeued" {
 			t.Errorf("settled %s; want requeued", got)
 		}
-		d, _ = deliver("m1", "")
+		d, _ = deliverytest.New("m1", "")
 		if err := h.Handle(ctx, d); err != nil || calls != 1 {
 			t.Errorf("the next delivery: %v, %d handler calls; want nil, 1", err, calls)
 		}

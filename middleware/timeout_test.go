@@ -9,6 +9,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -74,7 +75,7 @@ func TestTimeout(t *testing.T) {
 				deadline, _ = ctx.Deadline()
 				return tt.handler(ctx)
 			}))
-			d, _ := deliver("m1", "")
+			d, _ := deliverytest.New("m1", "")
 			err := h.Handle(ctx, d)
 			if deadline.IsZero() || deadline.Sub(entry) > limit {
 				t.Errorf("handler deadline %v after it started; want at most %v", deadline.Sub(entry), limit)
