@@ -197,12 +197,31 @@ func TestStackAlwaysPanickingIsDeadLettered(t *testing.T) {
 
 func TestStackConcurrentDeliveriesOfOneID(t *testing.T) {
 	f := newFixture(t, middleware.DedupOptions{})
-	h := f.stack(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-		time.Sleep(5 * time.Millisecond) // hold the claim while others arrive
+	const n = 100
+	// The delivery that claims the message holds the claim until the first
+	// deliveries of the n-1 others have all come and gone; those wait for
+	// that too before their redeliveries.
+	var arrived atomic.Int64
+	allArrived := make(chan struct{})
+	stack := f.stack(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		select {
+		case <-allArrived:
+		case <-ctx.Done(): // the stack's Timeout: the others never came
+			return ctx.Err()
+		}
 		f.effect(d.MessageId)
 		return nil
 	}))
-	const n = 100
+	h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		err := stack.Handle(ctx, d)
+		if !d.Redelivered {
+			if arrived.Add(1) == n-1 {
+				close(allArrived)
+			}
+			<-allArrived
+		}
+		return err
+	})
 	var (
 		wg       sync.WaitGroup
 		start    = make(chan struct{})
@@ -249,7 +268,7 @@ func TestStackLeaseExpiresMidHandler(t *testing.T) {
 		case <-ctx.Done(): // the well-behaved handler stops before its effect
 			cancelled.Store(true)
 			return ctx.Err()
-		case <-time.After(5 * time.Second):
+		case <-time.After(5 * time.Second): // never cancelled: a real-time bound, as the store is a server
 			f.effect(d.MessageId)
 			return nil
 		}
@@ -402,8 +421,16 @@ func legacyConsumer(ctx context.Context, c *redis.Client, d *amqp.Delivery, effe
 func TestStackJoinsHandWrittenFleet(t *testing.T) {
 	f := newFixture(t, middleware.DedupOptions{})
 	ours := f.stack(f.recording())
-	ctx := context.Background()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
 	const ids, copies = 50, 4
+	// A copy is requeued while another holds the message; it is delivered
+	// again once a copy of the message has been acked.
+	acked := make([]chan struct{}, ids)
+	ack := make([]sync.Once, ids)
+	for i := range acked {
+		acked[i] = make(chan struct{})
+	}
 	var wg sync.WaitGroup
 	for i := range ids {
 		for c := range copies {
@@ -422,9 +449,15 @@ func TestStackJoinsHandWrittenFleet(t *testing.T) {
 						})
 					}
 					if settled != "requeued" {
+						ack[i].Do(func() { close(acked[i]) })
 						return
 					}
-					time.Sleep(time.Millisecond)
+					select {
+					case <-acked[i]:
+					case <-ctx.Done():
+						t.Errorf("message %s requeued, and no copy of it acked: %v", msg.MessageId, ctx.Err())
+						return
+					}
 				}
 				t.Errorf("message %s never settled", msg.MessageId)
 			}()
