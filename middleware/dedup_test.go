@@ -18,6 +18,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 func TestDedup(t *testing.T) {
@@ -321,7 +322,7 @@ func TestDedupCompletesAfterCancel(t *testing.T) {
 // duplicate one (claim).
 func TestDedupRoundTrips(t *testing.T) {
 	_, c, rt := redistest.Start(t)
-	s := store.NewRedis(c, store.RedisOptions{})
+	s := redisstore.New(c, redisstore.Options{})
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
 	ctx := context.Background()
