@@ -199,10 +199,15 @@ func TestStackConcurrentDeliveriesOfOneID(t *testing.T) {
 	f := newFixture(t, middleware.DedupOptions{})
 	const n = 100
 	// The delivery that claims the message holds the claim until the first
-	// deliveries of the n-1 others have all come and gone; those wait for
-	// that too before their redeliveries.
-	var arrived atomic.Int64
-	allArrived := make(chan struct{})
+	// deliveries of the n-1 others have all been turned away as busy; those
+	// wait until the claiming delivery has ended (its done mark written)
+	// before their redeliveries.
+	var (
+		arrived    atomic.Int64
+		allArrived = make(chan struct{})
+		claimed    = make(chan struct{})
+		claimOnce  sync.Once
+	)
 	stack := f.stack(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 		select {
 		case <-allArrived:
@@ -214,11 +219,15 @@ func TestStackConcurrentDeliveriesOfOneID(t *testing.T) {
 	}))
 	h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 		err := stack.Handle(ctx, d)
-		if !d.Redelivered {
+		switch {
+		case d.Redelivered:
+		case errors.Is(err, middleware.ErrBusy):
 			if arrived.Add(1) == n-1 {
 				close(allArrived)
 			}
-			<-allArrived
+			<-claimed
+		default: // the claiming delivery (one, unless Dedup is broken)
+			claimOnce.Do(func() { close(claimed) })
 		}
 		return err
 	})
