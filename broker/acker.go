@@ -11,11 +11,12 @@ import (
 )
 
 const (
-	// maxHeldAcks bounds the acks held behind a delivery still in its
-	// handler (see acker); half the prefetch count if that is smaller,
-	// so that held acks never take the whole window of the server.
-	maxHeldAcks = 32
-	// maxHoldAck bounds how long the first of them is held.
+	// maxPendingAcks bounds the acks an acker keeps for one frame (see
+	// acker); a quarter of the prefetch count if that is smaller, so that
+	// the acks kept (those of the run, and those held behind a gap) never
+	// take more than half the server's window.
+	maxPendingAcks = 32
+	// maxHoldAck bounds how long the first of them is kept.
 	maxHoldAck = 5 * time.Millisecond
 )
 
@@ -33,15 +34,18 @@ const (
 // ack after a confirmed copy, all of which are on the wire by then), and
 // only for an n that waits for its ack. A tag it was not told of (a
 // handler still running) is a gap: no multiple ack covers it, and the acks
-// done above it are held. A multiple ack cannot skip a gap; so when more
-// than maxHeldAcks (or half the prefetch count) are held, or the first
-// has been held for maxHoldAck, the acker acks each of them alone, and
-// counts them as settled on their own: a slow handler delays the acks of
-// the others by at most maxHoldAck.
+// done above it are held. A multiple ack cannot skip a gap (it would ack
+// the gap's delivery too); so when maxPendingAcks (or a quarter of the
+// prefetch count) are held, or the first has been held for maxHoldAck,
+// the acker acks each of them alone, and counts them as settled on their
+// own: a slow handler delays the acks of the others by at most
+// maxHoldAck.
 //
-// The acks that wait for no gap are sent as soon as the acker's goroutine
-// gets to them: it sends one frame for all the acks that came while it
-// sent the previous one, and holds none on purpose.
+// The acks of the run, below any gap, are kept until they are as many, or
+// the first has waited as long, and then sent in one frame. So an ack
+// waits at most maxHoldAck (a little more on a busy machine), and the
+// acks kept never take more than half the prefetch window. With a
+// prefetch count below 8, no ack is kept.
 //
 // Acks not sent yet when the session is lost are lost with it: the server
 // redelivers those deliveries, and Dedup takes them for duplicates, as
@@ -57,7 +61,8 @@ type acker struct {
 	queue   string
 	obs     *Observer
 	log     *slog.Logger
-	maxHeld int
+	// maxPending is the bound on the acks of the run, and on those held.
+	maxPending int
 
 	wake  chan struct{} // cap 1
 	quit  chan struct{} // closed by close
@@ -73,9 +78,11 @@ type acker struct {
 	// ack held, false for a tag settled on its own.
 	done map[uint64]bool
 	// run is the highest tag below next whose ack is not sent (0: none);
-	// runN is the number of acks a multiple ack of run sends.
-	run  uint64
-	runN int
+	// runN is the number of acks a multiple ack of run sends, since
+	// runSince.
+	run      uint64
+	runN     int
+	runSince time.Time
 	// held is the number of acks held in done, since heldSince.
 	held      int
 	heldSince time.Time
@@ -96,7 +103,7 @@ func makeAcker(queue string, prefetch int, obs *Observer, log *slog.Logger) *ack
 		queue:   queue,
 		obs:     obs,
 		log:     log,
-		maxHeld: max(1, min(maxHeldAcks, prefetch/2)),
+		maxPending: max(1, min(maxPendingAcks, prefetch/4)),
 		wake:    make(chan struct{}, 1),
 		quit:    make(chan struct{}),
 		ended:   make(chan struct{}),
@@ -184,14 +191,15 @@ func (a *acker) record(tag uint64, ack bool) {
 			a.held++
 			if a.held == 1 {
 				a.heldSince = time.Now()
-				a.signal() // to arm the timer
-			} else if a.held >= a.maxHeld {
+				a.signal() // to arm the timer, or send it
+			} else if a.held == a.maxPending {
 				a.signal()
 			}
 		}
 		return
 	}
 	// tag == a.next: the run grows over it and the results above it.
+	n, moved := a.runN, false
 	if ack {
 		a.run, a.runN = tag, a.runN+1
 	}
@@ -204,12 +212,19 @@ func (a *acker) record(tag uint64, ack bool) {
 		delete(a.done, a.next)
 		if ack {
 			a.held--
-			a.run, a.runN = a.next, a.runN+1
+			a.run, a.runN, moved = a.next, a.runN+1, true
 		}
 		a.next++
 	}
-	if a.run != 0 {
-		a.signal()
+	if n == 0 && a.runN > 0 {
+		a.runSince = time.Now()
+	}
+	if moved && a.heldSince.Before(a.runSince) {
+		// Held acks keep their age in the run.
+		a.runSince = a.heldSince
+	}
+	if (n == 0 && a.runN > 0) || moved || (n < a.maxPending && a.runN >= a.maxPending) {
+		a.signal() // to send the run, or arm the timer for it
 	}
 }
 
@@ -240,18 +255,28 @@ func (a *acker) loop() {
 	}
 }
 
-// flush sends the run, if any, with a multiple ack, and the held acks one
-// by one, if they are all to be sent (all) or over a bound. It returns how
-// long the held acks may wait still (0: none is held).
+// flush sends the run with a multiple ack, and the held acks one by one,
+// if they are all to be sent (all) or at a bound. It returns how long the
+// acks kept may wait still (0: none is kept).
 func (a *acker) flush(all bool) (wait time.Duration) {
 	a.mu.Lock()
 	to := a.to
-	run, n := a.run, a.runN
-	a.run, a.runN = 0, 0
+	now := time.Now()
+	var run uint64
+	var n int
+	if a.runN > 0 {
+		w := maxHoldAck - now.Sub(a.runSince)
+		if all || a.runN >= a.maxPending || w <= 0 {
+			run, n = a.run, a.runN
+			a.run, a.runN = 0, 0
+		} else {
+			wait = w
+		}
+	}
 	var lone []uint64
 	if a.held > 0 {
-		wait = maxHoldAck - time.Since(a.heldSince)
-		if all || a.held >= a.maxHeld || wait <= 0 {
+		w := maxHoldAck - now.Sub(a.heldSince)
+		if all || a.held >= a.maxPending || w <= 0 {
 			lone = make([]uint64, 0, a.held)
 			for tag, ack := range a.done {
 				if ack {
@@ -259,7 +284,9 @@ func (a *acker) flush(all bool) (wait time.Duration) {
 					a.done[tag] = false // settled on its own, next
 				}
 			}
-			a.held, wait = 0, 0
+			a.held = 0
+		} else if wait == 0 || w < wait {
+			wait = w
 		}
 	}
 	a.mu.Unlock()

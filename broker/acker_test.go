@@ -108,40 +108,45 @@ func (m *modelChannel) check(t *testing.T, n int) {
 // The acker's bookkeeping, step by step, with flush called by the test.
 // Steps: a3 the handler's ack of tag 3 (coalesced), n3 a nack, r3 a
 // reject, c3 the ack after a confirmed copy (alone); f flush, F flush at
-// close; 4ms the clock moves on. Prefetch 8: at most 4 acks are held.
+// close; 4ms the clock moves on. Prefetch 16: 4 acks kept at most.
 func TestAckerBookkeeping(t *testing.T) {
 	tests := []struct {
 		name  string
 		steps string
 		want  string // the frames after each flush, | between flushes
 	}{
-		{"one", "a1 f", "ack 1"},
-		{"in order", "a1 a2 a3 f", "ack 3 multiple"},
-		{"flush with nothing new", "a1 f f", "ack 1 | "},
-		{"in any order below the top", "a3 a1 a2 f", "ack 3 multiple"},
-		{"gap waits", "a2 a3 f a1 f", " | ack 3 multiple"},
-		{"a nack in the middle goes alone, the run around it", "a1 n2 a3 f", "nack 2 ack 3 multiple"},
-		{"a nack at the top: the run ends below it", "a1 a2 n3 f", "nack 3 ack 2 multiple"},
-		{"a reject in the middle", "a1 r2 a3 a4 f", "reject 2 ack 4 multiple"},
-		{"the ack after a copy goes alone", "a1 c2 a3 f", "ack 2 ack 3 multiple"},
-		{"only settlements of their own", "n1 c2 f", "nack 1 ack 2"},
-		{"a lone ack in the run is sent alone", "n1 a2 n3 f", "nack 1 nack 3 ack 2"},
-		{"two gaps", "a2 a4 a1 f a3 f", "ack 2 multiple | ack 4 multiple"},
-		{"two gaps, runs of several", "a2 a4 a5 a1 f a3 f", "ack 2 multiple | ack 5 multiple"},
-		{"a second result is ignored", "a1 a1 f c2 a2 f", "ack 1 | ack 2"},
-		{"count bound: held acks go alone", "a2 a3 a4 f a5 f a1 f", " | ack 2 ack 3 ack 4 ack 5 | ack 1"},
-		{"time bound: held acks go alone", "a2 a3 f 5ms f a1 f", " | ack 2 ack 3 | ack 1"},
-		{"time bound not reached", "a2 f 4ms f a1 f", " |  | ack 2 multiple"},
-		{"the bound counts from the first held", "a2 4ms a3 1ms f a1 f", "ack 2 ack 3 | ack 1"},
-		{"lone acks, then a run over them", "a2 a3 5ms f a1 a4 f", "ack 2 ack 3 | ack 4 multiple"},
+		{"one is kept", "a1 f", ""},
+		{"one at the time bound", "a1 f 5ms f", " | ack 1"},
+		{"in order, at the count bound", "a1 a2 a3 f a4 f", " | ack 4 multiple"},
+		{"in order, at the time bound", "a1 a2 f 4ms f 1ms f", " |  | ack 2 multiple"},
+		{"close sends the run", "a1 a2 a3 F", "ack 3 multiple"},
+		{"flush with nothing new", "a1 F f", "ack 1 | "},
+		{"in any order below the top", "a3 a1 a2 F", "ack 3 multiple"},
+		{"gap waits", "a2 a3 f a1 F", " | ack 3 multiple"},
+		{"a nack in the middle goes alone, the run around it", "a1 n2 a3 F", "nack 2 ack 3 multiple"},
+		{"a nack at the top: the run ends below it", "a1 a2 n3 F", "nack 3 ack 2 multiple"},
+		{"a reject in the middle", "a1 r2 a3 a4 F", "reject 2 ack 4 multiple"},
+		{"the ack after a copy goes alone", "a1 c2 a3 F", "ack 2 ack 3 multiple"},
+		{"only settlements of their own", "n1 c2 F", "nack 1 ack 2"},
+		{"a lone ack in the run is sent alone", "n1 a2 n3 F", "nack 1 nack 3 ack 2"},
+		{"two gaps, filled", "a2 a4 a1 a3 F", "ack 4 multiple"},
+		{"two gaps, at the time bound", "a2 a4 a1 5ms f a3 F", "ack 2 multiple ack 4 | ack 3"},
+		{"two gaps, runs of several", "a2 a4 a5 a1 a3 F", "ack 5 multiple"},
+		{"a second result is ignored", "a1 a1 F c2 a2 F", "ack 1 | ack 2"},
+		{"count bound: held acks go alone", "a2 a3 a4 f a5 f a1 F", " | ack 2 ack 3 ack 4 ack 5 | ack 1"},
+		{"time bound: held acks go alone", "a2 a3 f 5ms f a1 F", " | ack 2 ack 3 | ack 1"},
+		{"time bound not reached", "a2 f 4ms f a1 F", " |  | ack 2 multiple"},
+		{"the bound counts from the first held", "a2 4ms a3 1ms f a1 F", "ack 2 ack 3 | ack 1"},
+		{"held acks keep their age in the run", "a2 4ms a1 f 1ms f", " | ack 2 multiple"},
+		{"lone acks, then a run over them", "a2 a3 5ms f a1 a4 F", "ack 2 ack 3 | ack 4 multiple"},
 		{"close sends the run and the held", "a1 a3 a4 F", "ack 1 ack 3 ack 4"},
-		{"held acks, then a nack above them", "a2 a3 n4 a1 f", "nack 4 ack 3 multiple"},
+		{"held acks, then a nack above them", "a2 a3 n4 a1 F", "nack 4 ack 3 multiple"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				ch := newModelChannel(0)
-				a := makeAcker("q", 8, &Observer{}, slog.New(slog.DiscardHandler))
+				a := makeAcker("q", 16, &Observer{}, slog.New(slog.DiscardHandler))
 				var got []string
 				var frames []string
 				for _, step := range strings.Fields(tt.steps) {
@@ -193,50 +198,62 @@ func TestAckerBookkeeping(t *testing.T) {
 	}
 }
 
-// The bound on held acks is half the prefetch count when that is below
-// maxHeldAcks, and at least one.
-func TestAckerMaxHeld(t *testing.T) {
-	for _, tt := range []struct{ prefetch, want int }{{1, 1}, {2, 1}, {8, 4}, {64, 32}, {65535, 32}} {
+// The bound on the acks kept is a quarter of the prefetch count when that
+// is below maxPendingAcks, and at least one.
+func TestAckerMaxPending(t *testing.T) {
+	for _, tt := range []struct{ prefetch, want int }{{1, 1}, {7, 1}, {8, 2}, {32, 8}, {128, 32}, {65535, 32}} {
 		a := makeAcker("q", tt.prefetch, &Observer{}, slog.New(slog.DiscardHandler))
-		if a.maxHeld != tt.want {
-			t.Errorf("maxHeld with prefetch %d = %d; want %d", tt.prefetch, a.maxHeld, tt.want)
+		if a.maxPending != tt.want {
+			t.Errorf("maxPending with prefetch %d = %d; want %d", tt.prefetch, a.maxPending, tt.want)
 		}
 	}
 }
 
-// The acker's goroutine sends a run without being asked, and held acks at
-// the time bound, with no flush from the test.
+// The acker's goroutine sends the acks kept at the bounds, with no flush
+// from the test: a run at the time bound, a held ack at the time bound, a
+// run at the count bound.
 func TestAckerGoroutine(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		ch := newModelChannel(4)
-		a := newAcker("q", 64, &Observer{}, slog.New(slog.DiscardHandler))
+		const n = 19
+		ch := newModelChannel(n)
+		a := newAcker("q", 64, &Observer{}, slog.New(slog.DiscardHandler)) // 16 kept at most
 		defer a.close()
-		ds := make([]*amqp.Delivery, 5)
-		for tag := 1; tag <= 4; tag++ {
+		ds := make([]*amqp.Delivery, n+1)
+		for tag := 1; tag <= n; tag++ {
 			ds[tag] = &amqp.Delivery{Acknowledger: ch, DeliveryTag: uint64(tag)}
 			a.adopt(ds[tag])
 		}
 		noErr(t, "ackLater", ackLater(ds[1]))
 		noErr(t, "ackLater", ackLater(ds[2]))
-		synctest.Wait()
-		if f := strings.Join(ch.takeFrames(), " "); f != "ack 2 multiple" && f != "ack 1 ack 2" {
-			t.Errorf("frames = %q; want ack 2 multiple (or ack 1 ack 2, had the goroutine run in between)", f)
-		}
-		noErr(t, "ackLater", ackLater(ds[4]))
 		start := time.Now()
 		synctest.Wait()
-		equal(t, "frames while 4 is held", ch.takeFrames(), []string(nil))
+		equal(t, "frames while the run is kept", ch.takeFrames(), []string(nil))
 		time.Sleep(maxHoldAck - time.Nanosecond)
 		synctest.Wait()
 		equal(t, "frames just before the bound", ch.takeFrames(), []string(nil))
 		time.Sleep(time.Nanosecond)
 		synctest.Wait()
-		equal(t, "frames at the bound", ch.takeFrames(), []string{"ack 4"})
-		equal(t, "held for", time.Since(start), maxHoldAck)
-		noErr(t, "ackLater", ackLater(ds[3]))
+		equal(t, "frames at the bound", ch.takeFrames(), []string{"ack 2 multiple"})
+		equal(t, "kept for", time.Since(start), maxHoldAck)
+
+		noErr(t, "ackLater", ackLater(ds[4]))
 		synctest.Wait()
-		equal(t, "frames once the gap is filled", ch.takeFrames(), []string{"ack 3"})
-		ch.check(t, 4)
+		equal(t, "frames while 4 is held", ch.takeFrames(), []string(nil))
+		time.Sleep(maxHoldAck)
+		synctest.Wait()
+		equal(t, "frames at the bound", ch.takeFrames(), []string{"ack 4"})
+
+		for tag := 3; tag <= n-1; tag++ {
+			if tag != 4 {
+				noErr(t, "ackLater", ackLater(ds[tag]))
+			}
+		}
+		synctest.Wait()
+		equal(t, "frames with 15 acks kept", ch.takeFrames(), []string(nil))
+		noErr(t, "ackLater", ackLater(ds[n]))
+		synctest.Wait()
+		equal(t, "frames with 16 acks kept", ch.takeFrames(), []string{"ack 19 multiple"})
+		ch.check(t, n)
 	})
 }
 
@@ -274,7 +291,7 @@ func TestAckerOtherChannel(t *testing.T) {
 	noErr(t, "ackLater", ackLater(d2))
 	equal(t, "frames on the other channel", other.takeFrames(), []string{"ack 1"})
 	noErr(t, "ackLater", ackLater(d1))
-	a.flush(false)
+	a.flush(true)
 	equal(t, "frames on the acker's channel", ch.takeFrames(), []string{"ack 1"})
 }
 
