@@ -58,9 +58,9 @@ const (
 // channel, and it counts them as settled once they are sent. It runs one
 // goroutine, from newAcker to close.
 type acker struct {
-	queue   string
-	obs     *Observer
-	log     *slog.Logger
+	queue string
+	obs   *Observer
+	log   *slog.Logger
 	// maxPending is the bound on the acks of the run, and on those held.
 	maxPending int
 
@@ -100,15 +100,15 @@ func newAcker(queue string, prefetch int, obs *Observer, log *slog.Logger) *acke
 // sent by calls of flush.
 func makeAcker(queue string, prefetch int, obs *Observer, log *slog.Logger) *acker {
 	return &acker{
-		queue:   queue,
-		obs:     obs,
-		log:     log,
+		queue:      queue,
+		obs:        obs,
+		log:        log,
 		maxPending: max(1, min(maxPendingAcks, prefetch/4)),
-		wake:    make(chan struct{}, 1),
-		quit:    make(chan struct{}),
-		ended:   make(chan struct{}),
-		next:    1,
-		done:    make(map[uint64]bool),
+		wake:       make(chan struct{}, 1),
+		quit:       make(chan struct{}),
+		ended:      make(chan struct{}),
+		next:       1,
+		done:       make(map[uint64]bool),
 	}
 }
 
