@@ -45,7 +45,11 @@ const (
 // the first has waited as long, and then sent in one frame. So an ack
 // waits at most maxHoldAck (a little more on a busy machine), and the
 // acks kept never take more than half the prefetch window. With a
-// prefetch count below 8, no ack is kept.
+// prefetch count below 8, no ack is kept. A handler that never returns
+// leaves its gap open for the rest of the session: every ack after it
+// goes alone, and the acker keeps a map entry for each later delivery
+// until the session ends (RabbitMQ's consumer_timeout, 30 minutes by
+// default, closes its channel).
 //
 // Acks not sent yet when the session is lost are lost with it: the server
 // redelivers those deliveries, and Dedup takes them for duplicates, as
