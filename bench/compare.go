@@ -15,29 +15,43 @@ import (
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
+// figures are what a run of a contender and a summary of its runs both
+// report, under the same JSON keys.
+type figures struct {
+	Contender string `json:"contender"`
+	Prefetch  int    `json:"prefetch"`
+	Workers   int    `json:"workers"`
+	// Deliveries counts handler runs, redeliveries included.
+	Deliveries int64            `json:"deliveries"`
+	Outcomes   map[string]int64 `json:"outcomes"`
+	// Effects counts business handler runs; UniqueEffects the message ids
+	// that ran at least once.
+	Effects       int64 `json:"effects"`
+	UniqueEffects int64 `json:"unique_effects"`
+	// The store's round trips per delivery, by outcome.
+	RTTAck       rttSummary `json:"rtt_per_ack"`
+	RTTDuplicate rttSummary `json:"rtt_per_duplicate"`
+	// From the handler's start to the return of its ack.
+	P50Micros float64  `json:"p50_us"`
+	P99Micros float64  `json:"p99_us"`
+	CPU       cpuUsage `json:"cpu"`
+}
+
 // runResult is what one contender did in one round.
 type runResult struct {
-	Contender  string  `json:"contender"`
+	figures
 	Round      int     `json:"round"`
-	Prefetch   int     `json:"prefetch"`
-	Workers    int     `json:"workers"`
 	Messages   int     `json:"messages"`
 	UniqueIDs  int     `json:"unique_ids"`
 	Seconds    float64 `json:"seconds"` // first delivery to last settlement
 	MsgsPerSec float64 `json:"msgs_per_sec"`
-	// Deliveries counts handler runs, redeliveries included.
-	Deliveries int64 `json:"deliveries"`
 	// Redelivered counts deliveries that RabbitMQ marked redelivered: a
 	// consumer's connection was lost during the run (on this machine,
 	// usually another user's rabbitmqctl close_all_connections), so its
 	// timing is disturbed.
-	Redelivered       int64            `json:"redelivered"`
-	Outcomes          map[string]int64 `json:"outcomes"`
-	FailedSettlements int64            `json:"failed_settlements"`
-	// Effects counts business handler runs; UniqueEffects the message ids
-	// that ran at least once, RepeatedEffects those that ran more than once.
-	Effects         int64 `json:"effects"`
-	UniqueEffects   int64 `json:"unique_effects"`
+	Redelivered       int64 `json:"redelivered"`
+	FailedSettlements int64 `json:"failed_settlements"`
+	// RepeatedEffects counts the message ids that ran more than once.
 	RepeatedEffects int64 `json:"repeated_effects"`
 	// RedisCommands is the rise of INFO commandstats' calls during the run:
 	// server wide, so other clients of the server add to it.
@@ -48,14 +62,9 @@ type runResult struct {
 	RedisSetupRoundTrips int64 `json:"redis_setup_round_trips"`
 	// PostgresRoundTrips counts the statements sent by the contender's
 	// pool (BEGIN and COMMIT included).
-	PostgresRoundTrips int64      `json:"postgres_round_trips,omitempty"`
-	RTTAck             rttSummary `json:"rtt_per_ack"`
-	RTTDuplicate       rttSummary `json:"rtt_per_duplicate"`
-	P50Micros          float64    `json:"p50_us"`
-	P99Micros          float64    `json:"p99_us"`
-	CPU                cpuUsage   `json:"cpu"`
-	LeftReady          int        `json:"left_in_queue"`
-	LeftDead           int        `json:"left_in_dlq"`
+	PostgresRoundTrips int64 `json:"postgres_round_trips,omitempty"`
+	LeftReady          int   `json:"left_in_queue"`
+	LeftDead           int   `json:"left_in_dlq"`
 
 	lat []int64
 }
@@ -196,20 +205,22 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		return res, err
 	}
 	res = runResult{
-		Contender:         c.name,
+		figures: figures{
+			Contender:    c.name,
+			Prefetch:     c.prefetch,
+			Workers:      c.workers,
+			Deliveries:   rec.deliveries.Load(),
+			Outcomes:     make(map[string]int64),
+			RTTAck:       rec.rttAck.summary(),
+			RTTDuplicate: rec.rttDup.summary(),
+			CPU:          cpuBefore.usage(cpuAfter, rec.deliveries.Load()),
+		},
 		Round:             round,
-		Prefetch:          c.prefetch,
-		Workers:           c.workers,
 		Messages:          len(ids),
 		UniqueIDs:         unique,
 		Seconds:           rec.elapsed().Seconds(),
-		Deliveries:        rec.deliveries.Load(),
 		Redelivered:       rec.redelivered.Load(),
-		Outcomes:          make(map[string]int64),
 		FailedSettlements: rec.failed.Load(),
-		RTTAck:            rec.rttAck.summary(),
-		RTTDuplicate:      rec.rttDup.summary(),
-		CPU:               cpuBefore.usage(cpuAfter, rec.deliveries.Load()),
 		lat:               rec.latencies(),
 	}
 	res.MsgsPerSec = float64(len(ids)) / res.Seconds
@@ -303,37 +314,27 @@ func (ss summaries) relateToRaw() {
 	}
 }
 
-// summary is one contender over all rounds.
+// summary is one contender over all rounds; its figures are those of the
+// runs together (CPU weighted by deliveries).
 type summary struct {
-	Contender string  `json:"contender"`
-	Prefetch  int     `json:"prefetch"`
-	Workers   int     `json:"workers"`
-	Median    float64 `json:"msgs_per_sec_median"`
-	Min       float64 `json:"msgs_per_sec_min"`
-	Max       float64 `json:"msgs_per_sec_max"`
+	figures
+	Median float64 `json:"msgs_per_sec_median"`
+	Min    float64 `json:"msgs_per_sec_min"`
+	Max    float64 `json:"msgs_per_sec_max"`
 	// RatioToRaw is Median over raw's median in the same run; 0 when raw
 	// did not run.
 	RatioToRaw float64 `json:"ratio_to_raw"`
-	P50Micros  float64 `json:"p50_us"`
-	P99Micros  float64 `json:"p99_us"`
 	// Per delivered message (handler run).
 	CommandsPerMsg   float64            `json:"redis_commands_per_msg"`
 	RoundTripsPerMsg float64            `json:"redis_round_trips_per_msg"`
 	ByCommandPerMsg  map[string]float64 `json:"redis_by_command_per_msg,omitempty"`
-	RTTAck           rttSummary         `json:"rtt_per_ack"`
-	RTTDuplicate     rttSummary         `json:"rtt_per_duplicate"`
-	Deliveries       int64              `json:"deliveries"`
-	Effects          int64              `json:"effects"`
-	UniqueEffects    int64              `json:"unique_effects"`
-	Outcomes         map[string]int64   `json:"outcomes"`
 	Problems         []string           `json:"problems,omitempty"`
 	Disturbed        []string           `json:"disturbed,omitempty"` // runs with redeliveries
-	CPU              cpuUsage           `json:"cpu"`                 // weighted by deliveries
 }
 
 // summarize folds the runs of one contender.
 func summarize(name string, runs []runResult) summary {
-	s := summary{Contender: name, Outcomes: make(map[string]int64), ByCommandPerMsg: make(map[string]float64)}
+	s := summary{figures: figures{Contender: name, Outcomes: make(map[string]int64)}, ByCommandPerMsg: make(map[string]float64)}
 	var rates []float64
 	var lat []int64
 	var cmds, rtts int64
