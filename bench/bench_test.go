@@ -131,6 +131,25 @@ func TestTargets(t *testing.T) {
 	}
 }
 
+func TestBatchedRoundTripsTarget(t *testing.T) {
+	for _, tc := range []struct {
+		ack  rttSummary
+		want string
+	}{
+		{rttSummary{}, notMeasured},
+		{rttSummary{N: 10, Mean: 0.3, Max: 2}, met},
+		{rttSummary{N: 10, Mean: 0.3, Max: 3}, missed},
+		{rttSummary{N: 10, Mean: 2, Max: 2}, missed},
+	} {
+		r := &compareResult{Summary: summaries{{figures: figures{Contender: redisBatchName, RTTAck: tc.ack}}}}
+		ts := r.targets()
+		got := ts[len(ts)-2]
+		if got.Status != tc.want {
+			t.Errorf("batched %+v: %s (%s); want %s", tc.ack, got.Status, got.Detail, tc.want)
+		}
+	}
+}
+
 // The outputs, a run and a summary keep their JSON keys (a run and a
 // summary share theirs through figures).
 func TestResultJSON(t *testing.T) {

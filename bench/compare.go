@@ -69,17 +69,22 @@ type runResult struct {
 	lat []int64
 }
 
-// rttSummary is the Redis round trips per delivery of one outcome.
+// rttSummary is the store's round trips (requests: Redis commands and
+// pipelines, PostgreSQL statements) per delivery of one outcome.
 type rttSummary struct {
-	N    int64   `json:"n"`
+	N int64 `json:"n"`
+	// Mean is what a delivery cost: a request that carried the commands of
+	// k deliveries (a batched pipeline) counts 1/k to each of them.
 	Mean float64 `json:"mean"`
-	Max  int64   `json:"max"`
+	// Max is the most requests that one delivery's commands travelled in:
+	// what it waited for, shared or not.
+	Max int64 `json:"max"`
 }
 
 func (t *rttTally) summary() rttSummary {
 	s := rttSummary{N: t.n.Load(), Max: t.max.Load()}
 	if s.N > 0 {
-		s.Mean = float64(t.sum.Load()) / float64(s.N)
+		s.Mean = float64(t.share.Load()) / shareUnit / float64(s.N)
 	}
 	return s
 }
@@ -153,44 +158,26 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		return res, err
 	}
 	rec := newRecorder(len(ids), c.prefetch)
-	var (
-		rc *redis.Client // the contender's, for those that use Redis
-		rt *roundTrips
-	)
-	if c.redis {
-		if rc, rt, err = e.newRedisClient(ctx, c.workers); err != nil {
-			return res, err
-		}
-		defer rc.Close()
-		// A consumer that has been running has the store's scripts in
-		// Redis's cache; a fresh Redis would charge the first deliveries
-		// an extra round trip each (NOSCRIPT, then EVAL).
-		if err := store.NewRedis(rc, store.RedisOptions{}).Load(ctx); err != nil {
-			return res, err
-		}
+	cl, err := e.openClients(ctx, c, b.prefix)
+	if err != nil {
+		return res, err
 	}
+	defer cl.close()
 	before, err := e.commandStats(ctx)
 	if err != nil {
 		return res, err
 	}
-	var pg *pgRun
-	if c.pg {
-		if pg, err = e.newPgRun(ctx, b.prefix, c.workers); err != nil {
-			return res, err
-		}
-		defer pg.close()
-	}
 	var rttBefore, setupBefore, pgBefore int64
-	if rt != nil {
-		rttBefore, setupBefore = rt.n.Load(), rt.setup.Load()
+	if cl.rtt != nil {
+		rttBefore, setupBefore = cl.rtt.n.Load(), cl.rtt.setup.Load()
 	}
-	if pg != nil {
-		pgBefore = pg.rt.n.Load()
+	if cl.pg != nil {
+		pgBefore = cl.pg.rt.n.Load()
 	}
 
 	cpuBefore := e.cpuTimes(ctx)
 	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout)
-	err = c.consume(rctx, e, b, rc, pg, rec)
+	err = c.consume(rctx, e, b, cl, rec)
 	cancel()
 	cpuAfter := e.cpuTimes(ctx)
 	if err != nil {
@@ -231,12 +218,12 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 	}
 	res.Effects, res.UniqueEffects, res.RepeatedEffects = rec.effectCounts()
 	res.RedisByCommand, res.RedisCommands = statsDelta(before, after)
-	if rt != nil {
-		res.RedisRoundTrips = rt.n.Load() - rttBefore
-		res.RedisSetupRoundTrips = rt.setup.Load() - setupBefore
+	if cl.rtt != nil {
+		res.RedisRoundTrips = cl.rtt.n.Load() - rttBefore
+		res.RedisSetupRoundTrips = cl.rtt.setup.Load() - setupBefore
 	}
-	if pg != nil {
-		res.PostgresRoundTrips = pg.rt.n.Load() - pgBefore
+	if cl.pg != nil {
+		res.PostgresRoundTrips = cl.pg.rt.n.Load() - pgBefore
 	}
 	slices.Sort(res.lat)
 	res.P50Micros = micros(percentile(res.lat, 50))
@@ -245,6 +232,55 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		return res, err
 	}
 	return res, nil
+}
+
+// clients are the connections of one contender's run to the stores it
+// uses.
+type clients struct {
+	redis *redis.Client // nil unless the contender uses Redis
+	rtt   *roundTrips   // redis's round trips
+	pg    *pgRun        // nil unless the contender uses PostgreSQL
+}
+
+// openClients opens the store clients that c uses, warmed up, the
+// PostgreSQL tables named after prefix.
+func (e *env) openClients(ctx context.Context, c contender, prefix string) (*clients, error) {
+	cl := new(clients)
+	if c.redis {
+		var err error
+		// The hand-written contender calls the client itself; the others
+		// go through a store, whose client counts per command.
+		if cl.redis, cl.rtt, err = e.newRedisClient(ctx, c.workers, c.kind != kindHand); err != nil {
+			return nil, err
+		}
+		// A consumer that has been running has the store's scripts in
+		// Redis's cache; a fresh Redis would charge the first deliveries
+		// an extra round trip each (NOSCRIPT, then EVAL).
+		if err := store.NewRedis(cl.redis, store.RedisOptions{}).Load(ctx); err != nil {
+			cl.close()
+			return nil, err
+		}
+		if cl.rtt.shares != nil {
+			cl.rtt.shares.Clear()
+		}
+	}
+	if c.pg {
+		var err error
+		if cl.pg, err = e.newPgRun(ctx, prefix, c.workers); err != nil {
+			cl.close()
+			return nil, err
+		}
+	}
+	return cl, nil
+}
+
+func (cl *clients) close() {
+	if cl.redis != nil {
+		cl.redis.Close()
+	}
+	if cl.pg != nil {
+		cl.pg.close()
+	}
 }
 
 // inRoundOrder returns a copy of items in the order of round (from 1):
@@ -331,6 +367,10 @@ type summary struct {
 	Problems         []string           `json:"problems,omitempty"`
 	Disturbed        []string           `json:"disturbed,omitempty"` // runs with redeliveries
 }
+
+// perDelivery is the store's round trips of every final delivery, acked
+// or acked as a duplicate.
+func (f figures) perDelivery() rttSummary { return mergeRTT(f.RTTAck, f.RTTDuplicate) }
 
 // summarize folds the runs of one contender.
 func summarize(name string, runs []runResult) summary {

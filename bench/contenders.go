@@ -115,10 +115,10 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 }
 
 // consume consumes b with c until every message is settled for good (acked,
-// or acked as a duplicate), recording into rec. rc is the contender's Redis
-// client, for those that use Redis; pg the run's database, for those that
-// use PostgreSQL.
-func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Client, pg *pgRun, rec *recorder) error {
+// or acked as a duplicate), recording into rec, over the run's store
+// clients cl.
+func (c contender) consume(ctx context.Context, e *env, b batch, cl *clients, rec *recorder) error {
+	rc, pg := cl.redis, cl.pg
 	switch c.kind {
 	case kindRaw:
 		return consumeRaw(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec,
@@ -131,8 +131,11 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 	case kindRabbitmwMemory:
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewMemory(), false, rec)
 	case kindRabbitmwRedis:
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(rc, store.RedisOptions{Prefix: b.prefix}), true, rec)
+		st := store.NewRedis(attributed{rc, cl.rtt.shares}, store.RedisOptions{Prefix: b.prefix})
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, st, true, rec)
 	case kindRabbitmwRedisAP:
+		// Not counted per delivery: the autopipeliner's dispatch does not
+		// show the hook which command a pipeline carried.
 		ap, err := rc.AutoPipeline()
 		if err != nil {
 			return fmt.Errorf("Redis autopipeline: %w", err)
@@ -144,10 +147,10 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 	case kindWatermill:
 		return consumeWatermill(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec)
 	case kindRabbitmwRedisBatch:
-		// Round trips are counted per pipeline, not per delivery: the
-		// batch's hook cannot tell which delivery a pipeline serves.
+		// A pipeline serves several deliveries: each pays its share.
 		bt := store.NewRedisBatcher(rc, store.RedisBatcherOptions{})
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(bt, store.RedisOptions{Prefix: b.prefix}), false, rec)
+		st := store.NewRedis(attributed{bt, cl.rtt.shares}, store.RedisOptions{Prefix: b.prefix})
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, st, true, rec)
 	}
 	panic("bench: unknown contender kind")
 }
@@ -183,7 +186,7 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 			pctx := withProbe(ctx, &p)
 			for d := range deliveries {
 				start := rec.begin(d.Redelivered)
-				p.rtt.Store(0)
+				p.reset()
 				o := handle(pctx, &d)
 				var err error
 				if o == rabbitmw.Ack || o == rabbitmw.Duplicate {
@@ -193,7 +196,7 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 				} else {
 					err = d.Nack(false, true)
 				}
-				rec.end(start, o, int64(p.rtt.Load()), err)
+				rec.end(start, o, p.cost(), err)
 			}
 		})
 	}
@@ -256,14 +259,15 @@ func consumeStack(ctx context.Context, url, queue string, opts broker.ConsumeOpt
 		if err == nil && (o == rabbitmw.Ack || o == rabbitmw.Duplicate) {
 			rec.acked(d.MessageId)
 		}
-		var start, rtt int64
+		var start int64
+		c := notCounted
 		if p := rec.probe(d.DeliveryTag); p != nil {
-			start, rtt = p.start.Swap(0), int64(p.rtt.Load())
+			start = p.start.Swap(0)
+			if trackRTT {
+				c = p.cost()
+			}
 		}
-		if !trackRTT {
-			rtt = -1
-		}
-		rec.end(start, o, rtt, err)
+		rec.end(start, o, c, err)
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -296,7 +300,7 @@ func stamp(rec *recorder, trackRTT bool) rabbitmw.Middleware {
 		return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 			t := rec.begin(d.Redelivered)
 			if p := rec.probe(d.DeliveryTag); p != nil {
-				p.rtt.Store(0)
+				p.reset()
 				p.start.Store(t)
 				if trackRTT {
 					ctx = withProbe(ctx, p)

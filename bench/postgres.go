@@ -37,9 +37,7 @@ type pgRoundTrips struct{ n atomic.Int64 }
 
 func (r *pgRoundTrips) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
 	r.n.Add(1)
-	if p, _ := ctx.Value(probeKey{}).(*probe); p != nil {
-		p.rtt.Add(1)
-	}
+	onProbe(ctx)
 	return ctx
 }
 
