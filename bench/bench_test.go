@@ -158,7 +158,7 @@ func TestResultJSON(t *testing.T) {
 		want []string
 	}{
 		{&compareResult{}, []string{"Runs", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings", "summary", "targets"}},
-		{&sweepResult{}, []string{"cells", "defaults", "grid_prefetch_per_worker", "grid_workers", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings"}},
+		{&sweepResult{}, []string{"cells", "defaults", "grid_prefetch", "grid_workers", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings"}},
 		{&runResult{}, []string{"contender", "cpu", "deliveries", "effects", "failed_settlements", "left_in_dlq", "left_in_queue", "messages", "msgs_per_sec", "outcomes", "p50_us", "p99_us", "prefetch", "redelivered", "redis_commands", "redis_round_trips", "redis_setup_round_trips", "repeated_effects", "round", "rtt_per_ack", "rtt_per_duplicate", "seconds", "unique_effects", "unique_ids", "workers"}},
 		{&summary{}, []string{"contender", "cpu", "deliveries", "effects", "msgs_per_sec_max", "msgs_per_sec_median", "msgs_per_sec_min", "outcomes", "p50_us", "p99_us", "prefetch", "ratio_to_raw", "redis_commands_per_msg", "redis_round_trips_per_msg", "rtt_per_ack", "rtt_per_duplicate", "unique_effects", "workers"}},
 	} {

@@ -175,11 +175,15 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		pgBefore = cl.pg.rt.n.Load()
 	}
 
-	cpuBefore := e.cpuTimes(ctx)
+	var pgPIDs []int
+	if cl.pg != nil {
+		pgPIDs = cl.pg.pids
+	}
+	cpuBefore := e.cpuTimes(ctx, pgPIDs)
 	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout)
 	err = c.consume(rctx, e, b, cl, rec)
 	cancel()
-	cpuAfter := e.cpuTimes(ctx)
+	cpuAfter := e.cpuTimes(ctx, pgPIDs)
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
 			err = fmt.Errorf("%w: %d of %d messages settled within -timeout %v", err, rec.final.Load(), len(ids), e.cfg.timeout)

@@ -25,7 +25,7 @@ const (
 	memoryName   = "rabbitmw-memory"
 	redisName    = "rabbitmw-redis"
 	redisDupName = "rabbitmw-redis-dup"
-	// postgresName: see postgres.go.
+	// postgresName and pgStoreName: see postgres.go.
 	// redisBatchName is the Redis contender over store.RedisBatcher.
 	redisBatchName = "rabbitmw-redis-batch"
 	// redisAPName runs only when -only names it: the Redis contender over
@@ -49,7 +49,7 @@ const (
 // contenderNames is every contender, in the order of the table;
 // defaultContenders those that run when -only is not given.
 var (
-	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, postgresName, redisBatchName, watermillName, redisAPName}
+	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, pgStoreName, postgresName, redisBatchName, watermillName, redisAPName}
 	defaultContenders = slices.Clip(contenderNames[:len(contenderNames)-1])
 )
 
@@ -78,6 +78,7 @@ const (
 	kindRabbitmwRedis
 	kindRabbitmwRedisAP
 	kindRabbitmwPostgres
+	kindRabbitmwPgStore
 	kindRabbitmwRedisBatch
 	kindWatermill
 )
@@ -104,6 +105,8 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 		c.kind, c.redis = kindRabbitmwRedisAP, true
 	case postgresName:
 		c.kind, c.pg = kindRabbitmwPostgres, true
+	case pgStoreName:
+		c.kind, c.pg = kindRabbitmwPgStore, true
 	case redisBatchName:
 		c.kind, c.redis = kindRabbitmwRedisBatch, true
 	case watermillName:
@@ -144,6 +147,8 @@ func (c contender) consume(ctx context.Context, e *env, b batch, cl *clients, re
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(ap, store.RedisOptions{Prefix: b.prefix}), false, rec)
 	case kindRabbitmwPostgres:
 		return consumePostgres(ctx, e.cfg.amqpURL, b.queue, c.opts, pg, rec)
+	case kindRabbitmwPgStore:
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, pg.st, true, rec)
 	case kindWatermill:
 		return consumeWatermill(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec)
 	case kindRabbitmwRedisBatch:

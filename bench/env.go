@@ -511,6 +511,7 @@ func (h *settingsHandler) Handle(_ context.Context, r slog.Record) error {
 
 // machine describes where bench ran.
 type machine struct {
+	Date       string `json:"date"` // of the start, UTC
 	CPUs       int    `json:"cpus"`
 	GOMAXPROCS int    `json:"gomaxprocs"`
 	CPUModel   string `json:"cpu_model"`
@@ -524,6 +525,7 @@ type machine struct {
 
 func describeMachine(ctx context.Context, e *env) machine {
 	m := machine{
+		Date:       time.Now().UTC().Format(time.RFC3339),
 		CPUs:       runtime.NumCPU(),
 		GOMAXPROCS: runtime.GOMAXPROCS(0),
 		CPUModel:   procField("/proc/cpuinfo", "model name"),

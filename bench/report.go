@@ -38,12 +38,16 @@ func (s settings) print(w io.Writer, runID string) {
 	if s.Defaults {
 		common += " (the broker's defaults)"
 	}
-	mode := "persistent"
-	if !s.Persistent {
-		mode = "transient"
-	}
 	fmt.Fprintf(w, "run %s: %d %s messages of %d bytes per run, %d rounds, dup %.0f%%; common setting: %s\n\n",
-		runID, s.Messages, mode, s.Size, s.Rounds, 100*s.Dup, common)
+		runID, s.Messages, s.mode(), s.Size, s.Rounds, 100*s.Dup, common)
+}
+
+// mode says how the messages were published.
+func (s settings) mode() string {
+	if s.Persistent {
+		return "persistent"
+	}
+	return "transient"
 }
 
 func (r *compareResult) print(w io.Writer) {
@@ -70,15 +74,7 @@ func (r *compareResult) print(w io.Writer) {
 	fmt.Fprintln(tw, "contender\tthis process\tRedis server\tRabbitMQ server\tPostgreSQL server\ttotal\t")
 	for _, s := range r.Summary {
 		c := s.CPU
-		total := "–"
-		if c.Self >= 0 && c.Redis >= 0 && c.Rabbit >= 0 {
-			t := c.Self + c.Redis + c.Rabbit
-			if c.Postgres > 0 {
-				t += c.Postgres
-			}
-			total = fmt.Sprintf("%.0f", t)
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t\n", s.Contender, fmtCPU(c.Self), fmtCPU(c.Redis), fmtCPU(c.Rabbit), fmtCPU(c.Postgres), total)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t\n", s.Contender, fmtCPU(c.Self), fmtCPU(c.Redis), fmtCPU(c.Rabbit), fmtCPU(c.Postgres), fmtCPU(c.total()))
 	}
 	tw.Flush()
 	fmt.Fprintln(w)
