@@ -170,35 +170,15 @@ func (r *sweepResult) cell(w int, spec prefetchSpec) *sweepCell {
 
 func (r *sweepResult) print(w io.Writer) {
 	fmt.Fprintf(w, "load average at end: %s\n\n", r.Machine.LoadEnd)
-	// The grid: one table per contender but raw, each cell msgs/s and its
-	// ratio to raw in the same cell.
+	// The grid: one table per contender but raw (see grid).
 	for _, name := range contenderNames {
 		if name == rawName || r.Cells[0].Summary.find(name) == nil {
 			continue
 		}
-		fmt.Fprintf(w, "%s, msgs/s median (× raw at the same setting); * = the broker's defaults (prefetch %d, workers %d)\n", name, r.Defaults[0], r.Defaults[1])
+		fmt.Fprintf(w, "%s, msgs/s median (× raw at the same setting) / CPU ms per 1,000 messages; * = the broker's defaults (prefetch %d, workers %d)\n", name, r.Defaults[0], r.Defaults[1])
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprint(tw, "workers\t")
-		for _, spec := range r.Prefetch {
-			fmt.Fprintf(tw, "%s\t", spec.label())
-		}
-		fmt.Fprintln(tw)
-		for _, wk := range r.Workers {
-			fmt.Fprintf(tw, "%d\t", wk)
-			for _, spec := range r.Prefetch {
-				c := r.cell(wk, spec)
-				s := c.Summary.find(name)
-				mark := ""
-				if c.Prefetch == r.Defaults[0] && c.Workers == r.Defaults[1] {
-					mark = "*"
-				}
-				if s.RatioToRaw > 0 {
-					fmt.Fprintf(tw, "%s%s (%.2f)\t", mark, thousands(s.Median), s.RatioToRaw)
-				} else {
-					fmt.Fprintf(tw, "%s%s\t", mark, thousands(s.Median))
-				}
-			}
-			fmt.Fprintln(tw)
+		for _, row := range r.grid(name, "*") {
+			fmt.Fprintln(tw, strings.Join(row, "\t")+"\t")
 		}
 		tw.Flush()
 		fmt.Fprintln(w)
@@ -312,6 +292,38 @@ func (r *sweepResult) contenders() []string {
 	return names
 }
 
+// grid returns the table of contender name over the grid: a header row,
+// then a row per workers, a column per prefetch, each cell msgs/s (× raw
+// in the same cell) / CPU ms per 1,000 messages, mark before the broker's
+// defaults, "–" where name did not run.
+func (r *sweepResult) grid(name, mark string) [][]string {
+	rows := [][]string{{"workers"}}
+	for _, spec := range r.Prefetch {
+		rows[0] = append(rows[0], spec.label())
+	}
+	for _, wk := range r.Workers {
+		row := []string{strconv.Itoa(wk)}
+		for _, spec := range r.Prefetch {
+			c := r.cell(wk, spec)
+			s := c.Summary.find(name)
+			if s == nil {
+				row = append(row, "–")
+				continue
+			}
+			v := thousands(s.Median)
+			if c.Prefetch == r.Defaults[0] && c.Workers == r.Defaults[1] {
+				v = mark + v
+			}
+			if s.RatioToRaw > 0 && name != rawName {
+				v += fmt.Sprintf(" (%.2f)", s.RatioToRaw)
+			}
+			row = append(row, v+" / "+fmtCPU(s.CPU.total()))
+		}
+		rows = append(rows, row)
+	}
+	return rows
+}
+
 // markdown writes the sweep's tables in Markdown: per contender, msgs/s
 // and total CPU per 1,000 messages for each cell; then every cell in full.
 func (r *sweepResult) markdown(w io.Writer) {
@@ -320,35 +332,11 @@ func (r *sweepResult) markdown(w io.Writer) {
 		r.Settings.Size, r.Settings.Rounds, r.Machine.LoadStart, r.Machine.LoadEnd, r.Defaults[0], r.Defaults[1])
 	for _, name := range r.contenders() {
 		fmt.Fprintf(w, "%s: msgs/s median (× raw in the same cell) / CPU ms per 1,000 messages, this process + Redis + RabbitMQ\n\n", name)
-		fmt.Fprint(w, "| workers |")
-		for _, spec := range r.Prefetch {
-			fmt.Fprintf(w, " %s |", spec.label())
-		}
-		fmt.Fprint(w, "\n| ---: |")
-		for range r.Prefetch {
-			fmt.Fprint(w, " ---: |")
-		}
-		fmt.Fprintln(w)
-		for _, wk := range r.Workers {
-			fmt.Fprintf(w, "| %d |", wk)
-			for _, spec := range r.Prefetch {
-				c := r.cell(wk, spec)
-				s := c.Summary.find(name)
-				if s == nil {
-					fmt.Fprint(w, " – |")
-					continue
-				}
-				mark := ""
-				if c.Prefetch == r.Defaults[0] && c.Workers == r.Defaults[1] {
-					mark = "\\*"
-				}
-				ratio := ""
-				if s.RatioToRaw > 0 && name != rawName {
-					ratio = fmt.Sprintf(" (%.2f)", s.RatioToRaw)
-				}
-				fmt.Fprintf(w, " %s%s%s / %s |", mark, thousands(s.Median), ratio, fmtCPU(s.CPU.total()))
+		for i, row := range r.grid(name, "\\*") {
+			fmt.Fprintf(w, "| %s |\n", strings.Join(row, " | "))
+			if i == 0 {
+				fmt.Fprintf(w, "|%s\n", strings.Repeat(" ---: |", len(row)))
 			}
-			fmt.Fprintln(w)
 		}
 		fmt.Fprintln(w)
 	}
