@@ -10,6 +10,7 @@
 //	go run .                      # the contenders, 3 rounds of 20,000 messages
 //	go run . -sweep -out sweep.svg # the prefetch × workers grid, plotted
 //	go run . -latency -n 2000     # publish-to-ack latency at 200 msgs/s
+//	go run . -plot sweep.json -out sweep.svg # the plot again, from its results
 //	go run . -stack-only          # the stack in process; no servers needed
 //	go run . -only raw,rabbitmw-redis -n 50000 -json out.json
 //
@@ -100,6 +101,7 @@ type config struct {
 	sweepWorkers  []int
 	sweepPrefetch []prefetchSpec
 	sweepOut      string // -out: the plot, with its table and JSON beside it
+	plot          string // -plot: replot this sweep's JSON, and exit
 }
 
 func main() {
@@ -155,6 +157,7 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&cfg.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole command to this file (pair it with -only)")
 	sw := fs.String("sweep-workers", "4,16,64", "-sweep: the workers of the grid")
 	sp := fs.String("sweep-prefetch", "8,32,128", "-sweep: the prefetch of the grid: counts, or multiples of the workers such as 2x")
+	fs.StringVar(&cfg.plot, "plot", "", "write the plot and tables of -out again from this JSON of an earlier -sweep -out, and exit (no servers needed)")
 	fs.StringVar(&cfg.sweepOut, "out", "", "-sweep: write the plot as an SVG to this file, and beside it the same name with .md (the tables) and .json (the results)")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
@@ -196,8 +199,11 @@ func parseFlags(args []string) (config, error) {
 	if cfg.sweep && !setFlags["n"] {
 		cfg.n = sweepMessages
 	}
-	if cfg.sweepOut != "" && !cfg.sweep {
-		return cfg, errors.New("-out needs -sweep")
+	if cfg.sweepOut != "" && !cfg.sweep && cfg.plot == "" {
+		return cfg, errors.New("-out needs -sweep or -plot")
+	}
+	if cfg.plot != "" && cfg.sweepOut == "" {
+		return cfg, errors.New("-plot needs -out")
 	}
 	if *only != "" {
 		for _, name := range strings.Split(*only, ",") {
@@ -233,6 +239,9 @@ func intList(s string) ([]int, error) {
 
 // run connects, measures what cfg asks for, prints it, and cleans up.
 func run(ctx context.Context, cfg config) error {
+	if cfg.plot != "" {
+		return replot(cfg.plot, cfg.sweepOut)
+	}
 	if cfg.stackOnly {
 		sc := measureStack()
 		sc.print(os.Stdout)

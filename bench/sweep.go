@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"math"
@@ -235,18 +236,20 @@ func (r *sweepResult) print(w io.Writer) {
 }
 
 // chart returns the plot of the sweep: a row of panels per contender,
-// msgs/s and CPU per 1,000 messages, with workers along x and a line per
-// prefetch of the grid.
+// msgs/s, the consumer's CPU and the total CPU per 1,000 messages, with
+// workers along x and a line per prefetch of the grid.
 func (r *sweepResult) chart() lineChart {
 	c := lineChart{
 		Title: "rabbitmw: prefetch × workers",
 		Caption: []string{
-			fmt.Sprintf("%s (%s): %s %s messages of %d bytes per run, median of %d rounds; load average %s at the start",
-				r.RunID, r.Machine.Date, thousands(float64(r.Settings.Messages)), r.Settings.mode(), r.Settings.Size, r.Settings.Rounds, r.Machine.LoadStart),
-			fmt.Sprintf("CPU: this process + Redis + RabbitMQ (its idle CPU subtracted); the broker's defaults: prefetch %d, workers %d", r.Defaults[0], r.Defaults[1]),
+			fmt.Sprintf("%s, %s: %s %s messages of %d bytes per run, median of %d rounds",
+				r.RunID, r.Machine.Date, thousands(float64(r.Settings.Messages)), r.Settings.mode(), r.Settings.Size, r.Settings.Rounds),
+			fmt.Sprintf("load average %s at the start, %s at the end; the broker's defaults: prefetch %d, workers %d",
+				r.Machine.LoadStart, r.Machine.LoadEnd, r.Defaults[0], r.Defaults[1]),
+			"CPU: of this process (the consumer) alone, and of it, Redis and RabbitMQ together (RabbitMQ's idle CPU subtracted)",
 		},
 		XLabel:  "workers",
-		Columns: 2,
+		Columns: 3,
 	}
 	for _, w := range r.Workers {
 		c.X = append(c.X, strconv.Itoa(w))
@@ -256,24 +259,28 @@ func (r *sweepResult) chart() lineChart {
 	}
 	for _, name := range r.contenders() {
 		rate := chartPanel{Title: name + ": msgs/s", YLabel: "msgs/s (median)"}
-		cpu := chartPanel{Title: name + ": CPU per 1,000 messages", YLabel: "CPU ms per 1,000 messages"}
+		self := chartPanel{Title: name + ": consumer CPU", YLabel: "CPU ms per 1,000 messages"}
+		all := chartPanel{Title: name + ": total CPU", YLabel: "CPU ms per 1,000 messages"}
 		for _, spec := range r.Prefetch {
-			var ys, cs []float64
+			var ys, ss, as []float64
 			for _, w := range r.Workers {
-				y, cu := math.NaN(), math.NaN()
+				y, sc, ac := math.NaN(), math.NaN(), math.NaN()
 				if cell := r.cell(w, spec); cell != nil {
 					if s := cell.Summary.find(name); s != nil {
 						y = s.Median
+						if s.CPU.Self >= 0 {
+							sc = s.CPU.Self
+						}
 						if t := s.CPU.total(); t >= 0 {
-							cu = t
+							ac = t
 						}
 					}
 				}
-				ys, cs = append(ys, y), append(cs, cu)
+				ys, ss, as = append(ys, y), append(ss, sc), append(as, ac)
 			}
-			rate.Y, cpu.Y = append(rate.Y, ys), append(cpu.Y, cs)
+			rate.Y, self.Y, all.Y = append(rate.Y, ys), append(self.Y, ss), append(all.Y, as)
 		}
-		c.Panels = append(c.Panels, rate, cpu)
+		c.Panels = append(c.Panels, rate, self, all)
 	}
 	return c
 }
@@ -360,28 +367,51 @@ func (r *sweepResult) markdown(w io.Writer) {
 	}
 }
 
+// replot reads the results of an earlier sweep from jsonPath and writes
+// its plot and tables again, as writeFiles does.
+func replot(jsonPath, svgPath string) error {
+	b, err := os.ReadFile(jsonPath)
+	if err != nil {
+		return err
+	}
+	var r sweepResult
+	if err := json.Unmarshal(b, &r); err != nil {
+		return fmt.Errorf("%s: %w", jsonPath, err)
+	}
+	if len(r.Cells) == 0 {
+		return fmt.Errorf("%s holds no sweep", jsonPath)
+	}
+	base := strings.TrimSuffix(svgPath, ".svg")
+	if err := writeFile(svgPath, r.chart().writeSVG); err != nil {
+		return err
+	}
+	return writeFile(base+".md", func(w io.Writer) error { r.markdown(w); return nil })
+}
+
+// writeFile creates path and writes it with f.
+func writeFile(path string, f func(io.Writer) error) error {
+	out, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := f(out); err != nil {
+		out.Close()
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return out.Close()
+}
+
 // writeFiles writes, if svgPath is set, the plot to it and, beside it, the
 // tables (.md) and the results (.json).
-func (r *sweepResult) writeFiles(svgPath string) (err error) {
+func (r *sweepResult) writeFiles(svgPath string) error {
 	if svgPath == "" {
 		return nil
 	}
 	base := strings.TrimSuffix(svgPath, ".svg")
-	write := func(path string, f func(io.Writer) error) error {
-		out, err := os.Create(path)
-		if err != nil {
-			return err
-		}
-		if err := f(out); err != nil {
-			out.Close()
-			return fmt.Errorf("write %s: %w", path, err)
-		}
-		return out.Close()
-	}
-	if err := write(svgPath, r.chart().writeSVG); err != nil {
+	if err := writeFile(svgPath, r.chart().writeSVG); err != nil {
 		return err
 	}
-	if err := write(base+".md", func(w io.Writer) error { r.markdown(w); return nil }); err != nil {
+	if err := writeFile(base+".md", func(w io.Writer) error { r.markdown(w); return nil }); err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "wrote %s, %s.md and %s.json\n", svgPath, base, base)

@@ -129,7 +129,7 @@ func TestSweepChartSVG(t *testing.T) {
 			series[attr("data-series")]++
 		}
 	}
-	if want := []string{"raw: msgs/s", "raw: CPU per 1,000 messages", "rabbitmw-redis: msgs/s", "rabbitmw-redis: CPU per 1,000 messages"}; strings.Join(panels, "|") != strings.Join(want, "|") {
+	if want := []string{"raw: msgs/s", "raw: consumer CPU", "raw: total CPU", "rabbitmw-redis: msgs/s", "rabbitmw-redis: consumer CPU", "rabbitmw-redis: total CPU"}; strings.Join(panels, "|") != strings.Join(want, "|") {
 		t.Errorf("panels %q; want %q", panels, want)
 	}
 	if legend != len(r.Prefetch) {
