@@ -12,7 +12,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
-	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // figures are what a run of a contender and a summary of its runs both
@@ -260,7 +260,7 @@ func (e *env) openClients(ctx context.Context, c contender, prefix string) (*cli
 		// A consumer that has been running has the store's scripts in
 		// Redis's cache; a fresh Redis would charge the first deliveries
 		// an extra round trip each (NOSCRIPT, then EVAL).
-		if err := store.NewRedis(cl.redis, store.RedisOptions{}).Load(ctx); err != nil {
+		if err := redisstore.New(cl.redis, redisstore.Options{}).Load(ctx); err != nil {
 			cl.close()
 			return nil, err
 		}

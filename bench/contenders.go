@@ -15,6 +15,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/benchstack"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // The contenders, in the order of the table.
@@ -26,7 +27,7 @@ const (
 	redisName    = "rabbitmw-redis"
 	redisDupName = "rabbitmw-redis-dup"
 	// postgresName and pgStoreName: see postgres.go.
-	// redisBatchName is the Redis contender over store.RedisBatcher.
+	// redisBatchName is the Redis contender over redisstore.Batcher.
 	redisBatchName = "rabbitmw-redis-batch"
 	// redisAPName runs only when -only names it: the Redis contender over
 	// go-redis's autopipeliner, which batches the commands of concurrent
@@ -134,7 +135,7 @@ func (c contender) consume(ctx context.Context, e *env, b batch, cl *clients, re
 	case kindRabbitmwMemory:
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewMemory(), false, rec)
 	case kindRabbitmwRedis:
-		st := store.NewRedis(attributed{rc, cl.rtt.shares}, store.RedisOptions{Prefix: b.prefix})
+		st := redisstore.New(attributed{rc, cl.rtt.shares}, redisstore.Options{Prefix: b.prefix})
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, st, true, rec)
 	case kindRabbitmwRedisAP:
 		// Not counted per delivery: the autopipeliner's dispatch does not
@@ -144,7 +145,7 @@ func (c contender) consume(ctx context.Context, e *env, b batch, cl *clients, re
 			return fmt.Errorf("Redis autopipeline: %w", err)
 		}
 		defer ap.Close()
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(ap, store.RedisOptions{Prefix: b.prefix}), false, rec)
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(ap, redisstore.Options{Prefix: b.prefix}), false, rec)
 	case kindRabbitmwPostgres:
 		return consumePostgres(ctx, e.cfg.amqpURL, b.queue, c.opts, pg, rec)
 	case kindRabbitmwPgStore:
@@ -153,8 +154,8 @@ func (c contender) consume(ctx context.Context, e *env, b batch, cl *clients, re
 		return consumeWatermill(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec)
 	case kindRabbitmwRedisBatch:
 		// A pipeline serves several deliveries: each pays its share.
-		bt := store.NewRedisBatcher(rc, store.RedisBatcherOptions{})
-		st := store.NewRedis(attributed{bt, cl.rtt.shares}, store.RedisOptions{Prefix: b.prefix})
+		bt := redisstore.NewBatcher(rc, redisstore.BatcherOptions{})
+		st := redisstore.New(attributed{bt, cl.rtt.shares}, redisstore.Options{Prefix: b.prefix})
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, st, true, rec)
 	}
 	panic("bench: unknown contender kind")

@@ -24,7 +24,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
-	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // env holds the servers and what bench needs to prepare and clean up after
@@ -374,28 +374,28 @@ func onProbe(ctx context.Context) {
 // probe in the call's context. A command that was never sent (its caller's
 // context ended first) counts nothing.
 type attributed struct {
-	store.RedisClient
+	redisstore.Client
 	shares *sync.Map
 }
 
 func (a attributed) Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
-	return attribute(ctx, a.shares, a.RedisClient.Eval(ctx, script, keys, args...))
+	return attribute(ctx, a.shares, a.Client.Eval(ctx, script, keys, args...))
 }
 
 func (a attributed) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
-	return attribute(ctx, a.shares, a.RedisClient.EvalSha(ctx, sha1, keys, args...))
+	return attribute(ctx, a.shares, a.Client.EvalSha(ctx, sha1, keys, args...))
 }
 
 func (a attributed) EvalRO(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
-	return attribute(ctx, a.shares, a.RedisClient.EvalRO(ctx, script, keys, args...))
+	return attribute(ctx, a.shares, a.Client.EvalRO(ctx, script, keys, args...))
 }
 
 func (a attributed) EvalShaRO(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
-	return attribute(ctx, a.shares, a.RedisClient.EvalShaRO(ctx, sha1, keys, args...))
+	return attribute(ctx, a.shares, a.Client.EvalShaRO(ctx, sha1, keys, args...))
 }
 
 func (a attributed) Del(ctx context.Context, keys ...string) *redis.IntCmd {
-	return attribute(ctx, a.shares, a.RedisClient.Del(ctx, keys...))
+	return attribute(ctx, a.shares, a.Client.Del(ctx, keys...))
 }
 
 func attribute[C redis.Cmder](ctx context.Context, shares *sync.Map, cmd C) C {
