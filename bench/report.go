@@ -55,10 +55,7 @@ func (r *compareResult) print(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "contender\tprefetch\tworkers\tmsgs/s median\tmin–max\t× raw\tp50\tp99\tRedis cmds/msg\tstore req/msg\tRTT/msg mean\tmax\t")
 	for _, s := range r.Summary {
-		ratio := "–"
-		if s.RatioToRaw > 0 {
-			ratio = fmt.Sprintf("%.2f", s.RatioToRaw)
-		}
+		ratio := fmtRatio(s.RatioToRaw)
 		mean, most := "–", "–"
 		if m := s.perDelivery(); m.N > 0 {
 			mean, most = fmt.Sprintf("%.2f", m.Mean), strconv.FormatInt(m.Max, 10)
@@ -263,6 +260,14 @@ func fmtMicros(us float64) string {
 		return fmt.Sprintf("%.0f µs", us)
 	}
 	return fmt.Sprintf("%.1f µs", us)
+}
+
+// fmtRatio formats a ratio to raw, "–" when there is none.
+func fmtRatio(r float64) string {
+	if r <= 0 {
+		return "–"
+	}
+	return fmt.Sprintf("%.2f", r)
 }
 
 func fmtCPU(us float64) string {

@@ -190,10 +190,7 @@ func (r *sweepResult) print(w io.Writer) {
 	fmt.Fprintln(tw, "prefetch\tworkers\tcontender\tmsgs/s median\tmin–max\t× raw\tp50\tp99\tRedis RTT/msg\tCPU ms/1,000\t")
 	for _, c := range r.Cells {
 		for _, s := range c.Summary {
-			ratio := "–"
-			if s.RatioToRaw > 0 {
-				ratio = fmt.Sprintf("%.2f", s.RatioToRaw)
-			}
+			ratio := fmtRatio(s.RatioToRaw)
 			fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s–%s\t%s\t%s\t%s\t%.2f\t%s\t\n", c.Prefetch, c.Workers, s.Contender,
 				thousands(s.Median), thousands(s.Min), thousands(s.Max), ratio,
 				fmtMicros(s.P50Micros), fmtMicros(s.P99Micros), s.RoundTripsPerMsg, fmtCPU(s.CPU.total()))
@@ -351,10 +348,7 @@ func (r *sweepResult) markdown(w io.Writer) {
 	fmt.Fprintln(w, "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 	for _, c := range r.Cells {
 		for _, s := range c.Summary {
-			ratio := "–"
-			if s.RatioToRaw > 0 {
-				ratio = fmt.Sprintf("%.2f", s.RatioToRaw)
-			}
+			ratio := fmtRatio(s.RatioToRaw)
 			mean, most := "–", "–"
 			if m := s.perDelivery(); m.N > 0 && s.Contender != rawName {
 				mean, most = fmt.Sprintf("%.2f", m.Mean), strconv.FormatInt(m.Max, 10)
