@@ -135,6 +135,9 @@ type Stats struct {
 	// Nacked counts the deliveries returned to their queue by a nack or
 	// reject with requeue.
 	Nacked int
+	// AckFrames counts the basic.ack frames taken, multiple or not, and
+	// Acked the deliveries they settled.
+	AckFrames, Acked int
 }
 
 // Stats returns a snapshot of m's counters.
