@@ -66,7 +66,8 @@
 // close_all_connections` does; SetDown makes the server refuse
 // connections; SetConfirmDelay slows its confirms. Stats and Unacked read
 // its counters, for checks that RabbitMQ cannot offer: how many
-// connection attempts it saw, how many settlements used an unknown tag.
+// connection attempts it saw, how many ack frames settled how many
+// deliveries, how many settlements used an unknown tag.
 //
 // A Server is reachable only from its own process, by the URL it was
 // given: broker.New recognises the "memory://" scheme.
