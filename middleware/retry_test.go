@@ -89,6 +89,14 @@ func TestRetry(t *testing.T) {
 			wantOutcome: rabbitmw.Delay, wantDelay: 5 * time.Second, wantCount: 4, wantSettle: "requeued",
 		},
 		{
+			name: "a rate limit beneath Retry is not a failure", result: rabbitmw.RetryAfter(rabbitmw.NotCounted(errLimited), 3*time.Second), prior: 4,
+			wantOutcome: rabbitmw.Delay, wantDelay: 3 * time.Second, wantIs: errLimited, wantCount: 4, wantSettle: "requeued",
+		},
+		{
+			name: "not counted, with no delay, is requeued", result: fmt.Errorf("open circuit: %w", rabbitmw.NotCounted(errLimited)), prior: 4,
+			wantOutcome: rabbitmw.Requeue, wantIs: errLimited, wantCount: 4, wantSettle: "requeued",
+		},
+		{
 			name: "shutdown is not a failure", result: context.Canceled, cancel: true, prior: 4,
 			wantOutcome: rabbitmw.Requeue, wantCount: 4, wantSettle: "requeued",
 		},
@@ -156,6 +164,90 @@ func TestRetry(t *testing.T) {
 			}
 			if got := settle(t, d, rec, err); got != tt.wantSettle {
 				t.Errorf("settled %s; want %s", got, tt.wantSettle)
+			}
+		})
+	}
+}
+
+var errLimited = errors.New("rate limited")
+
+// RetryOptions.Permanent dead-letters, at once, the counted errors it
+// reports; it is not asked about the results that Retry does not count.
+func TestRetryPermanentClassifier(t *testing.T) {
+	errBad := errors.New("malformed order")
+	isBad := func(err error) bool { return errors.Is(err, errBad) }
+	tests := []struct {
+		name      string
+		result    error
+		permanent func(error) bool
+		cancel    bool // ctx done before the result
+
+		wantOutcome  rabbitmw.Outcome
+		wantAttempts int
+		wantCount    int // failures in the store afterwards
+		wantAsked    bool
+	}{
+		{name: "a classified error is dead-lettered at once, counted", result: errBad, permanent: isBad,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantCount: 0, wantAsked: true},
+		{name: "wrapped, it is found", result: fmt.Errorf("order 42: %w", errBad), permanent: isBad,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantCount: 0, wantAsked: true},
+		{name: "over the handler's own delay", result: rabbitmw.RetryAfter(errBad, time.Minute), permanent: isBad,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantCount: 0, wantAsked: true},
+		{name: "another error is retried", result: errBoom, permanent: isBad,
+			wantOutcome: rabbitmw.Delay, wantAttempts: 2, wantCount: 2, wantAsked: true},
+		{name: "a panic is retried", result: &rabbitmw.PanicError{Value: "x"}, permanent: isBad,
+			wantOutcome: rabbitmw.Delay, wantAttempts: 2, wantCount: 2, wantAsked: true},
+		{name: "without a classifier, retried", result: errBad,
+			wantOutcome: rabbitmw.Delay, wantAttempts: 2, wantCount: 2},
+		{name: "not counted: not asked", result: rabbitmw.RetryAfter(rabbitmw.NotCounted(errBad), time.Second), permanent: isBad,
+			wantOutcome: rabbitmw.Delay, wantCount: 1},
+		{name: "a duplicate: not asked", result: rabbitmw.ErrDuplicate, permanent: isBad,
+			wantOutcome: rabbitmw.Duplicate, wantCount: 1},
+		{name: "success: not asked", permanent: isBad,
+			wantOutcome: rabbitmw.Ack, wantCount: 0},
+		{name: "shutting down: not asked", result: errBad, permanent: isBad, cancel: true,
+			wantOutcome: rabbitmw.Requeue, wantCount: 1},
+		{name: "already permanent: not asked", result: rabbitmw.Permanent(errBoom), permanent: isBad,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantCount: 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			s := store.NewMemory()
+			s.Fail(ctx, "m1", time.Hour)
+			asked := false
+			opts := middleware.RetryOptions{Backoff: linear}
+			if tt.permanent != nil {
+				opts.Permanent = func(err error) bool {
+					asked = true
+					return tt.permanent(err)
+				}
+			}
+			h := middleware.Retry(s, opts)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+				if tt.cancel {
+					cancel()
+				}
+				return tt.result
+			}))
+			d, _ := deliver("m1", "")
+			d.Redelivered = true
+			err := h.Handle(ctx, d)
+			dec := rabbitmw.Decide(err)
+			if dec.Outcome != tt.wantOutcome || dec.Attempts != tt.wantAttempts {
+				t.Errorf("Decide(%v) = %v, attempts %d; want %v, attempts %d", err, dec.Outcome, dec.Attempts, tt.wantOutcome, tt.wantAttempts)
+			}
+			if dec.Outcome == rabbitmw.DeadLetter && errors.Is(err, middleware.ErrRetriesExhausted) {
+				t.Errorf("result %v wraps ErrRetriesExhausted; want the error alone", err)
+			}
+			if tt.result != nil && !errors.Is(err, tt.result) {
+				t.Errorf("result %v does not wrap %v", err, tt.result)
+			}
+			if asked != tt.wantAsked {
+				t.Errorf("Permanent called: %v; want %v", asked, tt.wantAsked)
+			}
+			if n, _ := s.Fail(context.Background(), "m1", time.Hour); int(n)-1 != tt.wantCount {
+				t.Errorf("failure count afterwards = %d; want %d", n-1, tt.wantCount)
 			}
 		})
 	}
