@@ -204,17 +204,13 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	t.Logf("effects after each cut: %v", progress)
 	t.Logf("consumers: %+v; lost connections logged %v for %d cuts; the run ended %v after the last cut; took %v",
 		e.stats, lostConns, batches, endedIn.Round(time.Millisecond), time.Since(began).Round(time.Millisecond))
-	record(t, row{
-		Scenario:     "13 connection cuts with copies in flight",
-		Messages:     len(all),
-		Faults:       fmt.Sprintf("%d × proxy closes the consumers' connections, %v after they consume", batches, every),
-		Once:         len(v.once),
-		Twice:        len(v.twice),
-		Lost:         len(v.lost),
-		DeadLettered: len(v.deadLettered),
+	record(t, v.counted(row{
+		Scenario: "13 connection cuts with copies in flight",
+		Messages: len(all),
+		Faults:   fmt.Sprintf("%d × proxy closes the consumers' connections, %v after they consume", batches, every),
 		Note: fmt.Sprintf("2 consumers; lost connections logged %v; %d dead-lettered ids with two copies or more in the DLQ (%d copies in all); %d settlements failed",
 			lostConns, dlqTwice, len(e.dead), settleErrors),
-	})
+	}))
 }
 
 // basicConsume is the class and method id of basic.consume, as a method

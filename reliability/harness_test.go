@@ -50,6 +50,9 @@ type run struct {
 	procs []*proc
 }
 
+// tiers are the delay queues of most scenarios' runs.
+var tiers = []time.Duration{250 * time.Millisecond, time.Second, 2 * time.Second}
+
 // newRun makes a run for t with a unique queue, whose delay queues are
 // delays, and a unique Redis key prefix. It skips t (fails it under CI)
 // when RabbitMQ or Redis is missing.
