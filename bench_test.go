@@ -6,6 +6,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/internal/benchstack"
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // BenchmarkChain measures the whole recommended stack per delivery, on the
@@ -20,7 +21,7 @@ func BenchmarkChain(b *testing.B) {
 		{"memory", func(*testing.B) store.Store { return store.NewMemory() }},
 		{"miniredis", func(b *testing.B) store.Store {
 			_, c, _ := redistest.Start(b)
-			return store.NewRedis(c, store.RedisOptions{})
+			return redisstore.New(c, redisstore.Options{})
 		}},
 	}
 	for _, s := range stores {

@@ -22,6 +22,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -52,7 +53,7 @@ func realServers(t *testing.T) servers {
 	})
 	return servers{
 		broker: b,
-		store:  store.NewRedis(c, store.RedisOptions{Prefix: prefix}),
+		store:  redisstore.New(c, redisstore.Options{Prefix: prefix}),
 		drop: func(t *testing.T) {
 			if testenv.CloseConnections(t, marker, "rabbitmw end-to-end test") == 0 {
 				t.Error("no connection to close")
@@ -69,7 +70,7 @@ func memoryServers(t *testing.T) servers {
 	_, c, _ := redistest.Start(t)
 	return servers{
 		broker: b,
-		store:  store.NewRedis(c, store.RedisOptions{}),
+		store:  redisstore.New(c, redisstore.Options{}),
 		drop: func(t *testing.T) {
 			if m.CloseConnections() == 0 {
 				t.Error("no connection to close")

@@ -23,7 +23,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
-	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // fixture is the recommended stack over one miniredis, in front of a
@@ -32,7 +32,7 @@ type fixture struct {
 	m       *miniredis.Miniredis
 	client  *redis.Client
 	trips   *redistest.RoundTrips
-	store   *store.Redis
+	store   *redisstore.Store
 	log     *bytes.Buffer
 	logMu   sync.Mutex
 	effects sync.Map // message id -> *atomic.Int64
@@ -42,7 +42,7 @@ type fixture struct {
 func newFixture(t *testing.T, dedup middleware.DedupOptions) *fixture {
 	t.Helper()
 	m, c, rt := redistest.Start(t)
-	f := &fixture{m: m, client: c, trips: rt, store: store.NewRedis(c, store.RedisOptions{}), log: new(bytes.Buffer)}
+	f := &fixture{m: m, client: c, trips: rt, store: redisstore.New(c, redisstore.Options{}), log: new(bytes.Buffer)}
 	logger := slog.New(slog.NewJSONHandler(lockedWriter{&f.logMu, f.log}, nil))
 	if dedup.BusyDelay == 0 {
 		dedup.BusyDelay = 10 * time.Millisecond
@@ -493,7 +493,7 @@ func TestStackSharesFailureCountWithHandWrittenFleet(t *testing.T) {
 	// With a FailurePrefix of our own, our failures stay out of their count.
 	t.Run("rabbitmw failures first, counted apart", func(t *testing.T) {
 		f := newFixture(t, middleware.DedupOptions{})
-		st := store.NewRedis(f.client, store.RedisOptions{FailurePrefix: "rabbitmw-retry:"})
+		st := redisstore.New(f.client, redisstore.Options{FailurePrefix: "rabbitmw-retry:"})
 		ours := rabbitmw.Chain(
 			middleware.Retry(st, middleware.RetryOptions{Backoff: func(int) time.Duration { return time.Millisecond }}),
 			middleware.Dedup(st, middleware.DedupOptions{}),

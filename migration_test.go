@@ -22,6 +22,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // migrationTopology is the setup the README gives for a work queue that
@@ -346,7 +347,7 @@ func runMigration(t *testing.T, first fleetKind) {
 	// The default key layout, msg:<id> and retry:<id>, as legacyConsumer
 	// writes it; the ids, named after the queue, keep this run apart.
 	r.rdb = redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
-	r.st = store.NewRedis(r.rdb, store.RedisOptions{})
+	r.st = redisstore.New(r.rdb, redisstore.Options{})
 	r.b = broker.New(url, broker.Options{})
 	if r.conn, err = amqp.Dial(url); err != nil {
 		t.Fatal(err)

@@ -12,7 +12,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
-	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // runResult is what one contender did in one round.
@@ -156,7 +156,7 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		// A consumer that has been running has the store's scripts in
 		// Redis's cache; a fresh Redis would charge the first deliveries
 		// an extra round trip each (NOSCRIPT, then EVAL).
-		if err := store.NewRedis(rc, store.RedisOptions{}).Load(ctx); err != nil {
+		if err := redisstore.New(rc, redisstore.Options{}).Load(ctx); err != nil {
 			return res, err
 		}
 	}

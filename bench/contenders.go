@@ -15,6 +15,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/benchstack"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // The contenders, in the order of the table.
@@ -26,7 +27,7 @@ const (
 	redisName    = "rabbitmw-redis"
 	redisDupName = "rabbitmw-redis-dup"
 	// postgresName: see postgres.go.
-	// redisBatchName is the Redis contender over store.RedisBatcher.
+	// redisBatchName is the Redis contender over redisstore.Batcher.
 	redisBatchName = "rabbitmw-redis-batch"
 	// redisAPName runs only when -only names it: the Redis contender over
 	// go-redis's autopipeliner, which batches the commands of concurrent
@@ -131,14 +132,14 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 	case kindRabbitmwMemory:
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewMemory(), false, rec)
 	case kindRabbitmwRedis:
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(rc, store.RedisOptions{Prefix: b.prefix}), true, rec)
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(rc, redisstore.Options{Prefix: b.prefix}), true, rec)
 	case kindRabbitmwRedisAP:
 		ap, err := rc.AutoPipeline()
 		if err != nil {
 			return fmt.Errorf("Redis autopipeline: %w", err)
 		}
 		defer ap.Close()
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(ap, store.RedisOptions{Prefix: b.prefix}), false, rec)
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(ap, redisstore.Options{Prefix: b.prefix}), false, rec)
 	case kindRabbitmwPostgres:
 		return consumePostgres(ctx, e.cfg.amqpURL, b.queue, c.opts, pg, rec)
 	case kindWatermill:
@@ -146,8 +147,8 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 	case kindRabbitmwRedisBatch:
 		// Round trips are counted per pipeline, not per delivery: the
 		// batch's hook cannot tell which delivery a pipeline serves.
-		bt := store.NewRedisBatcher(rc, store.RedisBatcherOptions{})
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewRedis(bt, store.RedisOptions{Prefix: b.prefix}), false, rec)
+		bt := redisstore.NewBatcher(rc, redisstore.BatcherOptions{})
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(bt, redisstore.Options{Prefix: b.prefix}), false, rec)
 	}
 	panic("bench: unknown contender kind")
 }

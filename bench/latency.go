@@ -14,7 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rabbitmw/rabbitmw/broker"
-	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // latencyContenders run under -latency when -only is not given.
@@ -69,7 +69,7 @@ func (e *env) latencyRun(ctx context.Context, c contender, label string) (lat []
 			return nil, err
 		}
 		defer rc.Close()
-		if err := store.NewRedis(rc, store.RedisOptions{}).Load(ctx); err != nil {
+		if err := redisstore.New(rc, redisstore.Options{}).Load(ctx); err != nil {
 			return nil, err
 		}
 	}

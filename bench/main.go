@@ -38,7 +38,7 @@
 //	rabbitmw-postgres   the PostgreSQL inbox: the stack over pgstore and
 //	                    pgstore.Handler, the effect a row inserted in the
 //	                    transaction that commits the done mark
-//	rabbitmw-redis-batch rabbitmw-redis over store.RedisBatcher
+//	rabbitmw-redis-batch rabbitmw-redis over redisstore.Batcher
 //	watermill           Watermill's AMQP router with its Deduplicator (in
 //	                    process memory), Retry and Recoverer
 //	rabbitmw-redis-ap   rabbitmw-redis over go-redis's autopipeliner; only

@@ -17,6 +17,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 func TestDedup(t *testing.T) {
@@ -224,7 +225,7 @@ func TestDedupRenewsLease(t *testing.T) {
 func TestDedupLostLeaseCancelsHandler(t *testing.T) {
 	ctx := context.Background()
 	m, c, _ := redistest.Start(t)
-	s := store.NewRedis(c, store.RedisOptions{})
+	s := redisstore.New(c, redisstore.Options{})
 	const lease = 150 * time.Millisecond
 	var cause error
 	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, BusyDelay: time.Second})(rabbitmw.HandlerFunc(
@@ -307,7 +308,7 @@ func TestDedupCompletesAfterCancel(t *testing.T) {
 // duplicate one (claim).
 func TestDedupRoundTrips(t *testing.T) {
 	_, c, rt := redistest.Start(t)
-	s := store.NewRedis(c, store.RedisOptions{})
+	s := redisstore.New(c, redisstore.Options{})
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
 	ctx := context.Background()

@@ -67,6 +67,6 @@
 // the store until its lease ended) counts as a failed attempt, so a message
 // that kills its consumer is dead-lettered too, after MaxAttempts deaths;
 // a death is counted when the next delivery finds the lease ended, within
-// the store's abandoned retention (store.Memory, store.Redis). Nothing in
+// the store's abandoned retention (store.Memory, redisstore.Store). Nothing in
 // this package drops a message.
 package middleware
