@@ -37,6 +37,20 @@ const (
 	leaseLossHold  = 2500 * time.Millisecond
 )
 
+// leaseLossOpts are the options that the consumers of the lease-loss
+// scenarios share, over Redis and over PostgreSQL: a worker and a prefetch
+// slot for each message, a lease shorter than A's handler holds it.
+func leaseLossOpts() consumerOpts {
+	return consumerOpts{
+		workers:     leaseLossIDs,
+		prefetch:    leaseLossIDs,
+		lease:       leaseLossLease,
+		timeout:     30 * time.Second,
+		busy:        200 * time.Millisecond,
+		unavailable: 300 * time.Millisecond,
+	}
+}
+
 // leaseLossResult is what each message came to: who applied its effect,
 // in order, and what A's handler recorded.
 type leaseLossResult struct {
@@ -53,15 +67,8 @@ func leaseLoss(t *testing.T, name, mode string, ctxTimeouts bool) *leaseLossResu
 	t.Helper()
 	r := newRun(t, name, tiers...)
 	px := startProxy(t, r.redisAddr)
-	base := consumerOpts{
-		workers:     leaseLossIDs,
-		prefetch:    leaseLossIDs,
-		lease:       leaseLossLease,
-		hold:        leaseLossHold,
-		timeout:     30 * time.Second,
-		busy:        200 * time.Millisecond,
-		unavailable: 300 * time.Millisecond,
-	}
+	base := leaseLossOpts()
+	base.hold = leaseLossHold
 	optsA := base
 	optsA.mode = mode
 	optsA.storeAddr = px.addr

@@ -27,21 +27,14 @@ import (
 
 func TestPostgresLeaseLoss(t *testing.T) {
 	const (
-		ids   = 3
-		lease = 1500 * time.Millisecond
-		hold  = 2500 * time.Millisecond
+		ids   = leaseLossIDs
+		lease = leaseLossLease
+		hold  = leaseLossHold
 		pause = 4 * time.Second // longer than the lease, from A's last renewal
 	)
 	url := testenv.PostgresURL(t)
 	r := newRun(t, "pgleaseloss", tiers...)
-	base := r.usePostgres(url, consumerOpts{
-		workers:     ids,
-		prefetch:    ids,
-		lease:       lease,
-		timeout:     30 * time.Second,
-		busy:        200 * time.Millisecond,
-		unavailable: 300 * time.Millisecond,
-	})
+	base := r.usePostgres(url, leaseLossOpts())
 	optsA := base
 	optsA.mode, optsA.hold = "stubborn", hold
 	optsB := base
