@@ -211,7 +211,7 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 }
 
 // handWritten returns the usual hand-written Redis pattern, ported as it
-// is written (the legacyConsumer of the root package's tests): SETNX
+// is written (the legacyConsumer of package e2e's tests): SETNX
 // msg:<id> processing, EXPIRE 300; a key already set means done (ack) or
 // being processed (nack with requeue); then the handler, SET msg:<id> done,
 // EXPIRE 24h, DEL retry:<id>, ack. Errors are ignored, as in the original.

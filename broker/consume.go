@@ -574,6 +574,9 @@ func (c *consumer) decide(ctx context.Context, d *amqp.Delivery) rabbitmw.Decisi
 			// mistake), and the message would cycle through the delay
 			// queues for it: dead-letter it, with the reason.
 			err := fmt.Errorf("broker: header %s is %v ahead, beyond the %v a delay may last", HeaderNotBefore, rest.Round(time.Second), maxNotBefore)
+			c.log.LogAttrs(ctx, slog.LevelWarn, "broker: not-before header too far ahead; the message is dead-lettered",
+				slog.String("message_id", d.MessageId),
+				slog.String("error", err.Error()))
 			return rabbitmw.Decide(rabbitmw.Permanent(err))
 		case rest > 0:
 			// Not due yet: back to a delay queue, unhandled.
@@ -646,6 +649,9 @@ func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec r
 	err := c.publishCopy(ctx, s, tr.queue, msg, retryHeadroom)
 	c.b.cfg.obs.republish(ctx, RepublishEvent{Outcome: rabbitmw.Delay, Queue: c.top.queue, To: tr.queue, Delay: dec.Delay, Err: err, Delivery: d})
 	if errors.Is(err, ErrInvalidMessage) {
+		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: delay copy cannot be sent; the message is dead-lettered",
+			slog.String("message_id", d.MessageId),
+			slog.String("error", err.Error()))
 		return c.deadLetter(ctx, s, d, rabbitmw.Decision{
 			Outcome:  rabbitmw.DeadLetter,
 			Attempts: dec.Attempts,
@@ -710,8 +716,11 @@ func (c *consumer) deadLetter(ctx context.Context, s session, d *amqp.Delivery, 
 	if err != nil {
 		return c.copyFailed(ctx, s, d, "dead-letter", c.top.dlq, err, giveUp)
 	}
-	c.log.LogAttrs(ctx, slog.LevelWarn, "broker: message dead-lettered",
+	// Debug: the dead-letter was logged where it was decided (see
+	// Options.Logger).
+	c.log.LogAttrs(ctx, slog.LevelDebug, "broker: dead-letter copy confirmed",
 		slog.String("message_id", d.MessageId),
+		slog.String("to", c.top.dlq),
 		slog.String("error", errText),
 		slog.Int64("attempts", attempts))
 	return d.Ack(false)

@@ -43,7 +43,8 @@
 // [rabbitmw.Decide]; none of them acknowledges anything. Dedup returns
 // errors wrapping rabbitmw.ErrDuplicate (acknowledge), ErrBusy,
 // ErrStoreUnavailable or ErrLeaseLost (each inside a rabbitmw.RetryAfter,
-// and none counted by Retry as a failure), or ErrAbandoned (the attempt
+// and marked rabbitmw.NotCounted: Retry does not count them as failures),
+// or ErrAbandoned (the attempt
 // before never finished: its consumer died; Retry counts it). Retry returns
 // rabbitmw.RetryAfter or rabbitmw.Permanent, with the attempt count
 // attached. Recover returns *rabbitmw.PanicError. Timeout wraps ErrTimeout.
