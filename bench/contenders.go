@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -249,8 +251,17 @@ func consumeRabbitmw(ctx context.Context, url, queue string, opts broker.Consume
 // consumeStack consumes queue with broker.Consume and stack around
 // business, as consumeRabbitmw describes.
 func consumeStack(ctx context.Context, url, queue string, opts broker.ConsumeOptions, stack rabbitmw.Middleware, business rabbitmw.Handler, trackRTT bool, rec *recorder) error {
-	b := broker.New(url, broker.Options{})
+	var frames, acked atomic.Int64
+	b := broker.New(url, broker.Options{Observer: broker.Observer{Ack: func(e broker.AckEvent) {
+		frames.Add(1)
+		acked.Add(int64(e.Deliveries))
+	}}})
 	defer b.Close()
+	defer func() {
+		if n := frames.Load(); n > 0 {
+			fmt.Fprintf(os.Stderr, "bench: %s: %d deliveries acked in %d basic.ack frames: %.2f per frame\n", queue, acked.Load(), n, float64(acked.Load())/float64(n))
+		}
+	}()
 	h := rabbitmw.Chain(stamp(rec, trackRTT), stack)(business)
 	opts.Topology = topology
 	opts.OnSettle = func(d *amqp.Delivery, o rabbitmw.Outcome, err error) {

@@ -231,7 +231,7 @@ func TestRetryPermanentClassifier(t *testing.T) {
 				}
 				return tt.result
 			}))
-			d, _ := deliver("m1", "")
+			d, _ := deliverytest.New("m1", "")
 			d.Redelivered = true
 			err := h.Handle(ctx, d)
 			dec := rabbitmw.Decide(err)
