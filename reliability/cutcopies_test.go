@@ -19,8 +19,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
-	"net"
-	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -41,16 +39,9 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	)
 	rng := rand.New(rand.NewPCG(seed(t), 11))
 	r := newRun(t, "cutcopies", 50*time.Millisecond)
-	uri, err := amqp.ParseURI(r.amqpURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	px := startProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
-	host, port, _ := net.SplitHostPort(px.addr)
-	uri.Host = host
-	uri.Port, _ = strconv.Atoi(port)
+	px, amqpURL := r.brokerProxy()
 	opts := consumerOpts{
-		amqpURL:     uri.String(),
+		amqpURL:     amqpURL,
 		workers:     16,
 		prefetch:    64,
 		mode:        "poison",
@@ -165,29 +156,7 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 			dlqTwice++
 		}
 	}
-	dead := map[string]bool{}
-	for _, id := range v.deadLettered {
-		dead[id] = true
-	}
-	once := map[string]bool{}
-	for _, id := range v.once {
-		once[id] = true
-	}
-	var notDead, noEffect []string
-	for _, id := range deadIDs {
-		if !dead[id] {
-			notDead = append(notDead, id)
-		}
-	}
-	for _, id := range effectIDs {
-		if !once[id] {
-			noEffect = append(noEffect, id)
-		}
-	}
-	if len(v.lost) > 0 || len(v.twice) > 0 || len(notDead) > 0 || len(noEffect) > 0 {
-		t.Errorf("%d lost (first %v), %d applied twice (first %v), %d refused orders not dead-lettered (first %v), %d orders without exactly one effect (first %v); want none",
-			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(notDead), first(notDead), len(noEffect), first(noEffect))
-	}
+	e.wantOrders(t, effectIDs, deadIDs)
 	if after := r.count(ctx, "total"); after <= atLastCut {
 		t.Errorf("effects: %d at the last cut, %d at the end; want more (the consumers resumed)", atLastCut, after)
 	}
