@@ -28,7 +28,7 @@ const (
 	memoryName   = "rabbitmw-memory"
 	redisName    = "rabbitmw-redis"
 	redisDupName = "rabbitmw-redis-dup"
-	// postgresName: see postgres.go.
+	// postgresName and pgStoreName: see postgres.go.
 	// redisBatchName is the Redis contender over redisstore.Batcher.
 	redisBatchName = "rabbitmw-redis-batch"
 	// redisAPName runs only when -only names it: the Redis contender over
@@ -52,7 +52,7 @@ const (
 // contenderNames is every contender, in the order of the table;
 // defaultContenders those that run when -only is not given.
 var (
-	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, postgresName, redisBatchName, watermillName, redisAPName}
+	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, pgStoreName, postgresName, redisBatchName, watermillName, redisAPName}
 	defaultContenders = slices.Clip(contenderNames[:len(contenderNames)-1])
 )
 
@@ -81,6 +81,7 @@ const (
 	kindRabbitmwRedis
 	kindRabbitmwRedisAP
 	kindRabbitmwPostgres
+	kindRabbitmwPgStore
 	kindRabbitmwRedisBatch
 	kindWatermill
 )
@@ -107,6 +108,8 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 		c.kind, c.redis = kindRabbitmwRedisAP, true
 	case postgresName:
 		c.kind, c.pg = kindRabbitmwPostgres, true
+	case pgStoreName:
+		c.kind, c.pg = kindRabbitmwPgStore, true
 	case redisBatchName:
 		c.kind, c.redis = kindRabbitmwRedisBatch, true
 	case watermillName:
@@ -118,10 +121,10 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 }
 
 // consume consumes b with c until every message is settled for good (acked,
-// or acked as a duplicate), recording into rec. rc is the contender's Redis
-// client, for those that use Redis; pg the run's database, for those that
-// use PostgreSQL.
-func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Client, pg *pgRun, rec *recorder) error {
+// or acked as a duplicate), recording into rec, over the run's store
+// clients cl.
+func (c contender) consume(ctx context.Context, e *env, b batch, cl *clients, rec *recorder) error {
+	rc, pg := cl.redis, cl.pg
 	switch c.kind {
 	case kindRaw:
 		return consumeRaw(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec,
@@ -134,8 +137,11 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 	case kindRabbitmwMemory:
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewMemory(), false, rec)
 	case kindRabbitmwRedis:
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(rc, redisstore.Options{Prefix: b.prefix}), true, rec)
+		st := redisstore.New(attributed{rc, cl.rtt.shares}, redisstore.Options{Prefix: b.prefix})
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, st, true, rec)
 	case kindRabbitmwRedisAP:
+		// Not counted per delivery: the autopipeliner's dispatch does not
+		// show the hook which command a pipeline carried.
 		ap, err := rc.AutoPipeline()
 		if err != nil {
 			return fmt.Errorf("Redis autopipeline: %w", err)
@@ -144,13 +150,15 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(ap, redisstore.Options{Prefix: b.prefix}), false, rec)
 	case kindRabbitmwPostgres:
 		return consumePostgres(ctx, e.cfg.amqpURL, b.queue, c.opts, pg, rec)
+	case kindRabbitmwPgStore:
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, pg.st, true, rec)
 	case kindWatermill:
 		return consumeWatermill(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec)
 	case kindRabbitmwRedisBatch:
-		// Round trips are counted per pipeline, not per delivery: the
-		// batch's hook cannot tell which delivery a pipeline serves.
+		// A pipeline serves several deliveries: each pays its share.
 		bt := redisstore.NewBatcher(rc, redisstore.BatcherOptions{})
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(bt, redisstore.Options{Prefix: b.prefix}), false, rec)
+		st := redisstore.New(attributed{bt, cl.rtt.shares}, redisstore.Options{Prefix: b.prefix})
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, st, true, rec)
 	}
 	panic("bench: unknown contender kind")
 }
@@ -186,7 +194,7 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 			pctx := withProbe(ctx, &p)
 			for d := range deliveries {
 				start := rec.begin(d.Redelivered)
-				p.rtt.Store(0)
+				p.reset()
 				o := handle(pctx, &d)
 				var err error
 				if o == rabbitmw.Ack || o == rabbitmw.Duplicate {
@@ -196,7 +204,7 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 				} else {
 					err = d.Nack(false, true)
 				}
-				rec.end(start, o, int64(p.rtt.Load()), err)
+				rec.end(start, o, p.cost(), err)
 			}
 		})
 	}
@@ -268,14 +276,15 @@ func consumeStack(ctx context.Context, url, queue string, opts broker.ConsumeOpt
 		if err == nil && (o == rabbitmw.Ack || o == rabbitmw.Duplicate) {
 			rec.acked(d.MessageId)
 		}
-		var start, rtt int64
+		var start int64
+		c := notCounted
 		if p := rec.probe(d.DeliveryTag); p != nil {
-			start, rtt = p.start.Swap(0), int64(p.rtt.Load())
+			start = p.start.Swap(0)
+			if trackRTT {
+				c = p.cost()
+			}
 		}
-		if !trackRTT {
-			rtt = -1
-		}
-		rec.end(start, o, rtt, err)
+		rec.end(start, o, c, err)
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -308,7 +317,7 @@ func stamp(rec *recorder, trackRTT bool) rabbitmw.Middleware {
 		return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 			t := rec.begin(d.Redelivered)
 			if p := rec.probe(d.DeliveryTag); p != nil {
-				p.rtt.Store(0)
+				p.reset()
 				p.start.Store(t)
 				if trackRTT {
 					ctx = withProbe(ctx, p)
