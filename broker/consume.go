@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 )
 
 // ConsumeOptions configures one Consume call. The zero value selects the
@@ -279,7 +280,7 @@ func (c *consumer) run(ctx context.Context) error {
 		c.b.cfg.obs.reconnect(c.top.queue, err, d)
 		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: reconnecting", server,
 			slog.String("error", err.Error()), slog.Duration("retry_in", d))
-		if !sleep(ctx, d) {
+		if clock.Sleep(ctx, d) != nil {
 			return end(nil)
 		}
 	}
