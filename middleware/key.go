@@ -1,9 +1,12 @@
 package middleware
 
 import (
+	"context"
 	"crypto/md5"
 	"encoding/hex"
 	"errors"
+	"fmt"
+	"strconv"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -33,4 +36,147 @@ func Key(d *amqp.Delivery) (string, error) {
 	}
 	sum := md5.Sum(d.Body)
 	return hex.EncodeToString(sum[:]), nil
+}
+
+// ErrKeyMismatch is wrapped by the error with which [Retry] or [Dedup]
+// dead-letters a delivery whose key, made with the layer's own [Keying],
+// is not the key that a Retry or Dedup above it made.
+var ErrKeyMismatch = errors.New("middleware: keyed layers disagree on a message's key")
+
+// Keying is how [Retry] and [Dedup] name a message in their store: by Key,
+// under Namespace. The zero value means [Key], with no namespace.
+//
+// A message has one key in a chain. The outermost Retry or Dedup with a
+// store makes it, with its Keying, and hands it in the context to the
+// Retry and Dedup layers beneath it, which use it for the same delivery
+// instead of making their own. So give the Keying to the outermost of them
+// only (Retry, in the recommended order; [Stack] does) and leave it zero
+// on the others. A layer beneath with a Keying of its own checks that it
+// makes the same key, and if it does not, returns an error wrapping
+// ErrKeyMismatch, with both keys, inside rabbitmw.Permanent: the message
+// is dead-lettered with that reason at once, rather than have its failures
+// counted under one key and its claim taken under another.
+type Keying struct {
+	// Key returns a delivery's key. Default: [Key] (message_id, else the
+	// MD5 of the body). When Key returns an error, Dedup dead-letters the
+	// delivery with the error as the reason, and Retry counts its failures
+	// by its attempts header alone.
+	Key func(*amqp.Delivery) (string, error)
+	// Namespace, when set, is prepended to every key (as
+	// "namespace:key"), so that services sharing one store do not see
+	// each other's keys.
+	Namespace string
+}
+
+// keying is a layer's Keying, with its default.
+type keying struct {
+	key       func(*amqp.Delivery) (string, error)
+	namespace string
+	set       bool   // the layer was given a Keying of its own
+	layer     string // "Retry" or "Dedup", for ErrKeyMismatch
+}
+
+func newKeying(k Keying, layer string) *keying {
+	kg := &keying{key: k.Key, namespace: k.Namespace, set: k.Key != nil || k.Namespace != "", layer: layer}
+	if kg.key == nil {
+		kg.key = Key
+	}
+	return kg
+}
+
+// make returns the store key of d by k alone.
+func (k *keying) make(d *amqp.Delivery) (string, error) {
+	key, err := k.key(d)
+	if err != nil {
+		return "", err
+	}
+	if key == "" {
+		return "", ErrNoKey
+	}
+	if k.namespace != "" {
+		key = k.namespace + ":" + key
+	}
+	return key, nil
+}
+
+// of returns the store key of d: the one that a keyed layer above made
+// for d, if there is one, else k's own (made reports which). If k is a
+// Keying of its own and makes another key than the layer above, the error
+// wraps ErrKeyMismatch.
+func (k *keying) of(ctx context.Context, d *amqp.Delivery) (key string, made bool, err error) {
+	c := keyedFrom(ctx, d)
+	if c == nil {
+		key, err = k.make(d)
+		return key, true, err
+	}
+	if err := k.check(c, d); err != nil {
+		return "", false, err
+	}
+	return c.key, false, c.err
+}
+
+// check returns an error wrapping ErrKeyMismatch if k is a Keying of its
+// own, other than the one that made c, and makes another key for d.
+func (k *keying) check(c *keyed, d *amqp.Delivery) error {
+	if !k.set || c.by == k {
+		return nil
+	}
+	key, err := k.make(d)
+	if (err == nil) == (c.err == nil) && key == c.key {
+		return nil
+	}
+	return fmt.Errorf("%w: %s makes %s; the %s above it made %s", ErrKeyMismatch, k.layer, describeKey(key, err), c.by.layer, describeKey(c.key, c.err))
+}
+
+func describeKey(key string, err error) string {
+	if err != nil {
+		return "no key (" + err.Error() + ")"
+	}
+	return strconv.Quote(key)
+}
+
+// keyed is the key that a keyed layer made for d, and hands to the layers
+// beneath it in their context.
+type keyed struct {
+	d   *amqp.Delivery
+	by  *keying // nil: no key
+	key string
+	err error
+}
+
+// keyedKey is the context key of a *keyed.
+type keyedKey struct{}
+
+// keyedContext is a context that carries a key: one allocation for both.
+type keyedContext struct {
+	context.Context
+	keyed keyed
+}
+
+func (c *keyedContext) Value(key any) any {
+	if key == (keyedKey{}) {
+		return &c.keyed
+	}
+	return c.Context.Value(key)
+}
+
+// keyedFrom returns the key that a layer above made for d, if any. A key
+// made for another delivery (by a handler that runs a chain of its own for
+// another message, in its context) is not d's.
+func keyedFrom(ctx context.Context, d *amqp.Delivery) *keyed {
+	if c, ok := ctx.Value(keyedKey{}).(*keyed); ok && c.d == d {
+		return c
+	}
+	return nil
+}
+
+// withKey returns ctx carrying the key that k makes for d, for the layers
+// beneath, unless a layer above made one already: then it returns ctx, or,
+// if k makes another key, an error wrapping ErrKeyMismatch.
+func (k *keying) withKey(ctx context.Context, d *amqp.Delivery) (context.Context, error) {
+	if c := keyedFrom(ctx, d); c != nil {
+		return ctx, k.check(c, d)
+	}
+	key, err := k.make(d)
+	return &keyedContext{Context: ctx, keyed: keyed{d: d, by: k, key: key, err: err}}, nil
 }
