@@ -53,8 +53,8 @@ func ClaimFrom(ctx context.Context) (*Claim, bool) {
 }
 
 // claimContext is the handler's context with its Claim, and the key that
-// Dedup made, if it made it (see [Keying]): one allocation for all, rather
-// than a Claim and two context.WithValue.
+// Dedup hands down, if its ctx does not carry it (see [Keying]): one
+// allocation for all, rather than a Claim and two context.WithValue.
 type claimContext struct {
 	context.Context
 	claim Claim

@@ -168,13 +168,19 @@ type dedup struct {
 }
 
 func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
+	return h.handleKeyed(ctx, d, keyed{})
+}
+
+// handleKeyed implements [keyedHandler]: above is the key that a layer
+// above made for d, or none (above.by nil).
+func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) error {
 	if d == nil {
 		return rabbitmw.ErrNoDelivery
 	}
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	key, made, err := h.keying.of(ctx, d)
+	key, down, err := h.keying.resolve(ctx, d, above)
 	if errors.Is(err, ErrKeyMismatch) {
 		return rabbitmw.Permanent(err)
 	}
@@ -226,10 +232,7 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 			h.store.Release(bookkeeping(ctx), key, token)
 		}
 	}()
-	cc := &claimContext{Context: hctx, claim: Claim{key: key, token: token, retention: h.retention}}
-	if made { // hand the key to a Retry or Dedup beneath
-		cc.keyed = keyed{d: d, by: h.keying, key: key}
-	}
+	cc := &claimContext{Context: hctx, claim: Claim{key: key, token: token, retention: h.retention}, keyed: down}
 	err = h.next.Handle(cc, d)
 	finished = true
 	// Why the handler's context ended, if it did, before anything later

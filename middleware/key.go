@@ -9,6 +9,8 @@ import (
 	"strconv"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
 )
 
 // ErrNoKey is returned by [Key] for a delivery that has neither a message id
@@ -100,19 +102,45 @@ func (k *keying) make(d *amqp.Delivery) (string, error) {
 }
 
 // of returns the store key of d: the one that a keyed layer above made
-// for d, if there is one, else k's own (made reports which). If k is a
-// Keying of its own and makes another key than the layer above, the error
-// wraps ErrKeyMismatch.
-func (k *keying) of(ctx context.Context, d *amqp.Delivery) (key string, made bool, err error) {
-	c := keyedFrom(ctx, d)
-	if c == nil {
-		key, err = k.make(d)
-		return key, true, err
+// for d, if there is one, else k's own. If k is a Keying of its own and
+// makes another key than the layer above, the error wraps ErrKeyMismatch.
+func (k *keying) of(ctx context.Context, d *amqp.Delivery) (string, error) {
+	key, _, err := k.resolve(ctx, d, keyed{})
+	return key, err
+}
+
+// resolve is [keying.of] for a layer that may have been handed the key
+// above made as an argument (see [keyedHandler]); above.by is nil if not.
+// It also returns the key that the layer hands down to the layers beneath
+// (down.by is nil if they find it in ctx already).
+func (k *keying) resolve(ctx context.Context, d *amqp.Delivery, above keyed) (key string, down keyed, err error) {
+	c := &above
+	if above.by == nil {
+		if c = keyedFrom(ctx, d); c == nil {
+			down = k.made(d)
+			return down.key, down, down.err
+		}
 	}
 	if err := k.check(c, d); err != nil {
-		return "", false, err
+		return "", keyed{}, err
 	}
-	return c.key, false, c.err
+	return c.key, above, c.err
+}
+
+// handDown returns the key that a layer hands down for d to the layers
+// beneath it: its own, or none (by is nil) if a layer above made one, in
+// ctx, or an error wrapping ErrKeyMismatch if that key is not k's.
+func (k *keying) handDown(ctx context.Context, d *amqp.Delivery) (keyed, error) {
+	if c := keyedFrom(ctx, d); c != nil {
+		return keyed{}, k.check(c, d)
+	}
+	return k.made(d), nil
+}
+
+// made returns the key that k makes for d.
+func (k *keying) made(d *amqp.Delivery) keyed {
+	key, err := k.make(d)
+	return keyed{d: d, by: k, key: key, err: err}
 }
 
 // check returns an error wrapping ErrKeyMismatch if k is a Keying of its
@@ -136,7 +164,7 @@ func describeKey(key string, err error) string {
 }
 
 // keyed is the key that a keyed layer made for d, and hands to the layers
-// beneath it in their context.
+// beneath it.
 type keyed struct {
 	d   *amqp.Delivery
 	by  *keying // nil: no key
@@ -160,9 +188,9 @@ func (c *keyedContext) Value(key any) any {
 	return c.Context.Value(key)
 }
 
-// keyedFrom returns the key that a layer above made for d, if any. A key
-// made for another delivery (by a handler that runs a chain of its own for
-// another message, in its context) is not d's.
+// keyedFrom returns the key that a layer above made for d and handed down
+// in ctx, if any. A key made for another delivery (by a handler that runs
+// a chain of its own for another message, in its context) is not d's.
 func keyedFrom(ctx context.Context, d *amqp.Delivery) *keyed {
 	if c, ok := ctx.Value(keyedKey{}).(*keyed); ok && c.d == d {
 		return c
@@ -170,13 +198,22 @@ func keyedFrom(ctx context.Context, d *amqp.Delivery) *keyed {
 	return nil
 }
 
-// withKey returns ctx carrying the key that k makes for d, for the layers
-// beneath, unless a layer above made one already: then it returns ctx, or,
-// if k makes another key, an error wrapping ErrKeyMismatch.
-func (k *keying) withKey(ctx context.Context, d *amqp.Delivery) (context.Context, error) {
-	if c := keyedFrom(ctx, d); c != nil {
-		return ctx, k.check(c, d)
+// A keyedHandler takes the key that a layer above made for d as an
+// argument. It saves the layer above the allocation of a context to hand
+// the key down in, on the recommended stack, where Recover stands between
+// Retry and Dedup: both take it.
+type keyedHandler interface {
+	handleKeyed(ctx context.Context, d *amqp.Delivery, k keyed) error
+}
+
+// handleKeyed calls next for d, handing it k: as an argument if next takes
+// one, else in its context. With no k (k.by nil), it calls next.Handle.
+func handleKeyed(next rabbitmw.Handler, ctx context.Context, d *amqp.Delivery, k keyed) error {
+	if k.by == nil {
+		return next.Handle(ctx, d)
 	}
-	key, err := k.make(d)
-	return &keyedContext{Context: ctx, keyed: keyed{d: d, by: k, key: key, err: err}}, nil
+	if kh, ok := next.(keyedHandler); ok {
+		return kh.handleKeyed(ctx, d, k)
+	}
+	return next.Handle(&keyedContext{Context: ctx, keyed: k}, d)
 }

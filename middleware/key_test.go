@@ -50,6 +50,13 @@ func TestKeyingShared(t *testing.T) {
 			return middleware.Dedup(st, middleware.DedupOptions{Keying: k})
 		}
 	}
+	// own is a layer of one's own, which hands the key down in the context.
+	own := func(store.Store) rabbitmw.Middleware {
+		return func(next rabbitmw.Handler) rabbitmw.Handler {
+			return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error { return next.Handle(ctx, d) })
+		}
+	}
+	recoverer := func(store.Store) rabbitmw.Middleware { return middleware.Recover() }
 	byHeader := func(store.Store) rabbitmw.Middleware {
 		return middleware.Retry(nil, middleware.RetryOptions{CountByHeader: true, Backoff: linear})
 	}
@@ -106,6 +113,28 @@ func TestKeyingShared(t *testing.T) {
 			layers:      []func(store.Store) rabbitmw.Middleware{dedup(ns("billing")), retry(ns("shipping"))},
 			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
 			wantText: `middleware: keyed layers disagree on a message's key: Retry makes "shipping:m1"; the Dedup above it made "billing:m1"`,
+		},
+		{
+			name:        "through a layer of one's own and Recover",
+			layers:      []func(store.Store) rabbitmw.Middleware{retry(ns("billing")), own, recoverer, dedup(middleware.Keying{})},
+			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1", wantFailed: "billing:m1",
+		},
+		{
+			name:        "a mismatch through a layer of one's own",
+			layers:      []func(store.Store) rabbitmw.Middleware{retry(middleware.Keying{}), own, dedup(ns("billing"))},
+			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
+			wantText: `middleware: keyed layers disagree on a message's key: Dedup makes "billing:m1"; the Retry above it made "m1"`,
+		},
+		{
+			name:        "a mismatch through Recover",
+			layers:      []func(store.Store) rabbitmw.Middleware{retry(middleware.Keying{}), recoverer, dedup(ns("billing"))},
+			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
+			wantText: `middleware: keyed layers disagree on a message's key: Dedup makes "billing:m1"; the Retry above it made "m1"`,
+		},
+		{
+			name:        "Retry beneath Dedup and a layer of one's own",
+			layers:      []func(store.Store) rabbitmw.Middleware{dedup(ns("billing")), own, retry(middleware.Keying{})},
+			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1", wantFailed: "billing:m1",
 		},
 		{
 			name:        "a Retry that counts by the header makes no key",

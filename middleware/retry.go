@@ -149,13 +149,7 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	if h.store != nil {
-		var kerr error
-		if ctx, kerr = h.keying.withKey(ctx, d); kerr != nil {
-			return rabbitmw.Permanent(kerr)
-		}
-	}
-	err := h.next.Handle(ctx, d)
+	err := h.handleNext(ctx, d)
 	counted := 0 // failures of d counted by this delivery
 	if abandoned(err) {
 		// Counted even if ctx is done: the store no longer holds the
@@ -212,6 +206,20 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 	return rabbitmw.RetryAfter(rabbitmw.WithAttempts(err, n), delay)
 }
 
+// handleNext runs the layers beneath for d, handing them the key that
+// Retry makes for d (see [Keying]). If a layer above made another, it
+// returns the mismatch, dead-lettered, and runs nothing.
+func (h *retry) handleNext(ctx context.Context, d *amqp.Delivery) error {
+	if h.store == nil { // counting by the header, with no key
+		return h.next.Handle(ctx, d)
+	}
+	k, err := h.keying.handDown(ctx, d)
+	if err != nil {
+		return rabbitmw.Permanent(err)
+	}
+	return handleKeyed(h.next, ctx, d, k)
+}
+
 // retryAlone runs the layers beneath again for d, once no other retry of
 // an abandoned message by this layer is running, and returns their result.
 // If ctx is done first, it runs nothing and returns ctx's error.
@@ -222,7 +230,7 @@ func (h *retry) retryAlone(ctx context.Context, d *amqp.Delivery) (ran bool, err
 	select {
 	case h.alone <- struct{}{}:
 		defer func() { <-h.alone }()
-		return true, h.next.Handle(ctx, d)
+		return true, h.handleNext(ctx, d)
 	case <-ctx.Done():
 		return false, ctx.Err()
 	}
@@ -274,7 +282,7 @@ func (h *retry) count(ctx context.Context, d *amqp.Delivery, before int) (n int,
 	if h.store == nil {
 		return n, false, nil
 	}
-	key, _, err := h.keying.of(ctx, d)
+	key, err := h.keying.of(ctx, d)
 	if err != nil {
 		return n, false, nil // nothing to count under: the header alone counts
 	}
@@ -293,7 +301,7 @@ func (h *retry) reset(ctx context.Context, d *amqp.Delivery) {
 	if h.store == nil {
 		return
 	}
-	if key, _, err := h.keying.of(ctx, d); err == nil {
+	if key, err := h.keying.of(ctx, d); err == nil {
 		h.store.ResetFailures(bookkeeping(ctx), key)
 	}
 }
