@@ -108,3 +108,37 @@ func ExampleDecide() {
 	// dead-lettered 0s
 	// duplicate 0s
 }
+
+// A layer beneath Retry that holds messages back, here a rate limit, marks
+// its result NotCounted: the message waits, and Retry does not count the
+// wait as one of its attempts.
+func ExampleNotCounted() {
+	errLimited := errors.New("rate limit of the payment API reached")
+	limited := true
+	rateLimit := func(next rabbitmw.Handler) rabbitmw.Handler {
+		return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			if limited {
+				return rabbitmw.RetryAfter(rabbitmw.NotCounted(errLimited), 10*time.Second)
+			}
+			return next.Handle(ctx, d)
+		})
+	}
+	charge := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
+	h := rabbitmw.Chain(
+		middleware.Retry(store.NewMemory(), middleware.RetryOptions{MaxAttempts: 2}),
+		rateLimit,
+	)(charge)
+
+	d := &amqp.Delivery{MessageId: "order-42"}
+	for range 3 {
+		dec := rabbitmw.Decide(h.Handle(context.Background(), d))
+		fmt.Println(dec.Outcome, dec.Delay, "attempts counted:", dec.Attempts)
+	}
+	limited = false
+	fmt.Println(rabbitmw.Decide(h.Handle(context.Background(), d)).Outcome)
+	// Output:
+	// delayed 10s attempts counted: 0
+	// delayed 10s attempts counted: 0
+	// delayed 10s attempts counted: 0
+	// acked
+}

@@ -107,6 +107,11 @@ func TestDecide(t *testing.T) {
 		{"attempts outside the marker", rabbitmw.WithAttempts(rabbitmw.Permanent(errBoom), 5), rabbitmw.DeadLetter, 0, 5},
 		{"joined errors: the first marker", errors.Join(errBoom, rabbitmw.Permanent(errBoom)), rabbitmw.DeadLetter, 0, 0},
 		{"a panic requeues", &rabbitmw.PanicError{Value: "x"}, rabbitmw.Requeue, 0, 0},
+		{"not counted requeues", rabbitmw.NotCounted(errBoom), rabbitmw.Requeue, 0, 0},
+		{"not counted in a delay delays", rabbitmw.RetryAfter(rabbitmw.NotCounted(errBoom), time.Second), rabbitmw.Delay, time.Second, 0},
+		{"a delay not counted delays", rabbitmw.NotCounted(rabbitmw.RetryAfter(errBoom, time.Second)), rabbitmw.Delay, time.Second, 0},
+		{"permanent not counted dead-letters", rabbitmw.NotCounted(rabbitmw.Permanent(errBoom)), rabbitmw.DeadLetter, 0, 0},
+		{"a duplicate not counted acks", rabbitmw.NotCounted(rabbitmw.ErrDuplicate), rabbitmw.Duplicate, 0, 0},
 	}
 	for _, tt := range tests {
 		got := rabbitmw.Decide(tt.err)
@@ -117,14 +122,36 @@ func TestDecide(t *testing.T) {
 }
 
 func TestMarkersKeepText(t *testing.T) {
-	for _, err := range []error{rabbitmw.Permanent(errBoom), rabbitmw.RetryAfter(errBoom, time.Second), rabbitmw.WithAttempts(errBoom, 2)} {
+	for _, err := range []error{rabbitmw.Permanent(errBoom), rabbitmw.RetryAfter(errBoom, time.Second), rabbitmw.WithAttempts(errBoom, 2), rabbitmw.NotCounted(errBoom)} {
 		if err.Error() != "boom" || !errors.Is(err, errBoom) {
 			t.Errorf("marker %#v: text %q, Is(errBoom) %v; want \"boom\", true", err, err.Error(), errors.Is(err, errBoom))
 		}
 	}
-	for _, err := range []error{rabbitmw.Permanent(nil), rabbitmw.RetryAfter(nil, time.Second), rabbitmw.WithAttempts(nil, 1)} {
+	for _, err := range []error{rabbitmw.Permanent(nil), rabbitmw.RetryAfter(nil, time.Second), rabbitmw.WithAttempts(nil, 1), rabbitmw.NotCounted(nil)} {
 		if err != nil {
 			t.Errorf("a marker of nil = %v; want nil", err)
+		}
+	}
+}
+
+func TestIsNotCounted(t *testing.T) {
+	limited := rabbitmw.NotCounted(errors.New("rate limited"))
+	for _, tt := range []struct {
+		err  error
+		want bool
+	}{
+		{nil, false},
+		{errBoom, false},
+		{limited, true},
+		{fmt.Errorf("ctx: %w", limited), true},
+		{rabbitmw.RetryAfter(limited, time.Second), true},
+		{rabbitmw.Permanent(rabbitmw.WithAttempts(limited, 2)), true},
+		{errors.Join(errBoom, limited), true},
+		{rabbitmw.RetryAfter(errBoom, time.Second), false},
+		{rabbitmw.Permanent(errBoom), false},
+	} {
+		if got := rabbitmw.IsNotCounted(tt.err); got != tt.want {
+			t.Errorf("IsNotCounted(%v) = %v; want %v", tt.err, got, tt.want)
 		}
 	}
 }

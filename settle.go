@@ -71,7 +71,8 @@ type Decision struct {
 // outermost one decides, so a layer nearer the settling code overrides the
 // layers beneath it (Retry turns an inner RetryAfter into a dead-letter at
 // its attempt limit, for example). An error with neither marker that wraps
-// [ErrDuplicate] settles as Duplicate; any other error as Requeue.
+// [ErrDuplicate] settles as Duplicate; any other error as Requeue. The
+// marks of [WithAttempts] and [NotCounted] do not change the outcome.
 func Decide(err error) Decision {
 	if err == nil {
 		return Decision{Outcome: Ack}
@@ -191,6 +192,41 @@ type attemptsError struct {
 
 func (e *attemptsError) Error() string { return e.err.Error() }
 func (e *attemptsError) Unwrap() error { return e.err }
+
+// NotCounted marks err as a result that is not the message's failure: the
+// message was not attempted, or was held back by something other than
+// itself (a rate limit, an open circuit breaker, a full bulkhead), or its
+// success could not be recorded. [middleware.Retry] does not count such a
+// result as an attempt, so it never brings the message nearer to being
+// dead-lettered; middleware.Dedup marks its busy, store-unavailable and
+// lost-lease errors with it.
+//
+// The mark does not change how err settles: [Decide] reads the error
+// beneath it, so NotCounted(err) is requeued at once, and
+// RetryAfter(NotCounted(err), d) is delayed by d. A layer that holds
+// messages back should ask for a delay, since a requeued message comes
+// straight back. The mark holds wherever it is in an error's tree: an
+// error that wraps a NotCounted error, or joins one, is not counted either
+// ([IsNotCounted]). NotCounted(nil) is nil. The returned error's text is
+// err's, and it unwraps to err.
+func NotCounted(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &notCountedError{err}
+}
+
+type notCountedError struct{ err error }
+
+func (e *notCountedError) Error() string { return e.err.Error() }
+func (e *notCountedError) Unwrap() error { return e.err }
+
+// IsNotCounted reports whether err, or any error in its tree, was marked by
+// [NotCounted].
+func IsNotCounted(err error) bool {
+	_, ok := errors.AsType[*notCountedError](err)
+	return ok
+}
 
 // Settle settles d on its own Acknowledger by [Decide](err): Ack and
 // Duplicate acknowledge it, Requeue nacks it with requeue, DeadLetter rejects

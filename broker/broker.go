@@ -67,6 +67,16 @@ type Options struct {
 	// Logger receives the broker's records: connection state changes at
 	// Info, retries and failed settlements at Warn, panics at Error. Nil
 	// discards them.
+	//
+	// Each dead-letter is logged once, where it is decided. A dead-letter
+	// that the handler's result asks for is the record of the chain's
+	// middleware.Log layer (at Error, with the handler's error), so the
+	// broker logs its copy to the dead-letter queue at Debug only; a chain
+	// without a Log layer therefore logs no record of it above Debug (the
+	// Observer still sees it). A dead-letter that the broker decides itself
+	// is logged by the broker, at Warn (a not-before header too far ahead,
+	// a delay copy that cannot be sent) or Error (a panic that escaped the
+	// chain, a dead-letter copy that cannot be sent).
 	Logger *slog.Logger
 	// ReconnectMin and ReconnectMax bound the backoff between connection
 	// attempts: the n-th wait is drawn uniformly from [0, min(ReconnectMax,

@@ -247,6 +247,7 @@ func testDelayCopyTooBigIsDeadLettered(t *testing.T, be backend) {
 	eventually(t, 20*time.Second, "nothing dead-lettered", func() bool { return f.length(f.q+".dlq") == 1 })
 	noErr(t, "Consume after cancel", r.stop(t))
 	equal(t, "handler calls", len(j.callsOf("near")), 1)
+	equal(t, "records at Warn of the broker's dead-letter", f.logs.count("WARN", "delay copy cannot be sent", `message_id="near"`), 1)
 	dead := f.onlyDeadLetter()
 	text, _ := dead.Headers[HeaderError].(string)
 	contains(t, HeaderError, text, "boom")

@@ -22,9 +22,10 @@ const (
 	// and only checks that the work queue exists (a passive declare), for a
 	// work queue declared elsewhere: with arguments of its own, or with
 	// none, as hand-written consumers declare it. The work queue is never
-	// declared, so its arguments never change, and Quorum and DeliveryLimit
-	// have no effect. Consume does not need the work queue's dead-letter
-	// route: it publishes its dead-letter copies itself.
+	// declared, so its arguments never change; Quorum and DeliveryLimit,
+	// which say how to declare it, are refused with this mode. Consume does
+	// not need the work queue's dead-letter route: it publishes its
+	// dead-letter copies itself.
 	DeclareSupport
 	// DeclareNone declares nothing: every queue must exist already.
 	DeclareNone
@@ -43,10 +44,14 @@ func (m DeclareMode) String() string {
 	return "DeclareMode(" + strconv.Itoa(int(m)) + ")"
 }
 
-// DefaultDelays is the delay ladder used when Topology.Delays is empty.
-var DefaultDelays = []time.Duration{
-	time.Second, 5 * time.Second, 30 * time.Second,
-	2 * time.Minute, 10 * time.Minute, time.Hour,
+// DefaultDelays returns the delay ladder used when Topology.Delays is
+// empty: 1s, 5s, 30s, 2m, 10m, 1h. The slice is the caller's, a new one at
+// each call.
+func DefaultDelays() []time.Duration {
+	return []time.Duration{
+		time.Second, 5 * time.Second, 30 * time.Second,
+		2 * time.Minute, 10 * time.Minute, time.Hour,
+	}
 }
 
 // A Topology describes the queues that serve a work queue. The zero value
@@ -57,13 +62,15 @@ type Topology struct {
 	Declare DeclareMode
 	// Quorum makes the work queue a quorum queue (x-queue-type=quorum).
 	// By default it is a classic durable queue. The dead-letter and delay
-	// queues are classic durable queues either way.
+	// queues are classic durable queues either way. It requires
+	// DeclareAll: a work queue declared elsewhere has the type it was
+	// declared with.
 	Quorum bool
 	// Delays is the ladder of delay queues, one queue per delay. A delayed
 	// retry goes to the shortest delay not below the one asked for (see the
 	// package documentation). Each delay must be a positive whole number of
 	// milliseconds, below 2^32 ms; order and duplicates do not matter.
-	// Default DefaultDelays: 1s, 5s, 30s, 2m, 10m, 1h.
+	// Default: [DefaultDelays].
 	Delays []time.Duration
 	// DeliveryLimit sets x-delivery-limit on a quorum work queue: after
 	// that many returns to the queue (requeues, lost connections), the
@@ -72,7 +79,7 @@ type Topology struct {
 	// retry and every "busy" delay is a fresh copy whose count starts
 	// again, so it does not stop a message that kills its consumer (the
 	// Retry layer does: a death is a failed attempt). 0 means none; it
-	// requires Quorum.
+	// requires Quorum (and so DeclareAll).
 	DeliveryLimit int
 }
 
@@ -124,9 +131,12 @@ func (t Topology) resolve(queue string) (topology, error) {
 	if t.DeliveryLimit < 0 || (t.DeliveryLimit > 0 && !t.Quorum) {
 		return topology{}, fmt.Errorf("broker: Topology.DeliveryLimit %d: needs Quorum and a value >= 0", t.DeliveryLimit)
 	}
+	if t.Quorum && t.Declare != DeclareAll {
+		return topology{}, fmt.Errorf("broker: Topology.Quorum with Declare %v: Quorum and DeliveryLimit say how to declare the work queue, which %v leaves to whoever declared it (declare it a quorum queue there)", t.Declare, t.Declare)
+	}
 	delays := t.Delays
 	if len(delays) == 0 {
-		delays = DefaultDelays
+		delays = DefaultDelays()
 	}
 	ds := slices.Clone(delays)
 	for _, d := range ds {

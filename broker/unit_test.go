@@ -8,6 +8,7 @@ import (
 	"maps"
 	"math/rand/v2"
 	"regexp"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -49,7 +50,7 @@ func TestTopologyResolve(t *testing.T) {
 	equal(t, "dead-letter queue arguments", specs[1].args, amqp.Table(nil))
 	equal(t, "delay queue 5s arguments", specs[3].args, amqp.Table{"x-message-ttl": int64(5000), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "orders"})
 
-	top, err = Topology{Quorum: true, DeliveryLimit: 5, Declare: DeclareSupport, Delays: []time.Duration{time.Minute, time.Second, time.Second}}.resolve("q")
+	top, err = Topology{Declare: DeclareSupport, Delays: []time.Duration{time.Minute, time.Second, time.Second}}.resolve("q")
 	noErr(t, "resolve(quorum, support)", err)
 	specs = top.specs()
 	equal(t, "work queue spec with DeclareSupport", specs[0], queueSpec{name: "q", passive: true})
@@ -70,6 +71,9 @@ func TestTopologyResolve(t *testing.T) {
 		{DeliveryLimit: 3},
 		{Quorum: true, DeliveryLimit: -1},
 		{Declare: DeclareMode(7)},
+		{Quorum: true, Declare: DeclareSupport},
+		{Quorum: true, DeliveryLimit: 3, Declare: DeclareSupport},
+		{Quorum: true, Declare: DeclareNone},
 	} {
 		if _, err := bad.resolve("q"); err == nil {
 			t.Errorf("resolve(%+v) = nil error; want one", bad)
@@ -369,7 +373,7 @@ func TestConsumeBadOptions(t *testing.T) {
 	b := m.Broker(Options{})
 	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
 	ctx := testContext(t, 5*time.Second)
-	for _, o := range []ConsumeOptions{{Workers: -1}, {Prefetch: 70000}, {ShutdownTimeout: -1}, {Topology: Topology{Delays: []time.Duration{-1}}}} {
+	for _, o := range []ConsumeOptions{{Workers: -1}, {Prefetch: 70000}, {ShutdownTimeout: -1}, {Topology: Topology{Delays: []time.Duration{-1}}}, {Topology: Topology{Quorum: true, Declare: DeclareSupport}}} {
 		if err := b.Consume(ctx, "q", h, o); err == nil {
 			t.Errorf("Consume(%+v) = nil; want an error", o)
 		}
@@ -416,7 +420,9 @@ func TestWorkerSkipsDeliveryOfClosedSession(t *testing.T) {
 	deliveries := make(chan amqp.Delivery, 1)
 	deliveries <- amqp.Delivery{Acknowledger: rec, DeliveryTag: 1}
 	close(deliveries)
-	c.work(context.Background(), closedSession{}, deliveries, make(chan struct{}), func(error) {})
+	a := newAcker("q", 1, &Observer{}, c.log)
+	defer a.close()
+	c.work(context.Background(), closedSession{}, a, deliveries, make(chan struct{}), func(error) {})
 	equal(t, "handler calls", calls.Load(), int32(0))
 	equal(t, "settlements", rec.n.Load(), int32(0))
 	equal(t, "slots held", len(c.slots), 0)
@@ -463,6 +469,18 @@ func TestDelayHeadersMalformedXDeath(t *testing.T) {
 			t.Errorf("%s: the delivery's x-death was modified", tt.name)
 		}
 	}
+}
+
+// DefaultDelays hands out a copy: changing it changes no later call, nor
+// the default ladder.
+func TestDefaultDelaysIsACopy(t *testing.T) {
+	d := DefaultDelays()
+	want := slices.Clone(d)
+	d[0] = time.Hour
+	equal(t, "DefaultDelays() after a caller changed its result", DefaultDelays(), want)
+	top, err := Topology{}.resolve("q")
+	noErr(t, "resolve(defaults)", err)
+	equal(t, "the shortest default tier", top.tiers[0].d, time.Second)
 }
 
 func TestTopologyQueues(t *testing.T) {

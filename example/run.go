@@ -19,6 +19,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // The demo's timings: short, so the whole run takes seconds. In production
@@ -274,7 +275,7 @@ func openStore(cfg config, prefix string) (store.Store, func(), error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	st := store.NewRedis(client, store.RedisOptions{Prefix: prefix})
+	st := redisstore.New(client, redisstore.Options{Prefix: prefix})
 	if err := st.Load(ctx); err != nil { // caches the scripts; fails fast if Redis is down
 		closeAll()
 		return nil, nil, fmt.Errorf("connecting to Redis at %s: %w", addr, err)

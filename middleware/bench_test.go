@@ -14,6 +14,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 var nop = rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
@@ -68,7 +69,7 @@ func BenchmarkLayer(b *testing.B) {
 	b.Run("Retry/failure/miniredis", func(b *testing.B) {
 		_, c, _ := redistest.Start(b)
 		fail := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return errBoom })
-		benchLayer(b, middleware.Retry(store.NewRedis(c, store.RedisOptions{}), middleware.RetryOptions{MaxAttempts: 1 << 30})(fail), false)
+		benchLayer(b, middleware.Retry(redisstore.New(c, redisstore.Options{}), middleware.RetryOptions{MaxAttempts: 1 << 30})(fail), false)
 	})
 	b.Run("Dedup/new/memory", func(b *testing.B) {
 		benchLayer(b, middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(nop), false)
@@ -78,10 +79,10 @@ func BenchmarkLayer(b *testing.B) {
 	})
 	b.Run("Dedup/new/miniredis", func(b *testing.B) {
 		_, c, _ := redistest.Start(b)
-		benchLayer(b, middleware.Dedup(store.NewRedis(c, store.RedisOptions{}), middleware.DedupOptions{})(nop), false)
+		benchLayer(b, middleware.Dedup(redisstore.New(c, redisstore.Options{}), middleware.DedupOptions{})(nop), false)
 	})
 	b.Run("Dedup/duplicate/miniredis", func(b *testing.B) {
 		_, c, _ := redistest.Start(b)
-		benchLayer(b, middleware.Dedup(store.NewRedis(c, store.RedisOptions{}), middleware.DedupOptions{})(nop), true)
+		benchLayer(b, middleware.Dedup(redisstore.New(c, redisstore.Options{}), middleware.DedupOptions{})(nop), true)
 	})
 }

@@ -3,14 +3,9 @@ package middleware
 import (
 	"cmp"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"os"
 	"strconv"
-	"strings"
-	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -20,18 +15,19 @@ import (
 )
 
 // Errors returned by [Dedup], always wrapped in a rabbitmw.RetryAfter: the
-// message is tried again later, and [Retry] does not count these as failed
+// message is tried again later. Each is marked rabbitmw.NotCounted, and so
+// is every error that wraps one: [Retry] does not count them as failed
 // attempts, since the handler did not fail (it did not run, or it ran and
 // succeeded).
 var (
 	// ErrBusy: another consumer holds the claim on the message's key.
-	ErrBusy = errors.New("middleware: message is being processed by another consumer")
+	ErrBusy = rabbitmw.NotCounted(errors.New("middleware: message is being processed by another consumer"))
 	// ErrStoreUnavailable: the store did not answer, so the message was
 	// not processed (fail closed), or its done mark could not be written.
-	ErrStoreUnavailable = errors.New("middleware: idempotency store unavailable")
+	ErrStoreUnavailable = rabbitmw.NotCounted(errors.New("middleware: idempotency store unavailable"))
 	// ErrLeaseLost: the claim was taken over or deleted while the handler
 	// ran, so its result was not recorded.
-	ErrLeaseLost = errors.New("middleware: claim lost")
+	ErrLeaseLost = rabbitmw.NotCounted(errors.New("middleware: claim lost"))
 )
 
 // ErrAbandoned is returned by [Dedup] when the message's last attempt never
@@ -189,6 +185,22 @@ func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) 
 	}
 	token := newToken()
 	start := time.Now()
+	claimed, err := h.claim(ctx, key, token)
+	switch {
+	case err != nil:
+		return err
+	case !claimed:
+		return handleKeyed(h.next, ctx, d, down) // FailOpen, without a claim
+	}
+	return h.record(ctx, key, token, h.run(ctx, d, key, token, start, down))
+}
+
+// claim claims key for token and reports whether the claim was won. If it
+// was not, err is the delivery's result (a duplicate, a busy or abandoned
+// key, an unreachable store), except that claim reports neither a claim nor
+// an error when the store cannot be reached and FailOpen asks for the
+// handler to run anyway.
+func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err error) {
 	status, err := h.store.Claim(ctx, key, token, h.lease)
 	switch {
 	case err != nil:
@@ -200,27 +212,44 @@ func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) 
 		rcancel()
 		notify(h.observe, ctx, DedupUnavailable, key, err)
 		if h.failOpen && ctx.Err() == nil {
-			return h.next.Handle(ctx, d)
+			return false, nil
 		}
-		return rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: %w", ErrStoreUnavailable, key, err), h.unavailable)
+		return false, rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: %w", ErrStoreUnavailable, key, err), h.unavailable)
 	case status == store.Done:
 		notify(h.observe, ctx, DedupDuplicate, key, nil)
-		return &keyError{key: key, err: rabbitmw.ErrDuplicate}
+		return false, &keyError{key: key, err: rabbitmw.ErrDuplicate}
 	case status == store.Processing:
 		notify(h.observe, ctx, DedupBusy, key, nil)
-		return rabbitmw.RetryAfter(&keyError{key: key, err: ErrBusy}, h.busy)
+		return false, rabbitmw.RetryAfter(&keyError{key: key, err: ErrBusy}, h.busy)
 	case status == store.Abandoned:
 		// Nothing to wait for: the next claim takes the key. Retry counts
 		// the attempt, and tries again.
 		notify(h.observe, ctx, DedupAbandoned, key, nil)
-		return &keyError{key: key, err: ErrAbandoned}
+		return false, &keyError{key: key, err: ErrAbandoned}
 	case status != store.Claimed:
 		err = fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status)
 		notify(h.observe, ctx, DedupUnavailable, key, err)
-		return rabbitmw.RetryAfter(err, h.unavailable)
+		return false, rabbitmw.RetryAfter(err, h.unavailable)
 	}
 	notify(h.observe, ctx, DedupClaimed, key, nil)
+	return true, nil
+}
 
+// An attempt is what running the handler under a claim leaves for record.
+type attempt struct {
+	err        error     // the handler's result
+	marked     bool      // the handler marked the key done itself ([Claim.MarkedDone])
+	cause      error     // why the handler's context ended, if it did
+	lost       error     // why the lease was lost while it ran, if it was
+	validUntil time.Time // until when the claim is known to be held
+}
+
+// run calls the handler under the claim of key by token, taken at start,
+// renewing the lease while it runs, and cancelling its context if the
+// lease is lost; its context carries down, the key for the layers beneath
+// (see [keying.resolve]). If the handler panics, run releases the claim
+// and lets the panic go on.
+func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, start time.Time, down keyed) attempt {
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	l := h.renewer.start(ctx, key, token, start, cancel)
@@ -233,58 +262,80 @@ func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) 
 		}
 	}()
 	cc := &claimContext{Context: hctx, claim: Claim{key: key, token: token, retention: h.retention}, keyed: down}
-	err = h.next.Handle(cc, d)
+	var a attempt
+	a.err = h.next.Handle(cc, d)
 	finished = true
 	// Why the handler's context ended, if it did, before anything later
 	// can cancel it.
-	cause := context.Cause(hctx)
+	a.cause = context.Cause(hctx)
+	a.lost, a.validUntil = h.renewer.stop(l)
+	a.marked = cc.claim.marked.Load()
+	return a
+}
 
-	lost, validUntil := h.renewer.stop(l)
-	if err == nil && cc.claim.marked.Load() {
+// record writes what the attempt a of the claim of key by token leaves in
+// the store (a done mark, or the release of the claim), and returns the
+// delivery's result.
+func (h *dedup) record(ctx context.Context, key, token string, a attempt) error {
+	switch {
+	case a.err == nil && a.marked:
 		// The handler's own commit marked the key done: that is the
 		// answer, even if a renewal since found the claim gone (done).
 		return nil
-	}
-	if lost != nil {
+	case a.lost != nil:
 		// Another owner has the key, or nobody: nothing to mark.
-		notify(h.observe, ctx, DedupLeaseLost, key, lost)
-		return rabbitmw.RetryAfter(errors.Join(err, lost), h.busy)
+		notify(h.observe, ctx, DedupLeaseLost, key, a.lost)
+		return rabbitmw.RetryAfter(errors.Join(a.err, a.lost), h.busy)
+	case a.err != nil:
+		return h.release(ctx, key, token, a)
 	}
-	if err != nil {
-		// Release at once if the store answers, so the next attempt need
-		// not wait for the lease; if it does not, the lease frees the key.
-		deadline := time.Now().Add(h.unavailable)
-		if validUntil.Before(deadline) {
-			deadline = validUntil
-		}
-		if _, rerr := h.persist(ctx, deadline, func(ctx context.Context) error {
-			return h.store.Release(ctx, key, token)
-		}); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
-			err = errors.Join(err, fmt.Errorf("middleware: dedup: release %q: %w", key, rerr))
-		}
-		if ctx.Err() == nil && errors.Is(cause, ErrStoreUnavailable) {
-			// Dedup cut the handler short because the store could not
-			// renew the lease: that is not the message's failure.
-			return rabbitmw.RetryAfter(errors.Join(err, cause), h.unavailable)
-		}
-		return err
+	return h.complete(ctx, key, token, a.validUntil)
+}
+
+// release releases the claim of key by token after the handler failed (the
+// attempt a), and returns the delivery's result: the handler's error, with
+// the release's if it failed.
+func (h *dedup) release(ctx context.Context, key, token string, a attempt) error {
+	// Release at once if the store answers, so the next attempt need not
+	// wait for the lease; if it does not, the lease frees the key.
+	err := a.err
+	deadline := time.Now().Add(h.unavailable)
+	if a.validUntil.Before(deadline) {
+		deadline = a.validUntil
 	}
-	retried, cerr := h.persist(ctx, validUntil, func(ctx context.Context) error {
+	if _, rerr := h.persist(ctx, deadline, func(ctx context.Context) error {
+		return h.store.Release(ctx, key, token)
+	}); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
+		err = errors.Join(err, fmt.Errorf("middleware: dedup: release %q: %w", key, rerr))
+	}
+	if ctx.Err() == nil && errors.Is(a.cause, ErrStoreUnavailable) {
+		// Dedup cut the handler short because the store could not renew
+		// the lease: that is not the message's failure.
+		return rabbitmw.RetryAfter(errors.Join(err, a.cause), h.unavailable)
+	}
+	return err
+}
+
+// complete marks key done under token after the handler succeeded, while
+// the claim is held (until validUntil), and returns the delivery's result:
+// nil, or the reason the message must be tried again.
+func (h *dedup) complete(ctx context.Context, key, token string, validUntil time.Time) error {
+	retried, err := h.persist(ctx, validUntil, func(ctx context.Context) error {
 		return h.store.Complete(ctx, key, token, h.retention)
 	})
 	switch {
-	case cerr == nil:
+	case err == nil:
 		return nil
-	case errors.Is(cerr, store.ErrLostClaim) && retried:
+	case errors.Is(err, store.ErrLostClaim) && retried:
 		// Likelier than a takeover: an earlier attempt marked the key done
 		// and its answer was lost. The redelivery will tell (a duplicate).
-		notify(h.observe, ctx, DedupLeaseLost, key, cerr)
-		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded; marking %q done failed, then found the claim gone, most likely marked done by the failed attempt: %w", ErrLeaseLost, key, cerr), h.busy)
-	case errors.Is(cerr, store.ErrLostClaim):
-		notify(h.observe, ctx, DedupLeaseLost, key, cerr)
-		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but %q was taken over before it was marked done: %w", ErrLeaseLost, key, cerr), h.busy)
+		notify(h.observe, ctx, DedupLeaseLost, key, err)
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded; marking %q done failed, then found the claim gone, most likely marked done by the failed attempt: %w", ErrLeaseLost, key, err), h.busy)
+	case errors.Is(err, store.ErrLostClaim):
+		notify(h.observe, ctx, DedupLeaseLost, key, err)
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but %q was taken over before it was marked done: %w", ErrLeaseLost, key, err), h.busy)
 	default:
-		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but marking %q done failed: %w", ErrStoreUnavailable, key, cerr), h.unavailable)
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but marking %q done failed: %w", ErrStoreUnavailable, key, err), h.unavailable)
 	}
 }
 
@@ -339,75 +390,4 @@ func bookkeeping(ctx context.Context) context.Context {
 		return ctx
 	}
 	return context.WithoutCancel(ctx)
-}
-
-// Tokens identify one claim: unique across processes and deliveries, and
-// telling an operator who holds a key ("host/pid/random/sequence").
-var (
-	tokenPrefix = func() string {
-		host, _ := os.Hostname()
-		var b [6]byte
-		if _, err := rand.Read(b[:]); err != nil {
-			panic("middleware: reading random bytes: " + err.Error())
-		}
-		return host + "/" + strconv.Itoa(os.Getpid()) + "/" + hex.EncodeToString(b[:]) + "/"
-	}()
-	tokenSeq atomic.Uint64
-)
-
-// Tokens are cut from blocks of tokenBlockSize tokens written one after
-// another in one string, so that a block costs one allocation rather than
-// one per delivery. The current block is shared: a token costs an atomic
-// increment, and the goroutine that finds the block used up makes the next
-// one (when several do at once, all but one block are dropped, with their
-// sequence numbers). A block stays in memory while any of its tokens does.
-const tokenBlockSize = 32
-
-type tokenBlock struct {
-	s    string                // the tokens, one after another
-	ends [tokenBlockSize]int32 // where each token ends in s
-	next atomic.Int32          // the next token to hand out
-}
-
-var tokens atomic.Pointer[tokenBlock]
-
-func newToken() string {
-	for {
-		b := tokens.Load()
-		if b != nil {
-			if i := b.next.Add(1) - 1; i < tokenBlockSize {
-				return b.token(i)
-			}
-		}
-		nb := newTokenBlock()
-		nb.next.Store(1)
-		if tokens.CompareAndSwap(b, nb) {
-			return nb.token(0)
-		}
-	}
-}
-
-func (b *tokenBlock) token(i int32) string {
-	start := int32(0)
-	if i > 0 {
-		start = b.ends[i-1]
-	}
-	return b.s[start:b.ends[i]]
-}
-
-// newTokenBlock writes a block of tokens with sequence numbers of their own.
-func newTokenBlock() *tokenBlock {
-	b := new(tokenBlock)
-	first := tokenSeq.Add(tokenBlockSize) - tokenBlockSize + 1
-	var num [16]byte
-	longest := len(tokenPrefix) + len(strconv.AppendUint(num[:0], first+tokenBlockSize-1, 36))
-	var sb strings.Builder
-	sb.Grow(tokenBlockSize * longest)
-	for i := range uint64(tokenBlockSize) {
-		sb.WriteString(tokenPrefix)
-		sb.Write(strconv.AppendUint(num[:0], first+i, 36))
-		b.ends[i] = int32(sb.Len())
-	}
-	b.s = sb.String()
-	return b
 }

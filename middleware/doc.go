@@ -51,7 +51,8 @@
 // [rabbitmw.Decide]; none of them acknowledges anything. Dedup returns
 // errors wrapping rabbitmw.ErrDuplicate (acknowledge), ErrBusy,
 // ErrStoreUnavailable or ErrLeaseLost (each inside a rabbitmw.RetryAfter,
-// and none counted by Retry as a failure), or ErrAbandoned (the attempt
+// and marked rabbitmw.NotCounted: Retry does not count them as failures),
+// or ErrAbandoned (the attempt
 // before never finished: its consumer died; Retry counts it). Retry returns
 // rabbitmw.RetryAfter or rabbitmw.Permanent, with the attempt count
 // attached. Recover returns *rabbitmw.PanicError. Timeout wraps ErrTimeout.
@@ -75,6 +76,6 @@
 // the store until its lease ended) counts as a failed attempt, so a message
 // that kills its consumer is dead-lettered too, after MaxAttempts deaths;
 // a death is counted when the next delivery finds the lease ended, within
-// the store's abandoned retention (store.Memory, store.Redis). Nothing in
+// the store's abandoned retention (store.Memory, redisstore.Store). Nothing in
 // this package drops a message.
 package middleware

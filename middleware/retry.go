@@ -40,6 +40,15 @@ type RetryOptions struct {
 	// package's delayed retries update the header, and a count that lives
 	// only in the message is lost with it, so prefer a store.
 	CountByHeader bool
+	// Permanent, if set, reports whether the error of a failed attempt is
+	// one that retrying cannot fix: if so, the message is dead-lettered at
+	// once, as if the error were marked rabbitmw.Permanent, with no more
+	// attempts. It is called on the goroutine that handles the delivery,
+	// with the result of the layers beneath, for the errors that Retry
+	// counts (see [Retry]), so it must be quick and safe for concurrent
+	// use. It saves wrapping each such error where it is made: for
+	// example, func(err error) bool { return errors.As(err, new(*json.SyntaxError)) }.
+	Permanent func(error) bool
 }
 
 // Retry returns a layer that counts the failed attempts of each message
@@ -61,12 +70,15 @@ type RetryOptions struct {
 //   - nil: success. If the delivery shows an earlier attempt (it was
 //     redelivered or carries an attempt count), the count is cleared.
 //   - a duplicate (rabbitmw.ErrDuplicate): returned unchanged.
-//   - a permanent error (rabbitmw.Permanent): counted, returned with its
-//     count, and the count cleared, since the message leaves the queue.
 //   - an error that is not the message's failure: returned unchanged and
-//     not counted. These are Dedup's ErrBusy, ErrStoreUnavailable and
-//     ErrLeaseLost, and any error once ctx is done (the consumer is
-//     shutting down).
+//     not counted. These are the errors marked rabbitmw.NotCounted (Dedup's
+//     ErrBusy, ErrStoreUnavailable and ErrLeaseLost are, and so may be
+//     those of a rate limit or a circuit breaker beneath Retry), and any
+//     error once ctx is done (the consumer is shutting down).
+//   - a permanent error (rabbitmw.Permanent, or one that
+//     RetryOptions.Permanent reports): counted, returned with its count,
+//     dead-lettered, and the count cleared, since the message leaves the
+//     queue.
 //   - Dedup's ErrAbandoned, unmarked as Dedup returns it: the attempt
 //     before never finished (its consumer died, or lost its lease). (If a
 //     layer beneath, such as another Retry, already marked it with
@@ -109,12 +121,13 @@ func Retry(s store.Store, opts RetryOptions) rabbitmw.Middleware {
 		panic(fmt.Sprintf("middleware: Retry: negative TTL %v", opts.TTL))
 	}
 	cfg := retryConfig{
-		store:   s,
-		max:     opts.MaxAttempts,
-		backoff: opts.Backoff,
-		keying:  newKeying(opts.Keying, "Retry"),
-		ttl:     cmp.Or(opts.TTL, 24*time.Hour),
-		alone:   make(chan struct{}, 1),
+		store:     s,
+		max:       opts.MaxAttempts,
+		backoff:   opts.Backoff,
+		keying:    newKeying(opts.Keying, "Retry"),
+		ttl:       cmp.Or(opts.TTL, 24*time.Hour),
+		permanent: opts.Permanent,
+		alone:     make(chan struct{}, 1),
 	}
 	if cfg.max == 0 {
 		cfg.max = 5
@@ -128,11 +141,12 @@ func Retry(s store.Store, opts RetryOptions) rabbitmw.Middleware {
 }
 
 type retryConfig struct {
-	store   store.Store
-	max     int
-	backoff func(int) time.Duration
-	keying  *keying
-	ttl     time.Duration
+	store     store.Store
+	max       int
+	backoff   func(int) time.Duration
+	keying    *keying
+	ttl       time.Duration
+	permanent func(error) bool
 	// alone is held by the retry of an abandoned message while it runs.
 	alone chan struct{}
 }
@@ -181,12 +195,13 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 			h.reset(ctx, d)
 		}
 		return nil
-	case dec.Outcome == rabbitmw.Duplicate, notAFailure(err), ctx.Err() != nil:
+	case dec.Outcome == rabbitmw.Duplicate, rabbitmw.IsNotCounted(err), ctx.Err() != nil:
 		if counted > 0 {
 			return rabbitmw.WithAttempts(err, counted)
 		}
 		return err
 	}
+	classified := dec.Outcome != rabbitmw.DeadLetter && h.permanent != nil && h.permanent(err)
 	n, _, cerr := h.count(ctx, d, counted)
 	if cerr != nil {
 		err = errors.Join(err, cerr)
@@ -195,6 +210,9 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 	case dec.Outcome == rabbitmw.DeadLetter:
 		h.reset(ctx, d)
 		return rabbitmw.WithAttempts(err, n)
+	case classified:
+		h.reset(ctx, d)
+		return rabbitmw.Permanent(rabbitmw.WithAttempts(err, n))
 	case n >= h.max:
 		h.reset(ctx, d)
 		return rabbitmw.Permanent(rabbitmw.WithAttempts(&exhaustedError{n: n, err: err}, n))
@@ -262,12 +280,6 @@ func abandoned(err error) bool {
 	}
 	dec := rabbitmw.Decide(err)
 	return dec.Outcome == rabbitmw.Requeue && dec.Attempts == 0 && errors.Is(err, ErrAbandoned)
-}
-
-// notAFailure reports whether err says the message was not at fault: it was
-// not attempted, or its attempt succeeded but could not be recorded.
-func notAFailure(err error) bool {
-	return errors.Is(err, ErrBusy) || errors.Is(err, ErrStoreUnavailable) || errors.Is(err, ErrLeaseLost)
 }
 
 // count records a failure of d and returns the number of failed attempts,

@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 )
@@ -89,6 +90,14 @@ func TestRetry(t *testing.T) {
 			wantOutcome: rabbitmw.Delay, wantDelay: 5 * time.Second, wantCount: 4, wantSettle: "requeued",
 		},
 		{
+			name: "a rate limit beneath Retry is not a failure", result: rabbitmw.RetryAfter(rabbitmw.NotCounted(errLimited), 3*time.Second), prior: 4,
+			wantOutcome: rabbitmw.Delay, wantDelay: 3 * time.Second, wantIs: errLimited, wantCount: 4, wantSettle: "requeued",
+		},
+		{
+			name: "not counted, with no delay, is requeued", result: fmt.Errorf("open circuit: %w", rabbitmw.NotCounted(errLimited)), prior: 4,
+			wantOutcome: rabbitmw.Requeue, wantIs: errLimited, wantCount: 4, wantSettle: "requeued",
+		},
+		{
 			name: "shutdown is not a failure", result: context.Canceled, cancel: true, prior: 4,
 			wantOutcome: rabbitmw.Requeue, wantCount: 4, wantSettle: "requeued",
 		},
@@ -135,7 +144,7 @@ func TestRetry(t *testing.T) {
 				}
 				return tt.result
 			}))
-			d, rec := deliver("m1", "")
+			d, rec := deliverytest.New("m1", "")
 			d.Redelivered = tt.redeliv
 			if tt.header != nil {
 				d.Headers = amqp.Table{rabbitmw.HeaderAttempts: tt.header}
@@ -154,8 +163,92 @@ func TestRetry(t *testing.T) {
 			if n, _ := s.Store.Fail(context.Background(), "m1", time.Hour); int(n)-1 != tt.wantCount {
 				t.Errorf("failure count afterwards = %d; want %d", n-1, tt.wantCount)
 			}
-			if got := settle(t, d, rec, err); got != tt.wantSettle {
+			if got := deliverytest.Settle(t, d, rec, err); got != tt.wantSettle {
 				t.Errorf("settled %s; want %s", got, tt.wantSettle)
+			}
+		})
+	}
+}
+
+var errLimited = errors.New("rate limited")
+
+// RetryOptions.Permanent dead-letters, at once, the counted errors it
+// reports; it is not asked about the results that Retry does not count.
+func TestRetryPermanentClassifier(t *testing.T) {
+	errBad := errors.New("malformed order")
+	isBad := func(err error) bool { return errors.Is(err, errBad) }
+	tests := []struct {
+		name      string
+		result    error
+		permanent func(error) bool
+		cancel    bool // ctx done before the result
+
+		wantOutcome  rabbitmw.Outcome
+		wantAttempts int
+		wantCount    int // failures in the store afterwards
+		wantAsked    bool
+	}{
+		{name: "a classified error is dead-lettered at once, counted", result: errBad, permanent: isBad,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantCount: 0, wantAsked: true},
+		{name: "wrapped, it is found", result: fmt.Errorf("order 42: %w", errBad), permanent: isBad,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantCount: 0, wantAsked: true},
+		{name: "over the handler's own delay", result: rabbitmw.RetryAfter(errBad, time.Minute), permanent: isBad,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantCount: 0, wantAsked: true},
+		{name: "another error is retried", result: errBoom, permanent: isBad,
+			wantOutcome: rabbitmw.Delay, wantAttempts: 2, wantCount: 2, wantAsked: true},
+		{name: "a panic is retried", result: &rabbitmw.PanicError{Value: "x"}, permanent: isBad,
+			wantOutcome: rabbitmw.Delay, wantAttempts: 2, wantCount: 2, wantAsked: true},
+		{name: "without a classifier, retried", result: errBad,
+			wantOutcome: rabbitmw.Delay, wantAttempts: 2, wantCount: 2},
+		{name: "not counted: not asked", result: rabbitmw.RetryAfter(rabbitmw.NotCounted(errBad), time.Second), permanent: isBad,
+			wantOutcome: rabbitmw.Delay, wantCount: 1},
+		{name: "a duplicate: not asked", result: rabbitmw.ErrDuplicate, permanent: isBad,
+			wantOutcome: rabbitmw.Duplicate, wantCount: 1},
+		{name: "success: not asked", permanent: isBad,
+			wantOutcome: rabbitmw.Ack, wantCount: 0},
+		{name: "shutting down: not asked", result: errBad, permanent: isBad, cancel: true,
+			wantOutcome: rabbitmw.Requeue, wantCount: 1},
+		{name: "already permanent: not asked", result: rabbitmw.Permanent(errBoom), permanent: isBad,
+			wantOutcome: rabbitmw.DeadLetter, wantAttempts: 2, wantCount: 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			s := store.NewMemory()
+			s.Fail(ctx, "m1", time.Hour)
+			asked := false
+			opts := middleware.RetryOptions{Backoff: linear}
+			if tt.permanent != nil {
+				opts.Permanent = func(err error) bool {
+					asked = true
+					return tt.permanent(err)
+				}
+			}
+			h := middleware.Retry(s, opts)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+				if tt.cancel {
+					cancel()
+				}
+				return tt.result
+			}))
+			d, _ := deliverytest.New("m1", "")
+			d.Redelivered = true
+			err := h.Handle(ctx, d)
+			dec := rabbitmw.Decide(err)
+			if dec.Outcome != tt.wantOutcome || dec.Attempts != tt.wantAttempts {
+				t.Errorf("Decide(%v) = %v, attempts %d; want %v, attempts %d", err, dec.Outcome, dec.Attempts, tt.wantOutcome, tt.wantAttempts)
+			}
+			if dec.Outcome == rabbitmw.DeadLetter && errors.Is(err, middleware.ErrRetriesExhausted) {
+				t.Errorf("result %v wraps ErrRetriesExhausted; want the error alone", err)
+			}
+			if tt.result != nil && !errors.Is(err, tt.result) {
+				t.Errorf("result %v does not wrap %v", err, tt.result)
+			}
+			if asked != tt.wantAsked {
+				t.Errorf("Permanent called: %v; want %v", asked, tt.wantAsked)
+			}
+			if n, _ := s.Fail(context.Background(), "m1", time.Hour); int(n)-1 != tt.wantCount {
+				t.Errorf("failure count afterwards = %d; want %d", n-1, tt.wantCount)
 			}
 		})
 	}
@@ -166,7 +259,7 @@ func TestRetryHappyPathIsFree(t *testing.T) {
 	s := &faultyStore{Store: store.NewMemory()}
 	h := middleware.Retry(s, middleware.RetryOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	if err := h.Handle(context.Background(), d); err != nil {
 		t.Fatal(err)
 	}
@@ -183,7 +276,7 @@ func TestRetryWithoutStore(t *testing.T) {
 	h := middleware.Retry(nil, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear, CountByHeader: true})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return errBoom }))
 	for prior, want := range []rabbitmw.Outcome{rabbitmw.Delay, rabbitmw.Delay, rabbitmw.DeadLetter} {
-		d, _ := deliver("m1", "")
+		d, _ := deliverytest.New("m1", "")
 		d.Headers = amqp.Table{rabbitmw.HeaderAttempts: int32(prior)}
 		dec := rabbitmw.Decide(h.Handle(context.Background(), d))
 		if dec.Outcome != want || dec.Attempts != prior+1 {
@@ -283,7 +376,7 @@ func TestRetryAbandoned(t *testing.T) {
 					calls++
 					return tt.results[calls-1]
 				}))
-			d, _ := deliver("m1", "")
+			d, _ := deliverytest.New("m1", "")
 			err := h.Handle(ctx, d)
 			dec := rabbitmw.Decide(err)
 			if calls != tt.wantCalls || dec.Outcome != tt.wantOutcome || dec.Delay != tt.wantDelay || dec.Attempts != tt.wantAttempts {
@@ -347,7 +440,7 @@ func TestRetryAbandonedCrashLoop(t *testing.T) {
 								runtime.Goexit() // the consumer dies here
 								return nil
 							})))
-					d, _ := deliver("m1", "")
+					d, _ := deliverytest.New("m1", "")
 					d.Redelivered = true
 					d.Headers = headers
 					result := make(chan error, 1)
@@ -400,7 +493,7 @@ func TestRetryNestedKeepsTheInnerDeadLetterOfAnAbandonedMessage(t *testing.T) {
 		}
 		return errBoom // stands for the crash it would be
 	})))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	err := h.Handle(ctx, d)
 	if dec := rabbitmw.Decide(err); calls != 1 || dec.Outcome != rabbitmw.DeadLetter {
 		t.Errorf("handler called %d times, %v (%v); want 1 call, dead-lettered at the inner limit", calls, dec.Outcome, err)
@@ -441,7 +534,7 @@ func TestRetryAbandonedOneAtATime(t *testing.T) {
 		}
 		results := map[string]chan error{"first": make(chan error, 1), "second": make(chan error, 1), "third": make(chan error, 1)}
 		handle := func(ctx context.Context, id string) {
-			d, _ := deliver(id, "")
+			d, _ := deliverytest.New(id, "")
 			results[id] <- h.Handle(ctx, d)
 		}
 		go handle(ctx, "first")

@@ -21,9 +21,11 @@ type StackOptions struct {
 	Log LogOptions
 	// Keying names each message in st, for Retry and Dedup alike.
 	Keying
-	// MaxAttempts and Backoff are Retry's (see [RetryOptions]).
+	// MaxAttempts, Backoff and Permanent are Retry's (see
+	// [RetryOptions]).
 	MaxAttempts int
 	Backoff     func(n int) time.Duration
+	Permanent   func(error) bool
 	// Lease is Dedup's (see [DedupOptions]). Default 5 minutes.
 	Lease time.Duration
 	// Timeout is the deadline of the handler (see [Timeout]). It must be
@@ -62,7 +64,7 @@ func Stack(st store.Store, opts StackOptions) rabbitmw.Middleware {
 	}
 	return rabbitmw.Chain(
 		LogWith(opts.Logger, opts.Log),
-		Retry(st, RetryOptions{Keying: opts.Keying, MaxAttempts: opts.MaxAttempts, Backoff: opts.Backoff}),
+		Retry(st, RetryOptions{Keying: opts.Keying, MaxAttempts: opts.MaxAttempts, Backoff: opts.Backoff, Permanent: opts.Permanent}),
 		Recover(),
 		Dedup(st, DedupOptions{Lease: lease, Observe: opts.Observe}),
 		Timeout(timeout),

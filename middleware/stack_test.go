@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"log/slog"
 	"slices"
 	"testing"
@@ -94,13 +95,25 @@ func TestStack(t *testing.T) {
 	}
 }
 
-// Stack's Retry dead-letters after MaxAttempts.
-func TestStackMaxAttempts(t *testing.T) {
-	h := middleware.Stack(store.NewMemory(), middleware.StackOptions{MaxAttempts: 2})(rabbitmw.HandlerFunc(
-		func(context.Context, *amqp.Delivery) error { return errBoom }))
-	for i, want := range []rabbitmw.Outcome{rabbitmw.Delay, rabbitmw.DeadLetter} {
-		if got := rabbitmw.Decide(h.Handle(context.Background(), &amqp.Delivery{MessageId: "m1", Redelivered: i > 0})).Outcome; got != want {
-			t.Errorf("attempt %d: %v; want %v", i+1, got, want)
+// Stack's Retry dead-letters after MaxAttempts, or at once an error that
+// Permanent reports.
+func TestStackRetryOptions(t *testing.T) {
+	errBad := errors.New("malformed order")
+	h := middleware.Stack(store.NewMemory(), middleware.StackOptions{
+		MaxAttempts: 2,
+		Permanent:   func(err error) bool { return errors.Is(err, errBad) },
+	})(rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+		if d.MessageId == "bad" {
+			return errBad
+		}
+		return errBoom
+	}))
+	for i, tt := range []struct {
+		id   string
+		want rabbitmw.Outcome
+	}{{"m1", rabbitmw.Delay}, {"m1", rabbitmw.DeadLetter}, {"bad", rabbitmw.DeadLetter}} {
+		if got := rabbitmw.Decide(h.Handle(context.Background(), &amqp.Delivery{MessageId: tt.id, Redelivered: i == 1})).Outcome; got != tt.want {
+			t.Errorf("delivery %d (%s): %v; want %v", i, tt.id, got, tt.want)
 		}
 	}
 }

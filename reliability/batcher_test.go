@@ -2,7 +2,7 @@
 
 package reliability_test
 
-// store.RedisBatcher against real servers: a Redis Cluster, where its
+// redisstore.Batcher against real servers: a Redis Cluster, where its
 // pipelines must split by slot, and a redis-server restarted while batches
 // are in flight.
 
@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 	"github.com/rabbitmw/rabbitmw/store/storetest"
 )
 
@@ -23,8 +24,8 @@ func TestBatcherCluster(t *testing.T) {
 	t.Parallel()
 	c := startRedisCluster(t)
 	audit := new(slotAudit)
-	b := store.NewRedisBatcher(c.client(t, audit), store.RedisBatcherOptions{})
-	s := store.NewRedis(b, store.RedisOptions{Prefix: "batch:"})
+	b := redisstore.NewBatcher(c.client(t, audit), redisstore.BatcherOptions{})
+	s := redisstore.New(b, redisstore.Options{Prefix: "batch:"})
 	if err := s.Load(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -72,8 +73,8 @@ func TestBatcherCluster(t *testing.T) {
 func TestBatcherRedisRestart(t *testing.T) {
 	t.Parallel()
 	srv := startRedisServer(t)
-	b := store.NewRedisBatcher(srv.client(), store.RedisBatcherOptions{})
-	s := store.NewRedis(b, store.RedisOptions{})
+	b := redisstore.NewBatcher(srv.client(), redisstore.BatcherOptions{})
+	s := redisstore.New(b, redisstore.Options{})
 
 	var stop atomic.Bool
 	var ok, failed, wrong atomic.Int64

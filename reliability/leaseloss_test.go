@@ -242,7 +242,7 @@ func TestLeaseLoss(t *testing.T) {
 	})
 }
 
-// The same partition, with A's store on a Redis client as NewRedis's
+// The same partition, with A's store on a Redis client as redisstore.New's
 // documentation and the README build it: redis.Options without
 // ContextTimeoutEnabled, so that go-redis does not bound a call by its
 // context's deadline, only by ReadTimeout (3 s) and its retries. A

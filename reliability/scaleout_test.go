@@ -26,6 +26,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 	"github.com/rabbitmw/rabbitmw/store/storetest"
 )
 
@@ -43,7 +44,7 @@ func TestClusterStoreConformance(t *testing.T) {
 	client := c.client(t, audit)
 	t.Run("storetest", func(t *testing.T) {
 		storetest.Run(t, func(*testing.T) store.Store {
-			return store.NewRedis(client, store.RedisOptions{})
+			return redisstore.New(client, redisstore.Options{})
 		})
 	})
 	audit.verify(t)
@@ -102,7 +103,7 @@ func TestClusterStack(t *testing.T) {
 	c := startRedisCluster(t)
 	audit := new(slotAudit)
 	client := c.client(t, audit)
-	s := store.NewRedis(client, store.RedisOptions{})
+	s := redisstore.New(client, redisstore.Options{})
 	f := &stackFixture{effects: map[string]int{}, attempts: map[string]int{}}
 	f.h = rabbitmw.Chain(
 		middleware.Retry(s, middleware.RetryOptions{Backoff: func(int) time.Duration { return time.Millisecond }}),

@@ -6,7 +6,8 @@ import (
 )
 
 // An Inspector tells what a store holds for a message key, for operators
-// and tools. It is an optional interface: [Memory], [Redis] and
+// and tools. It is an optional interface: [Memory],
+// [github.com/rabbitmw/rabbitmw/store/redisstore.Store] and
 // [github.com/rabbitmw/rabbitmw/store/pgstore.Store] implement it; test for
 // it with a type assertion.
 //

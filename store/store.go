@@ -2,9 +2,13 @@
 // a message (a claim with a lease), which messages are done, and how many
 // times each message has failed.
 //
-// [Store] is the interface that backends implement; [Memory] and [Redis]
-// ship with this package, and package storetest checks any implementation
-// against the contract written on Store.
+// [Store] is the interface that backends implement. [Memory] ships with
+// this package; the backends that need a client library live in packages
+// of their own, so that only a program that uses one links its client:
+// [github.com/rabbitmw/rabbitmw/store/redisstore] (Redis, over go-redis) and
+// [github.com/rabbitmw/rabbitmw/store/pgstore] (PostgreSQL, over pgx).
+// Package storetest checks any implementation against the contract written
+// on Store.
 package store
 
 import (
@@ -53,7 +57,8 @@ func (s Status) String() string {
 	return "invalid"
 }
 
-// DefaultAbandonedRetention is how long [Memory] and [Redis] remember an
+// DefaultAbandonedRetention is how long [Memory] and
+// [github.com/rabbitmw/rabbitmw/store/redisstore.Store] remember an
 // abandoned claim after its lease ended, unless told otherwise.
 const DefaultAbandonedRetention = 24 * time.Hour
 

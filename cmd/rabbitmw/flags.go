@@ -17,6 +17,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 const defaultURL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -150,9 +151,9 @@ func (s *storeFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&s.redis, "redis", "", "Redis address (host:port) or URL (redis://...)")
 	fs.StringVar(&s.postgres, "postgres", "", "PostgreSQL URL (postgres://...) of a pgstore")
 	fs.StringVar(&s.table, "table", "", "pgstore Options.Table of the consumers (default "+strconv.Quote(pgstore.DefaultTable)+")")
-	fs.StringVar(&s.prefix, "prefix", "", "RedisOptions.Prefix of the consumers")
-	fs.StringVar(&s.claimPrefix, "claim-prefix", "", `RedisOptions.ClaimPrefix (default "msg:")`)
-	fs.StringVar(&s.failurePrefix, "failure-prefix", "", `RedisOptions.FailurePrefix (default "retry:")`)
+	fs.StringVar(&s.prefix, "prefix", "", "redisstore.Options.Prefix of the consumers")
+	fs.StringVar(&s.claimPrefix, "claim-prefix", "", `redisstore.Options.ClaimPrefix (default "msg:")`)
+	fs.StringVar(&s.failurePrefix, "failure-prefix", "", `redisstore.Options.FailurePrefix (default "retry:")`)
 	fs.StringVar(&s.namespace, "namespace", "", "the Keying.Namespace of the consumers' Retry and Dedup layers")
 }
 
@@ -188,7 +189,7 @@ func (s *storeFlags) open(ctx context.Context) (inspectingStore, func(), error) 
 	}
 	opts.ContextTimeoutEnabled = true
 	c := redis.NewClient(opts)
-	st := store.NewRedis(c, store.RedisOptions{Prefix: s.prefix, ClaimPrefix: s.claimPrefix, FailurePrefix: s.failurePrefix})
+	st := redisstore.New(c, redisstore.Options{Prefix: s.prefix, ClaimPrefix: s.claimPrefix, FailurePrefix: s.failurePrefix})
 	return st, func() { c.Close() }, nil
 }
 

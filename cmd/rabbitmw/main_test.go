@@ -23,8 +23,8 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
-	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // replayWindow is broker.Replay's number of messages in flight.
@@ -209,7 +209,7 @@ func TestCLI(t *testing.T) {
 	rc := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t)})
 	t.Cleanup(func() { rc.Close() })
 	prefix := "rabbitmw-test-cli:" + q + ":"
-	st := store.NewRedis(rc, store.RedisOptions{Prefix: prefix})
+	st := redisstore.New(rc, redisstore.Options{Prefix: prefix})
 	for range 2 {
 		if _, err := st.Fail(ctx, "ns:a", time.Hour); err != nil {
 			t.Fatal(err)

@@ -64,6 +64,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/reliability/internal/stats"
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // config is the command line.
@@ -242,7 +243,7 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	} else {
 		storeClient := redis.NewClient(&redis.Options{Addr: cfg.storeAddr, ContextTimeoutEnabled: cfg.storeCtxTimeout})
 		defer storeClient.Close()
-		st = store.NewRedis(storeClient, store.RedisOptions{Prefix: cfg.storePrefix})
+		st = redisstore.New(storeClient, redisstore.Options{Prefix: cfg.storePrefix})
 		handler = biz.handler()
 	}
 

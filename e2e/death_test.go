@@ -1,4 +1,4 @@
-package rabbitmw_test
+package e2e_test
 
 // A message that kills its consumer process (SIGKILL, an OOM, a segfault
 // in cgo) must not loop forever: each attempt that never finished counts
@@ -29,6 +29,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 var errDead = errors.New("test: the process is dead")
@@ -115,7 +116,7 @@ func TestStackMessageThatKillsItsConsumer(t *testing.T) {
 	})
 	t.Run("miniredis", func(t *testing.T) {
 		m, c, _ := redistest.Start(t)
-		checkKillerDeadLettered(t, store.NewRedis(c, store.RedisOptions{}), m.FastForward)
+		checkKillerDeadLettered(t, redisstore.New(c, redisstore.Options{}), m.FastForward)
 	})
 }
 

@@ -1,4 +1,4 @@
-package store_test
+package redisstore_test
 
 import (
 	"context"
@@ -16,23 +16,24 @@ import (
 
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 	"github.com/rabbitmw/rabbitmw/store/storetest"
 )
 
-func TestRedisBatcherConformanceMiniredis(t *testing.T) {
+func TestBatcherConformanceMiniredis(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) store.Store {
 		_, c := newMiniredis(t)
-		return store.NewRedis(store.NewRedisBatcher(c, store.RedisBatcherOptions{}), store.RedisOptions{})
+		return redisstore.New(redisstore.NewBatcher(c, redisstore.BatcherOptions{}), redisstore.Options{})
 	})
 }
 
-func TestRedisBatcherConformanceServer(t *testing.T) {
+func TestBatcherConformanceServer(t *testing.T) {
 	addr := testenv.RedisAddr(t)
 	c := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
 	t.Cleanup(func() { c.Close() })
-	b := store.NewRedisBatcher(c, store.RedisBatcherOptions{})
+	b := redisstore.NewBatcher(c, redisstore.BatcherOptions{})
 	storetest.Run(t, func(t *testing.T) store.Store {
-		return store.NewRedis(b, store.RedisOptions{Prefix: "rabbitmw-test-batch:"})
+		return redisstore.New(b, redisstore.Options{Prefix: "rabbitmw-test-batch:"})
 	})
 }
 
@@ -76,19 +77,19 @@ func (g *gate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Process
 }
 
 // gated returns a miniredis client with a closed gate, and a batcher over it.
-func gated(t *testing.T, opts store.RedisBatcherOptions) (*miniredis.Miniredis, *redis.Client, *gate, *store.RedisBatcher) {
+func gated(t *testing.T, opts redisstore.BatcherOptions) (*miniredis.Miniredis, *redis.Client, *gate, *redisstore.Batcher) {
 	t.Helper()
 	m, c := newMiniredis(t)
 	g := newGate()
 	g.close()
 	c.AddHook(g)
-	return m, c, g, store.NewRedisBatcher(c, opts)
+	return m, c, g, redisstore.NewBatcher(c, opts)
 }
 
 // waitQueued waits until n calls wait in b's queue: they are goroutines of
 // the test, scheduled by the runtime, and nothing else tells when they got
 // there.
-func waitQueued(t *testing.T, b *store.RedisBatcher, n int) {
+func waitQueued(t *testing.T, b *redisstore.Batcher, n int) {
 	t.Helper()
 	for b.Queued() < n {
 		runtime.Gosched()
@@ -99,8 +100,8 @@ const echo = "return ARGV[1]"
 
 // While a pipeline is in flight, concurrent calls queue, and the next
 // pipeline carries all of them, each with its own result.
-func TestRedisBatcherCoalesces(t *testing.T) {
-	_, _, g, b := gated(t, store.RedisBatcherOptions{})
+func TestBatcherCoalesces(t *testing.T) {
+	_, _, g, b := gated(t, redisstore.BatcherOptions{})
 	ctx := context.Background()
 
 	first := make(chan string, 1)
@@ -136,8 +137,8 @@ func TestRedisBatcherCoalesces(t *testing.T) {
 }
 
 // MaxBatch caps a pipeline; the calls beyond it go in the next one.
-func TestRedisBatcherMaxBatch(t *testing.T) {
-	_, _, g, b := gated(t, store.RedisBatcherOptions{MaxBatch: 3})
+func TestBatcherMaxBatch(t *testing.T) {
+	_, _, g, b := gated(t, redisstore.BatcherOptions{MaxBatch: 3})
 	ctx := context.Background()
 	var wg sync.WaitGroup
 	wg.Go(func() { b.Del(ctx, "x") })
@@ -159,11 +160,11 @@ func TestRedisBatcherMaxBatch(t *testing.T) {
 
 // Many goroutines, with no gate: every caller gets its own result, and the
 // commands travel in fewer pipelines than there are calls.
-func TestRedisBatcherConcurrent(t *testing.T) {
+func TestBatcherConcurrent(t *testing.T) {
 	_, c := newMiniredis(t)
 	g := newGate()
 	c.AddHook(g)
-	b := store.NewRedisBatcher(c, store.RedisBatcherOptions{MaxBatch: 8})
+	b := redisstore.NewBatcher(c, redisstore.BatcherOptions{MaxBatch: 8})
 	ctx := context.Background()
 	const workers, each = 16, 50
 	var wg sync.WaitGroup
@@ -199,8 +200,8 @@ func TestRedisBatcherConcurrent(t *testing.T) {
 // Script.Run over the batcher: EVALSHA answered NOSCRIPT in a pipeline is
 // sent again as EVAL, for each caller, and the others of its pipeline are
 // not touched.
-func TestRedisBatcherNoScript(t *testing.T) {
-	_, c, g, b := gated(t, store.RedisBatcherOptions{})
+func TestBatcherNoScript(t *testing.T) {
+	_, c, g, b := gated(t, redisstore.BatcherOptions{})
 	ctx := context.Background()
 	s := redis.NewScript("return 'ran ' .. ARGV[1]")
 	if err := s.Load(ctx, b).Err(); err != nil {
@@ -230,8 +231,8 @@ func TestRedisBatcherNoScript(t *testing.T) {
 
 // A caller whose context ends while it waits returns at once, and its
 // command is never sent; the others are not touched.
-func TestRedisBatcherContextEndsWhileQueued(t *testing.T) {
-	m, _, g, b := gated(t, store.RedisBatcherOptions{})
+func TestBatcherContextEndsWhileQueued(t *testing.T) {
+	m, _, g, b := gated(t, redisstore.BatcherOptions{})
 	bg := context.Background()
 	var wg sync.WaitGroup
 	wg.Go(func() { b.Del(bg, "x") })
@@ -265,8 +266,8 @@ func TestRedisBatcherContextEndsWhileQueued(t *testing.T) {
 
 // A caller whose context ends while its pipeline is in flight returns at
 // once with the context's error; the pipeline goes on for the others.
-func TestRedisBatcherContextEndsInFlight(t *testing.T) {
-	_, _, g, b := gated(t, store.RedisBatcherOptions{})
+func TestBatcherContextEndsInFlight(t *testing.T) {
+	_, _, g, b := gated(t, redisstore.BatcherOptions{})
 	bg := context.Background()
 	var wg sync.WaitGroup
 	wg.Go(func() { b.Del(bg, "x") })
@@ -296,8 +297,8 @@ func TestRedisBatcherContextEndsInFlight(t *testing.T) {
 // Redis restarts while a pipeline is in flight: its commands fail with the
 // connection's error, each caller gets one, and the batcher goes on once
 // Redis is back.
-func TestRedisBatcherRestartMidBatch(t *testing.T) {
-	m, _, g, b := gated(t, store.RedisBatcherOptions{})
+func TestBatcherRestartMidBatch(t *testing.T) {
+	m, _, g, b := gated(t, redisstore.BatcherOptions{})
 	bg := context.Background()
 	var wg sync.WaitGroup
 	wg.Go(func() { b.Del(bg, "x") })

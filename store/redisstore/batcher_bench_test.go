@@ -1,4 +1,4 @@
-package store_test
+package redisstore_test
 
 import (
 	"context"
@@ -10,14 +10,14 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
-	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
-// BenchmarkRedisClaimComplete is a claim and a complete of a new key from
+// BenchmarkClaimComplete is a claim and a complete of a new key from
 // 16 goroutines at once, on the real Redis, over the plain client, the
 // batcher and go-redis's autopipeliner. Read it with -benchtime and the
 // CPU figures of BENCHMARKS.md: wall time on a shared machine says little.
-func BenchmarkRedisClaimComplete(b *testing.B) {
+func BenchmarkClaimComplete(b *testing.B) {
 	addr := testenv.RedisAddr(b)
 	c := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true, PoolSize: 32})
 	b.Cleanup(func() { c.Close() })
@@ -28,17 +28,17 @@ func BenchmarkRedisClaimComplete(b *testing.B) {
 	b.Cleanup(func() { ap.Close() })
 	clients := []struct {
 		name string
-		rc   store.RedisClient
+		rc   redisstore.Client
 	}{
 		{"plain", c},
-		{"batcher", store.NewRedisBatcher(c, store.RedisBatcherOptions{})},
+		{"batcher", redisstore.NewBatcher(c, redisstore.BatcherOptions{})},
 		{"autopipeline", ap},
 	}
 	var seq atomic.Int64
 	prefix := "rabbitmw-bench-" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
 	for _, cl := range clients {
 		b.Run(cl.name, func(b *testing.B) {
-			s := store.NewRedis(cl.rc, store.RedisOptions{Prefix: prefix})
+			s := redisstore.New(cl.rc, redisstore.Options{Prefix: prefix})
 			ctx := context.Background()
 			if err := s.Load(ctx); err != nil {
 				b.Fatal(err)

@@ -1,4 +1,4 @@
-package store
+package redisstore
 
 import (
 	"context"
@@ -8,13 +8,15 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw/store"
 )
 
-// RedisOptions configures a [Redis] store. The zero value selects the
+// Options configures a [Store]. The zero value selects the
 // defaults, which match the key layout that hand-written consumers commonly
 // use, so that a consumer built on this package can join a fleet of them on
 // the same queue and Redis during a migration.
-type RedisOptions struct {
+type Options struct {
 	// Prefix is prepended to every key the store writes, to keep several
 	// applications apart in one Redis. Default: none.
 	Prefix string
@@ -26,14 +28,14 @@ type RedisOptions struct {
 	FailurePrefix string
 	// AbandonedRetention is how long a claim whose lease ended without
 	// Complete or Release is remembered after the lease, for Claim to
-	// report it Abandoned (see [Store]); a claim's key lives for its lease
+	// report it Abandoned (see [store.Store]); a claim's key lives for its lease
 	// plus this. Each claim carries its own, so stores with different
-	// settings can share keys. Default [DefaultAbandonedRetention].
+	// settings can share keys. Default [store.DefaultAbandonedRetention].
 	AbandonedRetention time.Duration
 }
 
-// Redis is a [Store] in Redis, over any [redis.UniversalClient]: a single
-// server, a Sentinel-managed primary, or a Cluster; also go-redis's
+// Store is a [store.Store] in Redis, over any [redis.UniversalClient]: a
+// single server, a Sentinel-managed primary, or a Cluster; also go-redis's
 // experimental autopipeliner (BENCHMARKS.md measures it: on one machine it
 // saved Redis CPU but did not raise throughput).
 //
@@ -54,9 +56,9 @@ type RedisOptions struct {
 //
 // Every state change is one round trip: Claim, Extend, Complete, Release and
 // Fail each run one Lua script (EVALSHA; a script not yet in Redis's cache
-// costs one more round trip, once, unless [Redis.Load] cached it), and each
-// script touches a single key, so the
-// store works unchanged on Redis Cluster. A mark of a hand-written consumer
+// costs one more round trip, once, unless [Store.Load] cached it), and each
+// script touches a single key, so the store works unchanged on Redis
+// Cluster. A mark of a hand-written consumer
 // is processing until it expires, and nobody owns it: this store never
 // completes or releases it. One left without expiry (a hand-written
 // consumer that died between SETNX and EXPIRE) is given the claimer's
@@ -69,21 +71,21 @@ type RedisOptions struct {
 // Create the client with ContextTimeoutEnabled: true. Without it go-redis
 // ignores the deadline of a call's context and waits out its own
 // ReadTimeout (3s by default) on each retry, so a store call to an
-// unreachable Redis can block for many seconds, where the Store contract
+// unreachable Redis can block for many seconds, where the store.Store contract
 // asks for a prompt return. Dedup does not depend on it for safety (it
 // cancels a handler whose lease may end on the clock, not on the store's
 // answer), but every store call of a delivery is bounded by it.
-type Redis struct {
-	client               RedisClient
+type Store struct {
+	client               Client
 	claimPre, failurePre string
 	abandoned            int64 // the abandoned retention, in milliseconds
 }
 
-// NewRedis returns a Redis store that uses client, which the caller keeps
+// New returns a store that uses client, which the caller keeps
 // and closes. It panics if client is nil.
-func NewRedis(client RedisClient, opts RedisOptions) *Redis {
+func New(client Client, opts Options) *Store {
 	if client == nil {
-		panic("store: NewRedis: nil client")
+		panic("redisstore: New: nil client")
 	}
 	claimPre, failurePre := opts.ClaimPrefix, opts.FailurePrefix
 	if claimPre == "" {
@@ -94,9 +96,9 @@ func NewRedis(client RedisClient, opts RedisOptions) *Redis {
 	}
 	abandoned := opts.AbandonedRetention
 	if abandoned <= 0 {
-		abandoned = DefaultAbandonedRetention
+		abandoned = store.DefaultAbandonedRetention
 	}
-	return &Redis{
+	return &Store{
 		client:     client,
 		claimPre:   opts.Prefix + claimPre,
 		failurePre: opts.Prefix + failurePre,
@@ -104,12 +106,12 @@ func NewRedis(client RedisClient, opts RedisOptions) *Redis {
 	}
 }
 
-// RedisClient is the part of a go-redis client that the [Redis] store uses:
+// Client is the part of a go-redis client that a [Store] uses:
 // its scripts and one DEL. Every [redis.UniversalClient] has it (a
 // [redis.Client], a [redis.ClusterClient], a [redis.Ring], a Sentinel
 // failover client, the [redis.AutoPipeliner] they return from
 // AutoPipeline), and a wrapper or a test fake needs no more than this.
-type RedisClient interface {
+type Client interface {
 	redis.Scripter
 	Del(ctx context.Context, keys ...string) *redis.IntCmd
 }
@@ -193,17 +195,17 @@ return n`)
 // does the first call after Redis restarts or its script cache is flushed.
 // Calling it at start-up also makes a consumer fail fast when Redis cannot
 // be reached.
-func (r *Redis) Load(ctx context.Context) error {
+func (r *Store) Load(ctx context.Context) error {
 	for _, s := range []*redis.Script{claimScript, extendScript, completeScript, releaseScript, failScript} {
 		if err := s.Load(ctx, r.client).Err(); err != nil {
-			return fmt.Errorf("store: redis load scripts: %w", err)
+			return fmt.Errorf("redisstore: load scripts: %w", err)
 		}
 	}
 	return nil
 }
 
-// Claim implements [Store].
-func (r *Redis) Claim(ctx context.Context, key, token string, lease time.Duration) (Status, error) {
+// Claim implements [store.Store].
+func (r *Store) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
 	ms := millis(lease)
 	value := claimTag + strconv.FormatInt(r.abandoned, 10) + ":" + token
 	n, err := r.run(ctx, claimScript, r.claimPre+key, value, ms+r.abandoned, ms)
@@ -212,45 +214,45 @@ func (r *Redis) Claim(ctx context.Context, key, token string, lease time.Duratio
 	}
 	switch n {
 	case 1:
-		return Claimed, nil
+		return store.Claimed, nil
 	case 2:
-		return Processing, nil
+		return store.Processing, nil
 	case 3:
-		return Done, nil
+		return store.Done, nil
 	case 4:
-		return Abandoned, nil
+		return store.Abandoned, nil
 	}
 	return 0, r.fail("claim", key, fmt.Errorf("unexpected script result %d", n))
 }
 
-// Extend implements [Store].
-func (r *Redis) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+// Extend implements [store.Store].
+func (r *Store) Extend(ctx context.Context, key, token string, lease time.Duration) error {
 	return r.owned(ctx, "extend", extendScript, key, token, millis(lease))
 }
 
-// Complete implements [Store].
-func (r *Redis) Complete(ctx context.Context, key, token string, retention time.Duration) error {
+// Complete implements [store.Store].
+func (r *Store) Complete(ctx context.Context, key, token string, retention time.Duration) error {
 	return r.owned(ctx, "complete", completeScript, key, token, millis(retention))
 }
 
-// Release implements [Store].
-func (r *Redis) Release(ctx context.Context, key, token string) error {
+// Release implements [store.Store].
+func (r *Store) Release(ctx context.Context, key, token string) error {
 	return r.owned(ctx, "release", releaseScript, key, token)
 }
 
-func (r *Redis) owned(ctx context.Context, op string, s *redis.Script, key, token string, args ...any) error {
+func (r *Store) owned(ctx context.Context, op string, s *redis.Script, key, token string, args ...any) error {
 	n, err := r.run(ctx, s, r.claimPre+key, append([]any{token}, args...)...)
 	if err != nil {
 		return r.fail(op, key, err)
 	}
 	if n == 0 {
-		return ErrLostClaim
+		return store.ErrLostClaim
 	}
 	return nil
 }
 
-// Fail implements [Store].
-func (r *Redis) Fail(ctx context.Context, key string, ttl time.Duration) (int64, error) {
+// Fail implements [store.Store].
+func (r *Store) Fail(ctx context.Context, key string, ttl time.Duration) (int64, error) {
 	n, err := r.run(ctx, failScript, r.failurePre+key, millis(ttl))
 	if err != nil {
 		return 0, r.fail("fail", key, err)
@@ -258,8 +260,8 @@ func (r *Redis) Fail(ctx context.Context, key string, ttl time.Duration) (int64,
 	return n, nil
 }
 
-// ResetFailures implements [Store].
-func (r *Redis) ResetFailures(ctx context.Context, key string) error {
+// ResetFailures implements [store.Store].
+func (r *Store) ResetFailures(ctx context.Context, key string) error {
 	if err := ctx.Err(); err != nil {
 		return r.fail("reset failures", key, err)
 	}
@@ -272,18 +274,18 @@ func (r *Redis) ResetFailures(ctx context.Context, key string) error {
 // run runs s on the single key k. A done context fails at once, whatever
 // the client would do with it (go-redis's autopipeliner, for one, still
 // sends the command).
-func (r *Redis) run(ctx context.Context, s *redis.Script, k string, args ...any) (int64, error) {
+func (r *Store) run(ctx context.Context, s *redis.Script, k string, args ...any) (int64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
 	}
 	return s.Run(ctx, r.client, []string{k}, args...).Int64()
 }
 
-func (r *Redis) fail(op, key string, err error) error {
+func (r *Store) fail(op, key string, err error) error {
 	if errors.Is(err, redis.Nil) {
 		err = errors.New("empty reply")
 	}
-	return fmt.Errorf("store: redis %s %q: %w", op, key, err)
+	return fmt.Errorf("redisstore: %s %q: %w", op, key, err)
 }
 
 // millis converts d to whole milliseconds for PX and PEXPIRE, at least 1.
@@ -294,4 +296,4 @@ func millis(d time.Duration) int64 {
 	return 1
 }
 
-var _ Store = (*Redis)(nil)
+var _ store.Store = (*Store)(nil)

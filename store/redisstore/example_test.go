@@ -1,4 +1,4 @@
-package store_test
+package redisstore_test
 
 import (
 	"context"
@@ -8,16 +8,16 @@ import (
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
-func ExampleNewRedis() {
+func ExampleNew() {
 	srv, _ := miniredis.Run() // in production: your Redis, Sentinel or Cluster
 	defer srv.Close()
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr(), ContextTimeoutEnabled: true})
 	defer client.Close()
 
-	st := store.NewRedis(client, store.RedisOptions{})
+	st := redisstore.New(client, redisstore.Options{})
 	ctx := context.Background()
 	if err := st.Load(ctx); err != nil { // optional: fail fast at start-up
 		fmt.Println("Redis:", err)

@@ -1,4 +1,4 @@
-package store_test
+package redisstore_test
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 	"github.com/rabbitmw/rabbitmw/store/storetest"
 )
 
@@ -21,28 +22,28 @@ func newMiniredis(t *testing.T) (*miniredis.Miniredis, *redis.Client) {
 	return m, c
 }
 
-func TestRedisConformanceMiniredis(t *testing.T) {
+func TestConformanceMiniredis(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) store.Store {
 		_, c := newMiniredis(t)
-		return store.NewRedis(c, store.RedisOptions{})
+		return redisstore.New(c, redisstore.Options{})
 	})
 }
 
-func TestRedisConformanceServer(t *testing.T) {
+func TestConformanceServer(t *testing.T) {
 	addr := testenv.RedisAddr(t)
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	t.Cleanup(func() { c.Close() })
 	storetest.Run(t, func(t *testing.T) store.Store {
-		return store.NewRedis(c, store.RedisOptions{Prefix: "rabbitmw-test:"})
+		return redisstore.New(c, redisstore.Options{Prefix: "rabbitmw-test:"})
 	})
 }
 
 // The default layout is the one hand-written consumers use, so both can
 // work on one Redis: msg:<id> is "done" once done, any other value is in
 // progress, and retry:<id> counts failures.
-func TestRedisLegacyLayout(t *testing.T) {
+func TestLegacyLayout(t *testing.T) {
 	m, c := newMiniredis(t)
-	s := store.NewRedis(c, store.RedisOptions{})
+	s := redisstore.New(c, redisstore.Options{})
 	ctx := context.Background()
 
 	// Our claim is visible to a hand-written consumer as "not done".
@@ -109,9 +110,9 @@ func TestRedisLegacyLayout(t *testing.T) {
 	}
 }
 
-func TestRedisPrefixes(t *testing.T) {
+func TestPrefixes(t *testing.T) {
 	m, c := newMiniredis(t)
-	s := store.NewRedis(c, store.RedisOptions{Prefix: "billing:", ClaimPrefix: "m/", FailurePrefix: "r/"})
+	s := redisstore.New(c, redisstore.Options{Prefix: "billing:", ClaimPrefix: "m/", FailurePrefix: "r/"})
 	ctx := context.Background()
 	if _, err := s.Claim(ctx, "x", "tok", time.Minute); err != nil {
 		t.Fatal(err)
@@ -126,9 +127,9 @@ func TestRedisPrefixes(t *testing.T) {
 }
 
 // Each state change is one round trip once Load has cached the scripts.
-func TestRedisRoundTrips(t *testing.T) {
+func TestRoundTrips(t *testing.T) {
 	_, c, rt := redistest.Start(t)
-	s := store.NewRedis(c, store.RedisOptions{})
+	s := redisstore.New(c, redisstore.Options{})
 	ctx := context.Background()
 	if err := s.Load(ctx); err != nil {
 		t.Fatal(err)
@@ -156,30 +157,30 @@ func TestRedisRoundTrips(t *testing.T) {
 	}
 }
 
-func TestRedisErrors(t *testing.T) {
+func TestErrors(t *testing.T) {
 	m, c := newMiniredis(t)
-	s := store.NewRedis(c, store.RedisOptions{})
+	s := redisstore.New(c, redisstore.Options{})
 	ctx := context.Background()
 	m.HSet("msg:h", "f", "v") // a key of the wrong type
-	if _, err := s.Claim(ctx, "h", "t", time.Minute); err == nil || !strings.Contains(err.Error(), `store: redis claim "h"`) {
+	if _, err := s.Claim(ctx, "h", "t", time.Minute); err == nil || !strings.Contains(err.Error(), `redisstore: claim "h"`) {
 		t.Fatalf("Claim of a hash key = %v; want a store error naming the operation and key", err)
 	}
 	addr := m.Addr()
 	m.Close()
 	c2 := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialerRetries: 1})
 	defer c2.Close()
-	s = store.NewRedis(c2, store.RedisOptions{})
+	s = redisstore.New(c2, redisstore.Options{})
 	if _, err := s.Claim(ctx, "k", "t", time.Minute); err == nil || errors.Is(err, store.ErrLostClaim) {
 		t.Fatalf("Claim with the server gone = %v; want an error other than ErrLostClaim", err)
 	}
-	if err := s.Load(ctx); err == nil || !strings.Contains(err.Error(), "store: redis load scripts") {
+	if err := s.Load(ctx); err == nil || !strings.Contains(err.Error(), "redisstore: load scripts") {
 		t.Fatalf("Load with the server gone = %v; want a store error", err)
 	}
 }
 
 // The store runs unchanged over go-redis's autopipeliner, which batches
 // the commands of concurrent callers into pipelines.
-func TestRedisConformanceAutoPipeline(t *testing.T) {
+func TestConformanceAutoPipeline(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) store.Store {
 		_, c := newMiniredis(t)
 		ap, err := c.AutoPipeline()
@@ -187,17 +188,17 @@ func TestRedisConformanceAutoPipeline(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { ap.Close() })
-		return store.NewRedis(ap, store.RedisOptions{})
+		return redisstore.New(ap, redisstore.Options{})
 	})
 }
 
 // A claim's key outlives its lease by the abandoned retention, measured by
 // Redis: within it, Claim reports the claim abandoned (once); after it,
 // the key is gone.
-func TestRedisAbandonedClaims(t *testing.T) {
+func TestAbandonedClaims(t *testing.T) {
 	m, c := newMiniredis(t)
 	ctx := context.Background()
-	s := store.NewRedis(c, store.RedisOptions{AbandonedRetention: time.Hour})
+	s := redisstore.New(c, redisstore.Options{AbandonedRetention: time.Hour})
 	if got, err := s.Claim(ctx, "a", "tok", time.Minute); err != nil || got != store.Claimed {
 		t.Fatalf("Claim(a) = %v, %v; want claimed", got, err)
 	}
@@ -244,11 +245,11 @@ func near(ttl, want time.Duration) bool { return ttl <= want && ttl > want-5*tim
 
 // Each claim carries its abandoned retention: a store with another setting
 // reads a claim's lease right.
-func TestRedisAbandonedRetentionPerClaim(t *testing.T) {
+func TestAbandonedRetentionPerClaim(t *testing.T) {
 	m, c := newMiniredis(t)
 	ctx := context.Background()
-	short := store.NewRedis(c, store.RedisOptions{AbandonedRetention: time.Minute})
-	long := store.NewRedis(c, store.RedisOptions{}) // 24 hours
+	short := redisstore.New(c, redisstore.Options{AbandonedRetention: time.Minute})
+	long := redisstore.New(c, redisstore.Options{}) // 24 hours
 	if _, err := short.Claim(ctx, "k", "tok", time.Hour); err != nil {
 		t.Fatal(err)
 	}

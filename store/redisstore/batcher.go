@@ -1,4 +1,4 @@
-package store
+package redisstore
 
 import (
 	"context"
@@ -10,19 +10,19 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// DefaultMaxBatch is the most commands a [RedisBatcher] sends in one
+// DefaultMaxBatch is the most commands a [Batcher] sends in one
 // pipeline when its options leave MaxBatch zero.
 const DefaultMaxBatch = 64
 
-// RedisBatcherOptions configures a [RedisBatcher]. The zero value selects
+// BatcherOptions configures a [Batcher]. The zero value selects
 // the defaults.
-type RedisBatcherOptions struct {
+type BatcherOptions struct {
 	// MaxBatch caps the commands in one pipeline; the callers beyond it wait
 	// for the next one. Default [DefaultMaxBatch]. It panics if negative.
 	MaxBatch int
 }
 
-// PipelineClient is what a [RedisBatcher] needs of the client it wraps:
+// PipelineClient is what a [Batcher] needs of the client it wraps:
 // scripts and pipelines. A [redis.Client], a [redis.ClusterClient] and a
 // [redis.Ring] have both.
 type PipelineClient interface {
@@ -30,9 +30,9 @@ type PipelineClient interface {
 	Pipeline() redis.Pipeliner
 }
 
-// A RedisBatcher is a [RedisClient] that coalesces the script calls (Eval,
+// A Batcher is a [Client] that coalesces the script calls (Eval,
 // EvalSha, EvalRO, EvalShaRO) and DELs of concurrent callers into
-// pipelines, one round trip for many commands. Give it to [NewRedis] in
+// pipelines, one round trip for many commands. Give it to [New] in
 // place of the client it wraps.
 //
 // Batching has no timer. A call is sent at once, in the caller's own
@@ -51,7 +51,7 @@ type PipelineClient interface {
 // of that pipeline. A caller whose context ends while it waits returns at
 // once with the context's error: if its command was not yet sent, it is
 // never sent; if it was, its result is dropped and the command may or may
-// not have taken effect, as the [Store] contract allows for any error. A
+// not have taken effect, as the [store.Store] contract allows for any error. A
 // queued pipeline runs until the latest deadline of its callers, or with
 // no deadline when one of them has none (the client's own timeouts then
 // bound it).
@@ -69,9 +69,9 @@ type PipelineClient interface {
 // (after a restart, say) before a batch is written to it.
 //
 // ScriptLoad and ScriptExists are not batched; they go straight to the
-// wrapped client, so that on a Cluster [Redis.Load] reaches every primary.
-// A RedisBatcher is safe for concurrent use and holds nothing to close.
-type RedisBatcher struct {
+// wrapped client, so that on a Cluster [Store.Load] reaches every primary.
+// A Batcher is safe for concurrent use and holds nothing to close.
+type Batcher struct {
 	client PipelineClient
 	max    int
 
@@ -80,20 +80,20 @@ type RedisBatcher struct {
 	queue []*batchCall // calls waiting for the next pipeline, in order
 }
 
-// NewRedisBatcher returns a batcher over client, which the caller keeps
+// NewBatcher returns a batcher over client, which the caller keeps
 // and closes. It panics if client is nil or opts.MaxBatch is negative.
-func NewRedisBatcher(client PipelineClient, opts RedisBatcherOptions) *RedisBatcher {
+func NewBatcher(client PipelineClient, opts BatcherOptions) *Batcher {
 	if client == nil {
-		panic("store: NewRedisBatcher: nil client")
+		panic("redisstore: NewBatcher: nil client")
 	}
 	if opts.MaxBatch < 0 {
-		panic(fmt.Sprintf("store: NewRedisBatcher: negative MaxBatch %d", opts.MaxBatch))
+		panic(fmt.Sprintf("redisstore: NewBatcher: negative MaxBatch %d", opts.MaxBatch))
 	}
 	max := opts.MaxBatch
 	if max == 0 {
 		max = DefaultMaxBatch
 	}
-	return &RedisBatcher{client: client, max: max}
+	return &Batcher{client: client, max: max}
 }
 
 type batchOp uint8
@@ -121,37 +121,37 @@ type batchCall struct {
 }
 
 // Eval implements [redis.Scripter], batched.
-func (b *RedisBatcher) Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
+func (b *Batcher) Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
 	return b.script(ctx, opEval, script, keys, args)
 }
 
 // EvalSha implements [redis.Scripter], batched.
-func (b *RedisBatcher) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
+func (b *Batcher) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
 	return b.script(ctx, opEvalSha, sha1, keys, args)
 }
 
 // EvalRO implements [redis.Scripter], batched.
-func (b *RedisBatcher) EvalRO(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
+func (b *Batcher) EvalRO(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
 	return b.script(ctx, opEvalRO, script, keys, args)
 }
 
 // EvalShaRO implements [redis.Scripter], batched.
-func (b *RedisBatcher) EvalShaRO(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
+func (b *Batcher) EvalShaRO(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
 	return b.script(ctx, opEvalShaRO, sha1, keys, args)
 }
 
 // ScriptExists implements [redis.Scripter] on the wrapped client.
-func (b *RedisBatcher) ScriptExists(ctx context.Context, hashes ...string) *redis.BoolSliceCmd {
+func (b *Batcher) ScriptExists(ctx context.Context, hashes ...string) *redis.BoolSliceCmd {
 	return b.client.ScriptExists(ctx, hashes...)
 }
 
 // ScriptLoad implements [redis.Scripter] on the wrapped client.
-func (b *RedisBatcher) ScriptLoad(ctx context.Context, script string) *redis.StringCmd {
+func (b *Batcher) ScriptLoad(ctx context.Context, script string) *redis.StringCmd {
 	return b.client.ScriptLoad(ctx, script)
 }
 
 // Del deletes keys, batched.
-func (b *RedisBatcher) Del(ctx context.Context, keys ...string) *redis.IntCmd {
+func (b *Batcher) Del(ctx context.Context, keys ...string) *redis.IntCmd {
 	c := &batchCall{ctx: ctx, op: opDel, keys: keys}
 	if err := b.do(c); err != nil {
 		cmd := redis.NewIntCmd(ctx, "del")
@@ -161,7 +161,7 @@ func (b *RedisBatcher) Del(ctx context.Context, keys ...string) *redis.IntCmd {
 	return c.del
 }
 
-func (b *RedisBatcher) script(ctx context.Context, op batchOp, script string, keys []string, args []any) *redis.Cmd {
+func (b *Batcher) script(ctx context.Context, op batchOp, script string, keys []string, args []any) *redis.Cmd {
 	c := &batchCall{ctx: ctx, op: op, script: script, keys: keys, args: args}
 	if err := b.do(c); err != nil {
 		cmd := redis.NewCmd(ctx)
@@ -174,7 +174,7 @@ func (b *RedisBatcher) script(ctx context.Context, op batchOp, script string, ke
 // do runs c, alone at once if nothing is in flight, else in a later
 // pipeline. It returns a non-nil error only when c's context ended before
 // c's result came; c's own result is then not to be read.
-func (b *RedisBatcher) do(c *batchCall) error {
+func (b *Batcher) do(c *batchCall) error {
 	b.mu.Lock()
 	if !b.busy {
 		b.busy = true
@@ -208,7 +208,7 @@ func (b *RedisBatcher) do(c *batchCall) error {
 // next is called by the sender of a pipeline once its results are
 // delivered: it hands what queued meanwhile to a goroutine that sends
 // pipelines until the queue is empty, or marks the batcher idle.
-func (b *RedisBatcher) next() {
+func (b *Batcher) next() {
 	b.mu.Lock()
 	if len(b.queue) == 0 {
 		b.busy = false
@@ -221,7 +221,7 @@ func (b *RedisBatcher) next() {
 
 // drain sends the queued calls, MaxBatch at a time, and returns once the
 // queue is empty, leaving the batcher idle.
-func (b *RedisBatcher) drain() {
+func (b *Batcher) drain() {
 	for {
 		b.mu.Lock()
 		n := min(len(b.queue), b.max)
@@ -262,7 +262,7 @@ func batchContext(batch []*batchCall) (context.Context, context.CancelFunc) {
 
 // send sends batch as one pipeline under ctx and leaves each call's result
 // in its command.
-func (b *RedisBatcher) send(ctx context.Context, batch []*batchCall) {
+func (b *Batcher) send(ctx context.Context, batch []*batchCall) {
 	pipe := b.client.Pipeline()
 	for _, c := range batch {
 		switch c.op {
@@ -282,4 +282,4 @@ func (b *RedisBatcher) send(ctx context.Context, batch []*batchCall) {
 	_, _ = pipe.Exec(ctx)
 }
 
-var _ RedisClient = (*RedisBatcher)(nil)
+var _ Client = (*Batcher)(nil)

@@ -1,4 +1,4 @@
-package store
+package redisstore
 
 import (
 	"context"
@@ -8,19 +8,21 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw/store"
 )
 
 // inspectScript returns the value of KEYS[1] (false when absent) and its
-// PTTL. A script, rather than GET and PTTL, because RedisClient is
+// PTTL. A script, rather than GET and PTTL, because Client is
 // scripts and DEL; it touches one key, so it runs on Redis Cluster.
 var inspectScript = redis.NewScript(`
 return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}`)
 
-// Inspect implements [Inspector]: two round trips, one for the claim key
+// Inspect implements [store.Inspector]: two round trips, one for the claim key
 // and one for the failure key (which may live on different Cluster
 // shards).
-func (r *Redis) Inspect(ctx context.Context, key string) (KeyState, error) {
-	var k KeyState
+func (r *Store) Inspect(ctx context.Context, key string) (store.KeyState, error) {
+	var k store.KeyState
 	v, ttl, err := r.peek(ctx, r.claimPre+key)
 	if err != nil {
 		return k, r.fail("inspect", key, err)
@@ -43,29 +45,29 @@ func (r *Redis) Inspect(ctx context.Context, key string) (KeyState, error) {
 }
 
 // claimState reads the value v of a claim key with time to live ttl (see
-// the key layout on [Redis]).
-func claimState(v string, ttl time.Duration) (Status, string, time.Duration) {
+// the key layout on [Store]).
+func claimState(v string, ttl time.Duration) (store.Status, string, time.Duration) {
 	if v == doneMark {
-		return Done, "", ttl
+		return store.Done, "", ttl
 	}
 	rest, ok := strings.CutPrefix(v, claimTag)
 	if !ok {
-		return Processing, v, ttl // a hand-written consumer's mark
+		return store.Processing, v, ttl // a hand-written consumer's mark
 	}
 	ms, token, ok := strings.Cut(rest, ":")
 	keep, err := strconv.ParseInt(ms, 10, 64)
 	if !ok || err != nil || ttl < 0 {
-		return Processing, v, ttl
+		return store.Processing, v, ttl
 	}
 	if retention := time.Duration(keep) * time.Millisecond; ttl > retention {
-		return Processing, token, ttl - retention
+		return store.Processing, token, ttl - retention
 	}
-	return Abandoned, token, ttl
+	return store.Abandoned, token, ttl
 }
 
 // peek returns the value of k (nil when absent) and its time to live (-1
 // when it has no expiry).
-func (r *Redis) peek(ctx context.Context, k string) (*string, time.Duration, error) {
+func (r *Store) peek(ctx context.Context, k string) (*string, time.Duration, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, 0, err
 	}
@@ -88,4 +90,4 @@ func (r *Redis) peek(ctx context.Context, k string) (*string, time.Duration, err
 	return &s, ttl, nil
 }
 
-var _ Inspector = (*Redis)(nil)
+var _ store.Inspector = (*Store)(nil)
