@@ -55,7 +55,10 @@
 // or ErrAbandoned (the attempt
 // before never finished: its consumer died; Retry counts it). Retry returns
 // rabbitmw.RetryAfter or rabbitmw.Permanent, with the attempt count
-// attached. Recover returns *rabbitmw.PanicError. Timeout wraps ErrTimeout.
+// attached. Either of them returns ErrKeyMismatch, inside
+// rabbitmw.Permanent, when its own [Keying] makes another key than the
+// Retry or Dedup above it. Recover returns *rabbitmw.PanicError. Timeout
+// wraps ErrTimeout.
 //
 // # Guarantees, and where they end
 //

@@ -49,9 +49,9 @@ var ErrKeyMismatch = errors.New("middleware: keyed layers disagree on a message'
 // under Namespace. The zero value means [Key], with no namespace.
 //
 // A message has one key in a chain. The outermost Retry or Dedup with a
-// store makes it, with its Keying, and hands it in the context to the
-// Retry and Dedup layers beneath it, which use it for the same delivery
-// instead of making their own. So give the Keying to the outermost of them
+// store makes it, with its Keying, and hands it down, with the delivery,
+// to the Retry and Dedup layers beneath it (through any layers between),
+// which use it instead of making their own. So give the Keying to the outermost of them
 // only (Retry, in the recommended order; [Stack] does) and leave it zero
 // on the others. A layer beneath with a Keying of its own checks that it
 // makes the same key, and if it does not, returns an error wrapping
