@@ -104,7 +104,11 @@ type DedupOptions struct {
 //
 // If s cannot be reached, Dedup fails closed by default: the handler does
 // not run and the message is tried again after UnavailableDelay, so nothing
-// is processed twice and nothing is lost. If marking done fails that way
+// is processed twice and nothing is lost. A claim whose answer was lost
+// may have taken effect: Dedup releases it at once, or, when the store
+// does not answer that either, with its next claim that the store answers
+// (up to 256 such claims, in this process's memory), so that the message
+// is not busy until the lease ends. If marking done fails that way
 // after the handler succeeded, Dedup retries until the lease would end or
 // ctx is done; if it still fails, the message is tried again later, and its
 // effect repeats only if the lease has expired by then.
@@ -138,6 +142,7 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 		observe:     opts.Observe,
 	}
 	cfg.renewer = newRenewer(s, cfg.lease)
+	cfg.orphans = new(orphans)
 	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		return &dedup{dedupConfig: cfg, next: next}
@@ -157,6 +162,7 @@ type dedupConfig struct {
 	failOpen    bool
 	observe     func(context.Context, DedupEvent)
 	renewer     *renewer
+	orphans     *orphans // shared by the handlers this Dedup wraps
 }
 
 type dedup struct {
@@ -203,13 +209,21 @@ func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) 
 // handler to run anyway.
 func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err error) {
 	status, err := h.store.Claim(ctx, key, token, h.lease)
+	if err == nil && h.orphans.release(ctx, h.store, key) && status == store.Processing {
+		// The key was held by a claim of ours whose answer was lost, and
+		// is free now.
+		status, err = h.store.Claim(ctx, key, token, h.lease)
+	}
 	switch {
 	case err != nil:
 		// The claim may have taken effect though its answer was lost:
 		// release it, if this token holds it, rather than leave it to
-		// block the message until the lease ends.
+		// block the message until the lease ends; if the store does not
+		// answer that either, release it once it answers again.
 		rctx, rcancel := context.WithTimeout(bookkeeping(ctx), time.Second)
-		h.store.Release(rctx, key, token)
+		if rerr := h.store.Release(rctx, key, token); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
+			h.orphans.add(key, token, time.Now().Add(h.lease))
+		}
 		rcancel()
 		notify(h.observe, ctx, DedupUnavailable, key, err)
 		if h.failOpen && ctx.Err() == nil {
