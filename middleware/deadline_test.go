@@ -33,6 +33,10 @@ type observed struct {
 	value      any
 	afterFunc  bool // an AfterFunc registered on it ran
 	child      error
+	// The error and cause of a context derived from it, read as soon as
+	// the scenario ended it: nil if the derived context is told through a
+	// goroutine rather than at once.
+	syncChild, syncChildCause error
 }
 
 // The scenarios, each run on both implementations inside a synctest
