@@ -102,22 +102,25 @@ func TestParseFlags(t *testing.T) {
 // throughput ratio and the round-trip targets.
 func TestTargets(t *testing.T) {
 	rtt := func(mean float64, max int64) rttSummary { return rttSummary{N: 100, Mean: mean, Max: max} }
-	raw := summary{Contender: rawName, Median: 1000}
+	sum := func(name string, median float64, ack, dup rttSummary) summary {
+		return summary{figures: figures{Contender: name, RTTAck: ack, RTTDuplicate: dup}, Median: median}
+	}
+	raw := sum(rawName, 1000, rttSummary{}, rttSummary{})
 	for _, tc := range []struct {
 		name              string
 		summaries         summaries
 		ratio, roundTrips string
 	}{
 		{"nothing measured", nil, notMeasured, notMeasured},
-		{"ratio met, duplicates not run", summaries{raw, {Contender: redisName, Median: 800, RTTAck: rtt(2, 2)}}, met, notMeasured},
-		{"ratio missed, a third round trip", summaries{raw, {Contender: redisName, Median: 799, RTTAck: rtt(2.01, 3)}}, missed, missed},
+		{"ratio met, duplicates not run", summaries{raw, sum(redisName, 800, rtt(2, 2), rttSummary{})}, met, notMeasured},
+		{"ratio missed, a third round trip", summaries{raw, sum(redisName, 799, rtt(2.01, 3), rttSummary{})}, missed, missed},
 		{"both measured and within", summaries{
-			{Contender: redisName, RTTAck: rtt(2, 2)},
-			{Contender: redisDupName, RTTAck: rtt(2, 2), RTTDuplicate: rtt(1, 1)},
+			sum(redisName, 0, rtt(2, 2), rttSummary{}),
+			sum(redisDupName, 0, rtt(2, 2), rtt(1, 1)),
 		}, notMeasured, met},
 		{"a duplicate with two round trips", summaries{
-			{Contender: redisName, RTTAck: rtt(2, 2)},
-			{Contender: redisDupName, RTTAck: rtt(2, 2), RTTDuplicate: rtt(1.01, 2)},
+			sum(redisName, 0, rtt(2, 2), rttSummary{}),
+			sum(redisDupName, 0, rtt(2, 2), rtt(1.01, 2)),
 		}, notMeasured, missed},
 	} {
 		r := &compareResult{Summary: tc.summaries, runHeader: runHeader{Settings: settings{Defaults: true}}}
@@ -128,14 +131,36 @@ func TestTargets(t *testing.T) {
 	}
 }
 
-// The two outputs start alike, and keep their JSON keys.
+func TestBatchedRoundTripsTarget(t *testing.T) {
+	for _, tc := range []struct {
+		ack  rttSummary
+		want string
+	}{
+		{rttSummary{}, notMeasured},
+		{rttSummary{N: 10, Mean: 0.3, Max: 2}, met},
+		{rttSummary{N: 10, Mean: 0.3, Max: 3}, missed},
+		{rttSummary{N: 10, Mean: 2, Max: 2}, missed},
+	} {
+		r := &compareResult{Summary: summaries{{figures: figures{Contender: redisBatchName, RTTAck: tc.ack}}}}
+		ts := r.targets()
+		got := ts[len(ts)-2]
+		if got.Status != tc.want {
+			t.Errorf("batched %+v: %s (%s); want %s", tc.ack, got.Status, got.Detail, tc.want)
+		}
+	}
+}
+
+// The outputs, a run and a summary keep their JSON keys (a run and a
+// summary share theirs through figures).
 func TestResultJSON(t *testing.T) {
 	for _, tc := range []struct {
 		v    any
 		want []string
 	}{
 		{&compareResult{}, []string{"Runs", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings", "summary", "targets"}},
-		{&sweepResult{}, []string{"cells", "defaults", "grid_prefetch_per_worker", "grid_workers", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings"}},
+		{&sweepResult{}, []string{"cells", "defaults", "grid_prefetch", "grid_workers", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings"}},
+		{&runResult{}, []string{"contender", "cpu", "deliveries", "effects", "failed_settlements", "left_in_dlq", "left_in_queue", "messages", "msgs_per_sec", "outcomes", "p50_us", "p99_us", "prefetch", "redelivered", "redis_commands", "redis_round_trips", "redis_setup_round_trips", "repeated_effects", "round", "rtt_per_ack", "rtt_per_duplicate", "seconds", "unique_effects", "unique_ids", "workers"}},
+		{&summary{}, []string{"contender", "cpu", "deliveries", "effects", "msgs_per_sec_max", "msgs_per_sec_median", "msgs_per_sec_min", "outcomes", "p50_us", "p99_us", "prefetch", "ratio_to_raw", "redis_commands_per_msg", "redis_round_trips_per_msg", "rtt_per_ack", "rtt_per_duplicate", "unique_effects", "workers"}},
 	} {
 		b, err := json.Marshal(tc.v)
 		if err != nil {
@@ -153,12 +178,12 @@ func TestResultJSON(t *testing.T) {
 
 // Each contender of a set of summaries is related to raw's median.
 func TestRelateToRaw(t *testing.T) {
-	ss := summaries{{Contender: redisName, Median: 500}, {Contender: rawName, Median: 1000}}
+	ss := summaries{{figures: figures{Contender: redisName}, Median: 500}, {figures: figures{Contender: rawName}, Median: 1000}}
 	ss.relateToRaw()
 	if ss.find(redisName).RatioToRaw != 0.5 || ss.find(rawName).RatioToRaw != 1 {
 		t.Errorf("ratios %v; want 0.5 and 1", ss)
 	}
-	ss = summaries{{Contender: redisName, Median: 500}}
+	ss = summaries{{figures: figures{Contender: redisName}, Median: 500}}
 	ss.relateToRaw()
 	if ss.find(rawName) != nil || ss[0].RatioToRaw != 0 {
 		t.Errorf("without raw: %v; want ratio 0", ss)

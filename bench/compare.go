@@ -15,29 +15,43 @@ import (
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
+// figures are what a run of a contender and a summary of its runs both
+// report, under the same JSON keys.
+type figures struct {
+	Contender string `json:"contender"`
+	Prefetch  int    `json:"prefetch"`
+	Workers   int    `json:"workers"`
+	// Deliveries counts handler runs, redeliveries included.
+	Deliveries int64            `json:"deliveries"`
+	Outcomes   map[string]int64 `json:"outcomes"`
+	// Effects counts business handler runs; UniqueEffects the message ids
+	// that ran at least once.
+	Effects       int64 `json:"effects"`
+	UniqueEffects int64 `json:"unique_effects"`
+	// The store's round trips per delivery, by outcome.
+	RTTAck       rttSummary `json:"rtt_per_ack"`
+	RTTDuplicate rttSummary `json:"rtt_per_duplicate"`
+	// From the handler's start to the return of its ack.
+	P50Micros float64  `json:"p50_us"`
+	P99Micros float64  `json:"p99_us"`
+	CPU       cpuUsage `json:"cpu"`
+}
+
 // runResult is what one contender did in one round.
 type runResult struct {
-	Contender  string  `json:"contender"`
+	figures
 	Round      int     `json:"round"`
-	Prefetch   int     `json:"prefetch"`
-	Workers    int     `json:"workers"`
 	Messages   int     `json:"messages"`
 	UniqueIDs  int     `json:"unique_ids"`
 	Seconds    float64 `json:"seconds"` // first delivery to last settlement
 	MsgsPerSec float64 `json:"msgs_per_sec"`
-	// Deliveries counts handler runs, redeliveries included.
-	Deliveries int64 `json:"deliveries"`
 	// Redelivered counts deliveries that RabbitMQ marked redelivered: a
 	// consumer's connection was lost during the run (on this machine,
 	// usually another user's rabbitmqctl close_all_connections), so its
 	// timing is disturbed.
-	Redelivered       int64            `json:"redelivered"`
-	Outcomes          map[string]int64 `json:"outcomes"`
-	FailedSettlements int64            `json:"failed_settlements"`
-	// Effects counts business handler runs; UniqueEffects the message ids
-	// that ran at least once, RepeatedEffects those that ran more than once.
-	Effects         int64 `json:"effects"`
-	UniqueEffects   int64 `json:"unique_effects"`
+	Redelivered       int64 `json:"redelivered"`
+	FailedSettlements int64 `json:"failed_settlements"`
+	// RepeatedEffects counts the message ids that ran more than once.
 	RepeatedEffects int64 `json:"repeated_effects"`
 	// RedisCommands is the rise of INFO commandstats' calls during the run:
 	// server wide, so other clients of the server add to it.
@@ -48,29 +62,29 @@ type runResult struct {
 	RedisSetupRoundTrips int64 `json:"redis_setup_round_trips"`
 	// PostgresRoundTrips counts the statements sent by the contender's
 	// pool (BEGIN and COMMIT included).
-	PostgresRoundTrips int64      `json:"postgres_round_trips,omitempty"`
-	RTTAck             rttSummary `json:"rtt_per_ack"`
-	RTTDuplicate       rttSummary `json:"rtt_per_duplicate"`
-	P50Micros          float64    `json:"p50_us"`
-	P99Micros          float64    `json:"p99_us"`
-	CPU                cpuUsage   `json:"cpu"`
-	LeftReady          int        `json:"left_in_queue"`
-	LeftDead           int        `json:"left_in_dlq"`
+	PostgresRoundTrips int64 `json:"postgres_round_trips,omitempty"`
+	LeftReady          int   `json:"left_in_queue"`
+	LeftDead           int   `json:"left_in_dlq"`
 
 	lat []int64
 }
 
-// rttSummary is the Redis round trips per delivery of one outcome.
+// rttSummary is the store's round trips (requests: Redis commands and
+// pipelines, PostgreSQL statements) per delivery of one outcome.
 type rttSummary struct {
-	N    int64   `json:"n"`
+	N int64 `json:"n"`
+	// Mean is what a delivery cost: a request that carried the commands of
+	// k deliveries (a batched pipeline) counts 1/k to each of them.
 	Mean float64 `json:"mean"`
-	Max  int64   `json:"max"`
+	// Max is the most requests that one delivery's commands travelled in:
+	// what it waited for, shared or not.
+	Max int64 `json:"max"`
 }
 
 func (t *rttTally) summary() rttSummary {
 	s := rttSummary{N: t.n.Load(), Max: t.max.Load()}
 	if s.N > 0 {
-		s.Mean = float64(t.sum.Load()) / float64(s.N)
+		s.Mean = float64(t.share.Load()) / shareUnit / float64(s.N)
 	}
 	return s
 }
@@ -144,46 +158,32 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		return res, err
 	}
 	rec := newRecorder(len(ids), c.prefetch)
-	var (
-		rc *redis.Client // the contender's, for those that use Redis
-		rt *roundTrips
-	)
-	if c.redis {
-		if rc, rt, err = e.newRedisClient(ctx, c.workers); err != nil {
-			return res, err
-		}
-		defer rc.Close()
-		// A consumer that has been running has the store's scripts in
-		// Redis's cache; a fresh Redis would charge the first deliveries
-		// an extra round trip each (NOSCRIPT, then EVAL).
-		if err := redisstore.New(rc, redisstore.Options{}).Load(ctx); err != nil {
-			return res, err
-		}
+	cl, err := e.openClients(ctx, c, b.prefix)
+	if err != nil {
+		return res, err
 	}
+	defer cl.close()
 	before, err := e.commandStats(ctx)
 	if err != nil {
 		return res, err
 	}
-	var pg *pgRun
-	if c.pg {
-		if pg, err = e.newPgRun(ctx, b.prefix, c.workers); err != nil {
-			return res, err
-		}
-		defer pg.close()
-	}
 	var rttBefore, setupBefore, pgBefore int64
-	if rt != nil {
-		rttBefore, setupBefore = rt.n.Load(), rt.setup.Load()
+	if cl.rtt != nil {
+		rttBefore, setupBefore = cl.rtt.n.Load(), cl.rtt.setup.Load()
 	}
-	if pg != nil {
-		pgBefore = pg.rt.n.Load()
+	if cl.pg != nil {
+		pgBefore = cl.pg.rt.n.Load()
 	}
 
-	cpuBefore := e.cpuTimes(ctx)
+	var pgPIDs []int
+	if cl.pg != nil {
+		pgPIDs = cl.pg.pids
+	}
+	cpuBefore := e.cpuTimes(ctx, pgPIDs)
 	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout)
-	err = c.consume(rctx, e, b, rc, pg, rec)
+	err = c.consume(rctx, e, b, cl, rec)
 	cancel()
-	cpuAfter := e.cpuTimes(ctx)
+	cpuAfter := e.cpuTimes(ctx, pgPIDs)
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
 			err = fmt.Errorf("%w: %d of %d messages settled within -timeout %v", err, rec.final.Load(), len(ids), e.cfg.timeout)
@@ -196,20 +196,22 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		return res, err
 	}
 	res = runResult{
-		Contender:         c.name,
+		figures: figures{
+			Contender:    c.name,
+			Prefetch:     c.prefetch,
+			Workers:      c.workers,
+			Deliveries:   rec.deliveries.Load(),
+			Outcomes:     make(map[string]int64),
+			RTTAck:       rec.rttAck.summary(),
+			RTTDuplicate: rec.rttDup.summary(),
+			CPU:          cpuBefore.usage(cpuAfter, rec.deliveries.Load()),
+		},
 		Round:             round,
-		Prefetch:          c.prefetch,
-		Workers:           c.workers,
 		Messages:          len(ids),
 		UniqueIDs:         unique,
 		Seconds:           rec.elapsed().Seconds(),
-		Deliveries:        rec.deliveries.Load(),
 		Redelivered:       rec.redelivered.Load(),
-		Outcomes:          make(map[string]int64),
 		FailedSettlements: rec.failed.Load(),
-		RTTAck:            rec.rttAck.summary(),
-		RTTDuplicate:      rec.rttDup.summary(),
-		CPU:               cpuBefore.usage(cpuAfter, rec.deliveries.Load()),
 		lat:               rec.latencies(),
 	}
 	res.MsgsPerSec = float64(len(ids)) / res.Seconds
@@ -220,12 +222,12 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 	}
 	res.Effects, res.UniqueEffects, res.RepeatedEffects = rec.effectCounts()
 	res.RedisByCommand, res.RedisCommands = statsDelta(before, after)
-	if rt != nil {
-		res.RedisRoundTrips = rt.n.Load() - rttBefore
-		res.RedisSetupRoundTrips = rt.setup.Load() - setupBefore
+	if cl.rtt != nil {
+		res.RedisRoundTrips = cl.rtt.n.Load() - rttBefore
+		res.RedisSetupRoundTrips = cl.rtt.setup.Load() - setupBefore
 	}
-	if pg != nil {
-		res.PostgresRoundTrips = pg.rt.n.Load() - pgBefore
+	if cl.pg != nil {
+		res.PostgresRoundTrips = cl.pg.rt.n.Load() - pgBefore
 	}
 	slices.Sort(res.lat)
 	res.P50Micros = micros(percentile(res.lat, 50))
@@ -234,6 +236,55 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		return res, err
 	}
 	return res, nil
+}
+
+// clients are the connections of one contender's run to the stores it
+// uses.
+type clients struct {
+	redis *redis.Client // nil unless the contender uses Redis
+	rtt   *roundTrips   // redis's round trips
+	pg    *pgRun        // nil unless the contender uses PostgreSQL
+}
+
+// openClients opens the store clients that c uses, warmed up, the
+// PostgreSQL tables named after prefix.
+func (e *env) openClients(ctx context.Context, c contender, prefix string) (*clients, error) {
+	cl := new(clients)
+	if c.redis {
+		var err error
+		// The hand-written contender calls the client itself; the others
+		// go through a store, whose client counts per command.
+		if cl.redis, cl.rtt, err = e.newRedisClient(ctx, c.workers, c.kind != kindHand); err != nil {
+			return nil, err
+		}
+		// A consumer that has been running has the store's scripts in
+		// Redis's cache; a fresh Redis would charge the first deliveries
+		// an extra round trip each (NOSCRIPT, then EVAL).
+		if err := redisstore.New(cl.redis, redisstore.Options{}).Load(ctx); err != nil {
+			cl.close()
+			return nil, err
+		}
+		if cl.rtt.shares != nil {
+			cl.rtt.shares.Clear()
+		}
+	}
+	if c.pg {
+		var err error
+		if cl.pg, err = e.newPgRun(ctx, prefix, c.workers); err != nil {
+			cl.close()
+			return nil, err
+		}
+	}
+	return cl, nil
+}
+
+func (cl *clients) close() {
+	if cl.redis != nil {
+		cl.redis.Close()
+	}
+	if cl.pg != nil {
+		cl.pg.close()
+	}
 }
 
 // inRoundOrder returns a copy of items in the order of round (from 1):
@@ -303,37 +354,31 @@ func (ss summaries) relateToRaw() {
 	}
 }
 
-// summary is one contender over all rounds.
+// summary is one contender over all rounds; its figures are those of the
+// runs together (CPU weighted by deliveries).
 type summary struct {
-	Contender string  `json:"contender"`
-	Prefetch  int     `json:"prefetch"`
-	Workers   int     `json:"workers"`
-	Median    float64 `json:"msgs_per_sec_median"`
-	Min       float64 `json:"msgs_per_sec_min"`
-	Max       float64 `json:"msgs_per_sec_max"`
+	figures
+	Median float64 `json:"msgs_per_sec_median"`
+	Min    float64 `json:"msgs_per_sec_min"`
+	Max    float64 `json:"msgs_per_sec_max"`
 	// RatioToRaw is Median over raw's median in the same run; 0 when raw
 	// did not run.
 	RatioToRaw float64 `json:"ratio_to_raw"`
-	P50Micros  float64 `json:"p50_us"`
-	P99Micros  float64 `json:"p99_us"`
 	// Per delivered message (handler run).
 	CommandsPerMsg   float64            `json:"redis_commands_per_msg"`
 	RoundTripsPerMsg float64            `json:"redis_round_trips_per_msg"`
 	ByCommandPerMsg  map[string]float64 `json:"redis_by_command_per_msg,omitempty"`
-	RTTAck           rttSummary         `json:"rtt_per_ack"`
-	RTTDuplicate     rttSummary         `json:"rtt_per_duplicate"`
-	Deliveries       int64              `json:"deliveries"`
-	Effects          int64              `json:"effects"`
-	UniqueEffects    int64              `json:"unique_effects"`
-	Outcomes         map[string]int64   `json:"outcomes"`
 	Problems         []string           `json:"problems,omitempty"`
 	Disturbed        []string           `json:"disturbed,omitempty"` // runs with redeliveries
-	CPU              cpuUsage           `json:"cpu"`                 // weighted by deliveries
 }
+
+// perDelivery is the store's round trips of every final delivery, acked
+// or acked as a duplicate.
+func (f figures) perDelivery() rttSummary { return mergeRTT(f.RTTAck, f.RTTDuplicate) }
 
 // summarize folds the runs of one contender.
 func summarize(name string, runs []runResult) summary {
-	s := summary{Contender: name, Outcomes: make(map[string]int64), ByCommandPerMsg: make(map[string]float64)}
+	s := summary{figures: figures{Contender: name, Outcomes: make(map[string]int64)}, ByCommandPerMsg: make(map[string]float64)}
 	var rates []float64
 	var lat []int64
 	var cmds, rtts int64

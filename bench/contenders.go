@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -26,7 +28,7 @@ const (
 	memoryName   = "rabbitmw-memory"
 	redisName    = "rabbitmw-redis"
 	redisDupName = "rabbitmw-redis-dup"
-	// postgresName: see postgres.go.
+	// postgresName and pgStoreName: see postgres.go.
 	// redisBatchName is the Redis contender over redisstore.Batcher.
 	redisBatchName = "rabbitmw-redis-batch"
 	// redisAPName runs only when -only names it: the Redis contender over
@@ -50,7 +52,7 @@ const (
 // contenderNames is every contender, in the order of the table;
 // defaultContenders those that run when -only is not given.
 var (
-	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, postgresName, redisBatchName, watermillName, redisAPName}
+	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, pgStoreName, postgresName, redisBatchName, watermillName, redisAPName}
 	defaultContenders = slices.Clip(contenderNames[:len(contenderNames)-1])
 )
 
@@ -79,6 +81,7 @@ const (
 	kindRabbitmwRedis
 	kindRabbitmwRedisAP
 	kindRabbitmwPostgres
+	kindRabbitmwPgStore
 	kindRabbitmwRedisBatch
 	kindWatermill
 )
@@ -105,6 +108,8 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 		c.kind, c.redis = kindRabbitmwRedisAP, true
 	case postgresName:
 		c.kind, c.pg = kindRabbitmwPostgres, true
+	case pgStoreName:
+		c.kind, c.pg = kindRabbitmwPgStore, true
 	case redisBatchName:
 		c.kind, c.redis = kindRabbitmwRedisBatch, true
 	case watermillName:
@@ -116,10 +121,10 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 }
 
 // consume consumes b with c until every message is settled for good (acked,
-// or acked as a duplicate), recording into rec. rc is the contender's Redis
-// client, for those that use Redis; pg the run's database, for those that
-// use PostgreSQL.
-func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Client, pg *pgRun, rec *recorder) error {
+// or acked as a duplicate), recording into rec, over the run's store
+// clients cl.
+func (c contender) consume(ctx context.Context, e *env, b batch, cl *clients, rec *recorder) error {
+	rc, pg := cl.redis, cl.pg
 	switch c.kind {
 	case kindRaw:
 		return consumeRaw(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec,
@@ -132,8 +137,11 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 	case kindRabbitmwMemory:
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewMemory(), false, rec)
 	case kindRabbitmwRedis:
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(rc, redisstore.Options{Prefix: b.prefix}), true, rec)
+		st := redisstore.New(attributed{rc, cl.rtt.shares}, redisstore.Options{Prefix: b.prefix})
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, st, true, rec)
 	case kindRabbitmwRedisAP:
+		// Not counted per delivery: the autopipeliner's dispatch does not
+		// show the hook which command a pipeline carried.
 		ap, err := rc.AutoPipeline()
 		if err != nil {
 			return fmt.Errorf("Redis autopipeline: %w", err)
@@ -142,13 +150,15 @@ func (c contender) consume(ctx context.Context, e *env, b batch, rc *redis.Clien
 		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(ap, redisstore.Options{Prefix: b.prefix}), false, rec)
 	case kindRabbitmwPostgres:
 		return consumePostgres(ctx, e.cfg.amqpURL, b.queue, c.opts, pg, rec)
+	case kindRabbitmwPgStore:
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, pg.st, true, rec)
 	case kindWatermill:
 		return consumeWatermill(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec)
 	case kindRabbitmwRedisBatch:
-		// Round trips are counted per pipeline, not per delivery: the
-		// batch's hook cannot tell which delivery a pipeline serves.
+		// A pipeline serves several deliveries: each pays its share.
 		bt := redisstore.NewBatcher(rc, redisstore.BatcherOptions{})
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(bt, redisstore.Options{Prefix: b.prefix}), false, rec)
+		st := redisstore.New(attributed{bt, cl.rtt.shares}, redisstore.Options{Prefix: b.prefix})
+		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, st, true, rec)
 	}
 	panic("bench: unknown contender kind")
 }
@@ -184,7 +194,7 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 			pctx := withProbe(ctx, &p)
 			for d := range deliveries {
 				start := rec.begin(d.Redelivered)
-				p.rtt.Store(0)
+				p.reset()
 				o := handle(pctx, &d)
 				var err error
 				if o == rabbitmw.Ack || o == rabbitmw.Duplicate {
@@ -194,7 +204,7 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 				} else {
 					err = d.Nack(false, true)
 				}
-				rec.end(start, o, int64(p.rtt.Load()), err)
+				rec.end(start, o, p.cost(), err)
 			}
 		})
 	}
@@ -211,7 +221,7 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 }
 
 // handWritten returns the usual hand-written Redis pattern, ported as it
-// is written (the legacyConsumer of the root package's tests): SETNX
+// is written (the legacyConsumer of package e2e's tests): SETNX
 // msg:<id> processing, EXPIRE 300; a key already set means done (ack) or
 // being processed (nack with requeue); then the handler, SET msg:<id> done,
 // EXPIRE 24h, DEL retry:<id>, ack. Errors are ignored, as in the original.
@@ -249,22 +259,32 @@ func consumeRabbitmw(ctx context.Context, url, queue string, opts broker.Consume
 // consumeStack consumes queue with broker.Consume and stack around
 // business, as consumeRabbitmw describes.
 func consumeStack(ctx context.Context, url, queue string, opts broker.ConsumeOptions, stack rabbitmw.Middleware, business rabbitmw.Handler, trackRTT bool, rec *recorder) error {
-	b := broker.New(url, broker.Options{})
+	var frames, acked atomic.Int64
+	b := broker.New(url, broker.Options{Observer: broker.Observer{Ack: func(e broker.AckEvent) {
+		frames.Add(1)
+		acked.Add(int64(e.Deliveries))
+	}}})
 	defer b.Close()
+	defer func() {
+		if n := frames.Load(); n > 0 {
+			fmt.Fprintf(os.Stderr, "bench: %s: %d deliveries acked in %d basic.ack frames: %.2f per frame\n", queue, acked.Load(), n, float64(acked.Load())/float64(n))
+		}
+	}()
 	h := rabbitmw.Chain(stamp(rec, trackRTT), stack)(business)
 	opts.Topology = topology
 	opts.OnSettle = func(d *amqp.Delivery, o rabbitmw.Outcome, err error) {
 		if err == nil && (o == rabbitmw.Ack || o == rabbitmw.Duplicate) {
 			rec.acked(d.MessageId)
 		}
-		var start, rtt int64
+		var start int64
+		c := notCounted
 		if p := rec.probe(d.DeliveryTag); p != nil {
-			start, rtt = p.start.Swap(0), int64(p.rtt.Load())
+			start = p.start.Swap(0)
+			if trackRTT {
+				c = p.cost()
+			}
 		}
-		if !trackRTT {
-			rtt = -1
-		}
-		rec.end(start, o, rtt, err)
+		rec.end(start, o, c, err)
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -297,7 +317,7 @@ func stamp(rec *recorder, trackRTT bool) rabbitmw.Middleware {
 		return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 			t := rec.begin(d.Redelivered)
 			if p := rec.probe(d.DeliveryTag); p != nil {
-				p.rtt.Store(0)
+				p.reset()
 				p.start.Store(t)
 				if trackRTT {
 					ctx = withProbe(ctx, p)

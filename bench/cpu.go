@@ -12,8 +12,9 @@ import (
 )
 
 // cpuTimes is the CPU time used so far by this process, by the Redis
-// server (INFO cpu, user + system) and by the RabbitMQ server (from /proc,
-// when it runs on this machine). A negative value is unknown.
+// server (INFO cpu, user + system), by the RabbitMQ server and by the
+// PostgreSQL processes that serve the run (from /proc, when they run on
+// this machine). A negative value is unknown.
 type cpuTimes struct {
 	self, redis, rabbit, postgres time.Duration
 	at                            time.Time // when they were read
@@ -28,12 +29,28 @@ type cpuUsage struct {
 	Self   float64 `json:"bench_us_per_msg"`
 	Redis  float64 `json:"redis_us_per_msg"`
 	Rabbit float64 `json:"rabbitmq_us_per_msg"`
-	// Postgres: the PostgreSQL server's processes on this machine.
+	// Postgres: the PostgreSQL processes that serve the run (see
+	// pgRun.serverPIDs), for the contenders that use it.
 	Postgres float64 `json:"postgres_us_per_msg"`
 }
 
-func (e *env) cpuTimes(ctx context.Context) cpuTimes {
-	t := cpuTimes{self: -1, redis: -1, rabbit: -1, postgres: postgresCPU(), at: time.Now(), rabbitIdle: e.rabbitIdle}
+// total returns the sum of the known figures, Postgres's only when known,
+// or -1 if any of the others is unknown.
+func (u cpuUsage) total() float64 {
+	if u.Self < 0 || u.Redis < 0 || u.Rabbit < 0 {
+		return -1
+	}
+	t := u.Self + u.Redis + u.Rabbit
+	if u.Postgres > 0 {
+		t += u.Postgres
+	}
+	return t
+}
+
+// cpuTimes reads the CPU times, PostgreSQL's of the processes pgPIDs
+// (unknown when there are none).
+func (e *env) cpuTimes(ctx context.Context, pgPIDs []int) cpuTimes {
+	t := cpuTimes{self: -1, redis: -1, rabbit: -1, postgres: processesCPU(pgPIDs), at: time.Now(), rabbitIdle: e.rabbitIdle}
 	var ru syscall.Rusage
 	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) == nil {
 		t.self = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())

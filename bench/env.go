@@ -12,8 +12,10 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -22,6 +24,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // env holds the servers and what bench needs to prepare and clean up after
@@ -304,42 +307,103 @@ func statsDelta(before, after map[string]int64) (map[string]int64, int64) {
 }
 
 // roundTrips is a go-redis hook that counts the requests a client sends: one
-// per command, one per pipeline. A request made under a context that
-// carries a delivery's probe (see withProbe) is also counted on the probe.
-// The handshake of a new connection (HELLO, and the CLIENT and SELECT
-// commands that follow it) is counted apart, in setup: it is the pool's
-// cost, not the protocol's, and the pool is warmed up before a run anyway.
-type roundTrips struct{ n, setup atomic.Int64 }
+// per command, one per pipeline. The handshake of a new connection (HELLO,
+// and the CLIENT and SELECT commands that follow it) is counted apart, in
+// setup: it is the pool's cost, not the protocol's, and the pool is warmed
+// up before a run anyway.
+//
+// A request is also counted per delivery, in one of two ways. Without
+// shares, on the probe that its context carries (see withProbe): right for
+// a client that its callers use directly, one request per call. With
+// shares, the hook notes for each command the number of commands of the
+// request that carried it, and the store's client (an [attributed]) counts
+// that on the probe of the call that made the command: right for a client
+// under a batcher, whose pipelines run under a context of their own and
+// carry the commands of several deliveries.
+type roundTrips struct {
+	n, setup atomic.Int64
+	shares   *sync.Map // redis.Cmder → commands in its request (int)
+}
 
 func (r *roundTrips) DialHook(next redis.DialHook) redis.DialHook { return next }
 
 func (r *roundTrips) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		r.count(ctx, isSetup(cmd))
+		if isSetup(cmd) {
+			r.setup.Add(1)
+			return next(ctx, cmd)
+		}
+		r.n.Add(1)
+		if r.shares != nil {
+			r.shares.Store(cmd, 1)
+		} else {
+			onProbe(ctx)
+		}
 		return next(ctx, cmd)
 	}
 }
 
 func (r *roundTrips) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
-		setup := true
-		for _, c := range cmds {
-			setup = setup && isSetup(c)
+		if !slices.ContainsFunc(cmds, func(c redis.Cmder) bool { return !isSetup(c) }) {
+			r.setup.Add(1)
+			return next(ctx, cmds)
 		}
-		r.count(ctx, setup)
+		r.n.Add(1)
+		if r.shares != nil {
+			for _, c := range cmds {
+				r.shares.Store(c, len(cmds))
+			}
+		} else {
+			onProbe(ctx)
+		}
 		return next(ctx, cmds)
 	}
 }
 
-func (r *roundTrips) count(ctx context.Context, setup bool) {
-	if setup {
-		r.setup.Add(1)
-		return
-	}
-	r.n.Add(1)
+// onProbe counts a request of one command on the probe in ctx, if any.
+func onProbe(ctx context.Context) {
 	if p, _ := ctx.Value(probeKey{}).(*probe); p != nil {
-		p.rtt.Add(1)
+		p.add(1)
 	}
+}
+
+// attributed is the store's client for a contender whose requests are
+// counted per delivery through roundTrips' shares: after each call it looks
+// up the request that carried the call's command and counts it on the
+// probe in the call's context. A command that was never sent (its caller's
+// context ended first) counts nothing.
+type attributed struct {
+	redisstore.Client
+	shares *sync.Map
+}
+
+func (a attributed) Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
+	return attribute(ctx, a.shares, a.Client.Eval(ctx, script, keys, args...))
+}
+
+func (a attributed) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
+	return attribute(ctx, a.shares, a.Client.EvalSha(ctx, sha1, keys, args...))
+}
+
+func (a attributed) EvalRO(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
+	return attribute(ctx, a.shares, a.Client.EvalRO(ctx, script, keys, args...))
+}
+
+func (a attributed) EvalShaRO(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
+	return attribute(ctx, a.shares, a.Client.EvalShaRO(ctx, sha1, keys, args...))
+}
+
+func (a attributed) Del(ctx context.Context, keys ...string) *redis.IntCmd {
+	return attribute(ctx, a.shares, a.Client.Del(ctx, keys...))
+}
+
+func attribute[C redis.Cmder](ctx context.Context, shares *sync.Map, cmd C) C {
+	k, ok := shares.LoadAndDelete(cmd)
+	if p, _ := ctx.Value(probeKey{}).(*probe); ok && p != nil {
+		p.add(k.(int))
+	}
+	return cmd
 }
 
 // isSetup reports whether cmd belongs to a connection's handshake.
@@ -352,12 +416,16 @@ func isSetup(cmd redis.Cmder) bool {
 }
 
 // newRedisClient returns a client for one contender's run, with go-redis's
-// default options, counting its round trips, and with up to conns
-// connections open in its pool (a consumer that has been running for a
-// while has a warm pool; dialling is not what is measured).
-func (e *env) newRedisClient(ctx context.Context, conns int) (*redis.Client, *roundTrips, error) {
+// default options, counting its round trips (with shares if perCommand, see
+// roundTrips), and with up to conns connections open in its pool (a
+// consumer that has been running for a while has a warm pool; dialling is
+// not what is measured).
+func (e *env) newRedisClient(ctx context.Context, conns int, perCommand bool) (*redis.Client, *roundTrips, error) {
 	c := redis.NewClient(&redis.Options{Addr: e.cfg.redisAddr})
 	rt := new(roundTrips)
+	if perCommand {
+		rt.shares = new(sync.Map)
+	}
 	c.AddHook(rt)
 	conns = min(conns, c.Options().PoolSize)
 	errs := make(chan error, conns)
@@ -371,6 +439,9 @@ func (e *env) newRedisClient(ctx context.Context, conns int) (*redis.Client, *ro
 	if err != nil {
 		c.Close()
 		return nil, nil, fmt.Errorf("Redis: %w", err)
+	}
+	if perCommand {
+		rt.shares.Clear() // the pings
 	}
 	return c, rt, nil
 }
@@ -440,6 +511,7 @@ func (h *settingsHandler) Handle(_ context.Context, r slog.Record) error {
 
 // machine describes where bench ran.
 type machine struct {
+	Date       string `json:"date"` // of the start, UTC
 	CPUs       int    `json:"cpus"`
 	GOMAXPROCS int    `json:"gomaxprocs"`
 	CPUModel   string `json:"cpu_model"`
@@ -453,6 +525,7 @@ type machine struct {
 
 func describeMachine(ctx context.Context, e *env) machine {
 	m := machine{
+		Date:       time.Now().UTC().Format(time.RFC3339),
 		CPUs:       runtime.NumCPU(),
 		GOMAXPROCS: runtime.GOMAXPROCS(0),
 		CPUModel:   procField("/proc/cpuinfo", "model name"),

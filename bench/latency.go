@@ -11,10 +11,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
-	"github.com/redis/go-redis/v9"
 
 	"github.com/rabbitmw/rabbitmw/broker"
-	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // latencyContenders run under -latency when -only is not given.
@@ -63,27 +61,15 @@ func (e *env) latencyRun(ctx context.Context, c contender, label string) (lat []
 	rec := newRecorder(len(ids), c.prefetch)
 	rec.pubAt = make([]atomic.Int64, len(ids))
 	rec.ackLat = make([]int64, len(ids))
-	var rc *redis.Client
-	if c.redis {
-		if rc, _, err = e.newRedisClient(ctx, c.workers); err != nil {
-			return nil, err
-		}
-		defer rc.Close()
-		if err := redisstore.New(rc, redisstore.Options{}).Load(ctx); err != nil {
-			return nil, err
-		}
+	cl, err := e.openClients(ctx, c, b.prefix)
+	if err != nil {
+		return nil, err
 	}
-	var pg *pgRun
-	if c.pg {
-		if pg, err = e.newPgRun(ctx, b.prefix, c.workers); err != nil {
-			return nil, err
-		}
-		defer pg.close()
-	}
+	defer cl.close()
 	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout)
 	defer cancel()
 	errc := make(chan error, 1)
-	go func() { errc <- c.consume(rctx, e, b, rc, pg, rec) }()
+	go func() { errc <- c.consume(rctx, e, b, cl, rec) }()
 
 	ch, err := e.channel()
 	if err != nil {

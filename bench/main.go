@@ -8,8 +8,9 @@
 // (Watermill) is never a dependency of the library. From this directory:
 //
 //	go run .                      # the contenders, 3 rounds of 20,000 messages
-//	go run . -sweep               # the prefetch × workers grid
+//	go run . -sweep -out sweep.svg # the prefetch × workers grid, plotted
 //	go run . -latency -n 2000     # publish-to-ack latency at 200 msgs/s
+//	go run . -plot sweep.json -out sweep.svg # the plot again, from its results
 //	go run . -stack-only          # the stack in process; no servers needed
 //	go run . -only raw,rabbitmw-redis -n 50000 -json out.json
 //
@@ -35,6 +36,7 @@
 //	rabbitmw-memory     broker.Consume, the recommended stack, memory store
 //	rabbitmw-redis      the same over the Redis store
 //	rabbitmw-redis-dup  the same with -dup of the message ids duplicated
+//	rabbitmw-pgstore    the same over the PostgreSQL store (store/pgstore)
 //	rabbitmw-postgres   the PostgreSQL inbox: the stack over pgstore and
 //	                    pgstore.Handler, the effect a row inserted in the
 //	                    transaction that commits the done mark
@@ -45,8 +47,10 @@
 //	                    when -only names it
 //
 // CPU is reported as milliseconds per 1,000 delivered messages, for this
-// process, the Redis server and a local RabbitMQ, with RabbitMQ's idle CPU
-// (measured for 2 s at start-up) subtracted.
+// process, the Redis server, a local RabbitMQ, with RabbitMQ's idle CPU
+// (measured for 2 s at start-up) subtracted, and, for the PostgreSQL
+// contenders, a local PostgreSQL's processes that serve the run (its
+// backends and the server's auxiliary processes).
 //
 // The business handler only records, in memory, that it ran. The common
 // prefetch and workers are the broker's defaults unless -prefetch or
@@ -54,7 +58,8 @@
 //
 // bench uses queues and Redis keys whose names start with a prefix unique to
 // the run ("rmwbench-..."), and deletes them when a run ends, so it can share
-// the servers with other work. RABBITMQ_URL and REDIS_ADDR stand for -amqp
+// the servers with other work; -sweep -out FILE.svg plots the sweep, and
+// writes its tables and results beside the plot. RABBITMQ_URL and REDIS_ADDR stand for -amqp
 // and -redis, DATABASE_URL for -postgres.
 package main
 
@@ -94,7 +99,9 @@ type config struct {
 	cpuProfile  string
 
 	sweepWorkers  []int
-	sweepPrefetch []int // multiples of workers
+	sweepPrefetch []prefetchSpec
+	sweepOut      string // -out: the plot, with its table and JSON beside it
+	plot          string // -plot: replot this sweep's JSON, and exit
 }
 
 func main() {
@@ -132,7 +139,7 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&cfg.amqpURL, "amqp", envOr("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"), "AMQP URL of the RabbitMQ server")
 	fs.StringVar(&cfg.redisAddr, "redis", envOr("REDIS_ADDR", "127.0.0.1:6379"), "address of the Redis server")
 	fs.StringVar(&cfg.postgresURL, "postgres", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"), "URL of the PostgreSQL database of rabbitmw-postgres")
-	fs.IntVar(&cfg.n, "n", 20000, "messages per run")
+	fs.IntVar(&cfg.n, "n", 20000, "messages per run (-sweep: 5000)")
 	fs.IntVar(&cfg.size, "size", 256, "message body size in bytes")
 	fs.Float64Var(&cfg.dup, "dup", 0.2, "fraction of the messages of rabbitmw-redis-dup that repeat an earlier message's id")
 	fs.IntVar(&cfg.rounds, "rounds", 3, "rounds; each runs every contender once")
@@ -140,22 +147,26 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&cfg.workers, "workers", 0, "workers of every contender but hand-written-p1 (default: the broker's default)")
 	fs.BoolVar(&cfg.latency, "latency", false, "measure publish-to-ack latency at a light load instead: -n messages (use about 2000) published at -rate (contenders raw, rabbitmw-redis, rabbitmw-redis-batch, unless -only)")
 	fs.IntVar(&cfg.rate, "rate", 200, "-latency: messages per second")
-	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders raw, rabbitmw-redis and hand-written, unless -only)")
-	only := fs.String("only", "", "comma-separated contenders to run (default: all but rabbitmw-redis-ap; for -sweep: raw,rabbitmw-redis,hand-written)")
+	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders raw, rabbitmw-redis and rabbitmw-redis-batch, unless -only)")
+	only := fs.String("only", "", "comma-separated contenders to run (default: all but rabbitmw-redis-ap; for -sweep: raw,rabbitmw-redis,rabbitmw-redis-batch)")
 	fs.StringVar(&cfg.jsonPath, "json", "", "also write the results as JSON to this file")
 	fs.DurationVar(&cfg.timeout, "timeout", 5*time.Minute, "the longest one contender may take to consume one run")
 	fs.BoolVar(&cfg.persistent, "persistent", true, "publish persistent messages (delivery mode 2), as broker.Publish does")
 	fs.BoolVar(&cfg.stack, "stack", true, "also measure the whole stack in process (testing.Benchmark, memory store) for the per-delivery target")
 	fs.BoolVar(&cfg.stackOnly, "stack-only", false, "only measure the stack in process (no servers needed), and exit")
 	fs.StringVar(&cfg.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole command to this file (pair it with -only)")
-	sw := fs.String("sweep-workers", "1,4,8,16,32,64", "-sweep: the workers of the grid")
-	sp := fs.String("sweep-prefetch", "1,2,4", "-sweep: the prefetch of the grid, as multiples of the workers")
+	sw := fs.String("sweep-workers", "4,16,64", "-sweep: the workers of the grid")
+	sp := fs.String("sweep-prefetch", "8,32,128", "-sweep: the prefetch of the grid: counts, or multiples of the workers such as 2x")
+	fs.StringVar(&cfg.plot, "plot", "", "write the plot and tables of -out again from this JSON of an earlier -sweep -out, and exit (no servers needed)")
+	fs.StringVar(&cfg.sweepOut, "out", "", "-sweep: write the plot as an SVG to this file, and beside it the same name with .md (the tables) and .json (the results)")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
 	if fs.NArg() > 0 {
 		return cfg, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
+	setFlags := make(map[string]bool)
+	fs.Visit(func(f *flag.Flag) { setFlags[f.Name] = true })
 	switch {
 	case cfg.n < 1:
 		return cfg, errors.New("-n must be at least 1")
@@ -178,8 +189,21 @@ func parseFlags(args []string) (config, error) {
 	if cfg.sweepWorkers, err = intList(*sw); err != nil {
 		return cfg, fmt.Errorf("-sweep-workers: %w", err)
 	}
-	if cfg.sweepPrefetch, err = intList(*sp); err != nil {
-		return cfg, fmt.Errorf("-sweep-prefetch: %w", err)
+	for f := range strings.SplitSeq(*sp, ",") {
+		spec, err := parsePrefetch(f)
+		if err != nil {
+			return cfg, fmt.Errorf("-sweep-prefetch: %w", err)
+		}
+		cfg.sweepPrefetch = append(cfg.sweepPrefetch, spec)
+	}
+	if cfg.sweep && !setFlags["n"] {
+		cfg.n = sweepMessages
+	}
+	if cfg.sweepOut != "" && !cfg.sweep && cfg.plot == "" {
+		return cfg, errors.New("-out needs -sweep or -plot")
+	}
+	if cfg.plot != "" && cfg.sweepOut == "" {
+		return cfg, errors.New("-plot needs -out")
 	}
 	if *only != "" {
 		for _, name := range strings.Split(*only, ",") {
@@ -215,6 +239,9 @@ func intList(s string) ([]int, error) {
 
 // run connects, measures what cfg asks for, prints it, and cleans up.
 func run(ctx context.Context, cfg config) error {
+	if cfg.plot != "" {
+		return replot(cfg.plot, cfg.sweepOut)
+	}
 	if cfg.stackOnly {
 		sc := measureStack()
 		sc.print(os.Stdout)
@@ -250,6 +277,9 @@ func run(ctx context.Context, cfg config) error {
 		}
 		res.Machine = e.machine
 		res.print(out)
+		if err := res.writeFiles(cfg.sweepOut); err != nil {
+			return err
+		}
 		return writeJSON(cfg.jsonPath, res)
 	}
 	res, err := runCompare(ctx, e, cfg, prefetch, workers, defaults)

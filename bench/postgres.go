@@ -5,9 +5,6 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
-	"os"
-	"path/filepath"
-	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -29,6 +26,12 @@ import (
 // not pay.
 const postgresName = "rabbitmw-postgres"
 
+// pgStoreName is the PostgreSQL store alone, as rabbitmw-redis is the Redis
+// store: broker.Consume and the recommended stack over pgstore, the
+// business recording in memory that it ran. Its figures are those of the
+// store's claim and complete, to set beside the Redis store's.
+const pgStoreName = "rabbitmw-pgstore"
+
 // pgRoundTrips is a pgx tracer that counts the statements a pool sends,
 // each one round trip (BEGIN and COMMIT included; pgx prepares a statement
 // once per connection, on the pool's warm-up). A statement made under a
@@ -37,9 +40,7 @@ type pgRoundTrips struct{ n atomic.Int64 }
 
 func (r *pgRoundTrips) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
 	r.n.Add(1)
-	if p, _ := ctx.Value(probeKey{}).(*probe); p != nil {
-		p.rtt.Add(1)
-	}
+	onProbe(ctx)
 	return ctx
 }
 
@@ -48,6 +49,8 @@ func (r *pgRoundTrips) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryE
 // pgRun is one run's database: a pool that counts its round trips, the
 // store on tables of the run's own, and the effects table.
 type pgRun struct {
+	app     string // the pool's application_name
+	pids    []int  // the server's processes that serve it, for their CPU
 	pool    *pgxpool.Pool
 	st      *pgstore.Store
 	rt      *pgRoundTrips
@@ -61,14 +64,15 @@ func (e *env) newPgRun(ctx context.Context, prefix string, conns int) (*pgRun, e
 	if err != nil {
 		return nil, fmt.Errorf("-postgres: %w", err)
 	}
-	r := &pgRun{rt: new(pgRoundTrips)}
+	sum := sha256.Sum256([]byte(prefix))
+	table := "rmwbench_" + hex.EncodeToString(sum[:8])
+	r := &pgRun{rt: new(pgRoundTrips), app: table}
 	cfg.ConnConfig.Tracer = r.rt
+	cfg.ConnConfig.RuntimeParams["application_name"] = r.app
 	cfg.MaxConns, cfg.MinConns = int32(conns+2), int32(conns+2)
 	if r.pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 		return nil, err
 	}
-	sum := sha256.Sum256([]byte(prefix))
-	table := "rmwbench_" + hex.EncodeToString(sum[:8])
 	r.effects = table + "_effects"
 	r.st = pgstore.New(r.pool, pgstore.Options{Table: table})
 	if err := r.st.Migrate(ctx); err != nil {
@@ -85,6 +89,10 @@ func (e *env) newPgRun(ctx context.Context, prefix string, conns int) (*pgRun, e
 		for i := 0; i < conns+2; i++ {
 			r.st.Claim(ctx, "warm-up", "warm-up", time.Millisecond)
 		}
+	}
+	if r.pids, err = r.serverPIDs(ctx); err != nil {
+		r.close()
+		return nil, err
 	}
 	return r, nil
 }
@@ -113,29 +121,37 @@ func consumePostgres(ctx context.Context, url, queue string, opts broker.Consume
 	return consumeStack(ctx, url, queue, opts, benchstack.Recommended(pg.st), business, true, rec)
 }
 
-// postgresPIDs returns the processes of the PostgreSQL server on this
-// machine (command name postgres): the postmaster and its backends.
-func postgresPIDs() []int {
-	var pids []int
-	dirs, _ := filepath.Glob("/proc/[0-9]*")
-	for _, d := range dirs {
-		comm, err := os.ReadFile(filepath.Join(d, "comm"))
-		if err != nil || strings.TrimSpace(string(comm)) != "postgres" {
-			continue
-		}
-		if pid, err := strconv.Atoi(filepath.Base(d)); err == nil {
-			pids = append(pids, pid)
+// serverPIDs returns the PostgreSQL processes that serve the run: the
+// backends of its own pool (by their application_name) and the server's
+// auxiliary processes (the WAL writer, the checkpointer, the background
+// writer, autovacuum), children of the postmaster that work for every
+// client, the run's commits included. Other clients' backends are left
+// out. It returns nil if the server is not on this machine.
+func (r *pgRun) serverPIDs(ctx context.Context) ([]int, error) {
+	rows, err := r.pool.Query(ctx, `SELECT pid FROM pg_stat_activity WHERE application_name = $1 OR backend_type <> 'client backend' ORDER BY pid`, r.app)
+	if err != nil {
+		return nil, fmt.Errorf("PostgreSQL: the run's backends: %w", err)
+	}
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		return nil, fmt.Errorf("PostgreSQL: the run's backends: %w", err)
+	}
+	var local []int
+	for _, pid := range pids {
+		if procCPU(int(pid)) >= 0 {
+			local = append(local, int(pid))
 		}
 	}
-	return pids
+	if len(local) < len(pids) {
+		return nil, nil // another machine's, or another PID namespace's
+	}
+	return local, nil
 }
 
-// postgresCPU returns the CPU time of the PostgreSQL server's processes,
-// or -1 if it runs elsewhere. It sums the live processes: a backend that
-// ends during a run takes its share with it, which the bench's pools,
-// open for the whole run, do not.
-func postgresCPU() time.Duration {
-	pids := postgresPIDs()
+// processesCPU returns the CPU time of pids together, or -1 if there are
+// none. A process that ended since is left out: the run's pool and the
+// auxiliary processes live through the run.
+func processesCPU(pids []int) time.Duration {
 	if len(pids) == 0 {
 		return -1
 	}

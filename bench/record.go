@@ -16,12 +16,42 @@ var epoch = time.Now()
 
 func now() int64 { return int64(time.Since(epoch)) }
 
-// A probe follows one delivery: when its handler started, and how many
-// Redis round trips were made under its context.
+// A probe follows one delivery: when its handler started, and the store
+// requests that carried its commands.
 type probe struct {
 	start atomic.Int64
-	rtt   atomic.Int32
+	// requests counts the requests (round trips) that carried a command of
+	// the delivery; share sums, in millionths, 1/k for each of them, k the
+	// deliveries' commands the request carried (1 unless batched).
+	requests, share atomic.Int64
 }
+
+// shareUnit is one request's share when it serves one command alone.
+const shareUnit = 1_000_000
+
+// add counts a request that carried one command of the delivery among k
+// commands in all.
+func (p *probe) add(k int) {
+	p.requests.Add(1)
+	p.share.Add(shareUnit / int64(max(k, 1)))
+}
+
+// reset clears the counts, for the next delivery on the probe.
+func (p *probe) reset() {
+	p.requests.Store(0)
+	p.share.Store(0)
+}
+
+// cost returns what the delivery on p paid in store requests.
+func (p *probe) cost() cost { return cost{requests: p.requests.Load(), share: p.share.Load()} }
+
+// cost is what one delivery paid in store requests: the requests its
+// commands travelled in (what it waited for), and its share of them in
+// millionths (what it cost, a request shared by k commands counting 1/k).
+// requests < 0: not counted for this contender.
+type cost struct{ requests, share int64 }
+
+var notCounted = cost{requests: -1}
 
 type probeKey struct{}
 
@@ -74,13 +104,14 @@ func (r *recorder) acked(id string) {
 	}
 }
 
-// rttTally sums the round trips of the deliveries of one outcome.
-type rttTally struct{ n, sum, max atomic.Int64 }
+// rttTally sums the store requests of the deliveries of one outcome: the
+// deliveries, their shares and the most requests that one waited for.
+type rttTally struct{ n, share, max atomic.Int64 }
 
-func (t *rttTally) add(rtt int64) {
+func (t *rttTally) add(c cost) {
 	t.n.Add(1)
-	t.sum.Add(rtt)
-	for m := t.max.Load(); rtt > m && !t.max.CompareAndSwap(m, rtt); m = t.max.Load() {
+	t.share.Add(c.share)
+	for m := t.max.Load(); c.requests > m && !t.max.CompareAndSwap(m, c.requests); m = t.max.Load() {
 	}
 }
 
@@ -125,9 +156,8 @@ func (r *recorder) effect(id string) {
 }
 
 // end records the settlement of a delivery whose handler began at start
-// (0 if unknown), with the round trips it made (-1 if they were not
-// counted per delivery).
-func (r *recorder) end(start int64, o rabbitmw.Outcome, rtt int64, err error) {
+// (0 if unknown), with the store requests it made.
+func (r *recorder) end(start int64, o rabbitmw.Outcome, c cost, err error) {
 	t := now()
 	if start > 0 {
 		if i := r.nlat.Add(1) - 1; i < int64(len(r.lat)) {
@@ -143,12 +173,12 @@ func (r *recorder) end(start int64, o rabbitmw.Outcome, rtt int64, err error) {
 	}
 	switch o {
 	case rabbitmw.Ack:
-		if rtt >= 0 {
-			r.rttAck.add(rtt)
+		if c.requests >= 0 {
+			r.rttAck.add(c)
 		}
 	case rabbitmw.Duplicate:
-		if rtt >= 0 {
-			r.rttDup.add(rtt)
+		if c.requests >= 0 {
+			r.rttDup.add(c)
 		}
 	case rabbitmw.DeadLetter:
 		// Final too: a dead-lettered message does not come back. None

@@ -19,7 +19,7 @@ type stackCase struct {
 }
 
 // stackCost is the in-process cost of the recommended stack per delivery:
-// benchstack.Run, the loop of BenchmarkChain in the root package, run with
+// benchstack.Run, the loop of BenchmarkChain in package e2e, run with
 // testing.Benchmark three times each. The first two cases are the target's;
 // the others say where the time goes: without the Timeout layer, and over a
 // store that does nothing (no map, no clock).

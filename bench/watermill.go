@@ -102,7 +102,7 @@ func stampWatermill(rec *recorder) message.HandlerMiddleware {
 			if err == nil {
 				rec.acked(m.UUID) // just before the ack, which Watermill sends in its own goroutine
 			}
-			rec.end(start, o, -1, nil)
+			rec.end(start, o, notCounted, nil)
 			return out, err
 		}
 	}

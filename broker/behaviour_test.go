@@ -58,6 +58,8 @@ var behaviours = []struct {
 	{"DeadLetterCopyCutToFit", testDeadLetterCopyCutToFit},
 	{"DelayCopyTooBigIsDeadLettered", testDelayCopyTooBigIsDeadLettered},
 	{"CopyThatCannotBeSentIsRejected", testCopyThatCannotBeSentIsRejected},
+	{"MultipleAckSemantics", testMultipleAckSemantics},
+	{"CoalescedAcks", testCoalescedAcks},
 }
 
 func TestBehaviour(t *testing.T) {

@@ -15,27 +15,24 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 )
 
 // ConsumeOptions configures one Consume call. The zero value selects the
 // defaults noted on each field.
 type ConsumeOptions struct {
 	// Workers is the number of handlers run at once, counting those still
-	// running on a connection that was lost (see Consume). Default 16. In the
-	// prefetch × workers sweep of BENCHMARKS.md (a handler that does no
-	// work, the Redis store, 2 cores), 64 workers made 26 % more messages
-	// per second than 16, at four times the latency. For a rate r of
-	// messages per second and a handler that takes t seconds, give it at
-	// least r×t workers.
+	// running on a connection that was lost (see Consume). Default 16. For
+	// a rate r of messages per second and a handler that takes t seconds,
+	// give it at least r×t workers; more workers cost latency (BENCHMARKS.md
+	// has the sweep the default comes from).
 	Workers int
 	// Prefetch is the QoS prefetch count: how many unsettled deliveries
 	// the server may hand this consumer at once. Default 2*Workers, at
-	// most 65535. In the sweep of BENCHMARKS.md, a prefetch of 1*Workers
-	// is slower with few workers (a worker that acks waits for its next
-	// delivery), and 4 or 8 times Workers gained 10 to 16 % over 2 times
-	// with a handler that does nothing (2 to 10 % on an earlier machine),
-	// while it keeps 2 to 4 times as many messages from the queue's other
-	// consumers, and as many in redelivery when a consumer dies.
+	// most 65535. A prefetch below Workers leaves workers idle while they
+	// wait for their next delivery; a larger one keeps more messages from
+	// the queue's other consumers, and puts as many in redelivery when a
+	// consumer dies.
 	Prefetch int
 	// Topology describes the queues that serve the work queue.
 	Topology Topology
@@ -47,8 +44,9 @@ type ConsumeOptions struct {
 	ConsumerTag string
 	// OnSettle, if set, is called after each delivery was settled, with
 	// what was done and the error of doing it (nil when the server took
-	// it). A delivery given back unhandled at shutdown is reported as
-	// Requeue. It runs on the worker that settled the delivery, so it must
+	// it; for Ack and Duplicate, nil when the ack is handed to the
+	// connection, which coalesces it with others, see Consume). A
+	// delivery given back unhandled at shutdown is reported as Requeue. It runs on the worker that settled the delivery, so it must
 	// be quick and safe for concurrent use: it is meant for metrics. It
 	// must not settle d.
 	OnSettle func(d *amqp.Delivery, o rabbitmw.Outcome, err error)
@@ -81,7 +79,11 @@ var consumerSeq atomic.Uint64
 // delivery on opts.Workers goroutines, and settles each delivery, once,
 // from [rabbitmw.Decide] of h's result:
 //
-//   - Ack, Duplicate: basic.ack.
+//   - Ack, Duplicate: basic.ack, coalesced: once every delivery received
+//     before it on its channel is settled, one ack with multiple set
+//     settles the run; an ack behind a delivery still in its handler waits
+//     at most 5 ms, or until 32 (or half the prefetch count) wait, and is
+//     then sent alone.
 //   - Requeue: basic.nack with requeue.
 //   - Delay(d): a copy goes to the delay queue for d (see [Topology]); the
 //     original is acked once the server confirmed the copy.
@@ -102,7 +104,10 @@ var consumerSeq atomic.Uint64
 // (Consume then gives the connection up, and connects again), the original
 // is left to the server, which redelivers it: the message then exists
 // twice, as the original and as its copy. That is the one window in which
-// Consume duplicates a message; Dedup absorbs the second. A panic that
+// Consume duplicates a message; Dedup absorbs the second. (Acks not sent
+// yet when a connection is lost are lost with it, as an ack written just
+// before it dies is: the server redelivers those messages, and Dedup
+// takes them for duplicates.) A panic that
 // escapes h becomes rabbitmw.Permanent(&rabbitmw.PanicError{...}): the
 // message is dead-lettered, the panic logged at Error, and the process goes
 // on.
@@ -122,9 +127,9 @@ var consumerSeq atomic.Uint64
 // Consume blocks until ctx is cancelled or a fatal error. On cancellation it
 // stops taking deliveries (basic.cancel), requeues the ones received but not
 // started, lets the handlers in flight finish and settles them, then closes
-// its connection and returns nil. Handlers, those of lost connections
-// included, run with a context that is cancelled only when
-// opts.ShutdownTimeout has passed after ctx was cancelled. A result that
+// its connection, after the acks not sent yet, and returns nil. Handlers,
+// those of lost connections included, run with a context that is cancelled
+// only when opts.ShutdownTimeout has passed after ctx was cancelled. A result that
 // comes after that deadline is still settled, once, under a context of its
 // own that lasts two seconds: no copy is published under a context that is
 // done. If some handlers have still not returned a second after the
@@ -274,7 +279,7 @@ func (c *consumer) run(ctx context.Context) error {
 		c.b.cfg.obs.reconnect(c.top.queue, err, d)
 		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: reconnecting", server,
 			slog.String("error", err.Error()), slog.Duration("retry_in", d))
-		if !sleep(ctx, d) {
+		if clock.Sleep(ctx, d) != nil {
 			return end(nil)
 		}
 	}
@@ -296,6 +301,8 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 		return c.top.refusal(err)
 	}
 	consuming()
+	a := newAcker(c.top.queue, c.prefetch, &c.b.cfg.obs, c.log)
+	defer a.close() // before s.close: the acks not sent yet go first
 	c.log.LogAttrs(ctx, slog.LevelInfo, "broker: consuming",
 		slog.String("consumer_tag", c.tag), slog.Int("workers", c.workers), slog.Int("prefetch", c.prefetch))
 
@@ -333,7 +340,7 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 					close(done)
 				}
 			}()
-			c.work(hctx, s, deliveries, stop, giveUp)
+			c.work(hctx, s, a, deliveries, stop, giveUp)
 		}()
 	}
 	lost := func() error {
@@ -351,7 +358,7 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 			if err := s.cancel(c.tag); err != nil {
 				c.log.LogAttrs(ctx, slog.LevelDebug, "broker: cancel consumer", slog.String("error", err.Error()))
 			}
-			c.giveBack(ctx, s, deliveries)
+			c.giveBack(ctx, s, a, deliveries)
 			c.drain(cancelHandlers) // run reports its error
 			return nil
 
@@ -370,7 +377,7 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 				continue
 			}
 			stopTaking()
-			return c.cancelledByServer(ctx, cancelHandlers, s, deliveries, tag)
+			return c.cancelledByServer(ctx, cancelHandlers, s, a, deliveries, tag)
 
 		case <-done:
 			// deliveries was closed: the consumer was cancelled by the
@@ -379,7 +386,7 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 			case tag, ok := <-cancelled:
 				if ok {
 					stopTaking()
-					return c.cancelledByServer(ctx, cancelHandlers, s, deliveries, tag)
+					return c.cancelledByServer(ctx, cancelHandlers, s, a, deliveries, tag)
 				}
 				<-s.closed()
 				return lost()
@@ -394,10 +401,10 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 
 // cancelledByServer ends the session whose consumer the server
 // cancelled; its workers must be stopped already.
-func (c *consumer) cancelledByServer(ctx context.Context, cancelHandlers context.CancelFunc, s session, deliveries <-chan amqp.Delivery, tag string) error {
+func (c *consumer) cancelledByServer(ctx context.Context, cancelHandlers context.CancelFunc, s session, a *acker, deliveries <-chan amqp.Delivery, tag string) error {
 	err := fmt.Errorf("%w: queue %q (consumer %q); was the queue deleted?", ErrConsumerCancelled, c.top.queue, tag)
 	c.log.LogAttrs(ctx, slog.LevelError, "broker: consumer cancelled by the server", slog.String("consumer_tag", tag))
-	c.giveBack(ctx, s, deliveries)
+	c.giveBack(ctx, s, a, deliveries)
 	c.drain(cancelHandlers) // run reports its error
 	return err
 }
@@ -405,13 +412,14 @@ func (c *consumer) cancelledByServer(ctx context.Context, cancelHandlers context
 // giveBack requeues, unhandled, what deliveries still holds once the
 // consumer was cancelled: until deliveries is closed (the server's consumer
 // is gone, and what it had sent was handed out) or s is lost.
-func (c *consumer) giveBack(ctx context.Context, s session, deliveries <-chan amqp.Delivery) {
+func (c *consumer) giveBack(ctx context.Context, s session, a *acker, deliveries <-chan amqp.Delivery) {
 	for {
 		select {
 		case d, ok := <-deliveries:
 			if !ok {
 				return
 			}
+			a.adopt(&d)
 			c.report(ctx, &d, rabbitmw.Requeue, d.Nack(false, true))
 		case <-s.closed():
 			return
@@ -427,10 +435,10 @@ func (c *consumer) inFlight() int {
 }
 
 // work runs the handler for each delivery until deliveries is closed or
-// stop is. It takes a slot first, then a delivery; it ends at once if s is
-// closed while it waits for a slot. It ends without freeing its slot if
-// drain gave up on its handler.
-func (c *consumer) work(hctx context.Context, s session, deliveries <-chan amqp.Delivery, stop <-chan struct{}, giveUp func(error)) {
+// stop is. It takes a slot first, then a delivery, which a, the acker of
+// s, adopts; it ends at once if s is closed while it waits for a slot. It
+// ends without freeing its slot if drain gave up on its handler.
+func (c *consumer) work(hctx context.Context, s session, a *acker, deliveries <-chan amqp.Delivery, stop <-chan struct{}, giveUp func(error)) {
 	for {
 		select {
 		case <-stop:
@@ -444,6 +452,9 @@ func (c *consumer) work(hctx context.Context, s session, deliveries <-chan amqp.
 		select {
 		case d, ok = <-deliveries:
 		case <-stop:
+		}
+		if ok {
+			a.adopt(&d)
 		}
 		switch {
 		case !ok:
@@ -609,7 +620,7 @@ func (c *consumer) settle(hctx context.Context, s session, d *amqp.Delivery, dec
 	var err error
 	switch dec.Outcome {
 	case rabbitmw.Ack, rabbitmw.Duplicate:
-		err = d.Ack(false)
+		err = ackLater(d) // coalesced, by s's acker
 	case rabbitmw.Delay, rabbitmw.DeadLetter:
 		// The copy has a context of its own: the shutdown deadline, which
 		// cancels hctx, must not cut the wait for its confirm short. A

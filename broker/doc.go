@@ -35,7 +35,7 @@
 // Each delivery is settled once, by [rabbitmw.Decide] of the handler's
 // result:
 //
-//	nil, ErrDuplicate      basic.ack
+//	nil, ErrDuplicate      basic.ack, coalesced (see Broker.Consume)
 //	other error            basic.nack, requeue
 //	RetryAfter(err, d)     copy to Q.delay.<t>, t the shortest tier >= d;
 //	                       ack once the copy is confirmed
@@ -73,8 +73,9 @@
 // handled, or after its copy was confirmed by the server; a delivery whose
 // connection was lost is redelivered by the server. Deliveries are
 // therefore at least once, and a handler may see a message again: after a
-// lost connection (the handler's result could not be settled), after a
-// lost confirm on publish, or, rarely, as a second copy:
+// lost connection (the handler's result could not be settled, or its ack,
+// coalesced with others, was not sent yet), after a lost confirm on
+// publish, or, rarely, as a second copy:
 //
 //   - if the connection drops between the sending of a copy (delayed or
 //     dead-lettered) and the ack of its original, whether the copy was

@@ -499,23 +499,30 @@ func (c *memConn) settle(tag uint64, multiple bool, act settleAction) error {
 	if c.isClosed {
 		return amqp.ErrClosed
 	}
+	// As RabbitMQ: tag itself must be unsettled, multiple or not (a
+	// multiple settlement of a tag settled already is an unknown tag,
+	// whatever lies below it), but for multiple with tag 0: everything.
 	var tags []uint64
-	switch {
-	case multiple:
-		for t := range c.unacked {
-			if t <= tag || tag == 0 {
-				tags = append(tags, t)
+	if c.unacked[tag] != nil || (multiple && tag == 0) {
+		if !multiple {
+			tags = []uint64{tag}
+		} else {
+			for t := range c.unacked {
+				if t <= tag || tag == 0 {
+					tags = append(tags, t)
+				}
 			}
+			slices.Sort(tags)
 		}
-		slices.Sort(tags)
-	case c.unacked[tag] != nil:
-		tags = []uint64{tag}
-	}
-	if len(tags) == 0 && !(multiple && tag == 0) {
+	} else {
 		// RabbitMQ closes the channel; the call itself succeeds.
 		m.unknownTags++
 		c.shutdown(&amqp.Error{Code: amqp.PreconditionFailed, Reason: "PRECONDITION_FAILED - unknown delivery tag " + strconv.FormatUint(tag, 10), Server: true, Recover: true})
 		return nil
+	}
+	if act == settleAck {
+		m.ackFrames++
+		m.acked += len(tags)
 	}
 	touched := make(map[*memQueue]bool, 1)
 	for _, t := range tags {

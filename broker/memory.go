@@ -78,6 +78,8 @@ type Memory struct {
 	unknownTags     int // settlements of unknown delivery tags
 	requeuedOnClose int // deliveries returned to a queue because their connection closed
 	nacked          int // nacks and rejects with requeue
+	ackFrames       int // basic.ack frames taken (multiple or not)
+	acked           int // deliveries they settled
 }
 
 // memUser is the only user of a Memory server.
@@ -151,12 +153,14 @@ func (m *Memory) setConfirmDelay(d time.Duration) {
 // memStats is a snapshot of m's counters.
 type memStats struct {
 	unknownTags, requeuedOnClose, nacked, conns int
+	ackFrames, acked                            int
 }
 
 func (m *Memory) stats() memStats {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return memStats{unknownTags: m.unknownTags, requeuedOnClose: m.requeuedOnClose, nacked: m.nacked, conns: len(m.conns)}
+	return memStats{unknownTags: m.unknownTags, requeuedOnClose: m.requeuedOnClose, nacked: m.nacked, conns: len(m.conns),
+		ackFrames: m.ackFrames, acked: m.acked}
 }
 
 // unacked returns the number of deliveries of queue not yet settled.

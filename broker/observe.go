@@ -26,6 +26,20 @@ type Observer struct {
 	// Reconnect, if set, is called when a connection was lost or could
 	// not be made, before the wait for the next attempt.
 	Reconnect func(e ReconnectEvent)
+	// Ack, if set, is called after a consumer sent a basic.ack, which may
+	// settle several deliveries at once (see [Broker.Consume]).
+	Ack func(e AckEvent)
+}
+
+// An AckEvent is a basic.ack sent by a consumer.
+type AckEvent struct {
+	// Queue is the queue consumed.
+	Queue string
+	// Deliveries is the number of deliveries the ack settled: more than
+	// one for a multiple ack.
+	Deliveries int
+	// Err is the error of sending it: its deliveries are then redelivered.
+	Err error
 }
 
 // A RepublishEvent is a copy of a delivery published by a consumer to

@@ -420,7 +420,9 @@ func TestWorkerSkipsDeliveryOfClosedSession(t *testing.T) {
 	deliveries := make(chan amqp.Delivery, 1)
 	deliveries <- amqp.Delivery{Acknowledger: rec, DeliveryTag: 1}
 	close(deliveries)
-	c.work(context.Background(), closedSession{}, deliveries, make(chan struct{}), func(error) {})
+	a := newAcker("q", 1, &Observer{}, c.log)
+	defer a.close()
+	c.work(context.Background(), closedSession{}, a, deliveries, make(chan struct{}), func(error) {})
 	equal(t, "handler calls", calls.Load(), int32(0))
 	equal(t, "settlements", rec.n.Load(), int32(0))
 	equal(t, "slots held", len(c.slots), 0)

@@ -9,6 +9,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 )
@@ -48,7 +49,7 @@ func TestClaimMarkedDone(t *testing.T) {
 				}
 				return tt.result
 			}))
-			d, _ := deliver("m1", "body")
+			d, _ := deliverytest.New("m1", "body")
 			err := h.Handle(ctx, d)
 			if tt.wantIs == nil && err != nil || tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
 				t.Fatalf("Handle = %v; want %v", err, tt.wantIs)

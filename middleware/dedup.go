@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -371,11 +372,7 @@ func (h *dedup) persist(ctx context.Context, deadline time.Time, op func(context
 		if ctx.Err() != nil || time.Now().Add(wait).After(deadline) {
 			return retried, err
 		}
-		t := time.NewTimer(wait)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
+		if clock.Sleep(ctx, wait) != nil {
 			return retried, err
 		}
 		retried = true

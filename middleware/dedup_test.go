@@ -14,6 +14,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
@@ -128,45 +129,47 @@ func TestDedup(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			s := &faultyStore{Store: store.NewMemory()}
-			if tt.prepare != nil {
-				tt.prepare(s)
-			}
-			var calls atomic.Int32
-			h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-				calls.Add(1)
-				if tt.handler != nil {
-					return tt.handler(ctx, d)
+			synctest.Test(t, func(t *testing.T) {
+				s := &faultyStore{Store: store.NewMemory()}
+				if tt.prepare != nil {
+					tt.prepare(s)
 				}
-				return nil
-			})
-			d, rec := deliver(tt.id, tt.body)
-			err := middleware.Dedup(s, tt.opts)(h).Handle(ctx, d)
+				var calls atomic.Int32
+				h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+					calls.Add(1)
+					if tt.handler != nil {
+						return tt.handler(ctx, d)
+					}
+					return nil
+				})
+				d, rec := deliverytest.New(tt.id, tt.body)
+				err := middleware.Dedup(s, tt.opts)(h).Handle(ctx, d)
 
-			if got := int(calls.Load()); got != tt.wantCalls {
-				t.Errorf("handler calls = %d; want %d", got, tt.wantCalls)
-			}
-			dec := rabbitmw.Decide(err)
-			if dec.Outcome != tt.wantOutcome || dec.Delay != tt.wantDelay {
-				t.Errorf("Decide(%v) = %v after %v; want %v after %v", err, dec.Outcome, dec.Delay, tt.wantOutcome, tt.wantDelay)
-			}
-			if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
-				t.Errorf("result %v does not wrap %v", err, tt.wantIs)
-			}
-			if got := settle(t, d, rec, err); got != tt.wantSettle {
-				t.Errorf("settled %s; want %s", got, tt.wantSettle)
-			}
-			if tt.wantState != 0 {
-				set(&s.claim, nil)
-				key := tt.wantKey
-				if key == "" {
-					key = tt.id
+				if got := int(calls.Load()); got != tt.wantCalls {
+					t.Errorf("handler calls = %d; want %d", got, tt.wantCalls)
 				}
-				got, err := s.Store.Claim(ctx, key, "stranger", time.Minute)
-				if err != nil || got != tt.wantState {
-					t.Errorf("Claim(%q) afterwards = %v, %v; want %v", key, got, err, tt.wantState)
+				dec := rabbitmw.Decide(err)
+				if dec.Outcome != tt.wantOutcome || dec.Delay != tt.wantDelay {
+					t.Errorf("Decide(%v) = %v after %v; want %v after %v", err, dec.Outcome, dec.Delay, tt.wantOutcome, tt.wantDelay)
 				}
-			}
+				if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
+					t.Errorf("result %v does not wrap %v", err, tt.wantIs)
+				}
+				if got := deliverytest.Settle(t, d, rec, err); got != tt.wantSettle {
+					t.Errorf("settled %s; want %s", got, tt.wantSettle)
+				}
+				if tt.wantState != 0 {
+					set(&s.claim, nil)
+					key := tt.wantKey
+					if key == "" {
+						key = tt.id
+					}
+					got, err := s.Store.Claim(ctx, key, "stranger", time.Minute)
+					if err != nil || got != tt.wantState {
+						t.Errorf("Claim(%q) afterwards = %v, %v; want %v", key, got, err, tt.wantState)
+					}
+				}
+			})
 		})
 	}
 }
@@ -177,7 +180,7 @@ func TestDedupReleasesOnPanic(t *testing.T) {
 	s := store.NewMemory()
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { panic("kaboom") }))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	func() {
 		defer func() {
 			if v := recover(); v != "kaboom" {
@@ -194,98 +197,109 @@ func TestDedupReleasesOnPanic(t *testing.T) {
 // While the handler runs past a third of the lease, the claim is renewed:
 // nobody else can claim the message, and it ends done.
 func TestDedupRenewsLease(t *testing.T) {
-	ctx := context.Background()
-	s := &faultyStore{Store: store.NewMemory()}
-	const lease = 150 * time.Millisecond
-	var during store.Status
-	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
-		func(ctx context.Context, d *amqp.Delivery) error {
-			time.Sleep(3 * lease)
-			during, _ = s.Store.Claim(ctx, "m1", "other", time.Minute)
-			time.Sleep(lease)
-			return ctx.Err()
-		}))
-	d, _ := deliver("m1", "")
-	if err := h.Handle(ctx, d); err != nil {
-		t.Fatalf("Handle = %v; want nil", err)
-	}
-	if during != store.Processing {
-		t.Errorf("Claim by another consumer after 3 leases = %v; want processing (renewed)", during)
-	}
-	if n := s.Calls("extend"); n < 3 {
-		t.Errorf("Extend called %d times in 4 leases; want at least 3 (every lease/3)", n)
-	}
-	if got, _ := s.Store.Claim(ctx, "m1", "other", time.Minute); got != store.Done {
-		t.Errorf("Claim afterwards = %v; want done", got)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		s := &faultyStore{Store: store.NewMemory()}
+		const lease = 150 * time.Millisecond
+		var during store.Status
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				time.Sleep(3 * lease)
+				during, _ = s.Store.Claim(ctx, "m1", "other", time.Minute)
+				time.Sleep(lease)
+				return ctx.Err()
+			}))
+		d, _ := deliverytest.New("m1", "")
+		if err := h.Handle(ctx, d); err != nil {
+			t.Fatalf("Handle = %v; want nil", err)
+		}
+		if during != store.Processing {
+			t.Errorf("Claim by another consumer after 3 leases = %v; want processing (renewed)", during)
+		}
+		if n := s.Calls("extend"); n < 3 {
+			t.Errorf("Extend called %d times in 4 leases; want at least 3 (every lease/3)", n)
+		}
+		if got, _ := s.Store.Claim(ctx, "m1", "other", time.Minute); got != store.Done {
+			t.Errorf("Claim afterwards = %v; want done", got)
+		}
+	})
 }
 
-// If the claim is taken over while the handler runs, the handler's context
-// is cancelled with the cause, and nothing is marked done.
+// If the claim is taken over while the handler runs (here it is deleted;
+// that every store reports an Extend of an absent claim as ErrLostClaim is
+// storetest's to check), the handler's context is cancelled with the
+// cause, and nothing is marked done.
 func TestDedupLostLeaseCancelsHandler(t *testing.T) {
-	ctx := context.Background()
-	m, c, _ := redistest.Start(t)
-	s := redisstore.New(c, redisstore.Options{})
-	const lease = 150 * time.Millisecond
-	var cause error
-	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, BusyDelay: time.Second})(rabbitmw.HandlerFunc(
-		func(ctx context.Context, d *amqp.Delivery) error {
-			m.Del("msg:m1") // an operator, or a hand-written consumer, deletes the claim
-			select {
-			case <-ctx.Done():
-				cause = context.Cause(ctx)
-				return ctx.Err()
-			case <-time.After(10 * lease):
-				return errors.New("handler was not cancelled")
-			}
-		}))
-	d, _ := deliver("m1", "")
-	err := h.Handle(ctx, d)
-	if !errors.Is(cause, middleware.ErrLeaseLost) || !errors.Is(cause, store.ErrLostClaim) {
-		t.Errorf("handler context cause = %v; want ErrLeaseLost wrapping store.ErrLostClaim", cause)
-	}
-	if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay || dec.Delay != time.Second || !errors.Is(err, middleware.ErrLeaseLost) {
-		t.Errorf("result %v decides %v after %v; want delayed by BusyDelay with ErrLeaseLost", err, dec.Outcome, dec.Delay)
-	}
-	if m.Exists("msg:m1") {
-		v, _ := m.Get("msg:m1")
-		t.Errorf("msg:m1 = %q; want nothing written after the claim was lost", v)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		s := &recordingStore{Store: store.NewMemory()}
+		const lease = 150 * time.Millisecond
+		var cause error
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, BusyDelay: time.Second})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				// An operator, or a hand-written consumer, deletes the claim.
+				s.mu.Lock()
+				token := s.tokens[0]
+				s.mu.Unlock()
+				if err := s.Store.Release(ctx, "m1", token); err != nil {
+					return err
+				}
+				select {
+				case <-ctx.Done():
+					cause = context.Cause(ctx)
+					return ctx.Err()
+				case <-time.After(10 * lease):
+					return errors.New("handler was not cancelled")
+				}
+			}))
+		d, _ := deliverytest.New("m1", "")
+		err := h.Handle(ctx, d)
+		if !errors.Is(cause, middleware.ErrLeaseLost) || !errors.Is(cause, store.ErrLostClaim) {
+			t.Errorf("handler context cause = %v; want ErrLeaseLost wrapping store.ErrLostClaim", cause)
+		}
+		if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay || dec.Delay != time.Second || !errors.Is(err, middleware.ErrLeaseLost) {
+			t.Errorf("result %v decides %v after %v; want delayed by BusyDelay with ErrLeaseLost", err, dec.Outcome, dec.Delay)
+		}
+		if got, _ := s.Store.Claim(ctx, "m1", "stranger", time.Minute); got != store.Claimed {
+			t.Errorf("Claim afterwards = %v; want claimed: nothing written after the claim was lost", got)
+		}
+	})
 }
 
 // If renewal keeps failing until the lease may end, the handler is
 // cancelled, and the result is a store outage (not counted by Retry).
 func TestDedupUnrenewableLeaseCancelsHandler(t *testing.T) {
-	s := &faultyStore{Store: store.NewMemory()}
-	set(&s.extend, errors.New("i/o timeout"))
-	const lease = 150 * time.Millisecond
-	var cause error
-	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, UnavailableDelay: 2 * time.Second})(rabbitmw.HandlerFunc(
-		func(ctx context.Context, d *amqp.Delivery) error {
-			select {
-			case <-ctx.Done():
-				cause = context.Cause(ctx)
-				return ctx.Err()
-			case <-time.After(10 * lease):
-				return errors.New("handler was not cancelled")
-			}
-		}))
-	d, _ := deliver("m1", "")
-	start := time.Now()
-	err := h.Handle(context.Background(), d)
-	if !errors.Is(cause, middleware.ErrStoreUnavailable) {
-		t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
-	}
-	// Renewals every lease/3 fail; the one at 2/3 of the lease sees that the
-	// next would come too late, and cancels. Only a loaded machine delays it
-	// much past the lease; the bound checks that it was the renewal, not the
-	// handler's own fallback after 10 leases, that ended the wait.
-	if elapsed := time.Since(start); elapsed >= 5*lease {
-		t.Errorf("handler cancelled after %v; want about 2/3 of the lease (%v)", elapsed, lease)
-	}
-	if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay || dec.Delay != 2*time.Second || !errors.Is(err, middleware.ErrStoreUnavailable) {
-		t.Errorf("result %v decides %v after %v; want delayed by UnavailableDelay with ErrStoreUnavailable", err, dec.Outcome, dec.Delay)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		s := &faultyStore{Store: store.NewMemory()}
+		set(&s.extend, errors.New("i/o timeout"))
+		const lease = 150 * time.Millisecond
+		var cause error
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, UnavailableDelay: 2 * time.Second})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				select {
+				case <-ctx.Done():
+					cause = context.Cause(ctx)
+					return ctx.Err()
+				case <-time.After(10 * lease):
+					return errors.New("handler was not cancelled")
+				}
+			}))
+		d, _ := deliverytest.New("m1", "")
+		start := time.Now()
+		err := h.Handle(context.Background(), d)
+		if !errors.Is(cause, middleware.ErrStoreUnavailable) {
+			t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
+		}
+		// Renewals every lease/3 fail; the one at 2/3 of the lease sees that the
+		// next would come too late, and cancels: not the handler's own fallback
+		// after 10 leases.
+		if elapsed := time.Since(start); elapsed != 2*lease/3 {
+			t.Errorf("handler cancelled after %v; want 2/3 of the lease (%v)", elapsed, 2*lease/3)
+		}
+		if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay || dec.Delay != 2*time.Second || !errors.Is(err, middleware.ErrStoreUnavailable) {
+			t.Errorf("result %v decides %v after %v; want delayed by UnavailableDelay with ErrStoreUnavailable", err, dec.Outcome, dec.Delay)
+		}
+	})
 }
 
 // The result of a finished handler is recorded even if the consumer's
@@ -295,7 +309,7 @@ func TestDedupCompletesAfterCancel(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { cancel(); return nil }))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	if err := h.Handle(ctx, d); err != nil {
 		t.Fatalf("Handle = %v; want nil", err)
 	}
@@ -312,13 +326,13 @@ func TestDedupRoundTrips(t *testing.T) {
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
 	ctx := context.Background()
-	d, _ := deliver("warm-up", "") // load the scripts
+	d, _ := deliverytest.New("warm-up", "") // load the scripts
 	h.Handle(ctx, d)
 	for _, tc := range []struct {
 		name string
 		want int64
 	}{{"first delivery", 2}, {"duplicate", 1}} {
-		d, _ := deliver("m1", "")
+		d, _ := deliverytest.New("m1", "")
 		before := rt.Count()
 		h.Handle(ctx, d)
 		if got := rt.Count() - before; got != tc.want {
@@ -337,7 +351,7 @@ func TestDedupTokensAreDistinct(t *testing.T) {
 	for g := range goroutines {
 		wg.Go(func() {
 			for range claims {
-				d, _ := deliver(fmt.Sprint("m", g), "")
+				d, _ := deliverytest.New(fmt.Sprint("m", g), "")
 				h.Handle(context.Background(), d)
 			}
 		})
@@ -381,40 +395,42 @@ func TestDedupPanicsOnNilStore(t *testing.T) {
 // staggered times and ending at different times: each keeps its claim for
 // as long as its handler runs, and is done afterwards.
 func TestDedupRenewsManyLeases(t *testing.T) {
-	ctx := context.Background()
-	s := &faultyStore{Store: store.NewMemory()}
-	const lease = 150 * time.Millisecond
-	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
-		func(ctx context.Context, d *amqp.Delivery) error {
-			var n int
-			fmt.Sscan(d.MessageId, &n)
-			deadline := time.Now().Add(lease * time.Duration(1+n%4)) // 1 to 4 leases
-			for time.Now().Before(deadline) {
-				if got, _ := s.Store.Claim(ctx, d.MessageId, "thief", time.Minute); got != store.Processing {
-					return fmt.Errorf("claim of %s during its handler = %v; want processing", d.MessageId, got)
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		s := &faultyStore{Store: store.NewMemory()}
+		const lease = 150 * time.Millisecond
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				var n int
+				fmt.Sscan(d.MessageId, &n)
+				deadline := time.Now().Add(lease * time.Duration(1+n%4)) // 1 to 4 leases
+				for time.Now().Before(deadline) {
+					if got, _ := s.Store.Claim(ctx, d.MessageId, "thief", time.Minute); got != store.Processing {
+						return fmt.Errorf("claim of %s during its handler = %v; want processing", d.MessageId, got)
+					}
+					time.Sleep(lease / 5)
 				}
-				time.Sleep(lease / 5)
-			}
-			return ctx.Err()
-		}))
-	var wg sync.WaitGroup
-	for i := range 20 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			time.Sleep(time.Duration(i) * lease / 7)
-			d, _ := deliver(fmt.Sprint(i), "")
-			if err := h.Handle(ctx, d); err != nil {
-				t.Error(err)
-			}
-		}()
-	}
-	wg.Wait()
-	for i := range 20 {
-		if got, _ := s.Store.Claim(ctx, fmt.Sprint(i), "x", time.Minute); got != store.Done {
-			t.Errorf("message %d afterwards: %v; want done", i, got)
+				return ctx.Err()
+			}))
+		var wg sync.WaitGroup
+		for i := range 20 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				time.Sleep(time.Duration(i) * lease / 7)
+				d, _ := deliverytest.New(fmt.Sprint(i), "")
+				if err := h.Handle(ctx, d); err != nil {
+					t.Error(err)
+				}
+			}()
 		}
-	}
+		wg.Wait()
+		for i := range 20 {
+			if got, _ := s.Store.Claim(ctx, fmt.Sprint(i), "x", time.Minute); got != store.Done {
+				t.Errorf("message %d afterwards: %v; want done", i, got)
+			}
+		}
+	})
 }
 
 // hangingStore's Extend blocks, ignoring its context, as a Redis client
@@ -424,7 +440,6 @@ type hangingStore struct {
 	release  chan struct{}
 	once     sync.Once
 	returned atomic.Bool
-	inCall   atomic.Int32 // renewals that are in a call
 }
 
 // open lets the hanging calls return.
@@ -435,83 +450,83 @@ func newHangingStore() *hangingStore {
 }
 
 func (h *hangingStore) Extend(ctx context.Context, key, token string, lease time.Duration) error {
-	h.inCall.Add(1)
-	defer h.inCall.Add(-1)
 	<-h.release
 	h.returned.Store(true)
 	return errors.New("i/o timeout")
 }
 
 // unblock ends the hanging calls and waits until they have returned, and
-// so until the renewals that made them have ended.
+// so until the renewals that made them have ended. It runs in the test's
+// synctest bubble.
 func (h *hangingStore) unblock() {
 	h.open()
-	for h.inCall.Load() > 0 {
-		time.Sleep(time.Millisecond)
-	}
-	time.Sleep(10 * time.Millisecond) // the renewal's own return, after the call's
+	synctest.Wait()
 }
 
 // The handler is cancelled before its lease ends even when a renewal never
 // returns: the renewer decides on the clock, not on the store's answer.
 func TestDedupHangingRenewalCancelsHandler(t *testing.T) {
-	s := newHangingStore()
-	defer s.unblock()
-	const lease = 300 * time.Millisecond
-	var (
-		cause       error
-		extendFirst bool
-	)
-	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
-		func(ctx context.Context, d *amqp.Delivery) error {
-			select {
-			case <-ctx.Done():
-				cause, extendFirst = context.Cause(ctx), s.returned.Load()
-				return ctx.Err()
-			case <-time.After(10 * lease):
-				return errors.New("handler was not cancelled")
-			}
-		}))
-	d, _ := deliver("m1", "")
-	err := h.Handle(context.Background(), d)
-	if extendFirst {
-		t.Errorf("the handler was cancelled only after the hanging renewal returned; want it cancelled before the lease ends")
-	}
-	if !errors.Is(cause, middleware.ErrStoreUnavailable) {
-		t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
-	}
-	if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay {
-		t.Errorf("result %v decides %v; want delayed", err, dec.Outcome)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		s := newHangingStore()
+		defer s.unblock()
+		const lease = 300 * time.Millisecond
+		var (
+			cause       error
+			extendFirst bool
+		)
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				select {
+				case <-ctx.Done():
+					cause, extendFirst = context.Cause(ctx), s.returned.Load()
+					return ctx.Err()
+				case <-time.After(10 * lease):
+					return errors.New("handler was not cancelled")
+				}
+			}))
+		d, _ := deliverytest.New("m1", "")
+		err := h.Handle(context.Background(), d)
+		if extendFirst {
+			t.Errorf("the handler was cancelled only after the hanging renewal returned; want it cancelled before the lease ends")
+		}
+		if !errors.Is(cause, middleware.ErrStoreUnavailable) {
+			t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
+		}
+		if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay {
+			t.Errorf("result %v decides %v; want delayed", err, dec.Outcome)
+		}
+	})
 }
 
 // A handler that finishes while a renewal hangs is marked done at once: the
 // delivery does not wait for the renewal, which could outlast the lease and
 // let another consumer apply the effect again.
 func TestDedupFinishedHandlerDoesNotWaitForRenewal(t *testing.T) {
-	s := newHangingStore()
-	defer s.unblock()
-	const lease = 300 * time.Millisecond
-	time.AfterFunc(3*lease, s.open) // so that a Dedup that waits ends too
-	h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
-		func(context.Context, *amqp.Delivery) error {
-			time.Sleep(lease / 2) // past the first renewal, at lease/3, which hangs
-			return nil
-		}))
-	d, _ := deliver("m1", "")
-	start := time.Now()
-	if err := h.Handle(context.Background(), d); err != nil {
-		t.Fatalf("Handle = %v; want nil", err)
-	}
-	if elapsed := time.Since(start); elapsed >= lease {
-		t.Errorf("Handle returned after %v, waiting for the hanging renewal; want before the lease (%v) ends", elapsed, lease)
-	}
-	if s.returned.Load() {
-		t.Fatal("the renewal returned before the handler finished; the test proves nothing")
-	}
-	if got, _ := s.Store.Claim(context.Background(), "m1", "other", time.Minute); got != store.Done {
-		t.Errorf("Claim afterwards = %v; want done", got)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		s := newHangingStore()
+		defer s.unblock()
+		const lease = 300 * time.Millisecond
+		time.AfterFunc(3*lease, s.open) // so that a Dedup that waits ends too
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+			func(context.Context, *amqp.Delivery) error {
+				time.Sleep(lease / 2) // past the first renewal, at lease/3, which hangs
+				return nil
+			}))
+		d, _ := deliverytest.New("m1", "")
+		start := time.Now()
+		if err := h.Handle(context.Background(), d); err != nil {
+			t.Fatalf("Handle = %v; want nil", err)
+		}
+		if elapsed := time.Since(start); elapsed >= lease {
+			t.Errorf("Handle returned after %v, waiting for the hanging renewal; want before the lease (%v) ends", elapsed, lease)
+		}
+		if s.returned.Load() {
+			t.Fatal("the renewal returned before the handler finished; the test proves nothing")
+		}
+		if got, _ := s.Store.Claim(context.Background(), "m1", "other", time.Minute); got != store.Done {
+			t.Errorf("Claim afterwards = %v; want done", got)
+		}
+	})
 }
 
 // lostReplyStore applies a Claim but reports an error, as a client does
@@ -529,7 +544,7 @@ func TestDedupReleasesAnUnansweredClaim(t *testing.T) {
 	s := lostReplyStore{store.NewMemory()}
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	if err := h.Handle(context.Background(), d); !errors.Is(err, middleware.ErrStoreUnavailable) {
 		t.Fatalf("Handle = %v; want ErrStoreUnavailable", err)
 	}
@@ -548,7 +563,7 @@ func TestDedupFailOpenNotOnDoneContext(t *testing.T) {
 		func(context.Context, *amqp.Delivery) error { calls.Add(1); return nil }))
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	if err := h.Handle(ctx, d); err == nil {
 		t.Error("Handle with a done context and a failed claim = nil; want an error")
 	}
@@ -573,7 +588,7 @@ func TestDedupAbandonedClaim(t *testing.T) {
 		}
 		time.Sleep(time.Minute)
 		before := s.Calls("claim") + s.Calls("release")
-		d, rec := deliver("m1", "")
+		d, rec := deliverytest.New("m1", "")
 		err := h.Handle(ctx, d)
 		if calls != 0 || !errors.Is(err, middleware.ErrAbandoned) || rabbitmw.Decide(err).Outcome != rabbitmw.Requeue {
 			t.Errorf("Handle of an abandoned message = %v (%v), %d handler calls; want ErrAbandoned, requeued, no call", err, rabbitmw.Decide(err).Outcome, calls)
@@ -581,10 +596,10 @@ func TestDedupAbandonedClaim(t *testing.T) {
 		if n := s.Calls("claim") + s.Calls("release") - before; n != 1 {
 			t.Errorf("%d store calls for an abandoned message; want 1 (the claim)", n)
 		}
-		if got := settle(t, d, rec, err); got != "requeued" {
+		if got := deliverytest.Settle(t, d, rec, err); got != "requeued" {
 			t.Errorf("settled %s; want requeued", got)
 		}
-		d, _ = deliver("m1", "")
+		d, _ = deliverytest.New("m1", "")
 		if err := h.Handle(ctx, d); err != nil || calls != 1 {
 			t.Errorf("the next delivery: %v, %d handler calls; want nil, 1", err, calls)
 		}

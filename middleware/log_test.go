@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -61,7 +62,7 @@ func TestLog(t *testing.T) {
 			var buf bytes.Buffer
 			l := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 			h := middleware.Log(l)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return tt.result }))
-			d, _ := deliver("m1", "")
+			d, _ := deliverytest.New("m1", "")
 			d.RoutingKey = "orders"
 			if tt.header != nil {
 				d.Headers = amqp.Table{rabbitmw.HeaderAttempts: tt.header}
@@ -103,7 +104,7 @@ func decodeOne(t *testing.T, buf *bytes.Buffer) map[string]any {
 func TestLogPanicIsRecordedAndGoesOn(t *testing.T) {
 	var buf bytes.Buffer
 	h := middleware.Log(slog.New(slog.NewJSONHandler(&buf, nil)))(panickyHandler("kaboom"))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	func() {
 		defer func() {
 			if recover() != "kaboom" {
@@ -121,7 +122,7 @@ func TestLogRespectsLevel(t *testing.T) {
 	var buf bytes.Buffer
 	l := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	h := middleware.Log(l)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	h.Handle(context.Background(), d)
 	if buf.Len() != 0 {
 		t.Errorf("an acked delivery was logged at level Warn: %s", buf.String())
@@ -176,7 +177,7 @@ func TestLogWith(t *testing.T) {
 			opts := tt.opts
 			opts.AppendAttrs = tenant(&calls)
 			h := middleware.LogWith(l, opts)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return tt.result }))
-			d, _ := deliver("m1", "")
+			d, _ := deliverytest.New("m1", "")
 			d.Headers = amqp.Table{"tenant": "acme"}
 			if err := h.Handle(context.Background(), d); err != tt.result {
 				t.Fatalf("LogWith changed the result: %v; want %v", err, tt.result)

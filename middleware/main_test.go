@@ -8,11 +8,8 @@ import (
 	"testing"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
 
-	"github.com/rabbitmw/rabbitmw"
-	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -21,26 +18,6 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 var errBoom = errors.New("boom")
-
-// deliver returns a delivery of a message with the given id and body, and
-// the recorder it settles on.
-func deliver(id, body string) (*amqp.Delivery, *rabbitmwtest.Recorder) {
-	rec := rabbitmwtest.NewRecorder()
-	return rec.Deliver(amqp.Publishing{MessageId: id, Body: []byte(body)}), rec
-}
-
-// settle settles d by err, with no real waiting for a delay, and returns
-// how the recorder saw it settled.
-func settle(t *testing.T, d *amqp.Delivery, rec *rabbitmwtest.Recorder, err error) string {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel() // a Delay settles at once: its length is checked via Decide
-	serr := rabbitmw.Settle(ctx, d, err)
-	if serr != nil && !errors.Is(serr, context.Canceled) {
-		t.Fatalf("Settle: %v", serr)
-	}
-	return rec.Settlement(d.DeliveryTag)
-}
 
 // effects counts calls of a handler per message id.
 type effects struct {

@@ -12,6 +12,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 )
@@ -50,14 +51,14 @@ func TestDedupObserve(t *testing.T) {
 	h := middleware.Dedup(s, middleware.DedupOptions{Namespace: "ns", Observe: log.observe})(nop)
 	ctx := context.WithValue(context.Background(), tagKey{}, true)
 
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	h.Handle(ctx, d) // claimed, then done
 	h.Handle(ctx, d) // duplicate
 	s.Store.Claim(ctx, "ns:m2", "other", time.Minute)
-	d2, _ := deliver("m2", "")
+	d2, _ := deliverytest.New("m2", "")
 	h.Handle(ctx, d2) // busy
 	set(&s.claim, errBoom)
-	d3, _ := deliver("m3", "")
+	d3, _ := deliverytest.New("m3", "")
 	h.Handle(ctx, d3) // unavailable
 
 	want := []string{"claimed", "duplicate", "busy", "unavailable"}
@@ -86,7 +87,7 @@ func TestDedupObserveLease(t *testing.T) {
 				return nil
 			}))
 		ctx := context.WithValue(context.Background(), tagKey{}, true)
-		d, _ := deliver("m1", "")
+		d, _ := deliverytest.New("m1", "")
 		if err := h.Handle(ctx, d); err != nil {
 			t.Fatalf("Handle = %v; want nil", err)
 		}
@@ -107,7 +108,7 @@ func TestDedupObserveLeaseLost(t *testing.T) {
 	set(&s.complete, store.ErrLostClaim)
 	var log eventLog
 	h := middleware.Dedup(s, middleware.DedupOptions{Observe: log.observe})(nop)
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	if err := h.Handle(context.Background(), d); !errors.Is(err, middleware.ErrLeaseLost) {
 		t.Fatalf("Handle = %v; want ErrLeaseLost", err)
 	}
@@ -126,7 +127,7 @@ func TestDedupObserveAbandoned(t *testing.T) {
 		ctx := context.Background()
 		s.Claim(ctx, "m1", "crashed", time.Second) // a consumer that died
 		time.Sleep(2 * time.Second)
-		d, _ := deliver("m1", "")
+		d, _ := deliverytest.New("m1", "")
 		if err := h.Handle(ctx, d); !errors.Is(err, middleware.ErrAbandoned) {
 			t.Fatalf("Handle = %v; want ErrAbandoned", err)
 		}

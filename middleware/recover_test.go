@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -57,7 +58,7 @@ func TestRecover(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			d, rec := deliver("m1", "")
+			d, rec := deliverytest.New("m1", "")
 			err := middleware.Recover()(tt.handler).Handle(context.Background(), d)
 			if err == nil || err.Error() != tt.wantText {
 				t.Fatalf("Recover result = %v; want %q", err, tt.wantText)
@@ -74,7 +75,7 @@ func TestRecover(t *testing.T) {
 			if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
 				t.Errorf("result %v does not wrap %v", err, tt.wantIs)
 			}
-			if got := settle(t, d, rec, err); got != tt.wantSettle {
+			if got := deliverytest.Settle(t, d, rec, err); got != tt.wantSettle {
 				t.Errorf("settled %s; want %s", got, tt.wantSettle)
 			}
 		})
@@ -82,7 +83,7 @@ func TestRecover(t *testing.T) {
 }
 
 func TestRecoverNilPanic(t *testing.T) {
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	err := middleware.Recover()(panickyHandler(nil)).Handle(context.Background(), d)
 	var pe *rabbitmw.PanicError
 	var pn *runtime.PanicNilError

@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/backoff"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -299,15 +300,7 @@ func Exponential(min, max time.Duration) func(n int) time.Duration {
 		panic(fmt.Sprintf("middleware: Exponential(%v, %v): want 0 < min <= max", min, max))
 	}
 	return func(n int) time.Duration {
-		d := max
-		if n < 1 {
-			n = 1
-		}
-		if n <= 62 {
-			if x := min << (n - 1); x > 0 && x < max && x>>(n-1) == min {
-				d = x
-			}
-		}
+		d := backoff.Doubled(min, n-1, max) // n below 1 counts as 1
 		half := d / 2
 		return half + rand.N(d-half+1)
 	}

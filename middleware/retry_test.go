@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 )
@@ -143,7 +144,7 @@ func TestRetry(t *testing.T) {
 				}
 				return tt.result
 			}))
-			d, rec := deliver("m1", "")
+			d, rec := deliverytest.New("m1", "")
 			d.Redelivered = tt.redeliv
 			if tt.header != nil {
 				d.Headers = amqp.Table{rabbitmw.HeaderAttempts: tt.header}
@@ -162,7 +163,7 @@ func TestRetry(t *testing.T) {
 			if n, _ := s.Store.Fail(context.Background(), "m1", time.Hour); int(n)-1 != tt.wantCount {
 				t.Errorf("failure count afterwards = %d; want %d", n-1, tt.wantCount)
 			}
-			if got := settle(t, d, rec, err); got != tt.wantSettle {
+			if got := deliverytest.Settle(t, d, rec, err); got != tt.wantSettle {
 				t.Errorf("settled %s; want %s", got, tt.wantSettle)
 			}
 		})
@@ -230,7 +231,7 @@ func TestRetryPermanentClassifier(t *testing.T) {
 				}
 				return tt.result
 			}))
-			d, _ := deliver("m1", "")
+			d, _ := deliverytest.New("m1", "")
 			d.Redelivered = true
 			err := h.Handle(ctx, d)
 			dec := rabbitmw.Decide(err)
@@ -258,7 +259,7 @@ func TestRetryHappyPathIsFree(t *testing.T) {
 	s := &faultyStore{Store: store.NewMemory()}
 	h := middleware.Retry(s, middleware.RetryOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	if err := h.Handle(context.Background(), d); err != nil {
 		t.Fatal(err)
 	}
@@ -275,7 +276,7 @@ func TestRetryWithoutStore(t *testing.T) {
 	h := middleware.Retry(nil, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return errBoom }))
 	for prior, want := range []rabbitmw.Outcome{rabbitmw.Delay, rabbitmw.Delay, rabbitmw.DeadLetter} {
-		d, _ := deliver("m1", "")
+		d, _ := deliverytest.New("m1", "")
 		d.Headers = amqp.Table{rabbitmw.HeaderAttempts: int32(prior)}
 		dec := rabbitmw.Decide(h.Handle(context.Background(), d))
 		if dec.Outcome != want || dec.Attempts != prior+1 {
@@ -375,7 +376,7 @@ func TestRetryAbandoned(t *testing.T) {
 					calls++
 					return tt.results[calls-1]
 				}))
-			d, _ := deliver("m1", "")
+			d, _ := deliverytest.New("m1", "")
 			err := h.Handle(ctx, d)
 			dec := rabbitmw.Decide(err)
 			if calls != tt.wantCalls || dec.Outcome != tt.wantOutcome || dec.Delay != tt.wantDelay || dec.Attempts != tt.wantAttempts {
@@ -438,7 +439,7 @@ func TestRetryAbandonedCrashLoop(t *testing.T) {
 								runtime.Goexit() // the consumer dies here
 								return nil
 							})))
-					d, _ := deliver("m1", "")
+					d, _ := deliverytest.New("m1", "")
 					d.Redelivered = true
 					d.Headers = headers
 					result := make(chan error, 1)
@@ -491,7 +492,7 @@ func TestRetryNestedKeepsTheInnerDeadLetterOfAnAbandonedMessage(t *testing.T) {
 		}
 		return errBoom // stands for the crash it would be
 	})))
-	d, _ := deliver("m1", "")
+	d, _ := deliverytest.New("m1", "")
 	err := h.Handle(ctx, d)
 	if dec := rabbitmw.Decide(err); calls != 1 || dec.Outcome != rabbitmw.DeadLetter {
 		t.Errorf("handler called %d times, %v (%v); want 1 call, dead-lettered at the inner limit", calls, dec.Outcome, err)
@@ -532,7 +533,7 @@ func TestRetryAbandonedOneAtATime(t *testing.T) {
 		}
 		results := map[string]chan error{"first": make(chan error, 1), "second": make(chan error, 1), "third": make(chan error, 1)}
 		handle := func(ctx context.Context, id string) {
-			d, _ := deliver(id, "")
+			d, _ := deliverytest.New(id, "")
 			results[id] <- h.Handle(ctx, d)
 		}
 		go handle(ctx, "first")

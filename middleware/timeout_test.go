@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -63,31 +65,33 @@ func TestTimeout(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			ctx, cancel := context.Background(), context.CancelFunc(func() {})
-			if tt.parent != nil {
-				ctx, cancel = tt.parent()
-			}
-			defer cancel()
-			var deadline, entry time.Time
-			h := middleware.Timeout(limit)(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
-				entry = time.Now()
-				deadline, _ = ctx.Deadline()
-				return tt.handler(ctx)
-			}))
-			d, _ := deliver("m1", "")
-			err := h.Handle(ctx, d)
-			if deadline.IsZero() || deadline.Sub(entry) > limit {
-				t.Errorf("handler deadline %v after it started; want at most %v", deadline.Sub(entry), limit)
-			}
-			if tt.wantNil != (err == nil) {
-				t.Fatalf("Timeout result = %v; want nil: %v", err, tt.wantNil)
-			}
-			if got := errors.Is(err, middleware.ErrTimeout); got != tt.wantTimeout {
-				t.Errorf("result %v wraps ErrTimeout: %v; want %v", err, got, tt.wantTimeout)
-			}
-			if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
-				t.Errorf("result %v does not wrap %v", err, tt.wantIs)
-			}
+			synctest.Test(t, func(t *testing.T) {
+				ctx, cancel := context.Background(), context.CancelFunc(func() {})
+				if tt.parent != nil {
+					ctx, cancel = tt.parent()
+				}
+				defer cancel()
+				var deadline, entry time.Time
+				h := middleware.Timeout(limit)(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+					entry = time.Now()
+					deadline, _ = ctx.Deadline()
+					return tt.handler(ctx)
+				}))
+				d, _ := deliverytest.New("m1", "")
+				err := h.Handle(ctx, d)
+				if deadline.IsZero() || deadline.Sub(entry) > limit {
+					t.Errorf("handler deadline %v after it started; want at most %v", deadline.Sub(entry), limit)
+				}
+				if tt.wantNil != (err == nil) {
+					t.Fatalf("Timeout result = %v; want nil: %v", err, tt.wantNil)
+				}
+				if got := errors.Is(err, middleware.ErrTimeout); got != tt.wantTimeout {
+					t.Errorf("result %v wraps ErrTimeout: %v; want %v", err, got, tt.wantTimeout)
+				}
+				if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
+					t.Errorf("result %v does not wrap %v", err, tt.wantIs)
+				}
+			})
 		})
 	}
 }

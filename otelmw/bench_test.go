@@ -45,7 +45,7 @@ var telemetries = []struct {
 	}},
 }
 
-// BenchmarkChain is the root package's BenchmarkChain over the memory
+// BenchmarkChain is package e2e's BenchmarkChain over the memory
 // store (the recommended stack, a new message each time or a duplicate),
 // with the otelmw layer in front and without it ("off").
 func BenchmarkChain(b *testing.B) {

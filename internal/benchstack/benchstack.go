@@ -1,5 +1,5 @@
 // Package benchstack is what the in-process measurements of the stack
-// share: BenchmarkChain in the root package and the stack figures of the
+// share: BenchmarkChain in package e2e and the stack figures of the
 // bench command (go run ./bench -stack-only) run the same stack through the
 // same loop, so that their figures can be compared.
 package benchstack

@@ -1,4 +1,4 @@
-package rabbitmw_test
+package e2e_test
 
 // A message that kills its consumer process (SIGKILL, an OOM, a segfault
 // in cgo) must not loop forever: each attempt that never finished counts

@@ -1,4 +1,4 @@
-package rabbitmw_test
+package e2e_test
 
 // Migration from the hand-written pattern, on real servers: hand-written
 // consumers (legacyConsumer, on a plain amqp091 channel) and broker.Consume
@@ -399,11 +399,11 @@ func runMigration(t *testing.T, first fleetKind) {
 	phase("D", p1, p2)
 
 	// Every copy has ended and nothing waits in the work queue or a delay
-	// queue, twice over a pause longer than the longest delay.
-	quiet := func() bool {
-		if r.ended.Load() < int64(r.copies) {
-			return false
-		}
+	// queue. Then the consumers stop, and the server gives back what they
+	// had prefetched and not handled yet, which Len does not show: if the
+	// queues are still empty, nothing is left anywhere; else the consumers
+	// start again.
+	empty := func() bool {
 		for _, q := range append([]string{r.queue}, r.names.Delays...) {
 			if r.length(q) != 0 {
 				return false
@@ -411,15 +411,17 @@ func runMigration(t *testing.T, first fleetKind) {
 		}
 		return true
 	}
+	quiet := func() bool { return r.ended.Load() >= int64(r.copies) && empty() }
 	for {
 		r.await("every copy to end", quiet, p1, p2)
-		time.Sleep(1200 * time.Millisecond) // longer than the longest delay
-		if quiet() {
+		r.stop(p1)
+		r.stop(p2)
+		if empty() {
 			break
 		}
+		t.Log("messages back in the queues when the consumers stopped: consuming again")
+		p1, p2 = r.start(first), r.start(second)
 	}
-	r.stop(p1)
-	r.stop(p2)
 
 	var twice, never []string
 	for _, id := range r.ids {

@@ -1,4 +1,4 @@
-package rabbitmw_test
+package e2e_test
 
 // The whole recommended stack, end to end, over miniredis: what a user of
 // a plain amqp091 channel gets from Chain and Settle.
@@ -20,6 +20,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
@@ -90,37 +91,15 @@ func (f *fixture) recording() rabbitmw.Handler {
 	})
 }
 
-// result is one delivery's settlement, as a plain channel would see it.
-type result struct {
-	settled string // by the Recorder: acked, requeued, dead-lettered
-	dec     rabbitmw.Decision
-}
-
-// deliver runs h for one delivery of msg and settles it with rabbitmw.Settle
-// on a recording Acknowledger (a delay is read, not waited for).
-func deliver(t *testing.T, h rabbitmw.Handler, msg amqp.Publishing, redelivered bool) result {
-	t.Helper()
-	rec := rabbitmwtest.NewRecorder()
-	d := rec.Deliver(msg)
-	d.Redelivered = redelivered
-	err := h.Handle(context.Background(), d)
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	if serr := rabbitmw.Settle(ctx, d, err); serr != nil && !errors.Is(serr, context.Canceled) {
-		t.Fatalf("Settle: %v", serr)
-	}
-	return result{settled: rec.Settlement(d.DeliveryTag), dec: rabbitmw.Decide(err)}
-}
-
 // untilSettled redelivers msg, as RabbitMQ would after a requeue, until it
 // leaves the queue (acked or dead-lettered), and returns every result.
-func untilSettled(t *testing.T, h rabbitmw.Handler, msg amqp.Publishing) []result {
+func untilSettled(t *testing.T, h rabbitmw.Handler, msg amqp.Publishing) []deliverytest.Result {
 	t.Helper()
-	var all []result
+	var all []deliverytest.Result
 	for i := 0; i < 50; i++ {
-		r := deliver(t, h, msg, i > 0)
+		r := deliverytest.Run(t, h, msg, i > 0)
 		all = append(all, r)
-		if r.settled != "requeued" {
+		if r.Settled != "requeued" {
 			return all
 		}
 	}
@@ -132,13 +111,13 @@ func TestStackDuplicatesAckedWithOneEffect(t *testing.T) {
 	f := newFixture(t, middleware.DedupOptions{})
 	h := f.stack(f.recording())
 	for i := range 5 {
-		r := deliver(t, h, amqp.Publishing{MessageId: "order-1", Body: []byte("x")}, i%2 == 1)
+		r := deliverytest.Run(t, h, amqp.Publishing{MessageId: "order-1", Body: []byte("x")}, i%2 == 1)
 		want := rabbitmw.Duplicate
 		if i == 0 {
 			want = rabbitmw.Ack
 		}
-		if r.settled != "acked" || r.dec.Outcome != want {
-			t.Errorf("delivery %d: settled %s as %v; want acked as %v", i, r.settled, r.dec.Outcome, want)
+		if r.Settled != "acked" || r.Decision.Outcome != want {
+			t.Errorf("delivery %d: settled %s as %v; want acked as %v", i, r.Settled, r.Decision.Outcome, want)
 		}
 	}
 	if n := f.effectsOf("order-1"); n != 1 {
@@ -158,16 +137,16 @@ func TestStackFailingMessageRetriedThenDeadLettered(t *testing.T) {
 		t.Errorf("handler attempts = %d; want 5", n)
 	}
 	for i, r := range results[:len(results)-1] {
-		if r.dec.Outcome != rabbitmw.Delay || r.dec.Attempts != i+1 {
-			t.Errorf("attempt %d: %v, attempts %d; want delayed, attempts %d", i+1, r.dec.Outcome, r.dec.Attempts, i+1)
+		if r.Decision.Outcome != rabbitmw.Delay || r.Decision.Attempts != i+1 {
+			t.Errorf("attempt %d: %v, attempts %d; want delayed, attempts %d", i+1, r.Decision.Outcome, r.Decision.Attempts, i+1)
 		}
 	}
 	last := results[len(results)-1]
-	if last.settled != "dead-lettered" || last.dec.Outcome != rabbitmw.DeadLetter || last.dec.Attempts != 5 {
-		t.Errorf("last delivery: settled %s as %v, attempts %d; want dead-lettered, attempts 5", last.settled, last.dec.Outcome, last.dec.Attempts)
+	if last.Settled != "dead-lettered" || last.Decision.Outcome != rabbitmw.DeadLetter || last.Decision.Attempts != 5 {
+		t.Errorf("last delivery: settled %s as %v, attempts %d; want dead-lettered, attempts 5", last.Settled, last.Decision.Outcome, last.Decision.Attempts)
 	}
-	if !errors.Is(last.dec.Err, middleware.ErrRetriesExhausted) || !strings.Contains(last.dec.Err.Error(), "payment gateway said no") {
-		t.Errorf("dead-letter reason %q; want the last error, after ErrRetriesExhausted", last.dec.Err)
+	if !errors.Is(last.Decision.Err, middleware.ErrRetriesExhausted) || !strings.Contains(last.Decision.Err.Error(), "payment gateway said no") {
+		t.Errorf("dead-letter reason %q; want the last error, after ErrRetriesExhausted", last.Decision.Err)
 	}
 	for _, key := range []string{"msg:fail-1", "retry:fail-1"} {
 		if f.m.Exists(key) {
@@ -191,11 +170,11 @@ func TestStackPanicCountsAsFailedAttempt(t *testing.T) {
 		t.Fatalf("deliveries = %d; want 2 (a panic, then a success)", len(results))
 	}
 	var pe *rabbitmw.PanicError
-	if r := results[0]; r.dec.Outcome != rabbitmw.Delay || r.dec.Attempts != 1 || !errors.As(r.dec.Err, &pe) {
-		t.Errorf("first delivery: %v, attempts %d, err %v; want delayed, attempts 1, a PanicError", r.dec.Outcome, r.dec.Attempts, r.dec.Err)
+	if r := results[0]; r.Decision.Outcome != rabbitmw.Delay || r.Decision.Attempts != 1 || !errors.As(r.Decision.Err, &pe) {
+		t.Errorf("first delivery: %v, attempts %d, err %v; want delayed, attempts 1, a PanicError", r.Decision.Outcome, r.Decision.Attempts, r.Decision.Err)
 	}
-	if r := results[1]; r.settled != "acked" {
-		t.Errorf("second delivery settled %s; want acked", r.settled)
+	if r := results[1]; r.Settled != "acked" {
+		t.Errorf("second delivery settled %s; want acked", r.Settled)
 	}
 	if n := f.effectsOf("panic-1"); n != 1 {
 		t.Errorf("effects = %d; want 1", n)
@@ -211,19 +190,47 @@ func TestStackAlwaysPanickingIsDeadLettered(t *testing.T) {
 	f := newFixture(t, middleware.DedupOptions{})
 	h := f.stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { panic("always") }))
 	results := untilSettled(t, h, amqp.Publishing{MessageId: "panic-2", Body: []byte("x")})
-	if last := results[len(results)-1]; last.settled != "dead-lettered" || len(results) != 5 {
-		t.Fatalf("after %d deliveries settled %s; want dead-lettered after 5", len(results), last.settled)
+	if last := results[len(results)-1]; last.Settled != "dead-lettered" || len(results) != 5 {
+		t.Fatalf("after %d deliveries settled %s; want dead-lettered after 5", len(results), last.Settled)
 	}
 }
 
 func TestStackConcurrentDeliveriesOfOneID(t *testing.T) {
 	f := newFixture(t, middleware.DedupOptions{})
-	h := f.stack(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-		time.Sleep(5 * time.Millisecond) // hold the claim while others arrive
+	const n = 100
+	// The delivery that claims the message holds the claim until the first
+	// deliveries of the n-1 others have all been turned away as busy; those
+	// wait until the claiming delivery has ended (its done mark written)
+	// before their redeliveries.
+	var (
+		arrived    atomic.Int64
+		allArrived = make(chan struct{})
+		claimed    = make(chan struct{})
+		claimOnce  sync.Once
+	)
+	stack := f.stack(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		select {
+		case <-allArrived:
+		case <-ctx.Done(): // the stack's Timeout: the others never came
+			return ctx.Err()
+		}
 		f.effect(d.MessageId)
 		return nil
 	}))
-	const n = 100
+	h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		err := stack.Handle(ctx, d)
+		switch {
+		case d.Redelivered:
+		case errors.Is(err, middleware.ErrBusy):
+			if arrived.Add(1) == n-1 {
+				close(allArrived)
+			}
+			<-claimed
+		default: // the claiming delivery (one, unless Dedup is broken)
+			claimOnce.Do(func() { close(claimed) })
+		}
+		return err
+	})
 	var (
 		wg       sync.WaitGroup
 		start    = make(chan struct{})
@@ -235,7 +242,7 @@ func TestStackConcurrentDeliveriesOfOneID(t *testing.T) {
 			defer wg.Done()
 			<-start
 			for _, r := range untilSettled(t, h, amqp.Publishing{MessageId: "same", Body: []byte("x")}) {
-				v, _ := outcomes.LoadOrStore(r.dec.Outcome, new(atomic.Int64))
+				v, _ := outcomes.LoadOrStore(r.Decision.Outcome, new(atomic.Int64))
 				v.(*atomic.Int64).Add(1)
 			}
 		}()
@@ -261,7 +268,12 @@ func TestStackConcurrentDeliveriesOfOneID(t *testing.T) {
 // the claim vanishes, as when it expired) is cancelled; it records nothing,
 // and another consumer then processes the message exactly once.
 func TestStackLeaseExpiresMidHandler(t *testing.T) {
-	f := newFixture(t, middleware.DedupOptions{Lease: 150 * time.Millisecond})
+	// The lease runs on the wall clock, miniredis being a server: its
+	// renewals, every lease/3, must be answered within lease/3 on a loaded
+	// machine, or the handler is cancelled for an unavailable store rather
+	// than for its lost claim (as happened with a 150 ms lease).
+	const lease = 1500 * time.Millisecond
+	f := newFixture(t, middleware.DedupOptions{Lease: lease})
 	started := make(chan struct{})
 	var cancelled atomic.Bool
 	slow := f.stack(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
@@ -270,29 +282,31 @@ func TestStackLeaseExpiresMidHandler(t *testing.T) {
 		case <-ctx.Done(): // the well-behaved handler stops before its effect
 			cancelled.Store(true)
 			return ctx.Err()
-		case <-time.After(5 * time.Second):
+		case <-time.After(5 * time.Second): // never cancelled: a real-time bound, as the store is a server
 			f.effect(d.MessageId)
 			return nil
 		}
 	}))
-	first := make(chan result, 1)
-	go func() { first <- deliver(t, slow, amqp.Publishing{MessageId: "slow-1", Body: []byte("x")}, false) }()
+	first := make(chan deliverytest.Result, 1)
+	go func() {
+		first <- deliverytest.Run(t, slow, amqp.Publishing{MessageId: "slow-1", Body: []byte("x")}, false)
+	}()
 	<-started
-	f.m.FastForward(time.Second) // the lease runs out while the handler runs
+	f.m.FastForward(2 * lease) // the lease runs out while the handler runs
 	r := <-first
 	if !cancelled.Load() {
 		t.Fatal("the handler's context was not cancelled when its lease expired")
 	}
-	if r.dec.Outcome != rabbitmw.Delay || !errors.Is(r.dec.Err, middleware.ErrLeaseLost) {
-		t.Errorf("first delivery: %v (%v); want delayed with ErrLeaseLost", r.dec.Outcome, r.dec.Err)
+	if r.Decision.Outcome != rabbitmw.Delay || !errors.Is(r.Decision.Err, middleware.ErrLeaseLost) {
+		t.Errorf("first delivery: %v (%v); want delayed with ErrLeaseLost", r.Decision.Outcome, r.Decision.Err)
 	}
 	if f.m.Exists("retry:slow-1") {
 		t.Error("a lost lease was counted as a failed attempt")
 	}
 	// The redelivery goes to a well-behaved consumer.
 	results := untilSettled(t, f.stack(f.recording()), amqp.Publishing{MessageId: "slow-1", Body: []byte("x")})
-	if last := results[len(results)-1]; last.settled != "acked" || f.effectsOf("slow-1") != 1 {
-		t.Errorf("redelivery settled %s with %d effects; want acked with 1", last.settled, f.effectsOf("slow-1"))
+	if last := results[len(results)-1]; last.Settled != "acked" || f.effectsOf("slow-1") != 1 {
+		t.Errorf("redelivery settled %s with %d effects; want acked with 1", last.Settled, f.effectsOf("slow-1"))
 	}
 }
 
@@ -301,7 +315,7 @@ func TestStackLeaseExpiresMidHandler(t *testing.T) {
 func TestStackRoundTrips(t *testing.T) {
 	f := newFixture(t, middleware.DedupOptions{})
 	h := f.stack(f.recording())
-	deliver(t, h, amqp.Publishing{MessageId: "warm-up"}, false) // loads the scripts
+	deliverytest.Run(t, h, amqp.Publishing{MessageId: "warm-up"}, false) // loads the scripts
 	for _, tc := range []struct {
 		name        string
 		redelivered bool
@@ -312,7 +326,7 @@ func TestStackRoundTrips(t *testing.T) {
 		{"redelivered duplicate", true, 1},
 	} {
 		before := f.trips.Count()
-		deliver(t, h, amqp.Publishing{MessageId: "order-7", Body: []byte("x")}, tc.redelivered)
+		deliverytest.Run(t, h, amqp.Publishing{MessageId: "order-7", Body: []byte("x")}, tc.redelivered)
 		if got := f.trips.Count() - before; got != tc.want {
 			t.Errorf("%s: %d round trips; want %d", tc.name, got, tc.want)
 		}
@@ -345,12 +359,12 @@ func TestStackBadInput(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r := deliver(t, h, tt.msg, false)
-			if r.settled != tt.wantSettled {
-				t.Errorf("settled %s (%v); want %s", r.settled, r.dec.Err, tt.wantSettled)
+			r := deliverytest.Run(t, h, tt.msg, false)
+			if r.Settled != tt.wantSettled {
+				t.Errorf("settled %s (%v); want %s", r.Settled, r.Decision.Err, tt.wantSettled)
 			}
-			if tt.wantErr != "" && (r.dec.Err == nil || !strings.Contains(r.dec.Err.Error(), tt.wantErr)) {
-				t.Errorf("error %v; want it to say %q", r.dec.Err, tt.wantErr)
+			if tt.wantErr != "" && (r.Decision.Err == nil || !strings.Contains(r.Decision.Err.Error(), tt.wantErr)) {
+				t.Errorf("error %v; want it to say %q", r.Decision.Err, tt.wantErr)
 			}
 		})
 	}
@@ -375,17 +389,17 @@ func TestStackStoreOutage(t *testing.T) {
 	h := f.stack(f.recording())
 	f.m.SetError("LOADING Redis is loading the dataset in memory")
 	for range 10 { // more than MaxAttempts: an outage must never dead-letter
-		r := deliver(t, h, amqp.Publishing{MessageId: "o-1", Body: []byte("x")}, true)
-		if r.dec.Outcome != rabbitmw.Delay || !errors.Is(r.dec.Err, middleware.ErrStoreUnavailable) {
-			t.Fatalf("during the outage: %v (%v); want delayed with ErrStoreUnavailable", r.dec.Outcome, r.dec.Err)
+		r := deliverytest.Run(t, h, amqp.Publishing{MessageId: "o-1", Body: []byte("x")}, true)
+		if r.Decision.Outcome != rabbitmw.Delay || !errors.Is(r.Decision.Err, middleware.ErrStoreUnavailable) {
+			t.Fatalf("during the outage: %v (%v); want delayed with ErrStoreUnavailable", r.Decision.Outcome, r.Decision.Err)
 		}
 	}
 	if n := f.effectsOf("o-1"); n != 0 {
 		t.Fatalf("effects during the outage = %d; want 0 (fail closed)", n)
 	}
 	f.m.SetError("")
-	if r := deliver(t, h, amqp.Publishing{MessageId: "o-1", Body: []byte("x")}, true); r.settled != "acked" || f.effectsOf("o-1") != 1 {
-		t.Fatalf("after the outage: settled %s with %d effects; want acked with 1", r.settled, f.effectsOf("o-1"))
+	if r := deliverytest.Run(t, h, amqp.Publishing{MessageId: "o-1", Body: []byte("x")}, true); r.Settled != "acked" || f.effectsOf("o-1") != 1 {
+		t.Fatalf("after the outage: settled %s with %d effects; want acked with 1", r.Settled, f.effectsOf("o-1"))
 	}
 }
 
@@ -421,8 +435,16 @@ func legacyConsumer(ctx context.Context, c *redis.Client, d *amqp.Delivery, effe
 func TestStackJoinsHandWrittenFleet(t *testing.T) {
 	f := newFixture(t, middleware.DedupOptions{})
 	ours := f.stack(f.recording())
-	ctx := context.Background()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
 	const ids, copies = 50, 4
+	// A copy is requeued while another holds the message; it is delivered
+	// again once a copy of the message has been acked.
+	acked := make([]chan struct{}, ids)
+	ack := make([]sync.Once, ids)
+	for i := range acked {
+		acked[i] = make(chan struct{})
+	}
 	var wg sync.WaitGroup
 	for i := range ids {
 		for c := range copies {
@@ -433,7 +455,7 @@ func TestStackJoinsHandWrittenFleet(t *testing.T) {
 				for attempt := 0; attempt < 100; attempt++ {
 					var settled string
 					if (i+c+attempt)%2 == 0 {
-						settled = deliver(t, ours, msg, attempt > 0).settled
+						settled = deliverytest.Run(t, ours, msg, attempt > 0).Settled
 					} else {
 						settled = legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, func(id string) error {
 							f.effect(id)
@@ -441,9 +463,15 @@ func TestStackJoinsHandWrittenFleet(t *testing.T) {
 						})
 					}
 					if settled != "requeued" {
+						ack[i].Do(func() { close(acked[i]) })
 						return
 					}
-					time.Sleep(time.Millisecond)
+					select {
+					case <-acked[i]:
+					case <-ctx.Done():
+						t.Errorf("message %s requeued, and no copy of it acked: %v", msg.MessageId, ctx.Err())
+						return
+					}
 				}
 				t.Errorf("message %s never settled", msg.MessageId)
 			}()
@@ -474,16 +502,16 @@ func TestStackSharesFailureCountWithHandWrittenFleet(t *testing.T) {
 				t.Fatalf("hand-written failure %d: %s; want requeued", i+1, got)
 			}
 		}
-		if r := deliver(t, ours, msg, true); r.dec.Outcome != rabbitmw.DeadLetter || !errors.Is(r.dec.Err, middleware.ErrRetriesExhausted) {
-			t.Errorf("our fifth failure: %v (%v); want dead-lettered with ErrRetriesExhausted", r.dec.Outcome, r.dec.Err)
+		if r := deliverytest.Run(t, ours, msg, true); r.Decision.Outcome != rabbitmw.DeadLetter || !errors.Is(r.Decision.Err, middleware.ErrRetriesExhausted) {
+			t.Errorf("our fifth failure: %v (%v); want dead-lettered with ErrRetriesExhausted", r.Decision.Outcome, r.Decision.Err)
 		}
 	})
 	t.Run("rabbitmw failures first", func(t *testing.T) {
 		f := newFixture(t, middleware.DedupOptions{})
 		ours := f.stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return down }))
 		for i := range 4 {
-			if r := deliver(t, ours, msg, i > 0); r.dec.Outcome != rabbitmw.Delay {
-				t.Fatalf("our failure %d: %v; want delayed", i+1, r.dec.Outcome)
+			if r := deliverytest.Run(t, ours, msg, i > 0); r.Decision.Outcome != rabbitmw.Delay {
+				t.Fatalf("our failure %d: %v; want delayed", i+1, r.Decision.Outcome)
 			}
 		}
 		if got := legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, failing); got != "dropped" {
@@ -499,8 +527,8 @@ func TestStackSharesFailureCountWithHandWrittenFleet(t *testing.T) {
 			middleware.Dedup(st, middleware.DedupOptions{}),
 		)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return down }))
 		for i := range 4 {
-			if r := deliver(t, ours, msg, i > 0); r.dec.Outcome != rabbitmw.Delay {
-				t.Fatalf("our failure %d: %v; want delayed", i+1, r.dec.Outcome)
+			if r := deliverytest.Run(t, ours, msg, i > 0); r.Decision.Outcome != rabbitmw.Delay {
+				t.Fatalf("our failure %d: %v; want delayed", i+1, r.Decision.Outcome)
 			}
 		}
 		if got := legacyConsumer(ctx, f.client, &amqp.Delivery{MessageId: msg.MessageId}, failing); got != "requeued" {

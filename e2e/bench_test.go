@@ -1,4 +1,4 @@
-package rabbitmw_test
+package e2e_test
 
 import (
 	"testing"

@@ -1,4 +1,4 @@
-package rabbitmw_test
+package e2e_test
 
 // End to end: the recommended stack, the broker and the Redis store
 // together, on real servers (RabbitMQ and Redis) and on the in-memory
@@ -87,6 +87,20 @@ type effectCounter struct {
 	total    atomic.Int64
 	ended    atomic.Int64
 	inflight atomic.Int64
+
+	// Set before the handler runs, by newEffectCounter.
+	marks  []int64         // totals of effects ...
+	passed []chan struct{} // ... each closed when the total reaches its mark
+}
+
+// newEffectCounter returns a counter with a channel closed at each of the
+// totals of effects in marks.
+func newEffectCounter(marks ...int64) *effectCounter {
+	e := &effectCounter{marks: marks}
+	for range marks {
+		e.passed = append(e.passed, make(chan struct{}))
+	}
+	return e
 }
 
 // observe is an outermost layer that counts the deliveries that end.
@@ -107,7 +121,12 @@ func (e *effectCounter) handler() rabbitmw.Handler {
 	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 		v, _ := e.m.LoadOrStore(d.MessageId, new(atomic.Int64))
 		v.(*atomic.Int64).Add(1)
-		e.total.Add(1)
+		total := e.total.Add(1)
+		for i, m := range e.marks {
+			if total == m {
+				close(e.passed[i])
+			}
+		}
 		return nil
 	})
 }
@@ -155,18 +174,36 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 		t.Fatal(err)
 	}
 
-	var fx effectCounter
-	h := rabbitmw.Chain(fx.observe, e2eStack(srv.store))(fx.handler())
-	consumeCtx, stop := context.WithCancel(ctx)
-	var wg sync.WaitGroup
-	errs := make([]error, 2)
-	for i := range errs {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = srv.broker.Consume(consumeCtx, queue, h, broker.ConsumeOptions{Topology: e2eTopology})
-		}()
+	// The connections drop as the effects pass even intervals, so the
+	// consumers are at work at each drop.
+	var marks []int64
+	for i := 1; i <= drops; i++ {
+		marks = append(marks, int64(n*i/(drops+1)))
 	}
+	fx := newEffectCounter(marks...)
+	h := rabbitmw.Chain(fx.observe, e2eStack(srv.store))(fx.handler())
+	// consume starts the two consumers; stop stops them and checks that
+	// they ended well.
+	consume := func() (stop func()) {
+		consumeCtx, cancel := context.WithCancel(ctx)
+		var wg sync.WaitGroup
+		errs := make([]error, 2)
+		for i := range errs {
+			wg.Go(func() {
+				errs[i] = srv.broker.Consume(consumeCtx, queue, h, broker.ConsumeOptions{Topology: e2eTopology})
+			})
+		}
+		return func() {
+			cancel()
+			wg.Wait()
+			for i, err := range errs {
+				if err != nil {
+					t.Errorf("consumer %d: %v", i, err)
+				}
+			}
+		}
+	}
+	stop := consume()
 
 	ids := make([]string, n)
 	var copies []string
@@ -177,8 +214,7 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 			copies = append(copies, ids[i], ids[i])
 		}
 	}
-	// Publish from 16 goroutines; drop the connections as the effects pass
-	// even intervals, so the consumers are at work at each drop.
+	// Publish from 16 goroutines.
 	pubDone := make(chan struct{})
 	go func() {
 		defer close(pubDone)
@@ -201,10 +237,10 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 		close(work)
 		pw.Wait()
 	}()
-	for i := 1; i <= drops; i++ {
-		target := int64(n * i / (drops + 1))
-		for fx.total.Load() < target && ctx.Err() == nil {
-			time.Sleep(5 * time.Millisecond)
+	for _, passed := range fx.passed {
+		select {
+		case <-passed:
+		case <-ctx.Done():
 		}
 		srv.drop(t)
 	}
@@ -213,12 +249,12 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 	// Every copy has ended (a copy delayed while another consumer held its
 	// claim comes back through a delay queue; a copy whose settlement a
 	// dropped connection lost comes back too), and nothing is left in the
-	// work queue, the delay queues or a handler, twice over a pause longer
-	// than the longest delay.
-	quiet := func() bool {
-		if fx.ended.Load() < int64(len(copies)) || fx.inflight.Load() > 0 {
-			return false
-		}
+	// work queue, the delay queues or a handler. Then the consumers stop,
+	// and the server returns to the work queue what they held and had not
+	// handled yet (prefetched), which neither Len nor a handler shows: if
+	// the queues are still empty, nothing is left anywhere; else the
+	// consumers start again.
+	empty := func() bool {
 		for _, q := range append([]string{queue}, names.Delays...) {
 			if l, err := srv.broker.Len(ctx, q); err != nil || l != 0 {
 				return false
@@ -226,21 +262,24 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 		}
 		return true
 	}
-	for ctx.Err() == nil {
-		if quiet() {
-			time.Sleep(1200 * time.Millisecond)
-			if quiet() {
-				break
+	quiet := func() bool {
+		return fx.ended.Load() >= int64(len(copies)) && fx.inflight.Load() == 0 && empty()
+	}
+	poll := time.NewTicker(20 * time.Millisecond) // the queues are the server's: polled
+	defer poll.Stop()
+	for {
+		for !quiet() && ctx.Err() == nil {
+			select {
+			case <-poll.C:
+			case <-ctx.Done():
 			}
 		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	stop()
-	wg.Wait()
-	for i, err := range errs {
-		if err != nil {
-			t.Errorf("consumer %d: %v", i, err)
+		stop()
+		if empty() || ctx.Err() != nil {
+			break
 		}
+		t.Log("messages back in the queues when the consumers stopped: consuming again")
+		stop = consume()
 	}
 	missing, twice := fx.check(ids)
 	if len(missing) > 0 || len(twice) > 0 {

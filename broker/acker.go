@@ -1,0 +1,340 @@
+package broker
+
+import (
+	"context"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+const (
+	// maxPendingAcks bounds the acks an acker keeps for one frame (see
+	// acker); a quarter of the prefetch count if that is smaller, so that
+	// the acks kept (those of the run, and those held behind a gap) never
+	// take more than half the server's window.
+	maxPendingAcks = 32
+	// maxHoldAck bounds how long the first of them is kept.
+	maxHoldAck = 5 * time.Millisecond
+)
+
+// An acker sends the acks of the deliveries of one session's consume
+// channel, coalesced: basic.ack with multiple set to the highest tag below
+// which every delivery is settled, covering the acks waiting at or below
+// it in one frame.
+//
+// The deliveries of a channel are tagged 1, 2, 3... in the order the
+// server sends them, and a multiple ack of tag n settles every delivery of
+// the channel at or below n that is not settled yet; if n itself is settled
+// already, the server refuses it as an unknown tag and closes the channel.
+// So the acker sends a multiple ack of n only once it knows the result of
+// every tag up to n (ack, or a settlement of its own: nack, reject, or the
+// ack after a confirmed copy, all of which are on the wire by then), and
+// only for an n that waits for its ack. A tag it was not told of (a
+// handler still running) is a gap: no multiple ack covers it, and the acks
+// done above it are held. A multiple ack cannot skip a gap (it would ack
+// the gap's delivery too); so when maxPendingAcks (or a quarter of the
+// prefetch count) are held, or the first has been held for maxHoldAck,
+// the acker acks each of them alone, and counts them as settled on their
+// own: a slow handler delays the acks of the others by at most
+// maxHoldAck.
+//
+// The acks of the run, below any gap, are kept until they are as many, or
+// the first has waited as long, and then sent in one frame. So an ack
+// waits at most maxHoldAck (a little more on a busy machine), and the
+// acks kept never take more than half the prefetch window. With a
+// prefetch count below 8, no ack is kept. A handler that never returns
+// leaves its gap open for the rest of the session: every ack after it
+// goes alone, and the acker keeps a map entry for each later delivery
+// until the session ends (RabbitMQ's consumer_timeout, 30 minutes by
+// default, closes its channel).
+//
+// Acks not sent yet when the session is lost are lost with it: the server
+// redelivers those deliveries, and Dedup takes them for duplicates, as
+// for an ack written just before a connection dies. close sends them
+// first: at a graceful shutdown, every ack is sent before the channel
+// closes.
+//
+// The acker is the Acknowledger of the deliveries it adopted: their own
+// settlements (Nack, Reject, and Ack, one at a time) go through it to the
+// channel, and it counts them as settled once they are sent. It runs one
+// goroutine, from newAcker to close.
+type acker struct {
+	queue string
+	obs   *Observer
+	log   *slog.Logger
+	// maxPending is the bound on the acks of the run, and on those held.
+	maxPending int
+
+	wake  chan struct{} // cap 1
+	quit  chan struct{} // closed by close
+	ended chan struct{} // closed when the goroutine ends
+
+	mu     sync.Mutex
+	to     amqp.Acknowledger // the channel: that of the first delivery adopted
+	closed bool
+	// next is the lowest tag whose result is not known. Every tag below
+	// it is settled, or has its ack in run.
+	next uint64
+	// done holds the tags above next whose result is known: true for an
+	// ack held, false for a tag settled on its own.
+	done map[uint64]bool
+	// run is the highest tag below next whose ack is not sent (0: none);
+	// runN is the number of acks a multiple ack of run sends, since
+	// runSince.
+	run      uint64
+	runN     int
+	runSince time.Time
+	// held is the number of acks held in done, since heldSince.
+	held      int
+	heldSince time.Time
+}
+
+// newAcker returns the acker of a session consuming with prefetch, and
+// starts its goroutine.
+func newAcker(queue string, prefetch int, obs *Observer, log *slog.Logger) *acker {
+	a := makeAcker(queue, prefetch, obs, log)
+	go a.loop()
+	return a
+}
+
+// makeAcker returns an acker whose goroutine is not started: its acks are
+// sent by calls of flush.
+func makeAcker(queue string, prefetch int, obs *Observer, log *slog.Logger) *acker {
+	return &acker{
+		queue:      queue,
+		obs:        obs,
+		log:        log,
+		maxPending: max(1, min(maxPendingAcks, prefetch/4)),
+		wake:       make(chan struct{}, 1),
+		quit:       make(chan struct{}),
+		ended:      make(chan struct{}),
+		next:       1,
+		done:       make(map[uint64]bool),
+	}
+}
+
+// adopt makes a the Acknowledger of d, which came on a's channel.
+func (a *acker) adopt(d *amqp.Delivery) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	switch {
+	case a.to == nil:
+		a.to = d.Acknowledger
+	case a.to != d.Acknowledger:
+		// Not from a's channel: its tags are not a's. It is settled
+		// on its own, and is never covered by a multiple ack of a's.
+		return
+	}
+	d.Acknowledger = a
+}
+
+// ackLater acks d: through its session's acker, coalesced, if it has one;
+// otherwise at once. An error means the ack was not sent and will not be.
+func ackLater(d *amqp.Delivery) error {
+	if a, ok := d.Acknowledger.(*acker); ok {
+		return a.later(d.DeliveryTag)
+	}
+	return d.Ack(false)
+}
+
+// later records the ack of tag, to be sent by a's goroutine.
+func (a *acker) later(tag uint64) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return amqp.ErrClosed
+	}
+	a.record(tag, true)
+	return nil
+}
+
+// Ack implements amqp.Acknowledger: it acks tag alone, now.
+func (a *acker) Ack(tag uint64, multiple bool) error {
+	err := a.to.Ack(tag, multiple)
+	a.observe(1, err)
+	a.settled(tag)
+	return err
+}
+
+// Nack implements amqp.Acknowledger.
+func (a *acker) Nack(tag uint64, multiple, requeue bool) error {
+	err := a.to.Nack(tag, multiple, requeue)
+	a.settled(tag)
+	return err
+}
+
+// Reject implements amqp.Acknowledger.
+func (a *acker) Reject(tag uint64, requeue bool) error {
+	err := a.to.Reject(tag, requeue)
+	a.settled(tag)
+	return err
+}
+
+// settled records tag as settled on its own. (A multiple settlement, which
+// the consumer never makes, would settle tags a does not know of: their
+// acks would then be refused, as a second ack of a tag is.)
+func (a *acker) settled(tag uint64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.record(tag, false)
+}
+
+// record records the result of tag: an ack to send (ack), or a settlement
+// made already. A second result for a tag is ignored: a tag is settled
+// once. a.mu must be held.
+func (a *acker) record(tag uint64, ack bool) {
+	if _, seen := a.done[tag]; seen || tag < a.next {
+		return
+	}
+	if tag > a.next {
+		a.done[tag] = ack
+		if ack {
+			a.held++
+			if a.held == 1 {
+				a.heldSince = time.Now()
+				a.signal() // to arm the timer, or send it
+			} else if a.held == a.maxPending {
+				a.signal()
+			}
+		}
+		return
+	}
+	// tag == a.next: the run grows over it and the results above it.
+	n, moved := a.runN, false
+	if ack {
+		a.run, a.runN = tag, a.runN+1
+	}
+	a.next++
+	for {
+		ack, ok := a.done[a.next]
+		if !ok {
+			break
+		}
+		delete(a.done, a.next)
+		if ack {
+			a.held--
+			a.run, a.runN, moved = a.next, a.runN+1, true
+		}
+		a.next++
+	}
+	if n == 0 && a.runN > 0 {
+		a.runSince = time.Now()
+	}
+	if moved && a.heldSince.Before(a.runSince) {
+		// Held acks keep their age in the run.
+		a.runSince = a.heldSince
+	}
+	if (n == 0 && a.runN > 0) || moved || (n < a.maxPending && a.runN >= a.maxPending) {
+		a.signal() // to send the run, or arm the timer for it
+	}
+}
+
+func (a *acker) signal() {
+	select {
+	case a.wake <- struct{}{}:
+	default:
+	}
+}
+
+// loop sends the acks until close.
+func (a *acker) loop() {
+	defer close(a.ended)
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	defer t.Stop()
+	for {
+		select {
+		case <-a.wake:
+		case <-t.C:
+		case <-a.quit:
+			a.flush(true)
+			return
+		}
+		if wait := a.flush(false); wait > 0 {
+			t.Reset(wait)
+		}
+	}
+}
+
+// flush sends the run with a multiple ack, and the held acks one by one,
+// if they are all to be sent (all) or at a bound. It returns how long the
+// acks kept may wait still (0: none is kept).
+func (a *acker) flush(all bool) (wait time.Duration) {
+	a.mu.Lock()
+	to := a.to
+	now := time.Now()
+	var run uint64
+	var n int
+	if a.runN > 0 {
+		w := maxHoldAck - now.Sub(a.runSince)
+		if all || a.runN >= a.maxPending || w <= 0 {
+			run, n = a.run, a.runN
+			a.run, a.runN = 0, 0
+		} else {
+			wait = w
+		}
+	}
+	var lone []uint64
+	if a.held > 0 {
+		w := maxHoldAck - now.Sub(a.heldSince)
+		if all || a.held >= a.maxPending || w <= 0 {
+			lone = make([]uint64, 0, a.held)
+			for tag, ack := range a.done {
+				if ack {
+					lone = append(lone, tag)
+					a.done[tag] = false // settled on its own, next
+				}
+			}
+			a.held = 0
+		} else if wait == 0 || w < wait {
+			wait = w
+		}
+	}
+	a.mu.Unlock()
+	if run != 0 {
+		// The multiple ack covers only tags below next, and lone only
+		// tags above it: their order does not matter.
+		a.send(to, run, n)
+	}
+	slices.Sort(lone)
+	for _, tag := range lone {
+		a.send(to, tag, 1)
+	}
+	return wait
+}
+
+// send acks tag, with multiple for the n deliveries up to it.
+func (a *acker) send(to amqp.Acknowledger, tag uint64, n int) {
+	err := to.Ack(tag, n > 1)
+	a.observe(n, err)
+	if err != nil {
+		// The channel is gone: the server redelivers them.
+		a.log.LogAttrs(context.Background(), slog.LevelDebug, "broker: ack not sent",
+			slog.Uint64("delivery_tag", tag), slog.Int("deliveries", n), slog.String("error", err.Error()))
+	}
+}
+
+func (a *acker) observe(n int, err error) {
+	if a.obs != nil && a.obs.Ack != nil {
+		a.obs.Ack(AckEvent{Queue: a.queue, Deliveries: n, Err: err})
+	}
+}
+
+// close sends the acks not sent yet, refuses any later one, and ends a's
+// goroutine. The acks are sent before close returns: the channel must stay
+// open until then, but for a session lost already.
+func (a *acker) close() {
+	a.mu.Lock()
+	if a.closed {
+		a.mu.Unlock()
+		<-a.ended
+		return
+	}
+	a.closed = true
+	a.mu.Unlock()
+	close(a.quit)
+	<-a.ended
+}

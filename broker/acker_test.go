@@ -1,0 +1,342 @@
+package broker
+
+import (
+	"log/slog"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// A modelChannel is an amqp.Acknowledger that settles deliveries 1 to n as
+// a RabbitMQ channel does, and records the frames it takes and the unknown
+// delivery tags it refuses (RabbitMQ would close the channel).
+type modelChannel struct {
+	mu      sync.Mutex
+	unacked map[uint64]bool
+	settled map[uint64]int
+	frames  []string
+	unknown []string
+	acks    int // ack frames
+	acked   int // deliveries they settled
+}
+
+func newModelChannel(n int) *modelChannel {
+	m := &modelChannel{unacked: make(map[uint64]bool), settled: make(map[uint64]int)}
+	for tag := range uint64(n) {
+		m.unacked[tag+1] = true
+	}
+	return m
+}
+
+func (m *modelChannel) settle(kind string, tag uint64, multiple bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	frame := kind + " " + strconv.FormatUint(tag, 10)
+	if multiple {
+		frame += " multiple"
+	}
+	m.frames = append(m.frames, frame)
+	if !m.unacked[tag] {
+		m.unknown = append(m.unknown, frame)
+		return
+	}
+	tags := []uint64{tag}
+	if multiple {
+		tags = tags[:0]
+		for t := range m.unacked {
+			if t <= tag {
+				tags = append(tags, t)
+			}
+		}
+	}
+	for _, t := range tags {
+		delete(m.unacked, t)
+		m.settled[t]++
+	}
+	if kind == "ack" {
+		m.acks++
+		m.acked += len(tags)
+	}
+}
+
+func (m *modelChannel) Ack(tag uint64, multiple bool) error {
+	m.settle("ack", tag, multiple)
+	return nil
+}
+
+func (m *modelChannel) Nack(tag uint64, multiple, _ bool) error {
+	m.settle("nack", tag, multiple)
+	return nil
+}
+
+func (m *modelChannel) Reject(tag uint64, _ bool) error {
+	m.settle("reject", tag, false)
+	return nil
+}
+
+// takeFrames returns the frames taken since the last call.
+func (m *modelChannel) takeFrames() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	f := m.frames
+	m.frames = nil
+	return f
+}
+
+// check fails t if a frame had an unknown tag, or a delivery among the
+// first n was not settled exactly once.
+func (m *modelChannel) check(t *testing.T, n int) {
+	t.Helper()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.unknown) > 0 {
+		t.Errorf("frames with an unknown delivery tag: %v; want none", m.unknown)
+	}
+	for tag := range uint64(n) {
+		if got := m.settled[tag+1]; got != 1 {
+			t.Errorf("delivery %d settled %d times; want 1", tag+1, got)
+		}
+	}
+}
+
+// The acker's bookkeeping, step by step, with flush called by the test.
+// Steps: a3 the handler's ack of tag 3 (coalesced), n3 a nack, r3 a
+// reject, c3 the ack after a confirmed copy (alone); f flush, F flush at
+// close; 4ms the clock moves on. Prefetch 16: 4 acks kept at most.
+func TestAckerBookkeeping(t *testing.T) {
+	tests := []struct {
+		name  string
+		steps string
+		want  string // the frames after each flush, | between flushes
+	}{
+		{"one is kept", "a1 f", ""},
+		{"one at the time bound", "a1 f 5ms f", " | ack 1"},
+		{"in order, at the count bound", "a1 a2 a3 f a4 f", " | ack 4 multiple"},
+		{"in order, at the time bound", "a1 a2 f 4ms f 1ms f", " |  | ack 2 multiple"},
+		{"close sends the run", "a1 a2 a3 F", "ack 3 multiple"},
+		{"flush with nothing new", "a1 F f", "ack 1 | "},
+		{"in any order below the top", "a3 a1 a2 F", "ack 3 multiple"},
+		{"gap waits", "a2 a3 f a1 F", " | ack 3 multiple"},
+		{"a nack in the middle goes alone, the run around it", "a1 n2 a3 F", "nack 2 ack 3 multiple"},
+		{"a nack at the top: the run ends below it", "a1 a2 n3 F", "nack 3 ack 2 multiple"},
+		{"a reject in the middle", "a1 r2 a3 a4 F", "reject 2 ack 4 multiple"},
+		{"the ack after a copy goes alone", "a1 c2 a3 F", "ack 2 ack 3 multiple"},
+		{"only settlements of their own", "n1 c2 F", "nack 1 ack 2"},
+		{"a lone ack in the run is sent alone", "n1 a2 n3 F", "nack 1 nack 3 ack 2"},
+		{"two gaps, filled", "a2 a4 a1 a3 F", "ack 4 multiple"},
+		{"two gaps, at the time bound", "a2 a4 a1 5ms f a3 F", "ack 2 multiple ack 4 | ack 3"},
+		{"two gaps, runs of several", "a2 a4 a5 a1 a3 F", "ack 5 multiple"},
+		{"a second result is ignored", "a1 a1 F c2 a2 F", "ack 1 | ack 2"},
+		{"count bound: held acks go alone", "a2 a3 a4 f a5 f a1 F", " | ack 2 ack 3 ack 4 ack 5 | ack 1"},
+		{"time bound: held acks go alone", "a2 a3 f 5ms f a1 F", " | ack 2 ack 3 | ack 1"},
+		{"time bound not reached", "a2 f 4ms f a1 F", " |  | ack 2 multiple"},
+		{"the bound counts from the first held", "a2 4ms a3 1ms f a1 F", "ack 2 ack 3 | ack 1"},
+		{"held acks keep their age in the run", "a2 4ms a1 f 1ms f", " | ack 2 multiple"},
+		{"lone acks, then a run over them", "a2 a3 5ms f a1 a4 F", "ack 2 ack 3 | ack 4 multiple"},
+		{"close sends the run and the held", "a1 a3 a4 F", "ack 1 ack 3 ack 4"},
+		{"held acks, then a nack above them", "a2 a3 n4 a1 F", "nack 4 ack 3 multiple"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ch := newModelChannel(0)
+				a := makeAcker("q", 16, &Observer{}, slog.New(slog.DiscardHandler))
+				var got []string
+				var frames []string
+				for _, step := range strings.Fields(tt.steps) {
+					switch step {
+					case "f", "F":
+						a.flush(step == "F")
+						frames = append(frames, ch.takeFrames()...)
+						got = append(got, strings.Join(frames, " "))
+						frames = nil
+						continue
+					}
+					if d, err := time.ParseDuration(step); err == nil {
+						time.Sleep(d)
+						continue
+					}
+					tag, err := strconv.ParseUint(step[1:], 10, 64)
+					if err != nil {
+						t.Fatalf("step %q", step)
+					}
+					ch.mu.Lock()
+					if ch.settled[tag] == 0 {
+						ch.unacked[tag] = true
+					}
+					ch.mu.Unlock()
+					d := &amqp.Delivery{Acknowledger: ch, DeliveryTag: tag}
+					a.adopt(d)
+					switch step[0] {
+					case 'a':
+						noErr(t, "ackLater", ackLater(d))
+					case 'n':
+						noErr(t, "Nack", d.Nack(false, true))
+					case 'r':
+						noErr(t, "Reject", d.Reject(false))
+					case 'c':
+						noErr(t, "Ack", d.Ack(false))
+					}
+					frames = append(frames, ch.takeFrames()...)
+				}
+				if g := strings.Join(got, " | "); g != tt.want {
+					t.Errorf("frames = %q; want %q", g, tt.want)
+				}
+				ch.mu.Lock()
+				defer ch.mu.Unlock()
+				if len(ch.unknown) > 0 {
+					t.Errorf("frames with an unknown delivery tag: %v; want none", ch.unknown)
+				}
+			})
+		})
+	}
+}
+
+// The bound on the acks kept is a quarter of the prefetch count when that
+// is below maxPendingAcks, and at least one.
+func TestAckerMaxPending(t *testing.T) {
+	for _, tt := range []struct{ prefetch, want int }{{1, 1}, {7, 1}, {8, 2}, {32, 8}, {128, 32}, {65535, 32}} {
+		a := makeAcker("q", tt.prefetch, &Observer{}, slog.New(slog.DiscardHandler))
+		if a.maxPending != tt.want {
+			t.Errorf("maxPending with prefetch %d = %d; want %d", tt.prefetch, a.maxPending, tt.want)
+		}
+	}
+}
+
+// The acker's goroutine sends the acks kept at the bounds, with no flush
+// from the test: a run at the time bound, a held ack at the time bound, a
+// run at the count bound.
+func TestAckerGoroutine(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const n = 19
+		ch := newModelChannel(n)
+		a := newAcker("q", 64, &Observer{}, slog.New(slog.DiscardHandler)) // 16 kept at most
+		defer a.close()
+		ds := make([]*amqp.Delivery, n+1)
+		for tag := 1; tag <= n; tag++ {
+			ds[tag] = &amqp.Delivery{Acknowledger: ch, DeliveryTag: uint64(tag)}
+			a.adopt(ds[tag])
+		}
+		noErr(t, "ackLater", ackLater(ds[1]))
+		noErr(t, "ackLater", ackLater(ds[2]))
+		start := time.Now()
+		synctest.Wait()
+		equal(t, "frames while the run is kept", ch.takeFrames(), []string(nil))
+		time.Sleep(maxHoldAck - time.Nanosecond)
+		synctest.Wait()
+		equal(t, "frames just before the bound", ch.takeFrames(), []string(nil))
+		time.Sleep(time.Nanosecond)
+		synctest.Wait()
+		equal(t, "frames at the bound", ch.takeFrames(), []string{"ack 2 multiple"})
+		equal(t, "kept for", time.Since(start), maxHoldAck)
+
+		noErr(t, "ackLater", ackLater(ds[4]))
+		synctest.Wait()
+		equal(t, "frames while 4 is held", ch.takeFrames(), []string(nil))
+		time.Sleep(maxHoldAck)
+		synctest.Wait()
+		equal(t, "frames at the bound", ch.takeFrames(), []string{"ack 4"})
+
+		for tag := 3; tag <= n-1; tag++ {
+			if tag != 4 {
+				noErr(t, "ackLater", ackLater(ds[tag]))
+			}
+		}
+		synctest.Wait()
+		equal(t, "frames with 15 acks kept", ch.takeFrames(), []string(nil))
+		noErr(t, "ackLater", ackLater(ds[n]))
+		synctest.Wait()
+		equal(t, "frames with 16 acks kept", ch.takeFrames(), []string{"ack 19 multiple"})
+		ch.check(t, n)
+	})
+}
+
+// close sends what is held, and refuses later acks; it may be called twice.
+func TestAckerClose(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ch := newModelChannel(3)
+		a := newAcker("q", 64, &Observer{}, slog.New(slog.DiscardHandler))
+		ds := make([]*amqp.Delivery, 4)
+		for tag := 1; tag <= 3; tag++ {
+			ds[tag] = &amqp.Delivery{Acknowledger: ch, DeliveryTag: uint64(tag)}
+			a.adopt(ds[tag])
+		}
+		noErr(t, "ackLater", ackLater(ds[2]))
+		a.close()
+		equal(t, "frames sent by close", ch.takeFrames(), []string{"ack 2"})
+		isErr(t, "ackLater after close", ackLater(ds[1]), amqp.ErrClosed)
+		a.close()
+		equal(t, "frames after close", ch.takeFrames(), []string(nil))
+	})
+}
+
+// A delivery of another channel is not adopted: its tag is not the
+// acker's, and its ack is sent alone, at once.
+func TestAckerOtherChannel(t *testing.T) {
+	ch, other := newModelChannel(1), newModelChannel(1)
+	a := makeAcker("q", 64, &Observer{}, slog.New(slog.DiscardHandler))
+	d1 := &amqp.Delivery{Acknowledger: ch, DeliveryTag: 1}
+	d2 := &amqp.Delivery{Acknowledger: other, DeliveryTag: 1}
+	a.adopt(d1)
+	a.adopt(d2)
+	if d2.Acknowledger != amqp.Acknowledger(other) {
+		t.Fatalf("the delivery of another channel was adopted")
+	}
+	noErr(t, "ackLater", ackLater(d2))
+	equal(t, "frames on the other channel", other.takeFrames(), []string{"ack 1"})
+	noErr(t, "ackLater", ackLater(d1))
+	a.flush(true)
+	equal(t, "frames on the acker's channel", ch.takeFrames(), []string{"ack 1"})
+}
+
+// Many workers settle 20,000 deliveries in a random order, some with a
+// nack, a reject or an ack of their own; the acker's goroutine runs. Each
+// delivery is settled once, no tag is unknown, and acks are coalesced.
+func TestAckerConcurrent(t *testing.T) {
+	const n, workers = 20000, 64
+	ch := newModelChannel(n)
+	a := newAcker("q", 2*workers, &Observer{}, slog.New(slog.DiscardHandler))
+	tags := make(chan uint64)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for tag := range tags {
+				d := &amqp.Delivery{Acknowledger: ch, DeliveryTag: tag}
+				a.adopt(d)
+				var err error
+				switch r := rand.IntN(100); {
+				case r < 3:
+					err = d.Nack(false, true)
+				case r < 5:
+					err = d.Reject(false)
+				case r < 7:
+					err = d.Ack(false)
+				default:
+					err = ackLater(d)
+				}
+				if err != nil {
+					t.Errorf("settle %d: %v", tag, err)
+				}
+			}
+		})
+	}
+	for tag := range uint64(n) {
+		tags <- tag + 1
+	}
+	close(tags)
+	wg.Wait()
+	a.close()
+	ch.check(t, n)
+	ch.mu.Lock()
+	defer ch.mu.Unlock()
+	t.Logf("%d acks in %d frames: %.2f deliveries per ack frame", ch.acked, ch.acks, float64(ch.acked)/float64(ch.acks))
+	if ch.acks >= ch.acked {
+		t.Errorf("%d ack frames for %d acks; want fewer frames", ch.acks, ch.acked)
+	}
+}

@@ -1,0 +1,306 @@
+package broker
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+)
+
+// Coalesced acks (see acker): the cases of the behaviours table, run on
+// both servers, and the Test… functions, on the memory server in a
+// synctest bubble.
+
+// ackCounter counts the ack frames a consumer sends, through
+// Observer.Ack.
+type ackCounter struct {
+	mu                 sync.Mutex
+	frames, deliveries int
+	failed             int
+}
+
+// observe makes f's Broker report its acks to c; call it before Consume.
+func (c *ackCounter) observe(f *fixture) {
+	f.b.cfg.obs.Ack = func(e AckEvent) {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.frames++
+		c.deliveries += e.Deliveries
+		if e.Err != nil {
+			c.failed++
+		}
+	}
+}
+
+func (c *ackCounter) counts() (frames, deliveries, failed int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.frames, c.deliveries, c.failed
+}
+
+// A multiple ack settles every unsettled delivery of its channel up to its
+// tag; a multiple ack of a tag settled already is an unknown delivery tag,
+// whatever lies below it, and the server closes the channel. The memory
+// server does as RabbitMQ.
+func testMultipleAckSemantics(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	ctx := testContext(t, 20*time.Second)
+	get3 := func() [3]*amqp.Delivery {
+		t.Helper()
+		var ds [3]*amqp.Delivery
+		for i := range ds {
+			d, ok, err := f.b.Get(ctx, f.q)
+			if err != nil || !ok {
+				t.Fatalf("Get = %v, %v; want a delivery", ok, err)
+			}
+			ds[i] = d
+		}
+		if ds[1].DeliveryTag != ds[0].DeliveryTag+1 || ds[2].DeliveryTag != ds[1].DeliveryTag+1 {
+			t.Fatalf("delivery tags %d, %d, %d; want consecutive", ds[0].DeliveryTag, ds[1].DeliveryTag, ds[2].DeliveryTag)
+		}
+		return ds
+	}
+	for i := range 3 {
+		f.publish(fmt.Sprint("m", i), []byte("x"), nil)
+	}
+
+	// Over a nacked tag: the tags below and at it are settled.
+	ds := get3()
+	noErr(t, "Nack(second)", ds[1].Nack(false, true))
+	noErr(t, "Ack(third, multiple)", ds[2].Ack(true))
+	eventually(t, 10*time.Second, "the nacked message not back in the queue", func() bool { return f.length(f.q) == 1 })
+	if f.mem != nil {
+		equal(t, "unacked", f.mem.unacked(f.q), 0)
+		equal(t, "unknown tags", f.mem.stats().unknownTags, 0)
+	}
+	for i := range 2 {
+		f.publish(fmt.Sprint("n", i), []byte("x"), nil)
+	}
+
+	// At a nacked tag: refused, the channel closes, the others return.
+	ds = get3()
+	noErr(t, "Nack(second)", ds[1].Nack(false, true))
+	_ = ds[1].Ack(true) // the server refuses it after the call returned
+	if f.mem != nil {
+		equal(t, "unknown tags", f.mem.stats().unknownTags, 1)
+	} else {
+		ch, ok := ds[0].Acknowledger.(*amqp.Channel)
+		if !ok {
+			t.Fatalf("Acknowledger %T; want *amqp.Channel", ds[0].Acknowledger)
+		}
+		eventually(t, 10*time.Second, "channel not closed by the multiple ack of a settled tag", ch.IsClosed)
+	}
+	eventually(t, 10*time.Second, "messages not back in the queue", func() bool { return f.length(f.q) == 3 })
+	f.drain(f.q)
+}
+
+// Many workers, handlers of various lengths, some requeues and delays in
+// the middle, one slow handler: every message's effect is applied once,
+// nothing is redelivered, no tag is unknown, and acks are coalesced.
+func testCoalescedAcks(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	var acks ackCounter
+	acks.observe(f)
+	const n = 1000
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		calls := j.record(d)
+		var i int
+		fmt.Sscanf(d.MessageId, "c%d", &i)
+		switch {
+		case i == 100 && calls == 1:
+			time.Sleep(50 * time.Millisecond) // behind it, acks are held
+		case i%10 == 3 && calls == 1:
+			return errBoom // a nack with requeue
+		case i%25 == 7 && calls == 1:
+			return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond) // an ack after a copy
+		}
+		time.Sleep(time.Duration(rand.IntN(500)) * time.Microsecond)
+		return nil
+	}), ConsumeOptions{Workers: 16, Prefetch: 32})
+	for i := range n {
+		f.publish(fmt.Sprint("c", i), []byte("x"), nil)
+	}
+	// Once, twice for the requeued (n/10) and the delayed (n/25).
+	eventually(t, 60*time.Second, "not every message handled", func() bool { return j.totalCalls() == n+n/10+n/25 })
+	noErr(t, "Consume after cancel", r.stop(t))
+	for i := range n {
+		want := 1
+		switch {
+		case i == 100:
+		case i%10 == 3, i%25 == 7:
+			want = 2
+		}
+		equal(t, fmt.Sprintf("handler calls of c%d", i), len(j.callsOf(fmt.Sprint("c", i))), want)
+	}
+	f.assertSettled(t)
+	equal(t, "consumer sessions", f.logs.count("broker: consuming"), 1)
+	frames, deliveries, failed := acks.counts()
+	equal(t, "acks that failed", failed, 0)
+	equal(t, "deliveries acked", deliveries, n+n/25) // once, and the original of each delay
+	if f.mem != nil {
+		s := f.mem.stats()
+		equal(t, "ack frames the memory server took", s.ackFrames, frames)
+		equal(t, "deliveries it acked", s.acked, deliveries)
+	}
+	t.Logf("%d deliveries acked in %d ack frames: %.2f per frame", deliveries, frames, float64(deliveries)/float64(frames))
+	if frames >= deliveries {
+		t.Errorf("%d ack frames for %d deliveries; want fewer frames", frames, deliveries)
+	}
+}
+
+// The held acks go alone once the first has waited maxHoldAck, and not
+// before; the slow delivery's ack goes alone once it is done.
+func TestHeldAcksAtTheTimeBound(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		slow := newGate(t)
+		j := newJournal()
+		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			j.record(d)
+			if d.MessageId == "slow" {
+				<-slow.ch
+			}
+			return nil
+		}), ConsumeOptions{Workers: 4, Prefetch: 16})
+		f.publish("slow", nil, nil)
+		synctest.Wait()
+		for i := range 3 {
+			f.publish(fmt.Sprint("f", i), nil, nil)
+		}
+		synctest.Wait()
+		start := time.Now()
+		equal(t, "handled", j.effected(), 4)
+		equal(t, "unacked while the acks are held", f.mem.unacked(f.q), 4)
+		time.Sleep(maxHoldAck - time.Nanosecond)
+		synctest.Wait()
+		equal(t, "unacked just before the bound", f.mem.unacked(f.q), 4)
+		time.Sleep(time.Nanosecond)
+		synctest.Wait()
+		equal(t, "unacked at the bound", f.mem.unacked(f.q), 1)
+		equal(t, "held for", time.Since(start), maxHoldAck)
+		s := f.mem.stats()
+		equal(t, "ack frames", s.ackFrames, 3)
+		slow.open()
+		synctest.Wait()
+		time.Sleep(maxHoldAck) // its ack is kept as long
+		synctest.Wait()
+		equal(t, "unacked once the slow one is done", f.mem.unacked(f.q), 0)
+		equal(t, "ack frames", f.mem.stats().ackFrames, 4)
+		noErr(t, "Consume after cancel", r.stop(t))
+		f.assertSettled(t)
+	})
+}
+
+// The held acks go alone when they are a quarter of the prefetch count,
+// before the time bound.
+func TestHeldAcksAtTheCountBound(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		slow := newGate(t)
+		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			if d.MessageId == "slow" {
+				<-slow.ch
+			}
+			return nil
+		}), ConsumeOptions{Workers: 4, Prefetch: 16})
+		f.publish("slow", nil, nil)
+		synctest.Wait()
+		for i := range 3 {
+			f.publish(fmt.Sprint("f", i), nil, nil)
+		}
+		synctest.Wait()
+		equal(t, "unacked with 3 acks held", f.mem.unacked(f.q), 4)
+		f.publish("f3", nil, nil)
+		synctest.Wait()
+		equal(t, "unacked with 4 acks held", f.mem.unacked(f.q), 1)
+		equal(t, "ack frames", f.mem.stats().ackFrames, 4)
+		slow.open()
+		noErr(t, "Consume after cancel", r.stop(t))
+		f.assertSettled(t)
+	})
+}
+
+// At shutdown, the acks held behind a handler still running are sent with
+// its own, in one multiple ack, before the connection closes: none is
+// returned to the queue by the close.
+func TestShutdownSendsHeldAcks(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		slow := newGate(t)
+		j := newJournal()
+		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			j.record(d)
+			if d.MessageId == "slow" {
+				<-slow.ch
+			}
+			return nil
+		}), ConsumeOptions{Workers: 4, Prefetch: 16})
+		f.publish("slow", nil, nil)
+		synctest.Wait()
+		for i := range 2 {
+			f.publish(fmt.Sprint("f", i), nil, nil)
+		}
+		synctest.Wait()
+		equal(t, "unacked while the acks are held", f.mem.unacked(f.q), 3)
+		r.cancel()
+		slow.open() // before the clock moves: the acks are still held
+		noErr(t, "Consume", r.wait(t, time.Minute))
+		s := f.mem.stats()
+		equal(t, "ack frames", s.ackFrames, 1)
+		equal(t, "deliveries acked", s.acked, 3)
+		equal(t, "deliveries returned by the close", s.requeuedOnClose, 0)
+		equal(t, "handled", j.totalCalls(), 3)
+		f.assertSettled(t)
+	})
+}
+
+// A connection lost with acks held loses them: the server redelivers those
+// messages (Dedup's duplicates), nothing is acked twice, nothing is lost,
+// and the new session's tags start again.
+func TestConnectionLostWithHeldAcks(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		slow := newGate(t)
+		j := newJournal()
+		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			if j.record(d) == 1 && d.MessageId == "slow" {
+				<-slow.ch
+			}
+			return nil
+		}), ConsumeOptions{Workers: 4, Prefetch: 16})
+		f.publish("slow", nil, nil)
+		synctest.Wait()
+		for i := range 2 {
+			f.publish(fmt.Sprint("f", i), nil, nil)
+		}
+		synctest.Wait()
+		equal(t, "unacked while the acks are held", f.mem.unacked(f.q), 3)
+
+		f.mem.CloseConnections()
+		time.Sleep(time.Second) // past the reconnection backoff
+		synctest.Wait()
+		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 2)
+		for _, id := range []string{"slow", "f0", "f1"} {
+			calls := j.callsOf(id)
+			if equal(t, "handler calls of "+id, len(calls), 2) {
+				equal(t, "redelivered "+id, calls[1].d.Redelivered, true)
+				equal(t, "tag of the redelivery of "+id+" on the new channel below 4", calls[1].d.DeliveryTag < 4, true)
+			}
+		}
+		slow.open() // its result comes after its session: not settled
+		synctest.Wait()
+		noErr(t, "Consume after cancel", r.stop(t))
+		s := f.mem.stats()
+		equal(t, "deliveries acked", s.acked, 3)
+		equal(t, "returned by the lost connection", s.requeuedOnClose, 3)
+		f.assertSettled(t)
+	})
+}
