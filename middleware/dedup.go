@@ -261,13 +261,14 @@ type attempt struct {
 
 // run calls the handler under the claim of key by token, taken at start,
 // renewing the lease while it runs, and cancelling its context if the
-// lease is lost; its context carries down, the key for the layers beneath
+// lease is lost; its context carries down the key for the layers beneath
 // (see [keying.resolve]). If the handler panics, run releases the claim
 // and lets the panic go on.
 func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, start time.Time, down keyed) attempt {
-	hctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	l := h.renewer.start(ctx, key, token, start, cancel)
+	cc := newClaimContext(ctx, key, token, h.retention)
+	cc.keyed = down
+	defer cc.end()
+	l := h.renewer.start(ctx, key, token, start, cc)
 
 	finished := false
 	defer func() {
@@ -276,13 +277,12 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 			h.store.Release(bookkeeping(ctx), key, token)
 		}
 	}()
-	cc := &claimContext{Context: hctx, claim: Claim{key: key, token: token, retention: h.retention}, keyed: down}
 	var a attempt
 	a.err = h.next.Handle(cc, d)
 	finished = true
 	// Why the handler's context ended, if it did, before anything later
 	// can cancel it.
-	a.cause = context.Cause(hctx)
+	a.cause = context.Cause(cc)
 	a.lost, a.validUntil = h.renewer.stop(l)
 	a.marked = cc.claim.marked.Load()
 	return a
