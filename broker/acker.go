@@ -55,7 +55,7 @@ const (
 // redelivers those deliveries, and Dedup takes them for duplicates, as
 // for an ack written just before a connection dies. close sends them
 // first: at a graceful shutdown, every ack is sent before the channel
-// closes.
+// closes, unless its write blocks (see closeWithin).
 //
 // The acker is the Acknowledger of the deliveries it adopted: their own
 // settlements (Nack, Reject, and Ack, one at a time) go through it to the
@@ -327,14 +327,36 @@ func (a *acker) observe(n int, err error) {
 // goroutine. The acks are sent before close returns: the channel must stay
 // open until then, but for a session lost already.
 func (a *acker) close() {
-	a.mu.Lock()
-	if a.closed {
-		a.mu.Unlock()
-		<-a.ended
-		return
-	}
-	a.closed = true
-	a.mu.Unlock()
-	close(a.quit)
+	a.shut()
 	<-a.ended
+}
+
+// closeWithin is close, but it waits at most d for the acks to be written.
+// A write still blocked then (the server no longer reads the socket, or
+// another write holds the connection) would hold the channel open for
+// ever: closeWithin calls closeChannel, which must end it, and then waits
+// for a's goroutine. Those acks are lost, as at a connection loss.
+func (a *acker) closeWithin(d time.Duration, closeChannel func()) {
+	a.shut()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-a.ended:
+	case <-t.C:
+		a.log.LogAttrs(context.Background(), slog.LevelWarn, "broker: acks still being written; closing the connection",
+			slog.Duration("waited", d))
+		closeChannel()
+		<-a.ended
+	}
+}
+
+// shut refuses later acks and tells a's goroutine to send the acks not
+// sent yet, and end. It may be called more than once.
+func (a *acker) shut() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.closed {
+		a.closed = true
+		close(a.quit)
+	}
 }

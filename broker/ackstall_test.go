@@ -112,23 +112,28 @@ func TestShutdownWithAnAckBlocked(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
 		st := newStallTransport(f.b.tr)
-		f.b = newBroker(st, f.b.cfg)
-		defer f.b.Close()
-		r := f.consume(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }),
-			ConsumeOptions{Workers: 4, Prefetch: 16})
+		b := newBroker(st, f.b.cfg) // for Consume; f.b publishes
+		ctx, cancel := context.WithCancel(context.Background())
+		var err error
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			err = b.Consume(ctx, f.q, rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }),
+				ConsumeOptions{Workers: 4, Prefetch: 16, Topology: f.top})
+		}()
 		f.publish("m", nil, nil)
 		synctest.Wait()
 		equal(t, "unacked while its ack is kept", f.mem.unacked(f.q), 1)
 		st.stall()
-		r.cancel()
+		cancel()
 		select {
-		case <-r.done:
+		case <-done:
 		case <-time.After(time.Minute):
 			t.Error("Consume did not return within a minute of its cancellation with an ack blocked")
 			st.closeAll() // ends the blocked write, and the test
-			<-r.done
+			<-done
 		}
-		noErr(t, "Consume", r.err)
+		noErr(t, "Consume", err)
 		equal(t, "returned by the close", f.mem.stats().requeuedOnClose, 1)
 	})
 }

@@ -130,7 +130,9 @@ var consumerSeq atomic.Uint64
 // Consume blocks until ctx is cancelled or a fatal error. On cancellation it
 // stops taking deliveries (basic.cancel), requeues the ones received but not
 // started, lets the handlers in flight finish and settles them, then closes
-// its connection, after the acks not sent yet, and returns nil. Handlers,
+// its connection, after the acks not sent yet (an ack whose write has not
+// ended five seconds later, on a socket the server no longer reads, is lost
+// with the connection), and returns nil. Handlers,
 // those of lost connections included, run with a context that is cancelled
 // only when opts.ShutdownTimeout has passed after ctx was cancelled. A result that
 // comes after that deadline is still settled, once, under a context of its
@@ -305,7 +307,9 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 	}
 	consuming()
 	a := newAcker(c.top.queue, c.prefetch, &c.b.cfg.obs, c.log)
-	defer a.close() // before s.close: the acks not sent yet go first
+	// Before s.close: the acks not sent yet go first, but a write blocked
+	// for closeTimeout is ended by closing s.
+	defer a.closeWithin(closeTimeout, func() { s.close() })
 	c.log.LogAttrs(ctx, slog.LevelInfo, "broker: consuming",
 		slog.String("consumer_tag", c.tag), slog.Int("workers", c.workers), slog.Int("prefetch", c.prefetch))
 
