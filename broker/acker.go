@@ -360,3 +360,10 @@ func (a *acker) shut() {
 		close(a.quit)
 	}
 }
+
+// kept returns the number of tags a keeps above next, for tests.
+func (a *acker) kept() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.done)
+}
