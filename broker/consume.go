@@ -85,7 +85,7 @@ var consumerSeq atomic.Uint64
 //   - Ack, Duplicate: basic.ack, coalesced: once every delivery received
 //     before it on its channel is settled, one ack with multiple set
 //     settles the run; an ack behind a delivery still in its handler waits
-//     at most 5 ms, or until 32 (or half the prefetch count) wait, and is
+//     at most 5 ms, or until 32 (or a quarter of the prefetch count) wait, and is
 //     then sent alone.
 //   - Requeue: basic.nack with requeue.
 //   - Delay(d): a copy goes to the delay queue for d (see [Topology]); the
