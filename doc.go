@@ -14,15 +14,9 @@
 //
 // # Settlement
 //
-// A handler's result decides what happens to its message, by one contract
-// implemented once, in [Decide]:
-//
-//	handler returns               the message is
-//	nil                           acknowledged
-//	error wrapping ErrDuplicate   acknowledged (already processed)
-//	Permanent(err)                dead-lettered at once, err as the reason
-//	RetryAfter(err, d)            requeued, delivered again no sooner than d
-//	any other error               requeued
+// A handler's result decides what happens to its message: acknowledged,
+// requeued, delayed or dead-lettered. The contract is documented once, on
+// [Handler], and implemented once, in [Decide].
 //
 // Layers never acknowledge anything: the code that owns the channel
 // settles each delivery once, from the result. The broker package does
@@ -31,15 +25,11 @@
 //
 // # The recommended stack
 //
-//	h := rabbitmw.Chain(
-//		middleware.Log(logger),
-//		middleware.Retry(st, middleware.RetryOptions{}),
-//		middleware.Recover(),
-//		middleware.Dedup(st, middleware.DedupOptions{}),
-//		middleware.Timeout(30*time.Second),
-//	)(business)
+//	h := middleware.Stack(st, middleware.StackOptions{Logger: logger})(business)
 //
-// The order matters; package middleware explains why, layer by layer.
+// is Log, Retry, Recover, Dedup and Timeout, outermost first, over one
+// store. The order matters; package middleware explains why, layer by
+// layer, and shows the same chain written out with [Chain].
 //
 // # Guarantees
 //

@@ -23,6 +23,10 @@ import (
 //     again no sooner than the given delay;
 //   - any other error: the message is requeued for another attempt.
 //
+// The marks of [WithAttempts] and [NotCounted] change none of this. This
+// list is the contract; the broker package's documentation and
+// [Settler] say what each outcome does on the wire.
+//
 // A Handler never calls Ack, Nack or Reject on the delivery: the code that
 // owns the channel settles it, once, from the returned error (the broker
 // package, or a [Settler] for a plain amqp091 channel). A Handler may read

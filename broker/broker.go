@@ -14,6 +14,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 )
 
 // Errors reported by the package. Each is wrapped with detail; test for them
@@ -280,7 +282,7 @@ func (b *Broker) do(ctx context.Context, op string, f func(session) error) error
 			slog.String("server", b.cfg.serverString),
 			slog.String("error", err.Error()),
 			slog.Duration("retry_in", d))
-		if !sleep(ctx, d) {
+		if clock.Sleep(ctx, d) != nil {
 			return fmt.Errorf("broker: %s: %w (last error: %w)", op, ctx.Err(), last)
 		}
 	}

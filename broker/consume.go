@@ -15,27 +15,24 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 )
 
 // ConsumeOptions configures one Consume call. The zero value selects the
 // defaults noted on each field.
 type ConsumeOptions struct {
 	// Workers is the number of handlers run at once, counting those still
-	// running on a connection that was lost (see Consume). Default 16. In the
-	// prefetch × workers sweep of BENCHMARKS.md (a handler that does no
-	// work, the Redis store, 2 cores), 64 workers made 26 % more messages
-	// per second than 16, at four times the latency. For a rate r of
-	// messages per second and a handler that takes t seconds, give it at
-	// least r×t workers.
+	// running on a connection that was lost (see Consume). Default 16. For
+	// a rate r of messages per second and a handler that takes t seconds,
+	// give it at least r×t workers; more workers cost latency (BENCHMARKS.md
+	// has the sweep the default comes from).
 	Workers int
 	// Prefetch is the QoS prefetch count: how many unsettled deliveries
 	// the server may hand this consumer at once. Default 2*Workers, at
-	// most 65535. In the sweep of BENCHMARKS.md, a prefetch of 1*Workers
-	// is slower with few workers (a worker that acks waits for its next
-	// delivery), and 4 or 8 times Workers gained 10 to 16 % over 2 times
-	// with a handler that does nothing (2 to 10 % on an earlier machine),
-	// while it keeps 2 to 4 times as many messages from the queue's other
-	// consumers, and as many in redelivery when a consumer dies.
+	// most 65535. A prefetch below Workers leaves workers idle while they
+	// wait for their next delivery; a larger one keeps more messages from
+	// the queue's other consumers, and puts as many in redelivery when a
+	// consumer dies.
 	Prefetch int
 	// Topology describes the queues that serve the work queue.
 	Topology Topology
@@ -48,8 +45,8 @@ type ConsumeOptions struct {
 	// OnSettle, if set, is called after each delivery was settled, with
 	// what was done and the error of doing it (nil when the server took
 	// it; for Ack and Duplicate, nil when the ack is handed to the
-	// connection, which coalesces it with others, see Consume). A delivery given back unhandled at shutdown is reported as
-	// Requeue. It runs on the worker that settled the delivery, so it must
+	// connection, which coalesces it with others, see Consume). A
+	// delivery given back unhandled at shutdown is reported as Requeue. It runs on the worker that settled the delivery, so it must
 	// be quick and safe for concurrent use: it is meant for metrics. It
 	// must not settle d.
 	OnSettle func(d *amqp.Delivery, o rabbitmw.Outcome, err error)
@@ -284,7 +281,7 @@ func (c *consumer) run(ctx context.Context) error {
 		c.b.cfg.obs.reconnect(c.top.queue, err, d)
 		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: reconnecting", server,
 			slog.String("error", err.Error()), slog.Duration("retry_in", d))
-		if !sleep(ctx, d) {
+		if clock.Sleep(ctx, d) != nil {
 			return end(nil)
 		}
 	}

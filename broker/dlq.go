@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
@@ -291,7 +292,7 @@ func (b *Broker) dialOwn(ctx context.Context) (session, error) {
 		if err == nil || !errors.Is(err, ErrUnreachable) {
 			return s, err
 		}
-		if !sleep(ctx, bo.next()) {
+		if clock.Sleep(ctx, bo.next()) != nil {
 			return nil, fmt.Errorf("broker: connect: %w (last error: %w)", ctx.Err(), err)
 		}
 	}
@@ -334,7 +335,7 @@ func (snap *snapshot) close(b *Broker) error {
 	defer cancel()
 	for {
 		n, lerr := b.Len(ctx, snap.dlq)
-		if lerr != nil || n >= back || !sleep(ctx, 20*time.Millisecond) {
+		if lerr != nil || n >= back || clock.Sleep(ctx, 20*time.Millisecond) != nil {
 			return err
 		}
 	}

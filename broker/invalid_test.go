@@ -3,7 +3,6 @@ package broker
 import (
 	"context"
 	"errors"
-	"net"
 	"strconv"
 	"strings"
 	"testing"
@@ -12,7 +11,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
-	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
 // frameMax is the frame size of the test servers: RabbitMQ's default, which
@@ -291,15 +289,8 @@ func testCopyThatCannotBeSentIsRejected(t *testing.T, be backend) {
 // the size field of the frame on the wire, for a message with every
 // property and a header of every type, is the size it returns.
 func TestRabbitMQPropertiesSizeIsTheWireSize(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
-	uri, err := amqp.ParseURI(url)
-	noErr(t, "ParseURI", err)
-	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
-	uri.Host, uri.Port = "127.0.0.1", px.port()
-	tr := newAMQPTransport(uri.String(), Options{}.resolve())
 	ctx := testContext(t, time.Minute)
-	s, err := tr.dial(ctx, "rabbitmw test properties size")
-	noErr(t, "dial", err)
+	px, s := dialViaStallProxy(t, ctx, "rabbitmw test properties size")
 	defer s.close()
 	msgs := []amqp.Publishing{
 		{},

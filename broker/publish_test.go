@@ -93,15 +93,8 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 // goroutines. amqp091's Publish, PublishWithContext included, watches no
 // context once it has started writing.
 func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
-	uri, err := amqp.ParseURI(url)
-	noErr(t, "ParseURI", err)
-	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
-	uri.Host, uri.Port = "127.0.0.1", px.port()
-	tr := newAMQPTransport(uri.String(), Options{}.resolve())
 	ctx := testContext(t, time.Minute)
-	s, err := tr.dial(ctx, "rabbitmw test stalled publish")
-	noErr(t, "dial", err)
+	px, s := dialViaStallProxy(t, ctx, "rabbitmw test stalled publish")
 	// A round trip before the stall (no queue has the empty name).
 	isErr(t, "publish before the stall", s.publish(ctx, "", "", amqp.Publishing{Body: []byte("x")}), ErrUnroutable)
 
@@ -189,6 +182,20 @@ func (p *stallProxy) headerFrameSize(t *testing.T) int {
 		t.Fatal("no header frame recorded")
 	}
 	return size
+}
+
+// dialViaStallProxy dials a session named name of the RabbitMQ server for
+// tests through a stall proxy of t's own, and returns both. The caller
+// closes the session.
+func dialViaStallProxy(t *testing.T, ctx context.Context, name string) (*stallProxy, session) {
+	t.Helper()
+	uri, err := amqp.ParseURI(testenv.RabbitMQURL(t))
+	noErr(t, "ParseURI", err)
+	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+	uri.Host, uri.Port = "127.0.0.1", px.port()
+	s, err := newAMQPTransport(uri.String(), Options{}.resolve()).dial(ctx, name)
+	noErr(t, "dial", err)
+	return px, s
 }
 
 func startStallProxy(t *testing.T, target string) *stallProxy {

@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
@@ -154,7 +155,7 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, opts ReplayOptio
 	for n, i := range picked {
 		if opts.Rate > 0 {
 			due := start.Add(time.Duration(float64(n) / opts.Rate * float64(time.Second)))
-			if !sleep(ctx, time.Until(due)) {
+			if clock.Sleep(ctx, time.Until(due)) != nil {
 				break
 			}
 		}

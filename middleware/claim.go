@@ -52,16 +52,21 @@ func ClaimFrom(ctx context.Context) (*Claim, bool) {
 	return c, ok
 }
 
-// claimContext is the handler's context with its Claim: one allocation for
-// both, rather than a Claim and a context.WithValue.
+// claimContext is the handler's context with its Claim, and the key that
+// Dedup hands down, if its ctx does not carry it (see [Keying]): one
+// allocation for all, rather than a Claim and two context.WithValue.
 type claimContext struct {
 	context.Context
 	claim Claim
+	keyed keyed
 }
 
 func (c *claimContext) Value(key any) any {
-	if key == (claimKey{}) {
+	switch {
+	case key == (claimKey{}):
 		return &c.claim
+	case key == (keyedKey{}) && c.keyed.by != nil:
+		return &c.keyed
 	}
 	return c.Context.Value(key)
 }

@@ -21,23 +21,25 @@ import (
 // Timeout is the deadline of the stack's Timeout layer.
 const Timeout = 30 * time.Second
 
-// Recommended is the stack of the README over st: Log, Retry, Recover,
-// Dedup, Timeout. Its logger discards per-delivery records: production
-// logs cost what their slog handler costs, which is not the stack's to
-// measure.
+// Recommended is the stack of the README over st: middleware.Stack, with
+// Timeout as its deadline. Its logger discards per-delivery records:
+// production logs cost what their slog handler costs, which is not the
+// stack's to measure.
 func Recommended(st store.Store) rabbitmw.Middleware {
-	return rabbitmw.Chain(WithoutTimeout(st), middleware.Timeout(Timeout))
+	return middleware.Stack(st, middleware.StackOptions{Logger: discard, Timeout: Timeout})
 }
 
 // WithoutTimeout is [Recommended] without its Timeout layer.
 func WithoutTimeout(st store.Store) rabbitmw.Middleware {
 	return rabbitmw.Chain(
-		middleware.Log(slog.New(slog.DiscardHandler)),
+		middleware.Log(discard),
 		middleware.Retry(st, middleware.RetryOptions{}),
 		middleware.Recover(),
 		middleware.Dedup(st, middleware.DedupOptions{}),
 	)
 }
+
+var discard = slog.New(slog.DiscardHandler)
 
 // Run hands b.N deliveries to stack in front of a handler that does
 // nothing. With dup false each has a new message id (claim, handler,

@@ -31,7 +31,7 @@ type PipelineClient interface {
 }
 
 // A Batcher is a [Client] that coalesces the script calls (Eval,
-// EvalSha, EvalRO, EvalShaRO) and DELs of concurrent callers into
+// EvalSha, EvalRO, EvalShaRO), DELs and SETs of concurrent callers into
 // pipelines, one round trip for many commands. Give it to [New] in
 // place of the client it wraps.
 //
@@ -104,6 +104,7 @@ const (
 	opEvalRO
 	opEvalShaRO
 	opDel
+	opSet
 )
 
 // A batchCall is one caller's command. The fields after op are written by
@@ -114,10 +115,13 @@ type batchCall struct {
 	script string // source or SHA1
 	keys   []string
 	args   []any
-	done   chan struct{} // closed once cmd or del holds the result
+	value  any           // opSet's value, with keys[0] its key
+	set    redis.SetArgs // opSet's options
+	done   chan struct{} // closed once cmd, del or status holds the result
 
-	cmd *redis.Cmd
-	del *redis.IntCmd
+	cmd    *redis.Cmd
+	del    *redis.IntCmd
+	status *redis.StatusCmd
 }
 
 // Eval implements [redis.Scripter], batched.
@@ -159,6 +163,17 @@ func (b *Batcher) Del(ctx context.Context, keys ...string) *redis.IntCmd {
 		return cmd
 	}
 	return c.del
+}
+
+// SetArgs sets key to value with the options a, batched.
+func (b *Batcher) SetArgs(ctx context.Context, key string, value any, a redis.SetArgs) *redis.StatusCmd {
+	c := &batchCall{ctx: ctx, op: opSet, keys: []string{key}, value: value, set: a}
+	if err := b.do(c); err != nil {
+		cmd := redis.NewStatusCmd(ctx, "set", key)
+		cmd.SetErr(err)
+		return cmd
+	}
+	return c.status
 }
 
 func (b *Batcher) script(ctx context.Context, op batchOp, script string, keys []string, args []any) *redis.Cmd {
@@ -276,6 +291,8 @@ func (b *Batcher) send(ctx context.Context, batch []*batchCall) {
 			c.cmd = pipe.EvalShaRO(ctx, c.script, c.keys, c.args...)
 		case opDel:
 			c.del = pipe.Del(ctx, c.keys...)
+		case opSet:
+			c.status = pipe.SetArgs(ctx, c.keys[0], c.value, c.set)
 		}
 	}
 	// Exec's error is the first command's error; each command holds its own.

@@ -337,3 +337,68 @@ func TestBatcherRestartMidBatch(t *testing.T) {
 		time.Sleep(10 * time.Millisecond) // waits for the server to answer
 	}
 }
+
+// SETs travel in the pipelines with the scripts and DELs, each with its own
+// result: the old value for SET NX GET of a key that exists, redis.Nil for
+// one that did not (and is now set).
+func TestBatcherSet(t *testing.T) {
+	m, _, g, b := gated(t, redisstore.BatcherOptions{})
+	ctx := context.Background()
+	m.Set("held", "old")
+	var wg sync.WaitGroup
+	wg.Go(func() { b.Del(ctx, "x") })
+	<-g.held
+	nx := redis.SetArgs{Mode: "NX", TTL: time.Minute, Get: true}
+	var heldVal, freeVal string
+	var heldErr, freeErr, evalErr error
+	wg.Go(func() { heldVal, heldErr = b.SetArgs(ctx, "held", "new", nx).Result() })
+	wg.Go(func() { freeVal, freeErr = b.SetArgs(ctx, "free", "new", nx).Result() })
+	wg.Go(func() { evalErr = b.Eval(ctx, echo, []string{"e"}, "e").Err() })
+	waitQueued(t, b, 3)
+	g.open <- struct{}{}
+	<-g.held
+	g.open <- struct{}{}
+	wg.Wait()
+	if heldVal != "old" || heldErr != nil {
+		t.Errorf("SET NX GET of a held key = %q, %v; want \"old\", nil", heldVal, heldErr)
+	}
+	if !errors.Is(freeErr, redis.Nil) {
+		t.Errorf("SET NX GET of a free key = %q, %v; want redis.Nil", freeVal, freeErr)
+	}
+	if evalErr != nil {
+		t.Errorf("Eval in the same pipeline = %v; want nil", evalErr)
+	}
+	if v, _ := m.Get("held"); v != "old" {
+		t.Errorf("held = %q; want \"old\", untouched by NX", v)
+	}
+	if v, _ := m.Get("free"); v != "new" || !near(m.TTL("free"), time.Minute) {
+		t.Errorf("free = %q with TTL %v; want \"new\" for a minute", v, m.TTL("free"))
+	}
+	if s := g.Sizes(); !slices.Equal(s, []int{1, 3}) {
+		t.Errorf("pipeline sizes = %v; want [1 3]", s)
+	}
+}
+
+// A SET whose caller's context ends while it is queued is never sent.
+func TestBatcherSetContextEndsWhileQueued(t *testing.T) {
+	m, _, g, b := gated(t, redisstore.BatcherOptions{})
+	bg := context.Background()
+	var wg sync.WaitGroup
+	wg.Go(func() { b.Del(bg, "x") })
+	<-g.held
+	ctx, cancel := context.WithCancel(bg)
+	var err error
+	var left sync.WaitGroup
+	left.Go(func() { err = b.SetArgs(ctx, "abandoned", "v", redis.SetArgs{}).Err() })
+	waitQueued(t, b, 1)
+	cancel()
+	left.Wait()
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("SetArgs after its context ended = %v; want context.Canceled", err)
+	}
+	g.open <- struct{}{}
+	wg.Wait()
+	if m.Exists("abandoned") {
+		t.Error("the SET of a caller that left was sent")
+	}
+}

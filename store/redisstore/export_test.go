@@ -6,3 +6,5 @@ func (b *Batcher) Queued() int {
 	defer b.mu.Unlock()
 	return len(b.queue)
 }
+
+var IsSyntaxError = isSyntaxError

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -54,11 +56,15 @@ type Options struct {
 // abandoned claim as work in progress, as they see their own marks; the
 // first Claim by this store that finds it removes it.
 //
-// Every state change is one round trip: Claim, Extend, Complete, Release and
-// Fail each run one Lua script (EVALSHA; a script not yet in Redis's cache
-// costs one more round trip, once, unless [Store.Load] cached it), and each
-// script touches a single key, so the store works unchanged on Redis
-// Cluster. A mark of a hand-written consumer
+// Extend, Complete, Release and Fail are one round trip each: one Lua
+// script (EVALSHA; a script not yet in Redis's cache costs one more round
+// trip, once, unless [Store.Load] cached it). Claim is one native SET NX
+// GET when it finds the key absent or done, the common cases; when it
+// finds a claim or a hand-written mark it runs a script as well, to read
+// the key's remaining time and decide (two round trips). On a Redis before
+// 7.0, which refuses NX with GET, Claim runs the script alone, as one
+// round trip. Every command touches a single key, so the store works
+// unchanged on Redis Cluster. A mark of a hand-written consumer
 // is processing until it expires, and nobody owns it: this store never
 // completes or releases it. One left without expiry (a hand-written
 // consumer that died between SETNX and EXPIRE) is given the claimer's
@@ -79,6 +85,10 @@ type Store struct {
 	client               Client
 	claimPre, failurePre string
 	abandoned            int64 // the abandoned retention, in milliseconds
+
+	// noSetGet is set once Redis refused SET NX GET (before 7.0): every
+	// Claim then runs claimScript alone.
+	noSetGet atomic.Bool
 }
 
 // New returns a store that uses client, which the caller keeps
@@ -107,13 +117,14 @@ func New(client Client, opts Options) *Store {
 }
 
 // Client is the part of a go-redis client that a [Store] uses:
-// its scripts and one DEL. Every [redis.UniversalClient] has it (a
+// its scripts, SET and DEL. Every [redis.UniversalClient] has it (a
 // [redis.Client], a [redis.ClusterClient], a [redis.Ring], a Sentinel
 // failover client, the [redis.AutoPipeliner] they return from
 // AutoPipeline), and a wrapper or a test fake needs no more than this.
 type Client interface {
 	redis.Scripter
 	Del(ctx context.Context, keys ...string) *redis.IntCmd
+	SetArgs(ctx context.Context, key string, value any, a redis.SetArgs) *redis.StatusCmd
 }
 
 // The value of a done mark. Hand-written consumers compare with it.
@@ -204,11 +215,33 @@ func (r *Store) Load(ctx context.Context) error {
 	return nil
 }
 
-// Claim implements [store.Store].
+// Claim implements [store.Store]. The common claims, of an absent key and
+// of a done one, are one SET NX GET; a claim that finds a claim or a
+// hand-written mark runs claimScript, which reads the key's PTTL to decide.
 func (r *Store) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
-	ms := millis(lease)
+	if err := ctx.Err(); err != nil {
+		return 0, r.fail("claim", key, err)
+	}
+	k, ms := r.claimPre+key, millis(lease)
 	value := claimTag + strconv.FormatInt(r.abandoned, 10) + ":" + token
-	n, err := r.run(ctx, claimScript, r.claimPre+key, value, ms+r.abandoned, ms)
+	px := time.Duration(ms+r.abandoned) * time.Millisecond
+	if !r.noSetGet.Load() {
+		old, err := r.client.SetArgs(ctx, k, value, redis.SetArgs{Mode: "NX", TTL: px, Get: true}).Result()
+		switch {
+		case errors.Is(err, redis.Nil):
+			return store.Claimed, nil
+		case err == nil && old == doneMark:
+			return store.Done, nil
+		case err == nil:
+			// A claim or a mark: the script decides.
+		case isSyntaxError(err):
+			// Redis before 7.0 refuses NX with GET; the script does it all.
+			r.noSetGet.Store(true)
+		default:
+			return 0, r.fail("claim", key, err)
+		}
+	}
+	n, err := r.run(ctx, claimScript, k, value, ms+r.abandoned, ms)
 	if err != nil {
 		return 0, r.fail("claim", key, err)
 	}
@@ -223,6 +256,13 @@ func (r *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 		return store.Abandoned, nil
 	}
 	return 0, r.fail("claim", key, fmt.Errorf("unexpected script result %d", n))
+}
+
+// isSyntaxError reports whether err is Redis's answer to a command it does
+// not know the form of.
+func isSyntaxError(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re) && strings.HasPrefix(re.Error(), "ERR syntax error")
 }
 
 // Extend implements [store.Store].

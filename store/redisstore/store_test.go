@@ -3,7 +3,11 @@ package redisstore_test
 import (
 	"context"
 	"errors"
+	"slices"
+	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -126,7 +130,8 @@ func TestPrefixes(t *testing.T) {
 	}
 }
 
-// Each state change is one round trip once Load has cached the scripts.
+// Each state change is one round trip once Load has cached the scripts,
+// but for a claim that finds the key claimed: two, the SET and the script.
 func TestRoundTrips(t *testing.T) {
 	_, c, rt := redistest.Start(t)
 	s := redisstore.New(c, redisstore.Options{})
@@ -137,22 +142,24 @@ func TestRoundTrips(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		call func() error
+		want int64
 	}{
-		{"Claim", func() error { _, err := s.Claim(ctx, "k", "t", time.Minute); return err }},
-		{"Extend", func() error { return s.Extend(ctx, "k", "t", time.Minute) }},
-		{"Complete", func() error { return s.Complete(ctx, "k", "t", time.Minute) }},
-		{"Claim of done", func() error { _, err := s.Claim(ctx, "k", "t", time.Minute); return err }},
-		{"Fail", func() error { _, err := s.Fail(ctx, "k", time.Minute); return err }},
-		{"ResetFailures", func() error { return s.ResetFailures(ctx, "k") }},
-		{"Claim again", func() error { _, err := s.Claim(ctx, "j", "t", time.Minute); return err }},
-		{"Release", func() error { return s.Release(ctx, "j", "t") }},
+		{"Claim", func() error { _, err := s.Claim(ctx, "k", "t", time.Minute); return err }, 1},
+		{"Claim of a claimed key", func() error { _, err := s.Claim(ctx, "k", "u", time.Minute); return err }, 2},
+		{"Extend", func() error { return s.Extend(ctx, "k", "t", time.Minute) }, 1},
+		{"Complete", func() error { return s.Complete(ctx, "k", "t", time.Minute) }, 1},
+		{"Claim of done", func() error { _, err := s.Claim(ctx, "k", "t", time.Minute); return err }, 1},
+		{"Fail", func() error { _, err := s.Fail(ctx, "k", time.Minute); return err }, 1},
+		{"ResetFailures", func() error { return s.ResetFailures(ctx, "k") }, 1},
+		{"Claim again", func() error { _, err := s.Claim(ctx, "j", "t", time.Minute); return err }, 1},
+		{"Release", func() error { return s.Release(ctx, "j", "t") }, 1},
 	} {
 		before := rt.Count()
 		if err := tc.call(); err != nil {
 			t.Fatalf("%s: %v", tc.name, err)
 		}
-		if got := rt.Count() - before; got != 1 {
-			t.Errorf("%s took %d round trips; want 1", tc.name, got)
+		if got := rt.Count() - before; got != tc.want {
+			t.Errorf("%s took %d round trips; want %d", tc.name, got, tc.want)
 		}
 	}
 }
@@ -266,4 +273,139 @@ func TestAbandonedRetentionPerClaim(t *testing.T) {
 	if got, err := short.Claim(ctx, "j", "tok2", time.Hour); err != nil || got != store.Abandoned {
 		t.Fatalf("Claim by a store with a shorter retention, after the lease = %v, %v; want abandoned", got, err)
 	}
+}
+
+// commands is a redis.Hook that records the name of every command a client
+// sends, alone or in a pipeline.
+type commands struct {
+	mu    sync.Mutex
+	names []string
+}
+
+func (c *commands) take() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := c.names
+	c.names = nil
+	return n
+}
+
+func (c *commands) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (c *commands) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		c.mu.Lock()
+		c.names = append(c.names, cmd.Name())
+		c.mu.Unlock()
+		return next(ctx, cmd)
+	}
+}
+
+func (c *commands) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		c.mu.Lock()
+		for _, cmd := range cmds {
+			c.names = append(c.names, cmd.Name())
+		}
+		c.mu.Unlock()
+		return next(ctx, cmds)
+	}
+}
+
+// The common claims, of an absent key and of a done one, are one native SET
+// (NX GET), which costs Redis a third of a script; only a claim that finds
+// a claim or a hand-written mark runs the script, to read the key's PTTL
+// and decide.
+func TestClaimCommands(t *testing.T) {
+	m, c := newMiniredis(t)
+	rec := new(commands)
+	c.AddHook(rec)
+	s := redisstore.New(c, redisstore.Options{AbandonedRetention: time.Hour})
+	ctx := context.Background()
+	if err := s.Load(ctx); err != nil {
+		t.Fatal(err)
+	}
+	m.Set("msg:hand", "processing")
+	m.SetTTL("msg:hand", time.Hour)
+	if _, err := s.Claim(ctx, "gone", "tok", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	m.FastForward(time.Minute) // gone's lease ends: abandoned
+	rec.take()
+	for _, tc := range []struct {
+		name string
+		key  string
+		want store.Status
+		cmds []string
+	}{
+		{"absent", "a", store.Claimed, []string{"set"}},
+		{"processing", "a", store.Processing, []string{"set", "evalsha"}},
+		{"hand-written mark", "hand", store.Processing, []string{"set", "evalsha"}},
+		{"abandoned", "gone", store.Abandoned, []string{"set", "evalsha"}},
+		{"absent again", "gone", store.Claimed, []string{"set"}},
+	} {
+		got, err := s.Claim(ctx, tc.key, "tok2", time.Minute)
+		if err != nil || got != tc.want {
+			t.Errorf("Claim(%s) of %s = %v, %v; want %v", tc.key, tc.name, got, err, tc.want)
+		}
+		if cmds := rec.take(); !slices.Equal(cmds, tc.cmds) {
+			t.Errorf("Claim(%s) of %s sent %v; want %v", tc.key, tc.name, cmds, tc.cmds)
+		}
+	}
+	if err := s.Complete(ctx, "a", "tok2", time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	rec.take()
+	if got, err := s.Claim(ctx, "a", "tok3", time.Minute); err != nil || got != store.Done {
+		t.Errorf("Claim(a) of done = %v, %v; want done", got, err)
+	}
+	if cmds := rec.take(); !slices.Equal(cmds, []string{"set"}) {
+		t.Errorf("Claim(a) of done sent %v; want [set]", cmds)
+	}
+	if v, _ := m.Get("msg:a"); v != "done" {
+		t.Errorf("msg:a = %q after a Claim of done; want \"done\" untouched", v)
+	}
+}
+
+// oldRedis is a Client whose SETs are answered as Redis 6.2 answers SET
+// NX GET: a syntax error.
+type oldRedis struct {
+	*redis.Client
+	sets atomic.Int64
+}
+
+type syntaxError struct{}
+
+func (syntaxError) Error() string { return "ERR syntax error" }
+func (syntaxError) RedisError()   {}
+
+func (o *oldRedis) SetArgs(ctx context.Context, key string, value any, a redis.SetArgs) *redis.StatusCmd {
+	o.sets.Add(1)
+	cmd := redis.NewStatusCmd(ctx, "set", key, value)
+	cmd.SetErr(syntaxError{})
+	return cmd
+}
+
+// On a Redis older than 7.0, Claim runs the script, as it did before SET NX
+// GET, and stops trying the SET after the first refusal.
+func TestClaimBeforeRedis7(t *testing.T) {
+	_, c := newMiniredis(t)
+	if err := c.Do(context.Background(), "set", "k", "v", "bogus").Err(); !redisstore.IsSyntaxError(err) {
+		t.Fatalf("isSyntaxError(%v) of Redis's answer to a bad SET = false; want true", err)
+	}
+	old := &oldRedis{Client: c}
+	s := redisstore.New(old, redisstore.Options{})
+	ctx := context.Background()
+	for i, want := range []store.Status{store.Claimed, store.Processing} {
+		if got, err := s.Claim(ctx, "k", "tok"+strconv.Itoa(i), time.Minute); err != nil || got != want {
+			t.Fatalf("Claim %d = %v, %v; want %v", i+1, got, err, want)
+		}
+	}
+	if n := old.sets.Load(); n != 1 {
+		t.Errorf("%d SETs tried; want 1, the one refused", n)
+	}
+	storetest.Run(t, func(t *testing.T) store.Store {
+		_, c := newMiniredis(t)
+		return redisstore.New(&oldRedis{Client: c}, redisstore.Options{})
+	})
 }
