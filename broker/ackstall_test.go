@@ -137,3 +137,44 @@ func TestShutdownWithAnAckBlocked(t *testing.T) {
 		equal(t, "returned by the close", f.mem.stats().requeuedOnClose, 1)
 	})
 }
+
+// A session given up (a copy's confirm did not come within settleTimeout)
+// while its acker is blocked in a write is closed all the same, and
+// Consume connects again.
+func TestGivenUpSessionWithAnAckBlocked(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		st := newStallTransport(f.b.tr)
+		st.stall()
+		b := newBroker(st, f.b.cfg) // for Consume; f.b publishes
+		f.publish("a", nil, nil)
+		f.publish("x", nil, nil)
+		f.mem.setConfirmDelay(time.Hour) // for x's copy
+		j := newJournal()
+		ctx, cancel := context.WithCancel(context.Background())
+		var err error
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			err = b.Consume(ctx, f.q, rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+				if j.record(d) == 1 && d.MessageId == "x" {
+					return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond)
+				}
+				return nil
+			}), ConsumeOptions{Workers: 4, Prefetch: 16, Topology: f.top})
+		}()
+		time.Sleep(settleTimeout + time.Minute)
+		synctest.Wait()
+		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 2)
+		f.mem.setConfirmDelay(0)
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(time.Minute):
+			t.Error("Consume did not return within a minute of its cancellation with an ack blocked")
+			st.closeAll() // ends the blocked writes, and the test
+			<-done
+		}
+		noErr(t, "Consume", err)
+	})
+}
