@@ -104,7 +104,11 @@ type DedupOptions struct {
 //
 // If s cannot be reached, Dedup fails closed by default: the handler does
 // not run and the message is tried again after UnavailableDelay, so nothing
-// is processed twice and nothing is lost. If marking done fails that way
+// is processed twice and nothing is lost. A claim whose answer was lost
+// may have taken effect: Dedup releases it at once, or, when the store
+// does not answer that either, with its next claim that the store answers
+// (up to 256 such claims, in this process's memory), so that the message
+// is not busy until the lease ends. If marking done fails that way
 // after the handler succeeded, Dedup retries until the lease would end or
 // ctx is done; if it still fails, the message is tried again later, and its
 // effect repeats only if the lease has expired by then.
@@ -138,6 +142,7 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 		observe:     opts.Observe,
 	}
 	cfg.renewer = newRenewer(s, cfg.lease)
+	cfg.orphans = new(orphans)
 	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		return &dedup{dedupConfig: cfg, next: next}
@@ -157,6 +162,7 @@ type dedupConfig struct {
 	failOpen    bool
 	observe     func(context.Context, DedupEvent)
 	renewer     *renewer
+	orphans     *orphans // shared by the handlers this Dedup wraps
 }
 
 type dedup struct {
@@ -203,13 +209,21 @@ func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) 
 // handler to run anyway.
 func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err error) {
 	status, err := h.store.Claim(ctx, key, token, h.lease)
+	if err == nil && h.orphans.release(ctx, h.store, key) && status == store.Processing {
+		// The key was held by a claim of ours whose answer was lost, and
+		// is free now.
+		status, err = h.store.Claim(ctx, key, token, h.lease)
+	}
 	switch {
 	case err != nil:
 		// The claim may have taken effect though its answer was lost:
 		// release it, if this token holds it, rather than leave it to
-		// block the message until the lease ends.
+		// block the message until the lease ends; if the store does not
+		// answer that either, release it once it answers again.
 		rctx, rcancel := context.WithTimeout(bookkeeping(ctx), time.Second)
-		h.store.Release(rctx, key, token)
+		if rerr := h.store.Release(rctx, key, token); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
+			h.orphans.add(key, token, time.Now().Add(h.lease))
+		}
 		rcancel()
 		notify(h.observe, ctx, DedupUnavailable, key, err)
 		if h.failOpen && ctx.Err() == nil {
@@ -247,13 +261,14 @@ type attempt struct {
 
 // run calls the handler under the claim of key by token, taken at start,
 // renewing the lease while it runs, and cancelling its context if the
-// lease is lost; its context carries down, the key for the layers beneath
+// lease is lost; its context carries down the key for the layers beneath
 // (see [keying.resolve]). If the handler panics, run releases the claim
 // and lets the panic go on.
 func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, start time.Time, down keyed) attempt {
-	hctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	l := h.renewer.start(ctx, key, token, start, cancel)
+	cc := newClaimContext(ctx, key, token, h.retention)
+	cc.keyed = down
+	defer cc.end()
+	l := h.renewer.start(ctx, key, token, start, cc)
 
 	finished := false
 	defer func() {
@@ -262,13 +277,12 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 			h.store.Release(bookkeeping(ctx), key, token)
 		}
 	}()
-	cc := &claimContext{Context: hctx, claim: Claim{key: key, token: token, retention: h.retention}, keyed: down}
 	var a attempt
 	a.err = h.next.Handle(cc, d)
 	finished = true
 	// Why the handler's context ended, if it did, before anything later
 	// can cancel it.
-	a.cause = context.Cause(hctx)
+	a.cause = context.Cause(cc)
 	a.lost, a.validUntil = h.renewer.stop(l)
 	a.marked = cc.claim.marked.Load()
 	return a

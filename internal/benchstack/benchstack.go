@@ -47,7 +47,25 @@ var discard = slog.New(slog.DiscardHandler)
 // starts (claim only). It fails b if a delivery does not end as acked, or
 // as a duplicate, respectively.
 func Run(b *testing.B, stack rabbitmw.Middleware, dup bool) {
-	h := stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }))
+	run(b, stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })), dup)
+}
+
+// RunWaiting is [Run] of new messages in front of a handler that calls
+// ctx.Done once and does nothing else, as a handler that does any I/O
+// (which watches its context) does at least: the contexts that the layers
+// build lazily are built then.
+func RunWaiting(b *testing.B, stack rabbitmw.Middleware) {
+	run(b, stack(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		default:
+			return nil
+		}
+	})), false)
+}
+
+func run(b *testing.B, h rabbitmw.Handler, dup bool) {
 	d := &amqp.Delivery{MessageId: "dup", Body: []byte(`{"order":42}`)}
 	ctx := context.Background()
 	want := rabbitmw.Ack
