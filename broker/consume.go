@@ -83,7 +83,7 @@ var consumerSeq atomic.Uint64
 //   - Ack, Duplicate: basic.ack, coalesced: once every delivery received
 //     before it on its channel is settled, one ack with multiple set
 //     settles the run; an ack behind a delivery still in its handler waits
-//     at most 5 ms, or until 32 (or half the prefetch count) wait, and is
+//     at most 5 ms, or until 32 (or a quarter of the prefetch count) wait, and is
 //     then sent alone.
 //   - Requeue: basic.nack with requeue.
 //   - Delay(d): a copy goes to the delay queue for d (see [Topology]); the
@@ -128,7 +128,9 @@ var consumerSeq atomic.Uint64
 // Consume blocks until ctx is cancelled or a fatal error. On cancellation it
 // stops taking deliveries (basic.cancel), requeues the ones received but not
 // started, lets the handlers in flight finish and settles them, then closes
-// its connection, after the acks not sent yet, and returns nil. Handlers,
+// its connection, after the acks not sent yet (an ack whose write has not
+// ended five seconds later, on a socket the server no longer reads, is lost
+// with the connection), and returns nil. Handlers,
 // those of lost connections included, run with a context that is cancelled
 // only when opts.ShutdownTimeout has passed after ctx was cancelled. A result that
 // comes after that deadline is still settled, once, under a context of its
@@ -303,7 +305,9 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 	}
 	consuming()
 	a := newAcker(c.top.queue, c.prefetch, &c.b.cfg.obs, c.log)
-	defer a.close() // before s.close: the acks not sent yet go first
+	// Before s.close: the acks not sent yet go first, but a write blocked
+	// for closeTimeout is ended by closing s.
+	defer a.closeWithin(closeTimeout, func() { s.close() })
 	c.log.LogAttrs(ctx, slog.LevelInfo, "broker: consuming",
 		slog.String("consumer_tag", c.tag), slog.Int("workers", c.workers), slog.Int("prefetch", c.prefetch))
 
