@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 )
 
 // A stallTransport makes sessions whose acks, once stall is called, block
@@ -18,7 +19,7 @@ import (
 // answering, or a publish blocked in its write holding the connection's
 // lock), until the session's close closes the socket.
 type stallTransport struct {
-	transport
+	transport.Transport
 	once    sync.Once
 	stalled chan struct{}
 
@@ -26,14 +27,14 @@ type stallTransport struct {
 	sessions []*stallSession
 }
 
-func newStallTransport(tr transport) *stallTransport {
-	return &stallTransport{transport: tr, stalled: make(chan struct{})}
+func newStallTransport(tr transport.Transport) *stallTransport {
+	return &stallTransport{Transport: tr, stalled: make(chan struct{})}
 }
 
 func (t *stallTransport) stall() { t.once.Do(func() { close(t.stalled) }) }
 
-func (t *stallTransport) dial(ctx context.Context, name string) (session, error) {
-	s, err := t.transport.dial(ctx, name)
+func (t *stallTransport) Dial(ctx context.Context, name string) (session, error) {
+	s, err := t.Transport.Dial(ctx, name)
 	if err != nil {
 		return nil, err
 	}
@@ -49,7 +50,7 @@ func (t *stallTransport) closeAll() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, s := range t.sessions {
-		s.close()
+		s.Close()
 	}
 }
 
@@ -61,8 +62,8 @@ type stallSession struct {
 	ack     *stallAck // the Acknowledger of every delivery of the session
 }
 
-func (s *stallSession) consume(queue, tag string, prefetch int) (<-chan amqp.Delivery, error) {
-	in, err := s.session.consume(queue, tag, prefetch)
+func (s *stallSession) Consume(queue, tag string, prefetch int) (<-chan amqp.Delivery, error) {
+	in, err := s.session.Consume(queue, tag, prefetch)
 	if err != nil {
 		return nil, err
 	}
@@ -84,9 +85,9 @@ func (s *stallSession) consume(queue, tag string, prefetch int) (<-chan amqp.Del
 	return out, nil
 }
 
-func (s *stallSession) close() error {
+func (s *stallSession) Close() error {
 	s.once.Do(func() { close(s.closing) })
-	return s.session.close()
+	return s.session.Close()
 }
 
 type stallAck struct {
@@ -123,7 +124,7 @@ func TestShutdownWithAnAckBlocked(t *testing.T) {
 		}()
 		f.publish("m", nil, nil)
 		synctest.Wait()
-		equal(t, "unacked while its ack is kept", f.mem.unacked(f.q), 1)
+		equal(t, "unacked while its ack is kept", f.mem.Unacked(f.q), 1)
 		st.stall()
 		cancel()
 		select {
@@ -134,7 +135,7 @@ func TestShutdownWithAnAckBlocked(t *testing.T) {
 			<-done
 		}
 		noErr(t, "Consume", err)
-		equal(t, "returned by the close", f.mem.stats().requeuedOnClose, 1)
+		equal(t, "returned by the close", f.mem.Stats().RequeuedOnClose, 1)
 	})
 }
 
@@ -149,7 +150,7 @@ func TestGivenUpSessionWithAnAckBlocked(t *testing.T) {
 		b := newBroker(st, f.b.cfg) // for Consume; f.b publishes
 		f.publish("a", nil, nil)
 		f.publish("x", nil, nil)
-		f.mem.setConfirmDelay(time.Hour) // for x's copy
+		f.mem.SetConfirmDelay(time.Hour) // for x's copy
 		j := newJournal()
 		ctx, cancel := context.WithCancel(context.Background())
 		var err error
@@ -166,7 +167,7 @@ func TestGivenUpSessionWithAnAckBlocked(t *testing.T) {
 		time.Sleep(settleTimeout + time.Minute)
 		synctest.Wait()
 		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 2)
-		f.mem.setConfirmDelay(0)
+		f.mem.SetConfirmDelay(0)
 		cancel()
 		select {
 		case <-done:

@@ -305,9 +305,9 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 	}
 	consuming()
 	a := newAcker(c.top.queue, c.prefetch, &c.b.cfg.obs, c.log)
-	// Before s.close: the acks not sent yet go first, but a write blocked
+	// Before s.Close: the acks not sent yet go first, but a write blocked
 	// for closeTimeout is ended by closing s.
-	defer a.closeWithin(closeTimeout, func() { s.close() })
+	defer a.closeWithin(closeTimeout, func() { s.Close() })
 	c.log.LogAttrs(ctx, slog.LevelInfo, "broker: consuming",
 		slog.String("consumer_tag", c.tag), slog.Int("workers", c.workers), slog.Int("prefetch", c.prefetch))
 
