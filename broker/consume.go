@@ -77,19 +77,14 @@ const (
 var consumerSeq atomic.Uint64
 
 // Consume consumes queue with manual acknowledgements, runs h for each
-// delivery on opts.Workers goroutines, and settles each delivery, once,
-// from [rabbitmw.Decide] of h's result:
+// delivery on opts.Workers goroutines, and settles each delivery, once, as
+// the package documentation's table says for the outcome that
+// [rabbitmw.Decide] gives h's result.
 //
-//   - Ack, Duplicate: basic.ack, coalesced: once every delivery received
-//     before it on its channel is settled, one ack with multiple set
-//     settles the run; an ack behind a delivery still in its handler waits
-//     at most 5 ms, or until 32 (or a quarter of the prefetch count) wait, and is
-//     then sent alone.
-//   - Requeue: basic.nack with requeue.
-//   - Delay(d): a copy goes to the delay queue for d (see [Topology]); the
-//     original is acked once the server confirmed the copy.
-//   - DeadLetter: a copy with fault headers goes to the dead-letter queue;
-//     the original is acked once the server confirmed the copy.
+// Acks are coalesced: once every delivery received before it on its
+// channel is settled, one ack with multiple set settles the run; an ack
+// behind a delivery still in its handler waits at most 5 ms, or until a
+// quarter of the prefetch count (at most 32) wait, and is then sent alone.
 //
 // The original of a copy is settled only once the copy's fate is known. If
 // the server refuses the copy (unroutable, or nacked), the original is

@@ -32,16 +32,16 @@
 //
 // # Settlement
 //
-// Each delivery is settled once, by [rabbitmw.Decide] of the handler's
-// result:
+// Each delivery is settled once, by the outcome that [rabbitmw.Decide]
+// gives the handler's result (the contract is on [rabbitmw.Handler]):
 //
-//	nil, ErrDuplicate      basic.ack, coalesced (see Broker.Consume)
-//	other error            basic.nack, requeue
-//	RetryAfter(err, d)     copy to Q.delay.<t>, t the shortest tier >= d;
-//	                       ack once the copy is confirmed
-//	Permanent(err)         copy with fault headers to Q.dlq;
-//	                       ack once the copy is confirmed
-//	panic                  as Permanent(&rabbitmw.PanicError{...})
+//	Ack, Duplicate     basic.ack (coalesced: see Broker.Consume)
+//	Requeue            basic.nack, requeue
+//	Delay d            copy to Q.delay.<t>, t the shortest tier >= d;
+//	                   ack once the copy is confirmed
+//	DeadLetter         copy with fault headers to Q.dlq;
+//	                   ack once the copy is confirmed
+//	a panic            as DeadLetter, with a *rabbitmw.PanicError
 //
 // A copy keeps the message's properties (but UserId, moved to the
 // HeaderUserID header, since RabbitMQ refuses a publish by another user),
