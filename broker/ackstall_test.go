@@ -13,15 +13,17 @@ import (
 	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 )
 
-// A stallTransport makes sessions whose acks, once stall is called, block
-// until the session is closed: as amqp091's write blocks on a socket the
-// server no longer reads (a resource alarm, a network that stops
-// answering, or a publish blocked in its write holding the connection's
-// lock), until the session's close closes the socket.
+// A stallTransport makes sessions whose writes of the kinds stall was
+// called with (acks, nacks, basic.cancel) block until the session is
+// closed: as amqp091's write blocks on a socket the server no longer reads
+// (a resource alarm, a network that stops answering, or a publish blocked
+// in its write holding the connection's lock), until the session's close
+// closes the socket.
 type stallTransport struct {
 	transport.Transport
 	once    sync.Once
 	stalled chan struct{}
+	ops     stallOps // set by stall, before stalled is closed
 
 	mu       sync.Mutex
 	sessions []*stallSession
@@ -31,7 +33,38 @@ func newStallTransport(tr transport.Transport) *stallTransport {
 	return &stallTransport{Transport: tr, stalled: make(chan struct{})}
 }
 
-func (t *stallTransport) stall() { t.once.Do(func() { close(t.stalled) }) }
+// stallOps are the writes a stallTransport blocks.
+type stallOps uint8
+
+const (
+	stallAcks   stallOps = 1 << iota // basic.ack
+	stallNacks                       // basic.nack and basic.reject
+	stallCancel                      // basic.cancel
+)
+
+// stall makes the writes of ops block from now on. Only the first call
+// counts.
+func (t *stallTransport) stall(ops stallOps) {
+	t.once.Do(func() {
+		t.ops = ops
+		close(t.stalled)
+	})
+}
+
+// blocks blocks, and reports true once the session is closed, if op is
+// stalled; otherwise it reports false at once.
+func (s *stallSession) blocks(op stallOps) bool {
+	select {
+	case <-s.t.stalled:
+		if s.t.ops&op == 0 {
+			return false
+		}
+		<-s.closing
+		return true
+	default:
+		return false
+	}
+}
 
 func (t *stallTransport) Dial(ctx context.Context, name string) (session, error) {
 	s, err := t.Transport.Dial(ctx, name)
@@ -85,6 +118,13 @@ func (s *stallSession) Consume(queue, tag string, prefetch int) (<-chan amqp.Del
 	return out, nil
 }
 
+func (s *stallSession) Cancel(tag string) error {
+	if s.blocks(stallCancel) {
+		return amqp.ErrClosed
+	}
+	return s.session.Cancel(tag)
+}
+
 func (s *stallSession) Close() error {
 	s.once.Do(func() { close(s.closing) })
 	return s.session.Close()
@@ -96,13 +136,24 @@ type stallAck struct {
 }
 
 func (a *stallAck) Ack(tag uint64, multiple bool) error {
-	select {
-	case <-a.s.t.stalled:
-		<-a.s.closing
+	if a.s.blocks(stallAcks) {
 		return amqp.ErrClosed
-	default:
 	}
 	return a.Acknowledger.Ack(tag, multiple)
+}
+
+func (a *stallAck) Nack(tag uint64, multiple, requeue bool) error {
+	if a.s.blocks(stallNacks) {
+		return amqp.ErrClosed
+	}
+	return a.Acknowledger.Nack(tag, multiple, requeue)
+}
+
+func (a *stallAck) Reject(tag uint64, requeue bool) error {
+	if a.s.blocks(stallNacks) {
+		return amqp.ErrClosed
+	}
+	return a.Acknowledger.Reject(tag, requeue)
 }
 
 // An ack whose write blocks when Consume shuts down (the server stopped
@@ -125,7 +176,7 @@ func TestShutdownWithAnAckBlocked(t *testing.T) {
 		f.publish("m", nil, nil)
 		synctest.Wait()
 		equal(t, "unacked while its ack is kept", f.mem.Unacked(f.q), 1)
-		st.stall()
+		st.stall(stallAcks)
 		cancel()
 		select {
 		case <-done:
@@ -146,7 +197,7 @@ func TestGivenUpSessionWithAnAckBlocked(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
 		st := newStallTransport(f.b.tr)
-		st.stall()
+		st.stall(stallAcks)
 		b := newBroker(st, f.b.cfg) // for Consume; f.b publishes
 		f.publish("a", nil, nil)
 		f.publish("x", nil, nil)
@@ -178,4 +229,100 @@ func TestGivenUpSessionWithAnAckBlocked(t *testing.T) {
 		}
 		noErr(t, "Consume", err)
 	})
+}
+
+// consumeStalled runs Consume of f.q on b, with h and opts, until ctx is
+// cancelled, and returns a function that waits for it to return: it fails
+// the test if that takes a minute (of the bubble's time) after it is
+// called, closing st's sessions to end the blocked writes. It returns
+// Consume's error and how long it took to return.
+func consumeStalled(ctx context.Context, f *fixture, st *stallTransport, h rabbitmw.HandlerFunc, opts ConsumeOptions) (wait func(t *testing.T, what string) (error, time.Duration)) {
+	b := newBroker(st, f.b.cfg) // for Consume; f.b publishes
+	opts.Topology = f.top
+	var err error
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		err = b.Consume(ctx, f.q, h, opts)
+	}()
+	return func(t *testing.T, what string) (error, time.Duration) {
+		t.Helper()
+		start := time.Now()
+		select {
+		case <-done:
+		case <-time.After(time.Minute):
+			t.Errorf("Consume did not return within a minute with %s", what)
+			st.closeAll() // ends the blocked writes, and the test
+			<-done
+		}
+		return err, time.Since(start)
+	}
+}
+
+// Writes blocked at the end of a consumer (the server stopped reading the
+// socket) do not hang Consume: basic.cancel and the requeues of the
+// deliveries not started are given closeTimeout, then the session is
+// closed, which ends them; the server requeues what was not settled. The
+// acks kept go first, and the handler in flight finishes and is acked.
+func TestShutdownWithWritesBlocked(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		stall stallOps
+		// serverCancel ends the consumer by deleting its queue (a fatal
+		// error) instead of cancelling Consume's context.
+		serverCancel bool
+		wantErr      error
+	}{
+		{name: "basic.cancel blocked", stall: stallCancel},
+		{name: "requeues blocked", stall: stallNacks},
+		{name: "basic.cancel and requeues blocked", stall: stallCancel | stallNacks},
+		{name: "requeues blocked after the server cancelled", stall: stallNacks, serverCancel: true, wantErr: ErrConsumerCancelled},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				f := setup(t, backends[0], Topology{})
+				st := newStallTransport(f.b.tr)
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				release := make(chan struct{})
+				// One worker: a is in its handler when the consumer
+				// ends, b and c are received and not started.
+				wait := consumeStalled(ctx, f, st, func(_ context.Context, d *amqp.Delivery) error {
+					if d.MessageId == "a" {
+						<-release
+					}
+					return nil
+				}, ConsumeOptions{Workers: 1, Prefetch: 16})
+				for _, id := range []string{"a", "b", "c"} {
+					f.publish(id, nil, nil)
+				}
+				synctest.Wait()
+				st.stall(tc.stall)
+				if tc.serverCancel {
+					noErr(t, "Delete", f.b.Delete(context.Background(), f.q, f.top))
+				} else {
+					cancel()
+				}
+				synctest.Wait()
+				close(release)
+				err, took := wait(t, tc.name)
+				if tc.wantErr != nil {
+					isErr(t, "Consume", err, tc.wantErr)
+					// Declare again for the cleanup's Delete.
+					noErr(t, "Declare", f.b.Declare(context.Background(), f.q, f.top))
+				} else {
+					noErr(t, "Consume", err)
+				}
+				if max := 2 * closeTimeout; took > max {
+					t.Errorf("Consume returned %v after the end; want at most %v", took, max)
+				}
+				stats := f.mem.Stats()
+				equal(t, "acked (a, in flight)", stats.Acked, 1)
+				if !tc.serverCancel {
+					equal(t, "given back (b, c)", stats.Nacked+stats.RequeuedOnClose, 2)
+					equal(t, "ready", f.length(f.q), 2)
+				}
+			})
+		})
+	}
 }
