@@ -272,8 +272,12 @@ func TestShutdownWithWritesBlocked(t *testing.T) {
 		// error) instead of cancelling Consume's context.
 		serverCancel bool
 		wantErr      error
+		// handlerTakes is how long a's handler runs after the end.
+		handlerTakes time.Duration
 	}{
 		{name: "basic.cancel blocked", stall: stallCancel},
+		// a's ack is kept when the session is closed: it goes first.
+		{name: "basic.cancel blocked, an ack kept at the deadline", stall: stallCancel, handlerTakes: closeTimeout - time.Millisecond},
 		{name: "requeues blocked", stall: stallNacks},
 		{name: "basic.cancel and requeues blocked", stall: stallCancel | stallNacks},
 		{name: "requeues blocked after the server cancelled", stall: stallNacks, serverCancel: true, wantErr: ErrConsumerCancelled},
@@ -290,6 +294,7 @@ func TestShutdownWithWritesBlocked(t *testing.T) {
 				wait := consumeStalled(ctx, f, st, func(_ context.Context, d *amqp.Delivery) error {
 					if d.MessageId == "a" {
 						<-release
+						time.Sleep(tc.handlerTakes)
 					}
 					return nil
 				}, ConsumeOptions{Workers: 1, Prefetch: 16})
