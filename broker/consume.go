@@ -122,7 +122,11 @@ var consumerSeq atomic.Uint64
 //
 // Consume blocks until ctx is cancelled or a fatal error. On cancellation it
 // stops taking deliveries (basic.cancel), requeues the ones received but not
-// started, lets the handlers in flight finish and settles them, then closes
+// started (if those writes have not ended five seconds later, on a socket
+// the server no longer reads, it sends the acks not sent yet, as below, and
+// closes the connection, which ends them: the server requeues what was not
+// settled, and the handlers in flight can no longer settle theirs), lets
+// the handlers in flight finish and settles them, then closes
 // its connection, after the acks not sent yet (an ack whose write has not
 // ended five seconds later, on a socket the server no longer reads, is lost
 // with the connection), and returns nil. Handlers,
@@ -137,7 +141,9 @@ var consumerSeq atomic.Uint64
 // that says how many. Those handlers' goroutines end when the handlers
 // return; their results are not settled. Every other goroutine of Consume
 // has ended when it returns. A fatal error ends Consume the same way, after
-// the same wait for the handlers in flight.
+// the same wait for the handlers in flight. A socket the server no longer
+// reads delays Consume's return by at most about twenty seconds past
+// ShutdownTimeout.
 //
 // Fatal errors: wrong credentials (ErrAccessRefused), a missing queue
 // (ErrQueueNotFound), a work queue with other arguments
@@ -355,10 +361,12 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 			stopTaking()
 			c.log.LogAttrs(ctx, slog.LevelInfo, "broker: shutting down",
 				slog.Int("in_flight", c.inFlight()), slog.Duration("timeout", c.timeout))
-			if err := s.Cancel(c.tag); err != nil {
-				c.log.LogAttrs(ctx, slog.LevelDebug, "broker: cancel consumer", slog.String("error", err.Error()))
-			}
-			c.giveBack(ctx, s, a, deliveries)
+			c.stopWithin(ctx, closeTimeout, s, a, func() {
+				if err := s.Cancel(c.tag); err != nil {
+					c.log.LogAttrs(ctx, slog.LevelDebug, "broker: cancel consumer", slog.String("error", err.Error()))
+				}
+				c.giveBack(ctx, s, a, deliveries)
+			})
 			c.drain(cancelHandlers) // run reports its error
 			return nil
 
@@ -404,9 +412,37 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 func (c *consumer) cancelledByServer(ctx context.Context, cancelHandlers context.CancelFunc, s session, a *acker, deliveries <-chan amqp.Delivery, tag string) error {
 	err := fmt.Errorf("%w: queue %q (consumer %q); was the queue deleted?", ErrConsumerCancelled, c.top.queue, tag)
 	c.log.LogAttrs(ctx, slog.LevelError, "broker: consumer cancelled by the server", slog.String("consumer_tag", tag))
-	c.giveBack(ctx, s, a, deliveries)
+	c.stopWithin(ctx, closeTimeout, s, a, func() { c.giveBack(ctx, s, a, deliveries) })
 	c.drain(cancelHandlers) // run reports its error
 	return err
+}
+
+// stopWithin runs stop, the writes that end the consumer of s (basic.cancel,
+// the requeues of giveBack), and waits at most d for them. A write still
+// blocked then (the server no longer reads the socket) would hold Consume
+// for ever: stopWithin closes a, the acker of s, which sends the acks it
+// keeps first (within d too, see closeWithin), then closes s, which ends
+// the blocked writes (amqp091's Cancel and Nack take no context), and
+// waits for stop to return. The deliveries not given back return to the
+// queue with the connection; the handlers in flight can no longer settle
+// theirs, which the server redelivers.
+func (c *consumer) stopWithin(ctx context.Context, d time.Duration, s session, a *acker, stop func()) {
+	done := make(chan struct{})
+	go func() { // ends when stop returns
+		defer close(done)
+		stop()
+	}()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: cancel and requeues still being written; closing the connection",
+			slog.Duration("waited", d), slog.Int("in_flight", c.inFlight()))
+		a.closeWithin(d, func() { s.Close() })
+		s.Close()
+		<-done
+	}
 }
 
 // giveBack requeues, unhandled, what deliveries still holds once the
