@@ -136,9 +136,9 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 }
 
 // A stallProxy forwards TCP connections to target until stall is called:
-// from then on it reads nothing more from its clients (their writes block
-// once the socket buffers are full) and still forwards what the server
-// sends. It closes every connection, and ends its goroutines, when the
+// from then on it forwards nothing more from its clients, and reads at
+// most one more chunk of each (their writes block once the socket buffers
+// are full), and still forwards what the server sends. It closes every connection, and ends its goroutines, when the
 // test ends.
 type stallProxy struct {
 	l      net.Listener
@@ -225,6 +225,16 @@ func startStallProxy(t *testing.T, target string) *stallProxy {
 
 func (p *stallProxy) port() int { return p.l.Addr().(*net.TCPAddr).Port }
 
+// cut closes every connection the proxy holds, as a network that drops
+// them would: the server and the clients see them closed.
+func (p *stallProxy) cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.conns {
+		c.Close()
+	}
+}
+
 func (p *stallProxy) stall() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -273,6 +283,13 @@ func (p *stallProxy) pump(dst, src net.Conn, gated bool) {
 				p.sent = append(p.sent, buf[:n]...)
 			}
 			p.mu.Unlock()
+		}
+		if n > 0 && gated {
+			// Read before the stall, or as it began: held too.
+			p.mu.Lock()
+			g := p.gate
+			p.mu.Unlock()
+			<-g
 		}
 		if n > 0 {
 			if _, werr := dst.Write(buf[:n]); werr != nil {

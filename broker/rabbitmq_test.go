@@ -3,7 +3,9 @@ package broker
 import (
 	"context"
 	"errors"
+	"net"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -82,4 +84,57 @@ func TestRabbitMQSameIDPublishesKeepTheirResults(t *testing.T) {
 	if n, err := b.Len(ctx, q); err != nil || n != 100 {
 		t.Errorf("Len(%s) = %d, %v; want the 100 routed messages", q, n, err)
 	}
+}
+
+// Consume returns soon after its cancellation on a socket the server no
+// longer reads: basic.cancel, whose cancel-ok never comes, and the
+// requeues are cut after closeTimeout, and the connection closed. The
+// server then requeues every message: none was settled.
+func TestRabbitMQConsumeReturnsOnAStalledSocket(t *testing.T) {
+	f := setup(t, backends[1], Topology{})
+	uri, err := amqp.ParseURI(testenv.RabbitMQURL(t))
+	noErr(t, "ParseURI", err)
+	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+	uri.Host, uri.Port = "127.0.0.1", px.port()
+	// A long heartbeat: the server does not end the connection itself.
+	cfg := f.b.cfg
+	cfg.heartbeat = time.Minute
+	b := newBroker(newAMQPTransport(uri.String(), cfg), cfg)
+
+	started, release := make(chan struct{}), make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		// One worker: a is in its handler, b and c received and not
+		// started, when the socket stalls.
+		done <- b.Consume(ctx, f.q, rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+			if d.MessageId == "a" {
+				close(started)
+				<-release
+			}
+			return nil
+		}), ConsumeOptions{Workers: 1, Prefetch: 16, Topology: f.top})
+	}()
+	f.publish("a", nil, nil)
+	<-started
+	f.publish("b", nil, nil)
+	f.publish("c", nil, nil)
+	eventually(t, 20*time.Second, "b and c not delivered", func() bool { return f.length(f.q) == 0 })
+	px.stall()
+	began := time.Now()
+	cancel()
+	close(release)
+	const bound = 20 * time.Second // closeTimeout twice, and room
+	select {
+	case err := <-done:
+		noErr(t, "Consume", err)
+		t.Logf("Consume returned %v after its cancellation", time.Since(began).Round(time.Millisecond))
+	case <-time.After(bound):
+		t.Errorf("Consume did not return within %v of its cancellation on a stalled socket", bound)
+		px.cut()
+		<-done
+	}
+	px.cut() // the server has not seen the connection close
+	eventually(t, 20*time.Second, "messages not requeued", func() bool { return f.length(f.q) == 3 })
 }
