@@ -411,13 +411,33 @@ func (s *amqpSession) Publish(ctx context.Context, exchange, key string, msg amq
 		done:      make(chan error, 1),
 		resolved:  make(chan struct{}),
 	}
+	if err := s.awaitTurn(ctx, p); err != nil {
+		return err
+	}
+	if err := s.handOver(ctx, p); err != nil {
+		return err
+	}
+	select {
+	case res := <-p.done:
+		return s.publishResult(res, exchange, key)
+	case <-ctx.Done():
+		// The publish stays pending: the confirms goroutine removes it,
+		// and matches its return, if any.
+		return ctx.Err()
+	}
+}
+
+// awaitTurn waits until no other publish of p's message id is in flight
+// (see byID), and records p as the one in flight. It returns ctx's error
+// or the session's reason, without recording p, if either comes first.
+func (s *amqpSession) awaitTurn(ctx context.Context, p *pendingPublish) error {
 	for {
 		s.pendMu.Lock()
-		prev := s.byID[msg.MessageId]
+		prev := s.byID[p.msg.MessageId]
 		if prev == nil {
-			s.byID[msg.MessageId] = p
+			s.byID[p.msg.MessageId] = p
 			s.pendMu.Unlock()
-			break
+			return nil
 		}
 		s.pendMu.Unlock()
 		select {
@@ -428,28 +448,30 @@ func (s *amqpSession) Publish(ctx context.Context, exchange, key string, msg amq
 			return s.err
 		}
 	}
+}
+
+// handOver hands p to the publisher goroutine, which resolves it from
+// then on. If ctx is done or the session closes first, p is not handed
+// over: handOver resolves it with that error and returns it.
+func (s *amqpSession) handOver(ctx context.Context, p *pendingPublish) error {
 	var res error
 	select {
 	case s.requests <- p:
+		return nil
 	case <-ctx.Done():
 		res = ctx.Err()
 	case <-s.done:
 		res = s.err
 	}
-	if res != nil {
-		// Not handed over: it is ours to resolve.
-		s.pendMu.Lock()
-		s.resolve(p, res)
-		s.pendMu.Unlock()
-		return res
-	}
-	select {
-	case res = <-p.done:
-	case <-ctx.Done():
-		// The publish stays pending: the confirms goroutine removes it,
-		// and matches its return, if any.
-		return ctx.Err()
-	}
+	s.pendMu.Lock()
+	s.resolve(p, res)
+	s.pendMu.Unlock()
+	return res
+}
+
+// publishResult translates res, the result of a publish handed over (see
+// pendingPublish), into the error Publish returns.
+func (s *amqpSession) publishResult(res error, exchange, key string) error {
 	var se *sendError
 	switch {
 	case res == nil:

@@ -312,30 +312,66 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 	c.log.LogAttrs(ctx, slog.LevelInfo, "broker: consuming",
 		slog.String("consumer_tag", c.tag), slog.Int("workers", c.workers), slog.Int("prefetch", c.prefetch))
 
-	// A handler whose copy's fate is unknown gives s up through giveUp;
-	// serve then returns, and closes s.
-	var (
-		giveUpOnce sync.Once
-		givenUp    = make(chan struct{})
-		giveUpErr  error
-	)
-	giveUp := func(err error) {
-		giveUpOnce.Do(func() {
-			giveUpErr = err
-			close(givenUp)
-		})
+	g := newGivingUp()
+	stop := make(chan struct{})
+	stopTaking := sync.OnceFunc(func() { close(stop) })
+	done := c.startWorkers(hctx, s, a, deliveries, stop, g.giveUp)
+	cancelled := s.Cancelled()
+	for {
+		select {
+		case <-ctx.Done():
+			stopTaking()
+			return c.shutDown(ctx, cancelHandlers, s, a, deliveries)
+
+		case <-s.Closed():
+			return c.lost(ctx, s)
+
+		case <-g.given:
+			c.log.LogAttrs(ctx, slog.LevelWarn, "broker: giving the connection up",
+				slog.String("reason", g.err.Error()), slog.Int("in_flight", c.inFlight()))
+			return g.err
+
+		case tag, ok := <-cancelled:
+			if !ok {
+				// Closed with the connection: s.Closed() follows.
+				cancelled = nil
+				continue
+			}
+			stopTaking()
+			return c.cancelledByServer(ctx, cancelHandlers, s, a, deliveries, tag)
+
+		case <-done:
+			return c.deliveriesClosed(ctx, cancelHandlers, s, a, deliveries, cancelled, stopTaking)
+		}
 	}
-	// The workers end when stop is closed (by stopTaking: serve then
-	// gives back what deliveries still holds), when deliveries is closed
-	// (at once when s is lost), or when s is lost while they wait for a
-	// slot; a worker in a handler ends after it. The last one to end
-	// closes done.
-	var (
-		stop       = make(chan struct{})
-		stopTaking = sync.OnceFunc(func() { close(stop) })
-		left       atomic.Int64
-		done       = make(chan struct{})
-	)
+}
+
+// givingUp is how a handler whose copy's fate is unknown gives its
+// session up: giveUp records the first error it is given and closes
+// given; serve then returns that error, and closes the session.
+type givingUp struct {
+	once  sync.Once
+	given chan struct{}
+	err   error // written before given is closed
+}
+
+func newGivingUp() *givingUp { return &givingUp{given: make(chan struct{})} }
+
+func (g *givingUp) giveUp(err error) {
+	g.once.Do(func() {
+		g.err = err
+		close(g.given)
+	})
+}
+
+// startWorkers starts c.workers workers (work) on s, and returns a channel
+// that the last of them to end closes. The workers end when stop is
+// closed (serve then gives back what deliveries still holds), when
+// deliveries is closed (at once when s is lost), or when s is lost while
+// they wait for a slot; a worker in a handler ends after it.
+func (c *consumer) startWorkers(hctx context.Context, s session, a *acker, deliveries <-chan amqp.Delivery, stop <-chan struct{}, giveUp func(error)) <-chan struct{} {
+	var left atomic.Int64
+	done := make(chan struct{})
 	left.Store(int64(c.workers))
 	c.running.Add(c.workers)
 	for range c.workers {
@@ -349,61 +385,51 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 			c.work(hctx, s, a, deliveries, stop, giveUp)
 		}()
 	}
-	lost := func() error {
-		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: connection lost",
-			slog.String("reason", s.Reason().Error()), slog.Int("in_flight", c.inFlight()))
-		return s.Reason()
-	}
-	cancelled := s.Cancelled()
-	for {
-		select {
-		case <-ctx.Done():
-			stopTaking()
-			c.log.LogAttrs(ctx, slog.LevelInfo, "broker: shutting down",
-				slog.Int("in_flight", c.inFlight()), slog.Duration("timeout", c.timeout))
-			c.stopWithin(ctx, closeTimeout, s, a, func() {
-				if err := s.Cancel(c.tag); err != nil {
-					c.log.LogAttrs(ctx, slog.LevelDebug, "broker: cancel consumer", slog.String("error", err.Error()))
-				}
-				c.giveBack(ctx, s, a, deliveries)
-			})
-			c.drain(cancelHandlers) // run reports its error
-			return nil
+	return done
+}
 
-		case <-s.Closed():
-			return lost()
+// shutDown ends the session when ctx is cancelled; its workers must be
+// stopped already. It cancels the consumer, gives back what deliveries
+// still holds, both within closeTimeout (see stopWithin), and drains the
+// handlers.
+func (c *consumer) shutDown(ctx context.Context, cancelHandlers context.CancelFunc, s session, a *acker, deliveries <-chan amqp.Delivery) error {
+	c.log.LogAttrs(ctx, slog.LevelInfo, "broker: shutting down",
+		slog.Int("in_flight", c.inFlight()), slog.Duration("timeout", c.timeout))
+	c.stopWithin(ctx, closeTimeout, s, a, func() {
+		if err := s.Cancel(c.tag); err != nil {
+			c.log.LogAttrs(ctx, slog.LevelDebug, "broker: cancel consumer", slog.String("error", err.Error()))
+		}
+		c.giveBack(ctx, s, a, deliveries)
+	})
+	c.drain(cancelHandlers) // run reports its error
+	return nil
+}
 
-		case <-givenUp:
-			c.log.LogAttrs(ctx, slog.LevelWarn, "broker: giving the connection up",
-				slog.String("reason", giveUpErr.Error()), slog.Int("in_flight", c.inFlight()))
-			return giveUpErr
+// lost logs the loss of s and returns why it was lost.
+func (c *consumer) lost(ctx context.Context, s session) error {
+	c.log.LogAttrs(ctx, slog.LevelWarn, "broker: connection lost",
+		slog.String("reason", s.Reason().Error()), slog.Int("in_flight", c.inFlight()))
+	return s.Reason()
+}
 
-		case tag, ok := <-cancelled:
-			if !ok {
-				// Closed with the connection: s.Closed() follows.
-				cancelled = nil
-				continue
-			}
+// deliveriesClosed ends the session whose workers all ended because
+// deliveries was closed: the consumer was cancelled by the server, or s
+// was lost. The notice (on cancelled, or s.Closed) may still be on its
+// way: deliveriesClosed waits a second for it. It calls stopTaking before
+// cancelledByServer, as serve does.
+func (c *consumer) deliveriesClosed(ctx context.Context, cancelHandlers context.CancelFunc, s session, a *acker, deliveries <-chan amqp.Delivery, cancelled <-chan string, stopTaking func()) error {
+	select {
+	case tag, ok := <-cancelled:
+		if ok {
 			stopTaking()
 			return c.cancelledByServer(ctx, cancelHandlers, s, a, deliveries, tag)
-
-		case <-done:
-			// deliveries was closed: the consumer was cancelled by the
-			// server, or s was lost. The notice may still be on its way.
-			select {
-			case tag, ok := <-cancelled:
-				if ok {
-					stopTaking()
-					return c.cancelledByServer(ctx, cancelHandlers, s, a, deliveries, tag)
-				}
-				<-s.Closed()
-				return lost()
-			case <-s.Closed():
-				return lost()
-			case <-time.After(time.Second):
-				return lostError(errors.New("delivery channel closed"))
-			}
 		}
+		<-s.Closed()
+		return c.lost(ctx, s)
+	case <-s.Closed():
+		return c.lost(ctx, s)
+	case <-time.After(time.Second):
+		return lostError(errors.New("delivery channel closed"))
 	}
 }
 
