@@ -25,15 +25,11 @@
 //
 // # The recommended stack
 //
-//	h := rabbitmw.Chain(
-//		middleware.Log(logger),
-//		middleware.Retry(st, middleware.RetryOptions{}),
-//		middleware.Recover(),
-//		middleware.Dedup(st, middleware.DedupOptions{}),
-//		middleware.Timeout(30*time.Second),
-//	)(business)
+//	h := middleware.Stack(st, middleware.StackOptions{Logger: logger})(business)
 //
-// The order matters; package middleware explains why, layer by layer.
+// is Log, Retry, Recover, Dedup and Timeout, outermost first, over one
+// store. The order matters; package middleware explains why, layer by
+// layer, and shows the same chain written out with [Chain].
 //
 // # Guarantees
 //

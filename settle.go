@@ -7,6 +7,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 )
 
 // ErrDuplicate reports that a delivery's message was already processed. A
@@ -262,12 +264,8 @@ func Settle(ctx context.Context, d *amqp.Delivery, err error) error {
 		if ctx == nil {
 			ctx = context.Background()
 		}
-		t := time.NewTimer(dec.Delay)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return settled(d, dec, errors.Join(ctx.Err(), d.Nack(false, true)))
+		if err := clock.Sleep(ctx, dec.Delay); err != nil {
+			return settled(d, dec, errors.Join(err, d.Nack(false, true)))
 		}
 	}
 	return settleNow(d, dec)

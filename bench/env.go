@@ -24,6 +24,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
@@ -453,10 +454,10 @@ func (e *env) newRedisClient(ctx context.Context, conns int, perCommand bool) (*
 // contenders run with exactly what rabbitmw runs with, whatever the
 // defaults are.
 func brokerSettings(ctx context.Context, prefetch, workers int) (int, int, error) {
-	m := broker.NewMemory()
+	m := brokertest.NewServer()
 	defer m.Close()
 	h := &settingsHandler{found: make(chan [2]int, 1)}
-	b := m.Broker(broker.Options{Logger: slog.New(h)})
+	b := broker.New(m.URL(), broker.Options{Logger: slog.New(h)})
 	defer b.Close()
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()

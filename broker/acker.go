@@ -1,8 +1,10 @@
 package broker
 
 import (
+	"cmp"
 	"context"
 	"log/slog"
+	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -46,16 +48,18 @@ const (
 // waits at most maxHoldAck (a little more on a busy machine), and the
 // acks kept never take more than half the prefetch window. With a
 // prefetch count below 8, no ack is kept. A handler that never returns
-// leaves its gap open for the rest of the session: every ack after it
-// goes alone, and the acker keeps a map entry for each later delivery
-// until the session ends (RabbitMQ's consumer_timeout, 30 minutes by
-// default, closes its channel).
+// leaves its gap open for the rest of the session (RabbitMQ's
+// consumer_timeout, 30 minutes by default, closes its channel): every ack
+// after it goes alone, up to maxHoldAck late. What the acker keeps of the
+// deliveries behind it does not grow with their number: the tags settled
+// are kept as ranges, split only by the deliveries still in their
+// handlers (at most the prefetch count) and the acks held.
 //
 // Acks not sent yet when the session is lost are lost with it: the server
 // redelivers those deliveries, and Dedup takes them for duplicates, as
 // for an ack written just before a connection dies. close sends them
 // first: at a graceful shutdown, every ack is sent before the channel
-// closes.
+// closes, unless its write blocks (see closeWithin).
 //
 // The acker is the Acknowledger of the deliveries it adopted: their own
 // settlements (Nack, Reject, and Ack, one at a time) go through it to the
@@ -78,19 +82,27 @@ type acker struct {
 	// next is the lowest tag whose result is not known. Every tag below
 	// it is settled, or has its ack in run.
 	next uint64
-	// done holds the tags above next whose result is known: true for an
-	// ack held, false for a tag settled on its own.
-	done map[uint64]bool
+	// The tags above next whose result is known: held, the acks held; own,
+	// those settled on their own (sent alone, nacked, rejected), as
+	// ranges in order, apart from one another. Between two ranges lies a
+	// tag whose result is not known (a delivery in its handler, of which
+	// the server's prefetch window bounds the number) or a held ack (at
+	// most about maxPending): so own stays small whatever the number of
+	// deliveries behind a handler that never returns.
+	held map[uint64]struct{}
+	own  []span
 	// run is the highest tag below next whose ack is not sent (0: none);
 	// runN is the number of acks a multiple ack of run sends, since
 	// runSince.
 	run      uint64
 	runN     int
 	runSince time.Time
-	// held is the number of acks held in done, since heldSince.
-	held      int
+	// heldSince is when the first of held was held.
 	heldSince time.Time
 }
+
+// A span is the tags from lo to hi.
+type span struct{ lo, hi uint64 }
 
 // newAcker returns the acker of a session consuming with prefetch, and
 // starts its goroutine.
@@ -112,7 +124,7 @@ func makeAcker(queue string, prefetch int, obs *Observer, log *slog.Logger) *ack
 		quit:       make(chan struct{}),
 		ended:      make(chan struct{}),
 		next:       1,
-		done:       make(map[uint64]bool),
+		held:       make(map[uint64]struct{}),
 	}
 }
 
@@ -186,19 +198,20 @@ func (a *acker) settled(tag uint64) {
 // made already. A second result for a tag is ignored: a tag is settled
 // once. a.mu must be held.
 func (a *acker) record(tag uint64, ack bool) {
-	if _, seen := a.done[tag]; seen || tag < a.next {
+	if tag < a.next || a.known(tag) {
 		return
 	}
 	if tag > a.next {
-		a.done[tag] = ack
-		if ack {
-			a.held++
-			if a.held == 1 {
-				a.heldSince = time.Now()
-				a.signal() // to arm the timer, or send it
-			} else if a.held == a.maxPending {
-				a.signal()
-			}
+		if !ack {
+			a.settle(tag)
+			return
+		}
+		a.held[tag] = struct{}{}
+		if len(a.held) == 1 {
+			a.heldSince = time.Now()
+			a.signal() // to arm the timer, or send it
+		} else if len(a.held) == a.maxPending {
+			a.signal()
 		}
 		return
 	}
@@ -209,16 +222,18 @@ func (a *acker) record(tag uint64, ack bool) {
 	}
 	a.next++
 	for {
-		ack, ok := a.done[a.next]
-		if !ok {
-			break
-		}
-		delete(a.done, a.next)
-		if ack {
-			a.held--
+		if _, ok := a.held[a.next]; ok {
+			delete(a.held, a.next)
 			a.run, a.runN, moved = a.next, a.runN+1, true
+			a.next++
+			continue
 		}
-		a.next++
+		if len(a.own) > 0 && a.own[0].lo == a.next {
+			a.next = a.own[0].hi + 1
+			a.own = slices.Delete(a.own, 0, 1)
+			continue
+		}
+		break
 	}
 	if n == 0 && a.runN > 0 {
 		a.runSince = time.Now()
@@ -229,6 +244,43 @@ func (a *acker) record(tag uint64, ack bool) {
 	}
 	if (n == 0 && a.runN > 0) || moved || (n < a.maxPending && a.runN >= a.maxPending) {
 		a.signal() // to send the run, or arm the timer for it
+	}
+}
+
+// known reports whether the result of tag, above next, is known. a.mu
+// must be held.
+func (a *acker) known(tag uint64) bool {
+	if _, ok := a.held[tag]; ok {
+		return true
+	}
+	i := a.spanAfter(tag)
+	return i > 0 && a.own[i-1].hi >= tag
+}
+
+// spanAfter returns the index of the first of a.own that starts above tag.
+func (a *acker) spanAfter(tag uint64) int {
+	i, _ := slices.BinarySearchFunc(a.own, tag+1, func(s span, t uint64) int {
+		return cmp.Compare(s.lo, t)
+	})
+	return i
+}
+
+// settle adds tag, above next and not known, to the tags settled on their
+// own. a.mu must be held.
+func (a *acker) settle(tag uint64) {
+	i := a.spanAfter(tag)
+	after := i > 0 && a.own[i-1].hi+1 == tag
+	before := i < len(a.own) && a.own[i].lo == tag+1
+	switch {
+	case after && before:
+		a.own[i-1].hi = a.own[i].hi
+		a.own = slices.Delete(a.own, i, i+1)
+	case after:
+		a.own[i-1].hi = tag
+	case before:
+		a.own[i].lo = tag
+	default:
+		a.own = slices.Insert(a.own, i, span{tag, tag})
 	}
 }
 
@@ -278,17 +330,14 @@ func (a *acker) flush(all bool) (wait time.Duration) {
 		}
 	}
 	var lone []uint64
-	if a.held > 0 {
+	if len(a.held) > 0 {
 		w := maxHoldAck - now.Sub(a.heldSince)
-		if all || a.held >= a.maxPending || w <= 0 {
-			lone = make([]uint64, 0, a.held)
-			for tag, ack := range a.done {
-				if ack {
-					lone = append(lone, tag)
-					a.done[tag] = false // settled on its own, next
-				}
+		if all || len(a.held) >= a.maxPending || w <= 0 {
+			lone = slices.Sorted(maps.Keys(a.held))
+			clear(a.held)
+			for _, tag := range lone {
+				a.settle(tag) // on its own, next
 			}
-			a.held = 0
 		} else if wait == 0 || w < wait {
 			wait = w
 		}
@@ -299,7 +348,6 @@ func (a *acker) flush(all bool) (wait time.Duration) {
 		// tags above it: their order does not matter.
 		a.send(to, run, n)
 	}
-	slices.Sort(lone)
 	for _, tag := range lone {
 		a.send(to, tag, 1)
 	}
@@ -327,14 +375,44 @@ func (a *acker) observe(n int, err error) {
 // goroutine. The acks are sent before close returns: the channel must stay
 // open until then, but for a session lost already.
 func (a *acker) close() {
-	a.mu.Lock()
-	if a.closed {
-		a.mu.Unlock()
-		<-a.ended
-		return
-	}
-	a.closed = true
-	a.mu.Unlock()
-	close(a.quit)
+	a.shut()
 	<-a.ended
+}
+
+// closeWithin is close, but it waits at most d for the acks to be written.
+// A write still blocked then (the server no longer reads the socket, or
+// another write holds the connection) would hold the channel open for
+// ever: closeWithin calls closeChannel, which must end it, and then waits
+// for a's goroutine. Those acks are lost, as at a connection loss.
+func (a *acker) closeWithin(d time.Duration, closeChannel func()) {
+	a.shut()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-a.ended:
+	case <-t.C:
+		a.log.LogAttrs(context.Background(), slog.LevelWarn, "broker: acks still being written; closing the connection",
+			slog.Duration("waited", d))
+		closeChannel()
+		<-a.ended
+	}
+}
+
+// shut refuses later acks and tells a's goroutine to send the acks not
+// sent yet, and end. It may be called more than once.
+func (a *acker) shut() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.closed {
+		a.closed = true
+		close(a.quit)
+	}
+}
+
+// kept returns the number of entries a keeps for the tags above next,
+// for tests.
+func (a *acker) kept() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.held) + len(a.own)
 }

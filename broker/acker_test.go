@@ -340,3 +340,36 @@ func TestAckerConcurrent(t *testing.T) {
 		t.Errorf("%d ack frames for %d acks; want fewer frames", ch.acks, ch.acked)
 	}
 }
+
+// A handler that never returns leaves a gap for the rest of its session:
+// the acks after it go alone, and the acker's memory does not grow with
+// them (a consumer_timeout may be disabled, and the memory server has
+// none).
+func TestAckerGapKeepsBoundedState(t *testing.T) {
+	const n, prefetch = 10000, 16
+	ch := newModelChannel(n + 1)
+	a := makeAcker("q", prefetch, &Observer{}, slog.New(slog.DiscardHandler))
+	stuck := &amqp.Delivery{Acknowledger: ch, DeliveryTag: 1}
+	a.adopt(stuck)
+	most := 0
+	for tag := uint64(2); tag <= n+1; tag++ {
+		d := &amqp.Delivery{Acknowledger: ch, DeliveryTag: tag}
+		a.adopt(d)
+		var err error
+		if tag%7 == 0 {
+			err = d.Nack(false, true)
+		} else {
+			err = ackLater(d)
+		}
+		noErr(t, "settle", err)
+		a.flush(false) // at the count bound, the held acks go alone
+		most = max(most, a.kept())
+	}
+	if most > prefetch {
+		t.Errorf("entries kept behind the gap: at most %d for %d deliveries; want at most %d (the prefetch count)", most, n, prefetch)
+	}
+	noErr(t, "ackLater of the stuck delivery", ackLater(stuck))
+	a.flush(true)
+	ch.check(t, n+1)
+	equal(t, "entries kept once the gap is closed", a.kept(), 0)
+}

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 )
 
 const (
@@ -44,7 +46,7 @@ func (t *amqpTransport) String() string {
 	return net.JoinHostPort(t.uri.Host, strconv.Itoa(t.uri.Port)) + "/" + strings.TrimPrefix(t.uri.Vhost, "/")
 }
 
-func (t *amqpTransport) dial(ctx context.Context, name string) (session, error) {
+func (t *amqpTransport) Dial(ctx context.Context, name string) (session, error) {
 	if t.parseErr != nil {
 		return nil, fmt.Errorf("broker: malformed AMQP URL: %w", t.parseErr)
 	}
@@ -145,7 +147,7 @@ func (t *amqpTransport) dialError(err error) error {
 type amqpSession struct {
 	conn     *amqp.Connection
 	raw      net.Conn // the socket under conn
-	maxProps int      // see session.maxProperties
+	maxProps int      // see transport.Session.MaxProperties
 	pub      *amqp.Channel
 	con      *amqp.Channel
 
@@ -233,7 +235,7 @@ func newAMQPSession(conn *amqp.Connection, raw net.Conn) (*amqpSession, error) {
 		byID:     make(map[string]*pendingPublish),
 	}
 	if n := conn.Config.FrameSize; n > 0 { // negotiated by now
-		s.maxProps = n - frameOverhead
+		s.maxProps = n - transport.FrameOverhead
 	}
 	var err error
 	if s.pub, err = conn.Channel(); err != nil {
@@ -388,12 +390,12 @@ func (s *amqpSession) send(p *pendingPublish) {
 // nobody reads it.
 var errAbandoned = errors.New("publish abandoned")
 
-func (s *amqpSession) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+func (s *amqpSession) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
 	// amqp091 would refuse an invalid message as it writes it, closing the
 	// connection; RabbitMQ, or a consumer's amqp091, would close theirs.
-	size, err := checkPublishing(exchange, key, msg)
+	size, err := transport.CheckPublishing(exchange, key, msg)
 	if err == nil {
-		err = fitFrame(size, s.maxProps, 0)
+		err = transport.FitFrame(size, s.maxProps, 0)
 	}
 	if err != nil {
 		return err
@@ -488,18 +490,18 @@ func (s *amqpSession) translate(err error) error {
 	return lostError(err)
 }
 
-func (s *amqpSession) consume(queue, tag string, prefetch int) (<-chan amqp.Delivery, error) {
+func (s *amqpSession) Consume(queue, tag string, prefetch int) (<-chan amqp.Delivery, error) {
 	if err := s.con.Qos(prefetch, 0, false); err != nil {
 		return nil, s.translate(err)
 	}
 	d, err := s.con.Consume(queue, tag, false, false, false, false, nil)
 	if err != nil {
-		return nil, &queueError{queue: queue, err: s.translate(err)}
+		return nil, &queueError{Queue: queue, Err: s.translate(err)}
 	}
 	return d, nil
 }
 
-func (s *amqpSession) cancel(tag string) error {
+func (s *amqpSession) Cancel(tag string) error {
 	return s.translate(s.con.Cancel(tag, false))
 }
 
@@ -513,27 +515,27 @@ func (s *amqpSession) withChannel(f func(ch *amqp.Channel) error) error {
 	return f(ch)
 }
 
-func (s *amqpSession) declare(_ context.Context, specs []queueSpec) error {
+func (s *amqpSession) Declare(_ context.Context, specs []queueSpec) error {
 	if len(specs) == 0 {
 		return nil
 	}
 	return s.withChannel(func(ch *amqp.Channel) error {
 		for _, q := range specs {
 			var err error
-			if q.passive {
-				_, err = ch.QueueDeclarePassive(q.name, true, false, false, false, nil)
+			if q.Passive {
+				_, err = ch.QueueDeclarePassive(q.Name, true, false, false, false, nil)
 			} else {
-				_, err = ch.QueueDeclare(q.name, true, false, false, false, q.args)
+				_, err = ch.QueueDeclare(q.Name, true, false, false, false, q.Args)
 			}
 			if err != nil {
-				return &queueError{queue: q.name, err: s.translate(err)}
+				return &queueError{Queue: q.Name, Err: s.translate(err)}
 			}
 		}
 		return nil
 	})
 }
 
-func (s *amqpSession) length(_ context.Context, queue string) (int, error) {
+func (s *amqpSession) Length(_ context.Context, queue string) (int, error) {
 	var n int
 	err := s.withChannel(func(ch *amqp.Channel) error {
 		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
@@ -546,7 +548,7 @@ func (s *amqpSession) length(_ context.Context, queue string) (int, error) {
 	return n, err
 }
 
-func (s *amqpSession) delete(_ context.Context, queues []string) error {
+func (s *amqpSession) Delete(_ context.Context, queues []string) error {
 	for len(queues) > 0 {
 		var rest []string
 		err := s.withChannel(func(ch *amqp.Channel) error {
@@ -559,7 +561,7 @@ func (s *amqpSession) delete(_ context.Context, queues []string) error {
 						rest = queues[j+1:]
 						return nil
 					}
-					return &queueError{queue: q, err: s.translate(err)}
+					return &queueError{Queue: q, Err: s.translate(err)}
 				}
 			}
 			return nil
@@ -572,7 +574,7 @@ func (s *amqpSession) delete(_ context.Context, queues []string) error {
 	return nil
 }
 
-func (s *amqpSession) get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {
+func (s *amqpSession) Get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {
 	s.getMu.Lock()
 	defer s.getMu.Unlock()
 	if s.getCh == nil || s.getCh.IsClosed() {
@@ -592,12 +594,12 @@ func (s *amqpSession) get(_ context.Context, queue string) (*amqp.Delivery, bool
 	return &d, true, nil
 }
 
-func (s *amqpSession) maxProperties() int       { return s.maxProps }
-func (s *amqpSession) closed() <-chan struct{}  { return s.done }
-func (s *amqpSession) reason() error            { return s.err }
-func (s *amqpSession) cancelled() <-chan string { return s.cancels }
+func (s *amqpSession) MaxProperties() int       { return s.maxProps }
+func (s *amqpSession) Closed() <-chan struct{}  { return s.done }
+func (s *amqpSession) Reason() error            { return s.err }
+func (s *amqpSession) Cancelled() <-chan string { return s.cancels }
 
-func (s *amqpSession) close() error {
+func (s *amqpSession) Close() error {
 	err := s.conn.CloseDeadline(time.Now().Add(closeTimeout))
 	// A write that amqp091 is blocked in holds the publish channel's
 	// mutex, which the connection's shutdown waits for (and CloseDeadline

@@ -1,10 +1,12 @@
 package broker
 
 import (
-	"context"
 	"math"
 	"math/rand/v2"
 	"time"
+
+	// As doubling: this package's backoff is the type below.
+	doubling "github.com/rabbitmw/rabbitmw/internal/backoff"
 )
 
 // backoff computes waits between connection attempts: exponential, capped,
@@ -21,12 +23,7 @@ func newBackoff(minimum, maximum time.Duration) *backoff {
 
 // next returns the next wait.
 func (b *backoff) next() time.Duration {
-	ceil := b.max
-	if b.n < 62 {
-		if c := b.min << b.n; c > 0 && c < b.max && c>>b.n == b.min {
-			ceil = c
-		}
-	}
+	ceil := doubling.Doubled(b.min, b.n, b.max)
 	b.n++
 	if ceil == math.MaxInt64 {
 		return rand.N(ceil)
@@ -36,19 +33,3 @@ func (b *backoff) next() time.Duration {
 
 // reset starts the sequence again from min, after a connection that worked.
 func (b *backoff) reset() { b.n = 0 }
-
-// sleep waits for d or until ctx is done, and reports whether the whole d
-// passed.
-func sleep(ctx context.Context, d time.Duration) bool {
-	if d <= 0 {
-		return ctx.Err() == nil
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
-}

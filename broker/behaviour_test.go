@@ -16,6 +16,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
+	"github.com/rabbitmw/rabbitmw/broker/internal/rabbit"
 	"github.com/rabbitmw/rabbitmw/internal/header"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
@@ -84,11 +86,11 @@ func (f *fixture) assertSettled(t *testing.T) {
 		t.Errorf("Len(dlq) = %d; want 0", n)
 	}
 	if f.mem != nil {
-		if n := f.mem.unacked(f.q); n != 0 {
+		if n := f.mem.Unacked(f.q); n != 0 {
 			t.Errorf("unacked(%q) = %d; want 0", f.q, n)
 		}
-		if s := f.mem.stats(); s.unknownTags != 0 {
-			t.Errorf("settlements with unknown delivery tags = %d; want 0", s.unknownTags)
+		if s := f.mem.Stats(); s.UnknownTags != 0 {
+			t.Errorf("settlements with unknown delivery tags = %d; want 0", s.UnknownTags)
 		}
 	}
 	if n := f.logs.count("unknown delivery tag"); n != 0 {
@@ -320,7 +322,7 @@ func testCopyFailure(t *testing.T, be backend) {
 	support := top
 	noErr(t, "delete the support queues", f.b.do(ctx, "delete", func(s session) error {
 		tp, _ := support.resolve(f.q)
-		return s.delete(ctx, tp.names()[1:])
+		return s.Delete(ctx, tp.names()[1:])
 	}))
 	f.top = top
 	j := newJournal()
@@ -387,7 +389,7 @@ func testShutdownInFlight(t *testing.T, be backend) {
 	}
 	if f.mem != nil {
 		// All ten were delivered: three in flight, seven waiting.
-		eventually(t, 5*time.Second, "prefetch not filled", func() bool { return f.mem.unacked(f.q) == total })
+		eventually(t, 5*time.Second, "prefetch not filled", func() bool { return f.mem.Unacked(f.q) == total })
 	}
 	r.cancel()
 	// Release the handlers once the consumer stopped taking deliveries.
@@ -398,9 +400,9 @@ func testShutdownInFlight(t *testing.T, be backend) {
 	equal(t, "handlers started", j.totalCalls(), workers)
 	equal(t, "messages back in the queue", f.length(f.q), total-workers)
 	if f.mem != nil {
-		s := f.mem.stats()
-		equal(t, "deliveries nacked with requeue", s.nacked, total-workers)
-		equal(t, "deliveries left for the connection's close to requeue", s.requeuedOnClose, 0)
+		s := f.mem.Stats()
+		equal(t, "deliveries nacked with requeue", s.Nacked, total-workers)
+		equal(t, "deliveries left for the connection's close to requeue", s.RequeuedOnClose, 0)
 	}
 	back := f.drain(f.q)
 	equal(t, "messages taken back", len(back), total-workers)
@@ -589,7 +591,7 @@ func testHeaderTypes(t *testing.T, be backend) {
 		t.Fatalf("handler calls = %d; want 2", len(calls))
 	}
 	dead := f.onlyDeadLetter()
-	wire := copyTable(sent) // what the wire makes of the values
+	wire := rabbit.WireTable(sent) // what the wire makes of the values
 	for k := range sent {
 		equal(t, "header "+k+" as first delivered", calls[0].d.Headers[k], wire[k])
 		equal(t, "header "+k+" after the delay hop", calls[1].d.Headers[k], wire[k])
@@ -668,7 +670,7 @@ func testOtherArguments(t *testing.T, be backend) {
 	t.Cleanup(func() { _ = b.Delete(context.Background(), q, top) })
 	// Declare the work queue as a user would, without a dead-letter
 	// exchange.
-	err := b.do(ctx, "declare", func(s session) error { return s.declare(ctx, []queueSpec{{name: q}}) })
+	err := b.do(ctx, "declare", func(s session) error { return s.Declare(ctx, []queueSpec{{Name: q}}) })
 	noErr(t, "declare the user's queue", err)
 
 	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
@@ -708,14 +710,14 @@ func testServerDown(t *testing.T, be backend) {
 	logs := newLogRecorder(t)
 	opts := Options{Logger: slog.New(logs), ReconnectMin: 20 * time.Millisecond, ReconnectMax: 100 * time.Millisecond}
 	var b *Broker
-	var mem *Memory
+	var mem *brokertest.Server
 	if be.real {
 		testenv.RabbitMQURL(t) // the real backend runs where RabbitMQ does
 		b = New("amqp://guest:guest@127.0.0.1:1/", opts)
 		t.Cleanup(func() { b.Close() })
 	} else {
 		b, mem = be.open(t, opts)
-		mem.setDown(true)
+		mem.SetDown(true)
 	}
 	q := queueName(t)
 	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
@@ -731,6 +733,13 @@ func testServerDown(t *testing.T, be backend) {
 	retries := logs.count("WARN", "broker: reconnecting", "unreachable")
 	if retries < 2 || retries > 200 {
 		t.Errorf("connection attempts logged in 700ms = %d; want from 2 to 200 (no hot loop)", retries)
+	}
+	if mem != nil {
+		// Each retry logged follows an attempt the server saw and
+		// refused; the last attempt may not have been logged yet.
+		if dials := mem.Stats().Dials; dials < retries || dials > retries+1 {
+			t.Errorf("connection attempts seen by the server = %d; want %d or %d (the retries logged, and maybe one more)", dials, retries, retries+1)
+		}
 	}
 
 	pctx, pcancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
@@ -753,8 +762,12 @@ func testServerDown(t *testing.T, be backend) {
 			return nil
 		}), ConsumeOptions{Topology: Topology{Delays: testTiers}})
 	}()
-	time.Sleep(100 * time.Millisecond)
-	mem.setDown(false)
+	// It tries while the server is down, then the server comes up.
+	dials := mem.Stats().Dials
+	eventually(t, 20*time.Second, "consumer did not try to connect while the server was down", func() bool {
+		return mem.Stats().Dials >= dials+2
+	})
+	mem.SetDown(false)
 	eventually(t, 20*time.Second, "consumer did not declare its queue once the server was up", func() bool {
 		_, err := b.Len(testContext(t, 5*time.Second), q)
 		return err == nil

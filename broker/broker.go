@@ -11,9 +11,13 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 )
 
 // Errors reported by the package. Each is wrapped with detail; test for them
@@ -21,24 +25,24 @@ import (
 var (
 	// ErrNacked reports a publish that the server refused with a basic.nack
 	// (for example a queue at its length limit with overflow reject-publish).
-	ErrNacked = errors.New("broker: publish nacked by the server")
+	ErrNacked = transport.ErrNacked
 	// ErrUnroutable reports a publish that reached no queue: no queue is bound
 	// for its routing key, or its exchange does not exist.
-	ErrUnroutable = errors.New("broker: message unroutable")
+	ErrUnroutable = transport.ErrUnroutable
 	// ErrConsumerCancelled reports that the server cancelled a consumer,
 	// typically because its queue was deleted. Consume returns it, wrapped
 	// with the queue name.
 	ErrConsumerCancelled = errors.New("broker: consumer cancelled by the server")
 	// ErrClosed is returned by the methods of a Broker after Close, and by
-	// a Memory server after its Close.
-	ErrClosed = errors.New("broker: closed")
+	// its dials to a brokertest server after the server's Close.
+	ErrClosed = transport.ErrClosed
 	// ErrConnectionLost reports a connection or channel that closed under an
 	// operation. Operations that can be retried are retried on a new
 	// connection; the error reaches the caller only joined to the context's.
-	ErrConnectionLost = errors.New("broker: connection lost")
+	ErrConnectionLost = transport.ErrConnectionLost
 	// ErrUnreachable reports a failure to connect that may be temporary: the
 	// server is down, the network fails, the handshake times out.
-	ErrUnreachable = errors.New("broker: server unreachable")
+	ErrUnreachable = transport.ErrUnreachable
 	// ErrAccessRefused reports a connection refused for its credentials or
 	// virtual host. It is fatal: retrying cannot help.
 	ErrAccessRefused = errors.New("broker: access refused")
@@ -53,7 +57,7 @@ var (
 	// amqp091 could not read back. It is refused before anything is sent,
 	// and trying again cannot help; the error names the field and the
 	// limit.
-	ErrInvalidMessage = errors.New("broker: invalid message")
+	ErrInvalidMessage = transport.ErrInvalidMessage
 	// ErrShutdownTimeout reports handlers that had not returned when the
 	// shutdown deadline (ConsumeOptions.ShutdownTimeout) and a short grace
 	// had passed.
@@ -83,7 +87,8 @@ type Options struct {
 	// ReconnectMin*2^n)] ("full jitter"). Defaults 100ms and 30s.
 	ReconnectMin, ReconnectMax time.Duration
 	// Heartbeat is the AMQP heartbeat interval; a dead peer is detected
-	// after about two intervals. Default 10s. It does not apply to Memory.
+	// after about two intervals. Default 10s. It does not apply to a
+	// brokertest server.
 	Heartbeat time.Duration
 	// Host and Process identify this consumer in the fault headers of
 	// dead-lettered messages ([HeaderHost], [HeaderProcess]). Defaults:
@@ -112,6 +117,13 @@ type config struct {
 }
 
 const (
+	// retryHeadroom is what a message that Publish sends, and a copy sent
+	// to a delay queue, must leave free of a frame: room for the headers
+	// added when it is retried or dead-lettered (the fault headers, an
+	// error text of up to 4 KiB among them, and RabbitMQ's x-death and
+	// x-delivery-count).
+	retryHeadroom = 8 << 10
+
 	defaultReconnectMin = 100 * time.Millisecond
 	defaultReconnectMax = 30 * time.Second
 	defaultHeartbeat    = 10 * time.Second
@@ -163,7 +175,7 @@ func (o Options) resolve() config {
 }
 
 // A Broker publishes to and consumes from one RabbitMQ server (or one
-// [Memory] server). It is safe for concurrent use.
+// in-memory server of package brokertest). It is safe for concurrent use.
 //
 // Publish and the inspection methods (Declare, Len, Get, Delete) share one
 // connection, made when first needed and made again after it is lost; when
@@ -171,7 +183,7 @@ func (o Options) resolve() config {
 // reached, they try again with backoff until their ctx is done. Each
 // Consume call has a connection of its own.
 type Broker struct {
-	tr  transport
+	tr  transport.Transport
 	cfg config
 
 	// sem guards sess and closed. It is a channel rather than a mutex so that
@@ -182,18 +194,27 @@ type Broker struct {
 }
 
 // New returns a Broker for the RabbitMQ server at url, an AMQP URI such as
-// "amqp://guest:guest@127.0.0.1:5672/". It does no I/O: connections are
-// made when Publish, Consume or another method needs one. A malformed url is
-// reported by the first of those calls.
+// "amqp://guest:guest@127.0.0.1:5672/" ("amqps://" for TLS). It does no
+// I/O: connections are made when Publish, Consume or another method needs
+// one. A malformed url is reported by the first of those calls.
+//
+// A url of the form "memory://<n>" names an in-memory server of this
+// process, made for tests by
+// [github.com/rabbitmw/rabbitmw/broker/brokertest.NewServer]; once that
+// server is closed, or if there is none by that URL, connecting fails with
+// an error wrapping ErrClosed.
 //
 // New panics if opts holds a negative duration or a ReconnectMin above
 // ReconnectMax.
 func New(url string, opts Options) *Broker {
 	cfg := opts.resolve()
+	if strings.HasPrefix(url, transport.MemoryScheme) {
+		return newBroker(transport.Lookup(url), cfg)
+	}
 	return newBroker(newAMQPTransport(url, cfg), cfg)
 }
 
-func newBroker(tr transport, cfg config) *Broker {
+func newBroker(tr transport.Transport, cfg config) *Broker {
 	cfg.serverString = tr.String()
 	return &Broker{tr: tr, cfg: cfg, sem: make(chan struct{}, 1)}
 }
@@ -211,7 +232,7 @@ func (b *Broker) Close() error {
 	}
 	s := b.sess
 	b.sess = nil
-	return s.close()
+	return s.Close()
 }
 
 // shared returns the shared session, dialling it if there is none or the last
@@ -228,14 +249,14 @@ func (b *Broker) shared(ctx context.Context) (session, error) {
 	}
 	if b.sess != nil {
 		select {
-		case <-b.sess.closed():
-			_ = b.sess.close()
+		case <-b.sess.Closed():
+			_ = b.sess.Close()
 			b.sess = nil
 		default:
 			return b.sess, nil
 		}
 	}
-	s, err := b.tr.dial(ctx, "rabbitmw "+b.cfg.process)
+	s, err := b.tr.Dial(ctx, "rabbitmw "+b.cfg.process)
 	if err != nil {
 		return nil, err
 	}
@@ -280,7 +301,7 @@ func (b *Broker) do(ctx context.Context, op string, f func(session) error) error
 			slog.String("server", b.cfg.serverString),
 			slog.String("error", err.Error()),
 			slog.Duration("retry_in", d))
-		if !sleep(ctx, d) {
+		if clock.Sleep(ctx, d) != nil {
 			return fmt.Errorf("broker: %s: %w (last error: %w)", op, ctx.Err(), last)
 		}
 	}
@@ -342,15 +363,15 @@ func (b *Broker) Publish(ctx context.Context, exchange, key string, msg amqp.Pub
 			defer func() { done(err) }()
 		}
 	}
-	size, err := checkPublishing(exchange, key, msg)
+	size, err := transport.CheckPublishing(exchange, key, msg)
 	if err != nil {
 		return err
 	}
 	return b.do(ctx, "publish", func(s session) error {
-		if err := fitFrame(size, s.maxProperties(), retryHeadroom); err != nil {
+		if err := transport.FitFrame(size, s.MaxProperties(), retryHeadroom); err != nil {
 			return err
 		}
-		return s.publish(ctx, exchange, key, msg)
+		return s.Publish(ctx, exchange, key, msg)
 	})
 }
 
@@ -364,7 +385,7 @@ func (b *Broker) Declare(ctx context.Context, queue string, t Topology) error {
 	}
 	specs := top.specs()
 	return b.do(ctx, "declare", func(s session) error {
-		return top.refusal(s.declare(ctx, specs))
+		return top.refusal(s.Declare(ctx, specs))
 	})
 }
 
@@ -375,7 +396,7 @@ func (b *Broker) Len(ctx context.Context, queue string) (int, error) {
 	var n int
 	err := b.do(ctx, "len", func(s session) error {
 		var err error
-		n, err = s.length(ctx, queue)
+		n, err = s.Length(ctx, queue)
 		return refusal(queue, err)
 	})
 	return n, err
@@ -390,7 +411,7 @@ func (b *Broker) Len(ctx context.Context, queue string) (int, error) {
 func (b *Broker) Get(ctx context.Context, queue string) (d *amqp.Delivery, ok bool, err error) {
 	err = b.do(ctx, "get", func(s session) error {
 		var err error
-		d, ok, err = s.get(ctx, queue)
+		d, ok, err = s.Get(ctx, queue)
 		return refusal(queue, err)
 	})
 	return d, ok, err
@@ -407,7 +428,7 @@ func (b *Broker) Delete(ctx context.Context, queue string, t Topology) error {
 	}
 	names := top.names()
 	return b.do(ctx, "delete", func(s session) error {
-		return s.delete(ctx, names)
+		return s.Delete(ctx, names)
 	})
 }
 

@@ -77,8 +77,8 @@ func testMultipleAckSemantics(t *testing.T, be backend) {
 	noErr(t, "Ack(third, multiple)", ds[2].Ack(true))
 	eventually(t, 10*time.Second, "the nacked message not back in the queue", func() bool { return f.length(f.q) == 1 })
 	if f.mem != nil {
-		equal(t, "unacked", f.mem.unacked(f.q), 0)
-		equal(t, "unknown tags", f.mem.stats().unknownTags, 0)
+		equal(t, "unacked", f.mem.Unacked(f.q), 0)
+		equal(t, "unknown tags", f.mem.Stats().UnknownTags, 0)
 	}
 	for i := range 2 {
 		f.publish(fmt.Sprint("n", i), []byte("x"), nil)
@@ -89,7 +89,7 @@ func testMultipleAckSemantics(t *testing.T, be backend) {
 	noErr(t, "Nack(second)", ds[1].Nack(false, true))
 	_ = ds[1].Ack(true) // the server refuses it after the call returned
 	if f.mem != nil {
-		equal(t, "unknown tags", f.mem.stats().unknownTags, 1)
+		equal(t, "unknown tags", f.mem.Stats().UnknownTags, 1)
 	} else {
 		ch, ok := ds[0].Acknowledger.(*amqp.Channel)
 		if !ok {
@@ -146,9 +146,9 @@ func testCoalescedAcks(t *testing.T, be backend) {
 	equal(t, "acks that failed", failed, 0)
 	equal(t, "deliveries acked", deliveries, n+n/25) // once, and the original of each delay
 	if f.mem != nil {
-		s := f.mem.stats()
-		equal(t, "ack frames the memory server took", s.ackFrames, frames)
-		equal(t, "deliveries it acked", s.acked, deliveries)
+		s := f.mem.Stats()
+		equal(t, "ack frames the memory server took", s.AckFrames, frames)
+		equal(t, "deliveries it acked", s.Acked, deliveries)
 	}
 	t.Logf("%d deliveries acked in %d ack frames: %.2f per frame", deliveries, frames, float64(deliveries)/float64(frames))
 	if frames >= deliveries {
@@ -178,22 +178,22 @@ func TestHeldAcksAtTheTimeBound(t *testing.T) {
 		synctest.Wait()
 		start := time.Now()
 		equal(t, "handled", j.effected(), 4)
-		equal(t, "unacked while the acks are held", f.mem.unacked(f.q), 4)
+		equal(t, "unacked while the acks are held", f.mem.Unacked(f.q), 4)
 		time.Sleep(maxHoldAck - time.Nanosecond)
 		synctest.Wait()
-		equal(t, "unacked just before the bound", f.mem.unacked(f.q), 4)
+		equal(t, "unacked just before the bound", f.mem.Unacked(f.q), 4)
 		time.Sleep(time.Nanosecond)
 		synctest.Wait()
-		equal(t, "unacked at the bound", f.mem.unacked(f.q), 1)
+		equal(t, "unacked at the bound", f.mem.Unacked(f.q), 1)
 		equal(t, "held for", time.Since(start), maxHoldAck)
-		s := f.mem.stats()
-		equal(t, "ack frames", s.ackFrames, 3)
+		s := f.mem.Stats()
+		equal(t, "ack frames", s.AckFrames, 3)
 		slow.open()
 		synctest.Wait()
 		time.Sleep(maxHoldAck) // its ack is kept as long
 		synctest.Wait()
-		equal(t, "unacked once the slow one is done", f.mem.unacked(f.q), 0)
-		equal(t, "ack frames", f.mem.stats().ackFrames, 4)
+		equal(t, "unacked once the slow one is done", f.mem.Unacked(f.q), 0)
+		equal(t, "ack frames", f.mem.Stats().AckFrames, 4)
 		noErr(t, "Consume after cancel", r.stop(t))
 		f.assertSettled(t)
 	})
@@ -217,11 +217,11 @@ func TestHeldAcksAtTheCountBound(t *testing.T) {
 			f.publish(fmt.Sprint("f", i), nil, nil)
 		}
 		synctest.Wait()
-		equal(t, "unacked with 3 acks held", f.mem.unacked(f.q), 4)
+		equal(t, "unacked with 3 acks held", f.mem.Unacked(f.q), 4)
 		f.publish("f3", nil, nil)
 		synctest.Wait()
-		equal(t, "unacked with 4 acks held", f.mem.unacked(f.q), 1)
-		equal(t, "ack frames", f.mem.stats().ackFrames, 4)
+		equal(t, "unacked with 4 acks held", f.mem.Unacked(f.q), 1)
+		equal(t, "ack frames", f.mem.Stats().AckFrames, 4)
 		slow.open()
 		noErr(t, "Consume after cancel", r.stop(t))
 		f.assertSettled(t)
@@ -249,14 +249,14 @@ func TestShutdownSendsHeldAcks(t *testing.T) {
 			f.publish(fmt.Sprint("f", i), nil, nil)
 		}
 		synctest.Wait()
-		equal(t, "unacked while the acks are held", f.mem.unacked(f.q), 3)
+		equal(t, "unacked while the acks are held", f.mem.Unacked(f.q), 3)
 		r.cancel()
 		slow.open() // before the clock moves: the acks are still held
 		noErr(t, "Consume", r.wait(t, time.Minute))
-		s := f.mem.stats()
-		equal(t, "ack frames", s.ackFrames, 1)
-		equal(t, "deliveries acked", s.acked, 3)
-		equal(t, "deliveries returned by the close", s.requeuedOnClose, 0)
+		s := f.mem.Stats()
+		equal(t, "ack frames", s.AckFrames, 1)
+		equal(t, "deliveries acked", s.Acked, 3)
+		equal(t, "deliveries returned by the close", s.RequeuedOnClose, 0)
 		equal(t, "handled", j.totalCalls(), 3)
 		f.assertSettled(t)
 	})
@@ -282,7 +282,7 @@ func TestConnectionLostWithHeldAcks(t *testing.T) {
 			f.publish(fmt.Sprint("f", i), nil, nil)
 		}
 		synctest.Wait()
-		equal(t, "unacked while the acks are held", f.mem.unacked(f.q), 3)
+		equal(t, "unacked while the acks are held", f.mem.Unacked(f.q), 3)
 
 		f.mem.CloseConnections()
 		time.Sleep(time.Second) // past the reconnection backoff
@@ -298,9 +298,9 @@ func TestConnectionLostWithHeldAcks(t *testing.T) {
 		slow.open() // its result comes after its session: not settled
 		synctest.Wait()
 		noErr(t, "Consume after cancel", r.stop(t))
-		s := f.mem.stats()
-		equal(t, "deliveries acked", s.acked, 3)
-		equal(t, "returned by the lost connection", s.requeuedOnClose, 3)
+		s := f.mem.Stats()
+		equal(t, "deliveries acked", s.Acked, 3)
+		equal(t, "returned by the lost connection", s.RequeuedOnClose, 3)
 		f.assertSettled(t)
 	})
 }

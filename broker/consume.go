@@ -15,6 +15,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 )
 
 // ConsumeOptions configures one Consume call. The zero value selects the
@@ -75,19 +77,14 @@ const (
 var consumerSeq atomic.Uint64
 
 // Consume consumes queue with manual acknowledgements, runs h for each
-// delivery on opts.Workers goroutines, and settles each delivery, once,
-// from [rabbitmw.Decide] of h's result:
+// delivery on opts.Workers goroutines, and settles each delivery, once, as
+// the package documentation's table says for the outcome that
+// [rabbitmw.Decide] gives h's result.
 //
-//   - Ack, Duplicate: basic.ack, coalesced: once every delivery received
-//     before it on its channel is settled, one ack with multiple set
-//     settles the run; an ack behind a delivery still in its handler waits
-//     at most 5 ms, or until 32 (or half the prefetch count) wait, and is
-//     then sent alone.
-//   - Requeue: basic.nack with requeue.
-//   - Delay(d): a copy goes to the delay queue for d (see [Topology]); the
-//     original is acked once the server confirmed the copy.
-//   - DeadLetter: a copy with fault headers goes to the dead-letter queue;
-//     the original is acked once the server confirmed the copy.
+// Acks are coalesced: once every delivery received before it on its
+// channel is settled, one ack with multiple set settles the run; an ack
+// behind a delivery still in its handler waits at most 5 ms, or until a
+// quarter of the prefetch count (at most 32) wait, and is then sent alone.
 //
 // The original of a copy is settled only once the copy's fate is known. If
 // the server refuses the copy (unroutable, or nacked), the original is
@@ -126,7 +123,9 @@ var consumerSeq atomic.Uint64
 // Consume blocks until ctx is cancelled or a fatal error. On cancellation it
 // stops taking deliveries (basic.cancel), requeues the ones received but not
 // started, lets the handlers in flight finish and settles them, then closes
-// its connection, after the acks not sent yet, and returns nil. Handlers,
+// its connection, after the acks not sent yet (an ack whose write has not
+// ended five seconds later, on a socket the server no longer reads, is lost
+// with the connection), and returns nil. Handlers,
 // those of lost connections included, run with a context that is cancelled
 // only when opts.ShutdownTimeout has passed after ctx was cancelled. A result that
 // comes after that deadline is still settled, once, under a context of its
@@ -259,7 +258,7 @@ func (c *consumer) run(ctx context.Context) error {
 			return end(nil)
 		}
 		c.log.LogAttrs(ctx, slog.LevelInfo, "broker: connecting", server)
-		s, err := c.b.tr.dial(ctx, "rabbitmw consume "+c.top.queue+" ("+c.b.cfg.process+")")
+		s, err := c.b.tr.Dial(ctx, "rabbitmw consume "+c.top.queue+" ("+c.b.cfg.process+")")
 		switch {
 		case err != nil && ctx.Err() != nil:
 			return end(nil)
@@ -278,7 +277,7 @@ func (c *consumer) run(ctx context.Context) error {
 		c.b.cfg.obs.reconnect(c.top.queue, err, d)
 		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: reconnecting", server,
 			slog.String("error", err.Error()), slog.Duration("retry_in", d))
-		if !sleep(ctx, d) {
+		if clock.Sleep(ctx, d) != nil {
 			return end(nil)
 		}
 	}
@@ -291,17 +290,19 @@ func (c *consumer) run(ctx context.Context) error {
 // returns at once, whatever handlers still run. It calls consuming once
 // the consumer is started. serve closes s before it returns.
 func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.CancelFunc, s session, consuming func()) error {
-	defer s.close()
-	if err := s.declare(ctx, c.top.specs()); err != nil {
+	defer s.Close()
+	if err := s.Declare(ctx, c.top.specs()); err != nil {
 		return c.top.refusal(err)
 	}
-	deliveries, err := s.consume(c.top.queue, c.tag, c.prefetch)
+	deliveries, err := s.Consume(c.top.queue, c.tag, c.prefetch)
 	if err != nil {
 		return c.top.refusal(err)
 	}
 	consuming()
 	a := newAcker(c.top.queue, c.prefetch, &c.b.cfg.obs, c.log)
-	defer a.close() // before s.close: the acks not sent yet go first
+	// Before s.Close: the acks not sent yet go first, but a write blocked
+	// for closeTimeout is ended by closing s.
+	defer a.closeWithin(closeTimeout, func() { s.Close() })
 	c.log.LogAttrs(ctx, slog.LevelInfo, "broker: consuming",
 		slog.String("consumer_tag", c.tag), slog.Int("workers", c.workers), slog.Int("prefetch", c.prefetch))
 
@@ -344,24 +345,24 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 	}
 	lost := func() error {
 		c.log.LogAttrs(ctx, slog.LevelWarn, "broker: connection lost",
-			slog.String("reason", s.reason().Error()), slog.Int("in_flight", c.inFlight()))
-		return s.reason()
+			slog.String("reason", s.Reason().Error()), slog.Int("in_flight", c.inFlight()))
+		return s.Reason()
 	}
-	cancelled := s.cancelled()
+	cancelled := s.Cancelled()
 	for {
 		select {
 		case <-ctx.Done():
 			stopTaking()
 			c.log.LogAttrs(ctx, slog.LevelInfo, "broker: shutting down",
 				slog.Int("in_flight", c.inFlight()), slog.Duration("timeout", c.timeout))
-			if err := s.cancel(c.tag); err != nil {
+			if err := s.Cancel(c.tag); err != nil {
 				c.log.LogAttrs(ctx, slog.LevelDebug, "broker: cancel consumer", slog.String("error", err.Error()))
 			}
 			c.giveBack(ctx, s, a, deliveries)
 			c.drain(cancelHandlers) // run reports its error
 			return nil
 
-		case <-s.closed():
+		case <-s.Closed():
 			return lost()
 
 		case <-givenUp:
@@ -371,7 +372,7 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 
 		case tag, ok := <-cancelled:
 			if !ok {
-				// Closed with the connection: s.closed() follows.
+				// Closed with the connection: s.Closed() follows.
 				cancelled = nil
 				continue
 			}
@@ -387,9 +388,9 @@ func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.Cance
 					stopTaking()
 					return c.cancelledByServer(ctx, cancelHandlers, s, a, deliveries, tag)
 				}
-				<-s.closed()
+				<-s.Closed()
 				return lost()
-			case <-s.closed():
+			case <-s.Closed():
 				return lost()
 			case <-time.After(time.Second):
 				return lostError(errors.New("delivery channel closed"))
@@ -420,7 +421,7 @@ func (c *consumer) giveBack(ctx context.Context, s session, a *acker, deliveries
 			}
 			a.adopt(&d)
 			c.report(ctx, &d, rabbitmw.Requeue, d.Nack(false, true))
-		case <-s.closed():
+		case <-s.Closed():
 			return
 		}
 	}
@@ -442,7 +443,7 @@ func (c *consumer) work(hctx context.Context, s session, a *acker, deliveries <-
 		select {
 		case <-stop:
 			return
-		case <-s.closed():
+		case <-s.Closed():
 			return
 		case c.slots <- struct{}{}:
 		}
@@ -464,7 +465,7 @@ func (c *consumer) work(hctx context.Context, s session, a *acker, deliveries <-
 			c.report(hctx, &d, rabbitmw.Requeue, d.Nack(false, true))
 			<-c.slots
 			return
-		case isClosed(s.closed()):
+		case isClosed(s.Closed()):
 			// Its channel is gone: it cannot be settled, and the server
 			// redelivers it. Handling it would only duplicate work.
 			<-c.slots
@@ -491,7 +492,7 @@ func (c *consumer) handle(hctx context.Context, s session, d *amqp.Delivery, giv
 		return false
 	}
 	defer func() { <-c.slots }()
-	if isClosed(s.closed()) {
+	if isClosed(s.Closed()) {
 		c.report(hctx, d, dec.Outcome, errUnsettled)
 		return true
 	}
@@ -708,7 +709,7 @@ func (c *consumer) deadLetter(ctx context.Context, s session, d *amqp.Delivery, 
 	if errors.Is(err, ErrInvalidMessage) {
 		cut := make(amqp.Table, len(d.Headers)+3)
 		maps.Copy(cut, d.Headers)
-		cut[HeaderError] = truncate("broker: fault headers cut, the dead-letter copy did not fit ("+err.Error()+"): "+errText, maxCutErrorText)
+		cut[HeaderError] = transport.Truncate("broker: fault headers cut, the dead-letter copy did not fit ("+err.Error()+"): "+errText, maxCutErrorText)
 		cut[rabbitmw.HeaderAttempts] = attempts
 		cut[HeaderOriginalQueue] = c.top.queue
 		err = c.publishCopy(ctx, s, c.top.dlq, republishing(d, cut), 0)
@@ -748,15 +749,15 @@ func (c *consumer) publishCopy(ctx context.Context, s session, queue string, msg
 		return fmt.Errorf("%w: %w", errNotSent, err)
 	}
 	if headroom > 0 {
-		size, err := checkPublishing("", queue, msg)
+		size, err := transport.CheckPublishing("", queue, msg)
 		if err == nil {
-			err = fitFrame(size, s.maxProperties(), headroom)
+			err = transport.FitFrame(size, s.MaxProperties(), headroom)
 		}
 		if err != nil {
 			return err
 		}
 	}
-	return s.publish(ctx, "", queue, msg)
+	return s.Publish(ctx, "", queue, msg)
 }
 
 // copyFailed settles d, whose copy to queue failed with err. A copy known
@@ -776,7 +777,7 @@ func (c *consumer) copyFailed(ctx context.Context, s session, d *amqp.Delivery, 
 		slog.String("message_id", d.MessageId),
 		slog.String("to", queue),
 		slog.String("error", err.Error()))
-	if !isClosed(s.closed()) {
+	if !isClosed(s.Closed()) {
 		giveUp(fmt.Errorf("%w: the %s copy of message %q was not confirmed: %w", ErrConnectionLost, what, d.MessageId, err))
 	}
 	return errUnsettled
@@ -793,7 +794,7 @@ func (c *consumer) requeueAfter(ctx context.Context, s session, d *amqp.Delivery
 	select {
 	case <-t.C:
 	case <-ctx.Done():
-	case <-s.closed():
+	case <-s.Closed():
 	}
 	t.Stop()
 	return d.Nack(false, true)

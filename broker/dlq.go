@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
@@ -255,19 +256,19 @@ func (b *Broker) snapshot(ctx context.Context, queue string, progress func(done,
 		return nil, err
 	}
 	snap := &snapshot{s: s, dlq: dlq}
-	total, err := s.length(ctx, dlq)
+	total, err := s.Length(ctx, dlq)
 	if err != nil {
-		s.close()
+		s.Close()
 		return nil, refusal(dlq, err)
 	}
 	for len(snap.msgs) < total {
 		if err := ctx.Err(); err != nil {
-			s.close()
+			s.Close()
 			return nil, err
 		}
-		d, ok, err := s.get(ctx, dlq)
+		d, ok, err := s.Get(ctx, dlq)
 		if err != nil {
-			s.close()
+			s.Close()
 			return nil, refusal(dlq, err)
 		}
 		if !ok {
@@ -287,11 +288,11 @@ func (b *Broker) snapshot(ctx context.Context, queue string, progress func(done,
 func (b *Broker) dialOwn(ctx context.Context) (session, error) {
 	bo := newBackoff(b.cfg.rmin, b.cfg.rmax)
 	for {
-		s, err := b.tr.dial(ctx, "rabbitmw dlq "+b.cfg.process)
+		s, err := b.tr.Dial(ctx, "rabbitmw dlq "+b.cfg.process)
 		if err == nil || !errors.Is(err, ErrUnreachable) {
 			return s, err
 		}
-		if !sleep(ctx, bo.next()) {
+		if clock.Sleep(ctx, bo.next()) != nil {
 			return nil, fmt.Errorf("broker: connect: %w (last error: %w)", ctx.Err(), err)
 		}
 	}
@@ -326,7 +327,7 @@ func (snap *snapshot) close(b *Broker) error {
 			back++
 		}
 	}
-	err := snap.s.close()
+	err := snap.s.Close()
 	if back == 0 {
 		return err
 	}
@@ -334,7 +335,7 @@ func (snap *snapshot) close(b *Broker) error {
 	defer cancel()
 	for {
 		n, lerr := b.Len(ctx, snap.dlq)
-		if lerr != nil || n >= back || !sleep(ctx, 20*time.Millisecond) {
+		if lerr != nil || n >= back || clock.Sleep(ctx, 20*time.Millisecond) != nil {
 			return err
 		}
 	}

@@ -16,6 +16,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/internal/rabbit"
 )
 
 // dlqBehaviours run on both backends, like behaviours.
@@ -501,7 +502,7 @@ func TestTypedValueRoundTrip(t *testing.T) {
 		noErr(t, "Unmarshal", json.Unmarshal(line, &back))
 		p, err := back.Publishing()
 		noErr(t, "Publishing", err)
-		want := copyTable(h) // as the wire decodes it: int becomes int32
+		want := rabbit.WireTable(h) // as the wire decodes it: int becomes int32
 		equalTypes(t, name, p.Headers, want)
 		equal(t, name+": timestamp", p.Timestamp, d.Timestamp)
 	}

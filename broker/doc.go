@@ -2,8 +2,8 @@
 // every delivery by the handler's result: acknowledged, requeued, retried
 // after a delay, or moved to a dead-letter queue with headers that say why.
 // It reconnects after a lost connection, shuts down gracefully, publishes
-// with confirms, and has an in-memory stand-in for RabbitMQ ([Memory]) on
-// which the same code runs.
+// with confirms. Package brokertest provides an in-memory stand-in for
+// RabbitMQ on which the same code runs, for tests.
 //
 //	b := broker.New("amqp://guest:guest@127.0.0.1:5672/", broker.Options{Logger: logger})
 //	defer b.Close()
@@ -32,16 +32,16 @@
 //
 // # Settlement
 //
-// Each delivery is settled once, by [rabbitmw.Decide] of the handler's
-// result:
+// Each delivery is settled once, by the outcome that [rabbitmw.Decide]
+// gives the handler's result (the contract is on [rabbitmw.Handler]):
 //
-//	nil, ErrDuplicate      basic.ack, coalesced (see Broker.Consume)
-//	other error            basic.nack, requeue
-//	RetryAfter(err, d)     copy to Q.delay.<t>, t the shortest tier >= d;
-//	                       ack once the copy is confirmed
-//	Permanent(err)         copy with fault headers to Q.dlq;
-//	                       ack once the copy is confirmed
-//	panic                  as Permanent(&rabbitmw.PanicError{...})
+//	Ack, Duplicate     basic.ack (coalesced: see Broker.Consume)
+//	Requeue            basic.nack, requeue
+//	Delay d            copy to Q.delay.<t>, t the shortest tier >= d;
+//	                   ack once the copy is confirmed
+//	DeadLetter         copy with fault headers to Q.dlq;
+//	                   ack once the copy is confirmed
+//	a panic            as DeadLetter, with a *rabbitmw.PanicError
 //
 // A copy keeps the message's properties (but UserId, moved to the
 // HeaderUserID header, since RabbitMQ refuses a publish by another user),
@@ -122,7 +122,8 @@
 //
 // # In-memory server
 //
-// [Memory] emulates the parts of RabbitMQ the broker uses; tests and the
-// examples run the same consumer on it, including reconnection
-// ([Memory.CloseConnections]).
+// Package [github.com/rabbitmw/rabbitmw/broker/brokertest] emulates the
+// parts of RabbitMQ the broker uses, as net/http/httptest serves HTTP:
+// New(srv.URL(), opts) connects to it, and tests and the examples run the
+// same consumer on it, reconnection included.
 package broker

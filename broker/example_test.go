@@ -14,15 +14,16 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
 )
 
-// A consumer on the in-memory server: one message is handled, one is
-// retried after a delay, one is dead-lettered; the handler then cancels the
-// consumer, which stops gracefully.
-func ExampleMemory() {
-	m := broker.NewMemory()
-	defer m.Close()
-	b := m.Broker(broker.Options{})
+// A consumer on the in-memory server of package brokertest: one message
+// is handled, one is retried after a delay, one is dead-lettered; the
+// handler then cancels the consumer, which stops gracefully.
+func ExampleNew_inMemory() {
+	srv := brokertest.NewServer()
+	defer srv.Close()
+	b := broker.New(srv.URL(), broker.Options{})
 	defer b.Close()
 
 	ctx, cancel := context.WithCancel(context.Background())

@@ -151,8 +151,8 @@ func (b *Broker) ImportDeadLetters(ctx context.Context, queue string, r io.Reade
 	if err != nil {
 		return 0, err
 	}
-	defer s.close()
-	if err := s.declare(ctx, []queueSpec{{name: dest, passive: true}}); err != nil {
+	defer s.Close()
+	if err := s.Declare(ctx, []queueSpec{{Name: dest, Passive: true}}); err != nil {
 		return 0, refusal(dest, unwrapQueueError(err))
 	}
 	sc := bufio.NewScanner(r)
@@ -171,7 +171,7 @@ func (b *Broker) ImportDeadLetters(ctx context.Context, queue string, r io.Reade
 		if err != nil {
 			return n, fmt.Errorf("broker: import: line %d: %w", line, err)
 		}
-		if err := s.publish(ctx, "", dest, msg); err != nil {
+		if err := s.Publish(ctx, "", dest, msg); err != nil {
 			return n, fmt.Errorf("broker: import: line %d: publish to %q: %w", line, dest, err)
 		}
 		n++

@@ -4,11 +4,11 @@ import (
 	"fmt"
 	"maps"
 	"time"
-	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
@@ -96,7 +96,7 @@ func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time
 	restoreDeaths(h)
 	var text, typ string
 	if dec.Err != nil {
-		text = truncate(dec.Err.Error(), maxErrorText)
+		text = transport.Truncate(dec.Err.Error(), maxErrorText)
 		typ = ErrorType(dec.Err)
 	}
 	h[HeaderError] = text
@@ -355,17 +355,4 @@ func innermost(err error) error {
 		break
 	}
 	return err
-}
-
-// truncate cuts s to at most n bytes, at a rune boundary.
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	const mark = "…"
-	cut := n - len(mark)
-	for cut > 0 && !utf8.RuneStart(s[cut]) {
-		cut--
-	}
-	return s[:cut] + mark
 }

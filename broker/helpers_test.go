@@ -18,6 +18,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
@@ -31,24 +32,24 @@ type backend struct {
 	real bool
 	// open returns a Broker on a server for t, and the Memory when the
 	// server is one (nil for RabbitMQ). Both are closed at the end of t.
-	open func(t testing.TB, opts Options) (*Broker, *Memory)
+	open func(t testing.TB, opts Options) (*Broker, *brokertest.Server)
 	// drop closes every connection of the fixture's Broker (they all carry
 	// marker, its process name, in their names); other tests' connections
 	// to a shared server are left alone.
-	drop func(t *testing.T, m *Memory, marker string)
+	drop func(t *testing.T, m *brokertest.Server, marker string)
 }
 
 var backends = []backend{
 	{
 		name: "memory",
-		open: func(t testing.TB, opts Options) (*Broker, *Memory) {
-			m := NewMemory()
-			b := m.Broker(opts)
+		open: func(t testing.TB, opts Options) (*Broker, *brokertest.Server) {
+			m := brokertest.NewServer()
+			b := New(m.URL(), opts)
 			t.Cleanup(m.Close)
 			t.Cleanup(func() { b.Close() })
 			return b, m
 		},
-		drop: func(t *testing.T, m *Memory, _ string) {
+		drop: func(t *testing.T, m *brokertest.Server, _ string) {
 			if n := m.CloseConnections(); n == 0 {
 				t.Errorf("CloseConnections() = 0; want at least 1")
 			}
@@ -57,12 +58,12 @@ var backends = []backend{
 	{
 		name: "rabbitmq",
 		real: true,
-		open: func(t testing.TB, opts Options) (*Broker, *Memory) {
+		open: func(t testing.TB, opts Options) (*Broker, *brokertest.Server) {
 			b := New(testenv.RabbitMQURL(t), opts)
 			t.Cleanup(func() { b.Close() })
 			return b, nil
 		},
-		drop: func(t *testing.T, _ *Memory, marker string) {
+		drop: func(t *testing.T, _ *brokertest.Server, marker string) {
 			if n := testenv.CloseConnections(t, marker, "rabbitmw broker test"); n == 0 {
 				t.Errorf("no connection named with %q to close; want at least 1", marker)
 			}
@@ -75,7 +76,7 @@ type fixture struct {
 	t    *testing.T
 	be   backend
 	b    *Broker
-	mem  *Memory // nil on RabbitMQ
+	mem  *brokertest.Server // nil on RabbitMQ
 	q    string
 	top  Topology
 	logs *logRecorder

@@ -3,7 +3,6 @@ package broker
 import (
 	"context"
 	"errors"
-	"net"
 	"strconv"
 	"strings"
 	"testing"
@@ -12,7 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
-	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 )
 
 // frameMax is the frame size of the test servers: RabbitMQ's default, which
@@ -183,9 +182,9 @@ func testPublishFrameBoundary(t *testing.T, be backend) {
 	msg := func(pad int) amqp.Publishing {
 		return amqp.Publishing{MessageId: "b", DeliveryMode: amqp.Persistent, Headers: amqp.Table{"pad": strings.Repeat("p", pad)}}
 	}
-	err := f.b.do(ctx, "publish", func(s session) error { return s.publish(ctx, "", f.q, msg(padFor("b", maxProps))) })
+	err := f.b.do(ctx, "publish", func(s session) error { return s.Publish(ctx, "", f.q, msg(padFor("b", maxProps))) })
 	noErr(t, "session publish of a header frame that just fits", err)
-	err = f.b.do(ctx, "publish", func(s session) error { return s.publish(ctx, "", f.q, msg(padFor("b", maxProps)+1)) })
+	err = f.b.do(ctx, "publish", func(s session) error { return s.Publish(ctx, "", f.q, msg(padFor("b", maxProps)+1)) })
 	isErr(t, "session publish of a header frame one byte too big", err, ErrInvalidMessage)
 	equal(t, "messages in the queue", f.length(f.q), 1)
 	equal(t, "retry warnings", f.logs.count("failed; retrying"), 0)
@@ -198,7 +197,7 @@ func (f *fixture) publishRaw(t *testing.T, msg amqp.Publishing) {
 	t.Helper()
 	ctx := testContext(t, 20*time.Second)
 	msg.DeliveryMode = amqp.Persistent
-	noErr(t, "session publish", f.b.do(ctx, "publish", func(s session) error { return s.publish(ctx, "", f.q, msg) }))
+	noErr(t, "session publish", f.b.do(ctx, "publish", func(s session) error { return s.Publish(ctx, "", f.q, msg) }))
 }
 
 // A message whose dead-letter copy would not fit in a frame with its fault
@@ -291,16 +290,9 @@ func testCopyThatCannotBeSentIsRejected(t *testing.T, be backend) {
 // the size field of the frame on the wire, for a message with every
 // property and a header of every type, is the size it returns.
 func TestRabbitMQPropertiesSizeIsTheWireSize(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
-	uri, err := amqp.ParseURI(url)
-	noErr(t, "ParseURI", err)
-	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
-	uri.Host, uri.Port = "127.0.0.1", px.port()
-	tr := newAMQPTransport(uri.String(), Options{}.resolve())
 	ctx := testContext(t, time.Minute)
-	s, err := tr.dial(ctx, "rabbitmw test properties size")
-	noErr(t, "dial", err)
-	defer s.close()
+	px, s := dialViaStallProxy(t, ctx, "rabbitmw test properties size")
+	defer s.Close()
 	msgs := []amqp.Publishing{
 		{},
 		{MessageId: "m"},
@@ -311,11 +303,11 @@ func TestRabbitMQPropertiesSizeIsTheWireSize(t *testing.T) {
 		},
 	}
 	for i, msg := range msgs {
-		want, err := checkPublishing("", "nowhere", msg)
+		want, err := transport.CheckPublishing("", "nowhere", msg)
 		noErr(t, "checkPublishing", err)
 		px.record()
 		// No queue has that name: the server returns it.
-		isErr(t, "publish", s.publish(ctx, "", "nowhere", msg), ErrUnroutable)
+		isErr(t, "publish", s.Publish(ctx, "", "nowhere", msg), ErrUnroutable)
 		if got := px.headerFrameSize(t); got != want {
 			t.Errorf("message %d: header frame of %d bytes on the wire; checkPublishing says %d", i, got, want)
 		}

@@ -16,6 +16,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
 )
 
 // The consumer's lifecycle: what becomes of handlers and their results when
@@ -186,10 +187,10 @@ func TestShutdownWaitsForHandlersOfLostConnections(t *testing.T) {
 func TestReconnectionBackoffResetsOnceConsuming(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		logs := newLogRecorder(t)
-		m := NewMemory()
+		m := brokertest.NewServer()
 		t.Cleanup(m.Close)
 		const minimum = time.Second
-		b := m.Broker(Options{Logger: slog.New(logs), ReconnectMin: minimum, ReconnectMax: time.Hour})
+		b := New(m.URL(), Options{Logger: slog.New(logs), ReconnectMin: minimum, ReconnectMax: time.Hour})
 		t.Cleanup(func() { b.Close() })
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
@@ -271,7 +272,7 @@ func (f *fixture) ids() map[string]int {
 func TestResultsAfterTheShutdownDeadlineSettledOnce(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
-		lateResults(t, f, func() { f.mem.setConfirmDelay(10 * time.Millisecond) })
+		lateResults(t, f, func() { f.mem.SetConfirmDelay(10 * time.Millisecond) })
 	})
 }
 
@@ -343,7 +344,7 @@ func TestSettlementInProgressAtTheEndOfTheGrace(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
 		f.publish("x", []byte("x"), nil)
-		f.mem.setConfirmDelay(time.Second)
+		f.mem.SetConfirmDelay(time.Second)
 		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 			<-ctx.Done()
 			time.Sleep(shutdownGrace / 2)
@@ -353,7 +354,7 @@ func TestSettlementInProgressAtTheEndOfTheGrace(t *testing.T) {
 		begin := time.Now()
 		noErr(t, "Consume", r.stop(t))
 		equal(t, "Consume returned after", time.Since(begin), time.Second+shutdownGrace/2+time.Second)
-		f.mem.setConfirmDelay(0)
+		f.mem.SetConfirmDelay(0)
 		equal(t, "copies", f.ids(), map[string]int{"x": 1})
 	})
 }
@@ -364,7 +365,7 @@ func TestLateConfirmSettlesTheOriginal(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
 		f.publish("x", []byte("x"), nil)
-		f.mem.setConfirmDelay(40 * time.Second)
+		f.mem.SetConfirmDelay(40 * time.Second)
 		j := newJournal()
 		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 			if j.record(d) == 1 {
@@ -375,9 +376,9 @@ func TestLateConfirmSettlesTheOriginal(t *testing.T) {
 		time.Sleep(time.Minute)
 		synctest.Wait()
 		equal(t, "handler calls (the original, its delayed copy)", len(j.callsOf("x")), 2)
-		equal(t, "deliveries nacked with requeue", f.mem.stats().nacked, 0)
+		equal(t, "deliveries nacked with requeue", f.mem.Stats().Nacked, 0)
 		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 1)
-		f.mem.setConfirmDelay(0)
+		f.mem.SetConfirmDelay(0)
 		noErr(t, "Consume after cancel", r.stop(t))
 		f.assertSettled(t)
 	})
@@ -391,7 +392,7 @@ func TestConfirmThatNeverComesGivesTheSessionUp(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
 		f.publish("x", []byte("x"), nil)
-		f.mem.setConfirmDelay(time.Hour)
+		f.mem.SetConfirmDelay(time.Hour)
 		j := newJournal()
 		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 			if j.record(d) == 1 {
@@ -401,13 +402,13 @@ func TestConfirmThatNeverComesGivesTheSessionUp(t *testing.T) {
 		}), ConsumeOptions{})
 		time.Sleep(settleTimeout + time.Minute)
 		synctest.Wait()
-		s := f.mem.stats()
-		equal(t, "deliveries nacked with requeue", s.nacked, 0)
-		equal(t, "deliveries returned by the connection's close", s.requeuedOnClose, 1)
+		s := f.mem.Stats()
+		equal(t, "deliveries nacked with requeue", s.Nacked, 0)
+		equal(t, "deliveries returned by the connection's close", s.RequeuedOnClose, 1)
 		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 2)
 		equal(t, "warnings about the copy", f.logs.count("WARN", "not confirmed", `message_id="x"`), 1)
 		equal(t, "handler calls (the original, its copy, the original again)", len(j.callsOf("x")), 3)
-		f.mem.setConfirmDelay(0)
+		f.mem.SetConfirmDelay(0)
 		noErr(t, "Consume after cancel", r.stop(t))
 	})
 }
@@ -420,9 +421,9 @@ func testPublishWithDoneContext(t *testing.T, be backend) {
 	cancel()
 	var late, barrier error
 	noErr(t, "session", f.b.do(ctx, "publish", func(s session) error {
-		late = s.publish(done, "", f.q, amqp.Publishing{MessageId: "late", Body: []byte("x")})
+		late = s.Publish(done, "", f.q, amqp.Publishing{MessageId: "late", Body: []byte("x")})
 		// Confirmed after the first would be, on the same channel.
-		barrier = s.publish(ctx, "", f.q, amqp.Publishing{MessageId: "barrier", Body: []byte("x")})
+		barrier = s.Publish(ctx, "", f.q, amqp.Publishing{MessageId: "barrier", Body: []byte("x")})
 		return nil
 	}))
 	isErr(t, "publish with a done context", late, context.Canceled)
@@ -476,4 +477,49 @@ func testSlowHandlerReconnects(t *testing.T, be backend) {
 		// connection, dialled again after the drop, has goroutines too.)
 		goleak.VerifyNone(t, before)
 	}
+}
+
+// Many reconnects leave no goroutine behind while Consume keeps running:
+// each session's pumps end with it, and each handler's goroutine with its
+// handler. The goroutines are compared at two moments when Consume has no
+// session (the server is down, and refused its last attempt): before the
+// first session, and after the twenty-first.
+func TestReconnectsLeakNothing(t *testing.T) {
+	f := setupWith(t, backends[0], Topology{}, 20*time.Millisecond)
+	t.Cleanup(func() { f.mem.SetDown(false) }) // for the Delete of setup's cleanup
+	// downAndRefused puts the server down, closes every connection, and
+	// waits until the consumer's next attempt to connect was refused.
+	downAndRefused := func() {
+		t.Helper()
+		f.mem.SetDown(true)
+		f.mem.CloseConnections()
+		dials := f.mem.Stats().Dials
+		eventually(t, 10*time.Second, "no connection attempt while the server is down", func() bool {
+			return f.mem.Stats().Dials > dials
+		})
+	}
+	f.mem.SetDown(true)
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		j.record(d)
+		return nil
+	}), ConsumeOptions{Workers: 4})
+	downAndRefused()
+	before := goleak.IgnoreCurrent()
+	f.mem.SetDown(false)
+
+	sessions := func() int { return f.logs.count("broker: consuming") }
+	eventually(t, 10*time.Second, "not consuming", func() bool { return sessions() == 1 })
+	for i := range 20 {
+		f.mem.CloseConnections()
+		eventually(t, 10*time.Second, "consumer did not reconnect", func() bool { return sessions() == i+2 })
+		f.publish(fmt.Sprint("r", i), nil, nil)
+	}
+	eventually(t, 10*time.Second, "messages not handled", func() bool { return j.effected() == 20 })
+	downAndRefused()
+	if err := goleak.Find(before); err != nil {
+		t.Errorf("goroutines left by 21 sessions while Consume runs: %v", err)
+	}
+	f.mem.SetDown(false)
+	noErr(t, "Consume after cancel", r.stop(t))
 }

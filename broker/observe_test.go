@@ -59,7 +59,7 @@ func (f *fixture) observed(t *testing.T, obs Observer) *Broker {
 	}
 	var b *Broker
 	if f.mem != nil {
-		b = f.mem.Broker(opts)
+		b = New(f.mem.URL(), opts)
 	} else {
 		b = New(testenv.RabbitMQURL(t), opts)
 	}

@@ -41,7 +41,7 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 	began := time.Now()
 	tries, settled := 0, 0
 	for ; tries < maxTries && time.Since(began) < budget; tries++ {
-		s, err := tr.dial(ctx, "rabbitmw test publish race")
+		s, err := tr.Dial(ctx, "rabbitmw test publish race")
 		noErr(t, "dial", err)
 		var (
 			wg        sync.WaitGroup
@@ -52,7 +52,7 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 		for range publishers {
 			wg.Go(func() {
 				for {
-					err := s.publish(ctx, "", q, amqp.Publishing{Body: []byte("x")})
+					err := s.Publish(ctx, "", q, amqp.Publishing{Body: []byte("x")})
 					if err != nil {
 						return
 					}
@@ -68,7 +68,7 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 			t.Fatalf("try %d: no publish confirmed in 20s", tries+1)
 		}
 		closed := make(chan error, 1)
-		go func() { closed <- s.close() }()
+		go func() { closed <- s.Close() }()
 		returned := make(chan struct{})
 		go func() { wg.Wait(); close(returned) }()
 		select {
@@ -93,17 +93,10 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 // goroutines. amqp091's Publish, PublishWithContext included, watches no
 // context once it has started writing.
 func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
-	uri, err := amqp.ParseURI(url)
-	noErr(t, "ParseURI", err)
-	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
-	uri.Host, uri.Port = "127.0.0.1", px.port()
-	tr := newAMQPTransport(uri.String(), Options{}.resolve())
 	ctx := testContext(t, time.Minute)
-	s, err := tr.dial(ctx, "rabbitmw test stalled publish")
-	noErr(t, "dial", err)
+	px, s := dialViaStallProxy(t, ctx, "rabbitmw test stalled publish")
 	// A round trip before the stall (no queue has the empty name).
-	isErr(t, "publish before the stall", s.publish(ctx, "", "", amqp.Publishing{Body: []byte("x")}), ErrUnroutable)
+	isErr(t, "publish before the stall", s.Publish(ctx, "", "", amqp.Publishing{Body: []byte("x")}), ErrUnroutable)
 
 	px.stall()
 	// Far more than the socket buffers hold: the write blocks.
@@ -111,7 +104,7 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 	pctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
 	done := make(chan error, 1)
-	go func() { done <- s.publish(pctx, "", "", amqp.Publishing{Body: body}) }()
+	go func() { done <- s.Publish(pctx, "", "", amqp.Publishing{Body: body}) }()
 	select {
 	case err := <-done:
 		if !errors.Is(err, context.DeadlineExceeded) {
@@ -124,7 +117,7 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 	// ends it too.
 	pctx2, cancel2 := context.WithTimeout(ctx, 200*time.Millisecond)
 	defer cancel2()
-	go func() { done <- s.publish(pctx2, "", "", amqp.Publishing{Body: []byte("y")}) }()
+	go func() { done <- s.Publish(pctx2, "", "", amqp.Publishing{Body: []byte("y")}) }()
 	select {
 	case err := <-done:
 		if !errors.Is(err, context.DeadlineExceeded) {
@@ -134,7 +127,7 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 		t.Fatal("second publish on a stalled socket still blocked 10s after its context ended")
 	}
 	closed := make(chan error, 1)
-	go func() { closed <- s.close() }()
+	go func() { closed <- s.Close() }()
 	select {
 	case <-closed:
 	case <-time.After(20 * time.Second):
@@ -189,6 +182,20 @@ func (p *stallProxy) headerFrameSize(t *testing.T) int {
 		t.Fatal("no header frame recorded")
 	}
 	return size
+}
+
+// dialViaStallProxy dials a session named name of the RabbitMQ server for
+// tests through a stall proxy of t's own, and returns both. The caller
+// closes the session.
+func dialViaStallProxy(t *testing.T, ctx context.Context, name string) (*stallProxy, session) {
+	t.Helper()
+	uri, err := amqp.ParseURI(testenv.RabbitMQURL(t))
+	noErr(t, "ParseURI", err)
+	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+	uri.Host, uri.Port = "127.0.0.1", px.port()
+	s, err := newAMQPTransport(uri.String(), Options{}.resolve()).Dial(ctx, name)
+	noErr(t, "dial", err)
+	return px, s
 }
 
 func startStallProxy(t *testing.T, target string) *stallProxy {

@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
@@ -154,7 +155,7 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, opts ReplayOptio
 	for n, i := range picked {
 		if opts.Rate > 0 {
 			due := start.Add(time.Duration(float64(n) / opts.Rate * float64(time.Second)))
-			if !sleep(ctx, time.Until(due)) {
+			if clock.Sleep(ctx, time.Until(due)) != nil {
 				break
 			}
 		}
@@ -219,7 +220,7 @@ func (snap *snapshot) checkDestinations(ctx context.Context, picked []int, to st
 			ErrNoDestination, HeaderOriginalQueue, strings.Join(missing, ", "), more)
 	}
 	for _, q := range slices.Sorted(maps.Keys(dests)) {
-		if err := snap.s.declare(ctx, []queueSpec{{name: q, passive: true}}); err != nil {
+		if err := snap.s.Declare(ctx, []queueSpec{{Name: q, Passive: true}}); err != nil {
 			if err := refusal(q, unwrapQueueError(err)); errors.Is(err, ErrQueueNotFound) {
 				return fmt.Errorf("%w; nothing was replayed", err)
 			}
@@ -232,7 +233,7 @@ func (snap *snapshot) checkDestinations(ctx context.Context, picked []int, to st
 func unwrapQueueError(err error) error {
 	var qe *queueError
 	if errors.As(err, &qe) {
-		return qe.err
+		return qe.Err
 	}
 	return err
 }
@@ -251,7 +252,7 @@ func (snap *snapshot) replayOne(ctx context.Context, i int, opts ReplayOptions, 
 		}
 	}
 	msg := republishing(d, replayHeaders(d.Headers, snap.dlq, time.Now(), history))
-	if err := snap.s.publish(ctx, "", dest, msg); err != nil {
+	if err := snap.s.Publish(ctx, "", dest, msg); err != nil {
 		return fmt.Errorf("broker: replay %q to %q: %w", dl.ID, dest, err)
 	}
 	if err := snap.ack(i); err != nil {

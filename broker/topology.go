@@ -185,13 +185,6 @@ func (t *topology) tierFor(d time.Duration) (tr tier, over bool) {
 	return t.tiers[len(t.tiers)-1], true
 }
 
-// queueSpec is one queue to declare, or to check (passive).
-type queueSpec struct {
-	name    string
-	passive bool
-	args    amqp.Table
-}
-
 // specs lists what to declare, work queue first.
 func (t *topology) specs() []queueSpec {
 	if t.mode == DeclareNone {
@@ -199,7 +192,7 @@ func (t *topology) specs() []queueSpec {
 	}
 	var specs []queueSpec
 	if t.mode == DeclareSupport {
-		specs = append(specs, queueSpec{name: t.queue, passive: true})
+		specs = append(specs, queueSpec{Name: t.queue, Passive: true})
 	} else {
 		args := amqp.Table{
 			"x-dead-letter-exchange":    "",
@@ -211,11 +204,11 @@ func (t *topology) specs() []queueSpec {
 				args["x-delivery-limit"] = int64(t.limit)
 			}
 		}
-		specs = append(specs, queueSpec{name: t.queue, args: args})
+		specs = append(specs, queueSpec{Name: t.queue, Args: args})
 	}
-	specs = append(specs, queueSpec{name: t.dlq})
+	specs = append(specs, queueSpec{Name: t.dlq})
 	for _, tr := range t.tiers {
-		specs = append(specs, queueSpec{name: tr.queue, args: amqp.Table{
+		specs = append(specs, queueSpec{Name: tr.queue, Args: amqp.Table{
 			"x-message-ttl":             int64(tr.d / time.Millisecond),
 			"x-dead-letter-exchange":    "",
 			"x-dead-letter-routing-key": t.queue,
@@ -233,15 +226,6 @@ func (t *topology) names() []string {
 	return names
 }
 
-// A queueError is a server refusal about one queue.
-type queueError struct {
-	queue string
-	err   error
-}
-
-func (e *queueError) Error() string { return "queue " + strconv.Quote(e.queue) + ": " + e.err.Error() }
-func (e *queueError) Unwrap() error { return e.err }
-
 // refusal turns a server refusal about this topology's queues into the
 // package's errors, with the fix in the text. Other errors pass unchanged.
 func (t *topology) refusal(err error) error {
@@ -252,7 +236,7 @@ func (t *topology) refusal(err error) error {
 	queue := t.queue
 	var qe *queueError
 	if errors.As(err, &qe) {
-		queue = qe.queue
+		queue = qe.Queue
 	}
 	switch ae.Code {
 	case amqp.PreconditionFailed:

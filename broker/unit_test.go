@@ -18,6 +18,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
+	"github.com/rabbitmw/rabbitmw/broker/internal/rabbit"
 )
 
 func TestTierName(t *testing.T) {
@@ -41,23 +43,23 @@ func TestTopologyResolve(t *testing.T) {
 	noErr(t, "resolve(defaults)", err)
 	var names []string
 	for _, s := range top.specs() {
-		names = append(names, s.name)
+		names = append(names, s.Name)
 	}
 	equal(t, "declared queues", names, []string{"orders", "orders.dlq",
 		"orders.delay.1s", "orders.delay.5s", "orders.delay.30s", "orders.delay.2m", "orders.delay.10m", "orders.delay.1h"})
 	specs := top.specs()
-	equal(t, "work queue arguments", specs[0].args, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "orders.dlq"})
-	equal(t, "dead-letter queue arguments", specs[1].args, amqp.Table(nil))
-	equal(t, "delay queue 5s arguments", specs[3].args, amqp.Table{"x-message-ttl": int64(5000), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "orders"})
+	equal(t, "work queue arguments", specs[0].Args, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "orders.dlq"})
+	equal(t, "dead-letter queue arguments", specs[1].Args, amqp.Table(nil))
+	equal(t, "delay queue 5s arguments", specs[3].Args, amqp.Table{"x-message-ttl": int64(5000), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "orders"})
 
 	top, err = Topology{Declare: DeclareSupport, Delays: []time.Duration{time.Minute, time.Second, time.Second}}.resolve("q")
 	noErr(t, "resolve(quorum, support)", err)
 	specs = top.specs()
-	equal(t, "work queue spec with DeclareSupport", specs[0], queueSpec{name: "q", passive: true})
+	equal(t, "work queue spec with DeclareSupport", specs[0], queueSpec{Name: "q", Passive: true})
 	equal(t, "specs with a deduplicated ladder", len(specs), 4)
-	equal(t, "tiers sorted", []string{specs[2].name, specs[3].name}, []string{"q.delay.1s", "q.delay.1m"})
+	equal(t, "tiers sorted", []string{specs[2].Name, specs[3].Name}, []string{"q.delay.1s", "q.delay.1m"})
 	top, _ = Topology{Quorum: true, DeliveryLimit: 5}.resolve("q")
-	equal(t, "quorum work queue arguments", top.specs()[0].args, amqp.Table{
+	equal(t, "quorum work queue arguments", top.specs()[0].Args, amqp.Table{
 		"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "q.dlq", "x-queue-type": "quorum", "x-delivery-limit": int64(5)})
 	top, _ = Topology{Declare: DeclareNone}.resolve("q")
 	equal(t, "specs with DeclareNone", len(top.specs()), 0)
@@ -108,10 +110,10 @@ func TestTierFor(t *testing.T) {
 func TestRefusalText(t *testing.T) {
 	top, _ := Topology{}.resolve("q")
 	e406 := &amqp.Error{Code: amqp.PreconditionFailed, Reason: "PRECONDITION_FAILED - inequivalent arg", Server: true, Recover: true}
-	err := top.refusal(&queueError{queue: "q", err: e406})
+	err := top.refusal(&queueError{Queue: "q", Err: e406})
 	isErr(t, "refusal(406 on q)", err, ErrQueueArguments)
 	contains(t, "refusal(406 on q)", err.Error(), "DeclareSupport")
-	err = top.refusal(&queueError{queue: "q.dlq", err: e406})
+	err = top.refusal(&queueError{Queue: "q.dlq", Err: e406})
 	isErr(t, "refusal(406 on q.dlq)", err, ErrQueueArguments)
 	contains(t, "refusal(406 on q.dlq)", err.Error(), `"q.dlq"`)
 	lost := lostError(&amqp.Error{Code: amqp.ConnectionForced, Server: true})
@@ -207,7 +209,7 @@ func FuzzFaultHeaders(f *testing.F) {
 		if err := headers.Validate(); err != nil {
 			t.Fatalf("generated headers invalid: %v", err)
 		}
-		snapshot := copyTable(headers)
+		snapshot := rabbit.WireTable(headers)
 		d := &amqp.Delivery{Exchange: exchange, RoutingKey: key, Headers: headers}
 		err := errors.New(text)
 		if attempts != 0 {
@@ -368,9 +370,9 @@ func TestOptionsDefaults(t *testing.T) {
 }
 
 func TestConsumeBadOptions(t *testing.T) {
-	m := NewMemory()
+	m := brokertest.NewServer()
 	defer m.Close()
-	b := m.Broker(Options{})
+	b := New(m.URL(), Options{})
 	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
 	ctx := testContext(t, 5*time.Second)
 	for _, o := range []ConsumeOptions{{Workers: -1}, {Prefetch: 70000}, {ShutdownTimeout: -1}, {Topology: Topology{Delays: []time.Duration{-1}}}, {Topology: Topology{Quorum: true, Declare: DeclareSupport}}} {
@@ -401,7 +403,7 @@ func TestMalformedURL(t *testing.T) {
 // closedSession is a session that is already lost.
 type closedSession struct{ session }
 
-func (closedSession) closed() <-chan struct{} {
+func (closedSession) Closed() <-chan struct{} {
 	c := make(chan struct{})
 	close(c)
 	return c
@@ -564,7 +566,7 @@ func TestDelayHeadersSetAsideWorkQueueDeaths(t *testing.T) {
 	}
 	for _, tt := range tests {
 		d := &amqp.Delivery{Headers: tt.headers}
-		snapshot := copyTable(tt.headers)
+		snapshot := rabbit.WireTable(tt.headers)
 		h := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, "q", time.Time{})
 		equal(t, tt.name+": x-death", h["x-death"], tt.xDeath)
 		equal(t, tt.name+": "+HeaderDeaths, h[HeaderDeaths], tt.deaths)
@@ -627,7 +629,7 @@ func TestFaultHeadersRestoreDeaths(t *testing.T) {
 	}
 	for _, tt := range tests {
 		d := &amqp.Delivery{Headers: tt.headers}
-		snapshot := copyTable(tt.headers)
+		snapshot := rabbit.WireTable(tt.headers)
 		h := faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(errBoom)), "q", time.Now(), "h", "p")
 		equal(t, tt.name+": x-death", h["x-death"], tt.xDeath)
 		equal(t, tt.name+": "+HeaderDeaths, h[HeaderDeaths], tt.deaths)
@@ -675,8 +677,8 @@ func FuzzDelayHop(f *testing.F) {
 		}
 		d := &amqp.Delivery{Headers: h}
 		copyHeaders := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, "q", time.Time{})
-		back := addDeath(copyTable(copyHeaders), "q.delay.1s", "expired", "", "q.delay.1s", "", time.Unix(1000, 0))
-		if deadLetterCycle(back["x-death"], "q") {
+		back := rabbit.AddDeath(rabbit.WireTable(copyHeaders), "q.delay.1s", "expired", "", "q.delay.1s", "", time.Unix(1000, 0))
+		if rabbit.DeadLetterCycle(back["x-death"], "q") {
 			t.Fatalf("the delay copy with x-death %v is dropped as a cycle", back["x-death"])
 		}
 		want["q.delay.1s expired"]++

@@ -13,7 +13,8 @@ import (
 // happy path (a new message id each time: claim, handler, complete) and for
 // a duplicate (claim only), over each store; "nop" is a store that claims
 // every key and does nothing else, so that its figures are the layers'
-// alone. (cd bench && go run .
+// alone. The handler does nothing, except in "new-waits", where it calls
+// ctx.Done once, as any handler doing I/O does. (cd bench && go run .
 // -stack-only) runs the same loop.
 func BenchmarkChain(b *testing.B) {
 	stores := []struct {
@@ -30,6 +31,9 @@ func BenchmarkChain(b *testing.B) {
 	for _, s := range stores {
 		b.Run(s.name+"/new", func(b *testing.B) {
 			benchstack.Run(b, benchstack.Recommended(s.new(b)), false)
+		})
+		b.Run(s.name+"/new-waits", func(b *testing.B) {
+			benchstack.RunWaiting(b, benchstack.Recommended(s.new(b)))
 		})
 		if s.name == "nop" {
 			continue // it finds no duplicate

@@ -18,6 +18,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/middleware"
@@ -63,9 +64,9 @@ func realServers(t *testing.T) servers {
 }
 
 func memoryServers(t *testing.T) servers {
-	m := broker.NewMemory()
+	m := brokertest.NewServer()
 	t.Cleanup(m.Close)
-	b := m.Broker(broker.Options{})
+	b := broker.New(m.URL(), broker.Options{})
 	t.Cleanup(func() { b.Close() })
 	_, c, _ := redistest.Start(t)
 	return servers{

@@ -17,6 +17,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
@@ -86,7 +87,11 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	// front of the business handler. The two outer layers are the demo's
 	// own: one records what each delivery came to, the other drops the
 	// acknowledgement of one message once, as a crash after its effect
-	// would.
+	// would. The stack is written out rather than built by
+	// middleware.Stack: the demo's short delays are settings that
+	// StackOptions does not have, and its slow handler outlives its lease
+	// on purpose, to show the renewals, where Stack keeps the Timeout
+	// below the lease.
 	biz := &business{effect: rep.effect}
 	var handler rabbitmw.Handler = biz
 	if inbox != nil {
@@ -233,8 +238,8 @@ func publishAll(ctx context.Context, b *broker.Broker, queue string, rep *report
 func openBroker(cfg config, observer broker.Observer) (*broker.Broker, func(), error) {
 	opts := broker.Options{Logger: cfg.logger, KeepEmptyMessageID: true, Observer: observer}
 	if cfg.amqpURL == "" {
-		m := broker.NewMemory()
-		b := m.Broker(opts)
+		m := brokertest.NewServer()
+		b := broker.New(m.URL(), opts)
 		return b, func() { b.Close(); m.Close() }, nil
 	}
 	b := broker.New(cfg.amqpURL, opts)

@@ -52,16 +52,33 @@ func ClaimFrom(ctx context.Context) (*Claim, bool) {
 	return c, ok
 }
 
-// claimContext is the handler's context with its Claim: one allocation for
-// both, rather than a Claim and a context.WithValue.
+// claimContext is the handler's context: its parent, cancelled when the
+// handler returns or the claim is lost, with its Claim. It is one
+// allocation for both, rather than a Claim, a context.WithValue and
+// context.WithCancelCause's two, since the lazyContext builds the
+// cancellable context only if the handler calls Done. It also carries
+// the key that Dedup hands down, if its ctx does not (see [Keying]).
 type claimContext struct {
-	context.Context
+	lazyContext
 	claim Claim
+	keyed keyed
 }
 
-func (c *claimContext) Value(key any) any {
-	if key == (claimKey{}) {
-		return &c.claim
+func newClaimContext(parent context.Context, key, token string, retention time.Duration) *claimContext {
+	return &claimContext{
+		lazyContext: lazyContext{parent: parent},
+		claim:       Claim{key: key, token: token, retention: retention},
 	}
-	return c.Context.Value(key)
+}
+
+// Value implements context.Context: the Claim for [ClaimFrom], the
+// lazyContext's values otherwise.
+func (c *claimContext) Value(key any) any {
+	switch {
+	case key == (claimKey{}):
+		return &c.claim
+	case key == (keyedKey{}) && c.keyed.by != nil:
+		return &c.keyed
+	}
+	return c.lazyContext.Value(key)
 }

@@ -10,7 +10,7 @@ import (
 )
 
 // withDeadline makes a context with a deadline and its cancel function:
-// the standard library's, or lazyDeadline.
+// the standard library's, or Timeout's lazyContext.
 type withDeadline func(parent context.Context, d time.Time) (context.Context, context.CancelFunc)
 
 var deadlineImpls = map[string]withDeadline{
@@ -33,10 +33,14 @@ type observed struct {
 	value      any
 	afterFunc  bool // an AfterFunc registered on it ran
 	child      error
+	// The error and cause of a context derived from it, read as soon as
+	// the scenario ended it: nil if the derived context is told through a
+	// goroutine rather than at once.
+	syncChild, syncChildCause error
 }
 
 // The scenarios, each run on both implementations inside a synctest
-// bubble, whose clock starts at the same instant: lazyDeadline must be
+// bubble, whose clock starts at the same instant: the lazyContext must be
 // seen exactly as the standard library's context.
 var deadlineScenarios = []struct {
 	name string

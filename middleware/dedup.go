@@ -1,6 +1,7 @@
 package middleware
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -10,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -40,15 +42,12 @@ var (
 var ErrAbandoned = errors.New("middleware: an attempt never finished: its consumer died, or lost its lease, while handling the message")
 
 // DedupOptions configures [Dedup]. The zero value selects the defaults.
+// Dedup panics on a negative duration.
 type DedupOptions struct {
-	// Key returns a delivery's idempotency key. Default: [Key] (message_id,
-	// else the MD5 of the body). A Key error dead-letters the delivery,
-	// with the error as the reason.
-	Key func(*amqp.Delivery) (string, error)
-	// Namespace, when set, is prepended to every key (as "namespace:key"),
-	// so that services sharing one store do not see each other's marks.
-	// Give Retry the same Namespace.
-	Namespace string
+	// Keying names a delivery's claim and done mark in the store. Beneath
+	// a Retry, leave it zero: Dedup uses the key that Retry made (see
+	// [Keying]).
+	Keying
 	// Lease is how long a claim lasts unless renewed. While the handler
 	// runs, Dedup renews it every Lease/3. Default 5 minutes.
 	Lease time.Duration
@@ -105,7 +104,11 @@ type DedupOptions struct {
 //
 // If s cannot be reached, Dedup fails closed by default: the handler does
 // not run and the message is tried again after UnavailableDelay, so nothing
-// is processed twice and nothing is lost. If marking done fails that way
+// is processed twice and nothing is lost. A claim whose answer was lost
+// may have taken effect: Dedup releases it at once, or, when the store
+// does not answer that either, with its next claim that the store answers
+// (up to 256 such claims, in this process's memory), so that the message
+// is not busy until the lease ends. If marking done fails that way
 // after the handler succeeded, Dedup retries until the lease would end or
 // ctx is done; if it still fails, the message is tried again later, and its
 // effect repeats only if the lease has expired by then.
@@ -117,38 +120,41 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	if s == nil {
 		panic("middleware: Dedup: nil store")
 	}
+	for _, o := range []struct {
+		name string
+		d    time.Duration
+	}{
+		{"Lease", opts.Lease}, {"Retention", opts.Retention},
+		{"BusyDelay", opts.BusyDelay}, {"UnavailableDelay", opts.UnavailableDelay},
+	} {
+		if o.d < 0 {
+			panic(fmt.Sprintf("middleware: Dedup: negative %s %v", o.name, o.d))
+		}
+	}
 	cfg := dedupConfig{
 		store:       s,
-		key:         opts.Key,
-		namespace:   opts.Namespace,
-		lease:       orDefault(opts.Lease, 5*time.Minute),
-		retention:   orDefault(opts.Retention, 24*time.Hour),
-		busy:        orDefault(opts.BusyDelay, 5*time.Second),
-		unavailable: orDefault(opts.UnavailableDelay, 5*time.Second),
+		keying:      newKeying(opts.Keying, "Dedup"),
+		lease:       cmp.Or(opts.Lease, defaultLease),
+		retention:   cmp.Or(opts.Retention, 24*time.Hour),
+		busy:        cmp.Or(opts.BusyDelay, 5*time.Second),
+		unavailable: cmp.Or(opts.UnavailableDelay, 5*time.Second),
 		failOpen:    opts.FailOpen,
 		observe:     opts.Observe,
 	}
-	if cfg.key == nil {
-		cfg.key = Key
-	}
 	cfg.renewer = newRenewer(s, cfg.lease)
+	cfg.orphans = new(orphans)
 	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		return &dedup{dedupConfig: cfg, next: next}
 	}
 }
 
-func orDefault(d, def time.Duration) time.Duration {
-	if d <= 0 {
-		return def
-	}
-	return d
-}
+// defaultLease is DedupOptions.Lease's default.
+const defaultLease = 5 * time.Minute
 
 type dedupConfig struct {
 	store       store.Store
-	key         func(*amqp.Delivery) (string, error)
-	namespace   string
+	keying      *keying
 	lease       time.Duration
 	retention   time.Duration
 	busy        time.Duration
@@ -156,6 +162,7 @@ type dedupConfig struct {
 	failOpen    bool
 	observe     func(context.Context, DedupEvent)
 	renewer     *renewer
+	orphans     *orphans // shared by the handlers this Dedup wraps
 }
 
 type dedup struct {
@@ -163,29 +170,23 @@ type dedup struct {
 	next rabbitmw.Handler
 }
 
-// namespaced returns the store key for d.
-func namespaced(namespace string, keyf func(*amqp.Delivery) (string, error), d *amqp.Delivery) (string, error) {
-	k, err := keyf(d)
-	if err != nil {
-		return "", err
-	}
-	if k == "" {
-		return "", ErrNoKey
-	}
-	if namespace != "" {
-		k = namespace + ":" + k
-	}
-	return k, nil
+func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
+	return h.handleKeyed(ctx, d, keyed{})
 }
 
-func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
+// handleKeyed implements [keyedHandler]: above is the key that a layer
+// above made for d, or none (above.by nil).
+func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) error {
 	if d == nil {
 		return rabbitmw.ErrNoDelivery
 	}
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	key, err := namespaced(h.namespace, h.key, d)
+	key, down, err := h.keying.resolve(ctx, d, above)
+	if errors.Is(err, ErrKeyMismatch) {
+		return rabbitmw.Permanent(err)
+	}
 	if err != nil {
 		return rabbitmw.Permanent(fmt.Errorf("middleware: dedup: no idempotency key: %w", err))
 	}
@@ -196,9 +197,9 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 	case err != nil:
 		return err
 	case !claimed:
-		return h.next.Handle(ctx, d) // FailOpen, without a claim
+		return handleKeyed(h.next, ctx, d, down) // FailOpen, without a claim
 	}
-	return h.record(ctx, key, token, h.run(ctx, d, key, token, start))
+	return h.record(ctx, key, token, h.run(ctx, d, key, token, start, down))
 }
 
 // claim claims key for token and reports whether the claim was won. If it
@@ -208,13 +209,21 @@ func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
 // handler to run anyway.
 func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err error) {
 	status, err := h.store.Claim(ctx, key, token, h.lease)
+	if err == nil && h.orphans.release(ctx, h.store, key) && status == store.Processing {
+		// The key was held by a claim of ours whose answer was lost, and
+		// is free now.
+		status, err = h.store.Claim(ctx, key, token, h.lease)
+	}
 	switch {
 	case err != nil:
 		// The claim may have taken effect though its answer was lost:
 		// release it, if this token holds it, rather than leave it to
-		// block the message until the lease ends.
+		// block the message until the lease ends; if the store does not
+		// answer that either, release it once it answers again.
 		rctx, rcancel := context.WithTimeout(bookkeeping(ctx), time.Second)
-		h.store.Release(rctx, key, token)
+		if rerr := h.store.Release(rctx, key, token); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
+			h.orphans.add(key, token, time.Now().Add(h.lease))
+		}
 		rcancel()
 		notify(h.observe, ctx, DedupUnavailable, key, err)
 		if h.failOpen && ctx.Err() == nil {
@@ -252,12 +261,14 @@ type attempt struct {
 
 // run calls the handler under the claim of key by token, taken at start,
 // renewing the lease while it runs, and cancelling its context if the
-// lease is lost. If the handler panics, run releases the claim and lets
-// the panic go on.
-func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, start time.Time) attempt {
-	hctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	l := h.renewer.start(ctx, key, token, start, cancel)
+// lease is lost; its context carries down the key for the layers beneath
+// (see [keying.resolve]). If the handler panics, run releases the claim
+// and lets the panic go on.
+func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, start time.Time, down keyed) attempt {
+	cc := newClaimContext(ctx, key, token, h.retention)
+	cc.keyed = down
+	defer cc.end()
+	l := h.renewer.start(ctx, key, token, start, cc)
 
 	finished := false
 	defer func() {
@@ -266,13 +277,12 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 			h.store.Release(bookkeeping(ctx), key, token)
 		}
 	}()
-	cc := &claimContext{Context: hctx, claim: Claim{key: key, token: token, retention: h.retention}}
 	var a attempt
 	a.err = h.next.Handle(cc, d)
 	finished = true
 	// Why the handler's context ended, if it did, before anything later
 	// can cancel it.
-	a.cause = context.Cause(hctx)
+	a.cause = context.Cause(cc)
 	a.lost, a.validUntil = h.renewer.stop(l)
 	a.marked = cc.claim.marked.Load()
 	return a
@@ -372,11 +382,7 @@ func (h *dedup) persist(ctx context.Context, deadline time.Time, op func(context
 		if ctx.Err() != nil || time.Now().Add(wait).After(deadline) {
 			return retried, err
 		}
-		t := time.NewTimer(wait)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
+		if clock.Sleep(ctx, wait) != nil {
 			return retried, err
 		}
 		retried = true

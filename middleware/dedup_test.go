@@ -99,7 +99,7 @@ func TestDedup(t *testing.T) {
 		},
 		{
 			name: "namespace keeps services apart",
-			id:   "m1", opts: middleware.DedupOptions{Namespace: "billing"},
+			id:   "m1", opts: middleware.DedupOptions{Keying: middleware.Keying{Namespace: "billing"}},
 			prepare: func(s *faultyStore) { // done for another service only
 				s.Claim(ctx, "m1", "old", time.Minute)
 				s.Complete(ctx, "m1", "old", time.Hour)
@@ -382,15 +382,6 @@ func (r *recordingStore) Claim(ctx context.Context, key, token string, lease tim
 	return r.Store.Claim(ctx, key, token, lease)
 }
 
-func TestDedupPanicsOnNilStore(t *testing.T) {
-	defer func() {
-		if v := recover(); v == nil || !strings.HasPrefix(v.(string), "middleware: Dedup") {
-			t.Fatalf("recovered %v; want a middleware: Dedup panic", v)
-		}
-	}()
-	middleware.Dedup(nil, middleware.DedupOptions{})
-}
-
 // Many claims renewed by the one timer of a Dedup layer, started at
 // staggered times and ending at different times: each keeps its claim for
 // as long as its handler runs, and is done afterwards.
@@ -604,4 +595,60 @@ func TestDedupAbandonedClaim(t *testing.T) {
 			t.Errorf("the next delivery: %v, %d handler calls; want nil, 1", err, calls)
 		}
 	})
+}
+
+// lostAnswers is a store that, while down, applies a Claim and then loses
+// its answer (the server went away as it answered), and refuses the rest.
+type lostAnswers struct {
+	store.Store
+	down atomic.Bool
+}
+
+var errAnswerLost = errors.New("read tcp: connection reset by peer")
+
+func (s *lostAnswers) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	if s.down.Load() {
+		s.Store.Claim(ctx, key, token, lease)
+		return 0, errAnswerLost
+	}
+	return s.Store.Claim(ctx, key, token, lease)
+}
+
+func (s *lostAnswers) Release(ctx context.Context, key, token string) error {
+	if s.down.Load() {
+		return errAnswerLost
+	}
+	return s.Store.Release(ctx, key, token)
+}
+
+// A claim that took effect though its answer was lost, and whose release
+// failed as well, must not keep its message busy until the lease ends:
+// once the store answers again, the message is processed.
+func TestDedupReleasesClaimsWhoseAnswerWasLost(t *testing.T) {
+	for _, next := range [][]string{{"m1"}, {"m2", "m1"}} {
+		t.Run(strings.Join(next, ","), func(t *testing.T) {
+			ctx := context.Background()
+			s := &lostAnswers{Store: store.NewMemory()}
+			var calls sync.Map
+			h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+				calls.Store(d.MessageId, true)
+				return nil
+			}))
+			s.down.Store(true)
+			d, _ := deliverytest.New("m1", "")
+			if err := h.Handle(ctx, d); !errors.Is(err, middleware.ErrStoreUnavailable) {
+				t.Fatalf("Handle while the store is down = %v; want ErrStoreUnavailable", err)
+			}
+			s.down.Store(false)
+			for _, id := range next {
+				d, _ := deliverytest.New(id, "")
+				if err := h.Handle(ctx, d); err != nil {
+					t.Errorf("Handle(%s) once the store is back = %v; want nil", id, err)
+				}
+			}
+			if _, ok := calls.Load("m1"); !ok {
+				t.Errorf("m1 was not processed once the store was back: its lost claim still held it")
+			}
+		})
+	}
 }

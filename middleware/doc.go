@@ -2,14 +2,20 @@
 // (each message's effect at most once), Retry (count failures across
 // redeliveries, back off, dead-letter at the limit), Recover (a panic is a
 // failed attempt), Log (one slog record per delivery) and Timeout (a
-// deadline on the handler). Each is a [rabbitmw.Middleware]; compose them
-// with [rabbitmw.Chain].
+// deadline on the handler). Each is a [rabbitmw.Middleware]; [Stack]
+// composes them in the recommended order.
 //
 // # Order
 //
-// The recommended stack, outermost first:
+// [Stack] builds the recommended stack:
 //
-//	rabbitmw.Chain(
+//	h := middleware.Stack(st, middleware.StackOptions{Logger: logger})(handler)
+//
+// It is, written out with [rabbitmw.Chain], outermost first (write it so
+// for layers of your own in between, or settings that [StackOptions] does
+// not have):
+//
+//	h := rabbitmw.Chain(
 //		middleware.Log(logger),
 //		middleware.Retry(st, middleware.RetryOptions{}),
 //		middleware.Recover(),
@@ -32,10 +38,12 @@
 //     an attempt, and it wraps the handler closely, so the claim covers
 //     the business effect and nothing else.
 //   - Timeout is innermost, so its deadline bounds the business handler
-//     and never cuts short Dedup's store calls that record the result.
+//     and never cuts short Dedup's store calls that record the result. It
+//     is below Dedup's lease (Stack panics otherwise), so the deadline,
+//     not a lost lease, ends a handler that runs too long.
 //
-// Use one store for Dedup and Retry, and the same Key and Namespace options
-// for both.
+// Use one store for Dedup and Retry, and set a [Keying], if any, on Retry
+// alone: Dedup uses the key that Retry made.
 //
 // # What each layer returns
 //
@@ -47,7 +55,10 @@
 // or ErrAbandoned (the attempt
 // before never finished: its consumer died; Retry counts it). Retry returns
 // rabbitmw.RetryAfter or rabbitmw.Permanent, with the attempt count
-// attached. Recover returns *rabbitmw.PanicError. Timeout wraps ErrTimeout.
+// attached. Either of them returns ErrKeyMismatch, inside
+// rabbitmw.Permanent, when its own [Keying] makes another key than the
+// Retry or Dedup above it. Recover returns *rabbitmw.PanicError. Timeout
+// wraps ErrTimeout.
 //
 // # Guarantees, and where they end
 //

@@ -15,6 +15,33 @@ import (
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
+// The recommended stack, for a service that shares its store with others.
+func ExampleStack() {
+	logger := slog.New(slog.NewTextHandler(os.Stdout, &slog.HandlerOptions{
+		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr { // drop what varies between runs
+			if a.Key == slog.TimeKey || a.Key == "duration" {
+				return slog.Attr{}
+			}
+			return a
+		},
+	}))
+	h := middleware.Stack(store.NewMemory(), middleware.StackOptions{
+		Logger: logger,
+		Keying: middleware.Keying{Namespace: "billing"},
+	})(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		c, _ := middleware.ClaimFrom(ctx)
+		fmt.Println("charging", d.MessageId, "under", c.Key())
+		return nil
+	}))
+	for tag := range uint64(2) { // the same message, delivered twice
+		h.Handle(context.Background(), &amqp.Delivery{MessageId: "pay-1", DeliveryTag: tag + 1})
+	}
+	// Output:
+	// charging pay-1 under billing:pay-1
+	// level=INFO msg=delivery message_id=pay-1 delivery_tag=1 routing_key="" redelivered=false attempt=1 outcome=acked
+	// level=INFO msg=delivery message_id=pay-1 delivery_tag=2 routing_key="" redelivered=false attempt=1 outcome=duplicate error="middleware: dedup: key \"billing:pay-1\": rabbitmw: duplicate delivery"
+}
+
 func ExampleDedup() {
 	st := store.NewMemory()
 	h := middleware.Dedup(st, middleware.DedupOptions{})(rabbitmw.HandlerFunc(

@@ -48,8 +48,8 @@ type claimLease struct {
 	// ctx is the delivery's context. A renewal runs outside the call
 	// chain, on the timer's goroutine, and uses it (without its
 	// cancellation) to pass the delivery's values to the store.
-	ctx    context.Context
-	cancel context.CancelCauseFunc // the handler's context
+	ctx     context.Context
+	handler *claimContext // the handler's context, cancelled if the claim is lost
 
 	// Guarded by renewer.mu.
 	prev, next *claimLease
@@ -68,14 +68,14 @@ func newRenewer(s store.Store, lease time.Duration) *renewer {
 }
 
 // start queues the claim of key by token, taken at claimedAt, for renewal
-// every lease/3 until stop. The handler's context is cancelled through
-// cancel, with the cause, when a renewal finds the claim lost, and when the
+// every lease/3 until stop. The handler's context hctx is cancelled, with
+// the cause, when a renewal finds the claim lost, and when the
 // lease may end within an interval with no renewal to extend it (the last
 // failed, or has not returned): the claim is then probably lost, though the
 // store cannot say, and the handler gets the rest of the lease to stop.
-func (r *renewer) start(ctx context.Context, key, token string, claimedAt time.Time, cancel context.CancelCauseFunc) *claimLease {
+func (r *renewer) start(ctx context.Context, key, token string, claimedAt time.Time, hctx *claimContext) *claimLease {
 	l := r.pool.Get().(*claimLease)
-	l.key, l.token, l.ctx, l.cancel = key, token, ctx, cancel
+	l.key, l.token, l.ctx, l.handler = key, token, ctx, hctx
 	r.mu.Lock()
 	l.stopped, l.renewing, l.lost = false, false, nil
 	l.validUntil = claimedAt.Add(r.lease)
@@ -110,7 +110,7 @@ func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time) {
 // recycle returns l to the pool. Nothing may refer to l any more: it is
 // stopped, not queued, and no renewal of it is in flight.
 func (r *renewer) recycle(l *claimLease) {
-	l.key, l.token, l.ctx, l.cancel, l.lost = "", "", nil, nil, nil
+	l.key, l.token, l.ctx, l.handler, l.lost = "", "", nil, nil, nil
 	r.pool.Put(l)
 }
 
@@ -185,8 +185,8 @@ func (r *renewer) fire() {
 	r.armed = time.Time{}
 	now := time.Now()
 	type expiry struct {
-		key    string
-		cancel context.CancelCauseFunc
+		key     string
+		handler *claimContext
 	}
 	var expired []expiry
 	for r.head != nil && !r.head.due.After(now) {
@@ -200,7 +200,7 @@ func (r *renewer) fire() {
 		case r.mayEnd(l, now):
 			// The renewal started an interval ago has not returned, and
 			// may not before the lease ends. l is not queued again.
-			expired = append(expired, expiry{l.key, l.cancel})
+			expired = append(expired, expiry{l.key, l.handler})
 		default:
 			r.push(l, now.Add(r.every))
 		}
@@ -210,7 +210,7 @@ func (r *renewer) fire() {
 	}
 	r.mu.Unlock()
 	for _, e := range expired {
-		e.cancel(fmt.Errorf("%w: the lease on %q could not be renewed before it ends: the store has not answered for %v", ErrStoreUnavailable, e.key, r.every))
+		e.handler.cancel(fmt.Errorf("%w: the lease on %q could not be renewed before it ends: the store has not answered for %v", ErrStoreUnavailable, e.key, r.every))
 	}
 }
 
@@ -255,12 +255,12 @@ func (r *renewer) renew(l *claimLease) {
 	if cause != nil && l.queued {
 		r.unlink(l)
 	}
-	cancelHandler, ctx, key := l.cancel, l.ctx, l.key
+	handler, ctx, key := l.handler, l.ctx, l.key
 	r.mu.Unlock()
 	if err == nil {
 		notify(r.observe, ctx, DedupLeaseRenewed, key, nil)
 	}
 	if cause != nil {
-		cancelHandler(cause)
+		handler.cancel(cause)
 	}
 }

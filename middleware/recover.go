@@ -21,14 +21,26 @@ import (
 // is not caught here; the broker package catches one that escapes the whole
 // chain and dead-letters its message.
 func Recover() rabbitmw.Middleware {
-	return func(next rabbitmw.Handler) rabbitmw.Handler {
-		return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) (err error) {
-			defer func() {
-				if v := recover(); v != nil {
-					err = &rabbitmw.PanicError{Value: v, Stack: debug.Stack()}
-				}
-			}()
-			return next.Handle(ctx, d)
-		})
+	return func(next rabbitmw.Handler) rabbitmw.Handler { return recoverer{next} }
+}
+
+type recoverer struct{ next rabbitmw.Handler }
+
+func (r recoverer) Handle(ctx context.Context, d *amqp.Delivery) (err error) {
+	defer recoverInto(&err)
+	return r.next.Handle(ctx, d)
+}
+
+// handleKeyed implements [keyedHandler], and hands k on.
+func (r recoverer) handleKeyed(ctx context.Context, d *amqp.Delivery, k keyed) (err error) {
+	defer recoverInto(&err)
+	return handleKeyed(r.next, ctx, d, k)
+}
+
+// recoverInto, deferred, sets *err to the PanicError of a panic, if there
+// is one, and stops it.
+func recoverInto(err *error) {
+	if v := recover(); v != nil {
+		*err = &rabbitmw.PanicError{Value: v, Stack: debug.Stack()}
 	}
 }

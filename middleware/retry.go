@@ -1,6 +1,7 @@
 package middleware
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -10,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/backoff"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -18,6 +20,7 @@ import (
 var ErrRetriesExhausted = errors.New("middleware: retries exhausted")
 
 // RetryOptions configures [Retry]. The zero value selects the defaults.
+// Retry panics on a negative MaxAttempts or TTL.
 type RetryOptions struct {
 	// MaxAttempts is how many attempts a message gets: the failure of the
 	// last one dead-letters it. Default 5.
@@ -26,14 +29,18 @@ type RetryOptions struct {
 	// failed attempt number n (from 1). Default: Exponential(time.Second,
 	// time.Minute).
 	Backoff func(n int) time.Duration
-	// Key returns the key under which a delivery's failures are counted.
-	// Default: [Key]. Use the same Key and Namespace as Dedup's.
-	Key func(*amqp.Delivery) (string, error)
-	// Namespace, when set, is prepended to every key, as in DedupOptions.
-	Namespace string
+	// Keying names a delivery's failures in the store. Retry hands the key
+	// it makes to the Dedup beneath it, which uses it: see [Keying].
+	Keying
 	// TTL is how long a failure count is kept after the last failure.
 	// Default 24 hours.
 	TTL time.Duration
+	// CountByHeader counts failures by the rabbitmw.HeaderAttempts header
+	// alone, with no store: Retry must then be given a nil store, and
+	// neither a Keying nor a TTL, which only a store uses. Only the broker
+	// package's delayed retries update the header, and a count that lives
+	// only in the message is lost with it, so prefer a store.
+	CountByHeader bool
 	// Permanent, if set, reports whether the error of a failed attempt is
 	// one that retrying cannot fix: if so, the message is dead-lettered at
 	// once, as if the error were marked rabbitmw.Permanent, with no more
@@ -55,8 +62,9 @@ type RetryOptions struct {
 // count is also carried in the message itself by the broker package, in the
 // rabbitmw.HeaderAttempts header of each copy it republishes, and Retry
 // takes the larger of the two: the limit holds even if s was wiped or
-// cannot be reached. s may be nil, to count with the header alone (which
-// only the broker package's delayed retries update).
+// cannot be reached. To count with the header alone, pass a nil s and set
+// RetryOptions.CountByHeader; Retry panics if s is nil without it, or not
+// nil with it.
 //
 // What the result of the layers beneath means to Retry:
 //
@@ -101,24 +109,32 @@ type RetryOptions struct {
 //     in rabbitmw.Permanent and ErrRetriesExhausted. Either way the count n
 //     is attached with rabbitmw.WithAttempts.
 func Retry(s store.Store, opts RetryOptions) rabbitmw.Middleware {
+	switch {
+	case s == nil && !opts.CountByHeader:
+		panic("middleware: Retry: nil store (set RetryOptions.CountByHeader to count by the attempts header alone)")
+	case s != nil && opts.CountByHeader:
+		panic("middleware: Retry: RetryOptions.CountByHeader with a store")
+	case opts.CountByHeader && (opts.Key != nil || opts.Namespace != "" || opts.TTL != 0):
+		panic("middleware: Retry: RetryOptions.CountByHeader with a Keying or a TTL, which only a store uses")
+	case opts.MaxAttempts < 0:
+		panic(fmt.Sprintf("middleware: Retry: negative MaxAttempts %d", opts.MaxAttempts))
+	case opts.TTL < 0:
+		panic(fmt.Sprintf("middleware: Retry: negative TTL %v", opts.TTL))
+	}
 	cfg := retryConfig{
 		store:     s,
 		max:       opts.MaxAttempts,
 		backoff:   opts.Backoff,
-		key:       opts.Key,
-		namespace: opts.Namespace,
-		ttl:       orDefault(opts.TTL, 24*time.Hour),
+		keying:    newKeying(opts.Keying, "Retry"),
+		ttl:       cmp.Or(opts.TTL, 24*time.Hour),
 		permanent: opts.Permanent,
 		alone:     make(chan struct{}, 1),
 	}
-	if cfg.max <= 0 {
+	if cfg.max == 0 {
 		cfg.max = 5
 	}
 	if cfg.backoff == nil {
 		cfg.backoff = Exponential(time.Second, time.Minute)
-	}
-	if cfg.key == nil {
-		cfg.key = Key
 	}
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		return &retry{retryConfig: cfg, next: next}
@@ -129,8 +145,7 @@ type retryConfig struct {
 	store     store.Store
 	max       int
 	backoff   func(int) time.Duration
-	key       func(*amqp.Delivery) (string, error)
-	namespace string
+	keying    *keying
 	ttl       time.Duration
 	permanent func(error) bool
 	// alone is held by the retry of an abandoned message while it runs.
@@ -149,7 +164,7 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	err := h.next.Handle(ctx, d)
+	err := h.handleNext(ctx, d)
 	counted := 0 // failures of d counted by this delivery
 	if abandoned(err) {
 		// Counted even if ctx is done: the store no longer holds the
@@ -210,6 +225,20 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 	return rabbitmw.RetryAfter(rabbitmw.WithAttempts(err, n), delay)
 }
 
+// handleNext runs the layers beneath for d, handing them the key that
+// Retry makes for d (see [Keying]). If a layer above made another, it
+// returns the mismatch, dead-lettered, and runs nothing.
+func (h *retry) handleNext(ctx context.Context, d *amqp.Delivery) error {
+	if h.store == nil { // counting by the header, with no key
+		return h.next.Handle(ctx, d)
+	}
+	k, err := h.keying.handDown(ctx, d)
+	if err != nil {
+		return rabbitmw.Permanent(err)
+	}
+	return handleKeyed(h.next, ctx, d, k)
+}
+
 // retryAlone runs the layers beneath again for d, once no other retry of
 // an abandoned message by this layer is running, and returns their result.
 // If ctx is done first, it runs nothing and returns ctx's error.
@@ -220,7 +249,7 @@ func (h *retry) retryAlone(ctx context.Context, d *amqp.Delivery) (ran bool, err
 	select {
 	case h.alone <- struct{}{}:
 		defer func() { <-h.alone }()
-		return true, h.next.Handle(ctx, d)
+		return true, h.handleNext(ctx, d)
 	case <-ctx.Done():
 		return false, ctx.Err()
 	}
@@ -266,7 +295,7 @@ func (h *retry) count(ctx context.Context, d *amqp.Delivery, before int) (n int,
 	if h.store == nil {
 		return n, false, nil
 	}
-	key, err := namespaced(h.namespace, h.key, d)
+	key, err := h.keying.of(ctx, d)
 	if err != nil {
 		return n, false, nil // nothing to count under: the header alone counts
 	}
@@ -285,7 +314,7 @@ func (h *retry) reset(ctx context.Context, d *amqp.Delivery) {
 	if h.store == nil {
 		return
 	}
-	if key, err := namespaced(h.namespace, h.key, d); err == nil {
+	if key, err := h.keying.of(ctx, d); err == nil {
 		h.store.ResetFailures(bookkeeping(ctx), key)
 	}
 }
@@ -299,15 +328,7 @@ func Exponential(min, max time.Duration) func(n int) time.Duration {
 		panic(fmt.Sprintf("middleware: Exponential(%v, %v): want 0 < min <= max", min, max))
 	}
 	return func(n int) time.Duration {
-		d := max
-		if n < 1 {
-			n = 1
-		}
-		if n <= 62 {
-			if x := min << (n - 1); x > 0 && x < max && x>>(n-1) == min {
-				d = x
-			}
-		}
+		d := backoff.Doubled(min, n-1, max) // n below 1 counts as 1
 		half := d / 2
 		return half + rand.N(d-half+1)
 	}

@@ -273,7 +273,7 @@ func TestRetryHappyPathIsFree(t *testing.T) {
 // Without a store, the header alone counts: the broker's delayed copies
 // carry it forward.
 func TestRetryWithoutStore(t *testing.T) {
-	h := middleware.Retry(nil, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})(rabbitmw.HandlerFunc(
+	h := middleware.Retry(nil, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear, CountByHeader: true})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return errBoom }))
 	for prior, want := range []rabbitmw.Outcome{rabbitmw.Delay, rabbitmw.Delay, rabbitmw.DeadLetter} {
 		d, _ := deliverytest.New("m1", "")
@@ -432,7 +432,8 @@ func TestRetryAbandonedCrashLoop(t *testing.T) {
 						t.Fatalf("life %d: planting the dead claim: %v, %v", life, st, err)
 					}
 					time.Sleep(lease + time.Second)
-					h := middleware.Retry(tt.retryStore(s), middleware.RetryOptions{MaxAttempts: 3, Backoff: linear})(
+					rs := tt.retryStore(s)
+					h := middleware.Retry(rs, middleware.RetryOptions{MaxAttempts: 3, Backoff: linear, CountByHeader: rs == nil})(
 						middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
 							func(context.Context, *amqp.Delivery) error {
 								ran++

@@ -95,12 +95,3 @@ func TestTimeout(t *testing.T) {
 		})
 	}
 }
-
-func TestTimeoutPanicsOnNonPositive(t *testing.T) {
-	defer func() {
-		if v, _ := recover().(string); v == "" {
-			t.Fatal("Timeout(0) did not panic")
-		}
-	}()
-	middleware.Timeout(0)
-}

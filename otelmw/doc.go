@@ -8,17 +8,14 @@
 // A [Telemetry] serves the consumers of one queue, which Options.Queue
 // names (a delivery does not), and any number of publishers. Wire it in
 // three places: its layer first in the chain, its Dedup observer in the
-// Dedup layer, and its broker observer in the Broker:
+// Dedup layer (StackOptions.Observe), and its broker observer in the
+// Broker:
 //
 //	tel := otelmw.New(otelmw.Options{Queue: "orders"})
 //	b := broker.New(url, broker.Options{Observer: tel.Broker()})
 //	chain := rabbitmw.Chain(
 //		tel.Middleware(),
-//		middleware.Log(logger),
-//		middleware.Retry(s, middleware.RetryOptions{}),
-//		middleware.Recover(),
-//		middleware.Dedup(s, middleware.DedupOptions{Observe: tel.Dedup()}),
-//		middleware.Timeout(time.Minute),
+//		middleware.Stack(s, middleware.StackOptions{Logger: logger, Observe: tel.Dedup()}),
 //	)
 //
 // Then a message's trace holds the producer's "send orders" span and, as

@@ -24,6 +24,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/otelmw"
@@ -158,8 +159,8 @@ var backends = []struct {
 	open func(t *testing.T, opts broker.Options) *broker.Broker
 }{
 	{"memory", func(t *testing.T, opts broker.Options) *broker.Broker {
-		m := broker.NewMemory()
-		b := m.Broker(opts)
+		m := brokertest.NewServer()
+		b := broker.New(m.URL(), opts)
 		t.Cleanup(m.Close)
 		t.Cleanup(func() { b.Close() })
 		return b

@@ -11,9 +11,7 @@ package reliability_test
 // publishes again what was not confirmed.
 
 import (
-	"context"
 	"fmt"
-	"math/rand/v2"
 	"sync"
 	"testing"
 	"time"
@@ -28,25 +26,25 @@ func TestConnectionLoss(t *testing.T) {
 		every    = 2 * time.Second
 		workers  = 4
 	)
-	rng := rand.New(rand.NewPCG(seed(t), 2))
-	r := newRun(t, "connloss", 250*time.Millisecond, time.Second, 2*time.Second)
-	opts := consumerOpts{
-		workers:     workers,
-		lease:       10 * time.Second,
-		timeout:     5 * time.Second,
-		busy:        500 * time.Millisecond,
-		unavailable: 500 * time.Millisecond,
-		// Slow enough that the run outlasts the closes.
-		work: 30 * time.Millisecond,
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	began := time.Now()
-
-	msgs, ids := workload(rng, messages, dups)
-	published := r.publishAsync(ctx, msgs, 16)
-	a := r.startConsumer("conn-A", opts)
-	b := r.startConsumer("conn-B", opts)
+	ctx, r := startLoad(t, loadSpec{
+		scenario: "connloss",
+		delays:   tiers,
+		messages: messages,
+		dups:     dups,
+		stream:   2,
+		opts: consumerOpts{
+			workers:     workers,
+			lease:       10 * time.Second,
+			timeout:     5 * time.Second,
+			busy:        500 * time.Millisecond,
+			unavailable: 500 * time.Millisecond,
+			// Slow enough that the run outlasts the closes.
+			work: 30 * time.Millisecond,
+		},
+		consumers: []string{"conn-A", "conn-B"},
+	})
+	a, b := r.procs[0], r.procs[1]
+	ids := r.ids
 
 	// The closes start once a tenth of the messages is done, one every
 	// two seconds, each on its own goroutine (rabbitmqctl itself takes a
@@ -82,13 +80,7 @@ func TestConnectionLoss(t *testing.T) {
 			t.Fatalf("close %d: all %d messages were done before it took effect; the scenario needs a slower handler", i+1, doneAt[i])
 		}
 	}
-	if err := <-published; err != nil {
-		t.Fatal(err)
-	}
-	if err := r.awaitQuiet(ctx, len(ids), 3*time.Second); err != nil {
-		t.Fatal(err)
-	}
-	e := r.end(ctx, ids, a, b)
+	e := r.wrapUp(ctx, 3*time.Second, a, b)
 	e.wantEachOnce(t)
 	v := e.v
 	// Both consumers lost their connections, and came back.
@@ -99,16 +91,12 @@ func TestConnectionLoss(t *testing.T) {
 			t.Logf("consumer %s lost its connection %d times", p.name, n)
 		}
 	}
-	t.Logf("consumers: %+v; took %v", e.stats, time.Since(began).Round(time.Millisecond))
-	record(t, row{
-		Scenario:     "2 broker connection loss",
-		Messages:     messages,
-		Duplicates:   dups,
-		Faults:       fmt.Sprintf("%d × close_all_connections, every %v", closes, every),
-		Once:         len(v.once),
-		Twice:        len(v.twice),
-		Lost:         len(v.lost),
-		DeadLettered: len(v.deadLettered),
-		Note:         fmt.Sprintf("2 consumers; %d settlements lost with their connection; the publisher's closed too", e.stats[0].SettleErrors+e.stats[1].SettleErrors),
-	})
+	t.Logf("consumers: %+v; took %v", e.stats, time.Since(r.began).Round(time.Millisecond))
+	record(t, v.counted(row{
+		Scenario:   "2 broker connection loss",
+		Messages:   messages,
+		Duplicates: dups,
+		Faults:     fmt.Sprintf("%d × close_all_connections, every %v", closes, every),
+		Note:       fmt.Sprintf("2 consumers; %d settlements lost with their connection; the publisher's closed too", e.stats[0].SettleErrors+e.stats[1].SettleErrors),
+	}))
 }

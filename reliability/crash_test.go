@@ -12,64 +12,65 @@ package reliability_test
 // workers, and the first effect of each must be by a killed process.
 
 import (
-	"context"
 	"fmt"
-	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
 )
 
-func TestCrash(t *testing.T) {
-	const (
-		messages = 5000
-		dups     = messages / 5
-		kills    = 6
-		workers  = 8
-	)
-	rng := rand.New(rand.NewPCG(seed(t), 1))
-	r := newRun(t, "crash", 250*time.Millisecond, time.Second, 2*time.Second)
-	opts := consumerOpts{
-		workers: workers,
-		// A short lease, so that the claims of a killed process free soon;
-		// the handler's deadline well inside it.
-		lease:       2 * time.Second,
-		timeout:     time.Second,
-		busy:        500 * time.Millisecond,
-		unavailable: 500 * time.Millisecond,
-		work:        time.Millisecond,
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	began := time.Now()
+const (
+	crashMessages = 5000
+	crashDups     = crashMessages / 5
+	crashKills    = 6
+	crashWorkers  = 8
+)
 
-	msgs, ids := workload(rng, messages, dups)
-	published := r.publishAsync(ctx, msgs, 16)
-	p := r.startConsumer("crash-1", opts)
+// crash runs scenario 1 as scenario, over the PostgreSQL inbox at pgURL
+// unless it is "", and returns the run, how it ended, and the consumers
+// killed.
+func crash(t *testing.T, scenario, pgURL string) (*load, ending, []string) {
+	t.Helper()
+	ctx, r := startLoad(t, loadSpec{
+		scenario: scenario,
+		delays:   tiers,
+		messages: crashMessages,
+		dups:     crashDups,
+		stream:   1,
+		postgres: pgURL,
+		opts: consumerOpts{
+			workers: crashWorkers,
+			// A short lease, so that the claims of a killed process free
+			// soon; the handler's deadline well inside it.
+			lease:       2 * time.Second,
+			timeout:     time.Second,
+			busy:        500 * time.Millisecond,
+			unavailable: 500 * time.Millisecond,
+			work:        time.Millisecond,
+		},
+		consumers: []string{scenario + "-1"},
+	})
+	p := r.procs[0]
 
 	// Kill points: one at a random count of messages done in each of
 	// kills equal stretches of the run, so that every kill hits a consumer
 	// at work; then a random few milliseconds more.
 	var killed []string
-	lo, hi := len(ids)/20, len(ids)*9/10
-	for i := range kills {
-		at := lo + (hi-lo)*i/kills + rng.IntN((hi-lo)/kills)
-		if err := r.waitCount(ctx, "distinct", int64(at)); err != nil {
+	lo, hi := len(r.ids)/20, len(r.ids)*9/10
+	for i := range crashKills {
+		if err := r.waitRandom(ctx, lo+(hi-lo)*i/crashKills, (hi-lo)/crashKills); err != nil {
 			t.Fatalf("before kill %d: %v", i+1, err)
 		}
-		time.Sleep(time.Duration(rng.IntN(5000)) * time.Microsecond)
+		time.Sleep(time.Duration(r.rng.IntN(5000)) * time.Microsecond)
 		p.kill()
 		killed = append(killed, p.name)
 		t.Logf("kill %d: SIGKILL %s at %d messages done", i+1, p.name, r.count(ctx, "distinct"))
-		p = r.startConsumer(fmt.Sprintf("crash-%d", i+2), opts)
+		p = r.startConsumer(fmt.Sprintf("%s-%d", scenario, i+2), r.opts)
 	}
-	if err := <-published; err != nil {
-		t.Fatal(err)
-	}
-	if err := r.awaitQuiet(ctx, len(ids), 3*time.Second); err != nil {
-		t.Fatal(err)
-	}
-	e := r.end(ctx, ids, p)
+	return r, r.wrapUp(ctx, 3*time.Second, p), killed
+}
+
+func TestCrash(t *testing.T) {
+	r, e, killed := crash(t, "crash", "")
 	v := e.v
 
 	if len(v.lost) > 0 {
@@ -90,23 +91,19 @@ func TestCrash(t *testing.T) {
 		perKill[by[0]]++
 	}
 	for name, n := range perKill {
-		if n > workers {
-			t.Errorf("%d double effects cut by the kill of %s; want at most %d (its workers)", n, name, workers)
+		if n > crashWorkers {
+			t.Errorf("%d double effects cut by the kill of %s; want at most %d (its workers)", n, name, crashWorkers)
 		}
 	}
-	if len(v.twice) > workers*kills {
-		t.Errorf("%d messages applied twice; want at most %d (workers × kills)", len(v.twice), workers*kills)
+	if len(v.twice) > crashWorkers*crashKills {
+		t.Errorf("%d messages applied twice; want at most %d (workers × kills)", len(v.twice), crashWorkers*crashKills)
 	}
-	t.Logf("double effects per killed process: %v; last consumer: %+v; took %v", perKill, e.stats[0], time.Since(began).Round(time.Millisecond))
-	record(t, row{
-		Scenario:     "1 crash",
-		Messages:     messages,
-		Duplicates:   dups,
-		Faults:       fmt.Sprintf("%d × SIGKILL + restart", kills),
-		Once:         len(v.once),
-		Twice:        len(v.twice),
-		Lost:         len(v.lost),
-		DeadLettered: len(v.deadLettered),
-		Note:         fmt.Sprintf("twice allowed: cut between effect and done, ≤ %d workers × %d kills = %d", workers, kills, workers*kills),
-	})
+	t.Logf("double effects per killed process: %v; last consumer: %+v; took %v", perKill, e.stats[0], time.Since(r.began).Round(time.Millisecond))
+	record(t, v.counted(row{
+		Scenario:   "1 crash",
+		Messages:   crashMessages,
+		Duplicates: crashDups,
+		Faults:     fmt.Sprintf("%d × SIGKILL + restart", crashKills),
+		Note:       fmt.Sprintf("twice allowed: cut between effect and done, ≤ %d workers × %d kills = %d", crashWorkers, crashKills, crashWorkers*crashKills),
+	}))
 }

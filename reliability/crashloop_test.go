@@ -54,7 +54,7 @@ func TestCrashLoop(t *testing.T) {
 // crashLoop runs the scenario on top; with pgURL, over the PostgreSQL
 // inbox in that database, where no order may be applied twice.
 func crashLoop(t *testing.T, scenario string, top broker.Topology, pgURL string) {
-	r := newRun(t, scenario, 250*time.Millisecond, time.Second, 2*time.Second)
+	r := newRun(t, scenario, tiers...)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	began := time.Now()
@@ -223,18 +223,14 @@ wait:
 	if pgURL != "" {
 		twice = "twice: none may be, effect and done mark commit together"
 	}
-	record(t, row{
-		Scenario:     "10 message that kills its consumer, " + kind,
-		Messages:     len(msgs),
-		Duplicates:   0,
-		Faults:       fmt.Sprintf("1 order SIGKILLs its consumer, which is restarted; lease %v, MaxAttempts %d", crashLoopLease, crashLoopAttempts),
-		Once:         len(v.once),
-		Twice:        len(v.twice),
-		Lost:         len(v.lost),
-		DeadLettered: len(v.deadLettered),
+	record(t, v.counted(row{
+		Scenario:   "10 message that kills its consumer, " + kind,
+		Messages:   len(msgs),
+		Duplicates: 0,
+		Faults:     fmt.Sprintf("1 order SIGKILLs its consumer, which is restarted; lease %v, MaxAttempts %d", crashLoopLease, crashLoopAttempts),
 		Note: fmt.Sprintf("killer dead-lettered after %d crashes, reason says its consumer died; %d orders in flight at a crash, abandoned and tried again (%d more than once); %s",
 			len(crashed), hit, hitAgain, twice),
-	})
+	}))
 }
 
 // publishPaced publishes msgs in order, one every interval, each confirmed

@@ -24,10 +24,8 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"net"
 	"os"
 	"regexp"
-	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -46,16 +44,9 @@ func TestCutsWithAcksPending(t *testing.T) {
 	rng := rand.New(rand.NewPCG(seed(t), 14))
 	r := newRun(t, "cutacks", 50*time.Millisecond)
 	logStart := rabbitLogSize()
-	uri, err := amqp.ParseURI(r.amqpURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	px := startProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
-	host, port, _ := net.SplitHostPort(px.addr)
-	uri.Host = host
-	uri.Port, _ = strconv.Atoi(port)
+	px, amqpURL := r.brokerProxy()
 	opts := consumerOpts{
-		amqpURL:      uri.String(),
+		amqpURL:      amqpURL,
 		workers:      16,
 		prefetch:     32,
 		mode:         "poison",
@@ -155,29 +146,7 @@ func TestCutsWithAcksPending(t *testing.T) {
 	e := r.end(ctx, all, procs...)
 	v := e.v
 
-	dead := map[string]bool{}
-	for _, id := range v.deadLettered {
-		dead[id] = true
-	}
-	once := map[string]bool{}
-	for _, id := range v.once {
-		once[id] = true
-	}
-	var notDead, noEffect []string
-	for _, id := range deadIDs {
-		if !dead[id] {
-			notDead = append(notDead, id)
-		}
-	}
-	for _, id := range effectIDs {
-		if !once[id] {
-			noEffect = append(noEffect, id)
-		}
-	}
-	if len(v.lost) > 0 || len(v.twice) > 0 || len(notDead) > 0 || len(noEffect) > 0 {
-		t.Errorf("%d lost (first %v), %d applied twice (first %v), %d refused orders not dead-lettered (first %v), %d orders without exactly one effect (first %v); want none",
-			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(notDead), first(notDead), len(noEffect), first(noEffect))
-	}
+	e.wantOrders(t, effectIDs, deadIDs)
 	var lostConns []int
 	// Settled by an ack, or meant to be: effects, duplicates, and the
 	// originals of dead-letter copies, less the settlements that failed
@@ -205,17 +174,13 @@ func TestCutsWithAcksPending(t *testing.T) {
 		e.stats, lostConns, cuts, endedIn.Round(time.Millisecond), time.Since(began).Round(time.Millisecond))
 	t.Logf("basic.ack seen through the proxy: %d, %d of them multiple; about %d deliveries acked: %.2f per ack frame; %d duplicates (redeliveries of messages done, acks lost at the cuts among them)",
 		acks.Load(), multiples.Load(), acked, float64(acked)/float64(max(1, acks.Load())), duplicates)
-	record(t, row{
-		Scenario:     "14 connection cuts with acks pending",
-		Messages:     len(all),
-		Faults:       fmt.Sprintf("%d × proxy closes the consumers' connections, 20 to 60 ms after they consume", cuts),
-		Once:         len(v.once),
-		Twice:        len(v.twice),
-		Lost:         len(v.lost),
-		DeadLettered: len(v.deadLettered),
+	record(t, v.counted(row{
+		Scenario: "14 connection cuts with acks pending",
+		Messages: len(all),
+		Faults:   fmt.Sprintf("%d × proxy closes the consumers' connections, 20 to 60 ms after they consume", cuts),
 		Note: fmt.Sprintf("2 consumers; lost connections logged %v; %d ack frames (%d multiple) for %d acks; %d duplicates; channels closed by RabbitMQ: %d",
 			lostConns, acks.Load(), multiples.Load(), acked, duplicates, len(channelErrors)),
-	})
+	}))
 }
 
 // basicAck is the class and method id of basic.ack, as a method frame

@@ -19,8 +19,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
-	"net"
-	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -41,16 +39,9 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	)
 	rng := rand.New(rand.NewPCG(seed(t), 11))
 	r := newRun(t, "cutcopies", 50*time.Millisecond)
-	uri, err := amqp.ParseURI(r.amqpURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	px := startProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
-	host, port, _ := net.SplitHostPort(px.addr)
-	uri.Host = host
-	uri.Port, _ = strconv.Atoi(port)
+	px, amqpURL := r.brokerProxy()
 	opts := consumerOpts{
-		amqpURL:     uri.String(),
+		amqpURL:     amqpURL,
 		workers:     16,
 		prefetch:    64,
 		mode:        "poison",
@@ -165,29 +156,7 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 			dlqTwice++
 		}
 	}
-	dead := map[string]bool{}
-	for _, id := range v.deadLettered {
-		dead[id] = true
-	}
-	once := map[string]bool{}
-	for _, id := range v.once {
-		once[id] = true
-	}
-	var notDead, noEffect []string
-	for _, id := range deadIDs {
-		if !dead[id] {
-			notDead = append(notDead, id)
-		}
-	}
-	for _, id := range effectIDs {
-		if !once[id] {
-			noEffect = append(noEffect, id)
-		}
-	}
-	if len(v.lost) > 0 || len(v.twice) > 0 || len(notDead) > 0 || len(noEffect) > 0 {
-		t.Errorf("%d lost (first %v), %d applied twice (first %v), %d refused orders not dead-lettered (first %v), %d orders without exactly one effect (first %v); want none",
-			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(notDead), first(notDead), len(noEffect), first(noEffect))
-	}
+	e.wantOrders(t, effectIDs, deadIDs)
 	if after := r.count(ctx, "total"); after <= atLastCut {
 		t.Errorf("effects: %d at the last cut, %d at the end; want more (the consumers resumed)", atLastCut, after)
 	}
@@ -204,17 +173,13 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	t.Logf("effects after each cut: %v", progress)
 	t.Logf("consumers: %+v; lost connections logged %v for %d cuts; the run ended %v after the last cut; took %v",
 		e.stats, lostConns, batches, endedIn.Round(time.Millisecond), time.Since(began).Round(time.Millisecond))
-	record(t, row{
-		Scenario:     "13 connection cuts with copies in flight",
-		Messages:     len(all),
-		Faults:       fmt.Sprintf("%d × proxy closes the consumers' connections, %v after they consume", batches, every),
-		Once:         len(v.once),
-		Twice:        len(v.twice),
-		Lost:         len(v.lost),
-		DeadLettered: len(v.deadLettered),
+	record(t, v.counted(row{
+		Scenario: "13 connection cuts with copies in flight",
+		Messages: len(all),
+		Faults:   fmt.Sprintf("%d × proxy closes the consumers' connections, %v after they consume", batches, every),
 		Note: fmt.Sprintf("2 consumers; lost connections logged %v; %d dead-lettered ids with two copies or more in the DLQ (%d copies in all); %d settlements failed",
 			lostConns, dlqTwice, len(e.dead), settleErrors),
-	})
+	}))
 }
 
 // basicConsume is the class and method id of basic.consume, as a method

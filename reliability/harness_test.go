@@ -50,6 +50,9 @@ type run struct {
 	procs []*proc
 }
 
+// tiers are the delay queues of most scenarios' runs.
+var tiers = []time.Duration{250 * time.Millisecond, time.Second, 2 * time.Second}
+
 // newRun makes a run for t with a unique queue, whose delay queues are
 // delays, and a unique Redis key prefix. It skips t (fails it under CI)
 // when RabbitMQ or Redis is missing.
@@ -385,6 +388,37 @@ func (e ending) wantEachOnce(t *testing.T) {
 	if v := e.v; len(v.lost) > 0 || len(v.twice) > 0 || len(e.dead) > 0 {
 		t.Errorf("%d lost (first %v), %d applied twice or more (first %v), %d dead-lettered; want none",
 			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(e.dead))
+	}
+}
+
+// wantOrders fails t unless no key was lost or applied twice, each of
+// effectIDs had its effect once and each of deadIDs, orders refused, was
+// dead-lettered.
+func (e ending) wantOrders(t *testing.T, effectIDs, deadIDs []string) {
+	t.Helper()
+	v := e.v
+	dead := map[string]bool{}
+	for _, id := range v.deadLettered {
+		dead[id] = true
+	}
+	once := map[string]bool{}
+	for _, id := range v.once {
+		once[id] = true
+	}
+	var notDead, noEffect []string
+	for _, id := range deadIDs {
+		if !dead[id] {
+			notDead = append(notDead, id)
+		}
+	}
+	for _, id := range effectIDs {
+		if !once[id] {
+			noEffect = append(noEffect, id)
+		}
+	}
+	if len(v.lost) > 0 || len(v.twice) > 0 || len(notDead) > 0 || len(noEffect) > 0 {
+		t.Errorf("%d lost (first %v), %d applied twice (first %v), %d refused orders not dead-lettered (first %v), %d orders without exactly one effect (first %v); want none",
+			len(v.lost), first(v.lost), len(v.twice), first(v.twice), len(notDead), first(notDead), len(noEffect), first(noEffect))
 	}
 }
 

@@ -37,6 +37,20 @@ const (
 	leaseLossHold  = 2500 * time.Millisecond
 )
 
+// leaseLossOpts are the options that the consumers of the lease-loss
+// scenarios share, over Redis and over PostgreSQL: a worker and a prefetch
+// slot for each message, a lease shorter than A's handler holds it.
+func leaseLossOpts() consumerOpts {
+	return consumerOpts{
+		workers:     leaseLossIDs,
+		prefetch:    leaseLossIDs,
+		lease:       leaseLossLease,
+		timeout:     30 * time.Second,
+		busy:        200 * time.Millisecond,
+		unavailable: 300 * time.Millisecond,
+	}
+}
+
 // leaseLossResult is what each message came to: who applied its effect,
 // in order, and what A's handler recorded.
 type leaseLossResult struct {
@@ -51,17 +65,10 @@ type leaseLossResult struct {
 // deadlines or not.
 func leaseLoss(t *testing.T, name, mode string, ctxTimeouts bool) *leaseLossResult {
 	t.Helper()
-	r := newRun(t, name, 250*time.Millisecond, time.Second, 2*time.Second)
+	r := newRun(t, name, tiers...)
 	px := startProxy(t, r.redisAddr)
-	base := consumerOpts{
-		workers:     leaseLossIDs,
-		prefetch:    leaseLossIDs,
-		lease:       leaseLossLease,
-		hold:        leaseLossHold,
-		timeout:     30 * time.Second,
-		busy:        200 * time.Millisecond,
-		unavailable: 300 * time.Millisecond,
-	}
+	base := leaseLossOpts()
+	base.hold = leaseLossHold
 	optsA := base
 	optsA.mode = mode
 	optsA.storeAddr = px.addr
@@ -76,34 +83,25 @@ func leaseLoss(t *testing.T, name, mode string, ctxTimeouts bool) *leaseLossResu
 	for i := range leaseLossIDs {
 		res.ids = append(res.ids, fmt.Sprintf("lease-%d", i))
 	}
-	publishAll := func() {
-		for _, id := range res.ids {
-			if err := r.b.Publish(ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: []byte(id)}); err != nil {
-				t.Fatalf("publish %s: %v", id, err)
-			}
-		}
-	}
 
 	a := r.startConsumer("A", optsA)
-	publishAll()
+	r.publishIDs(ctx, res.ids)
 	// A has claimed every message: its handlers have started.
 	if err := r.waitEvents(ctx, func(ev map[string][]string) bool {
-		return !slices.ContainsFunc(res.ids, func(id string) bool { return !hasEvent(ev[id], "start A") })
+		return everyHas(ev, res.ids, "start A")
 	}); err != nil {
 		t.Fatal(err)
 	}
 	px.partition()
 	cutAt := time.Now()
 	// A second copy of each message (a resend, or a redelivery), for B.
-	publishAll()
+	r.publishIDs(ctx, res.ids)
 	b := r.startConsumer("B", optsB)
 
 	// Every message has its effect, and every handler of A has returned:
 	// cancelled, or with its effect applied.
 	if err := r.waitEvents(ctx, func(ev map[string][]string) bool {
-		return r.count(ctx, "distinct") >= leaseLossIDs && !slices.ContainsFunc(res.ids, func(id string) bool {
-			return !hasEvent(ev[id], "cancelled A") && !hasEvent(ev[id], "ignored A") && !hasEvent(ev[id], "applied A")
-		})
+		return r.count(ctx, "distinct") >= leaseLossIDs && everyHas(ev, res.ids, "cancelled A", "ignored A", "applied A")
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -185,6 +183,25 @@ func hasEvent(events []string, prefix string) bool {
 	return slices.ContainsFunc(events, func(e string) bool { return strings.HasPrefix(e, prefix) })
 }
 
+// everyHas reports whether the events of each of ids, in ev, include one
+// that starts with one of prefixes.
+func everyHas(ev map[string][]string, ids []string, prefixes ...string) bool {
+	return !slices.ContainsFunc(ids, func(id string) bool {
+		return !slices.ContainsFunc(prefixes, func(p string) bool { return hasEvent(ev[id], p) })
+	})
+}
+
+// publishIDs publishes a message for each of ids, with the id as its
+// body, each confirmed by the server before the next.
+func (r *run) publishIDs(ctx context.Context, ids []string) {
+	r.t.Helper()
+	for _, id := range ids {
+		if err := r.b.Publish(ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: []byte(id)}); err != nil {
+			r.t.Fatalf("publish %s: %v", id, err)
+		}
+	}
+}
+
 func TestLeaseLoss(t *testing.T) {
 	t.Run("HandlerHonoursContext", func(t *testing.T) {
 		res := leaseLoss(t, "leaseloss", "slow", true)
@@ -201,17 +218,13 @@ func TestLeaseLoss(t *testing.T) {
 			}
 		}
 		t.Logf("A's handlers: %v", res.aEvents)
-		record(t, row{
-			Scenario:     "5 lease loss",
-			Messages:     2 * leaseLossIDs,
-			Duplicates:   leaseLossIDs,
-			Faults:       fmt.Sprintf("A's store link partitioned after its claims; handler %v, lease %v", leaseLossHold, leaseLossLease),
-			Once:         len(v.once),
-			Twice:        len(v.twice),
-			Lost:         len(v.lost),
-			DeadLettered: len(v.deadLettered),
-			Note:         "A's context cancelled before its lease ended, A marked nothing; B applied each effect",
-		})
+		record(t, v.counted(row{
+			Scenario:   "5 lease loss",
+			Messages:   2 * leaseLossIDs,
+			Duplicates: leaseLossIDs,
+			Faults:     fmt.Sprintf("A's store link partitioned after its claims; handler %v, lease %v", leaseLossHold, leaseLossLease),
+			Note:       "A's context cancelled before its lease ended, A marked nothing; B applied each effect",
+		}))
 	})
 
 	// The documented limit: the same, with a handler that ignores its
@@ -228,17 +241,13 @@ func TestLeaseLoss(t *testing.T) {
 				t.Errorf("A's handler of %s: events %v; want it to have ignored a cancelled context", id, res.aEvents[id])
 			}
 		}
-		record(t, row{
-			Scenario:     "5 lease loss, handler ignores ctx",
-			Messages:     2 * leaseLossIDs,
-			Duplicates:   leaseLossIDs,
-			Faults:       "as above",
-			Once:         len(v.once),
-			Twice:        len(v.twice),
-			Lost:         len(v.lost),
-			DeadLettered: len(v.deadLettered),
-			Note:         "the documented limit: a lease bounds, it does not fence",
-		})
+		record(t, v.counted(row{
+			Scenario:   "5 lease loss, handler ignores ctx",
+			Messages:   2 * leaseLossIDs,
+			Duplicates: leaseLossIDs,
+			Faults:     "as above",
+			Note:       "the documented limit: a lease bounds, it does not fence",
+		}))
 	})
 }
 
@@ -259,15 +268,11 @@ func TestLeaseLossDefaultRedisClient(t *testing.T) {
 			t.Errorf("message %s applied by %v; want once, by B: A's handler, slower than its lease and honouring its context, must be cancelled before the lease ends (A's events: %v)", id, by, res.aEvents[id])
 		}
 	}
-	record(t, row{
-		Scenario:     "5 lease loss, default go-redis client",
-		Messages:     2 * leaseLossIDs,
-		Duplicates:   leaseLossIDs,
-		Faults:       "as above; A's client without ContextTimeoutEnabled",
-		Once:         len(v.once),
-		Twice:        len(v.twice),
-		Lost:         len(v.lost),
-		DeadLettered: len(v.deadLettered),
-		Note:         "A's renewal blocked past its lease; A cancelled on the clock, before the lease ended; B applied each effect",
-	})
+	record(t, v.counted(row{
+		Scenario:   "5 lease loss, default go-redis client",
+		Messages:   2 * leaseLossIDs,
+		Duplicates: leaseLossIDs,
+		Faults:     "as above; A's client without ContextTimeoutEnabled",
+		Note:       "A's renewal blocked past its lease; A cancelled on the clock, before the lease ended; B applied each effect",
+	}))
 }

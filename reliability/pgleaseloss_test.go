@@ -22,28 +22,19 @@ import (
 	"testing"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
-
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
 func TestPostgresLeaseLoss(t *testing.T) {
 	const (
-		ids   = 3
-		lease = 1500 * time.Millisecond
-		hold  = 2500 * time.Millisecond
+		ids   = leaseLossIDs
+		lease = leaseLossLease
+		hold  = leaseLossHold
 		pause = 4 * time.Second // longer than the lease, from A's last renewal
 	)
 	url := testenv.PostgresURL(t)
-	r := newRun(t, "pgleaseloss", 250*time.Millisecond, time.Second, 2*time.Second)
-	base := r.usePostgres(url, consumerOpts{
-		workers:     ids,
-		prefetch:    ids,
-		lease:       lease,
-		timeout:     30 * time.Second,
-		busy:        200 * time.Millisecond,
-		unavailable: 300 * time.Millisecond,
-	})
+	r := newRun(t, "pgleaseloss", tiers...)
+	base := r.usePostgres(url, leaseLossOpts())
 	optsA := base
 	optsA.mode, optsA.hold = "stubborn", hold
 	optsB := base
@@ -54,26 +45,17 @@ func TestPostgresLeaseLoss(t *testing.T) {
 	for i := range ids {
 		keys = append(keys, fmt.Sprintf("pglease-%d", i))
 	}
-	publishAll := func() {
-		for _, id := range keys {
-			if err := r.b.Publish(ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: []byte(id)}); err != nil {
-				t.Fatalf("publish %s: %v", id, err)
-			}
-		}
-	}
 	a := r.startConsumer("A", optsA)
-	publishAll()
+	r.publishIDs(ctx, keys)
 	// A's handlers are in their transactions.
-	if err := r.waitEvents(ctx, func(ev map[string][]string) bool {
-		return !slices.ContainsFunc(keys, func(id string) bool { return !hasEvent(ev[id], "start A") })
-	}); err != nil {
+	if err := r.waitEvents(ctx, func(ev map[string][]string) bool { return everyHas(ev, keys, "start A") }); err != nil {
 		t.Fatal(err)
 	}
 	a.cmd.Process.Signal(syscall.SIGSTOP)
 	frozen := time.Now()
 	t.Logf("A frozen with its %d transactions open", ids)
 	b := r.startConsumer("B", optsB)
-	publishAll()
+	r.publishIDs(ctx, keys)
 	if err := r.waitCount(ctx, "distinct", ids); err != nil {
 		t.Fatal(err)
 	}
@@ -104,15 +86,11 @@ func TestPostgresLeaseLoss(t *testing.T) {
 	}
 	e.wantEachOnce(t)
 	t.Logf("consumers: %+v; %d of A's transactions rolled back by the done mark's owner check", e.stats, fenced)
-	record(t, row{
-		Scenario:     "5 lease loss, PostgreSQL inbox",
-		Messages:     2 * ids,
-		Duplicates:   ids,
-		Faults:       fmt.Sprintf("A frozen (SIGSTOP) %v in its transactions, lease %v", pause, lease),
-		Once:         len(e.v.once),
-		Twice:        len(e.v.twice),
-		Lost:         len(e.v.lost),
-		DeadLettered: len(e.v.deadLettered),
-		Note:         fmt.Sprintf("A ignores its context; rolled back: %d by the done mark's owner check, the rest by the cancelled context", fenced),
-	})
+	record(t, e.v.counted(row{
+		Scenario:   "5 lease loss, PostgreSQL inbox",
+		Messages:   2 * ids,
+		Duplicates: ids,
+		Faults:     fmt.Sprintf("A frozen (SIGSTOP) %v in its transactions, lease %v", pause, lease),
+		Note:       fmt.Sprintf("A ignores its context; rolled back: %d by the done mark's owner check, the rest by the cancelled context", fenced),
+	}))
 }

@@ -35,8 +35,7 @@ type pgServer struct {
 	cred   *syscall.Credential // nil unless run as root
 	starts int
 
-	cmd    *exec.Cmd
-	exited chan struct{}
+	*child // the running server, replaced at each start
 }
 
 // pgBin returns the directory of PostgreSQL's server programs: the one of
@@ -119,31 +118,20 @@ func (s *pgServer) start() error {
 		return err
 	}
 	defer logFile.Close()
-	s.cmd = s.command(filepath.Join(s.bin, "postgres"), "-D", s.dir, "-p", s.port, "-h", "127.0.0.1", "-k", filepath.Dir(s.dir), "-F", "-c", "max_connections=50")
-	s.cmd.Stdout, s.cmd.Stderr = logFile, logFile
-	if err := s.cmd.Start(); err != nil {
+	cmd := s.command(filepath.Join(s.bin, "postgres"), "-D", s.dir, "-p", s.port, "-h", "127.0.0.1", "-k", filepath.Dir(s.dir), "-F", "-c", "max_connections=50")
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if s.child, err = startChild(s.t, cmd, func(c *child) {
+		c.cmd.Process.Signal(syscall.SIGQUIT)
+		if !c.wait(10 * time.Second) {
+			c.kill()
+		}
+	}); err != nil {
 		return err
 	}
-	exited := make(chan struct{})
-	s.exited = exited
-	cmd := s.cmd
-	go func() { // ends when the server does: at the latest, in the cleanup
-		cmd.Wait()
-		close(exited)
-	}()
-	s.t.Cleanup(func() {
-		cmd.Process.Signal(syscall.SIGQUIT)
-		select {
-		case <-exited:
-		case <-time.After(10 * time.Second):
-			cmd.Process.Kill()
-			<-exited
-		}
-	})
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		select {
-		case <-exited:
+		case <-s.exited:
 			return fmt.Errorf("postgres on port %s exited at start:\n%s", s.port, readLog(logPath))
 		default:
 		}
@@ -168,10 +156,8 @@ func (s *pgServer) start() error {
 // shutdown, crash recovery at the next start), and waits until it exited.
 func (s *pgServer) stop() error {
 	s.cmd.Process.Signal(syscall.SIGQUIT)
-	select {
-	case <-s.exited:
-		return nil
-	case <-time.After(30 * time.Second):
+	if !s.wait(30 * time.Second) {
 		return fmt.Errorf("postgres on port %s still running 30s after SIGQUIT", s.port)
 	}
+	return nil
 }

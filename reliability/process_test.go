@@ -136,12 +136,10 @@ func (o consumerOpts) args() []string {
 // test ends, if it has not ended before.
 type proc struct {
 	name    string
-	cmd     *exec.Cmd
 	stdout  bytes.Buffer // complete once exited is closed
 	logPath string       // its standard error
-	exited  chan struct{}
-	waitErr error       // once exited is closed
-	ours    atomic.Bool // we signalled it: its end is expected
+	ours    atomic.Bool  // we signalled it: its end is expected
+	*child
 }
 
 // startConsumer starts a consumer named name on the run's queue.
@@ -164,30 +162,21 @@ func (r *run) startConsumer(name string, o consumerOpts) *proc {
 	if o.storePrefix == "" {
 		args = append(args, "-store-prefix", r.prefix+"store:")
 	}
-	p := &proc{name: name, exited: make(chan struct{}), logPath: filepath.Join(r.logDir, name+".log")}
+	p := &proc{name: name, logPath: filepath.Join(r.logDir, name+".log")}
 	logFile, err := os.Create(p.logPath)
 	if err != nil {
 		r.t.Fatal(err)
 	}
 	defer logFile.Close() // the process has its own descriptor once started
-	p.cmd = exec.Command(r.bin, args...)
-	p.cmd.Stdout = &p.stdout
-	p.cmd.Stderr = logFile
-	p.cmd.SysProcAttr = childAttr()
-	if err := p.cmd.Start(); err != nil {
+	cmd := exec.Command(r.bin, args...)
+	cmd.Stdout = &p.stdout
+	cmd.Stderr = logFile
+	if p.child, err = startChild(r.t, cmd, func(c *child) {
+		p.ours.Store(true)
+		c.kill()
+	}); err != nil {
 		r.t.Fatalf("starting consumer %s: %v", name, err)
 	}
-	// The waiter ends when the process does: at the latest when the
-	// cleanup below kills it.
-	go func() {
-		p.waitErr = p.cmd.Wait()
-		close(p.exited)
-	}()
-	r.t.Cleanup(func() {
-		p.ours.Store(true)
-		p.cmd.Process.Kill() // an error means it had exited already
-		<-p.exited
-	})
 	r.mu.Lock()
 	r.procs = append(r.procs, p)
 	r.mu.Unlock()
@@ -197,8 +186,7 @@ func (r *run) startConsumer(name string, o consumerOpts) *proc {
 // kill sends SIGKILL and waits for the process to end.
 func (p *proc) kill() {
 	p.ours.Store(true)
-	p.cmd.Process.Signal(syscall.SIGKILL)
-	<-p.exited
+	p.child.kill()
 }
 
 // stop sends SIGTERM, waits up to timeout for a graceful exit, and returns
@@ -207,11 +195,8 @@ func (p *proc) kill() {
 func (p *proc) stop(timeout time.Duration) (stats.Consumer, error) {
 	p.ours.Store(true)
 	p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.exited:
-	case <-time.After(timeout):
-		p.cmd.Process.Kill()
-		<-p.exited
+	if !p.wait(timeout) {
+		p.child.kill()
 		return stats.Consumer{}, fmt.Errorf("consumer %s did not exit within %v of SIGTERM; killed", p.name, timeout)
 	}
 	var st stats.Consumer

@@ -9,8 +9,11 @@ package reliability_test
 
 import (
 	"net"
+	"strconv"
 	"sync"
 	"testing"
+
+	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 type proxy struct {
@@ -25,6 +28,21 @@ type proxy struct {
 	// sent, if set, is called with the bytes a client sent, once they are
 	// forwarded. It is called under mu: it must be quick.
 	sent func([]byte)
+}
+
+// brokerProxy starts a proxy to the run's RabbitMQ server, and returns it
+// and the AMQP URL that reaches the server through it.
+func (r *run) brokerProxy() (*proxy, string) {
+	r.t.Helper()
+	uri, err := amqp.ParseURI(r.amqpURL)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	px := startProxy(r.t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+	host, port, _ := net.SplitHostPort(px.addr)
+	uri.Host = host
+	uri.Port, _ = strconv.Atoi(port)
+	return px, uri.String()
 }
 
 // startProxy starts a proxy to target on a free loopback port. It is

@@ -43,11 +43,9 @@ type redisCluster struct {
 
 // A redisNode is one redis-server process of a cluster.
 type redisNode struct {
-	addr    string // 127.0.0.1:port, for clients
-	log     string // path of the server's log (its stdout and stderr)
-	cmd     *exec.Cmd
-	exited  chan struct{} // closed once cmd has been waited for
-	waitErr error         // cmd.Wait's result, once exited is closed
+	addr string // 127.0.0.1:port, for clients
+	log  string // path of the server's log (its stdout and stderr)
+	*child
 }
 
 // startRedisCluster starts a three-node Redis Cluster for t and returns
@@ -121,9 +119,8 @@ func tryStartNode(t *testing.T, server, dir string) (*redisNode, error) {
 	}
 	port, bus := strconv.Itoa(ports[0]), strconv.Itoa(ports[1])
 	n := &redisNode{
-		addr:   net.JoinHostPort("127.0.0.1", port),
-		log:    filepath.Join(dir, "redis-"+port+".log"),
-		exited: make(chan struct{}),
+		addr: net.JoinHostPort("127.0.0.1", port),
+		log:  filepath.Join(dir, "redis-"+port+".log"),
 	}
 	logFile, err := os.Create(n.log)
 	if err != nil {
@@ -133,7 +130,7 @@ func tryStartNode(t *testing.T, server, dir string) (*redisNode, error) {
 	// The cluster bus gets a port of its own (--cluster-port, Redis 7.0)
 	// rather than the default port+10000, which may be taken or, for a
 	// port above 55535, may not exist.
-	n.cmd = exec.Command(server,
+	cmd := exec.Command(server,
 		"--port", port,
 		"--cluster-enabled", "yes",
 		"--cluster-port", bus,
@@ -144,18 +141,10 @@ func tryStartNode(t *testing.T, server, dir string) (*redisNode, error) {
 		"--bind", "127.0.0.1",
 		"--daemonize", "no",
 	)
-	n.cmd.Stdout, n.cmd.Stderr = logFile, logFile
-	n.cmd.SysProcAttr = childAttr()
-	if err := n.cmd.Start(); err != nil {
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if n.child, err = startChild(t, cmd, nil); err != nil {
 		return nil, fmt.Errorf("%s: %w", server, err)
 	}
-	// The waiter ends when the server does: at the latest, when the
-	// cleanup below kills it.
-	go func() {
-		n.waitErr = n.cmd.Wait()
-		close(n.exited)
-	}()
-	t.Cleanup(n.stop)
 
 	deadline := time.Now().Add(nodeStartTimeout)
 	for {
@@ -178,12 +167,6 @@ func tryStartNode(t *testing.T, server, dir string) (*redisNode, error) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-}
-
-// stop kills the server and waits until it has exited.
-func (n *redisNode) stop() {
-	n.cmd.Process.Kill() // an error means it had exited already
-	<-n.exited
 }
 
 // freePorts returns n distinct loopback ports that were free a moment ago:

@@ -32,9 +32,7 @@ type redisServer struct {
 	addr   string
 	starts int
 
-	cmd     *exec.Cmd
-	exited  chan struct{}
-	waitErr error
+	*child // the running server, replaced at each start
 }
 
 // startRedisServer starts a redis-server for t on a free loopback port,
@@ -68,7 +66,7 @@ func (s *redisServer) start() error {
 		return err
 	}
 	defer logFile.Close()
-	s.cmd = exec.Command(s.server,
+	cmd := exec.Command(s.server,
 		"--port", s.port,
 		"--bind", "127.0.0.1",
 		"--dir", s.dir,
@@ -77,26 +75,14 @@ func (s *redisServer) start() error {
 		"--save", "",
 		"--daemonize", "no",
 	)
-	s.cmd.Stdout, s.cmd.Stderr = logFile, logFile
-	s.cmd.SysProcAttr = childAttr()
-	if err := s.cmd.Start(); err != nil {
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if s.child, err = startChild(s.t, cmd, nil); err != nil {
 		return err
 	}
-	exited := make(chan struct{})
-	s.exited = exited
-	cmd := s.cmd
-	go func() { // ends when the server does: at the latest, in the cleanup
-		s.waitErr = cmd.Wait()
-		close(exited)
-	}()
-	s.t.Cleanup(func() {
-		cmd.Process.Kill()
-		<-exited
-	})
 	deadline := time.Now().Add(nodeStartTimeout)
 	for {
 		select {
-		case <-exited:
+		case <-s.exited:
 			log := readLog(logPath)
 			if strings.Contains(log, "Address already in use") {
 				return fmt.Errorf("%w: redis-server on %s", errPortTaken, s.addr)

@@ -121,15 +121,11 @@ func TestDuplicateStorm(t *testing.T) {
 	}
 	shares := strings.Join(parts, ", ")
 	t.Logf("effects by consumer %v; %d deliveries, %d busy; took %v", appliedBy, total.Deliveries, total.Busy, time.Since(began).Round(time.Millisecond))
-	record(t, row{
-		Scenario:     "4 duplicate storm",
-		Messages:     ids * copies,
-		Duplicates:   ids * (copies - 1),
-		Faults:       fmt.Sprintf("%d copies of each id at once, %d processes", copies, consumers),
-		Once:         len(v.once),
-		Twice:        len(v.twice),
-		Lost:         len(v.lost),
-		DeadLettered: len(v.deadLettered),
-		Note:         fmt.Sprintf("%d copies met a busy claim; effects by process: %s", total.Busy, shares),
-	})
+	record(t, v.counted(row{
+		Scenario:   "4 duplicate storm",
+		Messages:   ids * copies,
+		Duplicates: ids * (copies - 1),
+		Faults:     fmt.Sprintf("%d copies of each id at once, %d processes", copies, consumers),
+		Note:       fmt.Sprintf("%d copies met a busy claim; effects by process: %s", total.Busy, shares),
+	}))
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"maps"
 	"slices"
@@ -61,29 +62,50 @@ func needQueue(c *common, pos []string, want int) error {
 	return nil
 }
 
-func (e *env) dlqList(ctx context.Context, args []string) error {
-	fs := newFlags("dlq ls", e.stderr)
-	var c common
-	var f filterFlags
-	c.register(fs, true)
-	f.register(fs)
-	limit := fs.Int("limit", 0, "list at most this many messages")
-	pos, err := parse(fs, args)
-	if err == nil {
-		err = needQueue(&c, pos, 0)
+// A queueCommand is a subcommand that works on one work queue: its flag
+// set, with the common flags (-q required) and, if it selects dead-lettered
+// messages, the filter flags.
+type queueCommand struct {
+	*flag.FlagSet
+	common
+	filterFlags
+}
+
+// queueCommand returns the flags of subcommand name; filters adds the
+// filter flags.
+func (e *env) queueCommand(name string, filters bool) *queueCommand {
+	q := &queueCommand{FlagSet: newFlags(name, e.stderr)}
+	q.common.register(q.FlagSet, true)
+	if filters {
+		q.filterFlags.register(q.FlagSet)
 	}
+	return q
+}
+
+// parse parses args, and requires -q and no positional argument.
+func (q *queueCommand) parse(args []string) error {
+	pos, err := parse(q.FlagSet, args)
 	if err != nil {
 		return err
 	}
-	b := c.broker()
+	return needQueue(&q.common, pos, 0)
+}
+
+func (e *env) dlqList(ctx context.Context, args []string) error {
+	q := e.queueCommand("dlq ls", true)
+	limit := q.Int("limit", 0, "list at most this many messages")
+	if err := q.parse(args); err != nil {
+		return err
+	}
+	b := q.broker()
 	defer b.Close()
 	bar := newProgress(e.stderr, "reading")
-	dls, err := b.DeadLetters(ctx, c.queue, broker.ListOptions{Filter: f.filter(), Limit: *limit, Progress: bar.update})
+	dls, err := b.DeadLetters(ctx, q.queue, broker.ListOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
 	bar.done()
 	if err != nil {
 		return classify(err)
 	}
-	if c.json {
+	if q.json {
 		return writeJSON(e.stdout, nonNil(dls))
 	}
 	e.table(dls)
@@ -146,32 +168,30 @@ func cut(s string, n int) string {
 }
 
 func (e *env) dlqShow(ctx context.Context, args []string) error {
-	fs := newFlags("dlq show", e.stderr)
-	var c common
-	c.register(fs, true)
-	pos, err := parse(fs, args)
+	q := e.queueCommand("dlq show", false)
+	pos, err := parse(q.FlagSet, args)
 	if err != nil {
 		return err
 	}
 	if len(pos) == 0 {
 		return usageError("dlq show: name a message id")
 	}
-	if err := needQueue(&c, pos, len(pos)); err != nil {
+	if err := needQueue(&q.common, pos, len(pos)); err != nil {
 		return err
 	}
-	b := c.broker()
+	b := q.broker()
 	defer b.Close()
-	dls, err := b.DeadLetters(ctx, c.queue, broker.ListOptions{Filter: broker.Filter{IDs: pos}})
+	dls, err := b.DeadLetters(ctx, q.queue, broker.ListOptions{Filter: broker.Filter{IDs: pos}})
 	if err != nil {
 		return classify(err)
 	}
 	if len(dls) == 0 {
-		return &exitError{exitNotFound, fmt.Errorf("no message with id %q in the dead-letter queue of %q", strings.Join(pos, ", "), c.queue)}
+		return &exitError{exitNotFound, fmt.Errorf("no message with id %q in the dead-letter queue of %q", strings.Join(pos, ", "), q.queue)}
 	}
-	if c.json {
+	if q.json {
 		var out []any
 		for _, dl := range dls {
-			m, err := broker.ExportMessage(c.queue+".dlq", dl.Message)
+			m, err := broker.ExportMessage(q.queue+".dlq", dl.Message)
 			if err != nil {
 				return err
 			}
@@ -268,30 +288,22 @@ func printValue(w interface{ Write([]byte) (int, error) }, k string, v any, inde
 }
 
 func (e *env) dlqReplay(ctx context.Context, args []string) error {
-	fs := newFlags("dlq replay", e.stderr)
-	var c common
-	var f filterFlags
+	q := e.queueCommand("dlq replay", true)
 	var sf storeFlags
-	c.register(fs, true)
-	f.register(fs)
-	sf.register(fs)
-	to := fs.String("to", "", "send the messages to this queue (required for messages that have no original queue)")
-	dry := fs.Bool("dry-run", false, "list what would be replayed, and move nothing")
-	limit := fs.Int("limit", 0, "replay at most this many messages")
-	rate := fs.Float64("rate", 0, "replay at most this many messages a second")
-	reset := fs.Bool("reset-failures", false, "reset each message's failure count in the store (needs --redis or --postgres)")
-	history := fs.Int("history", 0, "earlier lives kept in the history header (default 5)")
-	pos, err := parse(fs, args)
-	if err == nil {
-		err = needQueue(&c, pos, 0)
-	}
-	if err == nil && (*limit < 0 || *rate < 0) {
-		err = usageError("--limit and --rate must not be negative")
-	}
-	if err != nil {
+	sf.register(q.FlagSet)
+	to := q.String("to", "", "send the messages to this queue (required for messages that have no original queue)")
+	dry := q.Bool("dry-run", false, "list what would be replayed, and move nothing")
+	limit := q.Int("limit", 0, "replay at most this many messages")
+	rate := q.Float64("rate", 0, "replay at most this many messages a second")
+	reset := q.Bool("reset-failures", false, "reset each message's failure count in the store (needs --redis or --postgres)")
+	history := q.Int("history", 0, "earlier lives kept in the history header (default 5)")
+	if err := q.parse(args); err != nil {
 		return err
 	}
-	opts := broker.ReplayOptions{Filter: f.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HistoryLimit: *history}
+	if *limit < 0 || *rate < 0 {
+		return usageError("--limit and --rate must not be negative")
+	}
+	opts := broker.ReplayOptions{Filter: q.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HistoryLimit: *history}
 	if *reset {
 		st, closeStore, err := sf.open(ctx)
 		if err != nil {
@@ -306,7 +318,7 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 			return st.ResetFailures(ctx, sf.key(k))
 		}
 	}
-	b := c.broker()
+	b := q.broker()
 	defer b.Close()
 	scan := newProgress(e.stderr, "reading")
 	bar := newProgress(e.stderr, "replaying")
@@ -315,10 +327,10 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 		scan.done()
 		bar.update(done, total)
 	}
-	res, err := b.Replay(ctx, c.queue, opts)
+	res, err := b.Replay(ctx, q.queue, opts)
 	scan.done()
 	bar.done()
-	if c.json {
+	if q.json {
 		if jerr := writeJSON(e.stdout, struct {
 			Scanned  int                  `json:"scanned"`
 			Selected []*broker.DeadLetter `json:"selected"`
@@ -331,9 +343,9 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 	} else if err == nil || res.Replayed > 0 {
 		if *dry {
 			e.table(res.Selected)
-			fmt.Fprintf(e.stdout, "dry run: would replay %d of %d message(s) in %s.dlq\n", len(res.Selected), res.Scanned, c.queue)
+			fmt.Fprintf(e.stdout, "dry run: would replay %d of %d message(s) in %s.dlq\n", len(res.Selected), res.Scanned, q.queue)
 		} else {
-			fmt.Fprintf(e.stdout, "replayed %d of %d selected message(s) (%d in %s.dlq)\n", res.Replayed, len(res.Selected), res.Scanned, c.queue)
+			fmt.Fprintf(e.stdout, "replayed %d of %d selected message(s) (%d in %s.dlq)\n", res.Replayed, len(res.Selected), res.Scanned, q.queue)
 		}
 	}
 	return classify(err)
@@ -347,30 +359,22 @@ func errText(err error) string {
 }
 
 func (e *env) dlqPurge(ctx context.Context, args []string) error {
-	fs := newFlags("dlq purge", e.stderr)
-	var c common
-	var f filterFlags
-	c.register(fs, true)
-	f.register(fs)
-	all := fs.Bool("all", false, "remove every message (required without a filter)")
-	dry := fs.Bool("dry-run", false, "list what would be removed, and remove nothing")
-	limit := fs.Int("limit", 0, "remove at most this many messages")
-	pos, err := parse(fs, args)
-	if err == nil {
-		err = needQueue(&c, pos, 0)
-	}
-	if err != nil {
+	q := e.queueCommand("dlq purge", true)
+	all := q.Bool("all", false, "remove every message (required without a filter)")
+	dry := q.Bool("dry-run", false, "list what would be removed, and remove nothing")
+	limit := q.Int("limit", 0, "remove at most this many messages")
+	if err := q.parse(args); err != nil {
 		return err
 	}
-	if f.empty() && !*all {
+	if q.empty() && !*all {
 		return &exitError{exitRefused, errors.New("dlq purge: no filter given: pass --all to remove every message")}
 	}
-	b := c.broker()
+	b := q.broker()
 	defer b.Close()
 	bar := newProgress(e.stderr, "reading")
-	removed, err := b.PurgeDeadLetters(ctx, c.queue, broker.PurgeOptions{Filter: f.filter(), DryRun: *dry, Limit: *limit, ScanProgress: bar.update})
+	removed, err := b.PurgeDeadLetters(ctx, q.queue, broker.PurgeOptions{Filter: q.filter(), DryRun: *dry, Limit: *limit, ScanProgress: bar.update})
 	bar.done()
-	if c.json {
+	if q.json {
 		if jerr := writeJSON(e.stdout, struct {
 			Removed []*broker.DeadLetter `json:"removed"`
 			DryRun  bool                 `json:"dry_run"`
@@ -390,24 +394,16 @@ func (e *env) dlqPurge(ctx context.Context, args []string) error {
 }
 
 func (e *env) dlqExport(ctx context.Context, args []string) error {
-	fs := newFlags("dlq export", e.stderr)
-	var c common
-	var f filterFlags
-	c.register(fs, true)
-	f.register(fs)
-	limit := fs.Int("limit", 0, "export at most this many messages")
-	pos, err := parse(fs, args)
-	if err == nil {
-		err = needQueue(&c, pos, 0)
-	}
-	if err != nil {
+	q := e.queueCommand("dlq export", true)
+	limit := q.Int("limit", 0, "export at most this many messages")
+	if err := q.parse(args); err != nil {
 		return err
 	}
-	b := c.broker()
+	b := q.broker()
 	defer b.Close()
 	bar := newProgress(e.stderr, "exporting")
 	w := bufio.NewWriter(e.stdout)
-	n, err := b.ExportDeadLetters(ctx, c.queue, w, broker.ExportOptions{Filter: f.filter(), Limit: *limit, Progress: bar.update})
+	n, err := b.ExportDeadLetters(ctx, q.queue, w, broker.ExportOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
 	bar.done()
 	if ferr := w.Flush(); err == nil {
 		err = ferr
@@ -417,21 +413,15 @@ func (e *env) dlqExport(ctx context.Context, args []string) error {
 }
 
 func (e *env) dlqImport(ctx context.Context, args []string) error {
-	fs := newFlags("dlq import", e.stderr)
-	var c common
-	c.register(fs, true)
-	to := fs.String("to", "", "publish to this queue instead of the dead-letter queue")
-	pos, err := parse(fs, args)
-	if err == nil {
-		err = needQueue(&c, pos, 0)
-	}
-	if err != nil {
+	q := e.queueCommand("dlq import", false)
+	to := q.String("to", "", "publish to this queue instead of the dead-letter queue")
+	if err := q.parse(args); err != nil {
 		return err
 	}
-	b := c.broker()
+	b := q.broker()
 	defer b.Close()
 	bar := newProgress(e.stderr, "importing")
-	n, err := b.ImportDeadLetters(ctx, c.queue, bufio.NewReaderSize(e.stdin, 1<<20), broker.ImportOptions{To: *to, Progress: func(n int) { bar.update(n, 0) }})
+	n, err := b.ImportDeadLetters(ctx, q.queue, bufio.NewReaderSize(e.stdin, 1<<20), broker.ImportOptions{To: *to, Progress: func(n int) { bar.update(n, 0) }})
 	bar.done()
 	fmt.Fprintf(e.stderr, "imported %d message(s)\n", n)
 	return classify(err)

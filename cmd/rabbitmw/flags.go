@@ -154,7 +154,7 @@ func (s *storeFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&s.prefix, "prefix", "", "redisstore.Options.Prefix of the consumers")
 	fs.StringVar(&s.claimPrefix, "claim-prefix", "", `redisstore.Options.ClaimPrefix (default "msg:")`)
 	fs.StringVar(&s.failurePrefix, "failure-prefix", "", `redisstore.Options.FailurePrefix (default "retry:")`)
-	fs.StringVar(&s.namespace, "namespace", "", "the Namespace of the consumers' Dedup and Retry layers")
+	fs.StringVar(&s.namespace, "namespace", "", "the Keying.Namespace of the consumers' Retry and Dedup layers")
 }
 
 // inspectingStore is a store that the commands can inspect.

@@ -19,19 +19,13 @@ func (e *env) topology(ctx context.Context, args []string) error {
 	if sub != "declare" && sub != "delete" && sub != "show" {
 		return usageError("topology: unknown subcommand %q: declare, delete, show", sub)
 	}
-	fs := newFlags("topology "+sub, e.stderr)
-	var c common
-	c.register(fs, true)
-	quorum := fs.Bool("quorum", false, "the work queue is a quorum queue")
-	limit := fs.Int("delivery-limit", 0, "x-delivery-limit of a quorum work queue")
+	q := e.queueCommand("topology "+sub, false)
+	quorum := q.Bool("quorum", false, "the work queue is a quorum queue")
+	limit := q.Int("delivery-limit", 0, "x-delivery-limit of a quorum work queue")
 	var delays list
-	fs.Var(&delays, "delays", "the delay ladder, comma-separated (default 1s,5s,30s,2m,10m,1h)")
-	support := fs.Bool("support", false, "declare only the dead-letter and delay queues (DeclareSupport)")
-	pos, err := parse(fs, args[1:])
-	if err == nil {
-		err = needQueue(&c, pos, 0)
-	}
-	if err != nil {
+	q.Var(&delays, "delays", "the delay ladder, comma-separated (default 1s,5s,30s,2m,10m,1h)")
+	support := q.Bool("support", false, "declare only the dead-letter and delay queues (DeclareSupport)")
+	if err := q.parse(args[1:]); err != nil {
 		return err
 	}
 	top := broker.Topology{Quorum: *quorum, DeliveryLimit: *limit}
@@ -45,28 +39,28 @@ func (e *env) topology(ctx context.Context, args []string) error {
 		}
 		top.Delays = append(top.Delays, d)
 	}
-	names, err := top.Queues(c.queue)
+	names, err := top.Queues(q.queue)
 	if err != nil {
 		return usageError("%v", err)
 	}
-	b := c.broker()
+	b := q.broker()
 	defer b.Close()
 	switch sub {
 	case "declare":
-		if err := b.Declare(ctx, c.queue, top); err != nil {
+		if err := b.Declare(ctx, q.queue, top); err != nil {
 			if errors.Is(err, broker.ErrQueueArguments) {
 				return &exitError{exitRefused, err}
 			}
 			return classify(err)
 		}
 	case "delete":
-		if err := b.Delete(ctx, c.queue, top); err != nil {
+		if err := b.Delete(ctx, q.queue, top); err != nil {
 			return err
 		}
-		fmt.Fprintf(e.stdout, "deleted %s and its dead-letter and delay queues\n", c.queue)
+		fmt.Fprintf(e.stdout, "deleted %s and its dead-letter and delay queues\n", q.queue)
 		return nil
 	}
-	return e.showTopology(ctx, b, c, top, names)
+	return e.showTopology(ctx, b, q.common, top, names)
 }
 
 // showTopology prints each queue of the topology: whether it exists, its

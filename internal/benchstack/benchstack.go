@@ -21,23 +21,25 @@ import (
 // Timeout is the deadline of the stack's Timeout layer.
 const Timeout = 30 * time.Second
 
-// Recommended is the stack of the README over st: Log, Retry, Recover,
-// Dedup, Timeout. Its logger discards per-delivery records: production
-// logs cost what their slog handler costs, which is not the stack's to
-// measure.
+// Recommended is the stack of the README over st: middleware.Stack, with
+// Timeout as its deadline. Its logger discards per-delivery records:
+// production logs cost what their slog handler costs, which is not the
+// stack's to measure.
 func Recommended(st store.Store) rabbitmw.Middleware {
-	return rabbitmw.Chain(WithoutTimeout(st), middleware.Timeout(Timeout))
+	return middleware.Stack(st, middleware.StackOptions{Logger: discard, Timeout: Timeout})
 }
 
 // WithoutTimeout is [Recommended] without its Timeout layer.
 func WithoutTimeout(st store.Store) rabbitmw.Middleware {
 	return rabbitmw.Chain(
-		middleware.Log(slog.New(slog.DiscardHandler)),
+		middleware.Log(discard),
 		middleware.Retry(st, middleware.RetryOptions{}),
 		middleware.Recover(),
 		middleware.Dedup(st, middleware.DedupOptions{}),
 	)
 }
+
+var discard = slog.New(slog.DiscardHandler)
 
 // Run hands b.N deliveries to stack in front of a handler that does
 // nothing. With dup false each has a new message id (claim, handler,
@@ -45,7 +47,25 @@ func WithoutTimeout(st store.Store) rabbitmw.Middleware {
 // starts (claim only). It fails b if a delivery does not end as acked, or
 // as a duplicate, respectively.
 func Run(b *testing.B, stack rabbitmw.Middleware, dup bool) {
-	h := stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }))
+	run(b, stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })), dup)
+}
+
+// RunWaiting is [Run] of new messages in front of a handler that calls
+// ctx.Done once and does nothing else, as a handler that does any I/O
+// (which watches its context) does at least: the contexts that the layers
+// build lazily are built then.
+func RunWaiting(b *testing.B, stack rabbitmw.Middleware) {
+	run(b, stack(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		default:
+			return nil
+		}
+	})), false)
+}
+
+func run(b *testing.B, h rabbitmw.Handler, dup bool) {
 	d := &amqp.Delivery{MessageId: "dup", Body: []byte(`{"order":42}`)}
 	ctx := context.Background()
 	want := rabbitmw.Ack

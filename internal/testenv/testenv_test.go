@@ -33,6 +33,7 @@ func TestMissingServer(t *testing.T) {
 	}{
 		{"REDIS_ADDR", "127.0.0.1:1", RedisAddr, []string{"Redis at 127.0.0.1:1", "redis-server", "or set REDIS_ADDR ("}},
 		{"RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:1/", RabbitMQURL, []string{"RabbitMQ at amqp://guest:guest@127.0.0.1:1/", "rabbitmq-server", "or set RABBITMQ_URL ("}},
+		{"DATABASE_URL", "postgres://postgres@127.0.0.1:1/test?sslmode=disable", PostgresURL, []string{"PostgreSQL at postgres://postgres@127.0.0.1:1/test", "pg_ctlcluster", "or set DATABASE_URL ("}},
 	} {
 		for _, ci := range []string{"false", "true"} {
 			t.Setenv("CI", ci)

@@ -21,13 +21,7 @@
 //	if err := st.Migrate(ctx); err != nil { // or st.Check, if you migrate yourself
 //		return err
 //	}
-//	h := rabbitmw.Chain(
-//		middleware.Log(logger),
-//		middleware.Retry(st, middleware.RetryOptions{}),
-//		middleware.Recover(),
-//		middleware.Dedup(st, middleware.DedupOptions{}),
-//		middleware.Timeout(30*time.Second),
-//	)(pgstore.Handler(st, func(ctx context.Context, tx pgx.Tx, d *amqp091.Delivery) error {
+//	h := middleware.Stack(st, middleware.StackOptions{Logger: logger})(pgstore.Handler(st, func(ctx context.Context, tx pgx.Tx, d *amqp091.Delivery) error {
 //		_, err := tx.Exec(ctx, `INSERT INTO charges (order_id, amount) VALUES ($1, $2)`, …)
 //		return err
 //	}, pgstore.HandlerOptions{}))

@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -75,7 +76,7 @@ func (b *business) inTx(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error 
 	switch b.cfg.mode {
 	case "slow":
 		b.event(ctx, "start", id, "")
-		if err := wait(ctx, b.cfg.hold); err != nil {
+		if err := clock.Sleep(ctx, b.cfg.hold); err != nil {
 			b.event(ctx, "cancelled", id, context.Cause(ctx).Error())
 			return err
 		}
@@ -102,7 +103,7 @@ func (b *business) inTx(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error 
 		fallthrough
 	default:
 		if b.cfg.work > 0 {
-			if err := wait(ctx, b.cfg.work); err != nil {
+			if err := clock.Sleep(ctx, b.cfg.work); err != nil {
 				return err
 			}
 		}
@@ -129,7 +130,7 @@ func (b *business) handler() rabbitmw.Handler {
 			return b.poison(ctx, id, d.Body)
 		}
 		if b.cfg.work > 0 {
-			if err := wait(ctx, b.cfg.work); err != nil {
+			if err := clock.Sleep(ctx, b.cfg.work); err != nil {
 				return err
 			}
 		}
@@ -161,7 +162,7 @@ func (b *business) slow(ctx context.Context, id string) error {
 		}
 		return b.apply(context.WithoutCancel(ctx), id)
 	}
-	if err := wait(ctx, b.cfg.hold); err != nil {
+	if err := clock.Sleep(ctx, b.cfg.hold); err != nil {
 		b.event(ctx, "cancelled", id, context.Cause(ctx).Error())
 		return err
 	}
@@ -181,13 +182,13 @@ func (b *business) poison(ctx context.Context, id string, body []byte) error {
 	}
 	if kind, ok := strings.CutPrefix(o.Kind, "slow-"); ok {
 		b.event(ctx, "start", id, "")
-		_ = wait(ctx, b.cfg.hold) // the kind decides, however the hold ended
+		_ = clock.Sleep(ctx, b.cfg.hold) // the kind decides, however the hold ended
 		o.Kind = kind
 	}
 	switch o.Kind {
 	case "", "ok":
 		if b.cfg.work > 0 {
-			if err := wait(ctx, b.cfg.work); err != nil {
+			if err := clock.Sleep(ctx, b.cfg.work); err != nil {
 				return err
 			}
 		}
@@ -272,16 +273,4 @@ func (b *business) event(ctx context.Context, what, id, cause string) {
 		e += " " + cause
 	}
 	b.rdb.RPush(context.WithoutCancel(ctx), b.key("events"), e)
-}
-
-// wait waits for d, or until ctx is done (its error then).
-func wait(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
 }

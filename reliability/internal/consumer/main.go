@@ -254,6 +254,9 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	if cfg.backoffMin > 0 {
 		retryOpts.Backoff = middleware.Exponential(cfg.backoffMin, cfg.backoffMax)
 	}
+	// The recommended stack, written out rather than built by
+	// middleware.Stack: the suite counts between its layers, and tunes
+	// Dedup's delays.
 	layers := []rabbitmw.Middleware{cnt.observe}
 	if cfg.countDeliveries {
 		layers = append(layers, biz.countDeliveries)

@@ -1,4 +1,4 @@
-package broker
+package brokertest
 
 import (
 	"context"
@@ -10,8 +10,13 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitmw/rabbitmw/broker/internal/rabbit"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 	"github.com/rabbitmw/rabbitmw/internal/header"
 )
+
+// frameMax is a Server's frame_max: RabbitMQ's default.
+const frameMax = 131072
 
 // A memConsumer hands its queue's messages to a client. Its pump goroutine
 // sends buf to out; it ends, closing out, when the consumer was cancelled
@@ -29,7 +34,7 @@ type memConsumer struct {
 	out      chan amqp.Delivery
 }
 
-func (c *memConsumer) pump(m *Memory) {
+func (c *memConsumer) pump(m *Server) {
 	defer m.wg.Done()
 	defer close(c.out)
 	for {
@@ -66,23 +71,28 @@ func (c *memConsumer) signal() {
 	}
 }
 
-// memTransport dials a Memory.
-type memTransport struct{ m *Memory }
+// A dialer is the transport.Transport of a Server, registered at its URL
+// for broker.New to find. (It keeps Dial out of the Server's methods.)
+type dialer struct{ m *Server }
 
-func (t *memTransport) String() string { return "memory" }
+var _ transport.Transport = dialer{}
 
-func (t *memTransport) dial(ctx context.Context, _ string) (session, error) {
-	m := t.m
+func (d dialer) String() string { return d.m.url }
+
+// Dial opens a connection to the Server.
+func (d dialer) Dial(ctx context.Context, _ string) (transport.Session, error) {
+	m := d.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.stats.Dials++
 	switch {
 	case m.closed:
-		return nil, fmt.Errorf("broker: memory server: %w", ErrClosed)
+		return nil, fmt.Errorf("brokertest: server %s: %w", m.url, transport.ErrClosed)
 	case m.down:
-		return nil, fmt.Errorf("%w: memory server is down", ErrUnreachable)
+		return nil, fmt.Errorf("%w: server %s is down", transport.ErrUnreachable, m.url)
 	}
 	if err := ctx.Err(); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrUnreachable, err)
+		return nil, fmt.Errorf("%w: %w", transport.ErrUnreachable, err)
 	}
 	c := &memConn{
 		m:         m,
@@ -95,11 +105,11 @@ func (t *memTransport) dial(ctx context.Context, _ string) (session, error) {
 	return c, nil
 }
 
-// A memConn is a connection to a Memory, with a single channel: it is the
+// A memConn is a connection to a Server, with a single channel: it is the
 // session, and the Acknowledger of the deliveries it receives. Its fields
-// are guarded by Memory.mu.
+// are guarded by Server.mu.
 type memConn struct {
-	m         *Memory
+	m         *Server
 	done      chan struct{}
 	err       error
 	cancels   chan string
@@ -109,6 +119,8 @@ type memConn struct {
 	consumers map[string]*memConsumer // active, by tag
 	pumps     []*memConsumer          // every consumer started, to stop on close
 }
+
+var _ transport.Session = (*memConn)(nil)
 
 // shutdown closes c for reason; its unsettled deliveries return to their
 // queues, its consumers stop. m.mu must be held.
@@ -131,14 +143,14 @@ func (c *memConn) shutdown(reason *amqp.Error) {
 	for _, tag := range tags {
 		u := c.unacked[tag]
 		m.requeue(u.q, u.msg)
-		m.requeuedOnClose++
+		m.stats.RequeuedOnClose++
 		touched[u.q] = true
 	}
 	c.unacked = nil
 	if reason == nil {
-		c.err = fmt.Errorf("%w: connection closed", ErrConnectionLost)
+		c.err = fmt.Errorf("%w: connection closed", transport.ErrConnectionLost)
 	} else {
-		c.err = fmt.Errorf("%w: connection closed: %w", ErrConnectionLost, reason)
+		c.err = fmt.Errorf("%w: connection closed: %w", transport.ErrConnectionLost, reason)
 	}
 	close(c.done)
 	for q := range touched {
@@ -146,12 +158,12 @@ func (c *memConn) shutdown(reason *amqp.Error) {
 	}
 }
 
-func (c *memConn) maxProperties() int       { return memFrameMax - frameOverhead }
-func (c *memConn) closed() <-chan struct{}  { return c.done }
-func (c *memConn) reason() error            { return c.err }
-func (c *memConn) cancelled() <-chan string { return c.cancels }
+func (c *memConn) MaxProperties() int       { return frameMax - transport.FrameOverhead }
+func (c *memConn) Closed() <-chan struct{}  { return c.done }
+func (c *memConn) Reason() error            { return c.err }
+func (c *memConn) Cancelled() <-chan string { return c.cancels }
 
-func (c *memConn) close() error {
+func (c *memConn) Close() error {
 	c.m.mu.Lock()
 	c.shutdown(nil)
 	c.m.mu.Unlock()
@@ -167,10 +179,10 @@ func (c *memConn) lost() error {
 }
 
 func notFound(queue string) error {
-	return &queueError{queue: queue, err: &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no queue '" + queue + "' in vhost '/'", Server: true, Recover: true}}
+	return &transport.QueueError{Queue: queue, Err: &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no queue '" + queue + "' in vhost '/'", Server: true, Recover: true}}
 }
 
-func (c *memConn) declare(_ context.Context, specs []queueSpec) error {
+func (c *memConn) Declare(_ context.Context, specs []transport.QueueSpec) error {
 	m := c.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -178,21 +190,21 @@ func (c *memConn) declare(_ context.Context, specs []queueSpec) error {
 		return err
 	}
 	for _, s := range specs {
-		q := m.queues[s.name]
+		q := m.queues[s.Name]
 		switch {
-		case s.passive && q == nil:
-			return notFound(s.name)
-		case s.passive:
+		case s.Passive && q == nil:
+			return notFound(s.Name)
+		case s.Passive:
 		case q != nil:
-			if err := equivalent(q, s.args); err != nil {
+			if err := equivalent(q, s.Args); err != nil {
 				return err
 			}
 		default:
-			q, err := newMemQueue(s.name, s.args)
+			q, err := newMemQueue(s.Name, s.Args)
 			if err != nil {
 				return err
 			}
-			m.queues[s.name] = q
+			m.queues[s.Name] = q
 		}
 	}
 	return nil
@@ -202,9 +214,9 @@ func (c *memConn) declare(_ context.Context, specs []queueSpec) error {
 var queueArgs = []string{"x-queue-type", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key", "x-delivery-limit"}
 
 func newMemQueue(name string, args amqp.Table) (*memQueue, error) {
-	q := &memQueue{name: name, args: copyTable(args)}
+	q := &memQueue{name: name, args: rabbit.WireTable(args)}
 	bad := func(k string) error {
-		return &queueError{queue: name, err: &amqp.Error{Code: amqp.PreconditionFailed,
+		return &transport.QueueError{Queue: name, Err: &amqp.Error{Code: amqp.PreconditionFailed,
 			Reason: fmt.Sprintf("PRECONDITION_FAILED - invalid arg '%s' for queue '%s' in vhost '/': %v", k, name, args[k]), Server: true, Recover: true}}
 	}
 	for k, v := range args {
@@ -271,7 +283,7 @@ func equivalent(q *memQueue, args amqp.Table) error {
 		if inCur {
 			current = "the value '" + argString(cur) + "'"
 		}
-		return &queueError{queue: q.name, err: &amqp.Error{Code: amqp.PreconditionFailed,
+		return &transport.QueueError{Queue: q.name, Err: &amqp.Error{Code: amqp.PreconditionFailed,
 			Reason: "PRECONDITION_FAILED - inequivalent arg '" + k + "' for queue '" + q.name + "' in vhost '/': received " + received + " but current is " + current,
 			Server: true, Recover: true}}
 	}
@@ -291,7 +303,7 @@ func (q *memQueue) removeConsumer(c *memConsumer) {
 	}
 }
 
-func (c *memConn) consume(queue, tag string, prefetch int) (<-chan amqp.Delivery, error) {
+func (c *memConn) Consume(queue, tag string, prefetch int) (<-chan amqp.Delivery, error) {
 	m := c.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -323,7 +335,7 @@ func (c *memConn) consume(queue, tag string, prefetch int) (<-chan amqp.Delivery
 	return cons.out, nil
 }
 
-func (c *memConn) cancel(tag string) error {
+func (c *memConn) Cancel(tag string) error {
 	m := c.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -341,10 +353,10 @@ func (c *memConn) cancel(tag string) error {
 	return nil
 }
 
-func (c *memConn) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
-	size, err := checkPublishing(exchange, key, msg)
+func (c *memConn) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	size, err := transport.CheckPublishing(exchange, key, msg)
 	if err == nil {
-		err = fitFrame(size, c.maxProperties(), 0)
+		err = transport.FitFrame(size, c.MaxProperties(), 0)
 	}
 	if err != nil {
 		return err
@@ -370,7 +382,7 @@ func (c *memConn) publish(ctx context.Context, exchange, key string, msg amqp.Pu
 }
 
 // route puts msg in its queue, or refuses it, and returns the server's
-// confirm delay (Memory.setConfirmDelay).
+// confirm delay (Server.SetConfirmDelay).
 func (c *memConn) route(exchange, key string, msg amqp.Publishing) (time.Duration, error) {
 	m := c.m
 	m.mu.Lock()
@@ -385,17 +397,17 @@ func (c *memConn) route(exchange, key string, msg amqp.Publishing) (time.Duratio
 		return 0, fmt.Errorf("broker: publish refused by the server: %w", err)
 	}
 	if exchange != "" {
-		return 0, fmt.Errorf("%w: exchange %q does not exist (the memory server has only the default exchange)", ErrUnroutable, exchange)
+		return 0, fmt.Errorf("%w: exchange %q does not exist (a brokertest server has only the default exchange)", transport.ErrUnroutable, exchange)
 	}
 	q := m.queues[key]
 	if q == nil {
-		return 0, fmt.Errorf("%w: exchange %q, routing key %q", ErrUnroutable, exchange, key)
+		return 0, fmt.Errorf("%w: exchange %q, routing key %q", transport.ErrUnroutable, exchange, key)
 	}
 	m.enqueue(q, &memMsg{pub: wirePublishing(msg), exchange: exchange, key: key})
 	return m.confirmDelay, nil
 }
 
-func (c *memConn) get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {
+func (c *memConn) Get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {
 	m := c.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -418,7 +430,7 @@ func (c *memConn) get(_ context.Context, queue string) (*amqp.Delivery, bool, er
 	return &d, true, nil
 }
 
-func (c *memConn) length(_ context.Context, queue string) (int, error) {
+func (c *memConn) Length(_ context.Context, queue string) (int, error) {
 	m := c.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -432,7 +444,7 @@ func (c *memConn) length(_ context.Context, queue string) (int, error) {
 	return len(q.ready), nil
 }
 
-func (c *memConn) delete(_ context.Context, queues []string) error {
+func (c *memConn) Delete(_ context.Context, queues []string) error {
 	m := c.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -516,13 +528,13 @@ func (c *memConn) settle(tag uint64, multiple bool, act settleAction) error {
 		}
 	} else {
 		// RabbitMQ closes the channel; the call itself succeeds.
-		m.unknownTags++
+		m.stats.UnknownTags++
 		c.shutdown(&amqp.Error{Code: amqp.PreconditionFailed, Reason: "PRECONDITION_FAILED - unknown delivery tag " + strconv.FormatUint(tag, 10), Server: true, Recover: true})
 		return nil
 	}
 	if act == settleAck {
-		m.ackFrames++
-		m.acked += len(tags)
+		m.stats.AckFrames++
+		m.stats.Acked += len(tags)
 	}
 	touched := make(map[*memQueue]bool, 1)
 	for _, t := range tags {
@@ -534,7 +546,7 @@ func (c *memConn) settle(tag uint64, multiple bool, act settleAction) error {
 		touched[u.q] = true
 		switch act {
 		case settleRequeue:
-			m.nacked++
+			m.stats.Nacked++
 			m.requeue(u.q, u.msg)
 		case settleReject:
 			if !u.q.deleted {

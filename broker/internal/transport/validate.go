@@ -1,10 +1,11 @@
-package broker
+package transport
 
 import (
 	"fmt"
 	"math"
 	"strconv"
 	"time"
+	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -21,24 +22,19 @@ const (
 	maxShortString = 255
 	maxNesting     = 32
 	maxEntries     = 8192
-	frameOverhead  = 8      // a frame's header (7 bytes) and end (1)
-	memFrameMax    = 131072 // the memory server's frame_max: RabbitMQ's default
-	// retryHeadroom is what a message that Publish sends, and a copy sent
-	// to a delay queue, must leave free of a frame: room for the headers
-	// added when it is retried or dead-lettered (the fault headers, an
-	// error text of up to 4 KiB among them, and RabbitMQ's x-death and
-	// x-delivery-count).
-	retryHeadroom = 8 << 10
 )
 
-// checkPublishing checks that a publish of msg to exchange with routing key
+// FrameOverhead is a frame's header (7 bytes) and end (1).
+const FrameOverhead = 8
+
+// CheckPublishing checks that a publish of msg to exchange with routing key
 // key can be sent, and read back by amqp091: names and short-string
 // properties of at most 255 bytes, and headers of the types amqp091 sends,
 // with names of at most 255 bytes, nested and sized within what it reads.
 // It returns the size of the frame payload that will carry msg's properties
-// and headers, for fitFrame, or an error wrapping ErrInvalidMessage that
+// and headers, for FitFrame, or an error wrapping ErrInvalidMessage that
 // names the field and the limit.
-func checkPublishing(exchange, key string, msg amqp.Publishing) (size int, err error) {
+func CheckPublishing(exchange, key string, msg amqp.Publishing) (size int, err error) {
 	size = 2 + 2 + 8 + 2 // class, weight, body size, property flags
 	for _, p := range [...]struct {
 		name, v string
@@ -82,19 +78,19 @@ func checkPublishing(exchange, key string, msg amqp.Publishing) (size int, err e
 	return size, nil
 }
 
-// fitFrame checks that properties and headers of size bytes (from
-// checkPublishing) fit in a frame of a connection whose frames carry at
+// FitFrame checks that properties and headers of size bytes (from
+// CheckPublishing) fit in a frame of a connection whose frames carry at
 // most limit bytes (0: no limit), leaving headroom bytes free.
-func fitFrame(size, limit, headroom int) error {
+func FitFrame(size, limit, headroom int) error {
 	if limit <= 0 || size <= limit-headroom {
 		return nil
 	}
 	if headroom == 0 {
 		return fmt.Errorf("%w: its properties and headers take %d bytes; a frame of this server (frame_max %d) holds %d",
-			ErrInvalidMessage, size, limit+frameOverhead, limit)
+			ErrInvalidMessage, size, limit+FrameOverhead, limit)
 	}
 	return fmt.Errorf("%w: its properties and headers take %d bytes; at most %d may be sent, to leave %d KiB of a frame (frame_max %d) for the headers added when it is retried or dead-lettered",
-		ErrInvalidMessage, size, limit-headroom, headroom>>10, limit+frameOverhead)
+		ErrInvalidMessage, size, limit-headroom, headroom>>10, limit+FrameOverhead)
 }
 
 // A fieldError says which header field cannot be sent, and why. path is
@@ -113,7 +109,7 @@ func (e *fieldError) under(seg string) *fieldError {
 }
 
 // quoteName quotes a table key for an error, cut short if it is long.
-func quoteName(k string) string { return strconv.Quote(truncate(k, 40)) }
+func quoteName(k string) string { return strconv.Quote(Truncate(k, 40)) }
 
 // tableSize returns the size of t as amqp091 writes it in a field table,
 // its length included, or why it cannot be sent. depth is t's nesting: 0
@@ -188,4 +184,18 @@ func fieldSize(v any, depth int) (int, *fieldError) {
 		return 0, &fieldError{why: fmt.Sprintf("a %T cannot be sent in an AMQP table; use an amqp.Table", v)}
 	}
 	return 0, &fieldError{why: fmt.Sprintf("a %T cannot be sent in an AMQP table (amqp091 sends bool, int8, uint8, int16, uint16, int32, uint32, int64, an int within 32 bits, float32, float64, amqp.Decimal, string, []byte, time.Time, amqp.Table, []any and nil)", v)}
+}
+
+// Truncate cuts s to at most n bytes, at a rune boundary, ending it with
+// an ellipsis if it was cut.
+func Truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "…"
+	cut := n - len(mark)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
 }

@@ -1,0 +1,119 @@
+package middleware_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"slices"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+// Stack's layers are in the documented order, with opts given to each:
+// Log records Retry's word; Retry counts a panic that Recover turned into
+// an error, under the key it shares with Dedup; Dedup released its claim
+// on the panic's way; the handler runs with its claim and its deadline.
+func TestStack(t *testing.T) {
+	ctx := context.Background()
+	st := store.NewMemory()
+	var logs bytes.Buffer
+	var events []string
+	const lease, timeout = 2 * time.Minute, 40 * time.Second
+	opts := middleware.StackOptions{
+		Logger:  slog.New(slog.NewJSONHandler(&logs, nil)),
+		Log:     middleware.LogOptions{DuplicateLevel: slog.LevelDebug},
+		Keying:  middleware.Keying{Namespace: "billing"},
+		Backoff: func(int) time.Duration { return 7 * time.Second },
+		Lease:   lease,
+		Timeout: timeout,
+		Observe: func(_ context.Context, e middleware.DedupEvent) { events = append(events, e.Kind.String()) },
+	}
+	calls := 0
+	h := middleware.Stack(st, opts)(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		calls++
+		c, ok := middleware.ClaimFrom(ctx)
+		if !ok || c.Key() != "billing:m1" {
+			t.Errorf("handler's claim %v, %v; want billing:m1", c, ok)
+		}
+		if ks, _ := st.Inspect(ctx, "billing:m1"); ks.Status != store.Processing || ks.TTL > lease || ks.TTL < lease-time.Minute {
+			t.Errorf("while the handler runs, billing:m1 is %v for %v; want processing for %v", ks.Status, ks.TTL, lease)
+		}
+		if dl, ok := ctx.Deadline(); !ok || time.Until(dl) > timeout || time.Until(dl) < timeout-time.Minute/2 {
+			t.Errorf("handler's deadline in %v (%v); want %v", time.Until(dl), ok, timeout)
+		}
+		if calls == 1 {
+			panic("kaboom")
+		}
+		return nil
+	}))
+
+	for i, want := range []struct {
+		outcome  rabbitmw.Outcome
+		delay    time.Duration
+		attempts int
+		failures int64
+		status   store.Status
+		calls    int
+		log      string
+	}{
+		{rabbitmw.Delay, 7 * time.Second, 1, 1, 0, 1, "delayed"},
+		{rabbitmw.Ack, 0, 0, 0, store.Done, 2, "acked"},
+		{rabbitmw.Duplicate, 0, 0, 0, store.Done, 2, ""}, // logged at Debug: not written
+	} {
+		logs.Reset()
+		dec := rabbitmw.Decide(h.Handle(ctx, &amqp.Delivery{MessageId: "m1", Redelivered: i > 0}))
+		if dec.Outcome != want.outcome || dec.Delay != want.delay || dec.Attempts != want.attempts {
+			t.Errorf("delivery %d: %v after %v, attempts %d; want %v after %v, attempts %d",
+				i, dec.Outcome, dec.Delay, dec.Attempts, want.outcome, want.delay, want.attempts)
+		}
+		if ks, _ := st.Inspect(ctx, "billing:m1"); ks.Failures != want.failures || ks.Status != want.status {
+			t.Errorf("delivery %d: billing:m1 is %v with %d failures; want %v with %d", i, ks.Status, ks.Failures, want.status, want.failures)
+		}
+		if calls != want.calls {
+			t.Errorf("delivery %d: handler called %d times; want %d", i, calls, want.calls)
+		}
+		var rec struct{ Outcome string }
+		if logs.Len() > 0 {
+			if err := json.Unmarshal(logs.Bytes(), &rec); err != nil {
+				t.Fatalf("delivery %d: log %q: %v", i, logs.String(), err)
+			}
+		}
+		if rec.Outcome != want.log {
+			t.Errorf("delivery %d: logged %q; want %q", i, logs.String(), want.log)
+		}
+	}
+	if got, want := events, []string{"claimed", "claimed", "duplicate"}; !slices.Equal(got, want) {
+		t.Errorf("Dedup's events %q; want %q", got, want)
+	}
+}
+
+// Stack's Retry dead-letters after MaxAttempts, or at once an error that
+// Permanent reports.
+func TestStackRetryOptions(t *testing.T) {
+	errBad := errors.New("malformed order")
+	h := middleware.Stack(store.NewMemory(), middleware.StackOptions{
+		MaxAttempts: 2,
+		Permanent:   func(err error) bool { return errors.Is(err, errBad) },
+	})(rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+		if d.MessageId == "bad" {
+			return errBad
+		}
+		return errBoom
+	}))
+	for i, tt := range []struct {
+		id   string
+		want rabbitmw.Outcome
+	}{{"m1", rabbitmw.Delay}, {"m1", rabbitmw.DeadLetter}, {"bad", rabbitmw.DeadLetter}} {
+		if got := rabbitmw.Decide(h.Handle(context.Background(), &amqp.Delivery{MessageId: tt.id, Redelivered: i == 1})).Outcome; got != tt.want {
+			t.Errorf("delivery %d (%s): %v; want %v", i, tt.id, got, tt.want)
+		}
+	}
+}
