@@ -141,7 +141,7 @@ func TestBatchedRoundTripsTarget(t *testing.T) {
 		{rttSummary{N: 10, Mean: 0.3, Max: 3}, missed},
 		{rttSummary{N: 10, Mean: 2, Max: 2}, missed},
 	} {
-		r := &compareResult{Summary: summaries{{figures: figures{Contender: redisBatchName, RTTAck: tc.ack}}}}
+		r := &compareResult{Summary: summaries{{figures: figures{Contender: redisName, RTTAck: tc.ack}}}}
 		ts := r.targets()
 		got := ts[len(ts)-2]
 		if got.Status != tc.want {

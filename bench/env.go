@@ -395,6 +395,10 @@ func (a attributed) EvalShaRO(ctx context.Context, sha1 string, keys []string, a
 	return attribute(ctx, a.shares, a.Client.EvalShaRO(ctx, sha1, keys, args...))
 }
 
+func (a attributed) SetArgs(ctx context.Context, key string, value any, args redis.SetArgs) *redis.StatusCmd {
+	return attribute(ctx, a.shares, a.Client.SetArgs(ctx, key, value, args))
+}
+
 func (a attributed) Del(ctx context.Context, keys ...string) *redis.IntCmd {
 	return attribute(ctx, a.shares, a.Client.Del(ctx, keys...))
 }

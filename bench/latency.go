@@ -16,7 +16,7 @@ import (
 )
 
 // latencyContenders run under -latency when -only is not given.
-var latencyContenders = []string{rawName, redisName, redisBatchName}
+var latencyContenders = []string{rawName, redisName, redisUnbatchedName}
 
 // runLatency measures, for each contender, the time from publishing a
 // message to its ack at a light load: the consumer runs first on an empty

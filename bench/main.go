@@ -34,13 +34,16 @@
 //	                    as teams run it
 //	hand-written        the same at the common prefetch and workers
 //	rabbitmw-memory     broker.Consume, the recommended stack, memory store
-//	rabbitmw-redis      the same over the Redis store
+//	rabbitmw-redis      the same over the Redis store (batched, its default)
 //	rabbitmw-redis-dup  the same with -dup of the message ids duplicated
 //	rabbitmw-pgstore    the same over the PostgreSQL store (store/pgstore)
 //	rabbitmw-postgres   the PostgreSQL inbox: the stack over pgstore and
 //	                    pgstore.Handler, the effect a row inserted in the
 //	                    transaction that commits the done mark
-//	rabbitmw-redis-batch rabbitmw-redis over redisstore.Batcher
+//	rabbitmw-redis-unbatched rabbitmw-redis with NoBatching: each
+//	                    command its own round trip (called rabbitmw-redis
+//	                    before batching was the default; the batched one
+//	                    was rabbitmw-redis-batch)
 //	watermill           Watermill's AMQP router with its Deduplicator (in
 //	                    process memory), Retry and Recoverer
 //	rabbitmw-redis-ap   rabbitmw-redis over go-redis's autopipeliner; only
@@ -145,10 +148,10 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&cfg.rounds, "rounds", 3, "rounds; each runs every contender once")
 	fs.IntVar(&cfg.prefetch, "prefetch", 0, "prefetch of every contender but hand-written-p1 (default: the broker's default)")
 	fs.IntVar(&cfg.workers, "workers", 0, "workers of every contender but hand-written-p1 (default: the broker's default)")
-	fs.BoolVar(&cfg.latency, "latency", false, "measure publish-to-ack latency at a light load instead: -n messages (use about 2000) published at -rate (contenders raw, rabbitmw-redis, rabbitmw-redis-batch, unless -only)")
+	fs.BoolVar(&cfg.latency, "latency", false, "measure publish-to-ack latency at a light load instead: -n messages (use about 2000) published at -rate (contenders raw, rabbitmw-redis, rabbitmw-redis-unbatched, unless -only)")
 	fs.IntVar(&cfg.rate, "rate", 200, "-latency: messages per second")
-	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders raw, rabbitmw-redis and rabbitmw-redis-batch, unless -only)")
-	only := fs.String("only", "", "comma-separated contenders to run (default: all but rabbitmw-redis-ap; for -sweep: raw,rabbitmw-redis,rabbitmw-redis-batch)")
+	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders raw, rabbitmw-redis and rabbitmw-redis-unbatched, unless -only)")
+	only := fs.String("only", "", "comma-separated contenders to run (default: all but rabbitmw-redis-ap; for -sweep: raw,rabbitmw-redis,rabbitmw-redis-unbatched)")
 	fs.StringVar(&cfg.jsonPath, "json", "", "also write the results as JSON to this file")
 	fs.DurationVar(&cfg.timeout, "timeout", 5*time.Minute, "the longest one contender may take to consume one run")
 	fs.BoolVar(&cfg.persistent, "persistent", true, "publish persistent messages (delivery mode 2), as broker.Publish does")

@@ -217,8 +217,8 @@ func (r *compareResult) targets() []target {
 	}
 	ts = append(ts, t)
 
-	t = target{Name: "with batching, store round trips per message: mean < 2, at most 2 on the happy path", Status: notMeasured, Detail: "needs rabbitmw-redis-batch"}
-	if batch := r.Summary.find(redisBatchName); batch != nil && batch.RTTAck.N > 0 {
+	t = target{Name: "with batching, store round trips per message: mean < 2, at most 2 on the happy path", Status: notMeasured, Detail: "needs rabbitmw-redis"}
+	if batch := r.Summary.find(redisName); batch != nil && batch.RTTAck.N > 0 {
 		a := batch.RTTAck
 		t.Status = verdict(a.Mean < 2 && a.Max <= 2)
 		t.Detail = fmt.Sprintf("%.2f per delivery, max %d (%d deliveries)", a.Mean, a.Max, a.N)

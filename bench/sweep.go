@@ -16,7 +16,7 @@ import (
 )
 
 // sweepContenders run under -sweep when -only is not given.
-var sweepContenders = []string{rawName, redisName, redisBatchName}
+var sweepContenders = []string{rawName, redisName, redisUnbatchedName}
 
 // sweepMessages is -n under -sweep when -n is not given: a grid has many
 // cells.

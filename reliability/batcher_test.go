@@ -2,9 +2,9 @@
 
 package reliability_test
 
-// redisstore.Batcher against real servers: a Redis Cluster, where its
-// pipelines must split by slot, and a redis-server restarted while batches
-// are in flight.
+// The Redis store's batching (redisstore.New's default) against real
+// servers: a Redis Cluster, where its pipelines must split by slot, and a
+// redis-server restarted while batches are in flight.
 
 import (
 	"context"
@@ -24,8 +24,7 @@ func TestBatcherCluster(t *testing.T) {
 	t.Parallel()
 	c := startRedisCluster(t)
 	audit := new(slotAudit)
-	b := redisstore.NewBatcher(c.client(t, audit), redisstore.BatcherOptions{})
-	s := redisstore.New(b, redisstore.Options{Prefix: "batch:"})
+	s := redisstore.New(c.client(t, audit), redisstore.Options{Prefix: "batch:"})
 	if err := s.Load(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -67,14 +66,14 @@ func TestBatcherCluster(t *testing.T) {
 	t.Logf("keys per node: %s", c.perNode(perNode))
 }
 
-// Redis restarts while 16 workers keep calls in flight through a batcher:
+// Redis restarts while 16 workers keep calls in flight through a batched
+// store:
 // calls fail while it is down, each with an error and none with another
 // caller's answer, and every call succeeds again once it is back.
 func TestBatcherRedisRestart(t *testing.T) {
 	t.Parallel()
 	srv := startRedisServer(t)
-	b := redisstore.NewBatcher(srv.client(), redisstore.BatcherOptions{})
-	s := redisstore.New(b, redisstore.Options{})
+	s := redisstore.New(srv.client(), redisstore.Options{})
 
 	var stop atomic.Bool
 	var ok, failed, wrong atomic.Int64

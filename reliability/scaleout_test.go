@@ -42,11 +42,15 @@ func TestClusterStoreConformance(t *testing.T) {
 
 	audit := new(slotAudit)
 	client := c.client(t, audit)
-	t.Run("storetest", func(t *testing.T) {
-		storetest.Run(t, func(*testing.T) store.Store {
-			return redisstore.New(client, redisstore.Options{})
+	// The store batches by default, and the Cluster client's pipelines
+	// split by slot; without batching each command goes on its own.
+	for _, noBatching := range []bool{false, true} {
+		t.Run(fmt.Sprintf("storetest/NoBatching=%v", noBatching), func(t *testing.T) {
+			storetest.Run(t, func(*testing.T) store.Store {
+				return redisstore.New(client, redisstore.Options{NoBatching: noBatching})
+			})
 		})
-	})
+	}
 	audit.verify(t)
 
 	// The kit's keys (those that have not expired) are on every node: its

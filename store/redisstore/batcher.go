@@ -32,29 +32,35 @@ type PipelineClient interface {
 
 // A Batcher is a [Client] that coalesces the script calls (Eval,
 // EvalSha, EvalRO, EvalShaRO), DELs and SETs of concurrent callers into
-// pipelines, one round trip for many commands. Give it to [New] in
-// place of the client it wraps.
+// pipelines, one round trip for many commands. [New] puts one over the
+// clients it knows can pipeline (see [Options]); make one yourself to wrap
+// it in a Client of your own (one that instruments each call, say) or to
+// share one between several stores, and give that to New, which uses a
+// Client it does not know as it is.
 //
-// Batching has no timer. A call is sent at once, in the caller's own
-// goroutine, when no pipeline of this batcher is in flight; a call made
-// while one is in flight waits for it, and the next pipeline carries every
-// call that queued meanwhile, at most MaxBatch of them (the rest wait for
-// the one after). So at light load nothing waits and every call is its own
-// round trip, and under load the batches grow with the concurrency. The
-// pipelines after the first of a busy spell are sent by a goroutine of the
-// batcher, which exits as soon as nothing is queued.
+// Batching has no timer and no goroutine of its own: callers send the
+// pipelines. A call is sent at once, alone, in the caller's goroutine and
+// under its context, when no pipeline of this batcher is in flight; a
+// call made while one is in flight waits. When a pipeline's results are
+// in, its sender wakes the oldest waiting caller, which sends the next
+// pipeline, carrying every call that queued meanwhile, at most MaxBatch of
+// them (the rest wait for the one after), and does the same when its
+// results are in. So at light load nothing waits and every call is its
+// own round trip, under load the batches grow with the concurrency, and
+// a caller never sends a pipeline that does not carry its own command.
 //
 // Each call gets its own command and result, as on the wrapped client: one
 // command's error (a script's NOSCRIPT, which makes [redis.Script.Run]
 // send the script again with EVAL as its next call) does not touch the
 // others of its pipeline; an error of the connection fails every command
 // of that pipeline. A caller whose context ends while it waits returns at
-// once with the context's error: if its command was not yet sent, it is
-// never sent; if it was, its result is dropped and the command may or may
-// not have taken effect, as the [store.Store] contract allows for any error. A
-// queued pipeline runs until the latest deadline of its callers, or with
-// no deadline when one of them has none (the client's own timeouts then
-// bound it).
+// once with the context's error: if its command was not yet taken into a
+// pipeline, it is never sent; if it was, its result is dropped and the
+// command may or may not have taken effect, as the [store.Store] contract
+// allows for any error. A pipeline of several calls runs until the latest
+// deadline of its callers, or with no deadline when one of them has none
+// (the client's own timeouts then bound it); its sender returns when it
+// does, even if its own context ended first.
 //
 // On a Redis Cluster, wrap the [redis.ClusterClient]: its pipelines split
 // the commands by slot, send one pipeline per node, in parallel, and follow
@@ -76,8 +82,8 @@ type Batcher struct {
 	max    int
 
 	mu    sync.Mutex
-	busy  bool         // a pipeline is in flight; calls queue
-	queue []*batchCall // calls waiting for the next pipeline, in order
+	busy  bool         // a pipeline is in flight, or a caller is woken to send one; calls queue
+	queue []*batchCall // calls waiting, in order, not yet taken into a pipeline
 }
 
 // NewBatcher returns a batcher over client, which the caller keeps
@@ -107,8 +113,10 @@ const (
 	opSet
 )
 
-// A batchCall is one caller's command. The fields after op are written by
-// the sender before done is closed, and read by the caller only after.
+// A batchCall is one caller's command. wake is closed once, under
+// Batcher.mu: when the call's result is in cmd, del or status (written
+// before), or, with lead set, when its caller is to send the next
+// pipeline.
 type batchCall struct {
 	ctx    context.Context
 	op     batchOp
@@ -117,7 +125,8 @@ type batchCall struct {
 	args   []any
 	value  any           // opSet's value, with keys[0] its key
 	set    redis.SetArgs // opSet's options
-	done   chan struct{} // closed once cmd, del or status holds the result
+	wake   chan struct{}
+	lead   bool // set with wake closed: the caller sends the next pipeline
 
 	cmd    *redis.Cmd
 	del    *redis.IntCmd
@@ -195,73 +204,97 @@ func (b *Batcher) do(c *batchCall) error {
 		b.busy = true
 		b.mu.Unlock()
 		b.send(c.ctx, []*batchCall{c})
-		b.next()
+		b.done(nil)
 		return nil
 	}
-	c.done = make(chan struct{})
+	c.wake = make(chan struct{})
 	b.queue = append(b.queue, c)
 	b.mu.Unlock()
 
 	select {
-	case <-c.done:
-		return nil
+	case <-c.wake:
 	case <-c.ctx.Done():
 	}
 	b.mu.Lock()
-	if i := slices.Index(b.queue, c); i >= 0 {
-		b.queue = slices.Delete(b.queue, i, i+1)
-	}
-	b.mu.Unlock()
 	select {
-	case <-c.done: // the result came after all: give it
-		return nil
+	case <-c.wake:
+		if !c.lead {
+			b.mu.Unlock()
+			return nil // the result came
+		}
 	default:
+		// Still queued, or taken into a pipeline whose sender has it.
+		if i := slices.Index(b.queue, c); i >= 0 {
+			b.queue = slices.Delete(b.queue, i, i+1)
+		}
+		b.mu.Unlock()
 		return c.ctx.Err()
 	}
+	// c is to send the next pipeline: it is at the head of the queue, where
+	// it was when it was woken.
+	if err := c.ctx.Err(); err != nil {
+		b.queue = slices.Delete(b.queue, 0, 1)
+		b.handOff()
+		b.mu.Unlock()
+		return err
+	}
+	batch := b.take()
+	b.mu.Unlock()
+	ctx, cancel := batchContext(batch)
+	b.send(ctx, batch)
+	cancel()
+	b.done(batch[1:])
+	return nil
 }
 
-// next is called by the sender of a pipeline once its results are
-// delivered: it hands what queued meanwhile to a goroutine that sends
-// pipelines until the queue is empty, or marks the batcher idle.
-func (b *Batcher) next() {
+// take, with b.mu held, takes the next pipeline's calls off the queue, at
+// most MaxBatch of them, skipping those whose context ended (their callers
+// are leaving). The first, the caller that sends it, is kept whatever its
+// context.
+func (b *Batcher) take() []*batchCall {
+	batch := []*batchCall{b.queue[0]}
+	i := 1
+	for ; i < len(b.queue) && len(batch) < b.max; i++ {
+		if c := b.queue[i]; c.ctx.Err() == nil {
+			batch = append(batch, c)
+		}
+	}
+	b.queue = slices.Delete(b.queue, 0, i)
+	return batch
+}
+
+// done is called by the sender of a pipeline once its results are in: it
+// gives the others of the pipeline their results and hands the next
+// pipeline on.
+func (b *Batcher) done(others []*batchCall) {
 	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, o := range others {
+		close(o.wake)
+	}
+	b.handOff()
+}
+
+// handOff, with b.mu held and no pipeline of b in flight, wakes the oldest
+// queued caller to send the next pipeline, or marks b idle.
+func (b *Batcher) handOff() {
 	if len(b.queue) == 0 {
 		b.busy = false
-		b.mu.Unlock()
 		return
 	}
-	b.mu.Unlock()
-	go b.drain()
+	c := b.queue[0]
+	c.lead = true
+	close(c.wake)
 }
 
-// drain sends the queued calls, MaxBatch at a time, and returns once the
-// queue is empty, leaving the batcher idle.
-func (b *Batcher) drain() {
-	for {
-		b.mu.Lock()
-		n := min(len(b.queue), b.max)
-		if n == 0 {
-			b.busy = false
-			b.mu.Unlock()
-			return
-		}
-		batch := slices.Clone(b.queue[:n])
-		b.queue = slices.Delete(b.queue, 0, n)
-		b.mu.Unlock()
-
-		ctx, cancel := batchContext(batch)
-		b.send(ctx, batch)
-		cancel()
-		for _, c := range batch {
-			close(c.done)
-		}
-	}
-}
-
-// batchContext returns the context a pipeline of batch runs under: no
-// values and no cancellation of any one caller, and the latest of their
-// deadlines if every one has a deadline.
+// batchContext returns the context a pipeline of batch runs under: the
+// context of its one call, or else no values and no cancellation of any
+// one caller, and the latest of their deadlines if every one has a
+// deadline.
 func batchContext(batch []*batchCall) (context.Context, context.CancelFunc) {
+	if len(batch) == 1 {
+		return batch[0].ctx, func() {}
+	}
 	var latest time.Time
 	for _, c := range batch {
 		d, ok := c.ctx.Deadline()

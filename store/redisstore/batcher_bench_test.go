@@ -16,8 +16,8 @@ import (
 )
 
 // BenchmarkClaimComplete is a claim and a complete of a new key from
-// 16 goroutines at once, on the real Redis, over the plain client, the
-// batcher and go-redis's autopipeliner. Read it with -benchtime and the
+// 16 goroutines at once, on the real Redis, over the plain client
+// (NoBatching), the batcher (New's default) and go-redis's autopipeliner. Read it with -benchtime and the
 // CPU figures of BENCHMARKS.md: wall time on a shared machine says little.
 // It reports the CPU the Redis server spent per pair (redis-µs/op, from
 // INFO cpu: exact only on a Redis that serves nothing else, REDIS_ADDR)
@@ -28,6 +28,7 @@ func BenchmarkClaimComplete(b *testing.B) {
 	b.Cleanup(func() { c.Close() })
 	rt := new(redistest.RoundTrips)
 	c.AddHook(rt)
+	prefix := "rabbitmw-bench-" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
 	ap, err := c.AutoPipeline()
 	if err != nil {
 		b.Fatal(err)
@@ -36,16 +37,16 @@ func BenchmarkClaimComplete(b *testing.B) {
 	clients := []struct {
 		name string
 		rc   redisstore.Client
+		opts redisstore.Options
 	}{
-		{"plain", c},
-		{"batcher", redisstore.NewBatcher(c, redisstore.BatcherOptions{})},
-		{"autopipeline", ap},
+		{"plain", c, redisstore.Options{Prefix: prefix, NoBatching: true}},
+		{"batcher", c, redisstore.Options{Prefix: prefix}},
+		{"autopipeline", ap, redisstore.Options{Prefix: prefix}},
 	}
 	var seq atomic.Int64
-	prefix := "rabbitmw-bench-" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
 	for _, cl := range clients {
 		b.Run(cl.name, func(b *testing.B) {
-			s := redisstore.New(cl.rc, redisstore.Options{Prefix: prefix})
+			s := redisstore.New(cl.rc, cl.opts)
 			ctx := context.Background()
 			if err := s.Load(ctx); err != nil {
 				b.Fatal(err)

@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -14,28 +15,8 @@ import (
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/rabbitmw/rabbitmw/internal/testenv"
-	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
-	"github.com/rabbitmw/rabbitmw/store/storetest"
 )
-
-func TestBatcherConformanceMiniredis(t *testing.T) {
-	storetest.Run(t, func(t *testing.T) store.Store {
-		_, c := newMiniredis(t)
-		return redisstore.New(redisstore.NewBatcher(c, redisstore.BatcherOptions{}), redisstore.Options{})
-	})
-}
-
-func TestBatcherConformanceServer(t *testing.T) {
-	addr := testenv.RedisAddr(t)
-	c := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
-	t.Cleanup(func() { c.Close() })
-	b := redisstore.NewBatcher(c, redisstore.BatcherOptions{})
-	storetest.Run(t, func(t *testing.T) store.Store {
-		return redisstore.New(b, redisstore.Options{Prefix: "rabbitmw-test-batch:"})
-	})
-}
 
 // A gate is a redis.Hook that records the size of every pipeline and, while
 // closed, holds each pipeline before it is sent until the test lets it go.
@@ -76,13 +57,20 @@ func (g *gate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Process
 	}
 }
 
-// gated returns a miniredis client with a closed gate, and a batcher over it.
-func gated(t *testing.T, opts redisstore.BatcherOptions) (*miniredis.Miniredis, *redis.Client, *gate, *redisstore.Batcher) {
+// gatedClient returns a miniredis client with a closed gate.
+func gatedClient(t *testing.T) (*redis.Client, *miniredis.Miniredis, *gate) {
 	t.Helper()
 	m, c := newMiniredis(t)
 	g := newGate()
 	g.close()
 	c.AddHook(g)
+	return c, m, g
+}
+
+// gated returns a miniredis client with a closed gate, and a batcher over it.
+func gated(t *testing.T, opts redisstore.BatcherOptions) (*miniredis.Miniredis, *redis.Client, *gate, *redisstore.Batcher) {
+	t.Helper()
+	c, m, g := gatedClient(t)
 	return m, c, g, redisstore.NewBatcher(c, opts)
 }
 
@@ -265,7 +253,9 @@ func TestBatcherContextEndsWhileQueued(t *testing.T) {
 }
 
 // A caller whose context ends while its pipeline is in flight returns at
-// once with the context's error; the pipeline goes on for the others.
+// once with the context's error; the pipeline goes on for the others. The
+// caller that sends the pipeline (the oldest) returns when it does, with
+// its result, even if its own context ended first.
 func TestBatcherContextEndsInFlight(t *testing.T) {
 	_, _, g, b := gated(t, redisstore.BatcherOptions{})
 	bg := context.Background()
@@ -273,24 +263,72 @@ func TestBatcherContextEndsInFlight(t *testing.T) {
 	wg.Go(func() { b.Del(bg, "x") })
 	<-g.held
 
+	senderCtx, cancelSender := context.WithCancel(bg)
+	var sent string
+	var sentErr error
+	var sender sync.WaitGroup
+	sender.Go(func() { sent, sentErr = b.Eval(senderCtx, echo, []string{"s"}, "s").Text() })
+	waitQueued(t, b, 1)
 	ctx, cancel := context.WithCancel(bg)
 	var leftErr error
 	var left sync.WaitGroup
 	left.Go(func() { leftErr = b.Eval(ctx, echo, []string{"a"}, "a").Err() })
 	var kept string
 	wg.Go(func() { kept, _ = b.Eval(bg, echo, []string{"b"}, "b").Text() })
-	waitQueued(t, b, 2)
+	waitQueued(t, b, 3)
 	g.open <- struct{}{}
-	<-g.held // the second pipeline, holding both, is in flight
+	<-g.held // the second pipeline, holding all three, is in flight
 	cancel()
+	cancelSender()
 	left.Wait()
 	if !errors.Is(leftErr, context.Canceled) {
 		t.Errorf("Eval whose context ended in flight = %v; want context.Canceled", leftErr)
 	}
 	g.open <- struct{}{}
 	wg.Wait()
+	sender.Wait()
 	if kept != "b" {
 		t.Errorf("the other call = %q; want %q", kept, "b")
+	}
+	if sent != "s" || sentErr != nil {
+		t.Errorf("the sender's call = %q, %v; want %q, nil", sent, sentErr, "s")
+	}
+	if s := g.Sizes(); !slices.Equal(s, []int{1, 3}) {
+		t.Errorf("pipeline sizes = %v; want [1 3]", s)
+	}
+}
+
+// The batcher has no goroutine of its own: while a pipeline of queued
+// calls is in flight, every goroutine that runs the batcher's code is a
+// caller's.
+func TestBatcherNoGoroutine(t *testing.T) {
+	_, _, g, b := gated(t, redisstore.BatcherOptions{})
+	bg := context.Background()
+	var wg sync.WaitGroup
+	wg.Go(func() { b.Del(bg, "x") })
+	<-g.held
+	for i := range 4 {
+		wg.Go(func() { b.Del(bg, "k"+strconv.Itoa(i)) })
+	}
+	waitQueued(t, b, 4)
+	g.open <- struct{}{}
+	<-g.held // the second pipeline is in flight
+	buf := make([]byte, 1<<20)
+	stacks := strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n")
+	g.open <- struct{}{}
+	wg.Wait()
+	callers := 0
+	for _, st := range stacks {
+		if !strings.Contains(st, "redisstore.(*Batcher)") {
+			continue
+		}
+		if !strings.Contains(st, "TestBatcherNoGoroutine.func") {
+			t.Errorf("a goroutine of the batcher's, not a caller's:\n%s", st)
+		}
+		callers++
+	}
+	if callers != 4 { // the first returned once it handed the second pipeline on
+		t.Errorf("%d callers in the batcher; want 4", callers)
 	}
 }
 

@@ -8,3 +8,12 @@ func (b *Batcher) Queued() int {
 }
 
 var IsSyntaxError = isSyntaxError
+
+// Batcher returns the batcher New put over the store's client, or nil.
+func (r *Store) Batcher() *Batcher {
+	b, _ := r.cmds.(*Batcher)
+	return b
+}
+
+// Batched reports whether New put a batcher over the store's client.
+func (r *Store) Batched() bool { return r.cmds != r.client }

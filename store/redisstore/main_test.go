@@ -6,6 +6,6 @@ import (
 	"go.uber.org/goleak"
 )
 
-// The store starts no goroutine, and the batcher's exit once nothing is
-// queued; the conformance kit's end with each case.
+// Neither the store nor its batcher starts a goroutine (the callers send
+// the pipelines); the conformance kit's end with each case.
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -3,6 +3,7 @@ package redisstore_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strconv"
 	"strings"
@@ -26,20 +27,98 @@ func newMiniredis(t *testing.T) (*miniredis.Miniredis, *redis.Client) {
 	return m, c
 }
 
+// The conformance kit, against the default store (batched) and one with
+// NoBatching.
 func TestConformanceMiniredis(t *testing.T) {
-	storetest.Run(t, func(t *testing.T) store.Store {
-		_, c := newMiniredis(t)
-		return redisstore.New(c, redisstore.Options{})
-	})
+	for _, noBatching := range []bool{false, true} {
+		t.Run(fmt.Sprintf("NoBatching=%v", noBatching), func(t *testing.T) {
+			storetest.Run(t, func(t *testing.T) store.Store {
+				_, c := newMiniredis(t)
+				s := redisstore.New(c, redisstore.Options{NoBatching: noBatching})
+				if got := s.Batched(); got == noBatching {
+					t.Fatalf("store batched %v with NoBatching %v; want %v", got, noBatching, !noBatching)
+				}
+				return s
+			})
+		})
+	}
 }
 
 func TestConformanceServer(t *testing.T) {
 	addr := testenv.RedisAddr(t)
-	c := redis.NewClient(&redis.Options{Addr: addr})
+	c := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
 	t.Cleanup(func() { c.Close() })
-	storetest.Run(t, func(t *testing.T) store.Store {
-		return redisstore.New(c, redisstore.Options{Prefix: "rabbitmw-test:"})
-	})
+	for _, noBatching := range []bool{false, true} {
+		t.Run(fmt.Sprintf("NoBatching=%v", noBatching), func(t *testing.T) {
+			s := redisstore.New(c, redisstore.Options{Prefix: "rabbitmw-test:", NoBatching: noBatching})
+			storetest.Run(t, func(t *testing.T) store.Store { return s })
+		})
+	}
+}
+
+// New batches over the clients it knows can pipeline, and uses any other
+// client as it is, so that a wrapper's methods run.
+func TestNewBatches(t *testing.T) {
+	_, c := newMiniredis(t)
+	addr := c.Options().Addr
+	cluster := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{addr}})
+	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": addr}})
+	universal := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{addr}})
+	ap, err := c.AutoPipeline()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cluster.Close(); ring.Close(); universal.Close(); ap.Close() })
+	for _, tc := range []struct {
+		name   string
+		client redisstore.Client
+		opts   redisstore.Options
+		want   bool
+	}{
+		{"Client", c, redisstore.Options{}, true},
+		{"ClusterClient", cluster, redisstore.Options{}, true},
+		{"Ring", ring, redisstore.Options{}, true},
+		{"UniversalClient", universal, redisstore.Options{}, true},
+		{"Client with NoBatching", c, redisstore.Options{NoBatching: true}, false},
+		{"AutoPipeliner", ap, redisstore.Options{}, false},
+		{"a wrapper", &oldRedis{Client: c}, redisstore.Options{}, false},
+		{"a Batcher", redisstore.NewBatcher(c, redisstore.BatcherOptions{}), redisstore.Options{}, false},
+	} {
+		if got := redisstore.New(tc.client, tc.opts).Batched(); got != tc.want {
+			t.Errorf("New(%s, %+v) batched %v; want %v", tc.name, tc.opts, got, tc.want)
+		}
+	}
+}
+
+// Options.Batch configures the batcher New makes; a negative cap panics.
+func TestNewBatchOptions(t *testing.T) {
+	_, c := newMiniredis(t)
+	gc, _, g := gatedClient(t)
+	s := redisstore.New(gc, redisstore.Options{Batch: redisstore.BatcherOptions{MaxBatch: 2}})
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	wg.Go(func() { s.ResetFailures(ctx, "x") })
+	<-g.held
+	for i := range 3 {
+		wg.Go(func() { s.ResetFailures(ctx, "k"+strconv.Itoa(i)) })
+	}
+	waitQueued(t, s.Batcher(), 3)
+	g.open <- struct{}{}
+	for range 2 {
+		<-g.held
+		g.open <- struct{}{}
+	}
+	wg.Wait()
+	if sz := g.Sizes(); !slices.Equal(sz, []int{1, 2, 1}) {
+		t.Errorf("pipeline sizes = %v; want [1 2 1]", sz)
+	}
+
+	defer func() {
+		if r := recover(); r == nil || !strings.HasPrefix(fmt.Sprint(r), "redisstore: New: negative") {
+			t.Errorf("New with a negative MaxBatch panicked with %v; want a redisstore: New panic", r)
+		}
+	}()
+	redisstore.New(c, redisstore.Options{Batch: redisstore.BatcherOptions{MaxBatch: -1}})
 }
 
 // The default layout is the one hand-written consumers use, so both can
@@ -137,6 +216,11 @@ func TestRoundTrips(t *testing.T) {
 	s := redisstore.New(c, redisstore.Options{})
 	ctx := context.Background()
 	if err := s.Load(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The batcher's pipelines may dial a connection of their own, whose
+	// handshake the counter would count.
+	if err := s.ResetFailures(ctx, "warm-up"); err != nil {
 		t.Fatal(err)
 	}
 	for _, tc := range []struct {
