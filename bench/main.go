@@ -1,7 +1,7 @@
 // Command bench measures the throughput of rabbitmw against a plain amqp091
 // consumer and against the usual hand-written Redis pattern, on a real
 // RabbitMQ and a real Redis, prints one table, and says which targets of
-// the benchmark issue (issue 5) are met or missed, with the figures.
+// the performance issue are met or missed, with the figures.
 // BENCHMARKS.md holds its results and how to read them.
 //
 // bench is a module of its own, so that what it compares against
@@ -155,7 +155,7 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&cfg.jsonPath, "json", "", "also write the results as JSON to this file")
 	fs.DurationVar(&cfg.timeout, "timeout", 5*time.Minute, "the longest one contender may take to consume one run")
 	fs.BoolVar(&cfg.persistent, "persistent", true, "publish persistent messages (delivery mode 2), as broker.Publish does")
-	fs.BoolVar(&cfg.stack, "stack", true, "also measure the whole stack in process (testing.Benchmark, memory store) for the per-delivery target")
+	fs.BoolVar(&cfg.stack, "stack", true, "also measure the whole stack in process (testing.Benchmark, memory store) for the per-delivery targets")
 	fs.BoolVar(&cfg.stackOnly, "stack-only", false, "only measure the stack in process (no servers needed), and exit")
 	fs.StringVar(&cfg.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole command to this file (pair it with -only)")
 	sw := fs.String("sweep-workers", "4,16,64", "-sweep: the workers of the grid")
