@@ -43,6 +43,11 @@ const (
 )
 
 // String returns "claimed", "processing", "done" or "abandoned".
+// Valid reports whether s is one of the statuses above. Backends whose
+// claim returns a status's number (as the Redis and PostgreSQL scripts do)
+// convert it with Status(n) and check it with Valid.
+func (s Status) Valid() bool { return s >= Claimed && s <= Abandoned }
+
 func (s Status) String() string {
 	switch s {
 	case Claimed:

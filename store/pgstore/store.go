@@ -132,7 +132,9 @@ func (s *Store) Close() { s.leases.Close() }
 // Handler's long transactions.
 func (s *Store) prepare() {
 	c, f := s.n.claims, s.n.failures
-	// A claim takes the row (claimed) if it is absent or forgotten: its
+	// A claim returns a store.Status's number (1 claimed, 2 processing,
+	// 3 done, 4 abandoned). It takes the row (claimed) if it is absent or
+	// forgotten: its
 	// forget_at has passed. It turns an abandoned claim (a token whose
 	// lease has ended, its forget_at not yet passed) into a forgotten row
 	// (token NULL, lease_until and forget_at -infinity) and takes nothing
@@ -248,15 +250,8 @@ func (s *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 		// Errors are dropped: the next prune tries again.
 		s.Prune(ctx, 2*s.pruneEvery)
 	}
-	switch n {
-	case 1:
-		return store.Claimed, nil
-	case 2:
-		return store.Processing, nil
-	case 3:
-		return store.Done, nil
-	case 4:
-		return store.Abandoned, nil
+	if st := store.Status(n); st.Valid() {
+		return st, nil
 	}
 	return 0, s.fail("claim", key, fmt.Errorf("unexpected status %d", n))
 }

@@ -185,7 +185,9 @@ end
 
 var (
 	// ARGV: the claim's value, its PX (lease plus abandoned retention),
-	// the lease alone (for a hand-written mark without expiry).
+	// the lease alone (for a hand-written mark without expiry). It
+	// returns a store.Status's number: 1 claimed, 2 processing, 3 done,
+	// 4 abandoned.
 	claimScript = redis.NewScript(`
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return 1
@@ -274,15 +276,8 @@ func (r *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 	if err != nil {
 		return 0, r.fail("claim", key, err)
 	}
-	switch n {
-	case 1:
-		return store.Claimed, nil
-	case 2:
-		return store.Processing, nil
-	case 3:
-		return store.Done, nil
-	case 4:
-		return store.Abandoned, nil
+	if st := store.Status(n); st.Valid() {
+		return st, nil
 	}
 	return 0, r.fail("claim", key, fmt.Errorf("unexpected script result %d", n))
 }
