@@ -42,10 +42,7 @@ type observed struct {
 // The scenarios, each run on both implementations inside a synctest
 // bubble, whose clock starts at the same instant: the lazyContext must be
 // seen exactly as the standard library's context.
-var deadlineScenarios = []struct {
-	name string
-	run  func(mk withDeadline) observed
-}{
+var deadlineScenarios = []scenario[withDeadline]{
 	{"deadline passes, Done never called", func(mk withDeadline) observed {
 		ctx, cancel := mk(valued(), time.Now().Add(time.Second))
 		defer cancel()
@@ -162,13 +159,24 @@ func observe(ctx context.Context, watch bool) observed {
 	return o
 }
 
-func TestLazyDeadlineAsStdlib(t *testing.T) {
-	for _, sc := range deadlineScenarios {
+func TestLazyDeadlineAsStdlib(t *testing.T) { asStdlib(t, deadlineImpls, deadlineScenarios) }
+
+// A scenario does something to a context made by mk, and says what it saw.
+type scenario[M any] struct {
+	name string
+	run  func(mk M) observed
+}
+
+// asStdlib runs each scenario on both implementations, each in a synctest
+// bubble whose clock starts at the same instant, and fails where the lazy
+// one is not seen exactly as the standard library's.
+func asStdlib[M any](t *testing.T, impls map[string]M, scenarios []scenario[M]) {
+	for _, sc := range scenarios {
 		t.Run(sc.name, func(t *testing.T) {
 			got := map[string]observed{}
-			for name, mk := range deadlineImpls {
+			for name, mk := range impls {
 				synctest.Test(t, func(t *testing.T) {
-					got[name] = sc.run(mk) // every bubble starts at the same instant
+					got[name] = sc.run(mk)
 				})
 			}
 			if got["lazy"] != got["stdlib"] {

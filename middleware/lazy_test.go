@@ -27,10 +27,7 @@ var errOwnCause = errors.New("the context's own cause")
 
 // The scenarios, each run on both implementations inside a synctest
 // bubble: claimContext must be seen exactly as context.WithCancelCause.
-var cancelScenarios = []struct {
-	name string
-	run  func(mk withCancel) observed
-}{
+var cancelScenarios = []scenario[withCancel]{
 	{"live", func(mk withCancel) observed {
 		ctx, cancel := mk(valued())
 		defer cancel(nil)
@@ -157,21 +154,7 @@ func merge(o, seen observed) observed {
 	return seen
 }
 
-func TestClaimContextAsStdlib(t *testing.T) {
-	for _, sc := range cancelScenarios {
-		t.Run(sc.name, func(t *testing.T) {
-			got := map[string]observed{}
-			for name, mk := range cancelImpls {
-				synctest.Test(t, func(t *testing.T) {
-					got[name] = sc.run(mk) // every bubble starts at the same instant
-				})
-			}
-			if got["lazy"] != got["stdlib"] {
-				t.Errorf("lazy: %+v\nwant as stdlib: %+v", got["lazy"], got["stdlib"])
-			}
-		})
-	}
-}
+func TestClaimContextAsStdlib(t *testing.T) { asStdlib(t, cancelImpls, cancelScenarios) }
 
 // The Claim is found through the handler's context, and through contexts
 // derived from it, live or ended.
