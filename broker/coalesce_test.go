@@ -161,21 +161,7 @@ func testCoalescedAcks(t *testing.T, be backend) {
 func TestHeldAcksAtTheTimeBound(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
-		slow := newGate(t)
-		j := newJournal()
-		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-			j.record(d)
-			if d.MessageId == "slow" {
-				<-slow.ch
-			}
-			return nil
-		}), ConsumeOptions{Workers: 4, Prefetch: 16})
-		f.publish("slow", nil, nil)
-		synctest.Wait()
-		for i := range 3 {
-			f.publish(fmt.Sprint("f", i), nil, nil)
-		}
-		synctest.Wait()
+		r, slow, j := behindSlow(t, f, 3)
 		start := time.Now()
 		equal(t, "handled", j.effected(), 4)
 		equal(t, "unacked while the acks are held", f.mem.Unacked(f.q), 4)
@@ -204,19 +190,7 @@ func TestHeldAcksAtTheTimeBound(t *testing.T) {
 func TestHeldAcksAtTheCountBound(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
-		slow := newGate(t)
-		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-			if d.MessageId == "slow" {
-				<-slow.ch
-			}
-			return nil
-		}), ConsumeOptions{Workers: 4, Prefetch: 16})
-		f.publish("slow", nil, nil)
-		synctest.Wait()
-		for i := range 3 {
-			f.publish(fmt.Sprint("f", i), nil, nil)
-		}
-		synctest.Wait()
+		r, slow, _ := behindSlow(t, f, 3)
 		equal(t, "unacked with 3 acks held", f.mem.Unacked(f.q), 4)
 		f.publish("f3", nil, nil)
 		synctest.Wait()
@@ -234,21 +208,7 @@ func TestHeldAcksAtTheCountBound(t *testing.T) {
 func TestShutdownSendsHeldAcks(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
-		slow := newGate(t)
-		j := newJournal()
-		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-			j.record(d)
-			if d.MessageId == "slow" {
-				<-slow.ch
-			}
-			return nil
-		}), ConsumeOptions{Workers: 4, Prefetch: 16})
-		f.publish("slow", nil, nil)
-		synctest.Wait()
-		for i := range 2 {
-			f.publish(fmt.Sprint("f", i), nil, nil)
-		}
-		synctest.Wait()
+		r, slow, j := behindSlow(t, f, 2)
 		equal(t, "unacked while the acks are held", f.mem.Unacked(f.q), 3)
 		r.cancel()
 		slow.open() // before the clock moves: the acks are still held
@@ -268,20 +228,7 @@ func TestShutdownSendsHeldAcks(t *testing.T) {
 func TestConnectionLostWithHeldAcks(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
-		slow := newGate(t)
-		j := newJournal()
-		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-			if j.record(d) == 1 && d.MessageId == "slow" {
-				<-slow.ch
-			}
-			return nil
-		}), ConsumeOptions{Workers: 4, Prefetch: 16})
-		f.publish("slow", nil, nil)
-		synctest.Wait()
-		for i := range 2 {
-			f.publish(fmt.Sprint("f", i), nil, nil)
-		}
-		synctest.Wait()
+		r, slow, j := behindSlow(t, f, 2)
 		equal(t, "unacked while the acks are held", f.mem.Unacked(f.q), 3)
 
 		f.mem.CloseConnections()
@@ -303,4 +250,27 @@ func TestConnectionLostWithHeldAcks(t *testing.T) {
 		equal(t, "returned by the lost connection", s.RequeuedOnClose, 3)
 		f.assertSettled(t)
 	})
+}
+
+// behindSlow consumes with 4 workers and a prefetch of 16, publishes
+// "slow", whose first delivery waits for the gate it returns, and then
+// fast messages f0, f1, ... whose handlers finish at once, so that their
+// acks are held behind slow's; it returns once all are in their handlers
+// or done.
+func behindSlow(t *testing.T, f *fixture, fast int) (*run, *gate, *journal) {
+	slow := newGate(t)
+	j := newJournal()
+	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		if j.record(d) == 1 && d.MessageId == "slow" {
+			<-slow.ch
+		}
+		return nil
+	}), ConsumeOptions{Workers: 4, Prefetch: 16})
+	f.publish("slow", nil, nil)
+	synctest.Wait()
+	for i := range fast {
+		f.publish(fmt.Sprint("f", i), nil, nil)
+	}
+	synctest.Wait()
+	return r, slow, j
 }
