@@ -218,37 +218,54 @@ func TestBatcherNoScript(t *testing.T) {
 }
 
 // A caller whose context ends while it waits returns at once, and its
-// command is never sent; the others are not touched.
+// command is never sent; the others are not touched. So for each kind of
+// command the batcher queues.
 func TestBatcherContextEndsWhileQueued(t *testing.T) {
-	m, _, g, b := gated(t, redisstore.BatcherOptions{})
-	bg := context.Background()
-	var wg sync.WaitGroup
-	wg.Go(func() { b.Del(bg, "x") })
-	<-g.held
+	commands := []struct {
+		name string
+		call func(b *redisstore.Batcher, ctx context.Context, key string) error
+	}{
+		{"Eval", func(b *redisstore.Batcher, ctx context.Context, key string) error {
+			return b.Eval(ctx, "redis.call('SET', KEYS[1], 'x')", []string{key}).Err()
+		}},
+		{"SetArgs", func(b *redisstore.Batcher, ctx context.Context, key string) error {
+			return b.SetArgs(ctx, key, "v", redis.SetArgs{}).Err()
+		}},
+	}
+	for _, c := range commands {
+		t.Run(c.name, func(t *testing.T) {
+			m, _, g, b := gated(t, redisstore.BatcherOptions{})
+			bg := context.Background()
+			var wg sync.WaitGroup
+			wg.Go(func() { b.Del(bg, "x") })
+			<-g.held
 
-	ctx, cancel := context.WithCancelCause(bg)
-	var leftErr error
-	var left sync.WaitGroup
-	left.Go(func() { leftErr = b.Eval(ctx, "redis.call('SET', KEYS[1], 'x')", []string{"abandoned"}).Err() })
-	wg.Go(func() { b.Eval(bg, "redis.call('SET', KEYS[1], 'x')", []string{"kept"}) })
-	waitQueued(t, b, 2)
-	cancel(errors.New("caller gave up"))
-	left.Wait()
-	if !errors.Is(leftErr, context.Canceled) {
-		t.Errorf("Eval after its context ended = %v; want context.Canceled", leftErr)
-	}
-	if q := b.Queued(); q != 1 {
-		t.Errorf("%d calls queued after one left; want 1", q)
-	}
-	g.open <- struct{}{}
-	<-g.held
-	g.open <- struct{}{}
-	wg.Wait()
-	if m.Exists("abandoned") || !m.Exists("kept") {
-		t.Errorf("abandoned exists %v, kept %v; want false, true", m.Exists("abandoned"), m.Exists("kept"))
-	}
-	if s := g.Sizes(); !slices.Equal(s, []int{1, 1}) {
-		t.Errorf("pipeline sizes = %v; want [1 1]", s)
+			ctx, cancel := context.WithCancelCause(bg)
+			var leftErr error
+			var left sync.WaitGroup
+			left.Go(func() { leftErr = c.call(b, ctx, "abandoned") })
+			waitQueued(t, b, 1)
+			wg.Go(func() { c.call(b, bg, "kept") })
+			waitQueued(t, b, 2)
+			cancel(errors.New("caller gave up"))
+			left.Wait()
+			if !errors.Is(leftErr, context.Canceled) {
+				t.Errorf("%s after its context ended = %v; want context.Canceled", c.name, leftErr)
+			}
+			if q := b.Queued(); q != 1 {
+				t.Errorf("%d calls queued after one left; want 1", q)
+			}
+			g.open <- struct{}{}
+			<-g.held
+			g.open <- struct{}{}
+			wg.Wait()
+			if m.Exists("abandoned") || !m.Exists("kept") {
+				t.Errorf("abandoned exists %v, kept %v; want false, true", m.Exists("abandoned"), m.Exists("kept"))
+			}
+			if s := g.Sizes(); !slices.Equal(s, []int{1, 1}) {
+				t.Errorf("pipeline sizes = %v; want [1 1]", s)
+			}
+		})
 	}
 }
 
@@ -414,29 +431,5 @@ func TestBatcherSet(t *testing.T) {
 	}
 	if s := g.Sizes(); !slices.Equal(s, []int{1, 3}) {
 		t.Errorf("pipeline sizes = %v; want [1 3]", s)
-	}
-}
-
-// A SET whose caller's context ends while it is queued is never sent.
-func TestBatcherSetContextEndsWhileQueued(t *testing.T) {
-	m, _, g, b := gated(t, redisstore.BatcherOptions{})
-	bg := context.Background()
-	var wg sync.WaitGroup
-	wg.Go(func() { b.Del(bg, "x") })
-	<-g.held
-	ctx, cancel := context.WithCancel(bg)
-	var err error
-	var left sync.WaitGroup
-	left.Go(func() { err = b.SetArgs(ctx, "abandoned", "v", redis.SetArgs{}).Err() })
-	waitQueued(t, b, 1)
-	cancel()
-	left.Wait()
-	if !errors.Is(err, context.Canceled) {
-		t.Errorf("SetArgs after its context ended = %v; want context.Canceled", err)
-	}
-	g.open <- struct{}{}
-	wg.Wait()
-	if m.Exists("abandoned") {
-		t.Error("the SET of a caller that left was sent")
 	}
 }
