@@ -86,17 +86,7 @@ func TestSlowHandlerDoesNotStallReconnection(t *testing.T) {
 		var g gauge
 		slow, next := newGate(t), newGate(t)
 		j := newJournal()
-		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-			defer g.enter()()
-			n := j.record(d)
-			switch {
-			case d.MessageId == "slow" && n == 1:
-				<-slow.ch
-			case strings.HasPrefix(d.MessageId, "next"):
-				<-next.ch
-			}
-			return nil
-		}), ConsumeOptions{Workers: 2})
+		r := f.consume(slowThenNext(&g, j, slow, next), ConsumeOptions{Workers: 2})
 		f.publish("slow", nil, nil)
 		synctest.Wait()
 		equal(t, "handler calls of slow", len(j.callsOf("slow")), 1)
@@ -444,17 +434,7 @@ func testSlowHandlerReconnects(t *testing.T, be backend) {
 	var g gauge
 	slow, next := newGate(t), newGate(t)
 	j := newJournal()
-	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-		defer g.enter()()
-		n := j.record(d)
-		switch {
-		case d.MessageId == "slow" && n == 1:
-			<-slow.ch
-		case strings.HasPrefix(d.MessageId, "next"):
-			<-next.ch
-		}
-		return nil
-	}), ConsumeOptions{Workers: 2})
+	r := f.consume(slowThenNext(&g, j, slow, next), ConsumeOptions{Workers: 2})
 	f.publish("slow", nil, nil)
 	eventually(t, 20*time.Second, "slow not started", func() bool { return len(j.callsOf("slow")) == 1 })
 	f.be.drop(t, f.mem, f.process)
@@ -522,4 +502,21 @@ func TestReconnectsLeakNothing(t *testing.T) {
 	}
 	f.mem.SetDown(false)
 	noErr(t, "Consume after cancel", r.stop(t))
+}
+
+// slowThenNext is the handler of the slow-handler reconnection tests: the
+// first delivery of "slow" waits for slow, every "next…" for next; g
+// gauges how many run at once, and j records each delivery.
+func slowThenNext(g *gauge, j *journal, slow, next *gate) rabbitmw.Handler {
+	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		defer g.enter()()
+		n := j.record(d)
+		switch {
+		case d.MessageId == "slow" && n == 1:
+			<-slow.ch
+		case strings.HasPrefix(d.MessageId, "next"):
+			<-next.ch
+		}
+		return nil
+	})
 }
