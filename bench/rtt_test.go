@@ -2,10 +2,14 @@ package main
 
 import (
 	"context"
+	"errors"
+	"reflect"
 	"sync"
 	"testing"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // A request counts 1/k to each of the k deliveries whose commands it
@@ -73,4 +77,56 @@ func TestRoundTripsOnProbe(t *testing.T) {
 	if rt.n.Load() != 2 || rt.setup.Load() != 1 {
 		t.Errorf("requests %d, setup %d; want 2, 1", rt.n.Load(), rt.setup.Load())
 	}
+}
+
+// Every command the Redis store sends for a delivery is counted on the
+// delivery's probe: attributed overrides each method of redisstore.Client
+// but the script loading (done once, at start). A method it lacks would be
+// promoted from the embedded client, and its requests counted nowhere (as
+// the claim's SET once was).
+func TestAttributedCountsEveryCommand(t *testing.T) {
+	rt := &roundTrips{shares: new(sync.Map)}
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	defer c.Close()
+	c.AddHook(rt)
+	c.AddHook(refuse{}) // inside rt: nothing is dialled or sent
+	a := reflect.ValueOf(attributed{Client: c, shares: rt.shares})
+	methods := reflect.TypeFor[redisstore.Client]()
+	for i := range methods.NumMethod() {
+		m := methods.Method(i)
+		if m.Name == "ScriptLoad" || m.Name == "ScriptExists" {
+			continue
+		}
+		var p probe
+		fn := a.MethodByName(m.Name)
+		args := make([]reflect.Value, fn.Type().NumIn())
+		args[0] = reflect.ValueOf(withProbe(context.Background(), &p))
+		for j := 1; j < len(args); j++ {
+			args[j] = reflect.Zero(fn.Type().In(j))
+		}
+		if fn.Type().IsVariadic() {
+			fn.CallSlice(args)
+		} else {
+			fn.Call(args)
+		}
+		if got := p.cost().requests; got != 1 {
+			t.Errorf("attributed.%s counted %d requests on its delivery; want 1", m.Name, got)
+		}
+	}
+}
+
+// refuse is a hook that answers every command with an error, sending
+// nothing.
+type refuse struct{}
+
+var errRefused = errors.New("refused by the test")
+
+func (refuse) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (refuse) ProcessHook(redis.ProcessHook) redis.ProcessHook {
+	return func(_ context.Context, cmd redis.Cmder) error { cmd.SetErr(errRefused); return errRefused }
+}
+
+func (refuse) ProcessPipelineHook(redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(context.Context, []redis.Cmder) error { return errRefused }
 }
