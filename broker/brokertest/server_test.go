@@ -3,13 +3,13 @@ package brokertest
 import (
 	"context"
 	"errors"
-	"reflect"
-	"strings"
 	"testing"
 	"testing/synctest"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
@@ -26,39 +26,39 @@ func memSession(t *testing.T, q string, args amqp.Table) (*Server, *memConn) {
 	m := NewServer()
 	t.Cleanup(m.Close)
 	s, err := (dialer{m}).Dial(context.Background(), "test")
-	noErr(t, "dial", err)
+	require.NoError(t, err)
 	c := s.(*memConn)
-	noErr(t, "declare", c.Declare(context.Background(), []transport.QueueSpec{{Name: q, Args: args}}))
+	require.NoError(t, c.Declare(context.Background(), []transport.QueueSpec{{Name: q, Args: args}}))
 	return m, c
 }
 
 func TestAckAfterCloseAndUnknownTag(t *testing.T) {
 	m, c := memSession(t, "q", nil)
 	ctx := context.Background()
-	noErr(t, "publish", c.Publish(ctx, "", "q", amqp.Publishing{Body: []byte("x")}))
+	require.NoError(t, c.Publish(ctx, "", "q", amqp.Publishing{Body: []byte("x")}))
 	d, ok, err := c.Get(ctx, "q")
 	if err != nil || !ok {
 		t.Fatalf("get = %v, %t", err, ok)
 	}
-	noErr(t, "close", c.Close())
+	require.NoError(t, c.Close())
 	if err := d.Ack(false); !errors.Is(err, amqp.ErrClosed) {
 		t.Errorf("Ack after close = %v; want amqp.ErrClosed", err)
 	}
-	equal(t, "requeued on close", m.Stats().RequeuedOnClose, 1)
+	assert.Equal(t, 1, m.Stats().RequeuedOnClose, "requeued on close")
 
 	s, _ := (dialer{m}).Dial(ctx, "test")
 	c = s.(*memConn)
 	d, _, _ = c.Get(ctx, "q")
-	equal(t, "Redelivered after the connection closed", d.Redelivered, true)
-	noErr(t, "Ack", d.Ack(false))
-	noErr(t, "second Ack (refused asynchronously, as on RabbitMQ)", d.Ack(false))
+	assert.Equal(t, true, d.Redelivered, "Redelivered after the connection closed")
+	require.NoError(t, d.Ack(false))
+	require.NoError(t, d.Ack(false))
 	select {
 	case <-c.Closed():
 	default:
 		t.Fatal("connection still open after an unknown delivery tag")
 	}
-	contains(t, "reason", c.Reason().Error(), "unknown delivery tag 1")
-	equal(t, "unknown tags", m.Stats().UnknownTags, 1)
+	assert.Contains(t, c.Reason().Error(), "unknown delivery tag 1", "reason")
+	assert.Equal(t, 1, m.Stats().UnknownTags, "unknown tags")
 }
 
 func TestPrefetchAndMultiple(t *testing.T) {
@@ -66,10 +66,10 @@ func TestPrefetchAndMultiple(t *testing.T) {
 		_, c := memSession(t, "q", nil)
 		ctx := context.Background()
 		for range 5 {
-			noErr(t, "publish", c.Publish(ctx, "", "q", amqp.Publishing{}))
+			require.NoError(t, c.Publish(ctx, "", "q", amqp.Publishing{}))
 		}
 		ds, err := c.Consume("q", "tag", 2)
-		noErr(t, "consume", err)
+		require.NoError(t, err)
 		var got []amqp.Delivery
 		for range 2 {
 			got = append(got, <-ds)
@@ -81,16 +81,16 @@ func TestPrefetchAndMultiple(t *testing.T) {
 		default:
 		}
 		n, _ := c.Length(ctx, "q")
-		equal(t, "ready with two unacked", n, 3)
-		noErr(t, "Ack multiple", got[1].Ack(true))
+		assert.Equal(t, 3, n, "ready with two unacked")
+		require.NoError(t, got[1].Ack(true))
 		for range 2 {
 			got = append(got, <-ds)
 		}
-		equal(t, "delivery tags", []uint64{got[0].DeliveryTag, got[1].DeliveryTag, got[2].DeliveryTag, got[3].DeliveryTag}, []uint64{1, 2, 3, 4})
-		noErr(t, "Nack multiple with requeue", got[3].Nack(true, true))
+		assert.Equal(t, []uint64{1, 2, 3, 4}, []uint64{got[0].DeliveryTag, got[1].DeliveryTag, got[2].DeliveryTag, got[3].DeliveryTag}, "delivery tags")
+		require.NoError(t, got[3].Nack(true, true))
 		d := <-ds
-		equal(t, "requeued message keeps its place", []any{d.DeliveryTag, d.Redelivered}, []any{uint64(5), true})
-		noErr(t, "cancel", c.Cancel("tag"))
+		assert.Equal(t, []any{uint64(5), true}, []any{d.DeliveryTag, d.Redelivered}, "requeued message keeps its place")
+		require.NoError(t, c.Cancel("tag"))
 		for range ds { // flushed, then closed
 		}
 	})
@@ -102,13 +102,13 @@ func TestTTLDeadLettering(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		_, c := memSession(t, "work", nil)
 		ctx := context.Background()
-		noErr(t, "declare", c.Declare(ctx, []transport.QueueSpec{{Name: "delay", Args: amqp.Table{
+		require.NoError(t, c.Declare(ctx, []transport.QueueSpec{{Name: "delay", Args: amqp.Table{
 			"x-message-ttl": int64(30), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "work"}}}))
 		// expire publishes a message to the delay queue and returns it as it
 		// comes out in the work queue, after the TTL.
 		expire := func(msg amqp.Publishing) *amqp.Delivery {
 			t.Helper()
-			noErr(t, "publish", c.Publish(ctx, "", "delay", msg))
+			require.NoError(t, c.Publish(ctx, "", "delay", msg))
 			time.Sleep(29 * time.Millisecond)
 			synctest.Wait()
 			if n, _ := c.Length(ctx, "work"); n != 0 {
@@ -124,33 +124,33 @@ func TestTTLDeadLettering(t *testing.T) {
 		}
 		d := expire(amqp.Publishing{MessageId: "m"})
 		deaths := d.Headers["x-death"].([]any)
-		equal(t, "x-death records", len(deaths), 1)
+		assert.Equal(t, 1, len(deaths), "x-death records")
 		death := deaths[0].(amqp.Table)
-		equal(t, "x-death record", []any{death["queue"], death["reason"], death["exchange"], death["routing-keys"], death["count"]},
-			[]any{"delay", "expired", "", []any{"delay"}, int64(1)})
-		equal(t, "x-first-death-reason", d.Headers["x-first-death-reason"], "expired")
-		equal(t, "routing key", d.RoutingKey, "work")
+		assert.Equal(t, []any{"delay", "expired", "", []any{"delay"}, int64(1)},
+			[]any{death["queue"], death["reason"], death["exchange"], death["routing-keys"], death["count"]}, "x-death record")
+		assert.Equal(t, "expired", d.Headers["x-first-death-reason"], "x-first-death-reason")
+		assert.Equal(t, "work", d.RoutingKey, "routing key")
 		// Republish the delivered copy to the delay queue, as the broker
 		// does: the count grows, the record stays single.
-		noErr(t, "Ack", d.Ack(false))
+		require.NoError(t, d.Ack(false))
 		d = expire(amqp.Publishing{MessageId: "m", Headers: d.Headers})
-		noErr(t, "Ack", d.Ack(false))
+		require.NoError(t, d.Ack(false))
 		deaths = d.Headers["x-death"].([]any)
-		equal(t, "x-death records after a second hop", len(deaths), 1)
-		equal(t, "x-death count after a second hop", deaths[0].(amqp.Table)["count"], int64(2))
+		assert.Equal(t, 1, len(deaths), "x-death records after a second hop")
+		assert.Equal(t, int64(2), deaths[0].(amqp.Table)["count"], "x-death count after a second hop")
 	})
 }
 
 func TestDeclareEquivalence(t *testing.T) {
 	_, c := memSession(t, "q", amqp.Table{"x-queue-type": "quorum", "x-message-ttl": int32(5)})
 	ctx := context.Background()
-	noErr(t, "same arguments, other integer type", c.Declare(ctx, []transport.QueueSpec{{Name: "q", Args: amqp.Table{"x-queue-type": "quorum", "x-message-ttl": int64(5)}}}))
+	require.NoError(t, c.Declare(ctx, []transport.QueueSpec{{Name: "q", Args: amqp.Table{"x-queue-type": "quorum", "x-message-ttl": int64(5)}}}))
 	err := c.Declare(ctx, []transport.QueueSpec{{Name: "q", Args: amqp.Table{"x-message-ttl": int64(5)}}})
 	var ae *amqp.Error
 	if !errors.As(err, &ae) || ae.Code != amqp.PreconditionFailed {
 		t.Fatalf("declare without x-queue-type = %v; want 406", err)
 	}
-	contains(t, "reason", ae.Reason, "inequivalent arg 'x-queue-type'")
+	assert.Contains(t, ae.Reason, "inequivalent arg 'x-queue-type'", "reason")
 	err = c.Declare(ctx, []transport.QueueSpec{{Name: "missing", Passive: true}})
 	if !errors.As(err, &ae) || ae.Code != amqp.NotFound {
 		t.Errorf("passive declare of a missing queue = %v; want 404", err)
@@ -169,21 +169,21 @@ func TestCloseEndsGoroutines(t *testing.T) {
 	s, _ := (dialer{m}).Dial(context.Background(), "test")
 	c := s.(*memConn)
 	ctx := context.Background()
-	noErr(t, "declare", c.Declare(ctx, []transport.QueueSpec{{Name: "q"}, {Name: "d", Args: amqp.Table{"x-message-ttl": int64(time.Hour / time.Millisecond)}}}))
-	noErr(t, "publish", c.Publish(ctx, "", "d", amqp.Publishing{}))
+	require.NoError(t, c.Declare(ctx, []transport.QueueSpec{{Name: "q"}, {Name: "d", Args: amqp.Table{"x-message-ttl": int64(time.Hour / time.Millisecond)}}}))
+	require.NoError(t, c.Publish(ctx, "", "d", amqp.Publishing{}))
 	_, err := c.Consume("q", "a", 0)
-	noErr(t, "consume", err)
+	require.NoError(t, err)
 	_, err = c.Consume("q", "b", 0) // never read from
-	noErr(t, "consume", err)
-	noErr(t, "publish", c.Publish(ctx, "", "q", amqp.Publishing{}))
-	noErr(t, "publish", c.Publish(ctx, "", "q", amqp.Publishing{}))
-	noErr(t, "cancel", c.Cancel("a")) // cancelled with a delivery not taken
-	noErr(t, "cancel", c.Cancel("b"))
-	noErr(t, "declare", c.Declare(ctx, []transport.QueueSpec{{Name: "q2"}}))
+	require.NoError(t, err)
+	require.NoError(t, c.Publish(ctx, "", "q", amqp.Publishing{}))
+	require.NoError(t, c.Publish(ctx, "", "q", amqp.Publishing{}))
+	require.NoError(t, c.Cancel("a")) // cancelled with a delivery not taken
+	require.NoError(t, c.Cancel("b"))
+	require.NoError(t, c.Declare(ctx, []transport.QueueSpec{{Name: "q2"}}))
 	_, err = c.Consume("q2", "c", 0)
-	noErr(t, "consume", err)
-	noErr(t, "publish", c.Publish(ctx, "", "q2", amqp.Publishing{}))
-	noErr(t, "delete", c.Delete(ctx, []string{"q2"})) // cancelled by the server, not read from
+	require.NoError(t, err)
+	require.NoError(t, c.Publish(ctx, "", "q2", amqp.Publishing{}))
+	require.NoError(t, c.Delete(ctx, []string{"q2"})) // cancelled by the server, not read from
 	m.Close()
 	if _, err := (dialer{m}).Dial(ctx, "test"); !errors.Is(err, transport.ErrClosed) {
 		t.Errorf("dial after Close = %v; want ErrClosed", err)
@@ -195,33 +195,12 @@ func TestDeadLetterCycle(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		_, c := memSession(t, "a", amqp.Table{"x-message-ttl": int64(0), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "b"})
 		ctx := context.Background()
-		noErr(t, "declare", c.Declare(ctx, []transport.QueueSpec{{Name: "b", Args: amqp.Table{
+		require.NoError(t, c.Declare(ctx, []transport.QueueSpec{{Name: "b", Args: amqp.Table{
 			"x-message-ttl": int64(0), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "a"}}}))
-		noErr(t, "publish", c.Publish(ctx, "", "a", amqp.Publishing{}))
+		require.NoError(t, c.Publish(ctx, "", "a", amqp.Publishing{}))
 		synctest.Wait() // the clock has run: at once, for a TTL of 0
 		na, _ := c.Length(ctx, "a")
 		nb, _ := c.Length(ctx, "b")
-		equal(t, "messages left in the cycle", na+nb, 0)
+		assert.Equal(t, 0, na+nb, "messages left in the cycle")
 	})
-}
-
-func noErr(t *testing.T, what string, err error) {
-	t.Helper()
-	if err != nil {
-		t.Fatalf("%s = %v; want nil", what, err)
-	}
-}
-
-func equal(t *testing.T, what string, got, want any) {
-	t.Helper()
-	if !reflect.DeepEqual(got, want) {
-		t.Errorf("%s = %#v; want %#v", what, got, want)
-	}
-}
-
-func contains(t *testing.T, what, s, sub string) {
-	t.Helper()
-	if !strings.Contains(s, sub) {
-		t.Errorf("%s = %q; want it to contain %q", what, s, sub)
-	}
 }
