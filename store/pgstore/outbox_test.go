@@ -241,8 +241,9 @@ func TestOutboxDispatchWithoutCommitLeavesRowsPending(t *testing.T) {
 	_, err := ob.Dispatch(context.Background(), 10, false, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
 		results[0].Sent = true
 		// The relay's connection dies after the confirm, before the
-		// commit.
-		_, err := pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+		// commit. pg_terminate_backend waits until it has gone, and its
+		// row locks with it.
+		_, err := pool.Exec(ctx, `SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity
 WHERE state = 'idle in transaction' AND query LIKE '%FOR UPDATE SKIP LOCKED%' AND query LIKE '%'||$1||'%'`, ob.Table())
 		require.NoError(t, err)
 	})
