@@ -51,6 +51,16 @@ const (
 	// republishes (RabbitMQ refuses a publish whose user-id is not the
 	// connection's user, so the copy goes without it).
 	HeaderUserID = "x-rabbitmw-user-id"
+	// HeaderOriginalExpiration keeps the Expiration property (a per-message
+	// TTL) of a message that the broker copies: no copy carries one, so
+	// that nothing expires out of a delay or dead-letter queue, as
+	// RabbitMQ's own dead-lettering removes it (and keeps it in x-death as
+	// original-expiration).
+	HeaderOriginalExpiration = "x-rabbitmw-original-expiration"
+	// HeaderOriginalDeliveryMode keeps the DeliveryMode property (an
+	// int64) of a message that was not persistent when the broker copied
+	// it: every copy is persistent.
+	HeaderOriginalDeliveryMode = "x-rabbitmw-original-delivery-mode"
 	// HeaderMalformedXDeath keeps an x-death header that is not what
 	// RabbitMQ itself writes (an array of tables, each with an integer
 	// count), moved there from the copy sent to a delay queue: RabbitMQ
