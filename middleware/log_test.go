@@ -28,17 +28,18 @@ func TestLog(t *testing.T) {
 		{
 			name:   "acked",
 			want:   map[string]any{"level": "INFO", "msg": "delivery", "outcome": "acked", "attempt": 1.0, "message_id": "m1", "delivery_tag": 1.0, "redelivered": false, "routing_key": "orders"},
-			absent: []string{"error", "delay"},
+			absent: []string{"error", "error_type", "delay"},
 		},
 		{
 			name:   "duplicate",
 			result: fmt.Errorf("dedup: %w", rabbitmw.ErrDuplicate),
 			want:   map[string]any{"level": "INFO", "outcome": "duplicate", "error": "dedup: rabbitmw: duplicate delivery"},
+			absent: []string{"error_type"},
 		},
 		{
 			name:   "requeued",
 			result: errBoom,
-			want:   map[string]any{"level": "WARN", "outcome": "requeued", "error": "boom"},
+			want:   map[string]any{"level": "WARN", "outcome": "requeued", "error": "boom", "error_type": "error"},
 		},
 		{
 			name:   "delayed, with the attempt a layer counted",
@@ -49,12 +50,12 @@ func TestLog(t *testing.T) {
 			name:   "dead-lettered",
 			result: rabbitmw.Permanent(errBoom),
 			header: int32(4),
-			want:   map[string]any{"level": "ERROR", "outcome": "dead-lettered", "attempt": 5.0},
+			want:   map[string]any{"level": "ERROR", "outcome": "dead-lettered", "attempt": 5.0, "error_type": "error"},
 		},
 		{
 			name:   "recovered panic carries its stack",
 			result: &rabbitmw.PanicError{Value: "x", Stack: []byte("goroutine 1 [running]")},
-			want:   map[string]any{"level": "WARN", "outcome": "requeued", "error": "panic: x", "stack": "goroutine 1 [running]"},
+			want:   map[string]any{"level": "WARN", "outcome": "requeued", "error": "panic: x", "error_type": "panic", "stack": "goroutine 1 [running]"},
 		},
 	}
 	for _, tt := range tests {
