@@ -219,7 +219,7 @@ func TestLogWithAttrsOrder(t *testing.T) {
 	}
 	h := middleware.LogWith(l, middleware.LogOptions{AppendAttrs: many})(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return errBoom }))
 	h.Handle(context.Background(), &amqp.Delivery{MessageId: "m1", DeliveryTag: 2})
-	want := "level=WARN msg=delivery message_id=m1 delivery_tag=2 routing_key=\"\" redelivered=false attempt=1 outcome=requeued error=boom" +
+	want := "level=WARN msg=delivery message_id=m1 delivery_tag=2 routing_key=\"\" redelivered=false attempt=1 outcome=requeued error=boom error_type=error" +
 		" a0=0 a1=1 a2=2 a3=3 a4=4 a5=5 a6=6 a7=7 a8=8 a9=9 a10=10 a11=11\n"
 	if got := buf.String(); got != want {
 		t.Errorf("record =\n%s; want\n%s", got, want)
