@@ -16,6 +16,7 @@ func init() {
 	expose.Refusal = refusal
 	expose.LostError = lostError
 	expose.Republishing = republishing
+	expose.AsCopy = asCopy
 	expose.WellFormedXDeath = wellFormedXDeath
 }
 

@@ -1,7 +1,7 @@
 // Package expose hands package deadletter the parts of package broker
 // that it builds on and that broker does not export: a session of a
 // Broker's own, and the broker's reading of a server's refusal and of a
-// lost connection, the copy it publishes of a message, and the form it
+// lost connection, the copies it publishes of a message, and the form it
 // expects of x-death. Package broker sets each variable when it is
 // initialised, so they are set before any package that imports broker
 // runs.
@@ -26,6 +26,9 @@ var (
 	// LostError wraps err as broker.ErrConnectionLost, unless it already
 	// is one.
 	LostError func(err error) error
+	// AsCopy returns msg as every copy the broker makes goes (its
+	// Expiration, UserId and a transient DeliveryMode kept in headers).
+	AsCopy func(msg amqp.Publishing) amqp.Publishing
 	// Republishing returns a persistent copy of d with headers h (which
 	// it may modify), as the broker publishes every copy it makes.
 	Republishing func(d *amqp.Delivery, h amqp.Table) amqp.Publishing
