@@ -297,8 +297,8 @@ func (c *consumer) run(ctx context.Context) error {
 // the consumer is started. serve closes s before it returns.
 func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.CancelFunc, s session, consuming func()) error {
 	defer s.Close()
-	if err := s.Declare(ctx, c.top.specs()); err != nil {
-		return c.top.refusal(err)
+	if err := c.top.declare(ctx, s); err != nil {
+		return err
 	}
 	deliveries, err := s.Consume(c.top.queue, c.tag, c.prefetch)
 	if err != nil {
