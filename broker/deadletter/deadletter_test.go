@@ -128,7 +128,7 @@ func testListKeepsTheQueue(t *testing.T, be backend) {
 		t.Errorf("first, last failure = %v, %v; want in [%v, now], first not after last", dl.FirstFailure, dl.LastFailure, before)
 	}
 
-	dls, err = f.in.List(ctx, f.q, ListOptions{Filter: Filter{ErrorType: "*errors.errorString"}, Limit: 3})
+	dls, err = f.in.List(ctx, f.q, ListOptions{Filter: Filter{ErrorType: "error"}, Limit: 3})
 	require.NoError(t, err, "DeadLetters")
 	assert.Equal(t, all[:3], ids(dls), "first 3 of an error type")
 	dls, err = f.in.List(ctx, f.q, ListOptions{Filter: Filter{Until: before}})
