@@ -132,9 +132,15 @@ type ImportOptions struct {
 // [Broker.ExportDeadLetters], to the dead-letter queue of work queue queue
 // (or to opts.To), in order, each with publisher confirms, and returns the
 // number published. Each goes as it was exported: body, properties and
-// headers, types included, but UserId, which moves to [HeaderUserID]
-// (RabbitMQ refuses a publish whose user-id is not the connection's). An
-// empty MessageId stays empty.
+// headers, types included, but for the properties no copy the broker
+// makes carries (see [Broker.Consume]): an Expiration does not come back
+// (nothing in a dead-letter queue expires), it moves to
+// [HeaderOriginalExpiration]; UserId moves to [HeaderUserID] (RabbitMQ
+// refuses a publish whose user-id is not the connection's); a message that
+// was not persistent goes persistent, its mode in
+// [HeaderOriginalDeliveryMode]. A header already there is kept, so a
+// message exported from a dead-letter queue goes back exactly as it was.
+// An empty MessageId stays empty.
 //
 // A line that is not an exported message stops the import, with an error
 // that names its line; the messages before it were published. It refuses
@@ -215,8 +221,8 @@ func ExportMessage(queue string, d *amqp.Delivery) (*ExportedMessage, error) {
 	return m, nil
 }
 
-// Publishing returns the message m describes, ready to publish (see
-// [Broker.ImportDeadLetters] for UserId).
+// Publishing returns the message m describes, ready to publish as a copy
+// (see [Broker.ImportDeadLetters]).
 func (m *ExportedMessage) Publishing() (amqp.Publishing, error) {
 	body, err := base64.StdEncoding.DecodeString(m.Body)
 	if err != nil {
@@ -234,22 +240,16 @@ func (m *ExportedMessage) Publishing() (amqp.Publishing, error) {
 			h[k] = v
 		}
 	}
-	if p.UserID != "" {
-		if h == nil {
-			h = amqp.Table{}
-		}
-		setIfAbsent(h, HeaderUserID, p.UserID)
-	}
 	var ts time.Time
 	if !p.Timestamp.IsZero() {
 		ts = time.Unix(p.Timestamp.Unix(), 0) // as amqp091 decodes it
 	}
-	return amqp.Publishing{
+	return asCopy(amqp.Publishing{
 		Headers: h, ContentType: p.ContentType, ContentEncoding: p.ContentEncoding,
 		DeliveryMode: p.DeliveryMode, Priority: p.Priority, CorrelationId: p.CorrelationID,
 		ReplyTo: p.ReplyTo, Expiration: p.Expiration, MessageId: p.MessageID, Timestamp: ts,
-		Type: p.Type, AppId: p.AppID, Body: body,
-	}, nil
+		Type: p.Type, UserId: p.UserID, AppId: p.AppID, Body: body,
+	}), nil
 }
 
 func raw(v any) json.RawMessage {

@@ -51,6 +51,16 @@ const (
 	// republishes (RabbitMQ refuses a publish whose user-id is not the
 	// connection's user, so the copy goes without it).
 	HeaderUserID = "x-rabbitmw-user-id"
+	// HeaderOriginalExpiration keeps the Expiration property (a per-message
+	// TTL) of a message that the broker copies: no copy carries one, so
+	// that nothing expires out of a delay or dead-letter queue, as
+	// RabbitMQ's own dead-lettering removes it (and keeps it in x-death as
+	// original-expiration).
+	HeaderOriginalExpiration = "x-rabbitmw-original-expiration"
+	// HeaderOriginalDeliveryMode keeps the DeliveryMode property (an
+	// int64) of a message that was not persistent when the broker copied
+	// it: every copy is persistent.
+	HeaderOriginalDeliveryMode = "x-rabbitmw-original-delivery-mode"
 	// HeaderMalformedXDeath keeps an x-death header that is not what
 	// RabbitMQ itself writes (an array of tables, each with an integer
 	// count), moved there from the copy sent to a delay queue: RabbitMQ
@@ -280,17 +290,14 @@ func wellFormedXDeath(v any) bool {
 	return true
 }
 
-// republishing returns a persistent copy of d with headers h (which it may
-// modify): every property kept but UserId, which moves to HeaderUserID.
+// republishing returns the copy of d with headers h (which it may
+// modify), as [asCopy] makes it.
 func republishing(d *amqp.Delivery, h amqp.Table) amqp.Publishing {
-	if d.UserId != "" {
-		setIfAbsent(h, HeaderUserID, d.UserId)
-	}
-	return amqp.Publishing{
+	return asCopy(amqp.Publishing{
 		Headers:         h,
 		ContentType:     d.ContentType,
 		ContentEncoding: d.ContentEncoding,
-		DeliveryMode:    amqp.Persistent,
+		DeliveryMode:    d.DeliveryMode,
 		Priority:        d.Priority,
 		CorrelationId:   d.CorrelationId,
 		ReplyTo:         d.ReplyTo,
@@ -298,8 +305,70 @@ func republishing(d *amqp.Delivery, h amqp.Table) amqp.Publishing {
 		MessageId:       d.MessageId,
 		Timestamp:       d.Timestamp,
 		Type:            d.Type,
+		UserId:          d.UserId,
 		AppId:           d.AppId,
 		Body:            d.Body,
+	})
+}
+
+// asCopy returns msg as every copy the broker makes goes (a delay,
+// dead-letter, replayed or imported copy): every property kept but three,
+// each kept in a header unless the header is there already (an earlier
+// copy wrote it):
+//
+//   - Expiration goes to HeaderOriginalExpiration: nothing in a delay or
+//     dead-letter queue expires, as RabbitMQ's own dead-lettering removes
+//     the property;
+//   - UserId goes to HeaderUserID: RabbitMQ refuses a publish by another
+//     user;
+//   - DeliveryMode is persistent; a message that was not goes with its
+//     mode in HeaderOriginalDeliveryMode.
+//
+// [asPublished] gives them back to the delivery a handler sees. msg's
+// headers may be modified.
+func asCopy(msg amqp.Publishing) amqp.Publishing {
+	keep := func(k string, v any) {
+		if msg.Headers == nil {
+			msg.Headers = amqp.Table{}
+		}
+		setIfAbsent(msg.Headers, k, v)
+	}
+	if msg.Expiration != "" {
+		keep(HeaderOriginalExpiration, msg.Expiration)
+		msg.Expiration = ""
+	}
+	if msg.UserId != "" {
+		keep(HeaderUserID, msg.UserId)
+		msg.UserId = ""
+	}
+	if msg.DeliveryMode != amqp.Persistent {
+		keep(HeaderOriginalDeliveryMode, int64(msg.DeliveryMode))
+		msg.DeliveryMode = amqp.Persistent
+	}
+	return msg
+}
+
+// asPublished gives d, delivered from a work queue, the fields it had when
+// first delivered, which the copies that brought it back (from a delay
+// queue, or replayed from the dead-letter queue) changed: Exchange and
+// RoutingKey from HeaderOriginalExchange and HeaderOriginalRoutingKey,
+// and the properties that [asCopy] keeps in headers. A header of another
+// type, or a property d carries itself, is left alone.
+func asPublished(d *amqp.Delivery) {
+	h := d.Headers
+	if ex, ok := h[HeaderOriginalExchange].(string); ok {
+		if key, ok := h[HeaderOriginalRoutingKey].(string); ok {
+			d.Exchange, d.RoutingKey = ex, key
+		}
+	}
+	if v, ok := h[HeaderUserID].(string); ok && d.UserId == "" {
+		d.UserId = v
+	}
+	if v, ok := h[HeaderOriginalExpiration].(string); ok && d.Expiration == "" {
+		d.Expiration = v
+	}
+	if v, ok := header.Integer(h[HeaderOriginalDeliveryMode]); ok && v >= 0 && v < int64(amqp.Persistent) && d.DeliveryMode == amqp.Persistent {
+		d.DeliveryMode = uint8(v)
 	}
 }
 

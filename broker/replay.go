@@ -84,10 +84,14 @@ type ReplayResult struct {
 // Dedup layer absorbs. Replay does not reconnect, and stops at the first
 // error: run it again.
 //
-// The copy keeps the body, the properties (UserId moves to
-// [HeaderUserID], as on every copy the broker makes) and the headers, but
-// for the fault headers and dead-letter records, which move into
-// [HeaderHistory]; [HeaderReplays] counts one more. The copy carries no
+// The copy keeps the body, the properties and the headers, but for the
+// fault headers and dead-letter records, which move into [HeaderHistory];
+// [HeaderReplays] counts one more. Like every copy the broker makes (see
+// [Broker.Consume]), it carries no Expiration: the replayed message does
+// not expire in the work queue, however long it waits there (the original
+// stays in [HeaderOriginalExpiration]); its UserId stays in [HeaderUserID].
+// The handler sees the message as first delivered: its exchange, routing
+// key, UserId and Expiration as published. The copy carries no
 // x-death, so neither this publish nor a later dead-lettering can meet
 // RabbitMQ's dead-letter cycle check with a record of the work queue.
 //

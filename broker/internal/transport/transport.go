@@ -49,8 +49,12 @@ type Transport interface {
 // other arguments, no permission) returns an *amqp.Error with Server set,
 // possibly wrapped in a *QueueError naming the queue.
 type Session interface {
-	// Declare declares (or, when passive, checks) each queue in order.
+	// Declare declares (or, when passive, checks) each queue in order,
+	// and binds it as its spec says.
 	Declare(ctx context.Context, specs []QueueSpec) error
+	// DeclareExchanges declares (or, when passive, checks) each exchange
+	// in order.
+	DeclareExchanges(ctx context.Context, specs []ExchangeSpec) error
 	// Consume sets the prefetch count (0: unlimited) and starts a consumer
 	// with manual acks. The returned channel is closed when the consumer
 	// is cancelled (by Cancel, after the deliveries already received have
@@ -92,12 +96,44 @@ type Session interface {
 	Close() error
 }
 
-// A QueueSpec is one queue to declare, or to check (Passive).
+// A QueueSpec is one queue to declare, or to check (Passive), and the
+// bindings to make once it is declared.
 type QueueSpec struct {
-	Name    string
-	Passive bool
-	Args    amqp.Table
+	Name     string
+	Passive  bool
+	Args     amqp.Table
+	Bindings []BindingSpec
 }
+
+// A BindingSpec binds a queue to Exchange with routing key Key.
+type BindingSpec struct {
+	Exchange string
+	Key      string
+	Args     amqp.Table
+}
+
+// An ExchangeSpec is one exchange to declare, or to check (Passive).
+type ExchangeSpec struct {
+	Name       string
+	Kind       string
+	Durable    bool
+	AutoDelete bool
+	Internal   bool
+	Passive    bool
+	Args       amqp.Table
+}
+
+// An ExchangeError is a server refusal about one exchange: declaring or
+// checking it, or binding a queue to it.
+type ExchangeError struct {
+	Exchange string
+	Err      error
+}
+
+func (e *ExchangeError) Error() string {
+	return "exchange " + strconv.Quote(e.Exchange) + ": " + e.Err.Error()
+}
+func (e *ExchangeError) Unwrap() error { return e.Err }
 
 // A QueueError is a server refusal about one queue.
 type QueueError struct {
