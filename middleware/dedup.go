@@ -22,13 +22,13 @@ import (
 // succeeded).
 var (
 	// ErrBusy: another consumer holds the claim on the message's key.
-	ErrBusy = rabbitmw.NotCounted(errors.New("middleware: message is being processed by another consumer"))
+	ErrBusy = rabbitmw.NotCounted(&sentinel{"middleware: message is being processed by another consumer", "busy"})
 	// ErrStoreUnavailable: the store did not answer, so the message was
 	// not processed (fail closed), or its done mark could not be written.
-	ErrStoreUnavailable = rabbitmw.NotCounted(errors.New("middleware: idempotency store unavailable"))
+	ErrStoreUnavailable = rabbitmw.NotCounted(&sentinel{"middleware: idempotency store unavailable", "store_unavailable"})
 	// ErrLeaseLost: the claim was taken over or deleted while the handler
 	// ran, so its result was not recorded.
-	ErrLeaseLost = rabbitmw.NotCounted(errors.New("middleware: claim lost"))
+	ErrLeaseLost = rabbitmw.NotCounted(&sentinel{"middleware: claim lost", "lease_lost"})
 )
 
 // ErrAbandoned is returned by [Dedup] when the message's last attempt never
@@ -39,7 +39,7 @@ var (
 // Dedup's other errors, it is a failed attempt, and [Retry] counts it: a
 // message that kills every consumer that handles it is dead-lettered after
 // MaxAttempts crashes instead of looping.
-var ErrAbandoned = errors.New("middleware: an attempt never finished: its consumer died, or lost its lease, while handling the message")
+var ErrAbandoned error = &sentinel{"middleware: an attempt never finished: its consumer died, or lost its lease, while handling the message", "abandoned"}
 
 // DedupOptions configures [Dedup]. The zero value selects the defaults.
 // Dedup panics on a negative duration.
