@@ -257,6 +257,9 @@ func (e *env) show(dl *deadletter.Message) {
 	row("host", dl.Host)
 	row("process", dl.Process)
 	row("replays", strconv.Itoa(dl.Replays))
+	if ms := originalExpiration(d.Headers); ms != "" {
+		row("original expiration", ms+" ms (not applied in the dead-letter queue, nor on a replay)")
+	}
 	row("malformed headers", strings.Join(dl.Malformed, ", "))
 	row("content type", d.ContentType)
 	row("content encoding", d.ContentEncoding)
@@ -281,6 +284,25 @@ func (e *env) show(dl *deadletter.Message) {
 	} else {
 		fmt.Fprintf(e.stdout, "  %q%s\n", body, more)
 	}
+}
+
+// originalExpiration returns the Expiration property a dead letter was
+// published with, which no copy carries: from broker.HeaderOriginalExpiration,
+// or else from the first x-death record with one (RabbitMQ's own
+// dead-lettering keeps it there); "" if none.
+func originalExpiration(h amqp.Table) string {
+	if v, ok := h[broker.HeaderOriginalExpiration].(string); ok {
+		return v
+	}
+	deaths, _ := h["x-death"].([]any)
+	for _, d := range deaths {
+		if r, ok := d.(amqp.Table); ok {
+			if v, ok := r["original-expiration"].(string); ok {
+				return v
+			}
+		}
+	}
+	return ""
 }
 
 // printTable prints headers with their types, sorted, nested tables

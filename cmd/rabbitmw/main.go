@@ -25,6 +25,12 @@
 // --since and --until take an RFC 3339 time or a duration before now
 // ("2h"). Filters select the messages that pass them all.
 //
+// Replayed and imported messages carry no Expiration: nothing in a
+// dead-letter queue expires, and a replayed message does not expire on its
+// way back to its handler. The per-message TTL a message was published
+// with stays in its x-rabbitmw-original-expiration header, which dlq show
+// prints.
+//
 // Exit codes:
 //
 //	0  done
