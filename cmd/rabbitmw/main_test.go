@@ -225,7 +225,7 @@ func TestCLI(t *testing.T) {
 
 	out, stderr, code = cli(t, url, nil, "key", "a", "--redis", testenv.RedisAddr(t), "--prefix", prefix, "--namespace", "ns")
 	expectCode(t, "key a", code, exitOK, stderr)
-	if !strings.Contains(out, "absent") || !strings.Contains(out, "failures            2") && !strings.Contains(out, "failures  2") {
+	if words := strings.Join(strings.Fields(out), " "); !strings.Contains(words, "state absent") || !strings.Contains(words, "failures 2") {
 		t.Errorf("key a output:\n%s", out)
 	}
 	out, stderr, code = cli(t, url, nil, "key", "--json", "b", "--redis", "redis://"+testenv.RedisAddr(t), "--prefix", prefix, "--namespace", "ns")
