@@ -24,13 +24,29 @@ const defaultURL = "amqp://guest:guest@127.0.0.1:5672/"
 
 // common are the flags every command that talks to RabbitMQ has.
 type common struct {
-	url   string
+	urls  urlList
 	queue string
 	json  bool
 }
 
+// urlList is a repeatable flag of AMQP URLs, each value one URL or
+// several separated by commas.
+type urlList []string
+
+func (l *urlList) String() string { return strings.Join(*l, ",") }
+
+func (l *urlList) Set(v string) error {
+	for u := range strings.SplitSeq(v, ",") {
+		if u = strings.TrimSpace(u); u == "" {
+			return errors.New("empty URL")
+		}
+		*l = append(*l, u)
+	}
+	return nil
+}
+
 func (c *common) register(fs *flag.FlagSet, queue bool) {
-	fs.StringVar(&c.url, "amqp", "", "AMQP URL of the server (default $RABBITMQ_URL, else "+defaultURL+")")
+	fs.Var(&c.urls, "amqp", "AMQP URL of the server; repeated or comma-separated for the nodes of a cluster (default $RABBITMQ_URL, else "+defaultURL+")")
 	if queue {
 		fs.StringVar(&c.queue, "q", "", "the work queue (required)")
 	}
@@ -38,14 +54,21 @@ func (c *common) register(fs *flag.FlagSet, queue bool) {
 }
 
 func (c *common) broker() *broker.Broker {
-	url := c.url
-	if url == "" {
-		url = os.Getenv("RABBITMQ_URL")
+	urls := c.urls
+	if len(urls) == 0 {
+		if env := os.Getenv("RABBITMQ_URL"); env != "" {
+			// A malformed list fails at the first connection, naming it.
+			_ = urls.Set(env)
+		}
 	}
-	if url == "" {
-		url = defaultURL
+	opts := broker.Options{ReconnectMax: 2 * time.Second}
+	switch len(urls) {
+	case 0:
+		return broker.New(defaultURL, opts)
+	case 1:
+		return broker.New(urls[0], opts)
 	}
-	return broker.New(url, broker.Options{ReconnectMax: 2 * time.Second})
+	return broker.NewCluster(broker.Addresses(urls), opts)
 }
 
 // newFlags returns a flag set that reports its errors to the caller.

@@ -16,7 +16,9 @@
 //	rabbitmw topology declare|delete|show -q orders [--quorum] [--delivery-limit N] [--delays 1s,5s]
 //
 // The server is --amqp, or else $RABBITMQ_URL, or else
-// amqp://guest:guest@127.0.0.1:5672/. Output is a table, or JSON with
+// amqp://guest:guest@127.0.0.1:5672/. For a cluster, repeat --amqp or
+// separate the nodes' URLs with commas (in $RABBITMQ_URL too): each
+// connection goes to one node that answers. Output is a table, or JSON with
 // --json. Long reads and replays draw a progress bar on standard error
 // when it is a terminal.
 //
