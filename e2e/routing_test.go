@@ -24,6 +24,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/otelmw"
@@ -111,10 +112,10 @@ func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
 	require.NoError(t, b.Publish(ctx, exchange, "order.created", amqp.Publishing{MessageId: "o1", UserId: "guest", Body: []byte("x")}))
 	var dead *amqp.Delivery
 	require.Eventually(t, func() bool {
-		dls, err := b.DeadLetters(ctx, q, broker.ListOptions{})
+		dls, err := deadletter.New(b).List(ctx, q, deadletter.ListOptions{})
 		require.NoError(t, err)
 		if len(dls) == 1 {
-			dead = dls[0].Message
+			dead = dls[0].Delivery
 		}
 		return dead != nil
 	}, 20*time.Second, 20*time.Millisecond, "the message was not dead-lettered")
@@ -122,7 +123,7 @@ func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
 	assert.Equal(t, exchange, dead.Headers[broker.HeaderOriginalExchange])
 	assert.Equal(t, "order.created", dead.Headers[broker.HeaderOriginalRoutingKey])
 
-	res, err := b.Replay(ctx, q, broker.ReplayOptions{})
+	res, err := deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Replayed)
 	require.Eventually(t, func() bool {

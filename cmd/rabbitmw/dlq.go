@@ -17,6 +17,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -46,7 +47,7 @@ func classify(err error) error {
 	switch {
 	case err == nil:
 		return nil
-	case errors.Is(err, broker.ErrNoDestination), errors.Is(err, broker.ErrQueueNotFound):
+	case errors.Is(err, deadletter.ErrNoDestination), errors.Is(err, broker.ErrQueueNotFound):
 		return &exitError{exitRefused, err}
 	}
 	return err
@@ -100,7 +101,7 @@ func (e *env) dlqList(ctx context.Context, args []string) error {
 	b := q.broker()
 	defer b.Close()
 	bar := newProgress(e.stderr, "reading")
-	dls, err := b.DeadLetters(ctx, q.queue, broker.ListOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
+	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
 	bar.done()
 	if err != nil {
 		return classify(err)
@@ -112,15 +113,15 @@ func (e *env) dlqList(ctx context.Context, args []string) error {
 	return nil
 }
 
-func nonNil(dls []*broker.DeadLetter) []*broker.DeadLetter {
+func nonNil(dls []*deadletter.Message) []*deadletter.Message {
 	if dls == nil {
-		return []*broker.DeadLetter{}
+		return []*deadletter.Message{}
 	}
 	return dls
 }
 
 // table prints dead-lettered messages, one a line.
-func (e *env) table(dls []*broker.DeadLetter) {
+func (e *env) table(dls []*deadletter.Message) {
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "ID\tQUEUE\tATTEMPTS\tERROR TYPE\tFIRST FAILURE\tLAST FAILURE\tREPLAYS\tSIZE\tERROR")
 	for _, dl := range dls {
@@ -181,7 +182,7 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 	}
 	b := q.broker()
 	defer b.Close()
-	dls, err := b.DeadLetters(ctx, q.queue, broker.ListOptions{Filter: broker.Filter{IDs: pos}})
+	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: deadletter.Filter{IDs: pos}})
 	if err != nil {
 		return classify(err)
 	}
@@ -191,13 +192,13 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 	if q.json {
 		var out []any
 		for _, dl := range dls {
-			m, err := broker.ExportMessage(q.queue+".dlq", dl.Message)
+			m, err := deadletter.ExportMessage(q.queue+".dlq", dl.Delivery)
 			if err != nil {
 				return err
 			}
 			out = append(out, struct {
-				*broker.DeadLetter
-				Message *broker.ExportedMessage `json:"message"`
+				*deadletter.Message
+				Exported *deadletter.ExportedMessage `json:"message"`
 			}{dl, m})
 		}
 		return writeJSON(e.stdout, out)
@@ -212,8 +213,8 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 }
 
 // show prints one message in full.
-func (e *env) show(dl *broker.DeadLetter) {
-	d := dl.Message
+func (e *env) show(dl *deadletter.Message) {
+	d := dl.Delivery
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	row := func(k, v string) {
 		if v != "" {
@@ -303,7 +304,7 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 	if *limit < 0 || *rate < 0 {
 		return usageError("--limit and --rate must not be negative")
 	}
-	opts := broker.ReplayOptions{Filter: q.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HistoryLimit: *history}
+	opts := deadletter.ReplayOptions{Filter: q.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HistoryLimit: *history}
 	if *reset {
 		st, closeStore, err := sf.open(ctx)
 		if err != nil {
@@ -327,16 +328,16 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 		scan.done()
 		bar.update(done, total)
 	}
-	res, err := b.Replay(ctx, q.queue, opts)
+	res, err := deadletter.New(b).Replay(ctx, q.queue, opts)
 	scan.done()
 	bar.done()
 	if q.json {
 		if jerr := writeJSON(e.stdout, struct {
-			Scanned  int                  `json:"scanned"`
-			Selected []*broker.DeadLetter `json:"selected"`
-			Replayed int                  `json:"replayed"`
-			DryRun   bool                 `json:"dry_run"`
-			Error    string               `json:"error,omitempty"`
+			Scanned  int                   `json:"scanned"`
+			Selected []*deadletter.Message `json:"selected"`
+			Replayed int                   `json:"replayed"`
+			DryRun   bool                  `json:"dry_run"`
+			Error    string                `json:"error,omitempty"`
 		}{res.Scanned, nonNil(res.Selected), res.Replayed, *dry, errText(err)}); jerr != nil {
 			return jerr
 		}
@@ -372,13 +373,13 @@ func (e *env) dlqPurge(ctx context.Context, args []string) error {
 	b := q.broker()
 	defer b.Close()
 	bar := newProgress(e.stderr, "reading")
-	removed, err := b.PurgeDeadLetters(ctx, q.queue, broker.PurgeOptions{Filter: q.filter(), DryRun: *dry, Limit: *limit, ScanProgress: bar.update})
+	removed, err := deadletter.New(b).Purge(ctx, q.queue, deadletter.PurgeOptions{Filter: q.filter(), DryRun: *dry, Limit: *limit, ScanProgress: bar.update})
 	bar.done()
 	if q.json {
 		if jerr := writeJSON(e.stdout, struct {
-			Removed []*broker.DeadLetter `json:"removed"`
-			DryRun  bool                 `json:"dry_run"`
-			Error   string               `json:"error,omitempty"`
+			Removed []*deadletter.Message `json:"removed"`
+			DryRun  bool                  `json:"dry_run"`
+			Error   string                `json:"error,omitempty"`
 		}{nonNil(removed), *dry, errText(err)}); jerr != nil {
 			return jerr
 		}
@@ -403,7 +404,7 @@ func (e *env) dlqExport(ctx context.Context, args []string) error {
 	defer b.Close()
 	bar := newProgress(e.stderr, "exporting")
 	w := bufio.NewWriter(e.stdout)
-	n, err := b.ExportDeadLetters(ctx, q.queue, w, broker.ExportOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
+	n, err := deadletter.New(b).Export(ctx, q.queue, w, deadletter.ExportOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
 	bar.done()
 	if ferr := w.Flush(); err == nil {
 		err = ferr
@@ -421,7 +422,7 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 	b := q.broker()
 	defer b.Close()
 	bar := newProgress(e.stderr, "importing")
-	n, err := b.ImportDeadLetters(ctx, q.queue, bufio.NewReaderSize(e.stdin, 1<<20), broker.ImportOptions{To: *to, Progress: func(n int) { bar.update(n, 0) }})
+	n, err := deadletter.New(b).Import(ctx, q.queue, bufio.NewReaderSize(e.stdin, 1<<20), deadletter.ImportOptions{To: *to, Progress: func(n int) { bar.update(n, 0) }})
 	bar.done()
 	fmt.Fprintf(e.stderr, "imported %d message(s)\n", n)
 	return classify(err)

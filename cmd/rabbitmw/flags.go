@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
@@ -151,8 +152,8 @@ func (f *filterFlags) register(fs *flag.FlagSet) {
 	fs.Var(&f.until, "until", "select messages that failed before this time")
 }
 
-func (f *filterFlags) filter() broker.Filter {
-	return broker.Filter{IDs: f.ids, ErrorType: f.errorType, Since: f.since.t, Until: f.until.t}
+func (f *filterFlags) filter() deadletter.Filter {
+	return deadletter.Filter{IDs: f.ids, ErrorType: f.errorType, Since: f.since.t, Until: f.until.t}
 }
 
 func (f *filterFlags) empty() bool {

@@ -22,6 +22,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
@@ -169,7 +170,7 @@ func TestCLI(t *testing.T) {
 	}
 	out, stderr, code = cli(t, url, nil, "dlq", "ls", "-q", q, "--json", "--error-type", "*json.SyntaxError", "--since", "1h")
 	expectCode(t, "dlq ls --json", code, exitOK, stderr)
-	var listed []broker.DeadLetter
+	var listed []deadletter.Message
 	if err := json.Unmarshal([]byte(out), &listed); err != nil {
 		t.Fatalf("dlq ls --json: %v\n%s", err, out)
 	}
