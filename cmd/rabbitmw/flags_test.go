@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"flag"
 	"io"
 	"net"
 	"strings"
@@ -18,8 +17,7 @@ import (
 
 func TestAMQPFlagTakesSeveralURLs(t *testing.T) {
 	var c common
-	fs := flag.NewFlagSet("t", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
+	fs := (&env{stdout: io.Discard}).newFlags("t")
 	c.register(fs, false)
 	require.NoError(t, fs.Parse([]string{"--amqp", "amqp://a/", "--amqp", "amqp://b/, amqp://c/"}))
 	assert.Equal(t, urlList{"amqp://a/", "amqp://b/", "amqp://c/"}, c.urls)
