@@ -1,7 +1,6 @@
 package broker
 
 import (
-	"fmt"
 	"maps"
 	"time"
 
@@ -20,10 +19,10 @@ const (
 	// HeaderError is the error text of a dead-lettered message (a string
 	// of at most 4 KiB).
 	HeaderError = "x-rabbitmw-error"
-	// HeaderErrorType is the Go type of the innermost error of the
-	// handler's result, as %T prints it, such as "*json.SyntaxError" or
-	// "*rabbitmw.PanicError": the end of its Unwrap chain, taking the first
-	// of several wrapped errors.
+	// HeaderErrorType is the type of the failure, as
+	// [rabbitmw.ErrorType] names it: "panic", "timeout", "busy", a Go
+	// type such as "*json.SyntaxError", or "error" for an error made by
+	// errors.New or fmt.Errorf.
 	HeaderErrorType = "x-rabbitmw-error-type"
 	// HeaderOriginalExchange and HeaderOriginalRoutingKey are the exchange
 	// and routing key the message was first published with: recorded at
@@ -107,7 +106,7 @@ func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time
 	var text, typ string
 	if dec.Err != nil {
 		text = transport.Truncate(dec.Err.Error(), maxErrorText)
-		typ = ErrorType(dec.Err)
+		typ = rabbitmw.ErrorType(dec.Err)
 	}
 	h[HeaderError] = text
 	h[HeaderErrorType] = typ
@@ -393,35 +392,4 @@ func setIfAbsent(h amqp.Table, k string, v any) {
 	if _, ok := h[k]; !ok {
 		h[k] = v
 	}
-}
-
-// ErrorType returns the [HeaderErrorType] of a message dead-lettered with
-// err as its reason; "" for nil.
-func ErrorType(err error) string {
-	if err == nil {
-		return ""
-	}
-	return fmt.Sprintf("%T", innermost(err))
-}
-
-// innermost follows the chain of err to its end: through Unwrap() error,
-// and through the first error of Unwrap() []error (errors.Join and
-// fmt.Errorf with several %w put the main error first).
-func innermost(err error) error {
-	for range 100 { // bound a cyclic chain
-		switch u := err.(type) {
-		case interface{ Unwrap() error }:
-			if next := u.Unwrap(); next != nil {
-				err = next
-				continue
-			}
-		case interface{ Unwrap() []error }:
-			if errs := u.Unwrap(); len(errs) > 0 && errs[0] != nil {
-				err = errs[0]
-				continue
-			}
-		}
-		break
-	}
-	return err
 }

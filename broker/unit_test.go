@@ -135,7 +135,7 @@ func TestFaultHeaders(t *testing.T) {
 		"x-death":                orig["x-death"],
 		"keep":                   []byte("b"),
 		HeaderError:              "wrap: boom",
-		HeaderErrorType:          "*errors.errorString",
+		HeaderErrorType:          "error",
 		rabbitmw.HeaderAttempts:  int64(1),
 		HeaderOriginalExchange:   "ex",
 		HeaderOriginalRoutingKey: "rk",
@@ -164,7 +164,15 @@ func TestFaultHeaders(t *testing.T) {
 		t.Errorf("error text of %d bytes cut to %d bytes (valid UTF-8: %t); want a prefix of at most %d", len(long), len(text), utf8.ValidString(text), maxErrorText)
 	}
 	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(&rabbitmw.PanicError{Value: 42})), "q", at, "h", "p")
-	equal(t, "error type of a panic", h[HeaderErrorType], "*rabbitmw.PanicError")
+	equal(t, "error type of a panic", h[HeaderErrorType], "panic")
+	var nilMap error
+	func() {
+		defer func() { nilMap = &rabbitmw.PanicError{Value: recover()} }()
+		var m map[string]int
+		m["x"]++
+	}()
+	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(nilMap)), "q", at, "h", "p")
+	equal(t, "error type of a nil-map panic", h[HeaderErrorType], "panic")
 }
 
 func TestDelayHeadersAndRepublishing(t *testing.T) {

@@ -58,15 +58,15 @@ func TestOutboxMetrics(t *testing.T) {
 				polled <- struct{}{}
 				return otelmw.OutboxStats{Pending: 7, Parked: 1, OldestPending: 1500 * time.Millisecond}, nil
 			}
-			select {
-			case polled <- struct{}{}:
-			case <-ctx.Done():
+			if calls == 2 {
+				polled <- struct{}{}
+				<-ctx.Done() // the first answer stands while the test reads it
 			}
 			return otelmw.OutboxStats{}, errors.New("database down")
 		}, time.Millisecond)
 	}()
 	<-polled // the first poll, answered
-	<-polled // the second has begun: the first's answer is recorded
+	<-polled // the second has begun: the first's answer is recorded, and stays
 	rm = r.metrics(t)
 	pending, ok := gauge[int64](rm, "rabbitmw.outbox.pending", table)
 	assert.True(t, ok)

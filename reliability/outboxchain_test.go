@@ -2,7 +2,7 @@
 
 package reliability_test
 
-// Scenario 16, the outbox chain: service A consumes orders with the
+// Scenario 17, the outbox chain: service A consumes orders with the
 // PostgreSQL inbox and, in the same transaction, writes a shipment message
 // into the outbox; two relays send the outbox to RabbitMQ; service B
 // consumes the shipments with the inbox. A fails after its outbox write
@@ -381,7 +381,7 @@ func TestOutboxChain(t *testing.T) {
 	}
 	t.Logf("took %v; kills %v; %d rolled back after the outbox write; outbox rows %d (%d with a failed send); %+v", took.Round(time.Millisecond), killed, rolledBack, sends, resent, stats)
 	record(t, row{
-		Scenario:     "16 outbox chain: A (inbox + outbox) → relay → B (inbox)",
+		Scenario:     "17 outbox chain: A (inbox + outbox) → relay → B (inbox)",
 		Messages:     orders + dups,
 		Duplicates:   dups,
 		Faults:       fmt.Sprintf("%d × SIGKILL of A, B or one of 2 relays (A %d, B %d, relays %d) + restart; %d × RabbitMQ connections cut 1s; PostgreSQL restarted once", kills, killed["a"], killed["b"], killed["relay"], cuts),

@@ -55,10 +55,12 @@ type HandlerOptions struct {
 	// when the database could not be reached, or the claim was lost
 	// before the done mark. Default 5 seconds.
 	RetryDelay time.Duration
-	// CommitTimeout bounds the commit, which runs even if the handler's
-	// context has been cancelled meanwhile: once the done mark is written
-	// the transaction holds the claim's row, no other consumer can take
-	// the message over, and committing is safe. Default 10 seconds.
+	// CommitTimeout bounds the done mark and the commit, which run even if
+	// the handler's context is cancelled once fn has returned (a consumer
+	// that stops cancels it at its shutdown deadline): the mark checks the
+	// claim's owner and lease on the database's clock, and once it is
+	// written the transaction holds the claim's row, no other consumer can
+	// take the message over, and committing is safe. Default 10 seconds.
 	CommitTimeout time.Duration
 }
 
@@ -274,12 +276,19 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		}
 		return err
 	}
-	marked, err := t.queryInt(ctx, h.s.markSQL, []byte(key), []byte(c.Token()), c.Retention())
+	// fn has returned: its effect is in the transaction. The mark and the
+	// commit run even if ctx is cancelled from now on (a consumer's
+	// shutdown deadline, the Timeout layer, Dedup unsure of its lease):
+	// the mark checks the claim's owner and lease on the database's clock,
+	// and once it is written the transaction holds the claim's row.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
+	defer cancel()
+	marked, err := t.queryInt(sctx, h.s.markSQL, []byte(key), []byte(c.Token()), c.Retention())
 	switch {
-	case err != nil && ctx.Err() != nil:
-		// Cancelled: by the Timeout layer, or by Dedup because the lease
-		// may be lost. database/sql reports a transaction it closed on
-		// cancellation as ErrTxDone: not fn's doing.
+	case err != nil && ctx.Err() != nil && !lost(t, err) && !isPgError(err):
+		// Cancelled before the mark, while fn ran: database/sql
+		// reports a transaction it closed on cancellation as ErrTxDone,
+		// which is not fn's doing.
 		return fmt.Errorf("pgstore: mark %q done: %w (%w)", key, err, context.Cause(ctx))
 	case settled(err):
 		return rabbitmw.Permanent(fmt.Errorf("%w: key %q", ErrTxSettled, key))
@@ -299,9 +308,7 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: %q is no longer owned by this claim (its lease ended, or another consumer took it over): the transaction was rolled back", middleware.ErrLeaseLost, key), h.retry)
 	}
 	open = false
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
-	err = t.commit(cctx)
-	cancel()
+	err = t.commit(sctx)
 	switch {
 	case err == nil:
 		c.MarkedDone()

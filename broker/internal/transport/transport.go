@@ -11,7 +11,6 @@ package transport
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
 	"sync"
@@ -20,14 +19,15 @@ import (
 )
 
 // Errors that a Transport or Session wraps. Package broker exports each
-// under the same name and documents it there.
+// under the same name and documents it there. Each names its type of
+// failure (see rabbitmw.ErrorType).
 var (
-	ErrNacked         = errors.New("broker: publish nacked by the server")
-	ErrUnroutable     = errors.New("broker: message unroutable")
-	ErrClosed         = errors.New("broker: closed")
-	ErrConnectionLost = errors.New("broker: connection lost")
-	ErrUnreachable    = errors.New("broker: server unreachable")
-	ErrInvalidMessage = errors.New("broker: invalid message")
+	ErrNacked         error = &sentinel{"broker: publish nacked by the server", "nacked"}
+	ErrUnroutable     error = &sentinel{"broker: message unroutable", "unroutable"}
+	ErrClosed         error = &sentinel{"broker: closed", "closed"}
+	ErrConnectionLost error = &sentinel{"broker: connection lost", "connection_lost"}
+	ErrUnreachable    error = &sentinel{"broker: server unreachable", "unreachable"}
+	ErrInvalidMessage error = &sentinel{"broker: invalid message", "invalid_message"}
 )
 
 // A Transport makes sessions with one server.
@@ -72,6 +72,9 @@ type Session interface {
 	// MaxProperties) with an error wrapping ErrInvalidMessage, sending
 	// nothing.
 	Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
+	// Node names the server of this session, for logs: host:port/vhost,
+	// without credentials.
+	Node() string
 	// MaxProperties is the most bytes the properties and headers of a
 	// message may take on this connection: its frame size less a frame's
 	// header and end (0: no limit).
@@ -191,3 +194,9 @@ func (m missing) String() string { return string(m) }
 func (m missing) Dial(context.Context, string) (Session, error) {
 	return nil, fmt.Errorf("broker: no in-memory server at %s (closed, or never started): %w", string(m), ErrClosed)
 }
+
+// A sentinel is an error that names its type of failure.
+type sentinel struct{ text, typ string }
+
+func (e *sentinel) Error() string     { return e.text }
+func (e *sentinel) ErrorType() string { return e.typ }
