@@ -133,7 +133,7 @@ func (n *Node) env() []string {
 		"RABBITMQ_LOG_BASE=" + filepath.Join(n.dir, "log"),
 		"RABBITMQ_PID_FILE=" + filepath.Join(n.dir, "pid"),
 		"RABBITMQ_CONF_ENV_FILE=" + filepath.Join(n.dir, "rabbitmq-env.conf"), // none: not the machine's
-		"RUNNING_UNDER_SYSTEMD=1", // exec the VM in the foreground, without -detached
+		"RUNNING_UNDER_SYSTEMD=1",                                             // exec the VM in the foreground, without -detached
 		"ERL_EPMD_ADDRESS=127.0.0.1",
 	}
 	return env
