@@ -124,12 +124,11 @@
 //
 // # The dead-letter queue
 //
-// [Broker.DeadLetters] lists the messages of Q.dlq without changing it,
-// [Broker.Replay] sends them back to their work queue once their cause is
-// fixed, [Broker.PurgeDeadLetters] removes them, and
-// [Broker.ExportDeadLetters] and [Broker.ImportDeadLetters] save them to
-// JSON Lines and back; each selects messages with a [Filter]. The command
-// cmd/rabbitmw does the same from a shell.
+// Package [github.com/rabbitmw/rabbitmw/broker/deadletter] works on Q.dlq:
+// it lists its messages without changing it, sends them back to their
+// work queue once their cause is fixed, removes them, and saves them to
+// JSON Lines and back. The command cmd/rabbitmw does the same from a
+// shell.
 //
 // # In-memory server
 //

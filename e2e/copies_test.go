@@ -30,6 +30,7 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/brokertest"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
@@ -171,36 +172,36 @@ func testCopies(t *testing.T, b *broker.Broker) {
 	mu.Unlock()
 
 	// Replay and import start from the dead-letter copy: put it back.
-	m, err := broker.ExportMessage(q+".dlq", dlq)
+	m, err := deadletter.ExportMessage(q+".dlq", dlq)
 	require.NoError(t, err)
 	var line bytes.Buffer
 	require.NoError(t, json.NewEncoder(&line).Encode(m))
 	export := line.String()
-	_, err = b.ImportDeadLetters(ctx, q, bytes.NewBufferString(export), broker.ImportOptions{})
+	_, err = deadletter.New(b).Import(ctx, q, bytes.NewBufferString(export), deadletter.ImportOptions{})
 	require.NoError(t, err)
 	got["import"] = take(q + ".dlq")
 
 	// An export made before copies dropped Expiration, or by another
 	// tool: the record carries the properties as they were published.
-	old, err := broker.ExportMessage(q+".dlq", delivery(fullMessage("old-export", ts)))
+	old, err := deadletter.ExportMessage(q+".dlq", delivery(fullMessage("old-export", ts)))
 	require.NoError(t, err)
 	line.Reset()
 	require.NoError(t, json.NewEncoder(&line).Encode(old))
-	_, err = b.ImportDeadLetters(ctx, q, &line, broker.ImportOptions{})
+	_, err = deadletter.New(b).Import(ctx, q, &line, deadletter.ImportOptions{})
 	require.NoError(t, err)
 	got["import of a record with every property"] = take(q + ".dlq")
 
-	_, err = b.ImportDeadLetters(ctx, q, bytes.NewBufferString(export), broker.ImportOptions{})
+	_, err = deadletter.New(b).Import(ctx, q, bytes.NewBufferString(export), deadletter.ImportOptions{})
 	require.NoError(t, err)
-	res, err := b.Replay(ctx, q, broker.ReplayOptions{})
+	res, err := deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Replayed)
 	replayed := take(q)
 	got["replay"] = replayed
 	// And the handler's view of the replayed message.
-	_, err = b.ImportDeadLetters(ctx, q, bytes.NewBufferString(export), broker.ImportOptions{})
+	_, err = deadletter.New(b).Import(ctx, q, bytes.NewBufferString(export), deadletter.ImportOptions{})
 	require.NoError(t, err)
-	_, err = b.Replay(ctx, q, broker.ReplayOptions{})
+	_, err = deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{})
 	require.NoError(t, err)
 	stop = consumeIn(t, b, q, top, h)
 	require.Eventually(t, func() bool {

@@ -24,7 +24,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
-	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/otelmw"
 )
@@ -56,27 +56,27 @@ func (l *routeLog) Handle(_ context.Context, r slog.Record) error {
 }
 
 func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
+	for _, be := range copyBackends {
+		t.Run(be.name, func(t *testing.T) { testRetriesSeeTheOriginalRoute(t, be.open(t)) })
+	}
+}
+
+func testRetriesSeeTheOriginalRoute(t *testing.T, b *broker.Broker) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var r [4]byte
 	_, _ = rand.Read(r[:])
 	suffix := hex.EncodeToString(r[:])
 	// The exchange of the issue, "events", with a name of its own: the
-	// server is shared.
+	// server is shared. It goes with the queue's binding.
 	exchange := "rabbitmw-test-events-" + suffix
 	q := "rabbitmw-test-orders-" + suffix
-	b := broker.New(url, broker.Options{})
-	t.Cleanup(func() { b.Close() })
-	top := broker.Topology{Delays: []time.Duration{50 * time.Millisecond}}
+	top := broker.Topology{
+		Delays:    []time.Duration{50 * time.Millisecond},
+		Exchanges: []broker.Exchange{{Name: exchange, Kind: broker.ExchangeTopic, Transient: true, AutoDelete: true}},
+		Bindings:  []broker.Binding{{Exchange: exchange, Key: "order.*"}},
+	}
 	require.NoError(t, b.Declare(ctx, q, top))
-	conn, err := amqp.Dial(url)
-	require.NoError(t, err)
-	defer conn.Close()
-	ch, err := conn.Channel()
-	require.NoError(t, err)
-	require.NoError(t, ch.ExchangeDeclare(exchange, "topic", false, true, false, false, nil))
-	require.NoError(t, ch.QueueBind(q, "order.*", exchange, false, nil))
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
@@ -111,10 +111,10 @@ func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
 	require.NoError(t, b.Publish(ctx, exchange, "order.created", amqp.Publishing{MessageId: "o1", UserId: "guest", Body: []byte("x")}))
 	var dead *amqp.Delivery
 	require.Eventually(t, func() bool {
-		dls, err := b.DeadLetters(ctx, q, broker.ListOptions{})
+		dls, err := deadletter.New(b).List(ctx, q, deadletter.ListOptions{})
 		require.NoError(t, err)
 		if len(dls) == 1 {
-			dead = dls[0].Message
+			dead = dls[0].Delivery
 		}
 		return dead != nil
 	}, 20*time.Second, 20*time.Millisecond, "the message was not dead-lettered")
@@ -122,7 +122,7 @@ func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
 	assert.Equal(t, exchange, dead.Headers[broker.HeaderOriginalExchange])
 	assert.Equal(t, "order.created", dead.Headers[broker.HeaderOriginalRoutingKey])
 
-	res, err := b.Replay(ctx, q, broker.ReplayOptions{})
+	res, err := deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Replayed)
 	require.Eventually(t, func() bool {
