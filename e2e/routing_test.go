@@ -25,7 +25,6 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/deadletter"
-	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/otelmw"
 )
@@ -57,27 +56,27 @@ func (l *routeLog) Handle(_ context.Context, r slog.Record) error {
 }
 
 func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
+	for _, be := range copyBackends {
+		t.Run(be.name, func(t *testing.T) { testRetriesSeeTheOriginalRoute(t, be.open(t)) })
+	}
+}
+
+func testRetriesSeeTheOriginalRoute(t *testing.T, b *broker.Broker) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var r [4]byte
 	_, _ = rand.Read(r[:])
 	suffix := hex.EncodeToString(r[:])
 	// The exchange of the issue, "events", with a name of its own: the
-	// server is shared.
+	// server is shared. It goes with the queue's binding.
 	exchange := "rabbitmw-test-events-" + suffix
 	q := "rabbitmw-test-orders-" + suffix
-	b := broker.New(url, broker.Options{})
-	t.Cleanup(func() { b.Close() })
-	top := broker.Topology{Delays: []time.Duration{50 * time.Millisecond}}
+	top := broker.Topology{
+		Delays:    []time.Duration{50 * time.Millisecond},
+		Exchanges: []broker.Exchange{{Name: exchange, Kind: broker.ExchangeTopic, Transient: true, AutoDelete: true}},
+		Bindings:  []broker.Binding{{Exchange: exchange, Key: "order.*"}},
+	}
 	require.NoError(t, b.Declare(ctx, q, top))
-	conn, err := amqp.Dial(url)
-	require.NoError(t, err)
-	defer conn.Close()
-	ch, err := conn.Channel()
-	require.NoError(t, err)
-	require.NoError(t, ch.ExchangeDeclare(exchange, "topic", false, true, false, false, nil))
-	require.NoError(t, ch.QueueBind(q, "order.*", exchange, false, nil))
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
@@ -147,5 +146,57 @@ func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
 		v, _ := attrs.Value(semconv.MessagingRabbitMQDestinationRoutingKeyKey)
 		assert.Equal(t, "order.created", v.AsString(), "span %d routing key", i+1)
 		assert.Equal(t, "process "+exchange+":order.created:"+q, s.Name(), "span %d", i+1)
+	}
+}
+
+// A message that RabbitMQ itself dead-lettered (it expired in the work
+// queue) carries its route only in its x-death record; replayed, it is
+// handled with that route and its expiration, as first published.
+func TestReplayOfAServerDeadLetterSeesItsRoute(t *testing.T) {
+	for _, be := range copyBackends {
+		t.Run(be.name, func(t *testing.T) {
+			b := be.open(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			var r [4]byte
+			_, _ = rand.Read(r[:])
+			suffix := hex.EncodeToString(r[:])
+			exchange := "rabbitmw-test-events-" + suffix
+			q := "rabbitmw-test-orders-" + suffix
+			top := broker.Topology{
+				Delays:    []time.Duration{50 * time.Millisecond},
+				Exchanges: []broker.Exchange{{Name: exchange, Kind: broker.ExchangeTopic, Transient: true, AutoDelete: true}},
+				Bindings:  []broker.Binding{{Exchange: exchange, Key: "order.*"}},
+			}
+			require.NoError(t, b.Declare(ctx, q, top))
+			t.Cleanup(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				defer cancel()
+				assert.NoError(t, b.Delete(ctx, q, top))
+			})
+			require.NoError(t, b.Publish(ctx, exchange, "order.cancelled", amqp.Publishing{MessageId: "o2", Expiration: "1", Body: []byte("x")}))
+			require.Eventually(t, func() bool {
+				n, err := b.Len(ctx, q+".dlq")
+				require.NoError(t, err)
+				return n == 1
+			}, 20*time.Second, 20*time.Millisecond, "the message did not expire into the dead-letter queue")
+			res, err := deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{To: q})
+			require.NoError(t, err)
+			require.Equal(t, 1, res.Replayed)
+			seen := make(chan amqp.Delivery, 1)
+			stop := consumeIn(t, b, q, top, rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+				seen <- *d
+				return nil
+			}))
+			var d amqp.Delivery
+			select {
+			case d = <-seen:
+			case <-ctx.Done():
+				t.Fatal("the replayed message was not handled")
+			}
+			stop()
+			assert.Equal(t, []string{exchange, "order.cancelled", "1"}, []string{d.Exchange, d.RoutingKey, d.Expiration})
+			assert.Equal(t, 0, len(seen), "handled once")
+		})
 	}
 }

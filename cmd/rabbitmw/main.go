@@ -24,9 +24,14 @@
 // the store. On an address that is not loopback it requires --token or
 // --basic-auth; every action carries a form token and is refused from
 // another origin; --read-only refuses them all.
+//	rabbitmw outbox ls --postgres postgres://app@db/shop [--table T] [--state pending|sent|parked] [--after ID] [--limit N]
+//	rabbitmw outbox stats --postgres URL [--table T]
+//	rabbitmw outbox retry --postgres URL [--table T] (--all | --id ID...)
 //
 // The server is --amqp, or else $RABBITMQ_URL, or else
-// amqp://guest:guest@127.0.0.1:5672/. A server that does not answer
+// amqp://guest:guest@127.0.0.1:5672/. For a cluster, repeat --amqp or
+// separate the nodes' URLs with commas (in $RABBITMQ_URL too): each
+// connection goes to a node that answers. A server that does not answer
 // within --timeout (default 10s) fails the command. Output is a table, or
 // JSON with --json. Long reads and replays draw a progress bar on standard
 // error, from their start, when it is a terminal. Each command's -h lists
@@ -96,6 +101,7 @@ const usage = `usage:
   rabbitmw key ID (--redis ADDR | --postgres URL) [flags]
   rabbitmw topology declare|delete|show -q QUEUE [flags]
   rabbitmw ui -q QUEUE [-q QUEUE]... [--listen 127.0.0.1:8080] [flags]
+  rabbitmw outbox ls|stats|retry --postgres URL [flags]
   rabbitmw --version
 Run a command with -h for its flags.`
 
@@ -141,6 +147,8 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		err = e.topology(ctx, args[1:])
 	case args[0] == "ui":
 		err = e.ui(ctx, args[1:])
+	case args[0] == "outbox":
+		err = e.outbox(ctx, args[1:])
 	default:
 		err = usageError("unknown command %q; see 'rabbitmw -h'", args[0])
 	}

@@ -26,7 +26,7 @@ var uiFiles embed.FS
 
 // consoleConfig is what `rabbitmw ui` serves, and how.
 type consoleConfig struct {
-	amqpURL  string
+	amqpURLs []string // the nodes; the queue statistics use the first that answers
 	queues   []string // the work queues
 	top      broker.Topology
 	store    *storeFlags // key lookups; nil or naming no store: none
@@ -54,7 +54,7 @@ type console struct {
 func newConsole(cfg consoleConfig, b *broker.Broker) (*console, error) {
 	var r [32]byte
 	_, _ = rand.Read(r[:])
-	c := &console{consoleConfig: cfg, b: b, dl: deadletter.New(b), stats: newQueueStats(cfg.amqpURL, cfg.timeout),
+	c := &console{consoleConfig: cfg, b: b, dl: deadletter.New(b), stats: newQueueStats(cfg.amqpURLs, cfg.timeout),
 		csrf: hex.EncodeToString(r[:]), pages: map[string]*template.Template{}}
 	if c.logger == nil {
 		c.logger = slog.New(slog.DiscardHandler)

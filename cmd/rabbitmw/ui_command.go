@@ -43,7 +43,7 @@ func (e *env) ui(ctx context.Context, args []string) error {
 	if len(queues) == 0 {
 		return usageError("-q/--queue QUEUE is required")
 	}
-	cfg := consoleConfig{amqpURL: c.amqpURL(), queues: queues, store: &sf, timeout: e.timeout, readOnly: *readOnly, token: *token,
+	cfg := consoleConfig{amqpURLs: c.amqpURLs(), queues: queues, store: &sf, timeout: e.timeout, readOnly: *readOnly, token: *token,
 		logger: slog.New(slog.NewTextHandler(e.stderr, nil))}
 	if *basic != "" {
 		u, p, ok := strings.Cut(*basic, ":")
@@ -121,7 +121,7 @@ type queueRow struct {
 // connection of its own (the Broker does not tell consumers), and keeps
 // the last reading of each to tell a rate.
 type queueStats struct {
-	url     string
+	urls    []string
 	timeout time.Duration
 	mu      sync.Mutex
 	conn    *amqp.Connection
@@ -133,8 +133,8 @@ type sample struct {
 	n  int
 }
 
-func newQueueStats(url string, timeout time.Duration) *queueStats {
-	return &queueStats{url: url, timeout: timeout, last: map[string]sample{}}
+func newQueueStats(urls []string, timeout time.Duration) *queueStats {
+	return &queueStats{urls: urls, timeout: timeout, last: map[string]sample{}}
 }
 
 func (s *queueStats) close() {
@@ -151,11 +151,18 @@ func (s *queueStats) read(ctx context.Context, names broker.Queues) ([]queueRow,
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.conn == nil || s.conn.IsClosed() {
-		conn, err := amqp.DialConfig(s.url, amqp.Config{Dial: amqp.DefaultDial(s.timeout), Locale: "en_US"})
-		if err != nil {
-			return nil, unreachable("RabbitMQ", redact(s.url), s.timeout, err)
+		var errs []error
+		for _, url := range s.urls {
+			conn, err := amqp.DialConfig(url, amqp.Config{Dial: amqp.DefaultDial(s.timeout), Locale: "en_US"})
+			if err == nil {
+				s.conn = conn
+				break
+			}
+			errs = append(errs, unreachable("RabbitMQ", redact(url), s.timeout, err))
 		}
-		s.conn = conn
+		if s.conn == nil {
+			return nil, errors.Join(errs...)
+		}
 	}
 	rows := []queueRow{{Queue: names.Work, Role: "work"}}
 	for _, d := range names.Delays {

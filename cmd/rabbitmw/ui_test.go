@@ -119,7 +119,7 @@ func (e *declinedError) Error() string {
 func TestConsoleInBrowser(t *testing.T) {
 	b, url, q := setupQueue(t)
 	browser := newBrowser(t)
-	base := serveConsole(t, b, consoleConfig{amqpURL: url, queues: []string{q}})
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{url}, queues: []string{q}})
 
 	var failing atomic.Bool
 	failing.Store(true)
@@ -230,9 +230,9 @@ func TestConsoleInBrowser(t *testing.T) {
 // its form token.
 func TestConsoleRefusals(t *testing.T) {
 	b, amqpURL, q := setupQueue(t)
-	tokened := serveConsole(t, b, consoleConfig{amqpURL: amqpURL, queues: []string{q}, token: "s3cret"})
-	readOnly := serveConsole(t, b, consoleConfig{amqpURL: amqpURL, queues: []string{q}, readOnly: true})
-	basic := serveConsole(t, b, consoleConfig{amqpURL: amqpURL, queues: []string{q}, user: "ops", password: "pw"})
+	tokened := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}, token: "s3cret"})
+	readOnly := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}, readOnly: true})
+	basic := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}, user: "ops", password: "pw"})
 	noRedirect := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 
 	do := func(method, u string, form url.Values, set func(*http.Request)) (*http.Response, string) {
@@ -285,7 +285,7 @@ func TestConsoleRefusals(t *testing.T) {
 	_, page := do("GET", readOnly+"/dlq?q="+q, nil, nil)
 	assert.NotContains(t, page, "<button", "a read-only page offers an action")
 
-	writable := serveConsole(t, b, consoleConfig{amqpURL: amqpURL, queues: []string{q}})
+	writable := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
 	resp, body = do("POST", writable+"/do", url.Values{"q": {q}, "action": {"purge"}, "id": {"x"}}, nil)
 	assert.Equal(t, http.StatusForbidden, resp.StatusCode)
 	assert.Contains(t, body, "form's token")
@@ -306,7 +306,7 @@ func TestConsoleListenNeedsAuth(t *testing.T) {
 // export downloads it.
 func TestConsoleMessagePage(t *testing.T) {
 	b, amqpURL, q := setupQueue(t)
-	base := serveConsole(t, b, consoleConfig{amqpURL: amqpURL, queues: []string{q}})
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	h := faulty(q, "*main.declinedError", "card 4242 declined", time.Now())
