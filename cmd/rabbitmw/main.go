@@ -24,6 +24,7 @@
 // the store. On an address that is not loopback it requires --token or
 // --basic-auth; every action carries a form token and is refused from
 // another origin; --read-only refuses them all.
+//
 //	rabbitmw outbox ls --postgres postgres://app@db/shop [--table T] [--state pending|sent|parked] [--after ID] [--limit N]
 //	rabbitmw outbox stats --postgres URL [--table T]
 //	rabbitmw outbox retry --postgres URL [--table T] (--all | --id ID...)
