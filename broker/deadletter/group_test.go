@@ -92,12 +92,12 @@ func TestFilterByErrorText(t *testing.T) {
 
 func TestMask(t *testing.T) {
 	for in, want := range map[string]string{
-		"decode order 7: unexpected EOF":                                      "decode order #: unexpected EOF",
-		"order 1f0c2d3e-4b5a-6978-8a9b-0c1d2e3f4a5b not found":                "order <uuid> not found",
-		"at 2026-01-02T03:04:05.123Z: 12.5 ms over":                           "at <time>: # ms over",
-		"key 9e107d9d372bb6826bd81d3542a419d6 busy":                           "key <hex> busy",
-		"dial tcp 10.0.0.7:5432: connect: connection refused":                 "dial tcp #.#.#.#:#: connect: connection refused",
-		"utf8 and http2 stay; so does deadbeef":                               "utf8 and http2 stay; so does deadbeef",
+		"decode order 7: unexpected EOF":                                       "decode order #: unexpected EOF",
+		"order 1f0c2d3e-4b5a-6978-8a9b-0c1d2e3f4a5b not found":                 "order <uuid> not found",
+		"at 2026-01-02T03:04:05.123Z: 12.5 ms over":                            "at <time>: #.# ms over",
+		"key 9e107d9d372bb6826bd81d3542a419d6 busy":                            "key <hex> busy",
+		"dial tcp 10.0.0.7:5432: connect: connection refused":                  "dial tcp #.#.#.#:#: connect: connection refused",
+		"utf8 and http2 stay; so does deadbeef":                                "utf8 and http2 stay; so does deadbeef",
 		"decode order 7: EOF (middleware: retries exhausted after 3 attempts)": "decode order #: EOF (middleware: retries exhausted after # attempts)",
 	} {
 		assert.Equal(t, want, Mask(in), "Mask(%q)", in)
