@@ -264,7 +264,7 @@ func (c *consumer) run(ctx context.Context) error {
 			return end(nil)
 		}
 		c.log.LogAttrs(ctx, slog.LevelInfo, "broker: connecting", server)
-		s, err := c.b.tr.Dial(ctx, "rabbitmw consume "+c.top.queue+" ("+c.b.cfg.process+")")
+		s, err := c.b.dial(ctx, c.top.queue, "consume "+c.top.queue)
 		switch {
 		case err != nil && ctx.Err() != nil:
 			return end(nil)
