@@ -15,6 +15,9 @@
 //	rabbitmw key <message id> --redis 127.0.0.1:6379 [--prefix P] [--namespace NS]
 //	rabbitmw key <message id> --postgres postgres://app@db/shop [--table T] [--namespace NS]
 //	rabbitmw topology declare|delete|show -q orders [--quorum] [--delivery-limit N] [--delays 1s,5s]
+//	rabbitmw outbox ls --postgres postgres://app@db/shop [--table T] [--state pending|sent|parked] [--after ID] [--limit N]
+//	rabbitmw outbox stats --postgres URL [--table T]
+//	rabbitmw outbox retry --postgres URL [--table T] (--all | --id ID...)
 //	rabbitmw ui -q orders [-q payments]... [--listen ADDR] [--token T | --basic-auth U:P] [--read-only]
 //	             [--redis ADDR | --postgres URL] [--delays 1s,5s]
 //
@@ -25,10 +28,6 @@
 // the store. On an address that is not loopback it requires --token or
 // --basic-auth; every action carries a form token and is refused from
 // another origin; --read-only refuses them all.
-//
-//	rabbitmw outbox ls --postgres postgres://app@db/shop [--table T] [--state pending|sent|parked] [--after ID] [--limit N]
-//	rabbitmw outbox stats --postgres URL [--table T]
-//	rabbitmw outbox retry --postgres URL [--table T] (--all | --id ID...)
 //
 // The server is --amqp, or else $RABBITMQ_URL, or else
 // amqp://guest:guest@127.0.0.1:5672/. For a cluster, repeat --amqp or

@@ -71,7 +71,7 @@ func (c *console) dlqPage(ctx context.Context, w http.ResponseWriter, r *http.Re
 		c.fail(w, r, err)
 		return
 	}
-	c.render(w, r, "dlq", map[string]any{"Title": q + ".dlq", "Queue": q, "Groups": groupFailures(msgs), "Messages": msgs})
+	c.render(w, r, "dlq", map[string]any{"Title": q + ".dlq", "Queue": q, "Groups": deadletter.Groups(msgs), "Messages": msgs})
 }
 
 // A header is one header of a message, with its AMQP type.
@@ -189,8 +189,14 @@ func valueText(v any) string {
 	return fmt.Sprint(v)
 }
 
-// selection reads the ids of an action's form.
-func selection(r *http.Request) []string {
+// selection reads the filter of an action's form: the ids of the
+// messages, or a group, or both (the messages of the group that a
+// confirmation counted).
+func selection(r *http.Request) deadletter.Filter {
+	return deadletter.Filter{IDs: selectedIDs(r), Group: r.PostForm.Get("group")}
+}
+
+func selectedIDs(r *http.Request) []string {
 	var ids []string
 	for _, v := range r.PostForm["id"] {
 		for _, id := range strings.Split(v, "\n") {
@@ -206,28 +212,38 @@ func selection(r *http.Request) []string {
 // it would move, found by a dry run of the same operation.
 func (c *console) confirmPage(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
 	action := r.PostForm.Get("action")
-	ids := selection(r)
-	if (action != "replay" && action != "purge") || len(ids) == 0 {
+	filter := selection(r)
+	if (action != "replay" && action != "purge") || (len(filter.IDs) == 0 && filter.Group == "") {
 		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("choose replay or purge, and at least one message")})
 		return
 	}
-	found, err := c.dl.List(ctx, q, deadletter.ListOptions{Filter: deadletter.Filter{IDs: ids}})
+	found, err := c.dl.List(ctx, q, deadletter.ListOptions{Filter: filter})
 	if err != nil {
 		c.fail(w, r, err)
 		return
 	}
+	// The action moves what this page counts: the ids found, within the
+	// group if one was chosen. A message without an id can only be
+	// selected as part of its group, as it is when the action runs.
+	var ids []string
+	for _, m := range found {
+		if m.ID == "" {
+			ids = nil
+			break
+		}
+		ids = append(ids, m.ID)
+	}
 	c.render(w, r, "confirm", map[string]any{"Title": "confirm", "Queue": q, "Action": action,
-		"IDs": strings.Join(ids, "\n"), "Count": len(found), "Messages": found})
+		"IDs": strings.Join(ids, "\n"), "Group": filter.Group, "Count": len(found), "Messages": found})
 }
 
 // do replays or purges the selected messages.
 func (c *console) do(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
-	ids := selection(r)
-	if len(ids) == 0 {
+	filter := selection(r)
+	if len(filter.IDs) == 0 && filter.Group == "" {
 		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("no message selected")})
 		return
 	}
-	filter := deadletter.Filter{IDs: ids}
 	var done string
 	switch r.PostForm.Get("action") {
 	case "replay":

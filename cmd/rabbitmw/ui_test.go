@@ -164,7 +164,7 @@ func TestConsoleInBrowser(t *testing.T) {
 	// The group, with its count.
 	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(base+"/dlq?q="+q), chromedp.WaitVisible(".group")))
 	assert.Equal(t, "3", text(t, browser, ".group .count"))
-	assert.Equal(t, "card <n> declined for order <n>", text(t, browser, ".group .pattern"))
+	assert.Equal(t, "card # declined for order #", text(t, browser, ".group .pattern"))
 	assert.Equal(t, "*main.declinedError", text(t, browser, ".group .type"))
 	if path := os.Getenv("RABBITMW_SCREENSHOT"); path != "" {
 		png, err := chromedp.Run(browser, chromedp.FullScreenshot(100))
