@@ -427,12 +427,16 @@ func TestClaimCommands(t *testing.T) {
 		cmds []string
 	}{
 		{"absent", "a", store.Claimed, []string{"set"}},
-		{"processing", "a", store.Processing, []string{"set", "evalsha"}},
+		{"processing", "a", store.Processing, []string{"set", "evalsha"}}, // by tok, not tok2: see below
 		{"hand-written mark", "hand", store.Processing, []string{"set", "evalsha"}},
 		{"abandoned", "gone", store.Abandoned, []string{"set", "evalsha"}},
 		{"absent again", "gone", store.Claimed, []string{"set"}},
 	} {
-		got, err := s.Claim(ctx, tc.key, "tok2", time.Minute)
+		token := "tok2"
+		if tc.name == "processing" {
+			token = "tok" // another owner: tok2's own claim, sent again, is claimed
+		}
+		got, err := s.Claim(ctx, tc.key, token, time.Minute)
 		if err != nil || got != tc.want {
 			t.Errorf("Claim(%s) of %s = %v, %v; want %v", tc.key, tc.name, got, err, tc.want)
 		}
