@@ -81,6 +81,12 @@ var consumerSeq atomic.Uint64
 // the package documentation's table says for the outcome that
 // [rabbitmw.Decide] gives h's result.
 //
+// h sees each delivery as it was first delivered, on every attempt and
+// after a replay: its exchange, routing key, UserId, Expiration and
+// DeliveryMode as published, though a retry comes back from a delay queue
+// through the default exchange, and every copy keeps those properties in
+// headers (see the package documentation, Settlement).
+//
 // Acks are coalesced: once every delivery received before it on its
 // channel is settled, one ack with multiple set settles the run; an ack
 // behind a delivery still in its handler waits at most 5 ms, or until a
