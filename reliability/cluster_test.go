@@ -2,7 +2,7 @@
 
 package reliability_test
 
-// Scenarios 14a–d on a real RabbitMQ cluster: three nodes of the suite's
+// Scenarios 18a–d on a real RabbitMQ cluster: three nodes of the suite's
 // own (internal/rabbitnode: own names, ports, directories and cookie,
 // joined with rabbitmqctl join_cluster, removed when the test ends), a
 // quorum work queue on all three. Each scenario runs two loads at once,
@@ -94,11 +94,15 @@ func (c *cluster) byName(name string) *rabbitnode.Node {
 // process name).
 func (c *cluster) nodeOf(t *testing.T, consumer string) *rabbitnode.Node {
 	t.Helper()
-	out := c.live().Ctl("list_connections", "node", "client_properties", "-q", "--no-table-headers")
+	// A connection's pid, <name@host.N.N.N>, names its node.
+	out := c.live().Ctl("list_connections", "pid", "client_properties", "-q", "--no-table-headers")
 	for _, line := range strings.Split(out, "\n") {
-		node, props, ok := strings.Cut(line, "\t")
+		pid, props, ok := strings.Cut(line, "\t")
 		if ok && strings.Contains(props, "consume ") && strings.Contains(props, "("+consumer+")") {
-			return c.byName(node)
+			node, _, _ := strings.Cut(strings.TrimPrefix(pid, "<"), ".")
+			if n := c.byName(node); n != nil {
+				return n
+			}
 		}
 	}
 	t.Fatalf("no consume connection of %s in:\n%s", consumer, out)
@@ -251,7 +255,7 @@ func (l *clusterLoad) finish(t *testing.T, ctx context.Context, scenario, faults
 		store = "PostgreSQL inbox"
 	}
 	record(t, e.v.counted(row{
-		Scenario: "14" + scenario + " cluster, " + store,
+		Scenario: "18" + scenario + " cluster, " + store,
 		Messages: len(confirmed) + failed,
 		Faults:   faults,
 		Note: fmt.Sprintf("%d publishes confirmed, %d returned as errors; fault to first effect: %s (worst %v)",
