@@ -725,7 +725,9 @@ func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec r
 		// see asCopy.)
 		due = time.Now().Add(dec.Delay)
 	}
-	msg := republishing(d, delayHeaders(d, dec, c.top.queue, due))
+	h := delayHeaders(d, dec, c.top.queue, due)
+	noteFirstFailure(h, dec.Err, time.Now())
+	msg := republishing(d, h)
 	err := c.publishCopy(ctx, s, tr.queue, msg, retryHeadroom)
 	c.b.cfg.obs.republish(ctx, RepublishEvent{Outcome: rabbitmw.Delay, Queue: c.top.queue, To: tr.queue, Delay: dec.Delay, Err: err, Delivery: d})
 	if errors.Is(err, ErrInvalidMessage) {

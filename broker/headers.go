@@ -24,6 +24,17 @@ const (
 	// type such as "*json.SyntaxError", or "error" for an error made by
 	// errors.New or fmt.Errorf.
 	HeaderErrorType = "x-rabbitmw-error-type"
+	// HeaderFirstError and HeaderFirstFailedAt are the error text (at
+	// most 512 bytes) and the time (a timestamp, UTC, whole seconds) of
+	// the first failure the broker copied the message for: written on its
+	// first delay copy, or, if it had none, left out of its dead-letter
+	// copy, whose HeaderError and HeaderFailedAt then say the same. A
+	// failure that is not counted (rabbitmw.NotCounted: busy, the store
+	// unavailable) is not one. RabbitMQ's x-first-death-* name the first
+	// time the server dead-lettered the message, which for a message
+	// delayed on a retry is the first delay queue's expiry.
+	HeaderFirstError    = "x-rabbitmw-first-error"
+	HeaderFirstFailedAt = "x-rabbitmw-first-failed-at"
 	// HeaderOriginalExchange and HeaderOriginalRoutingKey are the exchange
 	// and routing key the message was first published with: recorded at
 	// its first delay or dead-letter, and kept at later hops.
@@ -91,8 +102,25 @@ const (
 	HeaderDeaths = "x-rabbitmw-deaths"
 )
 
-// maxErrorText bounds HeaderError, in bytes.
-const maxErrorText = 4 << 10
+// maxErrorText bounds HeaderError, in bytes, and maxFirstErrorText
+// HeaderFirstError, which a delay copy carries (see retryHeadroom).
+const (
+	maxErrorText      = 4 << 10
+	maxFirstErrorText = 512
+)
+
+// noteFirstFailure records on h, the headers of a delay copy, the failure
+// err at time at, unless h records one already or err is not counted.
+func noteFirstFailure(h amqp.Table, err error, at time.Time) {
+	if err == nil || rabbitmw.IsNotCounted(err) {
+		return
+	}
+	if _, ok := h[HeaderFirstFailedAt]; ok {
+		return
+	}
+	h[HeaderFirstError] = transport.Truncate(err.Error(), maxFirstErrorText)
+	h[HeaderFirstFailedAt] = at.UTC().Truncate(time.Second)
+}
 
 // faultHeaders returns the headers of the dead-lettered copy of d: all of
 // d's headers, whatever their types, the records of HeaderDeaths back in

@@ -4,8 +4,9 @@
 // key, and declares, shows and deletes a work queue's topology.
 //
 //	rabbitmw dlq ls -q orders                 (-q is short for --queue)
-//	rabbitmw dlq show -q orders <message id>
-//	rabbitmw dlq replay -q orders (--all | [--id ID]... [--error-type T] [--since S] [--until U])
+//	rabbitmw dlq groups -q orders [filters]    (failures by type and masked text)
+//	rabbitmw dlq show -q orders <message id, or key of a message without one>
+//	rabbitmw dlq replay -q orders (--all | [--id ID]... [--error-type T] [--error TEXT] [--group G] [--since S] [--until U])
 //	                     [--to Q] [--dry-run] [--limit N] [--rate R]
 //	                     [--reset-failures (--redis ADDR | --postgres URL)] [--history N]
 //	rabbitmw dlq purge -q orders (--all | filters) [--dry-run] [--limit N]
@@ -14,6 +15,9 @@
 //	rabbitmw key <message id> --redis 127.0.0.1:6379 [--prefix P] [--namespace NS]
 //	rabbitmw key <message id> --postgres postgres://app@db/shop [--table T] [--namespace NS]
 //	rabbitmw topology declare|delete|show -q orders [--quorum] [--delivery-limit N] [--delays 1s,5s]
+//	rabbitmw outbox ls --postgres postgres://app@db/shop [--table T] [--state pending|sent|parked] [--after ID] [--limit N]
+//	rabbitmw outbox stats --postgres URL [--table T]
+//	rabbitmw outbox retry --postgres URL [--table T] (--all | --id ID...)
 //
 // The server is --amqp, or else $RABBITMQ_URL, or else
 // amqp://guest:guest@127.0.0.1:5672/. For a cluster, repeat --amqp or
@@ -84,9 +88,10 @@ func usageError(format string, args ...any) error {
 }
 
 const usage = `usage:
-  rabbitmw dlq ls|show|replay|purge|export|import -q QUEUE [flags]
+  rabbitmw dlq ls|groups|show|replay|purge|export|import -q QUEUE [flags]
   rabbitmw key ID (--redis ADDR | --postgres URL) [flags]
   rabbitmw topology declare|delete|show -q QUEUE [flags]
+  rabbitmw outbox ls|stats|retry --postgres URL [flags]
   rabbitmw --version
 Run a command with -h for its flags.`
 
@@ -130,6 +135,8 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		err = e.key(ctx, args[1:])
 	case args[0] == "topology":
 		err = e.topology(ctx, args[1:])
+	case args[0] == "outbox":
+		err = e.outbox(ctx, args[1:])
 	default:
 		err = usageError("unknown command %q; see 'rabbitmw -h'", args[0])
 	}
