@@ -19,6 +19,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
@@ -191,13 +193,13 @@ func TestCLI(t *testing.T) {
 
 	// replay: refused without a destination, or to a missing queue, and
 	// nothing moves; a dry run moves nothing; then a filtered replay.
-	_, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q)
+	_, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q, "--all")
 	expectCode(t, "dlq replay of a foreign message", code, exitRefused, stderr)
 	if !strings.Contains(stderr, `"foreign"`) || !strings.Contains(stderr, "--to") {
 		t.Errorf("refusal = %q; want it to name the message and --to", stderr)
 	}
-	_, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q, "--to", q+"-missing")
-	expectCode(t, "dlq replay to a missing queue", code, exitRefused, stderr)
+	_, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q, "--all", "--to", q+"-missing")
+	expectCode(t, "dlq replay to a missing queue", code, exitNotFound, stderr)
 	out, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q, "--id", "a,c", "--dry-run")
 	expectCode(t, "dlq replay --dry-run", code, exitOK, stderr)
 	if !strings.Contains(out, "would replay 2 of 4") {
@@ -223,7 +225,7 @@ func TestCLI(t *testing.T) {
 
 	out, stderr, code = cli(t, url, nil, "key", "a", "--redis", testenv.RedisAddr(t), "--prefix", prefix, "--namespace", "ns")
 	expectCode(t, "key a", code, exitOK, stderr)
-	if !strings.Contains(out, "absent") || !strings.Contains(out, "failures            2") && !strings.Contains(out, "failures  2") {
+	if words := strings.Join(strings.Fields(out), " "); !strings.Contains(words, "state absent") || !strings.Contains(words, "failures 2") {
 		t.Errorf("key a output:\n%s", out)
 	}
 	out, stderr, code = cli(t, url, nil, "key", "--json", "b", "--redis", "redis://"+testenv.RedisAddr(t), "--prefix", prefix, "--namespace", "ns")
@@ -291,7 +293,7 @@ func TestCLI(t *testing.T) {
 	_, stderr, code = cli(t, url, nil, "topology", "delete", "-q", q)
 	expectCode(t, "topology delete", code, exitOK, stderr)
 	_, stderr, code = cli(t, url, nil, "dlq", "ls", "-q", q)
-	expectCode(t, "dlq ls of a deleted queue", code, exitRefused, stderr)
+	expectCode(t, "dlq ls of a deleted queue", code, exitNotFound, stderr)
 }
 
 // A replay of 10,000 messages, its process killed midway with SIGKILL and
@@ -324,7 +326,7 @@ func TestReplayKilledMidway(t *testing.T) {
 	}
 
 	start := time.Now()
-	cmd := exec.Command(binary, "dlq", "replay", "-q", q, "--amqp", url)
+	cmd := exec.Command(binary, "dlq", "replay", "-q", q, "--all", "--amqp", url)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
@@ -358,7 +360,7 @@ func TestReplayKilledMidway(t *testing.T) {
 	}
 
 	start = time.Now()
-	out, errOut, code := cli(t, url, nil, "dlq", "replay", "-q", q)
+	out, errOut, code := cli(t, url, nil, "dlq", "replay", "-q", q, "--all")
 	expectCode(t, "second replay", code, exitOK, errOut)
 	t.Logf("second run: %s in %v", strings.TrimSpace(out), time.Since(start))
 
@@ -456,5 +458,41 @@ func TestKeyPostgres(t *testing.T) {
 	} {
 		_, stderr, code = cli(t, "", nil, append([]string{"key", "b"}, args...)...)
 		expectCode(t, "key "+name, code, exitUsage, stderr)
+	}
+}
+
+// What a key's state means, and what the store cannot know: an absent key
+// with no failures is also what a dead-lettered message leaves, since
+// Retry resets its count and Dedup releases its claim when it
+// dead-letters.
+func TestKeySaysWhatTheStoreKnows(t *testing.T) {
+	addr := testenv.RedisAddr(t)
+	rc := redis.NewClient(&redis.Options{Addr: addr})
+	t.Cleanup(func() { rc.Close() })
+	prefix := "rabbitmw-test-cli:" + queueName(t) + ":"
+	st := redisstore.New(rc, redisstore.Options{Prefix: prefix})
+	ctx := context.Background()
+	_, err := st.Fail(ctx, "between", time.Hour)
+	require.NoError(t, err)
+	t.Cleanup(func() { rc.Del(context.Background(), prefix+"retry:between") })
+
+	for _, c := range []struct {
+		key  string
+		want []string
+	}{
+		{"never-seen", []string{"state absent", "failures 0", "dead-lettered", "dlq show"}},
+		{"between", []string{"state absent", "failures 1", "between attempts"}},
+	} {
+		out, stderr, code := cli(t, "", nil, "key", c.key, "--redis", addr, "--prefix", prefix)
+		expectCode(t, "key "+c.key, code, exitOK, stderr)
+		words := strings.Join(strings.Fields(out), " ")
+		for _, w := range c.want {
+			assert.Contains(t, words, w, "key %s:\n%s", c.key, out)
+		}
+		out, stderr, code = cli(t, "", nil, "key", "--json", c.key, "--redis", addr, "--prefix", prefix)
+		expectCode(t, "key --json "+c.key, code, exitOK, stderr)
+		var ks struct{ Meaning, Unknown string }
+		require.NoError(t, json.Unmarshal([]byte(out), &ks), out)
+		assert.NotEmpty(t, ks.Meaning, "key --json %s: no meaning\n%s", c.key, out)
 	}
 }
