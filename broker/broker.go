@@ -3,6 +3,7 @@ package broker
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -108,6 +109,24 @@ type Options struct {
 	KeepEmptyMessageID bool
 	// Observer receives the Broker's events, and those of its consumers.
 	Observer Observer
+	// ConnectionName names the Broker's connections on the server (the
+	// client property connection_name, shown by `rabbitmqctl
+	// list_connections client_properties` and in the management UI).
+	// Each connection's name is ConnectionName, what it is for ("consume
+	// <queue>", "dlq"; nothing for the connection that Publish shares),
+	// and Process in brackets. Default "rabbitmw".
+	ConnectionName string
+	// TLS configures the TLS of "amqps://" URLs: the CAs to trust
+	// (RootCAs), the client certificate (Certificates), the server name
+	// (ServerName; by default the URL's host). Nil selects the system's
+	// roots and no client certificate. The Broker uses a copy of it.
+	TLS *tls.Config
+	// ExternalAuth authenticates with SASL EXTERNAL instead of the URL's
+	// user name and password: by the client certificate that TLS
+	// presents. RabbitMQ needs the rabbitmq_auth_mechanism_ssl plugin, and
+	// a user named as its ssl_cert_login_from setting says (the
+	// certificate's distinguished name, or its common name).
+	ExternalAuth bool
 }
 
 // config is Options with the defaults resolved.
@@ -119,6 +138,9 @@ type config struct {
 	process      string
 	keepNoID     bool
 	obs          Observer
+	connName     string
+	tls          *tls.Config // nil: amqp091's default
+	external     bool
 	serverString string // set by the transport, for logs
 }
 
@@ -145,6 +167,14 @@ func (o Options) resolve() config {
 		process:   o.Process,
 		keepNoID:  o.KeepEmptyMessageID,
 		obs:       o.Observer,
+		connName:  o.ConnectionName,
+		external:  o.ExternalAuth,
+	}
+	if o.TLS != nil {
+		c.tls = o.TLS.Clone()
+	}
+	if c.connName == "" {
+		c.connName = "rabbitmw"
 	}
 	switch {
 	case c.rmin < 0, c.rmax < 0, c.heartbeat < 0:
@@ -180,8 +210,9 @@ func (o Options) resolve() config {
 	return c
 }
 
-// A Broker publishes to and consumes from one RabbitMQ server (or one
-// in-memory server of package brokertest). It is safe for concurrent use.
+// A Broker publishes to and consumes from one RabbitMQ server, a cluster
+// of them ([NewCluster]), or an in-memory server of package brokertest.
+// It is safe for concurrent use.
 //
 // Publish and the inspection methods (Declare, Len, Get, Delete) share one
 // connection, made when first needed and made again after it is lost; when
@@ -262,7 +293,7 @@ func (b *Broker) shared(ctx context.Context) (session, error) {
 			return b.sess, nil
 		}
 	}
-	s, err := b.tr.Dial(ctx, "rabbitmw "+b.cfg.process)
+	s, err := b.dial(ctx, "", "")
 	if err != nil {
 		return nil, err
 	}

@@ -14,6 +14,10 @@ import (
 	"github.com/rabbitmw/rabbitmw/internal/clock"
 )
 
+// run connects, serves the session (serve), and connects again when the
+// session is lost, until ctx is done or a fatal error; then it waits for
+// the handlers (see Reconnection and Shutdown in the package
+// documentation).
 func (c *consumer) run(ctx context.Context) error {
 	// Handlers run under hctx, which outlives ctx: it is cancelled only at
 	// the shutdown deadline (by drain), or when Consume returns.
@@ -47,7 +51,7 @@ func (c *consumer) run(ctx context.Context) error {
 			return end(nil)
 		}
 		c.log.LogAttrs(ctx, slog.LevelInfo, "broker: connecting", server)
-		s, err := c.b.tr.Dial(ctx, "rabbitmw consume "+c.top.queue+" ("+c.b.cfg.process+")")
+		s, err := c.b.dial(ctx, c.top.queue, "consume "+c.top.queue)
 		switch {
 		case err != nil && ctx.Err() != nil:
 			return end(nil)

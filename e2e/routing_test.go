@@ -25,7 +25,6 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/deadletter"
-	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/otelmw"
 )
@@ -57,27 +56,27 @@ func (l *routeLog) Handle(_ context.Context, r slog.Record) error {
 }
 
 func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
+	for _, be := range copyBackends {
+		t.Run(be.name, func(t *testing.T) { testRetriesSeeTheOriginalRoute(t, be.open(t)) })
+	}
+}
+
+func testRetriesSeeTheOriginalRoute(t *testing.T, b *broker.Broker) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var r [4]byte
 	_, _ = rand.Read(r[:])
 	suffix := hex.EncodeToString(r[:])
 	// The exchange of the issue, "events", with a name of its own: the
-	// server is shared.
+	// server is shared. It goes with the queue's binding.
 	exchange := "rabbitmw-test-events-" + suffix
 	q := "rabbitmw-test-orders-" + suffix
-	b := broker.New(url, broker.Options{})
-	t.Cleanup(func() { b.Close() })
-	top := broker.Topology{Delays: []time.Duration{50 * time.Millisecond}}
+	top := broker.Topology{
+		Delays:    []time.Duration{50 * time.Millisecond},
+		Exchanges: []broker.Exchange{{Name: exchange, Kind: broker.ExchangeTopic, Transient: true, AutoDelete: true}},
+		Bindings:  []broker.Binding{{Exchange: exchange, Key: "order.*"}},
+	}
 	require.NoError(t, b.Declare(ctx, q, top))
-	conn, err := amqp.Dial(url)
-	require.NoError(t, err)
-	defer conn.Close()
-	ch, err := conn.Channel()
-	require.NoError(t, err)
-	require.NoError(t, ch.ExchangeDeclare(exchange, "topic", false, true, false, false, nil))
-	require.NoError(t, ch.QueueBind(q, "order.*", exchange, false, nil))
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()

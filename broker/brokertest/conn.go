@@ -158,6 +158,7 @@ func (c *memConn) shutdown(reason *amqp.Error) {
 	}
 }
 
+func (c *memConn) Node() string             { return c.m.url }
 func (c *memConn) MaxProperties() int       { return frameMax - transport.FrameOverhead }
 func (c *memConn) Closed() <-chan struct{}  { return c.done }
 func (c *memConn) Reason() error            { return c.err }

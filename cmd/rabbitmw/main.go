@@ -16,7 +16,9 @@
 //	rabbitmw topology declare|delete|show -q orders [--quorum] [--delivery-limit N] [--delays 1s,5s]
 //
 // The server is --amqp, or else $RABBITMQ_URL, or else
-// amqp://guest:guest@127.0.0.1:5672/. A server that does not answer
+// amqp://guest:guest@127.0.0.1:5672/. For a cluster, repeat --amqp or
+// separate the nodes' URLs with commas (in $RABBITMQ_URL too): each
+// connection goes to a node that answers. A server that does not answer
 // within --timeout (default 10s) fails the command. Output is a table, or
 // JSON with --json. Long reads and replays draw a progress bar on standard
 // error, from their start, when it is a terminal. Each command's -h lists

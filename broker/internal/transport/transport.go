@@ -72,6 +72,9 @@ type Session interface {
 	// MaxProperties) with an error wrapping ErrInvalidMessage, sending
 	// nothing.
 	Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
+	// Node names the server of this session, for logs: host:port/vhost,
+	// without credentials.
+	Node() string
 	// MaxProperties is the most bytes the properties and headers of a
 	// message may take on this connection: its frame size less a frame's
 	// header and end (0: no limit).
