@@ -125,10 +125,23 @@ func (t *amqpTransport) Dial(ctx context.Context, name string) (session, error) 
 
 // dialError classifies a failure to connect.
 func (t *amqpTransport) dialError(err error) error {
+	var (
+		ve    *tls.CertificateVerificationError
+		alert tls.AlertError
+	)
+	switch {
+	case errors.As(err, &ve):
+		return fmt.Errorf("%w: %s: the server's certificate is not trusted: give Options.TLS the CA that signed it (RootCAs) and the name it was issued for (ServerName): %w", ErrCertificate, t, err)
+	case errors.As(err, &alert):
+		return fmt.Errorf("%w: %s: the server refused the TLS handshake (check Options.TLS: the client certificate, and whether the server's CA signed it): %w", ErrCertificate, t, err)
+	}
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
 		switch ae.Code {
 		case amqp.AccessRefused:
+			if t.external {
+				return fmt.Errorf("%w: %s: SASL EXTERNAL: check the client certificate in Options.TLS, and that the server has a user named as the certificate: %w", ErrAccessRefused, t, err)
+			}
 			return fmt.Errorf("%w: %s: check the user name and password in the URL: %w", ErrAccessRefused, t, err)
 		case amqp.NotAllowed:
 			return fmt.Errorf("%w: %s: check the virtual host and the user's permissions: %w", ErrAccessRefused, t, err)

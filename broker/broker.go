@@ -47,6 +47,12 @@ var (
 	// ErrAccessRefused reports a connection refused for its credentials or
 	// virtual host. It is fatal: retrying cannot help.
 	ErrAccessRefused = errors.New("broker: access refused")
+	// ErrCertificate reports a TLS handshake that failed on a
+	// certificate: the server's is not signed by a CA that Options.TLS
+	// trusts (or the system's, without it), or not for the server's
+	// name; or the server refused the client's. It is fatal: retrying
+	// cannot help.
+	ErrCertificate = errors.New("broker: TLS certificate refused")
 	// ErrQueueNotFound reports a queue that does not exist (with
 	// DeclareNone or DeclareSupport, or for Len and Get).
 	ErrQueueNotFound = errors.New("broker: queue not found")

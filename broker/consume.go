@@ -64,10 +64,18 @@ var consumerSeq atomic.Uint64
 // the package documentation's table says for the outcome that
 // [rabbitmw.Decide] gives h's result. It declares the topology first
 // (opts.Topology), then consumes, and connects again whenever its
-// connection is lost. It blocks until ctx is cancelled, and then shuts
-// down gracefully and returns nil, or until a fatal error. The package
-// documentation says how it acks, what it does when a copy fails, how it
-// reconnects and shuts down, and which errors are fatal.
+// connection is lost.
+//
+// h sees each delivery as it was first delivered, on every attempt and
+// after a replay: its exchange, routing key, UserId, Expiration and
+// DeliveryMode as published, though a retry comes back from a delay queue
+// through the default exchange, and every copy keeps those properties in
+// headers (see the package documentation, Settlement).
+//
+// Consume blocks until ctx is cancelled, and then shuts down gracefully
+// and returns nil, or until a fatal error. The package documentation says
+// how it acks, what it does when a copy fails, how it reconnects and shuts
+// down, and which errors are fatal.
 //
 // Consume panics if h is nil.
 func (b *Broker) Consume(ctx context.Context, queue string, h rabbitmw.Handler, opts ConsumeOptions) error {

@@ -214,6 +214,28 @@ func testCopies(t *testing.T, b *broker.Broker) {
 	got["handler, after a replay"] = &views["failing"][2]
 	mu.Unlock()
 
+	// RabbitMQ's dead-letter, replayed: its route and expiration come from
+	// its x-death record.
+	m, err = deadletter.ExportMessage(q+".dlq", got["rabbitmq dead-letter"])
+	require.NoError(t, err)
+	line.Reset()
+	require.NoError(t, json.NewEncoder(&line).Encode(m))
+	_, err = deadletter.New(b).Import(ctx, q, &line, deadletter.ImportOptions{})
+	require.NoError(t, err)
+	res, err = deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{Filter: deadletter.Filter{IDs: []string{"settler"}}, To: q})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Replayed)
+	stop = consumeIn(t, b, q, top, h)
+	require.Eventually(t, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(views["settler"]) == 1
+	}, 20*time.Second, 20*time.Millisecond, "the replayed dead-letter of RabbitMQ was not handled")
+	stop()
+	mu.Lock()
+	got["handler, after a replay of RabbitMQ's dead-letter"] = &views["settler"][0]
+	mu.Unlock()
+
 	// What each must carry. published is the message as first delivered;
 	// copy is what the broker's copies carry on the wire: every property
 	// but DeliveryMode (persistent), Expiration and UserId, each kept in a
@@ -263,6 +285,7 @@ func testCopies(t *testing.T, b *broker.Broker) {
 		{"handler, attempt 1", published("failing"), nil},
 		{"handler, attempt 2", published("failing"), kept},
 		{"handler, after a replay", published("failing"), kept},
+		{"handler, after a replay of RabbitMQ's dead-letter", published("settler"), kept},
 	}
 	for _, c := range cases {
 		d := got[c.kind]

@@ -148,3 +148,55 @@ func testRetriesSeeTheOriginalRoute(t *testing.T, b *broker.Broker) {
 		assert.Equal(t, "process "+exchange+":order.created:"+q, s.Name(), "span %d", i+1)
 	}
 }
+
+// A message that RabbitMQ itself dead-lettered (it expired in the work
+// queue) carries its route only in its x-death record; replayed, it is
+// handled with that route and its expiration, as first published.
+func TestReplayOfAServerDeadLetterSeesItsRoute(t *testing.T) {
+	for _, be := range copyBackends {
+		t.Run(be.name, func(t *testing.T) {
+			b := be.open(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			var r [4]byte
+			_, _ = rand.Read(r[:])
+			suffix := hex.EncodeToString(r[:])
+			exchange := "rabbitmw-test-events-" + suffix
+			q := "rabbitmw-test-orders-" + suffix
+			top := broker.Topology{
+				Delays:    []time.Duration{50 * time.Millisecond},
+				Exchanges: []broker.Exchange{{Name: exchange, Kind: broker.ExchangeTopic, Transient: true, AutoDelete: true}},
+				Bindings:  []broker.Binding{{Exchange: exchange, Key: "order.*"}},
+			}
+			require.NoError(t, b.Declare(ctx, q, top))
+			t.Cleanup(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				defer cancel()
+				assert.NoError(t, b.Delete(ctx, q, top))
+			})
+			require.NoError(t, b.Publish(ctx, exchange, "order.cancelled", amqp.Publishing{MessageId: "o2", Expiration: "1", Body: []byte("x")}))
+			require.Eventually(t, func() bool {
+				n, err := b.Len(ctx, q+".dlq")
+				require.NoError(t, err)
+				return n == 1
+			}, 20*time.Second, 20*time.Millisecond, "the message did not expire into the dead-letter queue")
+			res, err := deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{To: q})
+			require.NoError(t, err)
+			require.Equal(t, 1, res.Replayed)
+			seen := make(chan amqp.Delivery, 1)
+			stop := consumeIn(t, b, q, top, rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+				seen <- *d
+				return nil
+			}))
+			var d amqp.Delivery
+			select {
+			case d = <-seen:
+			case <-ctx.Done():
+				t.Fatal("the replayed message was not handled")
+			}
+			stop()
+			assert.Equal(t, []string{exchange, "order.cancelled", "1"}, []string{d.Exchange, d.RoutingKey, d.Expiration})
+			assert.Equal(t, 0, len(seen), "handled once")
+		})
+	}
+}

@@ -217,7 +217,7 @@ func (c *memConn) Declare(_ context.Context, specs []transport.QueueSpec) error 
 }
 
 // queueArgs are the arguments compared when a queue is declared again.
-var queueArgs = []string{"x-queue-type", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key", "x-delivery-limit"}
+var queueArgs = []string{"x-queue-type", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key", "x-delivery-limit", "x-single-active-consumer"}
 
 func newMemQueue(name string, args amqp.Table) (*memQueue, error) {
 	q := &memQueue{name: name, args: rabbit.WireTable(args)}
@@ -253,6 +253,12 @@ func newMemQueue(name string, args amqp.Table) (*memQueue, error) {
 				return nil, bad(k)
 			}
 			q.dlrk, q.hasDLRK = s, true
+		case "x-single-active-consumer":
+			b, ok := v.(bool)
+			if !ok {
+				return nil, bad(k)
+			}
+			q.single = b
 		case "x-delivery-limit":
 			n, ok := header.Integer(v)
 			if !ok || n < 0 {

@@ -22,7 +22,9 @@
 //   - publisher confirms, at once or after a delay (Server.SetConfirmDelay);
 //   - durable queues with the arguments x-queue-type ("quorum" or
 //     "classic"), x-message-ttl, x-dead-letter-exchange (the default
-//     exchange ""), x-dead-letter-routing-key and x-delivery-limit;
+//     exchange ""), x-dead-letter-routing-key, x-delivery-limit and
+//     x-single-active-consumer (the longest registered consumer gets
+//     every message);
 //     redeclaring with other arguments fails with 406 PRECONDITION_FAILED,
 //     a passive declare of a missing queue with 404 NOT_FOUND;
 //   - dead-lettering on expiry at the head of a queue (by its TTL or the

@@ -14,6 +14,9 @@
 //	rabbitmw key <message id> --redis 127.0.0.1:6379 [--prefix P] [--namespace NS]
 //	rabbitmw key <message id> --postgres postgres://app@db/shop [--table T] [--namespace NS]
 //	rabbitmw topology declare|delete|show -q orders [--quorum] [--delivery-limit N] [--delays 1s,5s]
+//	rabbitmw outbox ls --postgres postgres://app@db/shop [--table T] [--state pending|sent|parked] [--after ID] [--limit N]
+//	rabbitmw outbox stats --postgres URL [--table T]
+//	rabbitmw outbox retry --postgres URL [--table T] (--all | --id ID...)
 //
 // The server is --amqp, or else $RABBITMQ_URL, or else
 // amqp://guest:guest@127.0.0.1:5672/. For a cluster, repeat --amqp or
@@ -87,6 +90,7 @@ const usage = `usage:
   rabbitmw dlq ls|show|replay|purge|export|import -q QUEUE [flags]
   rabbitmw key ID (--redis ADDR | --postgres URL) [flags]
   rabbitmw topology declare|delete|show -q QUEUE [flags]
+  rabbitmw outbox ls|stats|retry --postgres URL [flags]
   rabbitmw --version
 Run a command with -h for its flags.`
 
@@ -130,6 +134,8 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		err = e.key(ctx, args[1:])
 	case args[0] == "topology":
 		err = e.topology(ctx, args[1:])
+	case args[0] == "outbox":
+		err = e.outbox(ctx, args[1:])
 	default:
 		err = usageError("unknown command %q; see 'rabbitmw -h'", args[0])
 	}
