@@ -647,6 +647,20 @@ func (s *amqpSession) Delete(_ context.Context, queues []string) error {
 	return nil
 }
 
+func (s *amqpSession) SyncGets(_ context.Context) error {
+	s.getMu.Lock()
+	defer s.getMu.Unlock()
+	if s.getCh == nil {
+		return nil
+	}
+	// basic.qos is answered in turn, after the methods sent before it,
+	// and changes nothing for basic.get.
+	if err := s.getCh.Qos(0, 0, false); err != nil {
+		return s.translate(err)
+	}
+	return nil
+}
+
 func (s *amqpSession) Get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {
 	s.getMu.Lock()
 	defer s.getMu.Unlock()

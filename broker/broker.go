@@ -154,7 +154,8 @@ const (
 	// retryHeadroom is what a message that Publish sends, and a copy sent
 	// to a delay queue, must leave free of a frame: room for the headers
 	// added when it is retried or dead-lettered (the fault headers, an
-	// error text of up to 4 KiB among them, and RabbitMQ's x-death and
+	// error text of up to 4 KiB among them, the first failure's of up to
+	// 512 bytes that a delay copy carries, and RabbitMQ's x-death and
 	// x-delivery-count).
 	retryHeadroom = 8 << 10
 

@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
@@ -27,7 +28,9 @@ func (cn *conn) delay(ctx context.Context, d *amqp.Delivery, dec rabbitmw.Decisi
 		// see asCopy.)
 		due = time.Now().Add(dec.Delay)
 	}
-	msg := republishing(d, delayHeaders(d, dec, cn.top.queue, due))
+	h := delayHeaders(d, dec, cn.top.queue, due)
+	noteFirstFailure(h, dec.Err, time.Now())
+	msg := republishing(d, h)
 	err := cn.publishCopy(ctx, tr.queue, msg, retryHeadroom)
 	cn.b.cfg.obs.republish(ctx, RepublishEvent{Outcome: rabbitmw.Delay, Queue: cn.top.queue, To: tr.queue, Delay: dec.Delay, Err: err, Delivery: d})
 	if errors.Is(err, ErrInvalidMessage) {
@@ -44,6 +47,23 @@ func (cn *conn) delay(ctx context.Context, d *amqp.Delivery, dec rabbitmw.Decisi
 		return cn.copyFailed(ctx, d, failedCopy{"delay", tr.queue, err})
 	}
 	return d.Ack(false)
+}
+
+// maxFirstErrorText bounds HeaderFirstError, which a delay copy carries
+// (see retryHeadroom).
+const maxFirstErrorText = 512
+
+// noteFirstFailure records on h, the headers of a delay copy, the failure
+// err at time at, unless h records one already or err is not counted.
+func noteFirstFailure(h amqp.Table, err error, at time.Time) {
+	if err == nil || rabbitmw.IsNotCounted(err) {
+		return
+	}
+	if _, ok := h[HeaderFirstFailedAt]; ok {
+		return
+	}
+	h[HeaderFirstError] = transport.Truncate(err.Error(), maxFirstErrorText)
+	h[HeaderFirstFailedAt] = at.UTC().Truncate(time.Second)
 }
 
 // delayHeaders returns the headers of the copy of d, from work queue

@@ -13,6 +13,17 @@ const (
 	// type such as "*json.SyntaxError", or "error" for an error made by
 	// errors.New or fmt.Errorf.
 	HeaderErrorType = "x-rabbitmw-error-type"
+	// HeaderFirstError and HeaderFirstFailedAt are the error text (at
+	// most 512 bytes) and the time (a timestamp, UTC, whole seconds) of
+	// the first failure the broker copied the message for: written on its
+	// first delay copy, or, if it had none, left out of its dead-letter
+	// copy, whose HeaderError and HeaderFailedAt then say the same. A
+	// failure that is not counted (rabbitmw.NotCounted: busy, the store
+	// unavailable) is not one. RabbitMQ's x-first-death-* name the first
+	// time the server dead-lettered the message, which for a message
+	// delayed on a retry is the first delay queue's expiry.
+	HeaderFirstError    = "x-rabbitmw-first-error"
+	HeaderFirstFailedAt = "x-rabbitmw-first-failed-at"
 	// HeaderOriginalExchange and HeaderOriginalRoutingKey are the exchange
 	// and routing key the message was first published with: recorded at
 	// its first delay or dead-letter, and kept at later hops.

@@ -428,6 +428,13 @@ func (c *memConn) route(exchange, key string, msg amqp.Publishing) (time.Duratio
 	return m.confirmDelay, nil
 }
 
+// SyncGets: the in-memory server processes each ack as it is sent.
+func (c *memConn) SyncGets(context.Context) error {
+	c.m.mu.Lock()
+	defer c.m.mu.Unlock()
+	return c.lost()
+}
+
 func (c *memConn) Get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {
 	m := c.m
 	m.mu.Lock()

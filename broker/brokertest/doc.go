@@ -31,7 +31,9 @@
 //     message's Expiration, its per-message TTL in milliseconds), on a
 //     reject or nack without requeue, and past a quorum queue's delivery
 //     limit, with the x-death, x-first-death-queue, x-first-death-reason
-//     and x-first-death-exchange headers as RabbitMQ writes them; a message
+//     and x-first-death-exchange headers as RabbitMQ writes them, and
+//     without the message's Expiration (kept in its x-death record as
+//     original-expiration), so that it does not expire again; a message
 //     that would circle through dead-lettering with no reject on the way is
 //     dropped, by RabbitMQ 3.10's cycle rule;
 //   - per-consumer prefetch, delivery tags per connection, ack, nack and

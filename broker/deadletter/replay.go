@@ -314,7 +314,7 @@ func firstRoute(h amqp.Table) {
 var historyHeaders = []string{
 	broker.HeaderError, broker.HeaderErrorType, broker.HeaderOriginalQueue, broker.HeaderFailedAt,
 	broker.HeaderHost, broker.HeaderProcess, rabbitmw.HeaderAttempts, broker.HeaderNotBefore,
-	broker.HeaderDeaths, broker.HeaderMalformedXDeath,
+	broker.HeaderDeaths, broker.HeaderMalformedXDeath, broker.HeaderFirstError, broker.HeaderFirstFailedAt,
 	"x-death", "x-first-death-queue", "x-first-death-reason", "x-first-death-exchange",
 	"x-last-death-queue", "x-last-death-reason", "x-last-death-exchange", "x-delivery-count",
 }

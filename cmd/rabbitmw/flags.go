@@ -243,22 +243,26 @@ func (w *when) Set(s string) error {
 type filterFlags struct {
 	ids          list
 	errorType    string
+	errorText    string
+	group        string
 	since, until when
 }
 
 func (f *filterFlags) register(fs *flagSet) {
-	fs.Var(&f.ids, "id", "select this message id (repeatable, or comma-separated)")
+	fs.Var(&f.ids, "id", "select this message id, or key for a message without one (repeatable, or comma-separated)")
 	fs.StringVar(&f.errorType, "error-type", "", "select this error type, as in the ERROR TYPE column")
+	fs.StringVar(&f.errorText, "error", "", "select messages whose error contains this text, whatever the case")
+	fs.StringVar(&f.group, "group", "", "select the messages of this group, as dlq groups lists them")
 	fs.Var(&f.since, "since", "select messages that failed at or after this time (RFC 3339, or a duration before now)")
 	fs.Var(&f.until, "until", "select messages that failed before this time")
 }
 
 func (f *filterFlags) filter() deadletter.Filter {
-	return deadletter.Filter{IDs: f.ids, ErrorType: f.errorType, Since: f.since.t, Until: f.until.t}
+	return deadletter.Filter{IDs: f.ids, ErrorType: f.errorType, Error: f.errorText, Group: f.group, Since: f.since.t, Until: f.until.t}
 }
 
 func (f *filterFlags) empty() bool {
-	return len(f.ids) == 0 && f.errorType == "" && f.since.t.IsZero() && f.until.t.IsZero()
+	return len(f.ids) == 0 && f.errorType == "" && f.errorText == "" && f.group == "" && f.since.t.IsZero() && f.until.t.IsZero()
 }
 
 // storeFlags name a store and its key layout.

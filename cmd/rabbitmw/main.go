@@ -4,8 +4,9 @@
 // key, and declares, shows and deletes a work queue's topology.
 //
 //	rabbitmw dlq ls -q orders                 (-q is short for --queue)
-//	rabbitmw dlq show -q orders <message id>
-//	rabbitmw dlq replay -q orders (--all | [--id ID]... [--error-type T] [--since S] [--until U])
+//	rabbitmw dlq groups -q orders [filters]    (failures by type and masked text)
+//	rabbitmw dlq show -q orders <message id, or key of a message without one>
+//	rabbitmw dlq replay -q orders (--all | [--id ID]... [--error-type T] [--error TEXT] [--group G] [--since S] [--until U])
 //	                     [--to Q] [--dry-run] [--limit N] [--rate R]
 //	                     [--reset-failures (--redis ADDR | --postgres URL)] [--history N]
 //	rabbitmw dlq purge -q orders (--all | filters) [--dry-run] [--limit N]
@@ -87,7 +88,7 @@ func usageError(format string, args ...any) error {
 }
 
 const usage = `usage:
-  rabbitmw dlq ls|show|replay|purge|export|import -q QUEUE [flags]
+  rabbitmw dlq ls|groups|show|replay|purge|export|import -q QUEUE [flags]
   rabbitmw key ID (--redis ADDR | --postgres URL) [flags]
   rabbitmw topology declare|delete|show -q QUEUE [flags]
   rabbitmw outbox ls|stats|retry --postgres URL [flags]

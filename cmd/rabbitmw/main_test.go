@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/md5"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -495,4 +496,51 @@ func TestKeySaysWhatTheStoreKnows(t *testing.T) {
 		require.NoError(t, json.Unmarshal([]byte(out), &ks), out)
 		assert.NotEmpty(t, ks.Meaning, "key --json %s: no meaning\n%s", c.key, out)
 	}
+}
+
+// A message without an id is listed and shown by its key; messages are
+// selected by their error's text, and grouped by type and masked text.
+func TestDLQKeysTextAndGroups(t *testing.T) {
+	_, url, q := setupQueue(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	now := time.Now().UTC().Truncate(time.Second)
+	b := broker.New(url, broker.Options{KeepEmptyMessageID: true})
+	t.Cleanup(func() { b.Close() })
+	pub := func(id, body string, h amqp.Table) {
+		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: id, Body: []byte(body), Headers: h}))
+	}
+	pub("", `{"order":7}`, faulty(q, "error", "decode order 7: unexpected EOF", now))
+	pub("m8", "x", faulty(q, "error", "decode order 8: unexpected EOF", now))
+	pub("m9", "y", faulty(q, "*json.SyntaxError", "payment Gateway said no", now))
+	sum := md5.Sum([]byte(`{"order":7}`))
+	key := hex.EncodeToString(sum[:])
+
+	out, stderr, code := cli(t, url, nil, "dlq", "ls", "-q", q)
+	expectCode(t, "dlq ls", code, exitOK, stderr)
+	assert.Contains(t, out, key, "dlq ls lists the message without an id by its key")
+	out, stderr, code = cli(t, url, nil, "dlq", "show", "-q", q, key)
+	expectCode(t, "dlq show KEY", code, exitOK, stderr)
+	assert.Contains(t, out, "decode order 7", "dlq show KEY")
+
+	out, stderr, code = cli(t, url, nil, "dlq", "ls", "-q", q, "--error", "gateway SAID")
+	expectCode(t, "dlq ls --error", code, exitOK, stderr)
+	assert.Contains(t, out, "m9")
+	assert.NotContains(t, out, "m8")
+	assert.Contains(t, out, "1 message(s)")
+
+	out, stderr, code = cli(t, url, nil, "dlq", "groups", "-q", q, "--json")
+	expectCode(t, "dlq groups", code, exitOK, stderr)
+	var groups []struct {
+		ID, ErrorType, Pattern string
+		Count                  int
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &groups), out)
+	require.Len(t, groups, 2, out)
+	assert.Equal(t, "decode order #: unexpected EOF", groups[0].Pattern)
+	assert.Equal(t, 2, groups[0].Count)
+	out, stderr, code = cli(t, url, nil, "dlq", "ls", "-q", q, "--group", groups[0].ID)
+	expectCode(t, "dlq ls --group", code, exitOK, stderr)
+	assert.Contains(t, out, "2 message(s)")
+	assert.Contains(t, out, "m8")
 }

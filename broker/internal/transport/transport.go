@@ -81,6 +81,12 @@ type Session interface {
 	MaxProperties() int
 	// Get takes one message from queue with manual ack (basic.get).
 	Get(ctx context.Context, queue string) (*amqp.Delivery, bool, error)
+	// SyncGets returns once the server has processed what was sent so far
+	// on the channel of Get, the acknowledgements of its messages among
+	// them: a synchronous round trip on that channel. An ack that was
+	// written is not done until then: if the connection drops first, the
+	// server requeues the message.
+	SyncGets(ctx context.Context) error
 	// Length returns the number of ready messages in queue.
 	Length(ctx context.Context, queue string) (int, error)
 	// Delete deletes the queues; missing ones are skipped.
