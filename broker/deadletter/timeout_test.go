@@ -62,3 +62,36 @@ func TestReplayOutlastsConsumerTimeout(t *testing.T) {
 	}
 	assert.Equal(t, want, got, "the work queue holds each message once, in order")
 }
+
+// A replay in rounds replays each selected message once, in order, and
+// leaves a message that came into the dead-letter queue meanwhile.
+func TestReplayRounds(t *testing.T) {
+	f := setup(t, backends[0], broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	want := []string{"a", "b", "c", "d", "e"}
+	f.deadLetter(t, false, nil, want...)
+	late := false
+	res, err := f.in.Replay(ctx, f.q, ReplayOptions{Rate: 25, HoldLimit: 50 * time.Millisecond, Progress: func(done, total int) {
+		if !late {
+			late = true
+			assert.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: "late", Headers: amqp.Table{broker.HeaderOriginalQueue: f.q}}))
+		}
+	}})
+	require.NoError(t, err)
+	assert.Equal(t, 5, res.Replayed)
+	assert.Equal(t, want, ids(res.Selected))
+	var got []string
+	for {
+		d, ok, err := f.b.Get(ctx, f.q)
+		require.NoError(t, err)
+		if !ok {
+			break
+		}
+		got = append(got, d.MessageId)
+		require.NoError(t, d.Ack(false))
+	}
+	assert.Equal(t, want, got, "the work queue holds each message once, in order")
+	left, err := f.in.List(ctx, f.q, ListOptions{})
+	require.NoError(t, err)
+	assert.Equal(t, []string{"late"}, ids(left), "the dead-letter queue keeps what came in meanwhile")
+}
