@@ -18,6 +18,16 @@
 //	rabbitmw outbox ls --postgres postgres://app@db/shop [--table T] [--state pending|sent|parked] [--after ID] [--limit N]
 //	rabbitmw outbox stats --postgres URL [--table T]
 //	rabbitmw outbox retry --postgres URL [--table T] (--all | --id ID...)
+//	rabbitmw ui -q orders [-q payments]... [--listen ADDR] [--token T | --basic-auth U:P] [--read-only]
+//	             [--redis ADDR | --postgres URL] [--delays 1s,5s]
+//
+// ui serves a web console on --listen (default 127.0.0.1:8080): the
+// queues with their depth and consumers, each dead-letter queue's
+// failures grouped by error type and masked text, each message in full,
+// replay, purge and export of a selection or a group, and key lookups in
+// the store. On an address that is not loopback it requires --token or
+// --basic-auth; every action carries a form token and is refused from
+// another origin; --read-only refuses them all.
 //
 // The server is --amqp, or else $RABBITMQ_URL, or else
 // amqp://guest:guest@127.0.0.1:5672/. For a cluster, repeat --amqp or
@@ -91,6 +101,7 @@ const usage = `usage:
   rabbitmw dlq ls|groups|show|replay|purge|export|import -q QUEUE [flags]
   rabbitmw key ID (--redis ADDR | --postgres URL) [flags]
   rabbitmw topology declare|delete|show -q QUEUE [flags]
+  rabbitmw ui -q QUEUE [-q QUEUE]... [--listen 127.0.0.1:8080] [flags]
   rabbitmw outbox ls|stats|retry --postgres URL [flags]
   rabbitmw --version
 Run a command with -h for its flags.`
@@ -135,6 +146,8 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		err = e.key(ctx, args[1:])
 	case args[0] == "topology":
 		err = e.topology(ctx, args[1:])
+	case args[0] == "ui":
+		err = e.ui(ctx, args[1:])
 	case args[0] == "outbox":
 		err = e.outbox(ctx, args[1:])
 	default:
