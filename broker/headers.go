@@ -37,7 +37,10 @@ const (
 	HeaderFirstFailedAt = "x-rabbitmw-first-failed-at"
 	// HeaderOriginalExchange and HeaderOriginalRoutingKey are the exchange
 	// and routing key the message was first published with: recorded at
-	// its first delay or dead-letter, and kept at later hops.
+	// its first delay or dead-letter (or, for a message RabbitMQ
+	// dead-lettered itself, at its replay, from its x-death record), and
+	// kept at later hops. Consume gives them back to the delivery before
+	// the handler runs.
 	HeaderOriginalExchange   = "x-rabbitmw-original-exchange"
 	HeaderOriginalRoutingKey = "x-rabbitmw-original-routing-key"
 	// HeaderOriginalQueue is the work queue the message was dead-lettered
@@ -59,7 +62,9 @@ const (
 	HeaderNotBefore = "x-rabbitmw-not-before"
 	// HeaderUserID keeps the UserId property of a message that the broker
 	// republishes (RabbitMQ refuses a publish whose user-id is not the
-	// connection's user, so the copy goes without it).
+	// connection's user, so the copy goes without it). Consume gives it
+	// back to the delivery before the handler runs, as it does
+	// HeaderOriginalExpiration and HeaderOriginalDeliveryMode.
 	HeaderUserID = "x-rabbitmw-user-id"
 	// HeaderOriginalExpiration keeps the Expiration property (a per-message
 	// TTL) of a message that the broker copies: no copy carries one, so

@@ -96,25 +96,40 @@ func fullMessage(id string, ts time.Time) amqp.Publishing {
 
 var errCopyTest = errors.New("test: handler failed")
 
-func TestCopiesCarryEveryProperty(t *testing.T) {
+// onCopyBackends runs f on a Broker of each copyBackend.
+func onCopyBackends(t *testing.T, f func(t *testing.T, b *broker.Broker)) {
 	for _, be := range copyBackends {
-		t.Run(be.name, func(t *testing.T) { testCopies(t, be.open(t)) })
+		t.Run(be.name, func(t *testing.T) { f(t, be.open(t)) })
 	}
 }
+
+// declared declares top for a work queue named prefix and a random
+// suffix, deletes it at the end of t, and returns its name and the
+// suffix.
+func declared(t *testing.T, b *broker.Broker, prefix string, top func(suffix string) broker.Topology) (queue, suffix string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var r [4]byte
+	_, _ = rand.Read(r[:])
+	suffix = hex.EncodeToString(r[:])
+	queue = prefix + suffix
+	tp := top(suffix)
+	require.NoError(t, b.Declare(ctx, queue, tp))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		assert.NoError(t, b.Delete(ctx, queue, tp))
+	})
+	return queue, suffix
+}
+
+func TestCopiesCarryEveryProperty(t *testing.T) { onCopyBackends(t, testCopies) }
 
 func testCopies(t *testing.T, b *broker.Broker) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	var r [4]byte
-	_, _ = rand.Read(r[:])
-	q := "rabbitmw-test-copies-" + hex.EncodeToString(r[:])
 	top := broker.Topology{Delays: []time.Duration{100 * time.Millisecond, time.Hour}}
-	require.NoError(t, b.Declare(ctx, q, top))
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		assert.NoError(t, b.Delete(ctx, q, top))
-	})
+	q, _ := declared(t, b, "rabbitmw-test-copies-", func(string) broker.Topology { return top })
 	ts := time.Unix(time.Now().Unix(), 0).UTC()
 	publish := func(id string) {
 		t.Helper()
