@@ -301,3 +301,32 @@ func TestRelaysShareTheOutbox(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, left, "no copy")
 }
+
+// A message that RabbitMQ refuses (a nack: here a queue at its length
+// limit that rejects publishes) is parked with the reason, as one it
+// returns is; the others are sent.
+func TestRelayParksRefusedMessages(t *testing.T) {
+	f := newFixture(t)
+	full := unique("rmwtest.outbox.full.")
+	conn, err := amqp.Dial(testenv.RabbitMQURL(t))
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	_, err = ch.QueueDeclare(full, false, true, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"})
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		f.b.Delete(ctx, full, broker.Topology{Declare: broker.DeclareNone})
+	})
+	f.write(full, 3, false)
+	f.run(relay.New(f.ob, f.b, relay.Options{PollInterval: 50 * time.Millisecond, Senders: 1}))
+	require.Eventually(t, func() bool { s := f.stats(); return s.Sent+s.Parked == 3 }, 10*time.Second, 20*time.Millisecond)
+	assert.Equal(t, pgstore.OutboxStats{Sent: 1, Parked: 2}, f.stats(), "one fits the queue")
+	rows, err := f.ob.List(context.Background(), pgstore.OutboxFilter{State: "parked"})
+	require.NoError(t, err)
+	for _, r := range rows {
+		assert.Contains(t, r.Error, "nack")
+	}
+}
