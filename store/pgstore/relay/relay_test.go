@@ -15,10 +15,15 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	noopmetric "go.opentelemetry.io/otel/metric/noop"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/rabbitmw/rabbitmw/otelmw"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 	"github.com/rabbitmw/rabbitmw/store/pgstore/relay"
 )
@@ -329,4 +334,49 @@ func TestRelayParksRefusedMessages(t *testing.T) {
 	for _, r := range rows {
 		assert.Contains(t, r.Error, "nack")
 	}
+}
+
+// With otelmw wired in (the writer's trace context stored by Inject, given
+// back by Extract, the broker's publish observed), the relay's send span
+// is a child of the writer's span, and the message carries the send's
+// context to the next service.
+func TestRelayContinuesTheWritersTrace(t *testing.T) {
+	f := newFixture(t)
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	t.Cleanup(func() { tp.Shutdown(context.Background()) })
+	tel := otelmw.New(otelmw.Options{TracerProvider: tp, MeterProvider: noopmetric.NewMeterProvider(), Propagator: propagation.TraceContext{}})
+	ot := tel.Outbox(f.ob.Table())
+	ob := pgstore.NewOutbox(f.pool, pgstore.OutboxOptions{Table: f.ob.Table(), Inject: ot.Inject})
+	b := broker.New(testenv.RabbitMQURL(t), broker.Options{Observer: tel.Broker()})
+	t.Cleanup(func() { b.Close() })
+
+	ctx, writer := tp.Tracer("test").Start(context.Background(), "process orders")
+	require.NoError(t, pgx.BeginFunc(ctx, f.pool, func(tx pgx.Tx) error {
+		_, err := ob.Write(ctx, tx, "", f.queue, amqp.Publishing{Body: []byte("ship")})
+		return err
+	}))
+	writer.End()
+	f.run(relay.New(ob, b, relay.Options{PollInterval: 50 * time.Millisecond, Observer: relay.Observer{Extract: ot.Extract, Dispatched: ot.Dispatched}}))
+
+	var d *amqp.Delivery
+	require.Eventually(t, func() bool {
+		var ok bool
+		var err error
+		d, ok, err = f.b.Get(context.Background(), f.queue)
+		return err == nil && ok
+	}, 10*time.Second, 20*time.Millisecond)
+	require.NoError(t, d.Ack(false))
+	var send sdktrace.ReadOnlySpan
+	require.Eventually(t, func() bool { // it ends with the confirm, which may follow the delivery
+		for _, s := range spans.Ended() {
+			if s.Name() == "send "+f.queue {
+				send = s
+			}
+		}
+		return send != nil
+	}, 10*time.Second, 10*time.Millisecond, "the relay's send span")
+	assert.Equal(t, writer.SpanContext().TraceID(), send.SpanContext().TraceID())
+	assert.Equal(t, writer.SpanContext().SpanID(), send.Parent().SpanID(), "the send's parent is the writer's span")
+	assert.Contains(t, d.Headers["traceparent"], send.SpanContext().SpanID().String(), "the message carries the send's context")
 }
