@@ -11,6 +11,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
@@ -35,9 +37,7 @@ func TestChainOrder(t *testing.T) {
 			trace = append(trace, "h")
 			return nil
 		}))
-	if err := h.Handle(context.Background(), &amqp.Delivery{}); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, h.Handle(context.Background(), &amqp.Delivery{}))
 	want := []string{"a>", "b>", "c>", "h", "<c", "<b", "<a"}
 	if !reflect.DeepEqual(trace, want) {
 		t.Fatalf("Chain(a, b, c)(h) ran %v; want %v", trace, want)
@@ -128,9 +128,7 @@ func TestMarkersKeepText(t *testing.T) {
 		}
 	}
 	for _, err := range []error{rabbitmw.Permanent(nil), rabbitmw.RetryAfter(nil, time.Second), rabbitmw.WithAttempts(nil, 1), rabbitmw.NotCounted(nil)} {
-		if err != nil {
-			t.Errorf("a marker of nil = %v; want nil", err)
-		}
+		assert.NoError(t, err, "a marker of nil")
 	}
 }
 
@@ -219,18 +217,14 @@ func TestSettle(t *testing.T) {
 }
 
 func TestSettleNilDelivery(t *testing.T) {
-	if err := rabbitmw.Settle(context.Background(), nil, nil); !errors.Is(err, rabbitmw.ErrNoDelivery) {
-		t.Fatalf("Settle(nil) = %v; want ErrNoDelivery", err)
-	}
+	require.ErrorIs(t, rabbitmw.Settle(context.Background(), nil, nil), rabbitmw.ErrNoDelivery, "Settle(nil)")
 }
 
 func TestSettleNilContext(t *testing.T) {
 	rec := rabbitmwtest.NewRecorder()
 	d := rec.Deliver(amqp.Publishing{})
 	var ctx context.Context // nil: bad input that Settle must survive
-	if err := rabbitmw.Settle(ctx, d, rabbitmw.RetryAfter(errBoom, time.Millisecond)); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, rabbitmw.Settle(ctx, d, rabbitmw.RetryAfter(errBoom, time.Millisecond)))
 	if got := rec.Settlement(1); got != "requeued" {
 		t.Fatalf("settled %s; want requeued", got)
 	}
