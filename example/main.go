@@ -37,6 +37,10 @@ import (
 	"os"
 	"os/signal"
 	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 func main() {
@@ -54,6 +58,7 @@ func main() {
 	if *verbose {
 		cfg.logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}
+	redis.SetLogger(redisstore.Logging(cfg.logger)) // go-redis's own lines, through the same logger
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	var err error

@@ -518,7 +518,7 @@ func (e *env) dlqExport(ctx context.Context, args []string) error {
 func (e *env) dlqImport(ctx context.Context, args []string) error {
 	q := e.queueCommand("dlq import", 0)
 	to := q.String("to", "", "publish to this queue instead of the dead-letter queue")
-	dup := q.Bool("allow-duplicates", false, "import messages whose id is still in the dead-letter queue")
+	dup := q.Bool("allow-duplicates", false, "import messages whose id is still in the target dead-letter queue")
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
@@ -528,14 +528,21 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 	}
 	defer b.Close()
 	var in io.Reader = bufio.NewReaderSize(e.stdin, 1<<20)
-	if *to == "" && !*dup {
+	// The target is checked when it is a dead-letter queue, which nothing
+	// consumes: --to a work queue is not, whose consumers take what is
+	// there as it arrives.
+	target, isDLQ := q.queue, true
+	if *to != "" {
+		target, isDLQ = strings.CutSuffix(*to, ".dlq")
+	}
+	if isDLQ && !*dup {
 		// The whole file is read first, to refuse it before anything is
 		// published.
 		data, err := io.ReadAll(in)
 		if err != nil {
 			return err
 		}
-		if err := e.refuseDuplicates(ctx, b, q.queue, data); err != nil {
+		if err := e.refuseDuplicates(ctx, b, target, data); err != nil {
 			return err
 		}
 		in = bytes.NewReader(data)
