@@ -19,7 +19,13 @@
 //
 // With -postgres URL it runs the scenarios a second time over the
 // PostgreSQL inbox (store/pgstore) in that database: each effect is a row
-// inserted in the transaction that commits the message's done mark.
+// inserted in the transaction that commits the message's done mark. Then
+// it runs a chain of two services: A consumes orders with the inbox and,
+// in the same transaction, writes a shipment request into the outbox
+// (pgstore.Outbox); a relay (store/pgstore/relay) sends it; B consumes the
+// shipments with an inbox of its own. Each order must take effect once in
+// A and once in B, and a message written by a transaction that rolled
+// back must never leave.
 //
 //	go run ./example -postgres postgres://postgres@127.0.0.1:5432/test
 //
@@ -93,6 +99,16 @@ func main() {
 		if rep.spans != nil {
 			rep.spans.print(os.Stdout)
 		}
+		ok = ok && rep.ok()
+	}
+	if cfg.postgresURL != "" {
+		fmt.Println()
+		rep, err := runChain(ctx, cfg)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "example:", err)
+			os.Exit(2)
+		}
+		rep.print(os.Stdout)
 		ok = ok && rep.ok()
 	}
 	if !ok {
