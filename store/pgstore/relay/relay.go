@@ -31,7 +31,11 @@
 //   - returned (no queue is bound for it), nacked, refused by the server,
 //     or a message the broker cannot send: the row is parked, with the
 //     reason, never dropped; `rabbitmw outbox retry` (or
-//     [pgstore.Outbox.Retry]) sends it back to pending;
+//     [pgstore.Outbox.Retry]) sends it back to pending. A refusal that
+//     closes the channel (a missing write permission, a body over the
+//     server's limit) does not say which publish it refused, so the rows
+//     whose publishes were in flight on that channel are parked with it;
+//     retry them once the cause is fixed;
 //   - no confirm (RabbitMQ down, the connection lost, PublishTimeout
 //     passed): the row stays pending, and the relay backs off before it
 //     tries again.
