@@ -385,18 +385,19 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 	dry := q.Bool("dry-run", false, "list what would be replayed, and move nothing")
 	limit := q.Int("limit", 0, "replay at most this many messages")
 	rate := q.Float64("rate", 0, "replay at most this many messages a second")
+	hold := q.Duration("hold-limit", 0, "hold no message of the DLQ unacknowledged longer than this, below the server's consumer_timeout (default 10m)")
 	reset := q.Bool("reset-failures", false, "reset each message's failure count in the store (needs --redis or --postgres)")
 	history := q.Int("history", 0, "earlier lives kept in the history header (default 5)")
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	if *limit < 0 || *rate < 0 {
-		return usageError("--limit and --rate must not be negative")
+	if *limit < 0 || *rate < 0 || *hold < 0 {
+		return usageError("--limit, --rate and --hold-limit must not be negative")
 	}
 	if err := q.everything(*all, "replay"); err != nil {
 		return err
 	}
-	opts := deadletter.ReplayOptions{Filter: q.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HistoryLimit: *history}
+	opts := deadletter.ReplayOptions{Filter: q.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HoldLimit: *hold, HistoryLimit: *history}
 	if *reset {
 		st, closeStore, err := sf.open(ctx, e.timeout)
 		if err != nil {
@@ -517,7 +518,7 @@ func (e *env) dlqExport(ctx context.Context, args []string) error {
 func (e *env) dlqImport(ctx context.Context, args []string) error {
 	q := e.queueCommand("dlq import", 0)
 	to := q.String("to", "", "publish to this queue instead of the dead-letter queue")
-	dup := q.Bool("allow-duplicates", false, "import messages whose id is still in the dead-letter queue")
+	dup := q.Bool("allow-duplicates", false, "import messages whose id is still in the target dead-letter queue")
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
@@ -527,14 +528,21 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 	}
 	defer b.Close()
 	var in io.Reader = bufio.NewReaderSize(e.stdin, 1<<20)
-	if *to == "" && !*dup {
+	// The target is checked when it is a dead-letter queue, which nothing
+	// consumes: --to a work queue is not, whose consumers take what is
+	// there as it arrives.
+	target, isDLQ := q.queue, true
+	if *to != "" {
+		target, isDLQ = strings.CutSuffix(*to, ".dlq")
+	}
+	if isDLQ && !*dup {
 		// The whole file is read first, to refuse it before anything is
 		// published.
 		data, err := io.ReadAll(in)
 		if err != nil {
 			return err
 		}
-		if err := e.refuseDuplicates(ctx, b, q.queue, data); err != nil {
+		if err := e.refuseDuplicates(ctx, b, target, data); err != nil {
 			return err
 		}
 		in = bytes.NewReader(data)

@@ -18,6 +18,7 @@ import (
 
 	"github.com/chromedp/chromedp"
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -303,10 +304,13 @@ func TestConsoleListenNeedsAuth(t *testing.T) {
 
 // A message's page shows its properties, its headers with their AMQP
 // types, its body as JSON, text and hex, and its earlier lives; the
-// export downloads it.
-func TestConsoleMessagePage(t *testing.T) {
+// export downloads it; the queues page counts it; a key is looked up in
+// the store.
+func TestConsolePages(t *testing.T) {
 	b, amqpURL, q := setupQueue(t)
-	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	prefix := "rabbitmw-test-ui:" + q + ":"
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q},
+		store: &storeFlags{redis: testenv.RedisAddr(t), prefix: prefix}})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	h := faulty(q, "*main.declinedError", "card 4242 declined", time.Now())
@@ -343,4 +347,18 @@ func TestConsoleMessagePage(t *testing.T) {
 	assert.Contains(t, hdr.Get("Content-Disposition"), "attachment")
 	assert.Equal(t, 1, strings.Count(export, "\n"))
 	assert.Contains(t, export, `"message_id":"m-1"`)
+
+	code, page, _ = get("/")
+	require.Equal(t, http.StatusOK, code, page)
+	assert.Contains(t, page, `data-queue="`+q+`.dlq">1<`)
+	assert.Contains(t, page, `data-queue="`+q+`">0<`)
+
+	rc := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t)})
+	defer rc.Close()
+	require.NoError(t, rc.Set(ctx, prefix+"retry:m-1", 2, time.Hour).Err())
+	t.Cleanup(func() { rc.Del(context.Background(), prefix+"retry:m-1") })
+	code, page, _ = get("/key?k=m-1")
+	require.Equal(t, http.StatusOK, code, page)
+	assert.Regexp(t, `<th>state</th><td>absent</td>`, page)
+	assert.Regexp(t, `<th>failures</th><td>2</td>`, page)
 }
