@@ -117,8 +117,8 @@ type Options struct {
 	// taking rows the others do not hold (SKIP LOCKED): while one waits
 	// for its confirms, another reads and records its rows. Default 2.
 	Senders int
-	// PollInterval is how often the relay looks for pending rows when no
-	// notification came. Default 1s.
+	// PollInterval is how often each of the relay's Senders looks for
+	// pending rows when no notification came. Default 1s.
 	PollInterval time.Duration
 	// NoListen turns the notifications off: the relay polls alone (for a
 	// connection pooler in transaction mode, which cannot LISTEN).
