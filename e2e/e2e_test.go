@@ -14,6 +14,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw"
@@ -167,13 +169,9 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 	defer cancel()
 	queue := fmt.Sprintf("rabbitmw-e2e-%d", time.Now().UnixNano())
 	t.Cleanup(func() { srv.broker.Delete(context.Background(), queue, e2eTopology) })
-	if err := srv.broker.Declare(ctx, queue, e2eTopology); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, srv.broker.Declare(ctx, queue, e2eTopology))
 	names, err := e2eTopology.Queues(queue)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 
 	// The connections drop as the effects pass even intervals, so the
 	// consumers are at work at each drop.
@@ -198,9 +196,7 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 			cancel()
 			wg.Wait()
 			for i, err := range errs {
-				if err != nil {
-					t.Errorf("consumer %d: %v", i, err)
-				}
+				assert.NoError(t, err, "consumer %d", i)
 			}
 		}
 	}
@@ -226,9 +222,7 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 			go func() {
 				defer pw.Done()
 				for id := range work {
-					if err := srv.broker.Publish(ctx, "", queue, amqp.Publishing{MessageId: id, Body: []byte(id)}); err != nil {
-						t.Errorf("publish %s: %v", id, err)
-					}
+					assert.NoError(t, srv.broker.Publish(ctx, "", queue, amqp.Publishing{MessageId: id, Body: []byte(id)}), "publish %s", id)
 				}
 			}()
 		}

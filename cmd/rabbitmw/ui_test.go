@@ -1,11 +1,13 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/cookiejar"
 	"net/http/httptest"
 	"net/url"
 	"os"
@@ -361,4 +363,45 @@ func TestConsolePages(t *testing.T) {
 	require.Equal(t, http.StatusOK, code, page)
 	assert.Regexp(t, `<th>state</th><td>absent</td>`, page)
 	assert.Regexp(t, `<th>failures</th><td>2</td>`, page)
+}
+
+// `rabbitmw ui` serves until interrupted, then stops and exits 0; the
+// address it prints with ?token= logs the browser in.
+func TestUICommand(t *testing.T) {
+	_, amqpURL, q := setupQueue(t)
+	cmd := exec.Command(binary, "ui", "-q", q, "--listen", "127.0.0.1:0", "--token", "t0ken")
+	cmd.Env = append(os.Environ(), "RABBITMQ_URL="+amqpURL)
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+		}
+	})
+	line, err := bufio.NewReader(stderr).ReadString('\n')
+	require.NoError(t, err)
+	_, addr, ok := strings.Cut(strings.TrimSpace(line), " on ")
+	require.True(t, ok, "first line: %q", line)
+	require.True(t, strings.HasSuffix(addr, "/?token=t0ken"), "address %q", addr)
+
+	jar, err := cookiejar.New(nil)
+	require.NoError(t, err)
+	client := &http.Client{Jar: jar}
+	resp, err := client.Get(addr)
+	require.NoError(t, err)
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+	assert.Contains(t, string(body), q+".dlq")
+
+	require.NoError(t, cmd.Process.Signal(os.Interrupt))
+	select {
+	case err := <-exited:
+		require.NoError(t, err, "exit after an interrupt")
+	case <-time.After(30 * time.Second):
+		t.Fatal("rabbitmw ui did not stop within 30s of an interrupt")
+	}
 }
