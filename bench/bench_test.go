@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 func TestMessageIDs(t *testing.T) {
@@ -87,9 +89,7 @@ func TestBrokerSettings(t *testing.T) {
 
 func TestParseFlags(t *testing.T) {
 	cfg, err := parseFlags([]string{"-n", "100", "-only", "raw, rabbitmw-redis", "-sweep-workers", "2,4"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	if cfg.n != 100 || len(cfg.only) != 2 || cfg.only[1] != redisName || len(cfg.sweepWorkers) != 2 {
 		t.Errorf("parseFlags = %+v; want n 100, only [raw rabbitmw-redis], sweep workers [2 4]", cfg)
 	}
@@ -183,13 +183,9 @@ func TestTargets(t *testing.T) {
 // with -v to see them as bench prints them.
 func TestTargetsOfSavedRun(t *testing.T) {
 	b, err := os.ReadFile("testdata/table0.json")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	var r compareResult
-	if err := json.Unmarshal(b, &r); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, json.Unmarshal(b, &r))
 	ts := r.targets()
 	var out strings.Builder
 	printTargets(&out, ts)
@@ -220,13 +216,9 @@ func TestResultJSON(t *testing.T) {
 		{&summary{}, []string{"contender", "cpu", "deliveries", "effects", "msgs_per_sec_max", "msgs_per_sec_median", "msgs_per_sec_min", "outcomes", "p50_us", "p99_us", "prefetch", "ratio_to_raw", "redis_commands_per_msg", "redis_round_trips_per_msg", "rtt_per_ack", "rtt_per_duplicate", "unique_effects", "workers"}},
 	} {
 		b, err := json.Marshal(tc.v)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		var m map[string]any
-		if err := json.Unmarshal(b, &m); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, json.Unmarshal(b, &m))
 		if got := slices.Sorted(maps.Keys(m)); !slices.Equal(got, tc.want) {
 			t.Errorf("%T keys = %v; want %v", tc.v, got, tc.want)
 		}
