@@ -32,9 +32,9 @@ func TestClaimMarkedDone(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			s := &faultyStore{Store: store.NewMemory()}
-			opts := middleware.DedupOptions{Keying: middleware.Keying{Namespace: "ns"}, Retention: 42 * time.Minute}
+			opts := middleware.DedupOptions{Retention: 42 * time.Minute}
 			var got *middleware.Claim
-			h := middleware.Dedup(s, opts)(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			h := rabbitmw.Chain(middleware.Keys(middleware.Keying{Namespace: "ns"}), middleware.Dedup(s, opts))(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 				c, ok := middleware.ClaimFrom(ctx)
 				if !ok {
 					t.Fatal("ClaimFrom(handler's context) found no claim")

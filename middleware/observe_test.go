@@ -48,7 +48,7 @@ func (l *eventLog) got() []string {
 func TestDedupObserve(t *testing.T) {
 	s := &faultyStore{Store: store.NewMemory()}
 	var log eventLog
-	h := middleware.Dedup(s, middleware.DedupOptions{Keying: middleware.Keying{Namespace: "ns"}, Observe: log.observe})(nop)
+	h := rabbitmw.Chain(middleware.Keys(middleware.Keying{Namespace: "ns"}), middleware.Dedup(s, middleware.DedupOptions{Observe: log.observe}))(nop)
 	ctx := context.WithValue(context.Background(), tagKey{}, true)
 
 	d, _ := deliverytest.New("m1", "")

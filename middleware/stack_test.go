@@ -11,6 +11,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/middleware"
@@ -28,13 +30,15 @@ func TestStack(t *testing.T) {
 	var events []string
 	const lease, timeout = 2 * time.Minute, 40 * time.Second
 	opts := middleware.StackOptions{
-		Logger:  slog.New(slog.NewJSONHandler(&logs, nil)),
-		Log:     middleware.LogOptions{DuplicateLevel: slog.LevelDebug},
-		Keying:  middleware.Keying{Namespace: "billing"},
-		Backoff: func(int) time.Duration { return 7 * time.Second },
-		Lease:   lease,
+		Logger: slog.New(slog.NewJSONHandler(&logs, nil)),
+		Log:    middleware.LogOptions{DuplicateLevel: slog.LevelDebug},
+		Keying: middleware.Keying{Namespace: "billing"},
+		Retry:  middleware.RetryOptions{Backoff: func(int) time.Duration { return 7 * time.Second }},
+		Dedup: middleware.DedupOptions{
+			Lease:   lease,
+			Observe: func(_ context.Context, e middleware.DedupEvent) { events = append(events, e.Kind.String()) },
+		},
 		Timeout: timeout,
-		Observe: func(_ context.Context, e middleware.DedupEvent) { events = append(events, e.Kind.String()) },
 	}
 	calls := 0
 	h := middleware.Stack(st, opts)(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
@@ -99,10 +103,10 @@ func TestStack(t *testing.T) {
 // Permanent reports.
 func TestStackRetryOptions(t *testing.T) {
 	errBad := errors.New("malformed order")
-	h := middleware.Stack(store.NewMemory(), middleware.StackOptions{
+	h := middleware.Stack(store.NewMemory(), middleware.StackOptions{Retry: middleware.RetryOptions{
 		MaxAttempts: 2,
 		Permanent:   func(err error) bool { return errors.Is(err, errBad) },
-	})(rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+	}})(rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
 		if d.MessageId == "bad" {
 			return errBad
 		}
@@ -116,4 +120,35 @@ func TestStackRetryOptions(t *testing.T) {
 			t.Errorf("delivery %d (%s): %v; want %v", i, tt.id, got, tt.want)
 		}
 	}
+}
+
+// Stack reaches the settings of every layer: here Dedup's BusyDelay and
+// Retention and Retry's TTL, which the layers' own tests cover.
+func TestStackReachesEverySetting(t *testing.T) {
+	ctx := context.Background()
+	st := store.NewMemory()
+	h := middleware.Stack(st, middleware.StackOptions{
+		Retry: middleware.RetryOptions{TTL: 3 * time.Hour},
+		Dedup: middleware.DedupOptions{BusyDelay: 42 * time.Millisecond, Retention: 2 * time.Hour},
+	})(rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+		if d.Redelivered {
+			return nil
+		}
+		return errBoom
+	}))
+
+	_, err := st.Claim(ctx, "held", "another consumer", time.Minute)
+	require.NoError(t, err)
+	dec := rabbitmw.Decide(h.Handle(ctx, &amqp.Delivery{MessageId: "held"}))
+	assert.Equal(t, rabbitmw.Delay, dec.Outcome)
+	assert.Equal(t, 42*time.Millisecond, dec.Delay, "Dedup.BusyDelay")
+
+	h.Handle(ctx, &amqp.Delivery{MessageId: "m1"}) // fails: counted
+	ks, err := st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.InDelta(t, float64(3*time.Hour), float64(ks.FailuresTTL), float64(time.Minute), "Retry.TTL")
+	require.NoError(t, h.Handle(ctx, &amqp.Delivery{MessageId: "m1", Redelivered: true}))
+	ks, err = st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.InDelta(t, float64(2*time.Hour), float64(ks.TTL), float64(time.Minute), "Dedup.Retention")
 }
