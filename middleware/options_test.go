@@ -4,6 +4,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 )
@@ -63,12 +65,7 @@ func TestConstructorPanics(t *testing.T) {
 			"middleware: Retry: negative MaxAttempts -3"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			defer func() {
-				if got := recover(); got != tt.want {
-					t.Errorf("panic %#v; want %q", got, tt.want)
-				}
-			}()
-			tt.f()
+			assert.PanicsWithValue(t, tt.want, tt.f)
 		})
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
-	"slices"
 	"testing"
 	"time"
 
@@ -44,15 +43,15 @@ func TestStack(t *testing.T) {
 	h := middleware.Stack(st, opts)(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 		calls++
 		c, ok := middleware.ClaimFrom(ctx)
-		if !ok || c.Key() != "billing:m1" {
-			t.Errorf("handler's claim %v, %v; want billing:m1", c, ok)
+		if assert.True(t, ok, "the handler's claim") {
+			assert.Equal(t, "billing:m1", c.Key())
 		}
-		if ks, _ := st.Inspect(ctx, "billing:m1"); ks.Status != store.Processing || ks.TTL > lease || ks.TTL < lease-time.Minute {
-			t.Errorf("while the handler runs, billing:m1 is %v for %v; want processing for %v", ks.Status, ks.TTL, lease)
-		}
-		if dl, ok := ctx.Deadline(); !ok || time.Until(dl) > timeout || time.Until(dl) < timeout-time.Minute/2 {
-			t.Errorf("handler's deadline in %v (%v); want %v", time.Until(dl), ok, timeout)
-		}
+		ks, _ := st.Inspect(ctx, "billing:m1")
+		assert.Equal(t, store.Processing, ks.Status, "billing:m1 while the handler runs")
+		assert.InDelta(t, float64(lease), float64(ks.TTL), float64(time.Minute), "the lease")
+		dl, ok := ctx.Deadline()
+		assert.True(t, ok, "the handler has a deadline")
+		assert.InDelta(t, float64(timeout), float64(time.Until(dl)), float64(time.Minute/2), "the handler's deadline")
 		if calls == 1 {
 			panic("kaboom")
 		}
@@ -78,25 +77,17 @@ func TestStack(t *testing.T) {
 			t.Errorf("delivery %d: %v after %v, attempts %d; want %v after %v, attempts %d",
 				i, dec.Outcome, dec.Delay, dec.Attempts, want.outcome, want.delay, want.attempts)
 		}
-		if ks, _ := st.Inspect(ctx, "billing:m1"); ks.Failures != want.failures || ks.Status != want.status {
-			t.Errorf("delivery %d: billing:m1 is %v with %d failures; want %v with %d", i, ks.Status, ks.Failures, want.status, want.failures)
-		}
-		if calls != want.calls {
-			t.Errorf("delivery %d: handler called %d times; want %d", i, calls, want.calls)
-		}
+		ks, _ := st.Inspect(ctx, "billing:m1")
+		assert.Equal(t, want.status, ks.Status, "delivery %d: billing:m1", i)
+		assert.Equal(t, want.failures, ks.Failures, "delivery %d: failures", i)
+		assert.Equal(t, want.calls, calls, "delivery %d: handler calls", i)
 		var rec struct{ Outcome string }
 		if logs.Len() > 0 {
-			if err := json.Unmarshal(logs.Bytes(), &rec); err != nil {
-				t.Fatalf("delivery %d: log %q: %v", i, logs.String(), err)
-			}
+			require.NoError(t, json.Unmarshal(logs.Bytes(), &rec), "delivery %d: log %q", i, logs.String())
 		}
-		if rec.Outcome != want.log {
-			t.Errorf("delivery %d: logged %q; want %q", i, logs.String(), want.log)
-		}
+		assert.Equal(t, want.log, rec.Outcome, "delivery %d: logged %q", i, logs.String())
 	}
-	if got, want := events, []string{"claimed", "claimed", "duplicate"}; !slices.Equal(got, want) {
-		t.Errorf("Dedup's events %q; want %q", got, want)
-	}
+	assert.Equal(t, []string{"claimed", "claimed", "duplicate"}, events, "Dedup's events")
 }
 
 // Stack's Retry dead-letters after MaxAttempts, or at once an error that
@@ -116,9 +107,8 @@ func TestStackRetryOptions(t *testing.T) {
 		id   string
 		want rabbitmw.Outcome
 	}{{"m1", rabbitmw.Delay}, {"m1", rabbitmw.DeadLetter}, {"bad", rabbitmw.DeadLetter}} {
-		if got := rabbitmw.Decide(h.Handle(context.Background(), &amqp.Delivery{MessageId: tt.id, Redelivered: i == 1})).Outcome; got != tt.want {
-			t.Errorf("delivery %d (%s): %v; want %v", i, tt.id, got, tt.want)
-		}
+		got := rabbitmw.Decide(h.Handle(context.Background(), &amqp.Delivery{MessageId: tt.id, Redelivered: i == 1})).Outcome
+		assert.Equal(t, tt.want, got, "delivery %d (%s)", i, tt.id)
 	}
 }
 
