@@ -11,7 +11,8 @@ import (
 	"time"
 )
 
-// cpuTimes is the CPU time used so far by this process, by the Redis
+// cpuTimes is the CPU time used so far by the consumer (the child: see
+// child.go), by the Redis
 // server (INFO cpu, user + system), by the RabbitMQ server and by the
 // PostgreSQL processes that serve the run (from /proc, when they run on
 // this machine). A negative value is unknown.
@@ -26,7 +27,7 @@ type cpuTimes struct {
 // unknown. The servers' figures are server wide: other clients of the same
 // servers add to them, except RabbitMQ's idle CPU, which is subtracted.
 type cpuUsage struct {
-	Self   float64 `json:"bench_us_per_msg"`
+	Self   float64 `json:"consumer_us_per_msg"`
 	Redis  float64 `json:"redis_us_per_msg"`
 	Rabbit float64 `json:"rabbitmq_us_per_msg"`
 	// Postgres: the PostgreSQL processes that serve the run (see
