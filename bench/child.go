@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"runtime/pprof"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -104,6 +105,18 @@ func runChild(ctx context.Context, spec string, in io.Reader, out io.Writer) err
 		return fmt.Errorf("-child: waited for go, read %q (%v)", line, err)
 	}
 
+	if path := os.Getenv("BENCH_CHILD_CPUPROFILE"); path != "" {
+		// A profile of each child's run, named after its contender.
+		f, err := os.Create(path + "." + s.Contender + ".pprof")
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	cnt := newCounter(s.N)
 	if s.Latency {
 		cnt.ackAt = make([]atomic.Int64, s.N)

@@ -49,6 +49,9 @@
 //	rabbitmw-pgstore    the stack over pgstore, the effect in memory; only
 //	                    when -only names it
 //
+// BENCH_CHILD_CPUPROFILE=PATH writes a CPU profile of each child's run to
+// PATH.<contender>.pprof (pair it with -only and -rounds 1).
+//
 // CPU is reported as milliseconds per 1,000 messages, with RabbitMQ's idle
 // CPU (measured for 2 s at start-up) subtracted. The common prefetch and
 // workers are the broker's defaults unless -prefetch or -workers say
