@@ -178,7 +178,7 @@ func TestResultJSON(t *testing.T) {
 	}{
 		{&compareResult{}, []string{"Runs", "loads", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings", "summary", "targets"}},
 		{&sweepResult{}, []string{"cells", "defaults", "grid_prefetch", "grid_workers", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings"}},
-		{&runResult{}, []string{"contender", "cpu", "deliveries", "effects", "left_in_dlq", "left_in_queue", "load", "messages", "msgs_per_sec", "prefetch", "redis_commands", "repeated_effects", "round", "seconds", "unique_effects", "unique_ids", "workers"}},
+		{&runResult{}, []string{"contender", "cpu", "deliveries", "effects", "left_in_dlq", "left_in_queue", "load", "messages", "msgs_per_sec", "prefetch", "rabbitmq_idle_cpu_per_s", "redis_commands", "repeated_effects", "round", "seconds", "unique_effects", "unique_ids", "workers"}},
 		{&summary{}, []string{"contender", "cpu", "deliveries", "effects", "load_max", "load_min", "msgs_per_sec_max", "msgs_per_sec_median", "msgs_per_sec_min", "prefetch", "ratio_to_plain", "redis_commands_per_msg", "unique_effects", "workers"}},
 	} {
 		b, err := json.Marshal(tc.v)

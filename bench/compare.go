@@ -37,6 +37,9 @@ type runResult struct {
 	MsgsPerSec float64 `json:"msgs_per_sec"`
 	// Load is the 1-minute load average when the run started.
 	Load float64 `json:"load"`
+	// RabbitIdle is RabbitMQ's CPU per second just before the run,
+	// subtracted from its CPU over the run.
+	RabbitIdle float64 `json:"rabbitmq_idle_cpu_per_s"`
 	// RepeatedEffects counts the message ids that ran more than once.
 	RepeatedEffects int64 `json:"repeated_effects"`
 	// RedisCommands is the rise of INFO commandstats' calls during the run:
@@ -117,7 +120,12 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 	if err != nil {
 		return res, err
 	}
+	// RabbitMQ's CPU while this run's consumer is connected but idle:
+	// other users' load on the shared server, sampled just before the run
+	// and subtracted from its CPU over the run.
+	idle := idleCPU(ctx, e.rabbitPID, runIdleSample)
 	cpuBefore := e.cpuTimes(ctx, ready.PgPIDs)
+	cpuBefore.rabbitIdle = idle
 	if err := ch.start(); err != nil {
 		return res, err
 	}
@@ -152,6 +160,7 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 			CPU:           cpuBefore.usage(cpuAfter, int64(len(ids))),
 		},
 		Round:           round,
+		RabbitIdle:      idle,
 		Messages:        len(ids),
 		UniqueIDs:       unique,
 		Seconds:         done.Seconds,

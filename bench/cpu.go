@@ -94,13 +94,20 @@ func (t cpuTimes) usage(later cpuTimes, messages int64) cpuUsage {
 	return cpuUsage{Self: per(t.self, later.self), Redis: per(t.redis, later.redis), Rabbit: per(t.rabbit, rabbit), Postgres: per(t.postgres, later.postgres)}
 }
 
-// idleSample is how long idleCPU watches RabbitMQ at start-up. /proc
-// counts CPU time in ticks of 10 ms, so 2 s resolve 0.5 % of a core.
-const idleSample = 2 * time.Second
+// idleSample is how long idleCPU watches RabbitMQ at start-up, and
+// runIdleSample before each run. /proc counts CPU time in ticks of 10 ms,
+// so 2 s resolve 0.5 % of a core, 1 s 1 %.
+const (
+	idleSample    = 2 * time.Second
+	runIdleSample = time.Second
+)
 
 // idleCPU returns the CPU time that process pid uses per second of wall
 // time over the next d, or 0 if it cannot tell.
 func idleCPU(ctx context.Context, pid int, d time.Duration) float64 {
+	if pid <= 0 {
+		return 0
+	}
 	before, t0 := procCPU(pid), time.Now()
 	select {
 	case <-time.After(d):

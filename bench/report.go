@@ -70,8 +70,9 @@ func (r *compareResult) print(w io.Writer) {
 	fmt.Fprintln(w)
 	fmt.Fprintf(w, "msgs/s: messages over the time from the first effect to the last ack, each contender in a process of\n")
 	fmt.Fprintf(w, "its own with nothing on its per-delivery path but an atomic count; CPU: ms per 1,000 messages over\n")
-	fmt.Fprintf(w, "that run, of the consumer's process, the Redis server, the RabbitMQ server (its idle CPU, %.1f %% of a\n", r.RabbitIdle*100)
-	fmt.Fprintf(w, "core, subtracted) and the PostgreSQL processes serving the run; the servers' figures are server wide,\n")
+	fmt.Fprintf(w, "that run, of the consumer's process, the Redis server, the RabbitMQ server (its CPU per second in the\n")
+	fmt.Fprintf(w, "second before the run, other users' load, subtracted; %.1f %% of a core at start-up) and the PostgreSQL\n", r.RabbitIdle*100)
+	fmt.Fprintf(w, "processes serving the run; the servers' figures are server wide,\n")
 	fmt.Fprintf(w, "so other clients' load counts; Redis cmds: INFO commandstats, server wide; load: the 1-minute load\n")
 	fmt.Fprintf(w, "average at the start of the contender's runs.\n\n")
 	for _, s := range r.Summary {
