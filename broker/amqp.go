@@ -552,6 +552,29 @@ func (s *amqpSession) Declare(_ context.Context, specs []queueSpec) error {
 			if err != nil {
 				return &queueError{Queue: q.Name, Err: s.translate(err)}
 			}
+			for _, b := range q.Bindings {
+				if err := ch.QueueBind(q.Name, b.Key, b.Exchange, false, b.Args); err != nil {
+					return &exchangeError{Exchange: b.Exchange, Err: s.translate(err)}
+				}
+			}
+		}
+		return nil
+	})
+}
+
+func (s *amqpSession) DeclareExchanges(_ context.Context, specs []exchangeSpec) error {
+	if len(specs) == 0 {
+		return nil
+	}
+	return s.withChannel(func(ch *amqp.Channel) error {
+		for _, e := range specs {
+			declare := ch.ExchangeDeclare
+			if e.Passive {
+				declare = ch.ExchangeDeclarePassive
+			}
+			if err := declare(e.Name, e.Kind, e.Durable, e.AutoDelete, e.Internal, false, e.Args); err != nil {
+				return &exchangeError{Exchange: e.Name, Err: s.translate(err)}
+			}
 		}
 		return nil
 	})

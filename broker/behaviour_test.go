@@ -222,7 +222,7 @@ func testRetriesThenDeadLetter(t *testing.T, be backend) {
 		t.Fatalf("dead-letter queue holds %q and %q; want the retried message", dead[0].MessageId, dead[1].MessageId)
 	}
 	equal(t, HeaderError, d.Headers[HeaderError], "boom")
-	equal(t, HeaderErrorType, d.Headers[HeaderErrorType], "*errors.errorString")
+	equal(t, HeaderErrorType, d.Headers[HeaderErrorType], "error")
 	equal(t, rabbitmw.HeaderAttempts, d.Headers[rabbitmw.HeaderAttempts], int64(len(asked)+1))
 	equal(t, HeaderOriginalExchange, d.Headers[HeaderOriginalExchange], "")
 	equal(t, HeaderOriginalRoutingKey, d.Headers[HeaderOriginalRoutingKey], f.q)
@@ -306,7 +306,7 @@ func testPanic(t *testing.T, be backend) {
 	equal(t, "handler calls of the panicking message", len(j.callsOf("poison")), 1)
 	dead := f.onlyDeadLetter()
 	equal(t, HeaderError, dead.Headers[HeaderError], "panic: boom")
-	equal(t, HeaderErrorType, dead.Headers[HeaderErrorType], "*rabbitmw.PanicError")
+	equal(t, HeaderErrorType, dead.Headers[HeaderErrorType], "panic")
 	equal(t, "panic records at Error", f.logs.count("ERROR", "panicked", "poison"), 1)
 	f.assertSettled(t)
 }

@@ -52,6 +52,12 @@ var (
 	// ErrQueueArguments reports a queue that exists with other arguments than
 	// the ones the topology declares (RabbitMQ's 406 PRECONDITION_FAILED).
 	ErrQueueArguments = errors.New("broker: queue exists with other arguments")
+	// ErrExchangeNotFound reports an exchange that does not exist: one
+	// that DeclareSupport checks, or one that a binding names.
+	ErrExchangeNotFound = errors.New("broker: exchange not found")
+	// ErrExchangeArguments reports an exchange that exists with another
+	// kind, other settings or other arguments than the topology declares.
+	ErrExchangeArguments = errors.New("broker: exchange exists with other settings")
 	// ErrInvalidMessage reports a message that cannot be sent as it is: a
 	// property, name or header that AMQP 0-9-1 cannot carry, or that
 	// amqp091 could not read back. It is refused before anything is sent,
@@ -383,9 +389,8 @@ func (b *Broker) Declare(ctx context.Context, queue string, t Topology) error {
 	if err != nil {
 		return err
 	}
-	specs := top.specs()
 	return b.do(ctx, "declare", func(s session) error {
-		return top.refusal(s.Declare(ctx, specs))
+		return top.declare(ctx, s)
 	})
 }
 

@@ -297,8 +297,8 @@ func (c *consumer) run(ctx context.Context) error {
 // the consumer is started. serve closes s before it returns.
 func (c *consumer) serve(ctx, hctx context.Context, cancelHandlers context.CancelFunc, s session, consuming func()) error {
 	defer s.Close()
-	if err := s.Declare(ctx, c.top.specs()); err != nil {
-		return c.top.refusal(err)
+	if err := c.top.declare(ctx, s); err != nil {
+		return err
 	}
 	deliveries, err := s.Consume(c.top.queue, c.tag, c.prefetch)
 	if err != nil {
@@ -542,12 +542,13 @@ func (c *consumer) work(hctx context.Context, s session, a *acker, deliveries <-
 	}
 }
 
-// handle runs the handler for d, settles d on s, and frees the worker's
-// slot. If s is gone by the time the handler returns, d is not settled:
+// handle runs the handler for d, as first delivered (see asPublished),
+// settles d on s, and frees the worker's slot. If s is gone by the time the handler returns, d is not settled:
 // the server redelivers it. If drain gave up on the handler meanwhile, d
 // is not settled either, the slot is kept (drain counts on it), and handle
 // reports false: the worker must end.
 func (c *consumer) handle(hctx context.Context, s session, d *amqp.Delivery, giveUp func(error)) bool {
+	asPublished(d)
 	dec := c.decide(hctx, d)
 	if c.returned() {
 		c.report(hctx, d, dec.Outcome, errUnsettled)
@@ -712,9 +713,10 @@ func (c *consumer) settle(hctx context.Context, s session, d *amqp.Delivery, dec
 func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec rabbitmw.Decision, giveUp func(error)) error {
 	tr, over := c.top.tierFor(dec.Delay)
 	var due time.Time
-	if over || d.Expiration != "" {
+	if over {
 		// The delay queue alone cannot guarantee the delay: it is too
-		// short, or the message's own expiration may cut its stay.
+		// short. (The copy has no Expiration of its own to cut its stay:
+		// see asCopy.)
 		due = time.Now().Add(dec.Delay)
 	}
 	msg := republishing(d, delayHeaders(d, dec, c.top.queue, due))

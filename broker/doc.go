@@ -43,9 +43,12 @@
 //	                   ack once the copy is confirmed
 //	a panic            as DeadLetter, with a *rabbitmw.PanicError
 //
-// A copy keeps the message's properties (but UserId, moved to the
-// HeaderUserID header, since RabbitMQ refuses a publish by another user),
-// its body and all its headers, whatever their types, including those
+// A copy keeps the message's properties but three, each kept in a header:
+// Expiration (HeaderOriginalExpiration: nothing in a delay or dead-letter
+// queue expires, as RabbitMQ's own dead-lettering removes the property),
+// UserId (HeaderUserID: RabbitMQ refuses a publish by another user), and
+// DeliveryMode (a copy is persistent; HeaderOriginalDeliveryMode keeps a
+// mode that was not). It keeps its body and all its headers, whatever their types, including those
 // RabbitMQ adds (x-death, x-delivery-count); a copy sent to a delay queue
 // carries the x-death records that name Q in HeaderDeaths instead, lest
 // RabbitMQ drop it as a dead-letter cycle. It is persistent. It carries
@@ -59,13 +62,21 @@
 // is not tried again (see [Broker.Consume]).
 //
 // A delay longer than the longest tier goes to the longest tier, with the
-// HeaderNotBefore header (so does any delayed message with an Expiration
-// property of its own, which could cut its stay short); a consumer that
+// HeaderNotBefore header; a consumer that
 // receives the message before that time sends it back to a delay queue for
 // the remainder without handling it. So a message is never handled sooner than the delay asked for; it may
 // be handled later, by up to the gap between tiers (a delay of 6s waits
 // 30s with the default ladder): choose tiers near the delays your Retry
 // layer asks for.
+//
+// The handler sees a message as it was first delivered, on every attempt
+// and after a replay: a delivery that comes back from a delay queue (or is
+// replayed from the dead-letter queue) through the default exchange gets
+// back its original Exchange and RoutingKey (HeaderOriginalExchange,
+// HeaderOriginalRoutingKey) and the properties its copies keep in headers,
+// before the first layer runs. So a handler that branches on the routing
+// key does the same on every attempt, and Log, otelmw and the fault
+// headers name the original.
 //
 // # Guarantees and their limits
 //
@@ -113,12 +124,11 @@
 //
 // # The dead-letter queue
 //
-// [Broker.DeadLetters] lists the messages of Q.dlq without changing it,
-// [Broker.Replay] sends them back to their work queue once their cause is
-// fixed, [Broker.PurgeDeadLetters] removes them, and
-// [Broker.ExportDeadLetters] and [Broker.ImportDeadLetters] save them to
-// JSON Lines and back; each selects messages with a [Filter]. The command
-// cmd/rabbitmw does the same from a shell.
+// Package [github.com/rabbitmw/rabbitmw/broker/deadletter] works on Q.dlq:
+// it lists its messages without changing it, sends them back to their
+// work queue once their cause is fixed, removes them, and saves them to
+// JSON Lines and back. The command cmd/rabbitmw does the same from a
+// shell.
 //
 // # In-memory server
 //

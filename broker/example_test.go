@@ -101,3 +101,46 @@ func ExampleBroker_Publish() {
 		log.Print(err)
 	}
 }
+
+// A work queue fed by a topic exchange: the consumer declares the exchange
+// "events", binds its queue to it with "order.*", and handles what the
+// producers publish there. A key the binding does not match is returned
+// to its publisher as unroutable, not dropped.
+func ExampleTopology_exchanges() {
+	srv := brokertest.NewServer() // or RabbitMQ: the same code
+	defer srv.Close()
+	b := broker.New(srv.URL(), broker.Options{})
+	defer b.Close()
+
+	top := broker.Topology{
+		Exchanges: []broker.Exchange{{Name: "events", Kind: broker.ExchangeTopic}},
+		Bindings:  []broker.Binding{{Exchange: "events", Key: "order.*"}},
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := b.Declare(ctx, "orders", top); err != nil {
+		log.Fatal(err)
+	}
+	for _, key := range []string{"order.created", "user.created", "order.paid"} {
+		err := b.Publish(ctx, "events", key, amqp.Publishing{Body: []byte(key)})
+		if errors.Is(err, broker.ErrUnroutable) {
+			fmt.Println(key, "reached no queue")
+		}
+	}
+
+	n := 0
+	h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		fmt.Printf("%s from %q\n", d.Body, d.Exchange)
+		if n++; n == 2 {
+			cancel()
+		}
+		return nil
+	})
+	if err := b.Consume(ctx, "orders", h, broker.ConsumeOptions{Workers: 1, Topology: top}); err != nil {
+		log.Fatal(err)
+	}
+	// Output:
+	// user.created reached no queue
+	// order.created from "events"
+	// order.paid from "events"
+}

@@ -1,7 +1,6 @@
 package broker
 
 import (
-	"fmt"
 	"maps"
 	"time"
 
@@ -20,10 +19,10 @@ const (
 	// HeaderError is the error text of a dead-lettered message (a string
 	// of at most 4 KiB).
 	HeaderError = "x-rabbitmw-error"
-	// HeaderErrorType is the Go type of the innermost error of the
-	// handler's result, as %T prints it, such as "*json.SyntaxError" or
-	// "*rabbitmw.PanicError": the end of its Unwrap chain, taking the first
-	// of several wrapped errors.
+	// HeaderErrorType is the type of the failure, as
+	// [rabbitmw.ErrorType] names it: "panic", "timeout", "busy", a Go
+	// type such as "*json.SyntaxError", or "error" for an error made by
+	// errors.New or fmt.Errorf.
 	HeaderErrorType = "x-rabbitmw-error-type"
 	// HeaderOriginalExchange and HeaderOriginalRoutingKey are the exchange
 	// and routing key the message was first published with: recorded at
@@ -51,6 +50,16 @@ const (
 	// republishes (RabbitMQ refuses a publish whose user-id is not the
 	// connection's user, so the copy goes without it).
 	HeaderUserID = "x-rabbitmw-user-id"
+	// HeaderOriginalExpiration keeps the Expiration property (a per-message
+	// TTL) of a message that the broker copies: no copy carries one, so
+	// that nothing expires out of a delay or dead-letter queue, as
+	// RabbitMQ's own dead-lettering removes it (and keeps it in x-death as
+	// original-expiration).
+	HeaderOriginalExpiration = "x-rabbitmw-original-expiration"
+	// HeaderOriginalDeliveryMode keeps the DeliveryMode property (an
+	// int64) of a message that was not persistent when the broker copied
+	// it: every copy is persistent.
+	HeaderOriginalDeliveryMode = "x-rabbitmw-original-delivery-mode"
 	// HeaderMalformedXDeath keeps an x-death header that is not what
 	// RabbitMQ itself writes (an array of tables, each with an integer
 	// count), moved there from the copy sent to a delay queue: RabbitMQ
@@ -97,7 +106,7 @@ func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time
 	var text, typ string
 	if dec.Err != nil {
 		text = transport.Truncate(dec.Err.Error(), maxErrorText)
-		typ = ErrorType(dec.Err)
+		typ = rabbitmw.ErrorType(dec.Err)
 	}
 	h[HeaderError] = text
 	h[HeaderErrorType] = typ
@@ -280,17 +289,14 @@ func wellFormedXDeath(v any) bool {
 	return true
 }
 
-// republishing returns a persistent copy of d with headers h (which it may
-// modify): every property kept but UserId, which moves to HeaderUserID.
+// republishing returns the copy of d with headers h (which it may
+// modify), as [asCopy] makes it.
 func republishing(d *amqp.Delivery, h amqp.Table) amqp.Publishing {
-	if d.UserId != "" {
-		setIfAbsent(h, HeaderUserID, d.UserId)
-	}
-	return amqp.Publishing{
+	return asCopy(amqp.Publishing{
 		Headers:         h,
 		ContentType:     d.ContentType,
 		ContentEncoding: d.ContentEncoding,
-		DeliveryMode:    amqp.Persistent,
+		DeliveryMode:    d.DeliveryMode,
 		Priority:        d.Priority,
 		CorrelationId:   d.CorrelationId,
 		ReplyTo:         d.ReplyTo,
@@ -298,8 +304,70 @@ func republishing(d *amqp.Delivery, h amqp.Table) amqp.Publishing {
 		MessageId:       d.MessageId,
 		Timestamp:       d.Timestamp,
 		Type:            d.Type,
+		UserId:          d.UserId,
 		AppId:           d.AppId,
 		Body:            d.Body,
+	})
+}
+
+// asCopy returns msg as every copy the broker makes goes (a delay,
+// dead-letter, replayed or imported copy): every property kept but three,
+// each kept in a header unless the header is there already (an earlier
+// copy wrote it):
+//
+//   - Expiration goes to HeaderOriginalExpiration: nothing in a delay or
+//     dead-letter queue expires, as RabbitMQ's own dead-lettering removes
+//     the property;
+//   - UserId goes to HeaderUserID: RabbitMQ refuses a publish by another
+//     user;
+//   - DeliveryMode is persistent; a message that was not goes with its
+//     mode in HeaderOriginalDeliveryMode.
+//
+// [asPublished] gives them back to the delivery a handler sees. msg's
+// headers may be modified.
+func asCopy(msg amqp.Publishing) amqp.Publishing {
+	keep := func(k string, v any) {
+		if msg.Headers == nil {
+			msg.Headers = amqp.Table{}
+		}
+		setIfAbsent(msg.Headers, k, v)
+	}
+	if msg.Expiration != "" {
+		keep(HeaderOriginalExpiration, msg.Expiration)
+		msg.Expiration = ""
+	}
+	if msg.UserId != "" {
+		keep(HeaderUserID, msg.UserId)
+		msg.UserId = ""
+	}
+	if msg.DeliveryMode != amqp.Persistent {
+		keep(HeaderOriginalDeliveryMode, int64(msg.DeliveryMode))
+		msg.DeliveryMode = amqp.Persistent
+	}
+	return msg
+}
+
+// asPublished gives d, delivered from a work queue, the fields it had when
+// first delivered, which the copies that brought it back (from a delay
+// queue, or replayed from the dead-letter queue) changed: Exchange and
+// RoutingKey from HeaderOriginalExchange and HeaderOriginalRoutingKey,
+// and the properties that [asCopy] keeps in headers. A header of another
+// type, or a property d carries itself, is left alone.
+func asPublished(d *amqp.Delivery) {
+	h := d.Headers
+	if ex, ok := h[HeaderOriginalExchange].(string); ok {
+		if key, ok := h[HeaderOriginalRoutingKey].(string); ok {
+			d.Exchange, d.RoutingKey = ex, key
+		}
+	}
+	if v, ok := h[HeaderUserID].(string); ok && d.UserId == "" {
+		d.UserId = v
+	}
+	if v, ok := h[HeaderOriginalExpiration].(string); ok && d.Expiration == "" {
+		d.Expiration = v
+	}
+	if v, ok := header.Integer(h[HeaderOriginalDeliveryMode]); ok && v >= 0 && v < int64(amqp.Persistent) && d.DeliveryMode == amqp.Persistent {
+		d.DeliveryMode = uint8(v)
 	}
 }
 
@@ -324,35 +392,4 @@ func setIfAbsent(h amqp.Table, k string, v any) {
 	if _, ok := h[k]; !ok {
 		h[k] = v
 	}
-}
-
-// ErrorType returns the [HeaderErrorType] of a message dead-lettered with
-// err as its reason; "" for nil.
-func ErrorType(err error) string {
-	if err == nil {
-		return ""
-	}
-	return fmt.Sprintf("%T", innermost(err))
-}
-
-// innermost follows the chain of err to its end: through Unwrap() error,
-// and through the first error of Unwrap() []error (errors.Join and
-// fmt.Errorf with several %w put the main error first).
-func innermost(err error) error {
-	for range 100 { // bound a cyclic chain
-		switch u := err.(type) {
-		case interface{ Unwrap() error }:
-			if next := u.Unwrap(); next != nil {
-				err = next
-				continue
-			}
-		case interface{ Unwrap() []error }:
-			if errs := u.Unwrap(); len(errs) > 0 && errs[0] != nil {
-				err = errs[0]
-				continue
-			}
-		}
-		break
-	}
-	return err
 }

@@ -252,7 +252,7 @@ func testDelayCopyTooBigIsDeadLettered(t *testing.T, be backend) {
 	contains(t, HeaderError, text, "boom")
 	contains(t, HeaderError, text, "delay copy")
 	contains(t, HeaderError, text, "frame")
-	equal(t, HeaderErrorType, dead.Headers[HeaderErrorType], "*errors.errorString")
+	equal(t, HeaderErrorType, dead.Headers[HeaderErrorType], "error")
 	kept, _ := dead.Headers["pad"].(string)
 	equal(t, "pad header kept", len(kept), pad)
 	equal(t, "queue "+f.q, f.length(f.q), 0)

@@ -108,7 +108,7 @@ func testObserver(t *testing.T, be backend) {
 	equal(t, "publish results", log.published, []error{nil})
 	equal(t, "republish events", log.republish, []RepublishEvent{
 		{Outcome: rabbitmw.Delay, Queue: f.q, To: f.q + ".delay.50ms", Delay: 50 * time.Millisecond},
-		{Outcome: rabbitmw.DeadLetter, Queue: f.q, To: f.q + ".dlq", ErrorType: "*errors.errorString"},
+		{Outcome: rabbitmw.DeadLetter, Queue: f.q, To: f.q + ".dlq", ErrorType: "error"},
 	})
 	log.mu.Unlock()
 

@@ -1,11 +1,14 @@
 package broker
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -81,6 +84,67 @@ type Topology struct {
 	// Retry layer does: a death is a failed attempt). 0 means none; it
 	// requires Quorum (and so DeclareAll).
 	DeliveryLimit int
+	// Exchanges are declared before the queues, in order. With
+	// DeclareSupport they are only checked (a passive declare: each must
+	// exist, whatever its settings); DeclareNone refuses them.
+	Exchanges []Exchange
+	// Bindings bind the work queue to exchanges, once it is declared: to
+	// those of Exchanges or to any that exists (amq.topic, one declared
+	// elsewhere). Bindings are only ever added: one dropped from the list
+	// stays on the server until it is removed there. They require
+	// DeclareAll: a work queue declared elsewhere is bound there.
+	//
+	// Delayed retries and dead-letters do not go back through these
+	// exchanges: a delay queue returns its copies to the work queue
+	// through the default exchange, and the dead-letter copy goes to the
+	// dead-letter queue the same way, so a message that came through any
+	// exchange is retried and dead-lettered alike.
+	Bindings []Binding
+}
+
+// Exchange kinds that RabbitMQ has without plugins. A plugin's kind, such
+// as "x-consistent-hash", is given by its name.
+const (
+	ExchangeDirect  = "direct"
+	ExchangeTopic   = "topic"
+	ExchangeFanout  = "fanout"
+	ExchangeHeaders = "headers"
+)
+
+// An Exchange is an exchange that a Topology declares. Its zero settings
+// are the ones an exchange that holds messages worth keeping needs: it is
+// durable unless Transient.
+type Exchange struct {
+	// Name is the exchange's name; it must not be empty.
+	Name string
+	// Kind is ExchangeDirect, ExchangeTopic, ExchangeFanout,
+	// ExchangeHeaders, or a plugin's kind (a name starting with "x-").
+	Kind string
+	// Transient makes the exchange non-durable: it is gone when its node
+	// restarts, and so are its bindings.
+	Transient bool
+	// AutoDelete deletes the exchange when its last binding is removed.
+	AutoDelete bool
+	// Internal makes the exchange take messages from other exchanges only:
+	// a publish to it is refused.
+	Internal bool
+	// Args are the exchange's arguments (alternate-exchange, a plugin's
+	// settings).
+	Args amqp.Table
+}
+
+// A Binding binds the work queue to an exchange.
+type Binding struct {
+	// Exchange is the exchange's name; the default exchange ("") cannot
+	// be bound.
+	Exchange string
+	// Key is the routing key, or, for a topic exchange, the pattern ("*"
+	// for one word, "#" for zero or more), such as "order.*". A fanout or
+	// headers exchange ignores it.
+	Key string
+	// Args are the binding's arguments: for a headers exchange, the
+	// headers to match and "x-match" ("all", the default, or "any").
+	Args amqp.Table
 }
 
 // Queues names the queues of a work queue's topology.
@@ -113,12 +177,14 @@ type tier struct {
 
 // topology is a Topology resolved for one work queue.
 type topology struct {
-	mode   DeclareMode
-	quorum bool
-	limit  int
-	queue  string
-	dlq    string
-	tiers  []tier // ascending, distinct
+	mode      DeclareMode
+	quorum    bool
+	limit     int
+	queue     string
+	dlq       string
+	tiers     []tier // ascending, distinct
+	exchanges []exchangeSpec
+	bindings  []bindingSpec
 }
 
 func (t Topology) resolve(queue string) (topology, error) {
@@ -133,6 +199,10 @@ func (t Topology) resolve(queue string) (topology, error) {
 	}
 	if t.Quorum && t.Declare != DeclareAll {
 		return topology{}, fmt.Errorf("broker: Topology.Quorum with Declare %v: Quorum and DeliveryLimit say how to declare the work queue, which %v leaves to whoever declared it (declare it a quorum queue there)", t.Declare, t.Declare)
+	}
+	exchanges, bindings, err := t.resolveExchanges()
+	if err != nil {
+		return topology{}, err
 	}
 	delays := t.Delays
 	if len(delays) == 0 {
@@ -153,11 +223,65 @@ func (t Topology) resolve(queue string) (topology, error) {
 		queue:  queue,
 		dlq:    queue + ".dlq",
 		tiers:  make([]tier, len(ds)),
+
+		exchanges: exchanges,
+		bindings:  bindings,
 	}
 	for i, d := range ds {
 		top.tiers[i] = tier{d: d, queue: queue + ".delay." + tierName(d)}
 	}
 	return top, nil
+}
+
+// resolveExchanges checks t's exchanges and bindings, and returns what
+// to declare and bind.
+func (t Topology) resolveExchanges() ([]exchangeSpec, []bindingSpec, error) {
+	switch {
+	case len(t.Exchanges) > 0 && t.Declare == DeclareNone:
+		return nil, nil, errors.New("broker: Topology.Exchanges with DeclareNone, which declares and checks nothing: use DeclareSupport to check that they exist")
+	case len(t.Bindings) > 0 && t.Declare != DeclareAll:
+		return nil, nil, fmt.Errorf("broker: Topology.Bindings with Declare %v: the work queue is declared elsewhere, so bind it there (Bindings need DeclareAll)", t.Declare)
+	}
+	var exchanges []exchangeSpec
+	seen := make(map[string]bool, len(t.Exchanges))
+	for i, e := range t.Exchanges {
+		switch {
+		case e.Name == "":
+			return nil, nil, fmt.Errorf("broker: Topology.Exchanges[%d]: empty name (the default exchange needs no declaring)", i)
+		case len(e.Name) > 255:
+			return nil, nil, fmt.Errorf("broker: Topology.Exchanges[%d]: name longer than 255 bytes", i)
+		case seen[e.Name]:
+			return nil, nil, fmt.Errorf("broker: Topology.Exchanges: %q twice", e.Name)
+		}
+		switch e.Kind {
+		case ExchangeDirect, ExchangeTopic, ExchangeFanout, ExchangeHeaders:
+		default:
+			if !strings.HasPrefix(e.Kind, "x-") {
+				return nil, nil, fmt.Errorf("broker: Topology.Exchanges[%d] %q: kind %q is not direct, topic, fanout, headers or a plugin's x- kind", i, e.Name, e.Kind)
+			}
+		}
+		seen[e.Name] = true
+		exchanges = append(exchanges, exchangeSpec{
+			Name:       e.Name,
+			Kind:       e.Kind,
+			Durable:    !e.Transient,
+			AutoDelete: e.AutoDelete,
+			Internal:   e.Internal,
+			Passive:    t.Declare == DeclareSupport,
+			Args:       maps.Clone(e.Args),
+		})
+	}
+	var bindings []bindingSpec
+	for i, b := range t.Bindings {
+		switch {
+		case b.Exchange == "":
+			return nil, nil, fmt.Errorf("broker: Topology.Bindings[%d]: empty exchange (the default exchange routes to every queue by its name and cannot be bound)", i)
+		case len(b.Exchange) > 255, len(b.Key) > 255:
+			return nil, nil, fmt.Errorf("broker: Topology.Bindings[%d]: exchange or key longer than 255 bytes", i)
+		}
+		bindings = append(bindings, bindingSpec{Exchange: b.Exchange, Key: b.Key, Args: maps.Clone(b.Args)})
+	}
+	return exchanges, bindings, nil
 }
 
 // tierName writes d in its largest exact unit: "1h", "2m", "30s", "1500ms".
@@ -204,7 +328,7 @@ func (t *topology) specs() []queueSpec {
 				args["x-delivery-limit"] = int64(t.limit)
 			}
 		}
-		specs = append(specs, queueSpec{Name: t.queue, Args: args})
+		specs = append(specs, queueSpec{Name: t.queue, Args: args, Bindings: t.bindings})
 	}
 	specs = append(specs, queueSpec{Name: t.dlq})
 	for _, tr := range t.tiers {
@@ -215,6 +339,15 @@ func (t *topology) specs() []queueSpec {
 		}})
 	}
 	return specs
+}
+
+// declare declares the topology on s, exchanges first, and translates
+// the server's refusals (see refusal).
+func (t *topology) declare(ctx context.Context, s session) error {
+	if err := s.DeclareExchanges(ctx, t.exchanges); err != nil {
+		return t.refusal(err)
+	}
+	return t.refusal(s.Declare(ctx, t.specs()))
 }
 
 // names lists every queue of the topology, for Delete.
@@ -232,6 +365,10 @@ func (t *topology) refusal(err error) error {
 	var ae *amqp.Error
 	if err == nil || retryable(err) || !errors.As(err, &ae) || !ae.Server {
 		return err
+	}
+	var ee *exchangeError
+	if errors.As(err, &ee) {
+		return t.exchangeRefusal(ee.Exchange, ae)
 	}
 	queue := t.queue
 	var qe *queueError
@@ -253,6 +390,21 @@ func (t *topology) refusal(err error) error {
 		return fmt.Errorf("%w: %q (%s)", ErrQueueNotFound, queue, ae.Reason)
 	}
 	return fmt.Errorf("broker: queue %q: %w", queue, err)
+}
+
+// exchangeRefusal is refusal for a server's refusal about exchange.
+func (t *topology) exchangeRefusal(exchange string, ae *amqp.Error) error {
+	switch ae.Code {
+	case amqp.PreconditionFailed:
+		return fmt.Errorf("%w: %q (%s): give Topology.Exchanges the settings it has, or delete it so that it is declared again",
+			ErrExchangeArguments, exchange, ae.Reason)
+	case amqp.NotFound:
+		if t.mode == DeclareSupport {
+			return fmt.Errorf("%w: %q (%s): declare it, or use Topology{Declare: DeclareAll} (mode is %v)", ErrExchangeNotFound, exchange, ae.Reason, t.mode)
+		}
+		return fmt.Errorf("%w: %q (%s): a binding names it: declare it, or list it in Topology.Exchanges", ErrExchangeNotFound, exchange, ae.Reason)
+	}
+	return fmt.Errorf("broker: exchange %q: %w", exchange, ae)
 }
 
 // refusal turns a server's 404 about queue into ErrQueueNotFound; other

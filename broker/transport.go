@@ -10,4 +10,8 @@ type (
 	session    = transport.Session
 	queueSpec  = transport.QueueSpec
 	queueError = transport.QueueError
+
+	exchangeSpec  = transport.ExchangeSpec
+	bindingSpec   = transport.BindingSpec
+	exchangeError = transport.ExchangeError
 )

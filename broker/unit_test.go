@@ -16,6 +16,7 @@ import (
 	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker/brokertest"
@@ -134,7 +135,7 @@ func TestFaultHeaders(t *testing.T) {
 		"x-death":                orig["x-death"],
 		"keep":                   []byte("b"),
 		HeaderError:              "wrap: boom",
-		HeaderErrorType:          "*errors.errorString",
+		HeaderErrorType:          "error",
 		rabbitmw.HeaderAttempts:  int64(1),
 		HeaderOriginalExchange:   "ex",
 		HeaderOriginalRoutingKey: "rk",
@@ -163,7 +164,15 @@ func TestFaultHeaders(t *testing.T) {
 		t.Errorf("error text of %d bytes cut to %d bytes (valid UTF-8: %t); want a prefix of at most %d", len(long), len(text), utf8.ValidString(text), maxErrorText)
 	}
 	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(&rabbitmw.PanicError{Value: 42})), "q", at, "h", "p")
-	equal(t, "error type of a panic", h[HeaderErrorType], "*rabbitmw.PanicError")
+	equal(t, "error type of a panic", h[HeaderErrorType], "panic")
+	var nilMap error
+	func() {
+		defer func() { nilMap = &rabbitmw.PanicError{Value: recover()} }()
+		var m map[string]int
+		m["x"]++
+	}()
+	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(nilMap)), "q", at, "h", "p")
+	equal(t, "error type of a nil-map panic", h[HeaderErrorType], "panic")
 }
 
 func TestDelayHeadersAndRepublishing(t *testing.T) {
@@ -189,12 +198,54 @@ func TestDelayHeadersAndRepublishing(t *testing.T) {
 	equal(t, "UserId of the copy", p.UserId, "")
 	equal(t, "user id header", p.Headers[HeaderUserID], "alice")
 	equal(t, "DeliveryMode of the copy", p.DeliveryMode, uint8(amqp.Persistent))
-	equal(t, "properties kept", []any{p.MessageId, p.AppId, p.ContentType, p.Priority, p.Expiration, string(p.Body)},
-		[]any{"m", "app", "application/json", uint8(3), "60000", "b"})
+	assert.Equal(t, []any{"m", "app", "application/json", uint8(3), "b"},
+		[]any{p.MessageId, p.AppId, p.ContentType, p.Priority, string(p.Body)}, "properties kept")
+	assert.Empty(t, p.Expiration, "Expiration of the copy")
+	assert.Equal(t, "60000", p.Headers[HeaderOriginalExpiration])
+	assert.Equal(t, int64(amqp.Transient), p.Headers[HeaderOriginalDeliveryMode])
 	nb, ok := notBefore(amqp.Table{HeaderNotBefore: int64(1234567)})
 	equal(t, "notBefore", []any{nb.UnixMilli(), ok}, []any{int64(1234567), true})
 	_, ok = notBefore(amqp.Table{HeaderNotBefore: "soon"})
 	equal(t, "notBefore of a string", ok, false)
+}
+
+// asPublished gives a delivery back the fields that its copies changed,
+// from the headers they keep them in, and leaves alone what is malformed
+// or carried by the delivery itself.
+func TestAsPublished(t *testing.T) {
+	first := amqp.Delivery{
+		Exchange: "events", RoutingKey: "order.created", UserId: "alice", Expiration: "4000",
+		DeliveryMode: amqp.Transient, MessageId: "m", Headers: amqp.Table{"k": "v"},
+	}
+	copied := republishing(&first, delayHeaders(&first, rabbitmw.Decision{Outcome: rabbitmw.Delay}, "orders", time.Time{}))
+	hop := amqp.Delivery{ // the copy, back from the delay queue
+		Exchange: "", RoutingKey: "orders", Headers: copied.Headers, UserId: copied.UserId,
+		Expiration: copied.Expiration, DeliveryMode: copied.DeliveryMode, MessageId: copied.MessageId,
+	}
+	view := func(d amqp.Delivery) []any {
+		return []any{d.Exchange, d.RoutingKey, d.UserId, d.Expiration, d.DeliveryMode}
+	}
+	cases := []struct {
+		name string
+		d    amqp.Delivery
+		want []any
+	}{
+		{"first delivery", first, view(first)},
+		{"back from a delay queue", hop, view(first)},
+		{"no headers", amqp.Delivery{RoutingKey: "orders", DeliveryMode: 2}, []any{"", "orders", "", "", uint8(2)}},
+		{"malformed headers", amqp.Delivery{RoutingKey: "orders", DeliveryMode: 2, Headers: amqp.Table{
+			HeaderOriginalExchange: []byte("events"), HeaderOriginalRoutingKey: "order.created",
+			HeaderUserID: int32(1), HeaderOriginalExpiration: int64(4000), HeaderOriginalDeliveryMode: int64(7),
+		}}, []any{"", "orders", "", "", uint8(2)}},
+		{"properties the delivery carries", amqp.Delivery{UserId: "bob", Expiration: "9", DeliveryMode: 1, Headers: amqp.Table{
+			HeaderUserID: "alice", HeaderOriginalExpiration: "4000", HeaderOriginalDeliveryMode: int64(0),
+		}}, []any{"", "", "bob", "9", uint8(1)}},
+	}
+	for _, c := range cases {
+		d := c.d
+		asPublished(&d)
+		assert.Equal(t, c.want, view(d), c.name)
+	}
 }
 
 // FuzzFaultHeaders checks, for headers of every type and any error text,

@@ -18,6 +18,7 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/brokertest"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
@@ -162,18 +163,18 @@ func run(ctx context.Context, cfg config) (*report, error) {
 // business handler, and replays fail-1, resetting its failure count; it
 // returns once the replayed message's effect happened.
 func (r *report) replayFixed(ctx context.Context, b *broker.Broker, queue string, st store.Store, biz *business) error {
-	dead, err := b.DeadLetters(ctx, queue, broker.ListOptions{})
+	dead, err := deadletter.New(b).List(ctx, queue, deadletter.ListOptions{})
 	if err != nil {
 		return fmt.Errorf("listing the dead-letter queue: %w", err)
 	}
 	r.mu.Lock()
 	for _, dl := range dead {
-		r.dead = append(r.dead, *dl.Message)
+		r.dead = append(r.dead, *dl.Delivery)
 	}
 	r.mu.Unlock()
 	biz.fixed.Store(true)
-	res, err := b.Replay(ctx, queue, broker.ReplayOptions{
-		Filter: broker.Filter{IDs: []string{"fail-1"}},
+	res, err := deadletter.New(b).Replay(ctx, queue, deadletter.ReplayOptions{
+		Filter: deadletter.Filter{IDs: []string{"fail-1"}},
 		ResetFailures: func(ctx context.Context, d *amqp.Delivery) error {
 			key, err := middleware.Key(d)
 			if err != nil {

@@ -22,13 +22,13 @@ import (
 // succeeded).
 var (
 	// ErrBusy: another consumer holds the claim on the message's key.
-	ErrBusy = rabbitmw.NotCounted(errors.New("middleware: message is being processed by another consumer"))
+	ErrBusy = rabbitmw.NotCounted(&sentinel{"middleware: message is being processed by another consumer", "busy"})
 	// ErrStoreUnavailable: the store did not answer, so the message was
 	// not processed (fail closed), or its done mark could not be written.
-	ErrStoreUnavailable = rabbitmw.NotCounted(errors.New("middleware: idempotency store unavailable"))
+	ErrStoreUnavailable = rabbitmw.NotCounted(&sentinel{"middleware: idempotency store unavailable", "store_unavailable"})
 	// ErrLeaseLost: the claim was taken over or deleted while the handler
 	// ran, so its result was not recorded.
-	ErrLeaseLost = rabbitmw.NotCounted(errors.New("middleware: claim lost"))
+	ErrLeaseLost = rabbitmw.NotCounted(&sentinel{"middleware: claim lost", "lease_lost"})
 )
 
 // ErrAbandoned is returned by [Dedup] when the message's last attempt never
@@ -39,7 +39,7 @@ var (
 // Dedup's other errors, it is a failed attempt, and [Retry] counts it: a
 // message that kills every consumer that handles it is dead-lettered after
 // MaxAttempts crashes instead of looping.
-var ErrAbandoned = errors.New("middleware: an attempt never finished: its consumer died, or lost its lease, while handling the message")
+var ErrAbandoned error = &sentinel{"middleware: an attempt never finished: its consumer died, or lost its lease, while handling the message", "abandoned"}
 
 // DedupOptions configures [Dedup]. The zero value selects the defaults.
 // Dedup panics on a negative duration.
@@ -109,13 +109,19 @@ type DedupOptions struct {
 // does not answer that either, with its next claim that the store answers
 // (up to 256 such claims, in this process's memory), so that the message
 // is not busy until the lease ends. If marking done fails that way
-// after the handler succeeded, Dedup retries until the lease would end or
-// ctx is done; if it still fails, the message is tried again later, and its
-// effect repeats only if the lease has expired by then.
+// after the handler succeeded, Dedup retries until the lease would end; if
+// it still fails, the message is tried again later, and its effect repeats
+// only if the lease has expired by then.
 //
-// The store calls that follow the handler (complete, release) run even if
-// ctx has been cancelled meanwhile, so that a shutdown does not leave a
-// finished message unmarked. Dedup panics if s is nil.
+// Once the handler has returned, the store calls that record its attempt
+// (the done mark, the release, and the release of a claim whose answer was
+// lost) run under a context that ctx's cancellation does not end: a
+// consumer that stops cancels its handlers' context at its shutdown
+// deadline, possibly as a handler returns, and a finished message must
+// still be marked done, or released, rather than be redelivered to wait
+// out its lease and run again. Each is bounded instead: the done mark by
+// the end of the lease, the release by UnavailableDelay and the end of the
+// lease, at least a second each. Dedup panics if s is nil.
 func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	if s == nil {
 		panic("middleware: Dedup: nil store")
@@ -220,11 +226,11 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 		// release it, if this token holds it, rather than leave it to
 		// block the message until the lease ends; if the store does not
 		// answer that either, release it once it answers again.
-		rctx, rcancel := context.WithTimeout(bookkeeping(ctx), time.Second)
+		rctx := settling(ctx, time.Now().Add(time.Second))
 		if rerr := h.store.Release(rctx, key, token); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
 			h.orphans.add(key, token, time.Now().Add(h.lease))
 		}
-		rcancel()
+		rctx.end()
 		notify(h.observe, ctx, DedupUnavailable, key, err)
 		if h.failOpen && ctx.Err() == nil {
 			return false, nil
@@ -273,8 +279,10 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: release, and let the panic go on
-			h.renewer.stop(l)
-			h.store.Release(bookkeeping(ctx), key, token)
+			_, validUntil := h.renewer.stop(l)
+			rctx := settling(ctx, atLeastASecond(validUntil))
+			h.store.Release(rctx, key, token)
+			rctx.end()
 		}
 	}()
 	var a attempt
@@ -369,36 +377,53 @@ func (e *keyError) Error() string {
 func (e *keyError) Unwrap() error { return e.err }
 
 // persist runs op, a store call that must not be lost after the handler
-// ran, and retries it while the store cannot be reached, until deadline or
-// until ctx is done. It reports whether op was tried more than once, and
-// returns op's last error.
+// ran, and retries it while the store cannot be reached, until deadline.
+// op runs under a context of [settling]: the cancellation of ctx does not
+// end it, so that a consumer that stops (and cancels its handlers'
+// context at its shutdown deadline) still records a handler that has
+// returned. The first try has at least a second even if deadline is
+// sooner: the store checks the claim's owner on its own clock. persist
+// reports whether op was tried more than once, and returns op's last
+// error.
 func (h *dedup) persist(ctx context.Context, deadline time.Time, op func(context.Context) error) (retried bool, err error) {
-	err = op(bookkeeping(ctx))
+	sctx := settling(ctx, atLeastASecond(deadline))
+	defer sctx.end()
+	err = op(sctx)
 	if err == nil || errors.Is(err, store.ErrLostClaim) {
 		return false, err
 	}
 	wait := 50 * time.Millisecond
 	for {
-		if ctx.Err() != nil || time.Now().Add(wait).After(deadline) {
+		if sctx.Err() != nil || time.Now().Add(wait).After(deadline) {
 			return retried, err
 		}
-		if clock.Sleep(ctx, wait) != nil {
+		if clock.Sleep(sctx, wait) != nil {
 			return retried, err
 		}
 		retried = true
-		if err = op(bookkeeping(ctx)); err == nil || errors.Is(err, store.ErrLostClaim) {
+		if err = op(sctx); err == nil || errors.Is(err, store.ErrLostClaim) {
 			return true, err
 		}
 		wait = min(2*wait, time.Second)
 	}
 }
 
-// bookkeeping returns a context for store calls that must happen even after
-// ctx was cancelled: ctx itself while it is live (no allocation), else ctx
-// without its cancellation.
-func bookkeeping(ctx context.Context) context.Context {
-	if ctx.Err() == nil {
-		return ctx
+// atLeastASecond returns deadline, or a second from now if that is later.
+func atLeastASecond(deadline time.Time) time.Time {
+	if soon := time.Now().Add(time.Second); deadline.Before(soon) {
+		return soon
 	}
-	return context.WithoutCancel(ctx)
+	return deadline
+}
+
+// settling returns the context of the store calls that record an attempt
+// after its handler returned: ctx's values, without its cancellation or
+// deadline, ending at deadline instead. A consumer cancels its handlers'
+// context at its shutdown deadline, possibly just as a handler returns;
+// the done mark, release or failure count of that handler must still be
+// written, or the message would be redelivered, wait out its lease, and
+// run again. Its timer is made only if a store call asks for Done; end
+// releases it.
+func settling(ctx context.Context, deadline time.Time) *lazyContext {
+	return newLazyDeadline(context.WithoutCancel(ctx), deadline)
 }

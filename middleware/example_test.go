@@ -105,7 +105,7 @@ func ExampleLog() {
 	}))
 	h.Handle(context.Background(), &amqp.Delivery{MessageId: "pay-1", DeliveryTag: 9, RoutingKey: "payments"})
 	// Output:
-	// level=WARN msg=delivery message_id=pay-1 delivery_tag=9 routing_key=payments redelivered=false attempt=1 outcome=delayed delay=5s error="bank unreachable"
+	// level=WARN msg=delivery message_id=pay-1 delivery_tag=9 routing_key=payments redelivered=false attempt=1 outcome=delayed delay=5s error="bank unreachable" error_type=error
 }
 
 // A busy consumer keeps its duplicates out of an Info log, and adds the

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/md5"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"strconv"
 
@@ -15,7 +14,7 @@ import (
 
 // ErrNoKey is returned by [Key] for a delivery that has neither a message id
 // nor a body, and so nothing to tell it from any other such delivery.
-var ErrNoKey = errors.New("middleware: delivery has no message id and an empty body")
+var ErrNoKey error = &sentinel{"middleware: delivery has no message id and an empty body", "no_key"}
 
 // Key returns the idempotency key of d: its message_id property or, when
 // that is empty, the hex MD5 digest of its body. It is the key that
@@ -43,7 +42,7 @@ func Key(d *amqp.Delivery) (string, error) {
 // ErrKeyMismatch is wrapped by the error with which [Retry] or [Dedup]
 // dead-letters a delivery whose key, made with the layer's own [Keying],
 // is not the key that a Retry or Dedup above it made.
-var ErrKeyMismatch = errors.New("middleware: keyed layers disagree on a message's key")
+var ErrKeyMismatch error = &sentinel{"middleware: keyed layers disagree on a message's key", "key_mismatch"}
 
 // Keying is how [Retry] and [Dedup] name a message in their store: by Key,
 // under Namespace. The zero value means [Key], with no namespace.

@@ -28,6 +28,8 @@ import (
 //	              duplicate, requeued, delayed or dead-lettered; or panicked
 //	delay         for delayed: the least delay before the next delivery
 //	error         the error text, when there is one
+//	error_type    for a failure, its type (rabbitmw.ErrorType), as the
+//	              dead-letter headers and otelmw name it
 //	stack         for a recovered panic (rabbitmw.PanicError): its stack
 //
 // The level is Info for acked and duplicate, Warn for requeued and delayed,
@@ -129,8 +131,8 @@ func (lg *deliveryLog) level(o rabbitmw.Outcome) slog.Level {
 }
 
 // attrsRoom is the number of attributes a record holds without growing its
-// slice: the layer's own, at most ten.
-const attrsRoom = 10
+// slice: the layer's own, at most eleven.
+const attrsRoom = 11
 
 func (lg *deliveryLog) write(ctx context.Context, d *amqp.Delivery, start time.Time, outcome string, level slog.Level, dec rabbitmw.Decision, err error) {
 	if !lg.l.Enabled(ctx, level) {
@@ -182,6 +184,9 @@ func appendDeliveryAttrs(attrs []slog.Attr, d *amqp.Delivery, start time.Time, o
 	}
 	if err != nil {
 		attrs = append(attrs, slog.String("error", err.Error()))
+		if dec.Outcome != rabbitmw.Duplicate {
+			attrs = append(attrs, slog.String("error_type", rabbitmw.ErrorType(err)))
+		}
 		var pe *rabbitmw.PanicError
 		if errors.As(err, &pe) {
 			attrs = append(attrs, slog.String("stack", string(pe.Stack)))

@@ -28,17 +28,18 @@ func TestLog(t *testing.T) {
 		{
 			name:   "acked",
 			want:   map[string]any{"level": "INFO", "msg": "delivery", "outcome": "acked", "attempt": 1.0, "message_id": "m1", "delivery_tag": 1.0, "redelivered": false, "routing_key": "orders"},
-			absent: []string{"error", "delay"},
+			absent: []string{"error", "error_type", "delay"},
 		},
 		{
 			name:   "duplicate",
 			result: fmt.Errorf("dedup: %w", rabbitmw.ErrDuplicate),
 			want:   map[string]any{"level": "INFO", "outcome": "duplicate", "error": "dedup: rabbitmw: duplicate delivery"},
+			absent: []string{"error_type"},
 		},
 		{
 			name:   "requeued",
 			result: errBoom,
-			want:   map[string]any{"level": "WARN", "outcome": "requeued", "error": "boom"},
+			want:   map[string]any{"level": "WARN", "outcome": "requeued", "error": "boom", "error_type": "error"},
 		},
 		{
 			name:   "delayed, with the attempt a layer counted",
@@ -49,12 +50,12 @@ func TestLog(t *testing.T) {
 			name:   "dead-lettered",
 			result: rabbitmw.Permanent(errBoom),
 			header: int32(4),
-			want:   map[string]any{"level": "ERROR", "outcome": "dead-lettered", "attempt": 5.0},
+			want:   map[string]any{"level": "ERROR", "outcome": "dead-lettered", "attempt": 5.0, "error_type": "error"},
 		},
 		{
 			name:   "recovered panic carries its stack",
 			result: &rabbitmw.PanicError{Value: "x", Stack: []byte("goroutine 1 [running]")},
-			want:   map[string]any{"level": "WARN", "outcome": "requeued", "error": "panic: x", "stack": "goroutine 1 [running]"},
+			want:   map[string]any{"level": "WARN", "outcome": "requeued", "error": "panic: x", "error_type": "panic", "stack": "goroutine 1 [running]"},
 		},
 	}
 	for _, tt := range tests {
@@ -218,7 +219,7 @@ func TestLogWithAttrsOrder(t *testing.T) {
 	}
 	h := middleware.LogWith(l, middleware.LogOptions{AppendAttrs: many})(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return errBoom }))
 	h.Handle(context.Background(), &amqp.Delivery{MessageId: "m1", DeliveryTag: 2})
-	want := "level=WARN msg=delivery message_id=m1 delivery_tag=2 routing_key=\"\" redelivered=false attempt=1 outcome=requeued error=boom" +
+	want := "level=WARN msg=delivery message_id=m1 delivery_tag=2 routing_key=\"\" redelivered=false attempt=1 outcome=requeued error=boom error_type=error" +
 		" a0=0 a1=1 a2=2 a3=3 a4=4 a5=5 a6=6 a7=7 a8=8 a9=9 a10=10 a11=11\n"
 	if got := buf.String(); got != want {
 		t.Errorf("record =\n%s; want\n%s", got, want)

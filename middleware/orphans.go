@@ -64,9 +64,9 @@ func (o *orphans) release(ctx context.Context, s store.Store, key string) (found
 		if !now.Before(c.until) {
 			continue
 		}
-		rctx, cancel := context.WithTimeout(bookkeeping(ctx), time.Second)
+		rctx := settling(ctx, time.Now().Add(time.Second))
 		err := s.Release(rctx, c.key, c.token)
-		cancel()
+		rctx.end()
 		if err != nil && !errors.Is(err, store.ErrLostClaim) {
 			o.mu.Lock()
 			o.keep(claims[i:]...)

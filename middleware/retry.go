@@ -58,7 +58,10 @@ type RetryOptions struct {
 // error, when its last allowed attempt fails. It never acknowledges a
 // failed message.
 //
-// Failures are counted in s (store.Fail, under the message's key). The
+// Failures are counted in s (store.Fail, under the message's key), and
+// cleared (store.ResetFailures) once the message succeeds or leaves the
+// queue; both run even if ctx is cancelled meanwhile, for at most five
+// seconds each, so that a consumer's shutdown does not lose them. The
 // count is also carried in the message itself by the broker package, in the
 // rabbitmw.HeaderAttempts header of each copy it republishes, and Retry
 // takes the larger of the two: the limit holds even if s was wiped or
@@ -140,6 +143,10 @@ func Retry(s store.Store, opts RetryOptions) rabbitmw.Middleware {
 		return &retry{retryConfig: cfg, next: next}
 	}
 }
+
+// settleTimeout bounds each of Retry's store calls (counting a failure,
+// clearing the count), which run even if ctx was cancelled meanwhile.
+const settleTimeout = 5 * time.Second
 
 type retryConfig struct {
 	store     store.Store
@@ -299,7 +306,9 @@ func (h *retry) count(ctx context.Context, d *amqp.Delivery, before int) (n int,
 	if err != nil {
 		return n, false, nil // nothing to count under: the header alone counts
 	}
-	got, err := h.store.Fail(bookkeeping(ctx), key, h.ttl)
+	sctx := settling(ctx, time.Now().Add(settleTimeout))
+	got, err := h.store.Fail(sctx, key, h.ttl)
+	sctx.end()
 	if err != nil {
 		return n, false, fmt.Errorf("middleware: retry: counting the failure of %q: %w", key, err)
 	}
@@ -315,7 +324,9 @@ func (h *retry) reset(ctx context.Context, d *amqp.Delivery) {
 		return
 	}
 	if key, err := h.keying.of(ctx, d); err == nil {
-		h.store.ResetFailures(bookkeeping(ctx), key)
+		sctx := settling(ctx, time.Now().Add(settleTimeout))
+		h.store.ResetFailures(sctx, key)
+		sctx.end()
 	}
 }
 

@@ -13,7 +13,7 @@ import (
 
 // ErrTimeout is wrapped by the error of a handler that failed after its
 // deadline set by [Timeout] had passed.
-var ErrTimeout = errors.New("middleware: handler timed out")
+var ErrTimeout error = &sentinel{"middleware: handler timed out", "timeout"}
 
 // Timeout returns a layer that gives the context of the layers and handler
 // beneath it a deadline d from the start of each delivery. It panics if d is

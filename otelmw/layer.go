@@ -2,7 +2,6 @@ package otelmw
 
 import (
 	"context"
-	"errors"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -11,8 +10,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/rabbitmw/rabbitmw"
-	"github.com/rabbitmw/rabbitmw/broker"
-	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
 // Middleware returns the layer that traces and measures each delivery. Put
@@ -36,7 +33,7 @@ import (
 // (the number of this attempt), rabbitmw.retry.delay (seconds, for a
 // delay) and rabbitmw.dead_letter.reason (the error's text, for a
 // dead-letter). A result that is neither an ack nor a duplicate sets the
-// status to Error and error.type (see [ErrorType]). The links and the
+// status to Error and error.type (see [rabbitmw.ErrorType]). The links and the
 // attributes other than the span kind are added after the span started,
 // which a sampler does not see: they cost nothing on a span that does not
 // record. The handler runs with the span in its context, where
@@ -99,7 +96,7 @@ func (l *layer) Handle(ctx context.Context, d *amqp.Delivery) error {
 	dec := rabbitmw.Decide(err)
 	var errType string
 	if dec.Outcome != rabbitmw.Ack && dec.Outcome != rabbitmw.Duplicate {
-		errType = ErrorType(err)
+		errType = rabbitmw.ErrorType(err)
 	}
 	attempt := dec.Attempts
 	if attempt <= 0 {
@@ -186,34 +183,4 @@ func destination(exchange, key, queue string) string {
 		}
 	}
 	return s
-}
-
-// ErrorType returns the error.type that the spans and metrics give a
-// failure, low in cardinality: "busy", "lease_lost", "store_unavailable"
-// or "abandoned" for [middleware.ErrBusy], [middleware.ErrLeaseLost],
-// [middleware.ErrStoreUnavailable] and [middleware.ErrAbandoned]; "timeout" for
-// context.DeadlineExceeded; "canceled" for context.Canceled; "panic" for
-// a [rabbitmw.PanicError]; otherwise [broker.ErrorType], the Go type of
-// the innermost error, such as "*json.SyntaxError". ErrorType(nil) is "".
-func ErrorType(err error) string {
-	var pe *rabbitmw.PanicError
-	switch {
-	case err == nil:
-		return ""
-	case errors.Is(err, middleware.ErrBusy):
-		return "busy"
-	case errors.Is(err, middleware.ErrLeaseLost):
-		return "lease_lost"
-	case errors.Is(err, middleware.ErrStoreUnavailable):
-		return "store_unavailable"
-	case errors.Is(err, middleware.ErrAbandoned):
-		return "abandoned"
-	case errors.Is(err, context.DeadlineExceeded):
-		return "timeout"
-	case errors.Is(err, context.Canceled):
-		return "canceled"
-	case errors.As(err, &pe):
-		return "panic"
-	}
-	return broker.ErrorType(err)
 }

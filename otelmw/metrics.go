@@ -41,6 +41,8 @@ type instruments struct {
 	deadLetter metric.Int64Counter
 	republish  metric.Int64Counter
 	reconnects metric.Int64Counter
+	depth      metric.Int64ObservableGauge   // see Telemetry.WatchQueues
+	oldest     metric.Float64ObservableGauge // see Telemetry.WatchQueues
 
 	consumer  attribute.Set
 	base      measure                   // consumer, for the handlers in flight
@@ -68,7 +70,7 @@ type failureKey struct {
 }
 
 func (m *instruments) init(meter metric.Meter, consumer attribute.Set) error {
-	var errs [11]error
+	var errs [13]error
 	m.duration, errs[0] = meter.Float64Histogram("messaging.process.duration",
 		metric.WithUnit("s"), metric.WithDescription("Duration of processing operation."),
 		metric.WithExplicitBucketBoundaries(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10))
@@ -93,6 +95,10 @@ func (m *instruments) init(meter metric.Meter, consumer attribute.Set) error {
 		metric.WithUnit("{message}"), metric.WithDescription("Copies the broker sent to a delay queue."))
 	m.reconnects, errs[10] = meter.Int64Counter("rabbitmw.reconnects",
 		metric.WithUnit("{connection}"), metric.WithDescription("Connections lost or not made, each followed by another attempt."))
+	m.depth, errs[11] = meter.Int64ObservableGauge("rabbitmw.queue.depth",
+		metric.WithUnit("{message}"), metric.WithDescription("Messages ready in a work, delay or dead-letter queue."))
+	m.oldest, errs[12] = meter.Float64ObservableGauge("rabbitmw.dead_letter.oldest.age",
+		metric.WithUnit("s"), metric.WithDescription("Time since the oldest message of a dead-letter queue was dead-lettered."))
 	if err := errors.Join(errs[:]...); err != nil {
 		return err
 	}

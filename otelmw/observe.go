@@ -62,7 +62,7 @@ func (t *Telemetry) republished(ctx context.Context, e broker.RepublishEvent) {
 	case e.Outcome == rabbitmw.Delay:
 		attrs = append(attrs, keyDelayQueue.String(e.To))
 		if e.Err != nil {
-			attrs = append(attrs, semconv.ErrorTypeKey.String(ErrorType(e.Err)))
+			attrs = append(attrs, semconv.ErrorTypeKey.String(rabbitmw.ErrorType(e.Err)))
 		}
 		t.m.republish.Add(ctx, 1, metric.WithAttributes(attrs...))
 	case e.Outcome == rabbitmw.DeadLetter && e.Err == nil:

@@ -48,6 +48,7 @@ type Options struct {
 // concurrent use.
 type Telemetry struct {
 	tracer    trace.Tracer
+	meter     metric.Meter
 	prop      propagation.TextMapPropagator
 	queue     string
 	spanName  string                  // "process <queue>"
@@ -87,7 +88,8 @@ func New(opts Options) *Telemetry {
 		attrs = append(attrs, semconv.MessagingDestinationName(opts.Queue))
 	}
 	t.consumer = attribute.NewSet(attrs...)
-	if err := t.m.init(mp.Meter(scope), t.consumer); err != nil {
+	t.meter = mp.Meter(scope)
+	if err := t.m.init(t.meter, t.consumer); err != nil {
 		panic("otelmw: New: " + err.Error())
 	}
 	return t

@@ -10,6 +10,8 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/rabbitmw/rabbitmw"
 )
 
 // StartPublish starts the PRODUCER span "send <destination>" of a publish
@@ -62,7 +64,7 @@ func (t *Telemetry) StartPublish(ctx context.Context, exchange, key string, msg 
 	}
 	return func(err error) {
 		if err != nil {
-			typ := semconv.ErrorTypeKey.String(ErrorType(err))
+			typ := semconv.ErrorTypeKey.String(rabbitmw.ErrorType(err))
 			span.SetAttributes(typ)
 			span.SetStatus(codes.Error, err.Error())
 			metricAttrs = append(metricAttrs, typ)

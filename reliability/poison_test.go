@@ -132,11 +132,11 @@ func poisonCases(rng *rand.Rand) []poisonCase {
 	add(poisonCase{name: "ok", msg: amqp.Publishing{Body: order("ok", 0)}, calls: 1, deliveries: 1})
 	add(poisonCase{name: "ok-every-type", msg: amqp.Publishing{Body: order("ok", 0), Headers: everyType()}, calls: 1, deliveries: 1})
 	add(poisonCase{name: "poison", msg: amqp.Publishing{Body: order("poison", 0)},
-		dead: true, reason: "order refused: poison", errType: "*errors.errorString", attempts: 1, calls: 1, deliveries: 1})
+		dead: true, reason: "order refused: poison", errType: "error", attempts: 1, calls: 1, deliveries: 1})
 	add(poisonCase{name: "poison-every-type", msg: amqp.Publishing{Body: order("poison", 0), Headers: everyType()},
-		dead: true, reason: "order refused: poison", errType: "*errors.errorString", attempts: 1, calls: 1, deliveries: 1})
+		dead: true, reason: "order refused: poison", errType: "error", attempts: 1, calls: 1, deliveries: 1})
 	add(poisonCase{name: "unknown-kind", msg: amqp.Publishing{Body: order("refund", 0)},
-		dead: true, reason: `unknown order kind "refund"`, errType: "*errors.errorString", attempts: 1, calls: 1, deliveries: 1})
+		dead: true, reason: `unknown order kind "refund"`, errType: "error", attempts: 1, calls: 1, deliveries: 1})
 	add(poisonCase{name: "fail-every-type", msg: amqp.Publishing{Body: order("fail", 0), Headers: everyType()},
 		dead: true, reason: "retries exhausted after 3 attempts: business: payment gateway failed", attempts: poisonAttempts, calls: poisonAttempts, deliveries: poisonAttempts})
 	add(poisonCase{name: "panic", msg: amqp.Publishing{Body: order("panic", 0)},
@@ -153,7 +153,7 @@ func poisonCases(rng *rand.Rand) []poisonCase {
 	body := random(512)
 	dead, typ := malformed(body)
 	add(poisonCase{name: "no-id-random", msg: amqp.Publishing{Body: body}, dead: dead, reason: "malformed order", errType: typ, attempts: 1, calls: 1, deliveries: 1})
-	add(poisonCase{name: "no-key", msg: amqp.Publishing{}, dead: true, reason: "no idempotency key", errType: "*errors.errorString", attempts: 1, calls: 0, deliveries: 1})
+	add(poisonCase{name: "no-key", msg: amqp.Publishing{}, dead: true, reason: "no idempotency key", errType: "error", attempts: 1, calls: 0, deliveries: 1})
 	// The attempt header as a string: Retry reads it as a floor, so the
 	// first failure is past the limit.
 	add(poisonCase{name: "attempts-string", msg: amqp.Publishing{Body: order("fail", 0), Headers: amqp.Table{rabbitmw.HeaderAttempts: "999"}},

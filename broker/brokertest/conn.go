@@ -200,11 +200,16 @@ func (c *memConn) Declare(_ context.Context, specs []transport.QueueSpec) error 
 				return err
 			}
 		default:
-			q, err := newMemQueue(s.Name, s.Args)
-			if err != nil {
+			var err error
+			if q, err = newMemQueue(s.Name, s.Args); err != nil {
 				return err
 			}
 			m.queues[s.Name] = q
+		}
+		for _, b := range s.Bindings {
+			if err := m.bind(q, b); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -396,14 +401,23 @@ func (c *memConn) route(exchange, key string, msg amqp.Publishing) (time.Duratio
 		c.shutdown(err) // as RabbitMQ closes the channel
 		return 0, fmt.Errorf("broker: publish refused by the server: %w", err)
 	}
-	if exchange != "" {
-		return 0, fmt.Errorf("%w: exchange %q does not exist (a brokertest server has only the default exchange)", transport.ErrUnroutable, exchange)
+	if x := m.exchanges[exchange]; x != nil && x.spec.Internal {
+		err := &amqp.Error{Code: amqp.AccessRefused, Server: true, Recover: true,
+			Reason: "ACCESS_REFUSED - cannot publish to internal exchange '" + exchange + "' in vhost '/'"}
+		c.shutdown(err) // as RabbitMQ closes the channel
+		return 0, fmt.Errorf("broker: publish refused by the server: %w", err)
 	}
-	q := m.queues[key]
-	if q == nil {
+	pub := wirePublishing(msg)
+	qs, ok := m.targets(exchange, key, pub.Headers)
+	if !ok {
+		return 0, fmt.Errorf("%w: exchange %q does not exist", transport.ErrUnroutable, exchange)
+	}
+	if len(qs) == 0 {
 		return 0, fmt.Errorf("%w: exchange %q, routing key %q", transport.ErrUnroutable, exchange, key)
 	}
-	m.enqueue(q, &memMsg{pub: wirePublishing(msg), exchange: exchange, key: key})
+	for _, q := range qs {
+		m.enqueue(q, &memMsg{pub: wirePublishing(pub), exchange: exchange, key: key}) // a copy each
+	}
 	return m.confirmDelay, nil
 }
 
@@ -457,6 +471,7 @@ func (c *memConn) Delete(_ context.Context, queues []string) error {
 			continue
 		}
 		delete(m.queues, name)
+		m.unbindAll(q)
 		q.deleted = true
 		q.ready = nil
 		for _, cons := range q.consumers {

@@ -14,9 +14,11 @@
 //
 // It emulates what package broker relies on, as RabbitMQ 3.10 does it:
 //
-//   - the default exchange only: a message published with routing key K
-//     goes to queue K; a publish to any other exchange, or to a key that
-//     names no queue, is returned as unroutable (broker.ErrUnroutable);
+//   - the default exchange (a message published with routing key K goes
+//     to queue K), and exchanges of kind direct, topic, fanout and headers
+//     with their bindings; a publish to a missing exchange, or one that
+//     reaches no queue, is returned as unroutable (broker.ErrUnroutable),
+//     and one to an internal exchange is refused (403);
 //   - publisher confirms, at once or after a delay (Server.SetConfirmDelay);
 //   - durable queues with the arguments x-queue-type ("quorum" or
 //     "classic"), x-message-ttl, x-dead-letter-exchange (the default
@@ -49,7 +51,8 @@
 //
 // # Where it differs from RabbitMQ
 //
-// Exchanges other than the default one, bindings, persistence, queue
+// Plugins' exchange kinds, exchange-to-exchange bindings, alternate
+// exchanges, auto-deleting exchanges (they stay), persistence, queue
 // length limits (and so nacked publishes), virtual hosts, users other than
 // "guest" and permissions are not emulated. A connection has a single channel: a
 // refusal that closes a channel on RabbitMQ closes the whole connection

@@ -26,6 +26,7 @@ type Server struct {
 	url       string
 	mu        sync.Mutex
 	queues    map[string]*memQueue
+	exchanges map[string]*memExchange
 	conns     map[*memConn]struct{}
 	seq       uint64 // message sequence, for requeue order
 	closed    bool
@@ -50,6 +51,7 @@ const memUser = "guest"
 func NewServer() *Server {
 	m := &Server{
 		queues:    make(map[string]*memQueue),
+		exchanges: make(map[string]*memExchange),
 		conns:     make(map[*memConn]struct{}),
 		clockWake: make(chan struct{}, 1),
 		quit:      make(chan struct{}),
@@ -257,16 +259,12 @@ func (m *Server) requeue(q *memQueue, msg *memMsg) {
 // any, as RabbitMQ does: with the dead-lettering recorded in its headers
 // (see rabbit.AddDeath) and without its Expiration property. m.mu must be held.
 func (m *Server) deadLetter(q *memQueue, msg *memMsg, reason string) {
-	if !q.dlx || q.dlxName != "" {
-		return // no dead-letter exchange, or one the memory server lacks: dropped
+	if !q.dlx {
+		return // no dead-letter exchange: dropped
 	}
 	key := msg.key
 	if q.hasDLRK {
 		key = q.dlrk
-	}
-	target := m.queues[key]
-	if target == nil {
-		return // unroutable: dropped
 	}
 	pub := msg.pub
 	pub.Headers = rabbit.AddDeath(rabbit.WireTable(pub.Headers), q.name, reason, msg.exchange, msg.key, pub.Expiration, time.Now())
@@ -274,7 +272,10 @@ func (m *Server) deadLetter(q *memQueue, msg *memMsg, reason string) {
 	if reason != "rejected" && rabbit.DeadLetterCycle(pub.Headers["x-death"], key) {
 		return // a cycle: dropped, as RabbitMQ does
 	}
-	m.enqueue(target, &memMsg{pub: pub, exchange: q.dlxName, key: key})
+	targets, _ := m.targets(q.dlxName, key, pub.Headers)
+	for _, target := range targets { // none: unroutable, dropped
+		m.enqueue(target, &memMsg{pub: wirePublishing(pub), exchange: q.dlxName, key: key}) // a copy each
+	}
 }
 
 // dispatch hands q's ready messages to its consumers with room under their

@@ -2,10 +2,12 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
+	"io"
 	"maps"
 	"slices"
 	"strconv"
@@ -17,6 +19,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -46,15 +49,17 @@ func classify(err error) error {
 	switch {
 	case err == nil:
 		return nil
-	case errors.Is(err, broker.ErrNoDestination), errors.Is(err, broker.ErrQueueNotFound):
+	case errors.Is(err, deadletter.ErrNoDestination):
 		return &exitError{exitRefused, err}
+	case errors.Is(err, broker.ErrQueueNotFound):
+		return &exitError{exitNotFound, err}
 	}
 	return err
 }
 
 func needQueue(c *common, pos []string, want int) error {
 	if c.queue == "" {
-		return usageError("-q QUEUE is required")
+		return usageError("-q/--queue QUEUE is required")
 	}
 	if len(pos) != want {
 		return usageError("unexpected arguments %q", pos[want:])
@@ -66,41 +71,58 @@ func needQueue(c *common, pos []string, want int) error {
 // set, with the common flags (-q required) and, if it selects dead-lettered
 // messages, the filter flags.
 type queueCommand struct {
-	*flag.FlagSet
+	*flagSet
 	common
 	filterFlags
 }
 
-// queueCommand returns the flags of subcommand name; filters adds the
-// filter flags.
-func (e *env) queueCommand(name string, filters bool) *queueCommand {
-	q := &queueCommand{FlagSet: newFlags(name, e.stderr)}
-	q.common.register(q.FlagSet, true)
-	if filters {
-		q.filterFlags.register(q.FlagSet)
+// Which flags a queueCommand has beside the common ones.
+const (
+	withFilters = 1 << iota // the filter flags
+	withJSON                // --json
+)
+
+// queueCommand returns the flags of subcommand name, with the flags that
+// with names.
+func (e *env) queueCommand(name string, with int) *queueCommand {
+	q := &queueCommand{flagSet: e.newFlags(name)}
+	q.common.register(q.flagSet, true)
+	if with&withJSON != 0 {
+		q.common.registerJSON(q.flagSet)
+	}
+	if with&withFilters != 0 {
+		q.filterFlags.register(q.flagSet)
 	}
 	return q
 }
 
-// parse parses args, and requires -q and no positional argument.
-func (q *queueCommand) parse(args []string) error {
-	pos, err := parse(q.FlagSet, args)
+// parseQueue parses args, and requires -q and no positional argument.
+func (q *queueCommand) parseQueue(args []string) error {
+	pos, err := q.parse(args)
 	if err != nil {
 		return err
 	}
 	return needQueue(&q.common, pos, 0)
 }
 
+// connect returns a Broker on the server, once it has answered.
+func (q *queueCommand) connect(e *env) (*broker.Broker, error) {
+	return q.common.connect(e.timeout)
+}
+
 func (e *env) dlqList(ctx context.Context, args []string) error {
-	q := e.queueCommand("dlq ls", true)
+	q := e.queueCommand("dlq ls", withFilters|withJSON)
 	limit := q.Int("limit", 0, "list at most this many messages")
-	if err := q.parse(args); err != nil {
+	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	b := q.broker()
+	b, err := q.connect(e)
+	if err != nil {
+		return err
+	}
 	defer b.Close()
-	bar := newProgress(e.stderr, "reading")
-	dls, err := b.DeadLetters(ctx, q.queue, broker.ListOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
+	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
+	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
 	bar.done()
 	if err != nil {
 		return classify(err)
@@ -112,15 +134,15 @@ func (e *env) dlqList(ctx context.Context, args []string) error {
 	return nil
 }
 
-func nonNil(dls []*broker.DeadLetter) []*broker.DeadLetter {
+func nonNil(dls []*deadletter.Message) []*deadletter.Message {
 	if dls == nil {
-		return []*broker.DeadLetter{}
+		return []*deadletter.Message{}
 	}
 	return dls
 }
 
 // table prints dead-lettered messages, one a line.
-func (e *env) table(dls []*broker.DeadLetter) {
+func (e *env) table(dls []*deadletter.Message) {
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "ID\tQUEUE\tATTEMPTS\tERROR TYPE\tFIRST FAILURE\tLAST FAILURE\tREPLAYS\tSIZE\tERROR")
 	for _, dl := range dls {
@@ -168,8 +190,8 @@ func cut(s string, n int) string {
 }
 
 func (e *env) dlqShow(ctx context.Context, args []string) error {
-	q := e.queueCommand("dlq show", false)
-	pos, err := parse(q.FlagSet, args)
+	q := e.queueCommand("dlq show", withJSON)
+	pos, err := q.parse(args)
 	if err != nil {
 		return err
 	}
@@ -179,9 +201,12 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 	if err := needQueue(&q.common, pos, len(pos)); err != nil {
 		return err
 	}
-	b := q.broker()
+	b, err := q.connect(e)
+	if err != nil {
+		return err
+	}
 	defer b.Close()
-	dls, err := b.DeadLetters(ctx, q.queue, broker.ListOptions{Filter: broker.Filter{IDs: pos}})
+	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: deadletter.Filter{IDs: pos}})
 	if err != nil {
 		return classify(err)
 	}
@@ -191,13 +216,13 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 	if q.json {
 		var out []any
 		for _, dl := range dls {
-			m, err := broker.ExportMessage(q.queue+".dlq", dl.Message)
+			m, err := deadletter.ExportMessage(q.queue+".dlq", dl.Delivery)
 			if err != nil {
 				return err
 			}
 			out = append(out, struct {
-				*broker.DeadLetter
-				Message *broker.ExportedMessage `json:"message"`
+				*deadletter.Message
+				Exported *deadletter.ExportedMessage `json:"message"`
 			}{dl, m})
 		}
 		return writeJSON(e.stdout, out)
@@ -212,8 +237,8 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 }
 
 // show prints one message in full.
-func (e *env) show(dl *broker.DeadLetter) {
-	d := dl.Message
+func (e *env) show(dl *deadletter.Message) {
+	d := dl.Delivery
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	row := func(k, v string) {
 		if v != "" {
@@ -232,6 +257,9 @@ func (e *env) show(dl *broker.DeadLetter) {
 	row("host", dl.Host)
 	row("process", dl.Process)
 	row("replays", strconv.Itoa(dl.Replays))
+	if ms := originalExpiration(d.Headers); ms != "" {
+		row("original expiration", ms+" ms (not applied in the dead-letter queue, nor on a replay)")
+	}
 	row("malformed headers", strings.Join(dl.Malformed, ", "))
 	row("content type", d.ContentType)
 	row("content encoding", d.ContentEncoding)
@@ -256,6 +284,25 @@ func (e *env) show(dl *broker.DeadLetter) {
 	} else {
 		fmt.Fprintf(e.stdout, "  %q%s\n", body, more)
 	}
+}
+
+// originalExpiration returns the Expiration property a dead letter was
+// published with, which no copy carries: from broker.HeaderOriginalExpiration,
+// or else from the first x-death record with one (RabbitMQ's own
+// dead-lettering keeps it there); "" if none.
+func originalExpiration(h amqp.Table) string {
+	if v, ok := h[broker.HeaderOriginalExpiration].(string); ok {
+		return v
+	}
+	deaths, _ := h["x-death"].([]any)
+	for _, d := range deaths {
+		if r, ok := d.(amqp.Table); ok {
+			if v, ok := r["original-expiration"].(string); ok {
+				return v
+			}
+		}
+	}
+	return ""
 }
 
 // printTable prints headers with their types, sorted, nested tables
@@ -288,24 +335,28 @@ func printValue(w interface{ Write([]byte) (int, error) }, k string, v any, inde
 }
 
 func (e *env) dlqReplay(ctx context.Context, args []string) error {
-	q := e.queueCommand("dlq replay", true)
+	q := e.queueCommand("dlq replay", withFilters|withJSON)
+	all := q.Bool("all", false, "replay every message (required without a filter)")
 	var sf storeFlags
-	sf.register(q.FlagSet)
+	sf.register(q.flagSet)
 	to := q.String("to", "", "send the messages to this queue (required for messages that have no original queue)")
 	dry := q.Bool("dry-run", false, "list what would be replayed, and move nothing")
 	limit := q.Int("limit", 0, "replay at most this many messages")
 	rate := q.Float64("rate", 0, "replay at most this many messages a second")
 	reset := q.Bool("reset-failures", false, "reset each message's failure count in the store (needs --redis or --postgres)")
 	history := q.Int("history", 0, "earlier lives kept in the history header (default 5)")
-	if err := q.parse(args); err != nil {
+	if err := q.parseQueue(args); err != nil {
 		return err
 	}
 	if *limit < 0 || *rate < 0 {
 		return usageError("--limit and --rate must not be negative")
 	}
-	opts := broker.ReplayOptions{Filter: q.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HistoryLimit: *history}
+	if err := q.everything(*all, "replay"); err != nil {
+		return err
+	}
+	opts := deadletter.ReplayOptions{Filter: q.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HistoryLimit: *history}
 	if *reset {
-		st, closeStore, err := sf.open(ctx)
+		st, closeStore, err := sf.open(ctx, e.timeout)
 		if err != nil {
 			return err
 		}
@@ -318,25 +369,28 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 			return st.ResetFailures(ctx, sf.key(k))
 		}
 	}
-	b := q.broker()
+	b, err := q.connect(e)
+	if err != nil {
+		return err
+	}
 	defer b.Close()
-	scan := newProgress(e.stderr, "reading")
+	scan := newProgress(e.stderr, "reading "+q.queue+".dlq")
 	bar := newProgress(e.stderr, "replaying")
 	opts.ScanProgress = scan.update
 	opts.Progress = func(done, total int) {
 		scan.done()
 		bar.update(done, total)
 	}
-	res, err := b.Replay(ctx, q.queue, opts)
+	res, err := deadletter.New(b).Replay(ctx, q.queue, opts)
 	scan.done()
 	bar.done()
 	if q.json {
 		if jerr := writeJSON(e.stdout, struct {
-			Scanned  int                  `json:"scanned"`
-			Selected []*broker.DeadLetter `json:"selected"`
-			Replayed int                  `json:"replayed"`
-			DryRun   bool                 `json:"dry_run"`
-			Error    string               `json:"error,omitempty"`
+			Scanned  int                   `json:"scanned"`
+			Selected []*deadletter.Message `json:"selected"`
+			Replayed int                   `json:"replayed"`
+			DryRun   bool                  `json:"dry_run"`
+			Error    string                `json:"error,omitempty"`
 		}{res.Scanned, nonNil(res.Selected), res.Replayed, *dry, errText(err)}); jerr != nil {
 			return jerr
 		}
@@ -359,26 +413,29 @@ func errText(err error) string {
 }
 
 func (e *env) dlqPurge(ctx context.Context, args []string) error {
-	q := e.queueCommand("dlq purge", true)
+	q := e.queueCommand("dlq purge", withFilters|withJSON)
 	all := q.Bool("all", false, "remove every message (required without a filter)")
 	dry := q.Bool("dry-run", false, "list what would be removed, and remove nothing")
 	limit := q.Int("limit", 0, "remove at most this many messages")
-	if err := q.parse(args); err != nil {
+	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	if q.empty() && !*all {
-		return &exitError{exitRefused, errors.New("dlq purge: no filter given: pass --all to remove every message")}
+	if err := q.everything(*all, "purge"); err != nil {
+		return err
 	}
-	b := q.broker()
+	b, err := q.connect(e)
+	if err != nil {
+		return err
+	}
 	defer b.Close()
-	bar := newProgress(e.stderr, "reading")
-	removed, err := b.PurgeDeadLetters(ctx, q.queue, broker.PurgeOptions{Filter: q.filter(), DryRun: *dry, Limit: *limit, ScanProgress: bar.update})
+	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
+	removed, err := deadletter.New(b).Purge(ctx, q.queue, deadletter.PurgeOptions{Filter: q.filter(), DryRun: *dry, Limit: *limit, ScanProgress: bar.update})
 	bar.done()
 	if q.json {
 		if jerr := writeJSON(e.stdout, struct {
-			Removed []*broker.DeadLetter `json:"removed"`
-			DryRun  bool                 `json:"dry_run"`
-			Error   string               `json:"error,omitempty"`
+			Removed []*deadletter.Message `json:"removed"`
+			DryRun  bool                  `json:"dry_run"`
+			Error   string                `json:"error,omitempty"`
 		}{nonNil(removed), *dry, errText(err)}); jerr != nil {
 			return jerr
 		}
@@ -394,16 +451,19 @@ func (e *env) dlqPurge(ctx context.Context, args []string) error {
 }
 
 func (e *env) dlqExport(ctx context.Context, args []string) error {
-	q := e.queueCommand("dlq export", true)
+	q := e.queueCommand("dlq export", withFilters)
 	limit := q.Int("limit", 0, "export at most this many messages")
-	if err := q.parse(args); err != nil {
+	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	b := q.broker()
+	b, err := q.connect(e)
+	if err != nil {
+		return err
+	}
 	defer b.Close()
-	bar := newProgress(e.stderr, "exporting")
+	bar := newProgress(e.stderr, "exporting "+q.queue+".dlq")
 	w := bufio.NewWriter(e.stdout)
-	n, err := b.ExportDeadLetters(ctx, q.queue, w, broker.ExportOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
+	n, err := deadletter.New(b).Export(ctx, q.queue, w, deadletter.ExportOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
 	bar.done()
 	if ferr := w.Flush(); err == nil {
 		err = ferr
@@ -413,16 +473,79 @@ func (e *env) dlqExport(ctx context.Context, args []string) error {
 }
 
 func (e *env) dlqImport(ctx context.Context, args []string) error {
-	q := e.queueCommand("dlq import", false)
+	q := e.queueCommand("dlq import", 0)
 	to := q.String("to", "", "publish to this queue instead of the dead-letter queue")
-	if err := q.parse(args); err != nil {
+	dup := q.Bool("allow-duplicates", false, "import messages whose id is still in the dead-letter queue")
+	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	b := q.broker()
+	b, err := q.connect(e)
+	if err != nil {
+		return err
+	}
 	defer b.Close()
+	var in io.Reader = bufio.NewReaderSize(e.stdin, 1<<20)
+	if *to == "" && !*dup {
+		// The whole file is read first, to refuse it before anything is
+		// published.
+		data, err := io.ReadAll(in)
+		if err != nil {
+			return err
+		}
+		if err := e.refuseDuplicates(ctx, b, q.queue, data); err != nil {
+			return err
+		}
+		in = bytes.NewReader(data)
+	}
 	bar := newProgress(e.stderr, "importing")
-	n, err := b.ImportDeadLetters(ctx, q.queue, bufio.NewReaderSize(e.stdin, 1<<20), broker.ImportOptions{To: *to, Progress: func(n int) { bar.update(n, 0) }})
+	n, err := deadletter.New(b).Import(ctx, q.queue, in, deadletter.ImportOptions{To: *to, Progress: func(n int) { bar.update(n, 0) }})
 	bar.done()
 	fmt.Fprintf(e.stderr, "imported %d message(s)\n", n)
 	return classify(err)
+}
+
+// refuseDuplicates returns an error if a message of the export data has
+// the id of a message in the dead-letter queue of queue: an import would
+// double it.
+func (e *env) refuseDuplicates(ctx context.Context, b *broker.Broker, queue string, data []byte) error {
+	var ids []string
+	for line := range bytes.Lines(data) {
+		var m struct {
+			Properties struct {
+				MessageID string `json:"message_id"`
+			} `json:"properties"`
+		}
+		if json.Unmarshal(line, &m) == nil && m.Properties.MessageID != "" {
+			ids = append(ids, m.Properties.MessageID)
+		}
+	}
+	if len(ids) == 0 {
+		return nil
+	}
+	bar := newProgress(e.stderr, "reading "+queue+".dlq")
+	there, err := deadletter.New(b).List(ctx, queue, deadletter.ListOptions{Filter: deadletter.Filter{IDs: ids}, Progress: bar.update})
+	bar.done()
+	if err != nil {
+		return classify(err)
+	}
+	if len(there) == 0 {
+		return nil
+	}
+	var some []string
+	for _, dl := range there[:min(len(there), 5)] {
+		some = append(some, strconv.Quote(dl.ID))
+	}
+	return &exitError{exitRefused, fmt.Errorf("dlq import: %d message(s) of the file are still in %s.dlq (%s): nothing imported; pass --allow-duplicates to import them again", len(there), queue, strings.Join(some, ", "))}
+}
+
+// everything returns an error if the command has no filter and all is
+// false: a replay or purge of everything must say so.
+func (q *queueCommand) everything(all bool, verb string) error {
+	switch {
+	case all && !q.empty():
+		return usageError("dlq %s: --all selects every message: drop it, or the filters", verb)
+	case !all && q.empty():
+		return &exitError{exitRefused, fmt.Errorf("dlq %s: no filter given: pass --all to %s every message", verb, verb)}
+	}
+	return nil
 }

@@ -6,21 +6,28 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
+	neturl "net/url"
 	"os"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 const defaultURL = "amqp://guest:guest@127.0.0.1:5672/"
+
+// defaultTimeout is how long a command waits for a server to answer.
+const defaultTimeout = 10 * time.Second
 
 // common are the flags every command that talks to RabbitMQ has.
 type common struct {
@@ -29,15 +36,21 @@ type common struct {
 	json  bool
 }
 
-func (c *common) register(fs *flag.FlagSet, queue bool) {
+// register adds --amqp, and -q/--queue if queue.
+func (c *common) register(fs *flagSet, queue bool) {
 	fs.StringVar(&c.url, "amqp", "", "AMQP URL of the server (default $RABBITMQ_URL, else "+defaultURL+")")
 	if queue {
-		fs.StringVar(&c.queue, "q", "", "the work queue (required)")
+		fs.StringVar(&c.queue, "queue", "", "the work queue (required)")
+		fs.alias("q", "queue")
 	}
+}
+
+// registerJSON adds --json, for the commands that print what they found.
+func (c *common) registerJSON(fs *flagSet) {
 	fs.BoolVar(&c.json, "json", false, "print JSON instead of a table")
 }
 
-func (c *common) broker() *broker.Broker {
+func (c *common) amqpURL() string {
 	url := c.url
 	if url == "" {
 		url = os.Getenv("RABBITMQ_URL")
@@ -45,26 +58,103 @@ func (c *common) broker() *broker.Broker {
 	if url == "" {
 		url = defaultURL
 	}
-	return broker.New(url, broker.Options{ReconnectMax: 2 * time.Second})
+	return url
 }
 
-// newFlags returns a flag set that reports its errors to the caller.
-func newFlags(name string, stderr io.Writer) *flag.FlagSet {
-	fs := flag.NewFlagSet("rabbitmw "+name, flag.ContinueOnError)
-	fs.SetOutput(stderr)
+// connect returns a Broker on the server, once it has answered within
+// timeout: the Broker itself would wait for ever, reconnecting.
+func (c *common) connect(timeout time.Duration) (*broker.Broker, error) {
+	url := c.amqpURL()
+	conn, err := amqp.DialConfig(url, amqp.Config{Dial: amqp.DefaultDial(timeout), Locale: "en_US"})
+	if err != nil {
+		return nil, unreachable("RabbitMQ", redact(url), timeout, err)
+	}
+	conn.Close()
+	return broker.New(url, broker.Options{ReconnectMax: 2 * time.Second}), nil
+}
+
+// unreachable is the error of a server that could not be reached.
+func unreachable(server, where string, timeout time.Duration, err error) error {
+	var ne net.Error
+	var ae *amqp.Error // amqp091 reports a handshake's timeout as a frame error
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded) || (errors.As(err, &ne) && ne.Timeout()) ||
+		(errors.As(err, &ae) && strings.HasSuffix(ae.Reason, "i/o timeout")) {
+		return fmt.Errorf("%s at %s did not answer within %s (--timeout): %w", server, where, timeout, err)
+	}
+	return fmt.Errorf("cannot reach %s at %s: %w", server, where, err)
+}
+
+// redact returns url without its password.
+func redact(s string) string {
+	u, err := neturl.Parse(s)
+	if err != nil {
+		return "(an unparsable URL)"
+	}
+	return u.Redacted()
+}
+
+// A flagSet is the flags of one command. Its errors are the caller's to
+// print, once; -h prints its help on standard output, which lists its
+// flags only, each with its long and short names together.
+type flagSet struct {
+	*flag.FlagSet
+	name    string            // "dlq ls"
+	short   map[string]string // long name -> its short alias
+	aliases map[string]bool   // the short names
+	stdout  io.Writer
+}
+
+// newFlags returns the flag set of command name, with --timeout.
+func (e *env) newFlags(name string) *flagSet {
+	fs := &flagSet{FlagSet: flag.NewFlagSet("rabbitmw "+name, flag.ContinueOnError), name: name,
+		short: map[string]string{}, aliases: map[string]bool{}, stdout: e.stdout}
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	fs.DurationVar(&e.timeout, "timeout", defaultTimeout, "give up when a server does not answer within this long")
 	return fs
+}
+
+// alias makes -short another name of the flag --long.
+func (fs *flagSet) alias(short, long string) {
+	fs.Var(fs.Lookup(long).Value, short, "")
+	fs.short[long] = short
+	fs.aliases[short] = true
+}
+
+// help prints the command's flags.
+func (fs *flagSet) help() {
+	w := fs.stdout
+	fmt.Fprintf(w, "usage: rabbitmw %s [flags]\n\nflags:\n", fs.name)
+	fs.VisitAll(func(f *flag.Flag) {
+		if fs.aliases[f.Name] {
+			return
+		}
+		kind, text := flag.UnquoteUsage(f)
+		names := "    --" + f.Name
+		if s, ok := fs.short[f.Name]; ok {
+			names = "-" + s + ", --" + f.Name
+		}
+		if kind != "" {
+			names += " " + kind
+		}
+		if f.DefValue != "" && f.DefValue != "false" && f.DefValue != "0" && f.DefValue != "[]" {
+			text += " (default " + f.DefValue + ")"
+		}
+		fmt.Fprintf(w, "  %s\n        %s\n", names, text)
+	})
 }
 
 // parse parses args, flags and positional arguments in any order, and
 // returns the positional ones.
-func parse(fs *flag.FlagSet, args []string) ([]string, error) {
+func (fs *flagSet) parse(args []string) ([]string, error) {
 	var pos []string
 	for {
 		if err := fs.Parse(args); err != nil {
 			if errors.Is(err, flag.ErrHelp) {
+				fs.help()
 				return nil, &exitError{exitOK, errors.New("help shown")}
 			}
-			return nil, &exitError{exitUsage, err}
+			return nil, usageError("%v; see 'rabbitmw %s -h'", err, fs.name)
 		}
 		args = fs.Args()
 		if len(args) == 0 {
@@ -121,15 +211,15 @@ type filterFlags struct {
 	since, until when
 }
 
-func (f *filterFlags) register(fs *flag.FlagSet) {
+func (f *filterFlags) register(fs *flagSet) {
 	fs.Var(&f.ids, "id", "select this message id (repeatable, or comma-separated)")
 	fs.StringVar(&f.errorType, "error-type", "", "select this error type, as in the ERROR TYPE column")
 	fs.Var(&f.since, "since", "select messages that failed at or after this time (RFC 3339, or a duration before now)")
 	fs.Var(&f.until, "until", "select messages that failed before this time")
 }
 
-func (f *filterFlags) filter() broker.Filter {
-	return broker.Filter{IDs: f.ids, ErrorType: f.errorType, Since: f.since.t, Until: f.until.t}
+func (f *filterFlags) filter() deadletter.Filter {
+	return deadletter.Filter{IDs: f.ids, ErrorType: f.errorType, Since: f.since.t, Until: f.until.t}
 }
 
 func (f *filterFlags) empty() bool {
@@ -147,7 +237,7 @@ type storeFlags struct {
 	namespace     string
 }
 
-func (s *storeFlags) register(fs *flag.FlagSet) {
+func (s *storeFlags) register(fs *flagSet) {
 	fs.StringVar(&s.redis, "redis", "", "Redis address (host:port) or URL (redis://...)")
 	fs.StringVar(&s.postgres, "postgres", "", "PostgreSQL URL (postgres://...) of a pgstore")
 	fs.StringVar(&s.table, "table", "", "pgstore Options.Table of the consumers (default "+strconv.Quote(pgstore.DefaultTable)+")")
@@ -164,7 +254,7 @@ type inspectingStore interface {
 }
 
 // open returns the store the flags name, and a function that closes it.
-func (s *storeFlags) open(ctx context.Context) (inspectingStore, func(), error) {
+func (s *storeFlags) open(ctx context.Context, timeout time.Duration) (inspectingStore, func(), error) {
 	switch {
 	case s.redis != "" && s.postgres != "":
 		return nil, nil, usageError("name one store: --redis or --postgres")
@@ -172,7 +262,7 @@ func (s *storeFlags) open(ctx context.Context) (inspectingStore, func(), error) 
 		if s.prefix != "" || s.claimPrefix != "" || s.failurePrefix != "" {
 			return nil, nil, usageError("--prefix, --claim-prefix and --failure-prefix are for --redis")
 		}
-		return s.openPostgres(ctx)
+		return s.openPostgres(ctx, timeout)
 	case s.redis == "":
 		return nil, nil, usageError("--redis or --postgres is required")
 	case s.table != "":
@@ -188,21 +278,29 @@ func (s *storeFlags) open(ctx context.Context) (inspectingStore, func(), error) 
 		opts = &redis.Options{Addr: s.redis}
 	}
 	opts.ContextTimeoutEnabled = true
+	opts.DialTimeout = timeout
 	c := redis.NewClient(opts)
+	pctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if err := c.Ping(pctx).Err(); err != nil {
+		c.Close()
+		return nil, nil, unreachable("Redis", opts.Addr, timeout, err)
+	}
 	st := redisstore.New(c, redisstore.Options{Prefix: s.prefix, ClaimPrefix: s.claimPrefix, FailurePrefix: s.failurePrefix})
 	return st, func() { c.Close() }, nil
 }
 
 // openPostgres opens the pgstore of --postgres and --table, and checks that
 // the database answers and holds the store's tables.
-func (s *storeFlags) openPostgres(ctx context.Context) (inspectingStore, func(), error) {
+func (s *storeFlags) openPostgres(ctx context.Context, timeout time.Duration) (inspectingStore, func(), error) {
 	cfg, err := pgxpool.ParseConfig(s.postgres)
 	if err != nil {
 		return nil, nil, usageError("--postgres: %v", err)
 	}
 	if cfg.ConnConfig.ConnectTimeout == 0 {
-		cfg.ConnConfig.ConnectTimeout = 5 * time.Second
+		cfg.ConnConfig.ConnectTimeout = timeout
 	}
+	where := net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port)))
 	cfg.MaxConns = 2
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
@@ -216,6 +314,12 @@ func (s *storeFlags) openPostgres(ctx context.Context) (inspectingStore, func(),
 	closeAll := func() {
 		st.Close()
 		pool.Close()
+	}
+	cctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if err := pool.Ping(cctx); err != nil {
+		closeAll()
+		return nil, nil, unreachable("PostgreSQL", where, timeout, err)
 	}
 	if err := st.Check(ctx); err != nil {
 		closeAll()

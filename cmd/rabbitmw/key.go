@@ -11,18 +11,18 @@ import (
 )
 
 func (e *env) key(ctx context.Context, args []string) error {
-	fs := newFlags("key", e.stderr)
+	fs := e.newFlags("key")
 	var sf storeFlags
 	sf.register(fs)
 	asJSON := fs.Bool("json", false, "print JSON instead of a table")
-	pos, err := parse(fs, args)
+	pos, err := fs.parse(args)
 	if err != nil {
 		return err
 	}
 	if len(pos) != 1 {
 		return usageError("key: name one message key (its message id, or the MD5 of a body without one)")
 	}
-	st, closeStore, err := sf.open(ctx)
+	st, closeStore, err := sf.open(ctx, e.timeout)
 	if err != nil {
 		return err
 	}

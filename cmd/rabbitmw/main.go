@@ -3,25 +3,33 @@
 // work queue's dead-letter queue, tells what the store holds for a message
 // key, and declares, shows and deletes a work queue's topology.
 //
-//	rabbitmw dlq ls -q orders
+//	rabbitmw dlq ls -q orders                 (-q is short for --queue)
 //	rabbitmw dlq show -q orders <message id>
-//	rabbitmw dlq replay -q orders [--id ID]... [--error-type T] [--since S] [--until U]
+//	rabbitmw dlq replay -q orders (--all | [--id ID]... [--error-type T] [--since S] [--until U])
 //	                     [--to Q] [--dry-run] [--limit N] [--rate R]
 //	                     [--reset-failures (--redis ADDR | --postgres URL)] [--history N]
 //	rabbitmw dlq purge -q orders (--all | filters) [--dry-run] [--limit N]
 //	rabbitmw dlq export -q orders [filters] > orders.jsonl
-//	rabbitmw dlq import -q orders [--to Q] < orders.jsonl
+//	rabbitmw dlq import -q orders [--to Q] [--allow-duplicates] < orders.jsonl
 //	rabbitmw key <message id> --redis 127.0.0.1:6379 [--prefix P] [--namespace NS]
 //	rabbitmw key <message id> --postgres postgres://app@db/shop [--table T] [--namespace NS]
 //	rabbitmw topology declare|delete|show -q orders [--quorum] [--delivery-limit N] [--delays 1s,5s]
 //
 // The server is --amqp, or else $RABBITMQ_URL, or else
-// amqp://guest:guest@127.0.0.1:5672/. Output is a table, or JSON with
-// --json. Long reads and replays draw a progress bar on standard error
-// when it is a terminal.
+// amqp://guest:guest@127.0.0.1:5672/. A server that does not answer
+// within --timeout (default 10s) fails the command. Output is a table, or
+// JSON with --json. Long reads and replays draw a progress bar on standard
+// error, from their start, when it is a terminal. Each command's -h lists
+// its flags; rabbitmw --version prints the version.
 //
 // --since and --until take an RFC 3339 time or a duration before now
 // ("2h"). Filters select the messages that pass them all.
+//
+// Replayed and imported messages carry no Expiration: nothing in a
+// dead-letter queue expires, and a replayed message does not expire on its
+// way back to its handler. The per-message TTL a message was published
+// with stays in its x-rabbitmw-original-expiration header, which dlq show
+// prints.
 //
 // Exit codes:
 //
@@ -30,9 +38,9 @@
 //	   operation failed part way (what was done is printed)
 //	2  bad usage: unknown command or flag, bad value
 //	3  refused, nothing changed: messages without an original queue and
-//	   no --to, a queue that does not exist, a purge of everything
-//	   without --all
-//	4  not found: dlq show found no message with that id
+//	   no --to, a replay or purge of everything without --all, an import
+//	   of messages still in the queue without --allow-duplicates
+//	4  not found: a queue that does not exist, or no message with that id
 package main
 
 import (
@@ -42,7 +50,13 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"syscall"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // Exit codes.
@@ -71,9 +85,17 @@ const usage = `usage:
   rabbitmw dlq ls|show|replay|purge|export|import -q QUEUE [flags]
   rabbitmw key ID (--redis ADDR | --postgres URL) [flags]
   rabbitmw topology declare|delete|show -q QUEUE [flags]
+  rabbitmw --version
 Run a command with -h for its flags.`
 
+// version is the command's version; the build sets it
+// (-ldflags "-X main.version=v1.2.3"), or else the module's.
+var version string
+
 func main() {
+	// The command reports what failed itself, once: go-redis's own lines
+	// (a pool that cannot dial) would repeat it.
+	redis.SetLogger(redisstore.Logging(nil))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, os.Args[1:], os.Stdin, os.Stdout, os.Stderr)
 	stop()
@@ -84,6 +106,7 @@ func main() {
 type env struct {
 	stdin          io.Reader
 	stdout, stderr io.Writer
+	timeout        time.Duration // --timeout
 }
 
 func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
@@ -96,6 +119,9 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 			return exitUsage
 		}
 		return exitOK
+	case args[0] == "--version" || args[0] == "-version" || args[0] == "version":
+		fmt.Fprintln(stdout, "rabbitmw", versionText())
+		return exitOK
 	case args[0] == "dlq":
 		err = e.dlq(ctx, args[1:])
 	case args[0] == "key":
@@ -103,7 +129,7 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	case args[0] == "topology":
 		err = e.topology(ctx, args[1:])
 	default:
-		err = usageError("unknown command %q\n%s", args[0], usage)
+		err = usageError("unknown command %q; see 'rabbitmw -h'", args[0])
 	}
 	if err == nil {
 		return exitOK
@@ -117,4 +143,35 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		return ee.code
 	}
 	return exitFailed
+}
+
+// versionText returns the version, the commit and the Go release the
+// command was built from.
+func versionText() string {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return orDash(version)
+	}
+	v := version
+	if v == "" {
+		v = bi.Main.Version
+	}
+	var rev, modified string
+	for _, s := range bi.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			if s.Value == "true" {
+				modified = ", modified"
+			}
+		}
+	}
+	if len(rev) > 12 {
+		rev = rev[:12]
+	}
+	if rev != "" {
+		v += " (commit " + rev + modified + ")"
+	}
+	return v + " " + bi.GoVersion
 }

@@ -22,6 +22,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
@@ -169,7 +170,7 @@ func TestCLI(t *testing.T) {
 	}
 	out, stderr, code = cli(t, url, nil, "dlq", "ls", "-q", q, "--json", "--error-type", "*json.SyntaxError", "--since", "1h")
 	expectCode(t, "dlq ls --json", code, exitOK, stderr)
-	var listed []broker.DeadLetter
+	var listed []deadletter.Message
 	if err := json.Unmarshal([]byte(out), &listed); err != nil {
 		t.Fatalf("dlq ls --json: %v\n%s", err, out)
 	}
@@ -190,13 +191,13 @@ func TestCLI(t *testing.T) {
 
 	// replay: refused without a destination, or to a missing queue, and
 	// nothing moves; a dry run moves nothing; then a filtered replay.
-	_, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q)
+	_, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q, "--all")
 	expectCode(t, "dlq replay of a foreign message", code, exitRefused, stderr)
 	if !strings.Contains(stderr, `"foreign"`) || !strings.Contains(stderr, "--to") {
 		t.Errorf("refusal = %q; want it to name the message and --to", stderr)
 	}
-	_, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q, "--to", q+"-missing")
-	expectCode(t, "dlq replay to a missing queue", code, exitRefused, stderr)
+	_, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q, "--all", "--to", q+"-missing")
+	expectCode(t, "dlq replay to a missing queue", code, exitNotFound, stderr)
 	out, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q, "--id", "a,c", "--dry-run")
 	expectCode(t, "dlq replay --dry-run", code, exitOK, stderr)
 	if !strings.Contains(out, "would replay 2 of 4") {
@@ -290,7 +291,7 @@ func TestCLI(t *testing.T) {
 	_, stderr, code = cli(t, url, nil, "topology", "delete", "-q", q)
 	expectCode(t, "topology delete", code, exitOK, stderr)
 	_, stderr, code = cli(t, url, nil, "dlq", "ls", "-q", q)
-	expectCode(t, "dlq ls of a deleted queue", code, exitRefused, stderr)
+	expectCode(t, "dlq ls of a deleted queue", code, exitNotFound, stderr)
 }
 
 // A replay of 10,000 messages, its process killed midway with SIGKILL and
@@ -323,7 +324,7 @@ func TestReplayKilledMidway(t *testing.T) {
 	}
 
 	start := time.Now()
-	cmd := exec.Command(binary, "dlq", "replay", "-q", q, "--amqp", url)
+	cmd := exec.Command(binary, "dlq", "replay", "-q", q, "--all", "--amqp", url)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
@@ -357,7 +358,7 @@ func TestReplayKilledMidway(t *testing.T) {
 	}
 
 	start = time.Now()
-	out, errOut, code := cli(t, url, nil, "dlq", "replay", "-q", q)
+	out, errOut, code := cli(t, url, nil, "dlq", "replay", "-q", q, "--all")
 	expectCode(t, "second replay", code, exitOK, errOut)
 	t.Logf("second run: %s in %v", strings.TrimSpace(out), time.Since(start))
 

@@ -16,8 +16,9 @@ func writeJSON(w io.Writer, v any) error {
 	return enc.Encode(v)
 }
 
-// A progress draws a bar on a terminal, at most ten times a second; it
-// draws nothing when w is not a terminal.
+// A progress draws a bar on a terminal, from the start of the operation
+// (its label, before the first message is read) and then at most ten
+// times a second; it draws nothing when w is not a terminal.
 type progress struct {
 	w     io.Writer
 	label string
@@ -34,12 +35,24 @@ func newProgress(w io.Writer, label string) *progress {
 			on = true
 		}
 	}
-	return &progress{w: w, label: label, on: on}
+	p := &progress{w: w, label: label, on: on}
+	p.start()
+	return p
+}
+
+// start draws the label alone: connecting and the first read may take a
+// while, and the operator sees at once what is under way.
+func (p *progress) start() {
+	if p.on {
+		fmt.Fprintf(p.w, "\r%s…", p.label)
+		p.drawn = true
+		p.last = time.Now()
+	}
 }
 
 // update draws done of total (total 0: unknown).
 func (p *progress) update(done, total int) {
-	if !p.on || (time.Since(p.last) < 100*time.Millisecond && done != total) || (total > 0 && total < 100 && !p.drawn) {
+	if !p.on || (time.Since(p.last) < 100*time.Millisecond && done != total) {
 		return
 	}
 	p.last = time.Now()

@@ -19,13 +19,13 @@ func (e *env) topology(ctx context.Context, args []string) error {
 	if sub != "declare" && sub != "delete" && sub != "show" {
 		return usageError("topology: unknown subcommand %q: declare, delete, show", sub)
 	}
-	q := e.queueCommand("topology "+sub, false)
+	q := e.queueCommand("topology "+sub, withJSON)
 	quorum := q.Bool("quorum", false, "the work queue is a quorum queue")
 	limit := q.Int("delivery-limit", 0, "x-delivery-limit of a quorum work queue")
 	var delays list
 	q.Var(&delays, "delays", "the delay ladder, comma-separated (default 1s,5s,30s,2m,10m,1h)")
 	support := q.Bool("support", false, "declare only the dead-letter and delay queues (DeclareSupport)")
-	if err := q.parse(args[1:]); err != nil {
+	if err := q.parseQueue(args[1:]); err != nil {
 		return err
 	}
 	top := broker.Topology{Quorum: *quorum, DeliveryLimit: *limit}
@@ -43,7 +43,10 @@ func (e *env) topology(ctx context.Context, args []string) error {
 	if err != nil {
 		return usageError("%v", err)
 	}
-	b := q.broker()
+	b, err := q.connect(e)
+	if err != nil {
+		return err
+	}
 	defer b.Close()
 	switch sub {
 	case "declare":

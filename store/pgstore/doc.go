@@ -63,6 +63,28 @@
 // RabbitMQ, happens before the commit and is repeated when the transaction
 // does not commit (a crash, a lost claim, a failure after it): it is at
 // least once, as with any store. Give such a call an idempotency key of its
-// own (the message's key is a good one), or record it in tx and send it
-// from an outbox after the commit.
+// own (the message's key is a good one), or, for a message, write it into
+// the outbox in tx (below).
+//
+// # The outbox
+//
+// [Outbox] is the other half: a table of messages written in the caller's
+// transaction ([Outbox.Write], [Outbox.WriteSQL]), in Handler's or in any
+// other code's, and sent to RabbitMQ after the commit, with confirms, by
+// the relay of package github.com/rabbitmw/rabbitmw/store/pgstore/relay:
+//
+//	ob := pgstore.NewOutbox(pool, pgstore.OutboxOptions{})
+//	h := pgstore.Handler(st, func(ctx context.Context, tx pgx.Tx, d *amqp091.Delivery) error {
+//		if _, err := tx.Exec(ctx, `UPDATE orders SET paid = true WHERE id = $1`, …); err != nil {
+//			return err
+//		}
+//		_, err := ob.Write(ctx, tx, "", "shipments", amqp091.Publishing{Body: …})
+//		return err
+//	}, pgstore.HandlerOptions{})
+//
+// The effect, the done mark and the message then commit together, or none
+// of them. The message is sent at least once, always with the MessageId it
+// got when it was written, so that a receiving service's Dedup (an inbox,
+// over its own database) makes its effect once: each effect once, from one
+// service to the next.
 package pgstore

@@ -58,10 +58,12 @@ type HandlerOptions struct {
 	// when the database could not be reached, or the claim was lost
 	// before the done mark. Default 5 seconds.
 	RetryDelay time.Duration
-	// CommitTimeout bounds the commit, which runs even if the handler's
-	// context has been cancelled meanwhile: once the done mark is written
-	// the transaction holds the claim's row, no other consumer can take
-	// the message over, and committing is safe. Default 10 seconds.
+	// CommitTimeout bounds the done mark and the commit, which run even if
+	// the handler's context is cancelled once fn has returned (a consumer
+	// that stops cancels it at its shutdown deadline): the mark checks the
+	// claim's owner and lease on the database's clock, and once it is
+	// written the transaction holds the claim's row, no other consumer can
+	// take the message over, and committing is safe. Default 10 seconds.
 	CommitTimeout time.Duration
 }
 
@@ -183,9 +185,8 @@ type txn interface {
 	// the key's row belongs to no claim of token, -1 no row) when markErr
 	// is nil. markErr is the mark's error: nothing was committed.
 	// commitErr is the commit's: a server's error means it did not
-	// commit, any other that its outcome is unknown. The mark runs under
-	// ctx or cctx, the commit under cctx, which outlives ctx.
-	markAndCommit(ctx, cctx context.Context, key, token []byte, retention time.Duration) (marked int, markErr, commitErr error)
+	// commit, any other that its outcome is unknown.
+	markAndCommit(ctx context.Context, key, token []byte, retention time.Duration) (marked int, markErr, commitErr error)
 	rollback(ctx context.Context) error
 	// release ends the transaction's hold on its connection after the
 	// commit was sent.
@@ -206,16 +207,11 @@ func (t *pgxTxn) broken() bool { return t.conn.Conn().IsClosed() }
 // (a pipeline of the prepared mark and COMMIT, with one Sync): the mark
 // statement of markCommitSQL fails with a division by zero when it marks
 // nothing, and the server skips the COMMIT after an error, so the
-// transaction commits only if the key was marked. Both run under cctx:
-// once sent, the COMMIT's outcome must be read, not abandoned. Then
-// markAndCommit reads which of 0 and -1 a failed mark meant, after the
-// rollback.
-func (t *pgxTxn) markAndCommit(ctx, cctx context.Context, key, token []byte, retention time.Duration) (int, error, error) {
+// transaction commits only if the key was marked. Then markAndCommit
+// reads which of 0 and -1 a failed mark meant, after the rollback.
+func (t *pgxTxn) markAndCommit(ctx context.Context, key, token []byte, retention time.Duration) (int, error, error) {
 	pc := t.conn.Conn().PgConn()
-	switch {
-	case ctx.Err() != nil:
-		return 0, ctx.Err(), nil
-	case pc.TxStatus() == 'I':
+	if pc.TxStatus() == 'I' {
 		// fn committed or rolled back tx itself.
 		return 0, pgx.ErrTxClosed, nil
 	}
@@ -236,7 +232,7 @@ func (t *pgxTxn) markAndCommit(ctx, cctx context.Context, key, token []byte, ret
 		b.ExecParams(t.s.markCommitSQL, args, []uint32{pgtype.ByteaOID, pgtype.ByteaOID, pgtype.Int8OID}, binary3, nil)
 	}
 	b.ExecParams("COMMIT", nil, nil, nil, nil)
-	results, err := pc.ExecBatch(cctx, &b).ReadAll()
+	results, err := pc.ExecBatch(ctx, &b).ReadAll()
 	var pe *pgconn.PgError
 	switch {
 	case err == nil:
@@ -247,11 +243,11 @@ func (t *pgxTxn) markAndCommit(ctx, cctx context.Context, key, token []byte, ret
 		return 1, nil, err
 	case errors.As(err, &pe) && pe.Code == divisionByZero:
 		// Nothing marked, nothing committed: 0 or -1?
-		if err := t.tx.Rollback(cctx); err != nil {
+		if err := t.tx.Rollback(ctx); err != nil {
 			return 0, err, nil
 		}
 		var exists bool
-		if err := t.conn.QueryRow(cctx, t.s.rowExistsSQL, key).Scan(&exists); err != nil {
+		if err := t.conn.QueryRow(ctx, t.s.rowExistsSQL, key).Scan(&exists); err != nil {
 			return 0, err, nil
 		}
 		if exists {
@@ -296,13 +292,13 @@ type sqlTxn struct {
 
 func (sqlTxn) broken() bool { return false } // database/sql does not say; lost reports driver.ErrBadConn
 
-// markAndCommit runs the mark under ctx, then, if it marked the key, the
-// commit under cctx: two round trips (database/sql has no pipeline).
-func (t sqlTxn) markAndCommit(ctx, cctx context.Context, key, token []byte, retention time.Duration) (marked int, markErr, commitErr error) {
+// markAndCommit runs the mark, then, if it marked the key, the commit:
+// two round trips (database/sql has no pipeline).
+func (t sqlTxn) markAndCommit(ctx context.Context, key, token []byte, retention time.Duration) (marked int, markErr, commitErr error) {
 	if markErr = t.QueryRowContext(ctx, t.s.markSQL, key, token, retention).Scan(&marked); markErr != nil || marked != 1 {
 		return marked, markErr, nil
 	}
-	return 1, nil, t.settle(cctx, t.Commit)
+	return 1, nil, t.settle(ctx, t.Commit)
 }
 
 func (t sqlTxn) rollback(ctx context.Context) error { return t.settle(ctx, t.Rollback) }
@@ -381,14 +377,19 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		}
 		return err
 	}
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
+	// fn has returned: its effect is in the transaction. The mark and the
+	// commit run even if ctx is cancelled from now on (a consumer's
+	// shutdown deadline, the Timeout layer, Dedup unsure of its lease):
+	// the mark checks the claim's owner and lease on the database's clock,
+	// and once it is written the transaction holds the claim's row.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
 	defer cancel()
-	marked, err, cerr := t.markAndCommit(ctx, cctx, []byte(key), []byte(c.Token()), c.Retention())
+	marked, err, cerr := t.markAndCommit(sctx, []byte(key), []byte(c.Token()), c.Retention())
 	switch {
-	case err != nil && ctx.Err() != nil:
-		// Cancelled: by the Timeout layer, or by Dedup because the lease
-		// may be lost. database/sql reports a transaction it closed on
-		// cancellation as ErrTxDone: not fn's doing.
+	case err != nil && ctx.Err() != nil && !lost(t, err) && !isPgError(err):
+		// Cancelled before the mark, while fn ran: database/sql
+		// reports a transaction it closed on cancellation as ErrTxDone,
+		// which is not fn's doing.
 		return fmt.Errorf("pgstore: mark %q done: %w (%w)", key, err, context.Cause(ctx))
 	case settled(err):
 		return rabbitmw.Permanent(fmt.Errorf("%w: key %q", ErrTxSettled, key))

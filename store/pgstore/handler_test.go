@@ -704,3 +704,74 @@ func TestHandlerInEveryExecMode(t *testing.T) {
 		})
 	}
 }
+
+// A tripwire runs a function once, after the next write to any connection
+// it wraps: the statement is then on the wire.
+type tripwire struct {
+	net.Conn
+	armed *atomic.Pointer[func()]
+}
+
+func (c tripwire) Write(b []byte) (int, error) {
+	n, err := c.Conn.Write(b)
+	if f := c.armed.Swap(nil); f != nil {
+		(*f)()
+	}
+	return n, err
+}
+
+// A consumer that stops cancels its handlers' context at its shutdown
+// deadline, possibly just as fn returns: the done mark and the commit are
+// still written, and fn does not run again.
+func TestHandlerCancelledAsFnReturns(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cut  func(cancel func(), armed *atomic.Pointer[func()])
+	}{
+		{"before the mark", func(cancel func(), _ *atomic.Pointer[func()]) { cancel() }},
+		{"with the mark on the wire", func(cancel func(), armed *atomic.Pointer[func()]) { armed.Store(&cancel) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			base := newPool(t)
+			cfg := base.Config()
+			armed := new(atomic.Pointer[func()])
+			dial := cfg.ConnConfig.DialFunc
+			cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+				c, err := dial(ctx, network, addr)
+				if err != nil {
+					return nil, err
+				}
+				return tripwire{c, armed}, nil
+			}
+			pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			f := newInbox(t, pool)
+			var calls atomic.Int32
+			var cancel context.CancelFunc
+			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				n := calls.Add(1)
+				if err := f.insert(ctx, tx, d); err != nil {
+					return err
+				}
+				if n == 1 {
+					tc.cut(cancel, armed)
+				}
+				return nil
+			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			for i := range 3 {
+				var ctx context.Context
+				ctx, cancel = context.WithCancel(context.Background())
+				err := h.Handle(ctx, delivery("m1"))
+				cancel()
+				if o := rabbitmw.Decide(err).Outcome; o != rabbitmw.Delay && o != rabbitmw.Requeue {
+					break
+				}
+				require.Less(t, i, 2, "still in the queue after 3 deliveries: %v", err)
+			}
+			assert.EqualValues(t, 1, calls.Load(), "fn calls")
+			assert.Equal(t, 1, f.count(t, "m1"), "effects")
+			assert.Equal(t, store.Done, f.status(t, "m1"))
+		})
+	}
+}

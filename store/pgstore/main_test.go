@@ -4,8 +4,13 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"flag"
+	"fmt"
+	"os"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/goleak"
 
@@ -13,8 +18,37 @@ import (
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 )
 
-// Every test closes its pools and stores: no goroutine outlives it.
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// Every test closes its pools and stores: no goroutine outlives it. The
+// examples need PostgreSQL, and an example cannot skip itself: without
+// one they are skipped here, with a message, and fail under CI=true.
+func TestMain(m *testing.M) {
+	flag.Parse()
+	if err := pingPostgres(); err != nil && !testenv.InCI() {
+		fmt.Fprintf(os.Stderr, "skipped: the examples: no PostgreSQL (%v); set DATABASE_URL, and CI=true turns this skip into a failure\n", err)
+		skip := "^Example"
+		if s := flag.Lookup("test.skip").Value.String(); s != "" {
+			skip = s + "|" + skip
+		}
+		flag.Set("test.skip", skip)
+	}
+	goleak.VerifyTestMain(m)
+}
+
+// pingPostgres connects to the test database and queries it.
+func pingPostgres() error {
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		url = testenv.DefaultPostgresURL
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	return conn.Ping(ctx)
+}
 
 // newPool returns a pool on the test database, closed when t ends.
 func newPool(t testing.TB) *pgxpool.Pool {

@@ -10,6 +10,7 @@
 //	client := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
 //	defer client.Close()
 //	st := redisstore.New(client, redisstore.Options{})
+//	redis.SetLogger(redisstore.Logging(logger)) // go-redis's own lines, through slog
 //
 // The key layout is the one hand-written consumers commonly use (see
 // [Store]), so a consumer built on rabbitmw can join a fleet of them on the

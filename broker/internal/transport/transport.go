@@ -11,7 +11,6 @@ package transport
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
 	"sync"
@@ -20,14 +19,15 @@ import (
 )
 
 // Errors that a Transport or Session wraps. Package broker exports each
-// under the same name and documents it there.
+// under the same name and documents it there. Each names its type of
+// failure (see rabbitmw.ErrorType).
 var (
-	ErrNacked         = errors.New("broker: publish nacked by the server")
-	ErrUnroutable     = errors.New("broker: message unroutable")
-	ErrClosed         = errors.New("broker: closed")
-	ErrConnectionLost = errors.New("broker: connection lost")
-	ErrUnreachable    = errors.New("broker: server unreachable")
-	ErrInvalidMessage = errors.New("broker: invalid message")
+	ErrNacked         error = &sentinel{"broker: publish nacked by the server", "nacked"}
+	ErrUnroutable     error = &sentinel{"broker: message unroutable", "unroutable"}
+	ErrClosed         error = &sentinel{"broker: closed", "closed"}
+	ErrConnectionLost error = &sentinel{"broker: connection lost", "connection_lost"}
+	ErrUnreachable    error = &sentinel{"broker: server unreachable", "unreachable"}
+	ErrInvalidMessage error = &sentinel{"broker: invalid message", "invalid_message"}
 )
 
 // A Transport makes sessions with one server.
@@ -49,8 +49,12 @@ type Transport interface {
 // other arguments, no permission) returns an *amqp.Error with Server set,
 // possibly wrapped in a *QueueError naming the queue.
 type Session interface {
-	// Declare declares (or, when passive, checks) each queue in order.
+	// Declare declares (or, when passive, checks) each queue in order,
+	// and binds it as its spec says.
 	Declare(ctx context.Context, specs []QueueSpec) error
+	// DeclareExchanges declares (or, when passive, checks) each exchange
+	// in order.
+	DeclareExchanges(ctx context.Context, specs []ExchangeSpec) error
 	// Consume sets the prefetch count (0: unlimited) and starts a consumer
 	// with manual acks. The returned channel is closed when the consumer
 	// is cancelled (by Cancel, after the deliveries already received have
@@ -92,12 +96,44 @@ type Session interface {
 	Close() error
 }
 
-// A QueueSpec is one queue to declare, or to check (Passive).
+// A QueueSpec is one queue to declare, or to check (Passive), and the
+// bindings to make once it is declared.
 type QueueSpec struct {
-	Name    string
-	Passive bool
-	Args    amqp.Table
+	Name     string
+	Passive  bool
+	Args     amqp.Table
+	Bindings []BindingSpec
 }
+
+// A BindingSpec binds a queue to Exchange with routing key Key.
+type BindingSpec struct {
+	Exchange string
+	Key      string
+	Args     amqp.Table
+}
+
+// An ExchangeSpec is one exchange to declare, or to check (Passive).
+type ExchangeSpec struct {
+	Name       string
+	Kind       string
+	Durable    bool
+	AutoDelete bool
+	Internal   bool
+	Passive    bool
+	Args       amqp.Table
+}
+
+// An ExchangeError is a server refusal about one exchange: declaring or
+// checking it, or binding a queue to it.
+type ExchangeError struct {
+	Exchange string
+	Err      error
+}
+
+func (e *ExchangeError) Error() string {
+	return "exchange " + strconv.Quote(e.Exchange) + ": " + e.Err.Error()
+}
+func (e *ExchangeError) Unwrap() error { return e.Err }
 
 // A QueueError is a server refusal about one queue.
 type QueueError struct {
@@ -155,3 +191,9 @@ func (m missing) String() string { return string(m) }
 func (m missing) Dial(context.Context, string) (Session, error) {
 	return nil, fmt.Errorf("broker: no in-memory server at %s (closed, or never started): %w", string(m), ErrClosed)
 }
+
+// A sentinel is an error that names its type of failure.
+type sentinel struct{ text, typ string }
+
+func (e *sentinel) Error() string     { return e.text }
+func (e *sentinel) ErrorType() string { return e.typ }

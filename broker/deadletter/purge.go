@@ -1,8 +1,8 @@
-package broker
+package deadletter
 
 import "context"
 
-// PurgeOptions selects the messages that [Broker.PurgeDeadLetters]
+// PurgeOptions selects the messages that [Inspector.Purge]
 // removes. The zero value removes them all.
 type PurgeOptions struct {
 	Filter
@@ -15,16 +15,16 @@ type PurgeOptions struct {
 	ScanProgress func(done, total int)
 }
 
-// PurgeDeadLetters removes from the dead-letter queue of work queue queue
+// Purge removes from the dead-letter queue of work queue queue
 // the messages that opts selects, and returns them; the others stay, in
-// their order. It reads the queue as [Broker.DeadLetters] does. With an
+// their order. It reads the queue as [Inspector.List] does. With an
 // error, the messages returned are those removed before it.
-func (b *Broker) PurgeDeadLetters(ctx context.Context, queue string, opts PurgeOptions) ([]*DeadLetter, error) {
-	snap, err := b.snapshot(ctx, queue, opts.ScanProgress)
+func (in *Inspector) Purge(ctx context.Context, queue string, opts PurgeOptions) ([]*Message, error) {
+	snap, err := in.snapshot(ctx, queue, opts.ScanProgress)
 	if err != nil {
 		return nil, err
 	}
-	var removed []*DeadLetter
+	var removed []*Message
 	for i, dl := range snap.msgs {
 		if opts.Limit > 0 && len(removed) == opts.Limit {
 			break
@@ -34,11 +34,11 @@ func (b *Broker) PurgeDeadLetters(ctx context.Context, queue string, opts PurgeO
 		}
 		if !opts.DryRun {
 			if err := snap.ack(i); err != nil {
-				snap.close(b)
+				snap.close(in)
 				return removed, err
 			}
 		}
 		removed = append(removed, dl)
 	}
-	return removed, snap.close(b)
+	return removed, snap.close(in)
 }

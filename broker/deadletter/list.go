@@ -1,28 +1,45 @@
-package broker
+package deadletter
 
 import (
 	"context"
 	"errors"
-	"fmt"
 	"slices"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/internal/expose"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
-// Headers written by [Broker.Replay] on the copy it sends back to the work
+// An Inspector works on the dead-letter queues of a [broker.Broker]'s
+// server: it lists, replays, purges, exports and imports their messages,
+// each operation on a connection of its own. It uses the Broker's
+// settings (ReconnectMin and ReconnectMax to connect, Process to name its
+// connections), and works while the Broker is open. It is safe for
+// concurrent use.
+type Inspector struct {
+	b *broker.Broker
+}
+
+// New returns an Inspector of the dead-letter queues of b's server.
+func New(b *broker.Broker) *Inspector {
+	return &Inspector{b: b}
+}
+
+// Headers written by [Inspector.Replay] on the copy it sends back to the work
 // queue.
 const (
 	// HeaderHistory keeps the fault headers of a message's earlier lives,
 	// one table per replay, the most recent first: the replay takes the
-	// fault headers (see [HeaderError] and the others), the attempt count,
-	// and the dead-letter records RabbitMQ writes (x-death,
-	// x-first-death-*, x-delivery-count, [HeaderDeaths],
-	// [HeaderMalformedXDeath]) off the message and puts them in a new
+	// fault headers (see [broker.HeaderError] and the others), the attempt
+	// count, and the dead-letter records RabbitMQ writes (x-death,
+	// x-first-death-*, x-delivery-count, [broker.HeaderDeaths],
+	// [broker.HeaderMalformedXDeath]) off the message and puts them in a new
 	// table here, under their own names, with "replayed-at" (a timestamp)
 	// and "dead-letter-queue" (the queue it was replayed from). The
 	// message goes back with none of them, so its next failure is counted
@@ -39,19 +56,20 @@ const (
 // Errors reported by the dead-letter operations.
 var (
 	// ErrNoDestination reports a message to replay that carries no
-	// [HeaderOriginalQueue] (the server or another tool dead-lettered
-	// it): ReplayOptions.To must then name the queue to send it to.
-	ErrNoDestination = errors.New("broker: dead-lettered message has no original queue")
+	// [broker.HeaderOriginalQueue] (the server or another tool
+	// dead-lettered it): ReplayOptions.To must then name the queue to
+	// send it to.
+	ErrNoDestination = errors.New("deadletter: dead-lettered message has no original queue")
 )
 
-// A DeadLetter describes a message in a dead-letter queue, as read from its
+// A Message describes a message in a dead-letter queue, as read from its
 // headers. A header that is absent or of an unexpected type leaves its
 // field at the zero value; Malformed names the headers of the second kind.
-type DeadLetter struct {
+type Message struct {
 	// ID is the message's MessageId property.
 	ID string `json:"id"`
 	// Queue is the work queue the broker dead-lettered the message from
-	// ([HeaderOriginalQueue]); empty for a message that the server or
+	// ([broker.HeaderOriginalQueue]); empty for a message that the server or
 	// another tool dead-lettered.
 	Queue string `json:"queue,omitempty"`
 	// DeadLetteredFrom and Reason are RabbitMQ's x-first-death-queue and
@@ -60,17 +78,18 @@ type DeadLetter struct {
 	// point.
 	DeadLetteredFrom string `json:"dead_lettered_from,omitempty"`
 	Reason           string `json:"reason,omitempty"`
-	// Error and ErrorType are [HeaderError] and [HeaderErrorType].
+	// Error and ErrorType are [broker.HeaderError] and
+	// [broker.HeaderErrorType].
 	Error     string `json:"error,omitempty"`
 	ErrorType string `json:"error_type,omitempty"`
 	// Attempts is the attempt count ([rabbitmw.HeaderAttempts]).
 	Attempts int `json:"attempts"`
 	// FirstFailure is the earliest time in the message's headers: its
 	// x-death records, its HeaderHistory, and LastFailure. LastFailure is
-	// [HeaderFailedAt], or, without it, the latest x-death record.
+	// [broker.HeaderFailedAt], or, without it, the latest x-death record.
 	FirstFailure time.Time `json:"first_failure,omitzero"`
 	LastFailure  time.Time `json:"last_failure,omitzero"`
-	// Host and Process are [HeaderHost] and [HeaderProcess].
+	// Host and Process are [broker.HeaderHost] and [broker.HeaderProcess].
 	Host    string `json:"host,omitempty"`
 	Process string `json:"process,omitempty"`
 	// Replays is [HeaderReplays].
@@ -80,14 +99,14 @@ type DeadLetter struct {
 	// Malformed names the headers that are present with a type or form
 	// other than the one the broker writes.
 	Malformed []string `json:"malformed,omitempty"`
-	// Message is the message itself.
-	Message *amqp.Delivery `json:"-"`
+	// Delivery is the message itself.
+	Delivery *amqp.Delivery `json:"-"`
 }
 
-// readDeadLetter describes d. It never fails: what it cannot read it
+// readMessage describes d. It never fails: what it cannot read it
 // leaves out, and names in Malformed.
-func readDeadLetter(d *amqp.Delivery) *DeadLetter {
-	dl := &DeadLetter{ID: d.MessageId, BodySize: len(d.Body), Message: d}
+func readMessage(d *amqp.Delivery) *Message {
+	dl := &Message{ID: d.MessageId, BodySize: len(d.Body), Delivery: d}
 	h := d.Headers
 	str := func(k string) string {
 		v, ok := h[k]
@@ -100,13 +119,13 @@ func readDeadLetter(d *amqp.Delivery) *DeadLetter {
 		}
 		return s
 	}
-	dl.Queue = str(HeaderOriginalQueue)
+	dl.Queue = str(broker.HeaderOriginalQueue)
 	dl.DeadLetteredFrom = str("x-first-death-queue")
 	dl.Reason = str("x-first-death-reason")
-	dl.Error = str(HeaderError)
-	dl.ErrorType = str(HeaderErrorType)
-	dl.Host = str(HeaderHost)
-	dl.Process = str(HeaderProcess)
+	dl.Error = str(broker.HeaderError)
+	dl.ErrorType = str(broker.HeaderErrorType)
+	dl.Host = str(broker.HeaderHost)
+	dl.Process = str(broker.HeaderProcess)
 	if v, ok := h[rabbitmw.HeaderAttempts]; ok {
 		if _, ok := header.Int(v); !ok {
 			dl.Malformed = append(dl.Malformed, rabbitmw.HeaderAttempts)
@@ -122,17 +141,17 @@ func readDeadLetter(d *amqp.Delivery) *DeadLetter {
 		}
 	}
 	var times []time.Time
-	if v, ok := h[HeaderFailedAt]; ok {
+	if v, ok := h[broker.HeaderFailedAt]; ok {
 		if t, ok := v.(time.Time); ok {
 			dl.LastFailure = t
 			times = append(times, t)
 		} else {
-			dl.Malformed = append(dl.Malformed, HeaderFailedAt)
+			dl.Malformed = append(dl.Malformed, broker.HeaderFailedAt)
 		}
 	}
 	var deathTimes []time.Time
 	if v, ok := h["x-death"]; ok {
-		if !wellFormedXDeath(v) {
+		if !expose.WellFormedXDeath(v) {
 			dl.Malformed = append(dl.Malformed, "x-death")
 		} else {
 			for _, r := range v.([]any) {
@@ -153,7 +172,7 @@ func readDeadLetter(d *amqp.Delivery) *DeadLetter {
 		}
 		for _, e := range entries {
 			life, _ := e.(amqp.Table)
-			if t, ok := life[HeaderFailedAt].(time.Time); ok {
+			if t, ok := life[broker.HeaderFailedAt].(time.Time); ok {
 				times = append(times, t)
 			}
 		}
@@ -170,17 +189,17 @@ func readDeadLetter(d *amqp.Delivery) *DeadLetter {
 type Filter struct {
 	// IDs selects the messages with one of these message ids.
 	IDs []string
-	// ErrorType selects the messages whose DeadLetter.ErrorType is this.
+	// ErrorType selects the messages whose Message.ErrorType is this.
 	ErrorType string
-	// Since and Until select the messages whose DeadLetter.LastFailure is
+	// Since and Until select the messages whose Message.LastFailure is
 	// at or after Since, and before Until. A message with no failure time
 	// is left out when either is set.
 	Since, Until time.Time
 	// Match, if not nil, selects the messages for which it returns true.
-	Match func(*DeadLetter) bool
+	Match func(*Message) bool
 }
 
-func (f *Filter) match(dl *DeadLetter) bool {
+func (f *Filter) match(dl *Message) bool {
 	switch {
 	case len(f.IDs) > 0 && !slices.Contains(f.IDs, dl.ID),
 		f.ErrorType != "" && dl.ErrorType != f.ErrorType,
@@ -193,7 +212,7 @@ func (f *Filter) match(dl *DeadLetter) bool {
 	return true
 }
 
-// ListOptions selects what [Broker.DeadLetters] returns.
+// ListOptions selects what [Inspector.List] returns.
 type ListOptions struct {
 	Filter
 	// Limit, if positive, is the largest number of messages returned.
@@ -203,11 +222,11 @@ type ListOptions struct {
 	Progress func(done, total int)
 }
 
-// DeadLetters lists the messages in the dead-letter queue of work queue
+// List lists the messages in the dead-letter queue of work queue
 // queue that opts selects, in queue order. The queue is left as it was,
 // order included.
 //
-// RabbitMQ cannot show a message without taking it, so DeadLetters takes
+// RabbitMQ cannot show a message without taking it, so List takes
 // every message that was in the queue when it began (basic.get with manual
 // acknowledgement, one round trip each, on a connection of its own), and
 // then returns them all at once by closing that connection: RabbitMQ puts
@@ -217,14 +236,14 @@ type ListOptions struct {
 // redelivered. If the process dies, the server requeues them just the
 // same.
 //
-// It returns an error wrapping ErrQueueNotFound if the dead-letter queue
-// does not exist.
-func (b *Broker) DeadLetters(ctx context.Context, queue string, opts ListOptions) ([]*DeadLetter, error) {
-	snap, err := b.snapshot(ctx, queue, opts.Progress)
+// It returns an error wrapping [broker.ErrQueueNotFound] if the
+// dead-letter queue does not exist.
+func (in *Inspector) List(ctx context.Context, queue string, opts ListOptions) ([]*Message, error) {
+	snap, err := in.snapshot(ctx, queue, opts.Progress)
 	if err != nil {
 		return nil, err
 	}
-	var out []*DeadLetter
+	var out []*Message
 	for _, dl := range snap.msgs {
 		if opts.Limit > 0 && len(out) == opts.Limit {
 			break
@@ -233,25 +252,25 @@ func (b *Broker) DeadLetters(ctx context.Context, queue string, opts ListOptions
 			out = append(out, dl)
 		}
 	}
-	return out, snap.close(b)
+	return out, snap.close(in)
 }
 
 // A snapshot holds every message that a dead-letter queue held when it was
 // taken, unacknowledged, on a session of its own.
 type snapshot struct {
-	s    session
+	s    transport.Session
 	dlq  string
-	msgs []*DeadLetter
+	msgs []*Message
 	done []bool // settled
 }
 
 // snapshot takes the messages of queue's dead-letter queue.
-func (b *Broker) snapshot(ctx context.Context, queue string, progress func(done, total int)) (*snapshot, error) {
+func (in *Inspector) snapshot(ctx context.Context, queue string, progress func(done, total int)) (*snapshot, error) {
 	dlq, err := deadLetterQueue(queue)
 	if err != nil {
 		return nil, err
 	}
-	s, err := b.dialOwn(ctx)
+	s, err := expose.Dial(ctx, in.b)
 	if err != nil {
 		return nil, err
 	}
@@ -259,7 +278,7 @@ func (b *Broker) snapshot(ctx context.Context, queue string, progress func(done,
 	total, err := s.Length(ctx, dlq)
 	if err != nil {
 		s.Close()
-		return nil, refusal(dlq, err)
+		return nil, expose.Refusal(dlq, err)
 	}
 	for len(snap.msgs) < total {
 		if err := ctx.Err(); err != nil {
@@ -269,12 +288,12 @@ func (b *Broker) snapshot(ctx context.Context, queue string, progress func(done,
 		d, ok, err := s.Get(ctx, dlq)
 		if err != nil {
 			s.Close()
-			return nil, refusal(dlq, err)
+			return nil, expose.Refusal(dlq, err)
 		}
 		if !ok {
 			break
 		}
-		snap.msgs = append(snap.msgs, readDeadLetter(d))
+		snap.msgs = append(snap.msgs, readMessage(d))
 		if progress != nil {
 			progress(len(snap.msgs), total)
 		}
@@ -283,30 +302,15 @@ func (b *Broker) snapshot(ctx context.Context, queue string, progress func(done,
 	return snap, nil
 }
 
-// dialOwn opens a session of the Broker's server that the caller closes,
-// trying again while the server is unreachable, until ctx is done.
-func (b *Broker) dialOwn(ctx context.Context) (session, error) {
-	bo := newBackoff(b.cfg.rmin, b.cfg.rmax)
-	for {
-		s, err := b.tr.Dial(ctx, "rabbitmw dlq "+b.cfg.process)
-		if err == nil || !errors.Is(err, ErrUnreachable) {
-			return s, err
-		}
-		if clock.Sleep(ctx, bo.next()) != nil {
-			return nil, fmt.Errorf("broker: connect: %w (last error: %w)", ctx.Err(), err)
-		}
-	}
-}
-
 func deadLetterQueue(queue string) (string, error) {
-	q, err := Topology{}.Queues(queue)
+	q, err := broker.Topology{}.Queues(queue)
 	return q.DeadLetter, err
 }
 
 // ack acknowledges message i: it leaves the dead-letter queue.
 func (snap *snapshot) ack(i int) error {
-	if err := snap.msgs[i].Message.Ack(false); err != nil {
-		return lostError(err)
+	if err := snap.msgs[i].Delivery.Ack(false); err != nil {
+		return expose.LostError(err)
 	}
 	snap.done[i] = true
 	return nil
@@ -320,7 +324,7 @@ func (snap *snapshot) ack(i int) error {
 // requeue completes a moment after the close; close waits, up to a few
 // seconds, until the queue holds at least as many messages as it put back,
 // so that a reader that comes next sees them all.
-func (snap *snapshot) close(b *Broker) error {
+func (snap *snapshot) close(in *Inspector) error {
 	back := 0
 	for _, done := range snap.done {
 		if !done {
@@ -334,7 +338,7 @@ func (snap *snapshot) close(b *Broker) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	for {
-		n, lerr := b.Len(ctx, snap.dlq)
+		n, lerr := in.b.Len(ctx, snap.dlq)
 		if lerr != nil || n >= back || clock.Sleep(ctx, 20*time.Millisecond) != nil {
 			return err
 		}

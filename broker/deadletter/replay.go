@@ -1,4 +1,4 @@
-package broker
+package deadletter
 
 import (
 	"context"
@@ -13,16 +13,19 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/internal/expose"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
-// ReplayOptions selects the messages that [Broker.Replay] sends back, and
+// ReplayOptions selects the messages that [Inspector.Replay] sends back, and
 // how. The zero value replays every message to its original queue.
 type ReplayOptions struct {
 	Filter
 	// To, if set, is the queue every selected message is sent to. Without
-	// it, each goes to its [HeaderOriginalQueue], and a selected message
+	// it, each goes to its [broker.HeaderOriginalQueue], and a selected message
 	// without one stops the replay before anything moves
 	// (ErrNoDestination).
 	To string
@@ -59,7 +62,7 @@ type ReplayResult struct {
 	Scanned int
 	// Selected are the messages that the filter and the limit selected,
 	// in queue order.
-	Selected []*DeadLetter
+	Selected []*Message
 	// Replayed is the number of them sent back and removed from the
 	// dead-letter queue.
 	Replayed int
@@ -68,12 +71,12 @@ type ReplayResult struct {
 // Replay sends messages of the dead-letter queue of work queue queue back
 // to their original queue (or to opts.To): those that opts selects, in
 // queue order, a few at a time (so they may arrive slightly out of
-// order). The dead-letter queue is read as [Broker.DeadLetters] does;
+// order). The dead-letter queue is read as [Inspector.List] does;
 // what is not replayed stays in it, in its order.
 //
 // Before anything moves, Replay checks that every selected message has a
 // destination (ErrNoDestination) and that each destination queue exists
-// (ErrQueueNotFound). Then, for each message, it calls
+// ([broker.ErrQueueNotFound]). Then, for each message, it calls
 // opts.ResetFailures, publishes the copy through the default exchange with
 // the mandatory flag, waits for the server's confirm, and only then
 // acknowledges the original. A crash or a lost connection therefore loses
@@ -84,20 +87,25 @@ type ReplayResult struct {
 // Dedup layer absorbs. Replay does not reconnect, and stops at the first
 // error: run it again.
 //
-// The copy keeps the body, the properties (UserId moves to
-// [HeaderUserID], as on every copy the broker makes) and the headers, but
-// for the fault headers and dead-letter records, which move into
-// [HeaderHistory]; [HeaderReplays] counts one more. The copy carries no
+// The copy keeps the body, the properties and the headers, but for the
+// fault headers and dead-letter records, which move into [HeaderHistory];
+// [HeaderReplays] counts one more. Like every copy the broker makes (see
+// [broker.Broker.Consume]), it carries no Expiration: the replayed message
+// does not expire in the work queue, however long it waits there (the
+// original stays in [broker.HeaderOriginalExpiration]); its UserId stays
+// in [broker.HeaderUserID]. The handler sees the message as first
+// delivered: its exchange, routing key, UserId and Expiration as
+// published. The copy carries no
 // x-death, so neither this publish nor a later dead-lettering can meet
 // RabbitMQ's dead-letter cycle check with a record of the work queue.
 //
 // The result says what was found and done, also with an error.
-func (b *Broker) Replay(ctx context.Context, queue string, opts ReplayOptions) (ReplayResult, error) {
+func (in *Inspector) Replay(ctx context.Context, queue string, opts ReplayOptions) (ReplayResult, error) {
 	var res ReplayResult
 	if opts.Rate < 0 || opts.Limit < 0 {
-		return res, errors.New("broker: Replay: negative Rate or Limit")
+		return res, errors.New("deadletter: Replay: negative Rate or Limit")
 	}
-	snap, err := b.snapshot(ctx, queue, opts.ScanProgress)
+	snap, err := in.snapshot(ctx, queue, opts.ScanProgress)
 	if err != nil {
 		return res, err
 	}
@@ -113,10 +121,10 @@ func (b *Broker) Replay(ctx context.Context, queue string, opts ReplayOptions) (
 		}
 	}
 	if err := snap.checkDestinations(ctx, picked, opts.To); err != nil {
-		return res, errors.Join(err, snap.close(b))
+		return res, errors.Join(err, snap.close(in))
 	}
 	if opts.DryRun {
-		return res, snap.close(b)
+		return res, snap.close(in)
 	}
 	history := opts.HistoryLimit
 	switch {
@@ -126,7 +134,7 @@ func (b *Broker) Replay(ctx context.Context, queue string, opts ReplayOptions) (
 		history = 0
 	}
 	err = snap.replay(ctx, picked, opts, history, &res)
-	return res, errors.Join(err, snap.close(b))
+	return res, errors.Join(err, snap.close(in))
 }
 
 // replayWindow is the number of messages a replay has in flight: sent and
@@ -217,11 +225,11 @@ func (snap *snapshot) checkDestinations(ctx context.Context, picked []int, to st
 			missing = missing[:show]
 		}
 		return fmt.Errorf("%w (%s header): message %s%s: name the queue to send them to (ReplayOptions.To, --to); nothing was replayed",
-			ErrNoDestination, HeaderOriginalQueue, strings.Join(missing, ", "), more)
+			ErrNoDestination, broker.HeaderOriginalQueue, strings.Join(missing, ", "), more)
 	}
 	for _, q := range slices.Sorted(maps.Keys(dests)) {
-		if err := snap.s.Declare(ctx, []queueSpec{{Name: q, Passive: true}}); err != nil {
-			if err := refusal(q, unwrapQueueError(err)); errors.Is(err, ErrQueueNotFound) {
+		if err := snap.s.Declare(ctx, []transport.QueueSpec{{Name: q, Passive: true}}); err != nil {
+			if err := expose.Refusal(q, unwrapQueueError(err)); errors.Is(err, broker.ErrQueueNotFound) {
 				return fmt.Errorf("%w; nothing was replayed", err)
 			}
 			return err
@@ -231,7 +239,7 @@ func (snap *snapshot) checkDestinations(ctx context.Context, picked []int, to st
 }
 
 func unwrapQueueError(err error) error {
-	var qe *queueError
+	var qe *transport.QueueError
 	if errors.As(err, &qe) {
 		return qe.Err
 	}
@@ -241,30 +249,31 @@ func unwrapQueueError(err error) error {
 // replayOne sends message i back and acknowledges it.
 func (snap *snapshot) replayOne(ctx context.Context, i int, opts ReplayOptions, history int) error {
 	dl := snap.msgs[i]
-	d := dl.Message
+	d := dl.Delivery
 	dest := opts.To
 	if dest == "" {
 		dest = dl.Queue
 	}
 	if opts.ResetFailures != nil {
 		if err := opts.ResetFailures(ctx, d); err != nil {
-			return fmt.Errorf("broker: replay %q: reset failures: %w", dl.ID, err)
+			return fmt.Errorf("deadletter: replay %q: reset failures: %w", dl.ID, err)
 		}
 	}
-	msg := republishing(d, replayHeaders(d.Headers, snap.dlq, time.Now(), history))
+	msg := expose.Republishing(d, replayHeaders(d.Headers, snap.dlq, time.Now(), history))
 	if err := snap.s.Publish(ctx, "", dest, msg); err != nil {
-		return fmt.Errorf("broker: replay %q to %q: %w", dl.ID, dest, err)
+		return fmt.Errorf("deadletter: replay %q to %q: %w", dl.ID, dest, err)
 	}
 	if err := snap.ack(i); err != nil {
-		return fmt.Errorf("broker: replay %q: ack (the message was sent, and stays in the dead-letter queue too): %w", dl.ID, err)
+		return fmt.Errorf("deadletter: replay %q: ack (the message was sent, and stays in the dead-letter queue too): %w", dl.ID, err)
 	}
 	return nil
 }
 
 // historyHeaders are the headers a replay moves into HeaderHistory.
 var historyHeaders = []string{
-	HeaderError, HeaderErrorType, HeaderOriginalQueue, HeaderFailedAt, HeaderHost, HeaderProcess,
-	rabbitmw.HeaderAttempts, HeaderNotBefore, HeaderDeaths, HeaderMalformedXDeath,
+	broker.HeaderError, broker.HeaderErrorType, broker.HeaderOriginalQueue, broker.HeaderFailedAt,
+	broker.HeaderHost, broker.HeaderProcess, rabbitmw.HeaderAttempts, broker.HeaderNotBefore,
+	broker.HeaderDeaths, broker.HeaderMalformedXDeath,
 	"x-death", "x-first-death-queue", "x-first-death-reason", "x-first-death-exchange",
 	"x-last-death-queue", "x-last-death-reason", "x-last-death-exchange", "x-delivery-count",
 }

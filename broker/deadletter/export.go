@@ -1,4 +1,4 @@
-package broker
+package deadletter
 
 import (
 	"bufio"
@@ -13,11 +13,14 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/broker/internal/expose"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 )
 
-// An ExportedMessage is one line of an export (see [Broker.ExportDeadLetters]):
+// An ExportedMessage is one line of an export (see [Inspector.Export]):
 // a message's body, properties and headers, each header with its AMQP
-// type, so that [Broker.ImportDeadLetters] publishes the same message.
+// type, so that [Inspector.Import] publishes the same message.
 type ExportedMessage struct {
 	// Queue is the queue the message was read from.
 	Queue      string     `json:"queue"`
@@ -74,7 +77,7 @@ type TypedValue struct {
 	Value json.RawMessage `json:"value,omitempty"`
 }
 
-// ExportOptions selects the messages that [Broker.ExportDeadLetters]
+// ExportOptions selects the messages that [Inspector.Export]
 // writes. The zero value writes them all.
 type ExportOptions struct {
 	Filter
@@ -85,13 +88,13 @@ type ExportOptions struct {
 	Progress func(done, total int)
 }
 
-// ExportDeadLetters writes the messages of the dead-letter queue of work
+// Export writes the messages of the dead-letter queue of work
 // queue queue that opts selects to w, in JSON Lines: one
 // [ExportedMessage] per line, in queue order. The queue is left as it
-// was: it is read as [Broker.DeadLetters] does. It returns the number of
+// was: it is read as [Inspector.List] does. It returns the number of
 // messages written.
-func (b *Broker) ExportDeadLetters(ctx context.Context, queue string, w io.Writer, opts ExportOptions) (int, error) {
-	snap, err := b.snapshot(ctx, queue, opts.Progress)
+func (in *Inspector) Export(ctx context.Context, queue string, w io.Writer, opts ExportOptions) (int, error) {
+	snap, err := in.snapshot(ctx, queue, opts.Progress)
 	if err != nil {
 		return 0, err
 	}
@@ -105,41 +108,46 @@ func (b *Broker) ExportDeadLetters(ctx context.Context, queue string, w io.Write
 		if !opts.Filter.match(dl) {
 			continue
 		}
-		m, err := ExportMessage(snap.dlq, dl.Message)
+		m, err := ExportMessage(snap.dlq, dl.Delivery)
 		if err == nil {
 			err = enc.Encode(m)
 		}
 		if err != nil {
-			return n, errors.Join(fmt.Errorf("broker: export %q: %w", dl.ID, err), snap.close(b))
+			return n, errors.Join(fmt.Errorf("deadletter: export %q: %w", dl.ID, err), snap.close(in))
 		}
 		n++
 	}
-	return n, snap.close(b)
+	return n, snap.close(in)
 }
 
-// ImportOptions configures [Broker.ImportDeadLetters].
+// ImportOptions configures [Inspector.Import].
 type ImportOptions struct {
 	// To, if set, is the queue the messages are published to. Default:
-	// the dead-letter queue of the work queue given to
-	// ImportDeadLetters.
+	// the dead-letter queue of the work queue given to Import.
 	To string
 	// Progress, if not nil, is called after each message published, with
 	// the number so far.
 	Progress func(done int)
 }
 
-// ImportDeadLetters publishes the messages that r holds, written by
-// [Broker.ExportDeadLetters], to the dead-letter queue of work queue queue
+// Import publishes the messages that r holds, written by
+// [Inspector.Export], to the dead-letter queue of work queue queue
 // (or to opts.To), in order, each with publisher confirms, and returns the
 // number published. Each goes as it was exported: body, properties and
-// headers, types included, but UserId, which moves to [HeaderUserID]
-// (RabbitMQ refuses a publish whose user-id is not the connection's). An
-// empty MessageId stays empty.
+// headers, types included, but for the properties no copy the broker
+// makes carries (see [broker.Broker.Consume]): an Expiration does not
+// come back (nothing in a dead-letter queue expires), it moves to
+// [broker.HeaderOriginalExpiration]; UserId moves to
+// [broker.HeaderUserID] (RabbitMQ refuses a publish whose user-id is not
+// the connection's); a message that was not persistent goes persistent,
+// its mode in [broker.HeaderOriginalDeliveryMode]. A header already there
+// is kept, so a message exported from a dead-letter queue goes back
+// exactly as it was. An empty MessageId stays empty.
 //
 // A line that is not an exported message stops the import, with an error
 // that names its line; the messages before it were published. It refuses
 // a destination queue that does not exist before publishing anything.
-func (b *Broker) ImportDeadLetters(ctx context.Context, queue string, r io.Reader, opts ImportOptions) (int, error) {
+func (in *Inspector) Import(ctx context.Context, queue string, r io.Reader, opts ImportOptions) (int, error) {
 	dest := opts.To
 	if dest == "" {
 		var err error
@@ -147,13 +155,13 @@ func (b *Broker) ImportDeadLetters(ctx context.Context, queue string, r io.Reade
 			return 0, err
 		}
 	}
-	s, err := b.dialOwn(ctx)
+	s, err := expose.Dial(ctx, in.b)
 	if err != nil {
 		return 0, err
 	}
 	defer s.Close()
-	if err := s.Declare(ctx, []queueSpec{{Name: dest, Passive: true}}); err != nil {
-		return 0, refusal(dest, unwrapQueueError(err))
+	if err := s.Declare(ctx, []transport.QueueSpec{{Name: dest, Passive: true}}); err != nil {
+		return 0, expose.Refusal(dest, unwrapQueueError(err))
 	}
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 64<<10), 1<<30)
@@ -165,14 +173,14 @@ func (b *Broker) ImportDeadLetters(ctx context.Context, queue string, r io.Reade
 		}
 		var m ExportedMessage
 		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
-			return n, fmt.Errorf("broker: import: line %d: %w", line, err)
+			return n, fmt.Errorf("deadletter: import: line %d: %w", line, err)
 		}
 		msg, err := m.Publishing()
 		if err != nil {
-			return n, fmt.Errorf("broker: import: line %d: %w", line, err)
+			return n, fmt.Errorf("deadletter: import: line %d: %w", line, err)
 		}
 		if err := s.Publish(ctx, "", dest, msg); err != nil {
-			return n, fmt.Errorf("broker: import: line %d: publish to %q: %w", line, dest, err)
+			return n, fmt.Errorf("deadletter: import: line %d: publish to %q: %w", line, dest, err)
 		}
 		n++
 		if opts.Progress != nil {
@@ -180,7 +188,7 @@ func (b *Broker) ImportDeadLetters(ctx context.Context, queue string, r io.Reade
 		}
 	}
 	if err := sc.Err(); err != nil {
-		return n, fmt.Errorf("broker: import: after line %d: %w", line, err)
+		return n, fmt.Errorf("deadletter: import: after line %d: %w", line, err)
 	}
 	return n, nil
 }
@@ -215,8 +223,8 @@ func ExportMessage(queue string, d *amqp.Delivery) (*ExportedMessage, error) {
 	return m, nil
 }
 
-// Publishing returns the message m describes, ready to publish (see
-// [Broker.ImportDeadLetters] for UserId).
+// Publishing returns the message m describes, ready to publish as a copy
+// (see [Inspector.Import]).
 func (m *ExportedMessage) Publishing() (amqp.Publishing, error) {
 	body, err := base64.StdEncoding.DecodeString(m.Body)
 	if err != nil {
@@ -234,22 +242,16 @@ func (m *ExportedMessage) Publishing() (amqp.Publishing, error) {
 			h[k] = v
 		}
 	}
-	if p.UserID != "" {
-		if h == nil {
-			h = amqp.Table{}
-		}
-		setIfAbsent(h, HeaderUserID, p.UserID)
-	}
 	var ts time.Time
 	if !p.Timestamp.IsZero() {
 		ts = time.Unix(p.Timestamp.Unix(), 0) // as amqp091 decodes it
 	}
-	return amqp.Publishing{
+	return expose.AsCopy(amqp.Publishing{
 		Headers: h, ContentType: p.ContentType, ContentEncoding: p.ContentEncoding,
 		DeliveryMode: p.DeliveryMode, Priority: p.Priority, CorrelationId: p.CorrelationID,
 		ReplyTo: p.ReplyTo, Expiration: p.Expiration, MessageId: p.MessageID, Timestamp: ts,
-		Type: p.Type, AppId: p.AppID, Body: body,
-	}, nil
+		Type: p.Type, UserId: p.UserID, AppId: p.AppID, Body: body,
+	}), nil
 }
 
 func raw(v any) json.RawMessage {

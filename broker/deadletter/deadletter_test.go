@@ -1,10 +1,11 @@
-package broker
+package deadletter
 
 import (
 	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"math"
 	"reflect"
 	"slices"
@@ -14,13 +15,16 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/internal/rabbit"
 )
 
-// dlqBehaviours run on both backends, like behaviours.
-var dlqBehaviours = []struct {
+// behaviours run on both backends.
+var behaviours = []struct {
 	name string
 	run  func(t *testing.T, be backend)
 }{
@@ -37,7 +41,7 @@ var dlqBehaviours = []struct {
 func TestDeadLetterOperations(t *testing.T) {
 	for _, be := range backends {
 		t.Run(be.name, func(t *testing.T) {
-			for _, c := range dlqBehaviours {
+			for _, c := range behaviours {
 				t.Run(c.name, func(t *testing.T) { c.run(t, be) })
 			}
 		})
@@ -65,15 +69,15 @@ func (f *fixture) deadLetter(t *testing.T, retryFirst bool, headers amqp.Table, 
 			return rabbitmw.Permanent(&typedErr{"typed failure of " + d.MessageId})
 		}
 		return rabbitmw.Permanent(fmt.Errorf("failure of %s: %w", d.MessageId, errBoom))
-	}), ConsumeOptions{Workers: 1})
+	}), broker.ConsumeOptions{Workers: 1})
 	for _, id := range ids {
 		f.publish(id, []byte("body of "+id), headers)
 	}
-	eventually(t, 30*time.Second, "messages not dead-lettered", func() bool { return f.length(f.q+".dlq") == dlq0+len(ids) })
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.Eventually(t, func() bool { return f.length(f.q+".dlq") == dlq0+len(ids) }, 30*time.Second, 10*time.Millisecond, "messages not dead-lettered")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 }
 
-func ids(dls []*DeadLetter) []string {
+func ids(dls []*Message) []string {
 	out := []string{}
 	for _, dl := range dls {
 		out = append(out, dl.ID)
@@ -92,7 +96,7 @@ func deliveryIDs(ds []*amqp.Delivery) []string {
 // Listing reads every field, filters, and leaves the queue as it was, in
 // order, twice in a row.
 func testListKeepsTheQueue(t *testing.T, be backend) {
-	f := setup(t, be, Topology{})
+	f := setup(t, be, broker.Topology{})
 	ctx := testContext(t, 30*time.Second)
 	var all []string
 	for i := range 12 {
@@ -102,67 +106,67 @@ func testListKeepsTheQueue(t *testing.T, be backend) {
 	before := time.Now().Add(-time.Second)
 	f.deadLetter(t, false, nil, all...)
 	for range 2 {
-		dls, err := f.b.DeadLetters(ctx, f.q, ListOptions{})
-		noErr(t, "DeadLetters", err)
-		equal(t, "ids listed", ids(dls), all)
+		dls, err := f.in.List(ctx, f.q, ListOptions{})
+		require.NoError(t, err, "DeadLetters")
+		assert.Equal(t, all, ids(dls), "ids listed")
 	}
-	dls, err := f.b.DeadLetters(ctx, f.q, ListOptions{Filter: Filter{IDs: []string{"typed-1"}}})
-	noErr(t, "DeadLetters", err)
+	dls, err := f.in.List(ctx, f.q, ListOptions{Filter: Filter{IDs: []string{"typed-1"}}})
+	require.NoError(t, err, "DeadLetters")
 	if len(dls) != 1 {
 		t.Fatalf("DeadLetters(typed-1) = %v; want one", ids(dls))
 	}
 	dl := dls[0]
-	equal(t, "queue", dl.Queue, f.q)
-	equal(t, "error type", dl.ErrorType, "*broker.typedErr")
-	equal(t, "error", dl.Error, "typed failure of typed-1")
-	equal(t, "attempts", dl.Attempts, 1)
-	equal(t, "body size", dl.BodySize, len("body of typed-1"))
-	equal(t, "host", dl.Host, "test-host")
-	equal(t, "process", dl.Process, f.process)
-	equal(t, "malformed", dl.Malformed, []string(nil))
+	assert.Equal(t, f.q, dl.Queue, "queue")
+	assert.Equal(t, "*deadletter.typedErr", dl.ErrorType, "error type")
+	assert.Equal(t, "typed failure of typed-1", dl.Error, "error")
+	assert.Equal(t, 1, dl.Attempts, "attempts")
+	assert.Equal(t, len("body of typed-1"), dl.BodySize, "body size")
+	assert.Equal(t, "test-host", dl.Host, "host")
+	assert.Equal(t, f.process, dl.Process, "process")
+	assert.Equal(t, []string(nil), dl.Malformed, "malformed")
 	if dl.LastFailure.Before(before.Truncate(time.Second)) || dl.LastFailure.After(time.Now()) || dl.FirstFailure.After(dl.LastFailure) {
 		t.Errorf("first, last failure = %v, %v; want in [%v, now], first not after last", dl.FirstFailure, dl.LastFailure, before)
 	}
 
-	dls, err = f.b.DeadLetters(ctx, f.q, ListOptions{Filter: Filter{ErrorType: "*errors.errorString"}, Limit: 3})
-	noErr(t, "DeadLetters", err)
-	equal(t, "first 3 of an error type", ids(dls), all[:3])
-	dls, err = f.b.DeadLetters(ctx, f.q, ListOptions{Filter: Filter{Until: before}})
-	noErr(t, "DeadLetters", err)
-	equal(t, "failed before the test", ids(dls), []string{})
+	dls, err = f.in.List(ctx, f.q, ListOptions{Filter: Filter{ErrorType: "error"}, Limit: 3})
+	require.NoError(t, err, "DeadLetters")
+	assert.Equal(t, all[:3], ids(dls), "first 3 of an error type")
+	dls, err = f.in.List(ctx, f.q, ListOptions{Filter: Filter{Until: before}})
+	require.NoError(t, err, "DeadLetters")
+	assert.Equal(t, []string{}, ids(dls), "failed before the test")
 	var progress []int
-	dls, err = f.b.DeadLetters(ctx, f.q, ListOptions{
-		Filter:   Filter{Since: before, Match: func(dl *DeadLetter) bool { return strings.HasSuffix(dl.ID, "1") }},
+	dls, err = f.in.List(ctx, f.q, ListOptions{
+		Filter:   Filter{Since: before, Match: func(dl *Message) bool { return strings.HasSuffix(dl.ID, "1") }},
 		Progress: func(done, total int) { progress = append(progress, done, total) },
 	})
-	noErr(t, "DeadLetters", err)
-	equal(t, "matched by func", ids(dls), []string{"m01", "m11", "typed-1"})
-	equal(t, "last progress", progress[len(progress)-2:], []int{len(all), len(all)})
-	equal(t, "left in the dead-letter queue, in order", deliveryIDs(f.drain(f.q+".dlq")), all)
+	require.NoError(t, err, "DeadLetters")
+	assert.Equal(t, []string{"m01", "m11", "typed-1"}, ids(dls), "matched by func")
+	assert.Equal(t, []int{len(all), len(all)}, progress[len(progress)-2:], "last progress")
+	assert.Equal(t, all, deliveryIDs(f.drain(f.q+".dlq")), "left in the dead-letter queue, in order")
 	f.assertSettled(t)
 }
 
 // Replay sends back what it selects, with the fault headers moved into
 // the history, and leaves the rest in order; a dry run moves nothing.
 func testReplaySelected(t *testing.T, be backend) {
-	f := setup(t, be, Topology{})
+	f := setup(t, be, broker.Topology{})
 	ctx := testContext(t, 30*time.Second)
 	all := []string{"a", "typed-b", "c", "typed-d", "e", "typed-f"}
 	f.deadLetter(t, true, amqp.Table{"custom": "kept"}, all...)
 
-	res, err := f.b.Replay(ctx, f.q, ReplayOptions{Filter: Filter{ErrorType: "*broker.typedErr"}, DryRun: true})
-	noErr(t, "Replay dry run", err)
-	equal(t, "dry run: selected", ids(res.Selected), []string{"typed-b", "typed-d", "typed-f"})
-	equal(t, "dry run: replayed", res.Replayed, 0)
-	equal(t, "dry run: work queue", f.length(f.q), 0)
+	res, err := f.in.Replay(ctx, f.q, ReplayOptions{Filter: Filter{ErrorType: "*deadletter.typedErr"}, DryRun: true})
+	require.NoError(t, err, "Replay dry run")
+	assert.Equal(t, []string{"typed-b", "typed-d", "typed-f"}, ids(res.Selected), "dry run: selected")
+	assert.Equal(t, 0, res.Replayed, "dry run: replayed")
+	assert.Equal(t, 0, f.length(f.q), "dry run: work queue")
 
 	var (
 		mu       sync.Mutex
 		reset    []string
 		progress [][2]int
 	)
-	res, err = f.b.Replay(ctx, f.q, ReplayOptions{
-		Filter: Filter{ErrorType: "*broker.typedErr"},
+	res, err = f.in.Replay(ctx, f.q, ReplayOptions{
+		Filter: Filter{ErrorType: "*deadletter.typedErr"},
 		Limit:  2,
 		ResetFailures: func(_ context.Context, d *amqp.Delivery) error {
 			mu.Lock()
@@ -172,36 +176,36 @@ func testReplaySelected(t *testing.T, be backend) {
 		},
 		Progress: func(done, total int) { progress = append(progress, [2]int{done, total}) },
 	})
-	noErr(t, "Replay", err)
-	equal(t, "scanned", res.Scanned, len(all))
-	equal(t, "replayed", res.Replayed, 2)
+	require.NoError(t, err, "Replay")
+	assert.Equal(t, len(all), res.Scanned, "scanned")
+	assert.Equal(t, 2, res.Replayed, "replayed")
 	slices.Sort(reset)
-	equal(t, "failures reset", reset, []string{"typed-b", "typed-d"})
-	equal(t, "progress", progress, [][2]int{{1, 2}, {2, 2}})
+	assert.Equal(t, []string{"typed-b", "typed-d"}, reset, "failures reset")
+	assert.Equal(t, [][2]int{{1, 2}, {2, 2}}, progress, "progress")
 	back := f.drain(f.q)
 	slices.SortFunc(back, func(a, b *amqp.Delivery) int { return strings.Compare(a.MessageId, b.MessageId) })
-	equal(t, "back in the work queue", deliveryIDs(back), []string{"typed-b", "typed-d"})
+	assert.Equal(t, []string{"typed-b", "typed-d"}, deliveryIDs(back), "back in the work queue")
 	for _, d := range back {
 		for _, k := range historyHeaders {
 			if v, ok := d.Headers[k]; ok {
 				t.Errorf("%s: header %s = %v after the replay; want it in the history", d.MessageId, k, v)
 			}
 		}
-		equal(t, d.MessageId+": custom header", d.Headers["custom"], "kept")
-		equal(t, d.MessageId+": body", string(d.Body), "body of "+d.MessageId)
-		equal(t, d.MessageId+": content type", d.ContentType, "text/plain")
-		equal(t, d.MessageId+": replays", d.Headers[HeaderReplays], int64(1))
-		equal(t, d.MessageId+": original routing key", d.Headers[HeaderOriginalRoutingKey], f.q)
+		assert.Equal(t, "kept", d.Headers["custom"], d.MessageId+": custom header")
+		assert.Equal(t, "body of "+d.MessageId, string(d.Body), d.MessageId+": body")
+		assert.Equal(t, "text/plain", d.ContentType, d.MessageId+": content type")
+		assert.Equal(t, int64(1), d.Headers[HeaderReplays], d.MessageId+": replays")
+		assert.Equal(t, f.q, d.Headers[broker.HeaderOriginalRoutingKey], d.MessageId+": original routing key")
 		lives, _ := d.Headers[HeaderHistory].([]any)
 		if len(lives) != 1 {
 			t.Fatalf("%s: history = %v; want one life", d.MessageId, d.Headers[HeaderHistory])
 		}
 		life, _ := lives[0].(amqp.Table)
-		equal(t, d.MessageId+": error in the history", life[HeaderError], "typed failure of "+d.MessageId)
-		equal(t, d.MessageId+": dead-letter queue in the history", life["dead-letter-queue"], f.q+".dlq")
-		equal(t, d.MessageId+": x-death in the history", deathKeys(life["x-death"]), []string{f.q + ".delay.50ms expired 1"})
+		assert.Equal(t, "typed failure of "+d.MessageId, life[broker.HeaderError], d.MessageId+": error in the history")
+		assert.Equal(t, f.q+".dlq", life["dead-letter-queue"], d.MessageId+": dead-letter queue in the history")
+		assert.Equal(t, []string{f.q + ".delay.50ms expired 1"}, deathKeys(life["x-death"]), d.MessageId+": x-death in the history")
 	}
-	equal(t, "left in the dead-letter queue, in order", deliveryIDs(f.drain(f.q+".dlq")), []string{"a", "c", "e", "typed-f"})
+	assert.Equal(t, []string{"a", "c", "e", "typed-f"}, deliveryIDs(f.drain(f.q+".dlq")), "left in the dead-letter queue, in order")
 	f.assertSettled(t)
 }
 
@@ -209,7 +213,7 @@ func testReplaySelected(t *testing.T, be backend) {
 // its history; replayed again and again, the history is capped, the count
 // is not. Then, with its cause fixed, it succeeds.
 func testReplayFailsAgain(t *testing.T, be backend) {
-	f := setup(t, be, Topology{})
+	f := setup(t, be, broker.Topology{})
 	ctx := testContext(t, 60*time.Second)
 	f.deadLetter(t, true, nil, "m")
 	var mu sync.Mutex
@@ -223,47 +227,47 @@ func testReplayFailsAgain(t *testing.T, be backend) {
 			return nil
 		}
 		return rabbitmw.Permanent(fmt.Errorf("round %d", len(calls)))
-	}), ConsumeOptions{Workers: 1})
+	}), broker.ConsumeOptions{Workers: 1})
 	for round := 1; round <= 3; round++ {
-		res, err := f.b.Replay(ctx, f.q, ReplayOptions{HistoryLimit: 2})
-		noErr(t, "Replay", err)
-		equal(t, "replayed", res.Replayed, 1)
-		eventually(t, 20*time.Second, "replayed message not dead-lettered again", func() bool {
+		res, err := f.in.Replay(ctx, f.q, ReplayOptions{HistoryLimit: 2})
+		require.NoError(t, err, "Replay")
+		assert.Equal(t, 1, res.Replayed, "replayed")
+		require.Eventually(t, func() bool {
 			mu.Lock()
 			defer mu.Unlock()
 			return len(calls) == round && f.length(f.q+".dlq") == 1
-		})
-		dls, err := f.b.DeadLetters(ctx, f.q, ListOptions{})
-		noErr(t, "DeadLetters", err)
-		d := dls[0].Message
-		equal(t, "fresh error", d.Headers[HeaderError], fmt.Sprintf("round %d", round))
-		equal(t, "fresh attempts", d.Headers[rabbitmw.HeaderAttempts], int64(1))
-		equal(t, "fresh x-death", d.Headers["x-death"], nil)
-		equal(t, "replays", d.Headers[HeaderReplays], int64(round))
+		}, 20*time.Second, 10*time.Millisecond, "replayed message not dead-lettered again")
+		dls, err := f.in.List(ctx, f.q, ListOptions{})
+		require.NoError(t, err, "DeadLetters")
+		d := dls[0].Delivery
+		assert.Equal(t, fmt.Sprintf("round %d", round), d.Headers[broker.HeaderError], "fresh error")
+		assert.Equal(t, int64(1), d.Headers[rabbitmw.HeaderAttempts], "fresh attempts")
+		assert.Equal(t, nil, d.Headers["x-death"], "fresh x-death")
+		assert.Equal(t, int64(round), d.Headers[HeaderReplays], "replays")
 		lives, _ := d.Headers[HeaderHistory].([]any)
 		var errs []any
 		for _, l := range lives {
-			errs = append(errs, l.(amqp.Table)[HeaderError])
+			errs = append(errs, l.(amqp.Table)[broker.HeaderError])
 		}
 		want := []any{"failure of m: boom", "round 1", "round 2"}[:round]
 		slices.Reverse(want)
-		equal(t, "errors in the history, most recent first", errs, want[:min(2, round)])
+		assert.Equal(t, want[:min(2, round)], errs, "errors in the history, most recent first")
 		if round == 1 {
 			life := lives[0].(amqp.Table)
-			equal(t, "x-death in the history", deathKeys(life["x-death"]), []string{f.q + ".delay.50ms expired 1"})
+			assert.Equal(t, []string{f.q + ".delay.50ms expired 1"}, deathKeys(life["x-death"]), "x-death in the history")
 		}
 	}
 	mu.Lock()
 	fixed = true
 	mu.Unlock()
-	_, err := f.b.Replay(ctx, f.q, ReplayOptions{})
-	noErr(t, "Replay", err)
-	eventually(t, 20*time.Second, "fixed message not handled", func() bool {
+	_, err := f.in.Replay(ctx, f.q, ReplayOptions{})
+	require.NoError(t, err, "Replay")
+	require.Eventually(t, func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(calls) == 4
-	})
-	noErr(t, "Consume after cancel", r.stop(t))
+	}, 20*time.Second, 10*time.Millisecond, "fixed message not handled")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	f.assertSettled(t)
 }
 
@@ -274,36 +278,36 @@ func testReplayFailsAgain(t *testing.T, be backend) {
 func testReplayServerDeadLetters(t *testing.T, be backend) {
 	for _, quorum := range []bool{false, true} {
 		t.Run(map[bool]string{false: "expired", true: "delivery_limit"}[quorum], func(t *testing.T) {
-			top := Topology{}
+			top := broker.Topology{}
 			if quorum {
-				top = Topology{Quorum: true, DeliveryLimit: 1}
+				top = broker.Topology{Quorum: true, DeliveryLimit: 1}
 			}
 			f := setup(t, be, top)
 			ctx := testContext(t, 60*time.Second)
 			for _, id := range []string{"x", "y"} {
-				noErr(t, "Publish", f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: id, Body: []byte(id), Expiration: map[bool]string{false: "1", true: ""}[quorum]}))
+				require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: id, Body: []byte(id), Expiration: map[bool]string{false: "1", true: ""}[quorum]}), "Publish")
 			}
 			if quorum {
 				for range 20 {
 					d, ok, err := f.b.Get(ctx, f.q)
-					noErr(t, "Get", err)
+					require.NoError(t, err, "Get")
 					if !ok {
 						break
 					}
-					noErr(t, "Nack", d.Nack(false, true))
+					require.NoError(t, d.Nack(false, true), "Nack")
 				}
 			}
-			eventually(t, 20*time.Second, "messages not dead-lettered by the server", func() bool { return f.length(f.q+".dlq") == 2 })
-			dls, err := f.b.DeadLetters(ctx, f.q, ListOptions{})
-			noErr(t, "DeadLetters", err)
-			equal(t, "dead-lettered from", dls[0].DeadLetteredFrom, f.q)
-			equal(t, "queue", dls[0].Queue, "")
+			require.Eventually(t, func() bool { return f.length(f.q+".dlq") == 2 }, 20*time.Second, 10*time.Millisecond, "messages not dead-lettered by the server")
+			dls, err := f.in.List(ctx, f.q, ListOptions{})
+			require.NoError(t, err, "DeadLetters")
+			assert.Equal(t, f.q, dls[0].DeadLetteredFrom, "dead-lettered from")
+			assert.Equal(t, "", dls[0].Queue, "queue")
 
-			_, err = f.b.Replay(ctx, f.q, ReplayOptions{})
-			isErr(t, "Replay without To", err, ErrNoDestination)
-			contains(t, "Replay error", fmt.Sprint(err), `"x", "y"`)
-			equal(t, "dead-letter queue after the refusal", f.length(f.q+".dlq"), 2)
-			equal(t, "work queue after the refusal", f.length(f.q), 0)
+			_, err = f.in.Replay(ctx, f.q, ReplayOptions{})
+			require.ErrorIs(t, err, ErrNoDestination, "Replay without To")
+			assert.Contains(t, fmt.Sprint(err), `"x", "y"`, "Replay error")
+			assert.Equal(t, 2, f.length(f.q+".dlq"), "dead-letter queue after the refusal")
+			assert.Equal(t, 0, f.length(f.q), "work queue after the refusal")
 
 			j := newJournal()
 			r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
@@ -311,21 +315,21 @@ func testReplayServerDeadLetters(t *testing.T, be backend) {
 					return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond)
 				}
 				return nil
-			}), ConsumeOptions{})
-			res, err := f.b.Replay(ctx, f.q, ReplayOptions{To: f.q})
-			noErr(t, "Replay", err)
-			equal(t, "replayed", res.Replayed, 2)
-			eventually(t, 20*time.Second, "replayed messages not handled after their retry", func() bool {
+			}), broker.ConsumeOptions{})
+			res, err := f.in.Replay(ctx, f.q, ReplayOptions{To: f.q})
+			require.NoError(t, err, "Replay")
+			assert.Equal(t, 2, res.Replayed, "replayed")
+			require.Eventually(t, func() bool {
 				return len(j.callsOf("x")) == 2 && len(j.callsOf("y")) == 2
-			})
-			noErr(t, "Consume after cancel", r.stop(t))
-			first := j.callsOf("x")[0].d
+			}, 20*time.Second, 10*time.Millisecond, "replayed messages not handled after their retry")
+			require.NoError(t, r.stop(t), "Consume after cancel")
+			first := j.callsOf("x")[0]
 			lives, _ := first.Headers[HeaderHistory].([]any)
 			if len(lives) != 1 {
 				t.Fatalf("history = %v; want one life", first.Headers[HeaderHistory])
 			}
 			reason := map[bool]string{false: "expired", true: "delivery_limit"}[quorum]
-			equal(t, "server's x-death in the history", deathKeys(lives[0].(amqp.Table)["x-death"]), []string{f.q + " " + reason + " 1"})
+			assert.Equal(t, []string{f.q + " " + reason + " 1"}, deathKeys(lives[0].(amqp.Table)["x-death"]), "server's x-death in the history")
 			f.assertSettled(t)
 		})
 	}
@@ -334,123 +338,136 @@ func testReplayServerDeadLetters(t *testing.T, be backend) {
 // A replay to a queue that does not exist is refused before anything
 // moves.
 func testReplayMissingQueue(t *testing.T, be backend) {
-	f := setup(t, be, Topology{})
+	f := setup(t, be, broker.Topology{})
 	ctx := testContext(t, 30*time.Second)
 	f.deadLetter(t, false, nil, "a", "b")
-	_, err := f.b.Replay(ctx, f.q, ReplayOptions{To: f.q + "-missing"})
-	isErr(t, "Replay to a missing queue", err, ErrQueueNotFound)
-	equal(t, "dead-letter queue", deliveryIDs(f.drain(f.q+".dlq")), []string{"a", "b"})
-	_, err = f.b.Replay(ctx, f.q+"-missing", ReplayOptions{})
-	isErr(t, "Replay from a missing dead-letter queue", err, ErrQueueNotFound)
+	_, err := f.in.Replay(ctx, f.q, ReplayOptions{To: f.q + "-missing"})
+	require.ErrorIs(t, err, broker.ErrQueueNotFound, "Replay to a missing queue")
+	assert.Equal(t, []string{"a", "b"}, deliveryIDs(f.drain(f.q+".dlq")), "dead-letter queue")
+	_, err = f.in.Replay(ctx, f.q+"-missing", ReplayOptions{})
+	require.ErrorIs(t, err, broker.ErrQueueNotFound, "Replay from a missing dead-letter queue")
 	f.assertSettled(t)
 }
 
 // Headers of the wrong types are listed as malformed, replayed, purged,
 // exported: never a crash.
 func testDLQMalformed(t *testing.T, be backend) {
-	f := setup(t, be, Topology{})
+	f := setup(t, be, broker.Topology{})
 	ctx := testContext(t, 30*time.Second)
 	bad := amqp.Table{
-		HeaderOriginalQueue: int32(7), HeaderFailedAt: "yesterday", HeaderError: []byte("bytes"),
-		HeaderErrorType: nil, rabbitmw.HeaderAttempts: "many", HeaderReplays: amqp.Table{},
+		broker.HeaderOriginalQueue: int32(7), broker.HeaderFailedAt: "yesterday", broker.HeaderError: []byte("bytes"),
+		broker.HeaderErrorType: nil, rabbitmw.HeaderAttempts: "many", HeaderReplays: amqp.Table{},
 		HeaderHistory: "not an array", "x-death": []any{"not a table"}, "x-first-death-queue": int64(1),
 	}
-	noErr(t, "Publish", f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: "bad", Headers: bad}))
-	noErr(t, "Publish", f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: "bad-history", Headers: amqp.Table{
-		HeaderOriginalQueue: f.q, HeaderHistory: []any{"not a table", amqp.Table{HeaderFailedAt: 3}},
-	}}))
-	dls, err := f.b.DeadLetters(ctx, f.q, ListOptions{})
-	noErr(t, "DeadLetters", err)
+	require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: "bad", Headers: bad}), "Publish")
+	require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: "bad-history", Headers: amqp.Table{
+		broker.HeaderOriginalQueue: f.q, HeaderHistory: []any{"not a table", amqp.Table{broker.HeaderFailedAt: 3}},
+	}}), "Publish")
+	dls, err := f.in.List(ctx, f.q, ListOptions{})
+	require.NoError(t, err, "DeadLetters")
 	if len(dls) != 2 {
 		t.Fatalf("DeadLetters = %v; want 2", ids(dls))
 	}
 	slices.Sort(dls[0].Malformed)
-	want := []string{HeaderError, HeaderErrorType, HeaderFailedAt, HeaderHistory, HeaderOriginalQueue, HeaderReplays, rabbitmw.HeaderAttempts, "x-death", "x-first-death-queue"}
+	want := []string{broker.HeaderError, broker.HeaderErrorType, broker.HeaderFailedAt, HeaderHistory, broker.HeaderOriginalQueue, HeaderReplays, rabbitmw.HeaderAttempts, "x-death", "x-first-death-queue"}
 	slices.Sort(want)
-	equal(t, "malformed", dls[0].Malformed, want)
-	_, err = f.b.Replay(ctx, f.q, ReplayOptions{Filter: Filter{IDs: []string{"bad"}}})
-	isErr(t, "Replay without a destination", err, ErrNoDestination)
+	assert.Equal(t, want, dls[0].Malformed, "malformed")
+	_, err = f.in.Replay(ctx, f.q, ReplayOptions{Filter: Filter{IDs: []string{"bad"}}})
+	require.ErrorIs(t, err, ErrNoDestination, "Replay without a destination")
 	var out bytes.Buffer
-	n, err := f.b.ExportDeadLetters(ctx, f.q, &out, ExportOptions{})
-	noErr(t, "Export", err)
-	equal(t, "exported", n, 2)
-	res, err := f.b.Replay(ctx, f.q, ReplayOptions{To: f.q})
-	noErr(t, "Replay", err)
-	equal(t, "replayed", res.Replayed, 2)
+	n, err := f.in.Export(ctx, f.q, &out, ExportOptions{})
+	require.NoError(t, err, "Export")
+	assert.Equal(t, 2, n, "exported")
+	res, err := f.in.Replay(ctx, f.q, ReplayOptions{To: f.q})
+	require.NoError(t, err, "Replay")
+	assert.Equal(t, 2, res.Replayed, "replayed")
 	back := f.drain(f.q)
 	slices.SortFunc(back, func(a, b *amqp.Delivery) int { return strings.Compare(a.MessageId, b.MessageId) })
-	equal(t, "replayed", deliveryIDs(back), []string{"bad", "bad-history"})
-	equal(t, "replays after a malformed count", back[0].Headers[HeaderReplays], int64(1))
+	assert.Equal(t, []string{"bad", "bad-history"}, deliveryIDs(back), "replayed")
+	assert.Equal(t, int64(1), back[0].Headers[HeaderReplays], "replays after a malformed count")
 	lives, _ := back[0].Headers[HeaderHistory].([]any)
 	if len(lives) != 1 || lives[0].(amqp.Table)[HeaderHistory] != "not an array" {
 		t.Errorf("history = %v; want one life keeping the malformed history", back[0].Headers[HeaderHistory])
 	}
 	lives, _ = back[1].Headers[HeaderHistory].([]any)
-	equal(t, "lives of bad-history", len(lives), 3)
+	assert.Equal(t, 3, len(lives), "lives of bad-history")
 	f.assertSettled(t)
 }
 
 // Purge removes what it selects and leaves the rest in order.
 func testPurgeSelected(t *testing.T, be backend) {
-	f := setup(t, be, Topology{})
+	f := setup(t, be, broker.Topology{})
 	ctx := testContext(t, 30*time.Second)
 	f.deadLetter(t, false, nil, "a", "typed-b", "c", "typed-d")
-	removed, err := f.b.PurgeDeadLetters(ctx, f.q, PurgeOptions{Filter: Filter{ErrorType: "*broker.typedErr"}, DryRun: true})
-	noErr(t, "Purge dry run", err)
-	equal(t, "selected", ids(removed), []string{"typed-b", "typed-d"})
-	equal(t, "dead-letter queue after a dry run", f.length(f.q+".dlq"), 4)
-	removed, err = f.b.PurgeDeadLetters(ctx, f.q, PurgeOptions{Filter: Filter{ErrorType: "*broker.typedErr"}})
-	noErr(t, "Purge", err)
-	equal(t, "removed", ids(removed), []string{"typed-b", "typed-d"})
-	equal(t, "left", deliveryIDs(f.drain(f.q+".dlq")), []string{"a", "c"})
+	removed, err := f.in.Purge(ctx, f.q, PurgeOptions{Filter: Filter{ErrorType: "*deadletter.typedErr"}, DryRun: true})
+	require.NoError(t, err, "Purge dry run")
+	assert.Equal(t, []string{"typed-b", "typed-d"}, ids(removed), "selected")
+	assert.Equal(t, 4, f.length(f.q+".dlq"), "dead-letter queue after a dry run")
+	removed, err = f.in.Purge(ctx, f.q, PurgeOptions{Filter: Filter{ErrorType: "*deadletter.typedErr"}})
+	require.NoError(t, err, "Purge")
+	assert.Equal(t, []string{"typed-b", "typed-d"}, ids(removed), "removed")
+	assert.Equal(t, []string{"a", "c"}, deliveryIDs(f.drain(f.q+".dlq")), "left")
 	f.assertSettled(t)
 }
 
 // Exported, purged and imported back, the messages are the same: body,
 // properties, and headers type for type.
 func testExportImport(t *testing.T, be backend) {
-	f := setup(t, be, Topology{})
+	f := setup(t, be, broker.Topology{})
 	ctx := testContext(t, 30*time.Second)
 	f.deadLetter(t, true, allTypes(), "a", "b")
-	noErr(t, "Publish", f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{
+	require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{
 		Headers: exportTypes(), Body: []byte{0, 1, 2, 0xff}, ContentType: "application/octet-stream",
 		ContentEncoding: "identity", DeliveryMode: amqp.Transient, Priority: 3, CorrelationId: "corr",
 		ReplyTo: "reply", Expiration: "600000", MessageId: "props", Timestamp: time.Unix(1700000000, 0),
 		Type: "kind", AppId: "app",
-	}))
-	before, err := f.b.DeadLetters(ctx, f.q, ListOptions{})
-	noErr(t, "DeadLetters", err)
+	}), "Publish")
+	before, err := f.in.List(ctx, f.q, ListOptions{})
+	require.NoError(t, err, "DeadLetters")
 	var out bytes.Buffer
-	n, err := f.b.ExportDeadLetters(ctx, f.q, &out, ExportOptions{})
-	noErr(t, "Export", err)
-	equal(t, "exported", n, 3)
-	equal(t, "lines", strings.Count(out.String(), "\n"), 3)
-	equal(t, "dead-letter queue after the export", f.length(f.q+".dlq"), 3)
-	_, err = f.b.PurgeDeadLetters(ctx, f.q, PurgeOptions{})
-	noErr(t, "Purge", err)
-	n, err = f.b.ImportDeadLetters(ctx, f.q, bytes.NewReader(out.Bytes()), ImportOptions{})
-	noErr(t, "Import", err)
-	equal(t, "imported", n, 3)
-	after, err := f.b.DeadLetters(ctx, f.q, ListOptions{})
-	noErr(t, "DeadLetters", err)
+	n, err := f.in.Export(ctx, f.q, &out, ExportOptions{})
+	require.NoError(t, err, "Export")
+	assert.Equal(t, 3, n, "exported")
+	assert.Equal(t, 3, strings.Count(out.String(), "\n"), "lines")
+	assert.Equal(t, 3, f.length(f.q+".dlq"), "dead-letter queue after the export")
+	_, err = f.in.Purge(ctx, f.q, PurgeOptions{})
+	require.NoError(t, err, "Purge")
+	n, err = f.in.Import(ctx, f.q, bytes.NewReader(out.Bytes()), ImportOptions{})
+	require.NoError(t, err, "Import")
+	assert.Equal(t, 3, n, "imported")
+	after, err := f.in.List(ctx, f.q, ListOptions{})
+	require.NoError(t, err, "DeadLetters")
 	if len(after) != len(before) {
 		t.Fatalf("after the import: %v; want %v", ids(after), ids(before))
 	}
 	for i, b := range before {
 		a := after[i]
-		equal(t, "id", a.ID, b.ID)
-		equal(t, b.ID+": body", a.Message.Body, b.Message.Body)
-		equalTypes(t, b.ID+": headers", a.Message.Headers, b.Message.Headers)
+		assert.Equal(t, b.ID, a.ID, "id")
+		assert.Equal(t, b.Delivery.Body, a.Delivery.Body, b.ID+": body")
 		p := func(d *amqp.Delivery) []any {
 			return []any{d.ContentType, d.ContentEncoding, d.DeliveryMode, d.Priority, d.CorrelationId,
 				d.ReplyTo, d.Expiration, d.MessageId, d.Timestamp, d.Type, d.UserId, d.AppId}
 		}
-		equal(t, b.ID+": properties", p(a.Message), p(b.Message))
+		// The import makes a copy as the broker's are (see Import): one
+		// that carried an Expiration, or was not persistent, keeps them
+		// in headers.
+		want := *b.Delivery
+		want.Headers = maps.Clone(want.Headers)
+		if want.Expiration != "" {
+			want.Headers[broker.HeaderOriginalExpiration] = want.Expiration
+			want.Expiration = ""
+		}
+		if want.DeliveryMode != amqp.Persistent {
+			want.Headers[broker.HeaderOriginalDeliveryMode] = int64(want.DeliveryMode)
+			want.DeliveryMode = amqp.Persistent
+		}
+		equalTypes(t, b.ID+": headers", a.Delivery.Headers, want.Headers)
+		assert.Equal(t, p(&want), p(a.Delivery), b.ID+": properties")
 	}
-	_, err = f.b.ImportDeadLetters(ctx, f.q, strings.NewReader("{}\nnot json\n"), ImportOptions{})
-	contains(t, "Import of a bad line", fmt.Sprint(err), "line 2")
-	_, err = f.b.ImportDeadLetters(ctx, f.q, strings.NewReader(""), ImportOptions{To: f.q + "-missing"})
-	isErr(t, "Import to a missing queue", err, ErrQueueNotFound)
+	_, err = f.in.Import(ctx, f.q, strings.NewReader("{}\nnot json\n"), ImportOptions{})
+	assert.Contains(t, fmt.Sprint(err), "line 2", "Import of a bad line")
+	_, err = f.in.Import(ctx, f.q, strings.NewReader(""), ImportOptions{To: f.q + "-missing"})
+	require.ErrorIs(t, err, broker.ErrQueueNotFound, "Import to a missing queue")
 	f.drain(f.q + ".dlq")
 	f.assertSettled(t)
 }
@@ -493,30 +510,30 @@ func equalTypes(t *testing.T, what string, got, want amqp.Table) {
 // every type, extreme values, NaN.
 func TestTypedValueRoundTrip(t *testing.T) {
 	for name, h := range map[string]amqp.Table{"allTypes": allTypes(), "exportTypes": exportTypes()} {
-		d := &amqp.Delivery{Headers: h, Body: []byte("b"), MessageId: "m", Timestamp: time.Unix(5, 0)}
+		d := &amqp.Delivery{Headers: h, Body: []byte("b"), MessageId: "m", Timestamp: time.Unix(5, 0), DeliveryMode: amqp.Persistent}
 		m, err := ExportMessage("q", d)
-		noErr(t, "Export", err)
+		require.NoError(t, err, "Export")
 		line, err := json.Marshal(m)
-		noErr(t, "Marshal", err)
+		require.NoError(t, err, "Marshal")
 		var back ExportedMessage
-		noErr(t, "Unmarshal", json.Unmarshal(line, &back))
+		require.NoError(t, json.Unmarshal(line, &back), "Unmarshal")
 		p, err := back.Publishing()
-		noErr(t, "Publishing", err)
+		require.NoError(t, err, "Publishing")
 		want := rabbit.WireTable(h) // as the wire decodes it: int becomes int32
 		equalTypes(t, name, p.Headers, want)
-		equal(t, name+": timestamp", p.Timestamp, d.Timestamp)
+		assert.Equal(t, d.Timestamp, p.Timestamp, name+": timestamp")
 	}
 	m, err := ExportMessage("q", &amqp.Delivery{Headers: amqp.Table{"nan": math.NaN(), "nan32": float32(math.NaN()), "inf": math.Inf(-1)}})
-	noErr(t, "Export", err)
+	require.NoError(t, err, "Export")
 	p, err := m.Publishing()
-	noErr(t, "Publishing", err)
+	require.NoError(t, err, "Publishing")
 	if f, ok := p.Headers["nan"].(float64); !ok || !math.IsNaN(f) {
 		t.Errorf("nan = %T %v; want float64 NaN", p.Headers["nan"], p.Headers["nan"])
 	}
 	if f, ok := p.Headers["nan32"].(float32); !ok || !math.IsNaN(float64(f)) {
 		t.Errorf("nan32 = %T %v; want float32 NaN", p.Headers["nan32"], p.Headers["nan32"])
 	}
-	equal(t, "inf", p.Headers["inf"], math.Inf(-1))
+	assert.Equal(t, math.Inf(-1), p.Headers["inf"], "inf")
 	if _, err := ExportMessage("q", &amqp.Delivery{Headers: amqp.Table{"bad": struct{}{}}}); err == nil {
 		t.Error("Export of a header of no AMQP type = nil; want an error")
 	}
@@ -526,7 +543,7 @@ func TestTypedValueRoundTrip(t *testing.T) {
 		`{"type":"array","value":[{"type":"uint8","value":-1}]}`, `{"type":"timestamp","value":"soon"}`,
 	} {
 		var tv TypedValue
-		noErr(t, "Unmarshal", json.Unmarshal([]byte(bad), &tv))
+		require.NoError(t, json.Unmarshal([]byte(bad), &tv), "Unmarshal")
 		if _, err := tv.decode(); err == nil {
 			t.Errorf("decode(%s) = nil error; want one", bad)
 		}

@@ -1,0 +1,151 @@
+package e2e_test
+
+// A handler that branches on the routing key (several event types on one
+// queue) must see the key the message was published with on every
+// attempt, although each retry comes back from a delay queue through the
+// default exchange, and after a replay from the dead-letter queue.
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/otelmw"
+)
+
+// route is where a delivery says it came from.
+type route struct {
+	Exchange, RoutingKey, UserID string
+}
+
+// routeLog records the routing_key attribute of the Log layer's records.
+type routeLog struct {
+	mu   sync.Mutex
+	keys []string
+}
+
+func (l *routeLog) Enabled(context.Context, slog.Level) bool { return true }
+func (l *routeLog) WithAttrs([]slog.Attr) slog.Handler       { return l }
+func (l *routeLog) WithGroup(string) slog.Handler            { return l }
+func (l *routeLog) Handle(_ context.Context, r slog.Record) error {
+	r.Attrs(func(a slog.Attr) bool {
+		if a.Key == "routing_key" {
+			l.mu.Lock()
+			l.keys = append(l.keys, a.Value.String())
+			l.mu.Unlock()
+		}
+		return true
+	})
+	return nil
+}
+
+func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var r [4]byte
+	_, _ = rand.Read(r[:])
+	suffix := hex.EncodeToString(r[:])
+	// The exchange of the issue, "events", with a name of its own: the
+	// server is shared.
+	exchange := "rabbitmw-test-events-" + suffix
+	q := "rabbitmw-test-orders-" + suffix
+	b := broker.New(url, broker.Options{})
+	t.Cleanup(func() { b.Close() })
+	top := broker.Topology{Delays: []time.Duration{50 * time.Millisecond}}
+	require.NoError(t, b.Declare(ctx, q, top))
+	conn, err := amqp.Dial(url)
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	require.NoError(t, ch.ExchangeDeclare(exchange, "topic", false, true, false, false, nil))
+	require.NoError(t, ch.QueueBind(q, "order.*", exchange, false, nil))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		assert.NoError(t, b.Delete(ctx, q, top))
+	})
+
+	var mu sync.Mutex
+	var seen []route
+	logs := &routeLog{}
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	t.Cleanup(func() { tp.Shutdown(context.Background()) })
+	tel := otelmw.New(otelmw.Options{TracerProvider: tp, Queue: q})
+	chain := rabbitmw.Chain(
+		tel.Middleware(),
+		middleware.Log(slog.New(logs)),
+		middleware.Retry(nil, middleware.RetryOptions{
+			CountByHeader: true, MaxAttempts: 3,
+			Backoff: func(int) time.Duration { return 50 * time.Millisecond },
+		}),
+	)
+	h := chain(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, route{d.Exchange, d.RoutingKey, d.UserId})
+		if len(seen) <= 3 {
+			return errCopyTest
+		}
+		return nil
+	}))
+	stop := consumeIn(t, b, q, top, h)
+	require.NoError(t, b.Publish(ctx, exchange, "order.created", amqp.Publishing{MessageId: "o1", UserId: "guest", Body: []byte("x")}))
+	var dead *amqp.Delivery
+	require.Eventually(t, func() bool {
+		dls, err := deadletter.New(b).List(ctx, q, deadletter.ListOptions{})
+		require.NoError(t, err)
+		if len(dls) == 1 {
+			dead = dls[0].Delivery
+		}
+		return dead != nil
+	}, 20*time.Second, 20*time.Millisecond, "the message was not dead-lettered")
+	// The fault headers name the original.
+	assert.Equal(t, exchange, dead.Headers[broker.HeaderOriginalExchange])
+	assert.Equal(t, "order.created", dead.Headers[broker.HeaderOriginalRoutingKey])
+
+	res, err := deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Replayed)
+	require.Eventually(t, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(seen) == 4
+	}, 20*time.Second, 20*time.Millisecond, "the replayed message was not handled")
+	stop()
+
+	want := route{exchange, "order.created", "guest"}
+	for i, got := range seen {
+		assert.Equal(t, want, got, "delivery %d (3 attempts, then a replay)", i+1)
+	}
+	logs.mu.Lock()
+	assert.Equal(t, []string{"order.created", "order.created", "order.created", "order.created"}, logs.keys, "Log's routing_key")
+	logs.mu.Unlock()
+	ended := spans.Ended()
+	require.Len(t, ended, 4)
+	for i, s := range ended {
+		attrs := attribute.NewSet(s.Attributes()...)
+		v, _ := attrs.Value(semconv.MessagingRabbitMQDestinationRoutingKeyKey)
+		assert.Equal(t, "order.created", v.AsString(), "span %d routing key", i+1)
+		assert.Equal(t, "process "+exchange+":order.created:"+q, s.Name(), "span %d", i+1)
+	}
+}

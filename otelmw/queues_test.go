@@ -1,0 +1,132 @@
+package otelmw_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/otelmw"
+)
+
+// gauge returns the value of the gauge name whose attributes hold kvs, and
+// whether there is one.
+func gauge[N int64 | float64](rm metricdata.ResourceMetrics, name string, kvs ...attribute.KeyValue) (N, bool) {
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != name {
+				continue
+			}
+			if g, ok := m.Data.(metricdata.Gauge[N]); ok {
+				for _, p := range g.DataPoints {
+					if has(p.Attributes, kvs) {
+						return p.Value, true
+					}
+				}
+			}
+		}
+	}
+	return 0, false
+}
+
+func destination(q string) attribute.KeyValue {
+	return attribute.String("messaging.destination.name", q)
+}
+
+// The gauges report each queue's depth and the age of the dead-letter
+// queue's head, follow the queues as they change, and leave the head in
+// its place.
+func TestWatchQueues(t *testing.T) {
+	for _, be := range backends {
+		t.Run(be.name, func(t *testing.T) {
+			b := be.open(t, broker.Options{})
+			q := queueName(t)
+			top := broker.Topology{Delays: []time.Duration{time.Hour, 2 * time.Hour}}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			require.NoError(t, b.Declare(ctx, q, top))
+			t.Cleanup(func() { b.Delete(context.Background(), q, top) })
+			names, err := top.Queues(q)
+			require.NoError(t, err)
+
+			r := newRig(t, otelmw.Options{Queue: q})
+			wctx, stop := context.WithCancel(ctx)
+			done := make(chan error, 1)
+			go func() {
+				done <- r.tel.WatchQueues(wctx, b, otelmw.QueueOptions{Topology: top, Interval: 20 * time.Millisecond})
+			}()
+			defer func() {
+				stop()
+				require.NoError(t, <-done)
+			}()
+
+			// Empty queues: every depth 0, and the age 0.
+			require.EventuallyWithT(t, func(c *assert.CollectT) {
+				rm := r.metrics(t)
+				for _, name := range append([]string{names.Work, names.DeadLetter}, names.Delays...) {
+					n, ok := gauge[int64](rm, "rabbitmw.queue.depth", destination(name))
+					assert.True(c, ok, name)
+					assert.Zero(c, n, name)
+				}
+				age, ok := gauge[float64](rm, "rabbitmw.dead_letter.oldest.age", destination(names.DeadLetter))
+				assert.True(c, ok)
+				assert.Zero(c, age)
+			}, 20*time.Second, 20*time.Millisecond)
+
+			// Two messages in the work queue, one in the second delay
+			// tier, two dead letters: the first failed an hour ago, the
+			// second a minute ago.
+			failed := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+			for _, p := range []struct {
+				queue string
+				msg   amqp.Publishing
+			}{
+				{names.Work, amqp.Publishing{MessageId: "w1"}},
+				{names.Work, amqp.Publishing{MessageId: "w2"}},
+				{names.Delays[1], amqp.Publishing{MessageId: "d1"}},
+				{names.DeadLetter, amqp.Publishing{MessageId: "x1", Headers: amqp.Table{broker.HeaderFailedAt: failed}}},
+				{names.DeadLetter, amqp.Publishing{MessageId: "x2", Headers: amqp.Table{broker.HeaderFailedAt: time.Now().Add(-time.Minute).UTC()}}},
+			} {
+				require.NoError(t, b.Publish(ctx, "", p.queue, p.msg))
+			}
+			require.EventuallyWithT(t, func(c *assert.CollectT) {
+				rm := r.metrics(t)
+				for name, want := range map[string]int64{names.Work: 2, names.Delays[0]: 0, names.Delays[1]: 1, names.DeadLetter: 2} {
+					n, _ := gauge[int64](rm, "rabbitmw.queue.depth", destination(name))
+					assert.Equal(c, want, n, name)
+				}
+				role, _ := gauge[int64](rm, "rabbitmw.queue.depth", attribute.String("rabbitmw.queue.role", "dead_letter"))
+				assert.Equal(c, int64(2), role)
+				age, _ := gauge[float64](rm, "rabbitmw.dead_letter.oldest.age", destination(names.DeadLetter))
+				assert.InDelta(c, time.Since(failed).Seconds(), age, 30)
+			}, 20*time.Second, 20*time.Millisecond)
+
+			// The peeks left the head in its place.
+			stop()
+			require.NoError(t, <-done)
+			done <- nil
+			d, ok, err := b.Get(ctx, names.DeadLetter)
+			require.NoError(t, err)
+			require.True(t, ok)
+			assert.Equal(t, "x1", d.MessageId)
+			require.NoError(t, d.Nack(false, true))
+
+			// Once stopped, the callback is gone: nothing is reported.
+			_, ok = gauge[int64](r.metrics(t), "rabbitmw.queue.depth")
+			assert.False(t, ok, "a depth reported after WatchQueues returned")
+		})
+	}
+}
+
+// A Telemetry without a queue has nothing to watch.
+func TestWatchQueuesNeedsQueue(t *testing.T) {
+	r := newRig(t, otelmw.Options{})
+	err := r.tel.WatchQueues(context.Background(), nil, otelmw.QueueOptions{})
+	require.ErrorContains(t, err, "Options.Queue")
+}

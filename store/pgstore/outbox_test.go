@@ -1,0 +1,317 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
+)
+
+// newOutbox returns a migrated outbox on a table of its own, dropped when
+// t ends.
+func newOutbox(t *testing.T, pool *pgxpool.Pool, opts pgstore.OutboxOptions) *pgstore.Outbox {
+	t.Helper()
+	if opts.Table == "" {
+		opts.Table = uniqueTable(t, pool) + "_outbox"
+		t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+opts.Table) })
+	}
+	ob := pgstore.NewOutbox(pool, opts)
+	require.NoError(t, ob.Migrate(context.Background()))
+	return ob
+}
+
+// write writes msg in a transaction of its own, committed.
+func write(t *testing.T, pool *pgxpool.Pool, ob *pgstore.Outbox, key string, msg amqp.Publishing) string {
+	t.Helper()
+	var id string
+	require.NoError(t, pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
+		var err error
+		id, err = ob.Write(context.Background(), tx, "", key, msg)
+		return err
+	}))
+	return id
+}
+
+// collect dispatches once and returns what send was given, answering each
+// message with answer.
+func collect(t *testing.T, ob *pgstore.Outbox, limit int, answer func(pgstore.OutboxMessage) pgstore.OutboxResult) ([]pgstore.OutboxMessage, pgstore.DispatchResult) {
+	t.Helper()
+	var got []pgstore.OutboxMessage
+	res, err := ob.Dispatch(context.Background(), limit, false, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+		got = append(got, msgs...)
+		for i := range msgs {
+			results[i] = answer(msgs[i])
+		}
+	})
+	require.NoError(t, err)
+	return got, res
+}
+
+func sent(pgstore.OutboxMessage) pgstore.OutboxResult { return pgstore.OutboxResult{Sent: true} }
+
+// Every property and every header type that AMQP carries comes back from
+// the table as it was written, with the id given at write time.
+func TestOutboxWriteKeepsTheMessage(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{Inject: func(_ context.Context, c map[string]string) {
+		c["traceparent"] = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	}})
+	ts := time.Date(2026, 3, 4, 5, 6, 7, 0, time.UTC)
+	msg := amqp.Publishing{
+		ContentType: "application/json", ContentEncoding: "gzip", Priority: 3,
+		CorrelationId: "c1", ReplyTo: "replies", Expiration: "60000", Timestamp: ts,
+		Type: "order.paid", UserId: "guest", AppId: "shop",
+		Headers: amqp.Table{
+			"bool": true, "i8": int8(-8), "u8": uint8(8), "i16": int16(-16), "u16": uint16(16),
+			"i32": int32(-32), "u32": uint32(32), "i64": int64(-1 << 62), "int": 7,
+			"f32": float32(1.5), "f64": 2.25, "s": "text", "b": []byte{0, 1, 2}, "ts": ts,
+			"dec": amqp.Decimal{Scale: 2, Value: 1234}, "nil": nil,
+			"table": amqp.Table{"inner": "x", "deeper": amqp.Table{"n": int32(1)}},
+			"array": []any{"a", int64(2), amqp.Table{"k": false}},
+		},
+		Body: []byte(`{"order":1}`),
+	}
+	id := write(t, pool, ob, "shipments", msg)
+	assert.Len(t, id, 32, "a message without an id gets one when written")
+
+	got, res := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	assert.Equal(t, pgstore.DispatchResult{Taken: 1, Sent: 1}, res)
+	m := got[0]
+	assert.Equal(t, "", m.Exchange)
+	assert.Equal(t, "shipments", m.Key)
+	assert.Equal(t, map[string]string{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}, m.Trace)
+	want := msg
+	want.MessageId, want.DeliveryMode = id, amqp.Persistent
+	want.Headers = amqp.Table{}
+	for k, v := range msg.Headers {
+		want.Headers[k] = v
+	}
+	want.Headers["int"] = int32(7) // amqp091 sends an int as an int32
+	assert.Equal(t, want, m.Publishing)
+}
+
+func TestOutboxWriteRefusesWhatCannotBeSent(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	for name, msg := range map[string]amqp.Publishing{
+		"a header of a type AMQP lacks": {Headers: amqp.Table{"x": struct{}{}}},
+		"an int over 32 bits":           {Headers: amqp.Table{"x": 1 << 40}},
+		"a long correlation id":         {CorrelationId: strings.Repeat("c", 256)},
+		"a NaN":                         {Headers: amqp.Table{"x": []any{float64NaN()}}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			tx, err := pool.Begin(context.Background())
+			require.NoError(t, err)
+			defer tx.Rollback(context.Background())
+			_, err = ob.Write(context.Background(), tx, "", "q", msg)
+			require.ErrorIs(t, err, pgstore.ErrInvalidMessage)
+			// The transaction is untouched: it still commits.
+			_, err = tx.Exec(context.Background(), `SELECT 1`)
+			require.NoError(t, err)
+		})
+	}
+	s, err := ob.Stats(context.Background())
+	require.NoError(t, err)
+	assert.Zero(t, s.Pending)
+}
+
+func float64NaN() float64 { var z float64; return z / z }
+
+// A message written in a transaction that rolls back is never sent; one
+// written through database/sql is, like one through pgx.
+func TestOutboxWriteJoinsTheTransaction(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	ctx := context.Background()
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = ob.Write(ctx, tx, "", "q", amqp.Publishing{MessageId: "rolled-back"})
+	require.NoError(t, err)
+	require.NoError(t, tx.Rollback(ctx))
+
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	stx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	id, err := ob.WriteSQL(ctx, stx, "ex", "k", amqp.Publishing{MessageId: "via-sql", Headers: amqp.Table{"h": int16(2)}, Body: []byte("b")})
+	require.NoError(t, err)
+	assert.Equal(t, "via-sql", id)
+	require.NoError(t, stx.Commit())
+
+	got, _ := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	assert.Equal(t, "via-sql", got[0].Publishing.MessageId)
+	assert.Equal(t, amqp.Table{"h": int16(2)}, got[0].Publishing.Headers)
+	assert.Equal(t, []byte("b"), got[0].Publishing.Body)
+	assert.Nil(t, got[0].Trace)
+}
+
+// Sent rows are marked and not taken again; parked rows keep their reason
+// until Retry; rows whose send failed stay pending and count the attempt.
+func TestOutboxDispatchRecordsEachResult(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	ctx := context.Background()
+	for _, id := range []string{"ok", "park", "fail", "untouched"} {
+		write(t, pool, ob, "q", amqp.Publishing{MessageId: id})
+	}
+	got, res := collect(t, ob, 10, func(m pgstore.OutboxMessage) pgstore.OutboxResult {
+		switch m.Publishing.MessageId {
+		case "ok":
+			return pgstore.OutboxResult{Sent: true}
+		case "park":
+			return pgstore.OutboxResult{Park: errors.New("no route")}
+		case "fail":
+			return pgstore.OutboxResult{Failed: errors.New("connection lost")}
+		}
+		return pgstore.OutboxResult{}
+	})
+	require.Len(t, got, 4)
+	assert.Equal(t, pgstore.DispatchResult{Taken: 4, Sent: 1, Parked: 1, Failed: 1}, res)
+
+	rows, err := ob.List(ctx, pgstore.OutboxFilter{})
+	require.NoError(t, err)
+	byID := map[string]pgstore.OutboxRow{}
+	for _, r := range rows {
+		byID[r.MessageID] = r
+	}
+	assert.Equal(t, "sent", byID["ok"].State)
+	assert.False(t, byID["ok"].SentAt.IsZero())
+	assert.Equal(t, "parked", byID["park"].State)
+	assert.Equal(t, "no route", byID["park"].Error)
+	assert.Equal(t, "pending", byID["fail"].State)
+	assert.Equal(t, 1, byID["fail"].Attempts)
+	assert.Equal(t, "connection lost", byID["fail"].Error)
+	assert.Equal(t, "pending", byID["untouched"].State)
+	assert.Equal(t, 0, byID["untouched"].Attempts)
+
+	s, err := ob.Stats(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, int64(2), s.Pending)
+	assert.Equal(t, int64(1), s.Parked)
+	assert.Equal(t, int64(1), s.Sent)
+	assert.Greater(t, s.OldestPending, time.Duration(0))
+
+	got, _ = collect(t, ob, 10, sent)
+	ids := []string{}
+	for _, m := range got {
+		ids = append(ids, m.Publishing.MessageId)
+	}
+	assert.ElementsMatch(t, []string{"fail", "untouched"}, ids, "only pending rows are taken again")
+	assert.Equal(t, 1, got[0].Attempts+got[1].Attempts)
+
+	n, err := ob.Retry(ctx, nil)
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), n)
+	got, _ = collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	assert.Equal(t, "park", got[0].Publishing.MessageId)
+
+	s, err = ob.Stats(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, pgstore.OutboxStats{Sent: 4}, s)
+
+	deleted, err := ob.DeleteSent(ctx, time.Hour, 100)
+	require.NoError(t, err)
+	assert.Zero(t, deleted, "rows within the retention stay")
+	deleted, err = ob.DeleteSent(ctx, 0, 100)
+	require.NoError(t, err)
+	assert.Equal(t, int64(4), deleted)
+}
+
+// A dispatch that ends without recording (its process dies: here, its
+// transaction is rolled back by a failed commit) leaves its rows pending.
+func TestOutboxDispatchWithoutCommitLeavesRowsPending(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: "m"})
+	_, err := ob.Dispatch(context.Background(), 10, false, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+		results[0].Sent = true
+		// The relay's connection dies after the confirm, before the
+		// commit. pg_terminate_backend waits until it has gone, and its
+		// row locks with it.
+		_, err := pool.Exec(ctx, `SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity
+WHERE state = 'idle in transaction' AND query LIKE '%FOR UPDATE SKIP LOCKED%' AND query LIKE '%'||$1||'%'`, ob.Table())
+		require.NoError(t, err)
+	})
+	require.Error(t, err)
+	got, _ := collect(t, ob, 10, sent)
+	require.Len(t, got, 1, "the row is sent again")
+	assert.Equal(t, "m", got[0].Publishing.MessageId, "with the same id")
+}
+
+// Dispatches running at once never take the same row.
+func TestOutboxDispatchesShareRows(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	ctx := context.Background()
+	const n = 300
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		for range n {
+			if _, err := ob.Write(ctx, tx, "", "q", amqp.Publishing{}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	var mu sync.Mutex
+	seen := map[string]int{}
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				res, err := ob.Dispatch(ctx, 7, true, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+					time.Sleep(time.Millisecond) // a publish's round trip, so that the dispatches overlap
+					mu.Lock()
+					for i, m := range msgs {
+						seen[m.Publishing.MessageId]++
+						results[i].Sent = true
+					}
+					mu.Unlock()
+				})
+				if !assert.NoError(t, err) || res.Taken == 0 {
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	assert.Len(t, seen, n)
+	for id, c := range seen {
+		if c != 1 {
+			t.Errorf("message %s taken %d times", id, c)
+		}
+	}
+	s, err := ob.Stats(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, pgstore.OutboxStats{}, s, "DeleteSent mode: confirmed rows are deleted")
+}
+
+func TestOutboxSchemaMismatch(t *testing.T) {
+	pool := newPool(t)
+	name := uniqueTable(t, pool) + "_outbox"
+	t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+name) })
+	_, err := pool.Exec(context.Background(), `CREATE TABLE `+name+` (id int)`)
+	require.NoError(t, err)
+	ob := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: name})
+	require.ErrorIs(t, ob.Migrate(context.Background()), pgstore.ErrSchema)
+	missing := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: name + "_none"})
+	require.ErrorIs(t, missing.Check(context.Background()), pgstore.ErrSchema)
+	assert.Contains(t, pgstore.OutboxSchema("shop.outbox"), `CREATE TABLE IF NOT EXISTS "shop"."outbox"`)
+	assert.Panics(t, func() { pgstore.OutboxSchema("Bad Name") })
+}

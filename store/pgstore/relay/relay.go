@@ -1,0 +1,398 @@
+// Package relay sends the messages of a PostgreSQL outbox
+// ([pgstore.Outbox]) to RabbitMQ, with confirms: a message written in a
+// transaction that commits is published, at least once and with the id it
+// was given when it was written; a message of a transaction that rolls back
+// never is.
+//
+// It is a package of its own because it joins the two clients: pgx (by
+// pgstore) and the broker. A program that only consumes with the
+// PostgreSQL inbox, or only writes into the outbox and leaves the relay to
+// another process, does not link it.
+//
+//	ob := pgstore.NewOutbox(pool, pgstore.OutboxOptions{})
+//	if err := ob.Migrate(ctx); err != nil {
+//		return err
+//	}
+//	b := broker.New(url, broker.Options{Logger: logger})
+//	defer b.Close()
+//	go relay.New(ob, b, relay.Options{Logger: logger}).Run(ctx) // beside Consume, or on its own
+//
+// # How it sends
+//
+// The relay takes up to BatchSize pending rows in one transaction
+// (SELECT … FOR UPDATE SKIP LOCKED, in id order), publishes them all at
+// once with confirms and the mandatory flag, records each result in the
+// same transaction and commits (see [pgstore.Outbox.Dispatch]):
+//
+//   - confirmed: the row is marked sent (deleted once Retention has
+//     passed), only after its confirm;
+//   - returned (no queue is bound for it), nacked, refused by the server,
+//     or a message the broker cannot send: the row is parked, with the
+//     reason, never dropped; `rabbitmw outbox retry` (or
+//     [pgstore.Outbox.Retry]) sends it back to pending;
+//   - no confirm (RabbitMQ down, the connection lost, PublishTimeout
+//     passed): the row stays pending, and the relay backs off before it
+//     tries again.
+//
+// It wakes when a transaction that wrote a row commits (LISTEN on the
+// outbox's channel, which [pgstore.Outbox.Write] notifies), and polls every
+// PollInterval besides, so that a lost notification, or a listening
+// connection that broke, delays a message by one interval at most.
+//
+// # Several relays
+//
+// Any number of relays may run on one outbox, in one process or many:
+// SKIP LOCKED makes each take rows the others do not hold, so in the steady
+// state no row is sent twice, and the relays share the load; a relay that
+// dies releases its rows with its connection, and the others send them. This
+// is chosen over one leader elected by an advisory lock, which would keep a
+// strict order but sends from one process alone, and leaves the outbox
+// idle from a leader's death until another takes over.
+//
+// # Order
+//
+// None is kept. Rows are taken in the order of their ids, but a batch is
+// published at once, several relays send batches side by side, and a row
+// that failed is sent after younger ones. The consumers' retries reorder
+// messages anyway (a retried message comes back through a delay queue):
+// a consumer that needs an order must carry it in the messages (a version
+// per key) and check it.
+//
+// # Where the guarantee ends
+//
+// A message is published at least once: the relay can die, or lose the
+// commit's answer, after RabbitMQ confirmed a row and before the row is
+// marked, and the next dispatch sends it again, with the same MessageId.
+// The consumers' Dedup layer absorbs that copy: an inbox (pgstore.Handler)
+// in the receiving service makes its effect once. A row is never marked
+// sent without a confirm, and a rolled-back transaction never leaves a row.
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/internal/backoff"
+	"github.com/rabbitmw/rabbitmw/internal/clock"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
+)
+
+// A Publisher publishes a message and returns once RabbitMQ confirmed it,
+// as [broker.Broker.Publish] does, with its errors: ErrUnroutable for a
+// message returned, ErrNacked for one refused, ErrInvalidMessage for one
+// that cannot be sent, ErrConnectionLost or the context's error for one
+// whose confirm did not come.
+type Publisher interface {
+	Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
+}
+
+var _ Publisher = (*broker.Broker)(nil)
+
+// Options configures a [Relay]. The zero value selects the defaults.
+type Options struct {
+	// Logger receives the relay's records: rows parked at Warn, a
+	// database or RabbitMQ that cannot be reached at Warn. Nil discards
+	// them.
+	Logger *slog.Logger
+	// BatchSize is the most rows taken, and published at once, by one
+	// dispatch. Default 100.
+	BatchSize int
+	// PollInterval is how often the relay looks for pending rows when no
+	// notification came. Default 1s.
+	PollInterval time.Duration
+	// NoListen turns the notifications off: the relay polls alone (for a
+	// connection pooler in transaction mode, which cannot LISTEN).
+	NoListen bool
+	// Retention is how long sent rows are kept, for `rabbitmw outbox ls`
+	// and audits, before the relay deletes them. Default 24h; negative
+	// deletes a row when its confirm comes.
+	Retention time.Duration
+	// PublishTimeout bounds the wait for a batch's confirms; the rows not
+	// confirmed by then stay pending. Default 30s.
+	PublishTimeout time.Duration
+	// StopTimeout is how long Run, once its context is done, still waits
+	// for the confirms of the batch in flight, so that they are recorded
+	// and not sent again by the next relay. Default 5s.
+	StopTimeout time.Duration
+	// BackoffMin and BackoffMax bound the wait after a dispatch that
+	// could not reach the database or RabbitMQ: the n-th wait is drawn
+	// from [0, min(BackoffMax, BackoffMin·2ⁿ)]. Defaults 100ms and 10s.
+	BackoffMin, BackoffMax time.Duration
+	// Observer receives the relay's events.
+	Observer Observer
+}
+
+// Observer receives the events of a Relay. Nil fields are not called.
+// otelmw's Telemetry provides them (ExtractMap, OutboxDispatched).
+type Observer struct {
+	// Extract returns the context to publish a message under, from the
+	// relay's and the writer's trace context that was stored with the
+	// row (see pgstore.OutboxOptions.Inject), so that the publish's span
+	// joins the writer's trace.
+	Extract func(ctx context.Context, trace map[string]string) context.Context
+	// Dispatched is called after each dispatch that took rows, with the
+	// numbers sent (confirmed), parked, and left pending after a failed
+	// send.
+	Dispatched func(ctx context.Context, sent, parked, failed int)
+}
+
+// A Relay sends the pending rows of one outbox. Create it with [New].
+type Relay struct {
+	ob  *pgstore.Outbox
+	pub Publisher
+	log *slog.Logger
+
+	batch                     int
+	poll                      time.Duration
+	listen                    bool
+	retention                 time.Duration
+	publishTimeout, stopAfter time.Duration
+	bmin, bmax                time.Duration
+	obs                       Observer
+}
+
+// New returns a relay of ob's rows to pub (a *broker.Broker). It panics if
+// ob or pub is nil, or an option is negative where it may not be.
+func New(ob *pgstore.Outbox, pub Publisher, opts Options) *Relay {
+	if ob == nil || pub == nil {
+		panic("relay: New: nil outbox or publisher")
+	}
+	if opts.BatchSize < 0 || opts.PollInterval < 0 || opts.PublishTimeout < 0 || opts.StopTimeout < 0 || opts.BackoffMin < 0 || opts.BackoffMax < 0 {
+		panic("relay: New: negative option")
+	}
+	r := &Relay{
+		ob: ob, pub: pub, log: opts.Logger,
+		batch: opts.BatchSize, poll: opts.PollInterval, listen: !opts.NoListen,
+		retention: opts.Retention, publishTimeout: opts.PublishTimeout, stopAfter: opts.StopTimeout,
+		bmin: opts.BackoffMin, bmax: opts.BackoffMax, obs: opts.Observer,
+	}
+	if r.log == nil {
+		r.log = slog.New(slog.DiscardHandler)
+	}
+	def := func(d *time.Duration, v time.Duration) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	if r.batch == 0 {
+		r.batch = 100
+	}
+	def(&r.poll, time.Second)
+	def(&r.retention, 24*time.Hour)
+	def(&r.publishTimeout, 30*time.Second)
+	def(&r.stopAfter, 5*time.Second)
+	def(&r.bmin, 100*time.Millisecond)
+	def(&r.bmax, 10*time.Second)
+	if r.bmin > r.bmax {
+		panic("relay: New: BackoffMin above BackoffMax")
+	}
+	return r
+}
+
+// Run sends the outbox's rows until ctx is done, then waits for the
+// confirms of the batch in flight (StopTimeout at most), records them and
+// returns nil. It returns an error earlier only if the publisher is closed
+// (broker.ErrClosed). A database or RabbitMQ that cannot be reached is
+// not an error: Run logs it, backs off and tries again. Every goroutine
+// Run starts has ended when it returns. Run may be called by several
+// goroutines, and processes, at once: see the package's documentation.
+func (r *Relay) Run(ctx context.Context) error {
+	wake := make(chan struct{}, 1)
+	var wg sync.WaitGroup
+	lctx, stopListening := context.WithCancel(ctx)
+	defer func() {
+		stopListening()
+		wg.Wait()
+	}()
+	if r.listen {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.listenLoop(lctx, wake)
+		}()
+	}
+	var failures int // consecutive dispatches that failed
+	nextPrune := time.Now()
+	for ctx.Err() == nil {
+		res, err := r.dispatch(ctx)
+		switch {
+		case errors.Is(err, broker.ErrClosed):
+			return err
+		case err != nil && ctx.Err() != nil:
+			return nil // stopped while taking rows: none was sent
+		case err != nil:
+			failures++
+			d := r.backoff(failures)
+			r.log.LogAttrs(ctx, slog.LevelWarn, "relay: dispatch failed; retrying",
+				slog.String("error", err.Error()), slog.Duration("retry_in", d))
+			clock.Sleep(ctx, d)
+			continue
+		case res.Failed > 0:
+			// RabbitMQ could not be reached, or did not confirm in time.
+			failures++
+			clock.Sleep(ctx, r.backoff(failures))
+			continue
+		}
+		failures = 0
+		if r.retention > 0 && !time.Now().Before(nextPrune) {
+			if _, err := r.ob.DeleteSent(ctx, r.retention, 10*r.batch); err != nil && ctx.Err() == nil {
+				r.log.LogAttrs(ctx, slog.LevelWarn, "relay: delete sent rows", slog.String("error", err.Error()))
+			}
+			nextPrune = time.Now().Add(time.Minute)
+		}
+		if res.Taken >= r.batch {
+			continue // more are waiting
+		}
+		t := time.NewTimer(r.poll)
+		select {
+		case <-wake:
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		t.Stop()
+	}
+	return nil
+}
+
+func (r *Relay) backoff(n int) time.Duration {
+	return rand.N(backoff.Doubled(r.bmin, n-1, r.bmax) + 1)
+}
+
+// errStopped ends the publishes of a batch whose Run stopped StopTimeout
+// ago.
+var errStopped = errors.New("relay: stopped before the confirm came")
+
+// dispatch takes and sends one batch. Its publishes outlive ctx by
+// StopTimeout at most, so that a stop does not throw away confirms that
+// are on their way.
+func (r *Relay) dispatch(ctx context.Context) (pgstore.DispatchResult, error) {
+	var closed error
+	res, err := r.ob.Dispatch(ctx, r.batch, r.retention < 0, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+		pctx, cancel := context.WithTimeoutCause(context.WithoutCancel(ctx), r.publishTimeout, errors.New("relay: PublishTimeout passed before the confirm came"))
+		defer cancel()
+		stop := context.AfterFunc(ctx, func() {
+			t := time.AfterFunc(r.stopAfter, func() { cancel() })
+			context.AfterFunc(pctx, func() { t.Stop() })
+		})
+		defer stop()
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		for i := range msgs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				results[i] = r.send(pctx, &msgs[i])
+				if errors.Is(results[i].Failed, broker.ErrClosed) {
+					mu.Lock()
+					closed = results[i].Failed
+					mu.Unlock()
+				}
+			}()
+		}
+		wg.Wait()
+	})
+	if res.Taken > 0 && r.obs.Dispatched != nil {
+		r.obs.Dispatched(ctx, res.Sent, res.Parked, res.Failed)
+	}
+	if err == nil {
+		err = closed
+	}
+	return res, err
+}
+
+// send publishes one message and classifies the result.
+func (r *Relay) send(ctx context.Context, m *pgstore.OutboxMessage) pgstore.OutboxResult {
+	if r.obs.Extract != nil && m.Trace != nil {
+		ctx = r.obs.Extract(ctx, m.Trace)
+	}
+	err := r.pub.Publish(ctx, m.Exchange, m.Key, m.Publishing)
+	if err == nil {
+		return pgstore.OutboxResult{Sent: true}
+	}
+	if parks(err) {
+		r.log.LogAttrs(ctx, slog.LevelWarn, "relay: message parked",
+			slog.Int64("row", m.ID), slog.String("message_id", m.Publishing.MessageId),
+			slog.String("exchange", m.Exchange), slog.String("routing_key", m.Key),
+			slog.String("error", err.Error()))
+		return pgstore.OutboxResult{Park: err}
+	}
+	if cause := context.Cause(ctx); cause != nil && errors.Is(err, ctx.Err()) {
+		err = fmt.Errorf("%w (%w)", err, cause)
+	}
+	return pgstore.OutboxResult{Failed: err}
+}
+
+// parks reports whether err says that RabbitMQ will not take the message
+// as it is, so that sending it again cannot help until an operator acts.
+func parks(err error) bool {
+	if errors.Is(err, broker.ErrUnroutable) || errors.Is(err, broker.ErrNacked) || errors.Is(err, broker.ErrInvalidMessage) {
+		return true
+	}
+	// A publish the server refused by closing the channel (a missing
+	// write permission, a body over its limit).
+	var ae *amqp.Error
+	return errors.As(err, &ae) && ae.Server && ae.Recover
+}
+
+// listenLoop listens on the outbox's channel and signals wake at each
+// notification, until ctx is done. A connection that breaks is made
+// again, with backoff; after it is made, wake is signalled once, for the
+// rows written meanwhile.
+func (r *Relay) listenLoop(ctx context.Context, wake chan<- struct{}) {
+	signal := func() {
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	}
+	failures := 0
+	for ctx.Err() == nil {
+		err := r.listenOnce(ctx, r.ob.Pool(), signal)
+		if ctx.Err() != nil {
+			return
+		}
+		failures++
+		d := r.backoff(failures)
+		r.log.LogAttrs(ctx, slog.LevelWarn, "relay: listening for notifications failed; polling meanwhile",
+			slog.String("error", err.Error()), slog.Duration("retry_in", d))
+		if d < r.poll {
+			d = r.poll
+		}
+		clock.Sleep(ctx, d)
+	}
+}
+
+func (r *Relay) listenOnce(ctx context.Context, pool *pgxpool.Pool, signal func()) error {
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	// The connection is LISTENing: it goes back to no pool, since its
+	// session holds the listen.
+	c := conn.Hijack()
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		c.Close(cctx)
+		cancel()
+	}()
+	if _, err := c.Exec(ctx, "LISTEN "+pgx.Identifier{r.ob.Channel()}.Sanitize()); err != nil {
+		return err
+	}
+	signal() // rows written before the LISTEN took effect
+	for {
+		if _, err := c.WaitForNotification(ctx); err != nil {
+			return err
+		}
+		signal()
+	}
+}

@@ -1,0 +1,299 @@
+package relay_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
+	"github.com/rabbitmw/rabbitmw/store/pgstore/relay"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// fixture is an outbox on a table of its own, a broker, and a queue of
+// its own, all removed when the test ends.
+type fixture struct {
+	t     *testing.T
+	pool  *pgxpool.Pool
+	ob    *pgstore.Outbox
+	b     *broker.Broker
+	queue string
+}
+
+func unique(prefix string) string {
+	b := make([]byte, 6)
+	rand.Read(b)
+	return prefix + hex.EncodeToString(b)
+}
+
+func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	url := testenv.PostgresURL(t)
+	amqpURL := testenv.RabbitMQURL(t)
+	pool, err := pgxpool.New(context.Background(), url)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	table := unique("rmwtest_outbox_")
+	t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+table) })
+	ob := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: table})
+	require.NoError(t, ob.Migrate(context.Background()))
+	b := broker.New(amqpURL, broker.Options{})
+	t.Cleanup(func() { b.Close() })
+	f := &fixture{t: t, pool: pool, ob: ob, b: b, queue: unique("rmwtest.outbox.")}
+	f.declare(f.queue)
+	return f
+}
+
+func (f *fixture) declare(queue string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	top := broker.Topology{Delays: []time.Duration{time.Second}}
+	require.NoError(f.t, f.b.Declare(ctx, queue, top))
+	f.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		f.b.Delete(ctx, queue, top)
+	})
+}
+
+// write writes n messages to key in one transaction, committed unless
+// rollback, and returns their ids.
+func (f *fixture) write(key string, n int, rollback bool) []string {
+	f.t.Helper()
+	ctx := context.Background()
+	tx, err := f.pool.Begin(ctx)
+	require.NoError(f.t, err)
+	defer tx.Rollback(ctx)
+	var ids []string
+	for i := range n {
+		id, err := f.ob.Write(ctx, tx, "", key, amqp.Publishing{Body: fmt.Appendf(nil, "%d", i), Headers: amqp.Table{"n": int32(i)}})
+		require.NoError(f.t, err)
+		ids = append(ids, id)
+	}
+	if !rollback {
+		require.NoError(f.t, tx.Commit(ctx))
+	}
+	return ids
+}
+
+// run runs r until the test ends, and checks that it returns nil.
+func (f *fixture) run(r *relay.Relay) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				assert.NoError(f.t, err)
+			case <-time.After(30 * time.Second):
+				f.t.Error("Run did not return 30s after its context was cancelled")
+			}
+		})
+	}
+	f.t.Cleanup(stop)
+	return stop
+}
+
+// drain takes the messages of the queue until it has want of them (or
+// 20 s pass), and returns the count of each message id.
+func (f *fixture) drain(want int) map[string]int {
+	f.t.Helper()
+	got := map[string]int{}
+	total := 0
+	deadline := time.Now().Add(20 * time.Second)
+	for total < want && time.Now().Before(deadline) {
+		d, ok, err := f.b.Get(context.Background(), f.queue)
+		require.NoError(f.t, err)
+		if !ok {
+			time.Sleep(20 * time.Millisecond) // waits for the relay's sends
+			continue
+		}
+		require.NoError(f.t, d.Ack(false))
+		got[d.MessageId]++
+		total++
+	}
+	return got
+}
+
+func (f *fixture) stats() pgstore.OutboxStats {
+	s, err := f.ob.Stats(context.Background())
+	require.NoError(f.t, err)
+	return s
+}
+
+func once(ids []string) map[string]int {
+	m := map[string]int{}
+	for _, id := range ids {
+		m[id] = 1
+	}
+	return m
+}
+
+// A committed message arrives, with the id given at write time; one of a
+// transaction that rolled back never does. With a poll of an hour, only
+// the notification of the commit can wake the relay.
+func TestRelaySendsCommittedRowsOnNotification(t *testing.T) {
+	f := newFixture(t)
+	f.run(relay.New(f.ob, f.b, relay.Options{PollInterval: time.Hour}))
+	first := f.write(f.queue, 1, false)
+	assert.Equal(t, once(first), f.drain(1))
+
+	f.write(f.queue, 5, true)
+	ids := f.write(f.queue, 50, false)
+	assert.Equal(t, once(ids), f.drain(50))
+	require.Eventually(t, func() bool { return f.stats().Sent == 51 }, 10*time.Second, 20*time.Millisecond)
+	assert.Equal(t, pgstore.OutboxStats{Sent: 51}, f.stats())
+	left, err := f.b.Len(context.Background(), f.queue)
+	require.NoError(t, err)
+	assert.Zero(t, left, "nothing of the rolled-back transaction")
+}
+
+func TestRelayPollsWithoutNotifications(t *testing.T) {
+	f := newFixture(t)
+	f.run(relay.New(f.ob, f.b, relay.Options{NoListen: true, PollInterval: 50 * time.Millisecond, Retention: -1}))
+	ids := f.write(f.queue, 20, false)
+	assert.Equal(t, once(ids), f.drain(20))
+	require.Eventually(t, func() bool { return f.stats() == pgstore.OutboxStats{} }, 10*time.Second, 20*time.Millisecond,
+		"with a negative retention, confirmed rows are deleted")
+}
+
+// A message that no queue takes is returned by RabbitMQ: its row is
+// parked, with the reason, and sent once an operator retries it.
+func TestRelayParksUnroutableMessages(t *testing.T) {
+	f := newFixture(t)
+	var parked atomic.Int64
+	f.run(relay.New(f.ob, f.b, relay.Options{PollInterval: 50 * time.Millisecond, Observer: relay.Observer{
+		Dispatched: func(_ context.Context, _, p, _ int) { parked.Add(int64(p)) },
+	}}))
+	missing := unique("rmwtest.outbox.missing.")
+	lost := f.write(missing, 3, false)
+	ids := f.write(f.queue, 3, false)
+	assert.Equal(t, once(ids), f.drain(3), "a parked row does not hold the others back")
+	require.Eventually(t, func() bool { return f.stats().Parked == 3 }, 10*time.Second, 20*time.Millisecond)
+	assert.Equal(t, int64(3), parked.Load())
+	rows, err := f.ob.List(context.Background(), pgstore.OutboxFilter{State: "parked"})
+	require.NoError(t, err)
+	require.Len(t, rows, 3)
+	for _, r := range rows {
+		assert.Contains(t, lost, r.MessageID)
+		assert.Contains(t, r.Error, "unroutable")
+		assert.Equal(t, 1, r.Attempts)
+	}
+
+	// The operator binds the queue and retries.
+	f.declare(missing)
+	n, err := f.ob.Retry(context.Background(), nil)
+	require.NoError(t, err)
+	assert.Equal(t, int64(3), n)
+	f.queue = missing
+	assert.Equal(t, once(lost), f.drain(3))
+}
+
+// A publisher that fails for a while: no confirm, so the rows stay
+// pending, count the attempts, and are sent once RabbitMQ is back.
+type flaky struct {
+	relay.Publisher
+	failures atomic.Int64 // publishes left to fail
+	calls    atomic.Int64
+}
+
+func (p *flaky) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	p.calls.Add(1)
+	if p.failures.Add(-1) >= 0 {
+		return fmt.Errorf("%w: test: RabbitMQ is down", broker.ErrConnectionLost)
+	}
+	return p.Publisher.Publish(ctx, exchange, key, msg)
+}
+
+func TestRelayKeepsRowsWhoseConfirmDidNotCome(t *testing.T) {
+	f := newFixture(t)
+	p := &flaky{Publisher: f.b}
+	p.failures.Store(12)
+	f.run(relay.New(f.ob, p, relay.Options{BatchSize: 4, PollInterval: 50 * time.Millisecond, BackoffMin: time.Millisecond, BackoffMax: 20 * time.Millisecond}))
+	ids := f.write(f.queue, 4, false)
+	assert.Equal(t, once(ids), f.drain(4))
+	assert.GreaterOrEqual(t, p.calls.Load(), int64(16))
+	require.Eventually(t, func() bool { return f.stats().Sent == 4 }, 10*time.Second, 20*time.Millisecond)
+	rows, err := f.ob.List(context.Background(), pgstore.OutboxFilter{})
+	require.NoError(t, err)
+	attempts := 0
+	for _, r := range rows {
+		attempts += r.Attempts
+		assert.Equal(t, "sent", r.State)
+	}
+	assert.Equal(t, 12, attempts)
+}
+
+// A publisher whose confirms come only after the relay was told to stop:
+// Run waits for them, and records the rows sent, so that no relay sends
+// them again.
+type late struct {
+	relay.Publisher
+	stopped <-chan struct{}
+}
+
+func (p *late) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	<-p.stopped
+	time.Sleep(100 * time.Millisecond) // the confirm is on its way
+	return p.Publisher.Publish(ctx, exchange, key, msg)
+}
+
+func TestRelayStopWaitsForTheConfirmsInFlight(t *testing.T) {
+	f := newFixture(t)
+	stopped := make(chan struct{})
+	p := &late{Publisher: f.b, stopped: stopped}
+	stop := f.run(relay.New(f.ob, p, relay.Options{PollInterval: 20 * time.Millisecond, Observer: relay.Observer{
+		Extract: func(ctx context.Context, _ map[string]string) context.Context { return ctx },
+	}}))
+	ids := f.write(f.queue, 5, false)
+	// Wait until the batch is taken: its rows are locked.
+	require.Eventually(t, func() bool {
+		var locked int
+		err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM (SELECT 1 FROM `+pgx.Identifier{f.ob.Table()}.Sanitize()+` FOR UPDATE SKIP LOCKED) x`).Scan(&locked)
+		return err == nil && locked == 0
+	}, 10*time.Second, 10*time.Millisecond)
+	go func() { time.Sleep(50 * time.Millisecond); close(stopped) }() // after the cancel below
+	stop()
+	assert.Equal(t, pgstore.OutboxStats{Sent: 5}, f.stats())
+	assert.Equal(t, once(ids), f.drain(5))
+}
+
+// Several relays on one outbox share its rows: each message is sent once.
+func TestRelaysShareTheOutbox(t *testing.T) {
+	f := newFixture(t)
+	const n = 400
+	var ids []string
+	for range 4 {
+		ids = append(ids, f.write(f.queue, n/4, false)...)
+	}
+	var sent atomic.Int64
+	for range 3 {
+		f.run(relay.New(f.ob, f.b, relay.Options{BatchSize: 10, PollInterval: 20 * time.Millisecond, Observer: relay.Observer{
+			Dispatched: func(_ context.Context, s, _, _ int) { sent.Add(int64(s)) },
+		}}))
+	}
+	assert.Equal(t, once(ids), f.drain(n))
+	require.Eventually(t, func() bool { return f.stats().Sent == n }, 10*time.Second, 20*time.Millisecond)
+	assert.Equal(t, int64(n), sent.Load(), "confirmed sends")
+	left, err := f.b.Len(context.Background(), f.queue)
+	require.NoError(t, err)
+	assert.Zero(t, left, "no copy")
+}
