@@ -250,3 +250,33 @@ func TestInRoundOrder(t *testing.T) {
 		t.Errorf("inRoundOrder changed its argument: %v", items)
 	}
 }
+
+// The scale plot has a panel per contender and a line per process, a
+// point per case; the table a row per case and contender.
+func TestScaleChart(t *testing.T) {
+	r := &scaleResult{}
+	for i, sc := range scaleCases {
+		cell := scaleCell{Case: sc}
+		for j, name := range []string{plainName, redisName} {
+			cell.Summary = append(cell.Summary, summary{figures: figures{Contender: name,
+				CPU: cpuUsage{Self: float64(10 * (i + j)), Redis: 1, Rabbit: 20, Postgres: -1}}, Median: 1000})
+		}
+		r.Cases = append(r.Cases, cell)
+	}
+	c := r.chart()
+	if len(c.Panels) != 2 || len(c.X) != len(scaleCases) || len(c.Series) != 4 {
+		t.Fatalf("chart: %d panels, %d cases, %d series; want 2, %d, 4", len(c.Panels), len(c.X), len(c.Series), len(scaleCases))
+	}
+	if got := c.Panels[1].Y[3][2]; got != 10*(2+1)+1+20 {
+		t.Errorf("rabbitmw-redis's total at case 3 = %v; want %v", got, 10*(2+1)+1+20)
+	}
+	var md strings.Builder
+	r.markdown(&md)
+	if n := strings.Count(md.String(), "\n| "); n != 2+2*len(scaleCases) {
+		t.Errorf("markdown has %d table rows; want %d:\n%s", n, 2+2*len(scaleCases), md.String())
+	}
+	var svg strings.Builder
+	if err := c.writeSVG(&svg); err != nil || !strings.Contains(svg.String(), "</svg>") {
+		t.Errorf("writeSVG: %v", err)
+	}
+}

@@ -56,12 +56,14 @@ type childReady struct {
 	PgPIDs []int `json:"pg_pids,omitempty"`
 }
 
-// childDone is the timing of the run: from the first effect to the last
-// ack, and the child's own CPU time over the run (from "go" to the last
-// ack: connecting and subscribing included, stopping not).
+// childDone is the timing of the run: its first effect and its last ack,
+// in Unix nanoseconds (comparable between processes), and the child's own
+// CPU time over the run (from "go" to the last ack: connecting and
+// subscribing included, stopping not).
 type childDone struct {
-	Seconds float64       `json:"seconds"`
-	CPU     time.Duration `json:"cpu_ns"`
+	First int64         `json:"first_unix_ns"`
+	Last  int64         `json:"last_unix_ns"`
+	CPU   time.Duration `json:"cpu_ns"`
 }
 
 // childResult is what the child saw, once its consumer stopped.
@@ -129,7 +131,7 @@ func runChild(ctx context.Context, spec string, in io.Reader, out io.Writer) err
 	var cerr error
 	select {
 	case <-cnt.done:
-		done := childDone{Seconds: cnt.elapsed().Seconds(), CPU: selfCPU() - cpu0}
+		done := childDone{First: epoch.UnixNano() + cnt.first.Load(), Last: epoch.UnixNano() + cnt.last.Load(), CPU: selfCPU() - cpu0}
 		if err := writeLine(out, "done", done); err != nil {
 			return err
 		}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/broker"
@@ -81,9 +82,10 @@ func (e *env) run(ctx context.Context, c contender, round int, label string) (ru
 	return e.runOnce(ctx, c, round, label+".again")
 }
 
-// runOnce fills a fresh queue and consumes it with c in a child process.
-// label names the queue, the Redis keys and the tables, after the run's
-// prefix.
+// runOnce fills a fresh queue and consumes it with c in a child process;
+// with c.procs > 1, as many queues of an equal share of the messages, each
+// consumed by a process of its own, all at once. label names the queues,
+// the Redis keys and the tables, after the run's prefix.
 func (e *env) runOnce(ctx context.Context, c contender, round int, label string) (res runResult, err error) {
 	gap := 0
 	dup := 0.0
@@ -92,85 +94,123 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		// settled: beyond the prefetch window and the workers in hand.
 		dup, gap = e.cfg.dup, max(minDuplicatesGap, 4*c.prefetch+c.workers)
 	}
-	ids, unique := messageIDs(e.cfg.n, dup, gap)
-	b := batch{
-		queue:  e.runID + "." + label,
-		prefix: e.runID + ":" + label + ":",
-		ids:    ids,
-		unique: unique,
+	procs := max(c.procs, 1)
+	batches := make([]batch, procs)
+	unique := 0
+	for i := range batches {
+		ids, u := messageIDs(e.cfg.n/procs, dup, gap)
+		name := label
+		if procs > 1 {
+			name += ".q" + strconv.Itoa(i)
+		}
+		batches[i] = batch{queue: e.runID + "." + name, prefix: e.runID + ":" + name + ":", ids: ids, unique: u}
+		unique += u
 	}
+	messages := procs * (e.cfg.n / procs)
 	defer func() {
-		if derr := e.drop(b); derr != nil {
-			err = errors.Join(err, fmt.Errorf("clean up: %w", derr))
+		for _, b := range batches {
+			if derr := e.drop(b); derr != nil {
+				err = errors.Join(err, fmt.Errorf("clean up: %w", derr))
+			}
 		}
 	}()
-	if err := e.fill(ctx, b); err != nil {
-		return res, err
+	for _, b := range batches {
+		if err := e.fill(ctx, b); err != nil {
+			return res, err
+		}
 	}
 	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout+time.Minute)
 	defer cancel()
-	ch, ready, err := startChild(rctx, e.childSpec(c, b, false))
-	if err != nil {
-		return res, err
+	children := make([]*child, procs)
+	var pgPIDs []int
+	for i, b := range batches {
+		ch, ready, err := startChild(rctx, e.childSpec(c, b, false))
+		if err != nil {
+			return res, err
+		}
+		defer ch.stop()
+		children[i] = ch
+		pgPIDs = append(pgPIDs, ready.PgPIDs...)
 	}
-	defer ch.stop()
 
 	load := loadNow()
 	before, err := e.commandStats(ctx)
 	if err != nil {
 		return res, err
 	}
-	// RabbitMQ's CPU while this run's consumer is connected but idle:
+	// RabbitMQ's CPU while this run's consumers are connected but idle:
 	// other users' load on the shared server, sampled just before the run
 	// and subtracted from its CPU over the run.
 	idle := idleCPU(ctx, e.rabbitPID, runIdleSample)
-	cpuBefore := e.cpuTimes(ctx, ready.PgPIDs)
+	cpuBefore := e.cpuTimes(ctx, pgPIDs)
 	cpuBefore.rabbitIdle = idle
-	if err := ch.start(); err != nil {
-		return res, err
+	for _, ch := range children {
+		if err := ch.start(); err != nil {
+			return res, err
+		}
 	}
-	var done childDone
-	if err := ch.read("done", &done); err != nil {
-		return res, err
+	var first, last int64
+	var self time.Duration
+	for i, ch := range children {
+		var done childDone
+		if err := ch.read("done", &done); err != nil {
+			return res, err
+		}
+		if i == 0 || done.First < first {
+			first = done.First
+		}
+		last = max(last, done.Last)
+		self += done.CPU
 	}
-	cpuAfter := e.cpuTimes(ctx, ready.PgPIDs)
+	cpuAfter := e.cpuTimes(ctx, pgPIDs)
 	after, err := e.commandStats(ctx)
 	if err != nil {
 		return res, err
 	}
-	var cr childResult
-	if err := ch.read("result", &cr); err != nil {
-		return res, err
+	var effects, uniqueEffects, repeated int64
+	for _, ch := range children {
+		var cr childResult
+		if err := ch.read("result", &cr); err != nil {
+			return res, err
+		}
+		if err := ch.wait(); err != nil {
+			return res, fmt.Errorf("the child: %w", err)
+		}
+		if cr.Err != "" {
+			return res, errors.New(cr.Err)
+		}
+		effects += cr.Effects
+		uniqueEffects += cr.UniqueEffects
+		repeated += cr.RepeatedEffects
 	}
-	if err := ch.wait(); err != nil {
-		return res, fmt.Errorf("the child: %w", err)
-	}
-	if cr.Err != "" {
-		return res, errors.New(cr.Err)
-	}
-	cpuBefore.self, cpuAfter.self = 0, done.CPU
+	cpuBefore.self, cpuAfter.self = 0, self
 	res = runResult{
 		figures: figures{
 			Contender:     c.name,
 			Prefetch:      c.prefetch,
 			Workers:       c.workers,
-			Deliveries:    int64(len(ids)),
-			Effects:       cr.Effects,
-			UniqueEffects: cr.UniqueEffects,
-			CPU:           cpuBefore.usage(cpuAfter, int64(len(ids))),
+			Deliveries:    int64(messages),
+			Effects:       effects,
+			UniqueEffects: uniqueEffects,
+			CPU:           cpuBefore.usage(cpuAfter, int64(messages)),
 		},
 		Round:           round,
 		RabbitIdle:      idle,
-		Messages:        len(ids),
+		Messages:        messages,
 		UniqueIDs:       unique,
-		Seconds:         done.Seconds,
+		Seconds:         time.Duration(last - first).Seconds(),
 		Load:            load,
-		RepeatedEffects: cr.RepeatedEffects,
+		RepeatedEffects: repeated,
 	}
-	res.MsgsPerSec = float64(len(ids)) / res.Seconds
+	res.MsgsPerSec = float64(messages) / res.Seconds
 	res.RedisByCommand, res.RedisCommands = statsDelta(before, after)
-	if res.LeftReady, res.LeftDead, err = e.leftovers(ctx, b.queue); err != nil {
-		return res, err
+	for _, b := range batches {
+		ready, dead, err := e.leftovers(ctx, b.queue)
+		if err != nil {
+			return res, err
+		}
+		res.LeftReady += ready
+		res.LeftDead += dead
 	}
 	return res, nil
 }

@@ -68,6 +68,9 @@ type contender struct {
 	redis bool // uses Redis
 	pg    bool // uses PostgreSQL
 	dup   bool // its messages repeat ids (-dup)
+	// procs is the consumer processes of a run, each on a queue of its
+	// own (0 means 1): see env.runOnce.
+	procs int
 }
 
 // newContender returns the contender called name at the common prefetch and

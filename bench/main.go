@@ -11,6 +11,7 @@
 //	go run . -rounds 5             # the contenders, 20,000 messages of 12 bytes each run
 //	go run . -rounds 5 -size 1024  # the same with 1 KB bodies
 //	go run . -sweep -out sweep.svg # the prefetch × workers grid, plotted
+//	go run . -scale -out scale.svg # CPU per message as things grow, plotted
 //	go run . -latency -n 2000      # publish-to-ack latency at 200 msgs/s
 //	go run . -plot sweep.json -out sweep.svg # the plot again, from its results
 //	go run . -stack-only           # the stack in process; no servers needed
@@ -88,6 +89,7 @@ type config struct {
 	prefetch    int // 0: the broker's default
 	workers     int // 0: the broker's default
 	sweep       bool
+	scale       bool // -scale: CPU per message as things grow
 	latency     bool // -latency: publish→ack latency at a light load
 	rate        int  // -rate: its messages per second
 	only        []string
@@ -157,6 +159,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&cfg.workers, "workers", 0, "workers of every contender (default: the broker's default)")
 	fs.BoolVar(&cfg.latency, "latency", false, "measure publish-to-ack latency at a light load instead: -n messages (use about 2000) published at -rate (contenders plain, rabbitmw-redis, rabbitmw-redis-unbatched, unless -only)")
 	fs.IntVar(&cfg.rate, "rate", 200, "-latency: messages per second")
+	fs.BoolVar(&cfg.scale, "scale", false, "measure CPU per message as body size, workers, messages and consumer processes grow instead (contenders plain and rabbitmw-redis, unless -only); -out FILE.svg plots it")
 	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders plain, rabbitmw-redis and rabbitmw-redis-unbatched, unless -only)")
 	only := fs.String("only", "", "comma-separated contenders to run (default: all but rabbitmw-redis-dup and rabbitmw-pgstore; for -sweep: plain,rabbitmw-redis,rabbitmw-redis-unbatched)")
 	fs.StringVar(&cfg.jsonPath, "json", "", "also write the results as JSON to this file")
@@ -209,8 +212,8 @@ func parseFlags(args []string) (config, error) {
 	if cfg.sweep && !setFlags["n"] {
 		cfg.n = sweepMessages
 	}
-	if cfg.sweepOut != "" && !cfg.sweep && cfg.plot == "" {
-		return cfg, errors.New("-out needs -sweep or -plot")
+	if cfg.sweepOut != "" && !cfg.sweep && !cfg.scale && cfg.plot == "" {
+		return cfg, errors.New("-out needs -sweep, -scale or -plot")
 	}
 	if cfg.plot != "" && cfg.sweepOut == "" {
 		return cfg, errors.New("-plot needs -out")
@@ -279,6 +282,18 @@ func run(ctx context.Context, cfg config) error {
 	e.machine.print(out)
 	if cfg.latency {
 		return runLatency(ctx, e, cfg, prefetch, workers)
+	}
+	if cfg.scale {
+		res, err := runScale(ctx, e, cfg)
+		if err != nil {
+			return err
+		}
+		res.Machine = e.machine
+		res.print(out)
+		if err := res.writeFiles(cfg.sweepOut); err != nil {
+			return err
+		}
+		return writeJSON(cfg.jsonPath, res)
 	}
 	if cfg.sweep {
 		res, err := runSweep(ctx, e, cfg, defPrefetch, defWorkers)
