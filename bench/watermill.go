@@ -21,6 +21,10 @@ const watermillName = "watermill"
 // as rabbitmw's done marks are kept (a day).
 const watermillDedupWindow = 24 * time.Hour
 
+// watermillAckGrace is how long the Watermill contender waits, after its
+// last handler returned, for the subscriber's last acks.
+const watermillAckGrace = 500 * time.Millisecond
+
 // consumeWatermill consumes queue with a Watermill router. A Watermill
 // subscription handles one message at a time, so the router gets workers
 // handlers on the queue, each its own consumer and channel with
@@ -66,6 +70,12 @@ func consumeWatermill(ctx context.Context, url, queue string, prefetch, workers 
 	go func() { errc <- router.Run(rctx) }()
 	select {
 	case <-cnt.done:
+		// The subscriber acks a message after its handler returned, in its
+		// own goroutine, with no hook to wait for: give the last acks time
+		// to be sent before the router closes the channel, which would
+		// otherwise return their messages to the queue. The run's time
+		// and CPU were taken at the count already.
+		time.Sleep(watermillAckGrace)
 	case <-ctx.Done():
 	case err := <-errc:
 		if err == nil {
