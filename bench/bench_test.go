@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"maps"
+	"net"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -278,5 +280,23 @@ func TestScaleChart(t *testing.T) {
 	var svg strings.Builder
 	if err := c.writeSVG(&svg); err != nil || !strings.Contains(svg.String(), "</svg>") {
 		t.Errorf("writeSVG: %v", err)
+	}
+}
+
+// RabbitMQ's CPU is read from the process that listens on the AMQP port:
+// here, this test's own listener.
+func TestListenerPID(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	port := l.Addr().(*net.TCPAddr).Port
+	if got := listenerPID(port); got != os.Getpid() {
+		t.Errorf("listenerPID(%d) = %d; want this process, %d", port, got, os.Getpid())
+	}
+	l.Close()
+	if got := listenerPID(port); got != 0 {
+		t.Errorf("listenerPID(%d) after the listener closed = %d; want 0", port, got)
 	}
 }

@@ -63,7 +63,7 @@ func connect(ctx context.Context, cfg config) (*env, error) {
 	}
 	if u, err := amqp.ParseURI(cfg.amqpURL); err == nil {
 		if ip := net.ParseIP(u.Host); u.Host == "localhost" || (ip != nil && ip.IsLoopback()) {
-			e.rabbitPID = rabbitPID()
+			e.rabbitPID = listenerPID(u.Port)
 			e.rabbitIdle = idleCPU(ctx, e.rabbitPID, idleSample)
 		}
 	}
@@ -375,9 +375,12 @@ type machine struct {
 	MemTotal   string `json:"mem_total"`
 	Go         string `json:"go"`
 	RabbitMQ   string `json:"rabbitmq"`
-	Redis      string `json:"redis"`
-	LoadStart  string `json:"load_average_start"`
-	LoadEnd    string `json:"load_average_end"`
+	// RabbitPID is the process whose CPU is RabbitMQ's: the one that
+	// listens on the AMQP port; 0 when unknown.
+	RabbitPID int    `json:"rabbitmq_pid"`
+	Redis     string `json:"redis"`
+	LoadStart string `json:"load_average_start"`
+	LoadEnd   string `json:"load_average_end"`
 }
 
 func describeMachine(ctx context.Context, e *env) machine {
@@ -389,6 +392,7 @@ func describeMachine(ctx context.Context, e *env) machine {
 		MemTotal:   procField("/proc/meminfo", "MemTotal"),
 		Go:         runtime.Version(),
 		LoadStart:  loadAverage(),
+		RabbitPID:  e.rabbitPID,
 	}
 	if v, ok := e.conn.Properties["version"].(string); ok {
 		m.RabbitMQ = v
@@ -406,7 +410,7 @@ func describeMachine(ctx context.Context, e *env) machine {
 func (m machine) print(w io.Writer) {
 	fmt.Fprintf(w, "machine: %d CPUs (%s), GOMAXPROCS %d, %s RAM, %s, RabbitMQ %s, Redis %s\n",
 		m.CPUs, m.CPUModel, m.GOMAXPROCS, m.MemTotal, m.Go, m.RabbitMQ, m.Redis)
-	fmt.Fprintf(w, "load average at start: %s\n", m.LoadStart)
+	fmt.Fprintf(w, "load average at start: %s; RabbitMQ's process (listening on the AMQP port): %d\n", m.LoadStart, m.RabbitPID)
 }
 
 // procField returns the value of the first "name: value" line of a /proc
