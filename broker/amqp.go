@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -31,11 +32,13 @@ type amqpTransport struct {
 	uri       amqp.URI
 	parseErr  error
 	heartbeat time.Duration
+	tls       *tls.Config // nil: amqp091's default
+	external  bool
 }
 
 func newAMQPTransport(url string, cfg config) *amqpTransport {
 	uri, err := amqp.ParseURI(url)
-	return &amqpTransport{url: url, uri: uri, parseErr: err, heartbeat: cfg.heartbeat}
+	return &amqpTransport{url: url, uri: uri, parseErr: err, heartbeat: cfg.heartbeat, tls: cfg.tls, external: cfg.external}
 }
 
 // String returns host:port/vhost, without credentials.
@@ -68,9 +71,19 @@ func (t *amqpTransport) Dial(ctx context.Context, name string) (session, error) 
 	})
 	props := amqp.NewConnectionProperties()
 	props.SetClientConnectionName(name)
+	var tlsConfig *tls.Config
+	if t.tls != nil {
+		tlsConfig = t.tls.Clone() // amqp091 writes ServerName into it
+	}
+	var sasl []amqp.Authentication
+	if t.external {
+		sasl = []amqp.Authentication{&amqp.ExternalAuth{}}
+	}
 	conn, err := amqp.DialConfig(t.url, amqp.Config{
-		Heartbeat:  t.heartbeat,
-		Properties: props,
+		Heartbeat:       t.heartbeat,
+		Properties:      props,
+		TLSClientConfig: tlsConfig,
+		SASL:            sasl,
 		Dial: func(network, addr string) (net.Conn, error) {
 			d := net.Dialer{Timeout: dialTimeout}
 			c, err := d.DialContext(ctx, network, addr)
@@ -102,7 +115,7 @@ func (t *amqpTransport) Dial(ctx context.Context, name string) (session, error) 
 	mu.Lock()
 	socket := raw
 	mu.Unlock()
-	s, err := newAMQPSession(conn, socket)
+	s, err := newAMQPSession(conn, socket, t.String())
 	if err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("%w: %s: open channels: %w", ErrUnreachable, t, err)
@@ -112,10 +125,23 @@ func (t *amqpTransport) Dial(ctx context.Context, name string) (session, error) 
 
 // dialError classifies a failure to connect.
 func (t *amqpTransport) dialError(err error) error {
+	var (
+		ve    *tls.CertificateVerificationError
+		alert tls.AlertError
+	)
+	switch {
+	case errors.As(err, &ve):
+		return fmt.Errorf("%w: %s: the server's certificate is not trusted: give Options.TLS the CA that signed it (RootCAs) and the name it was issued for (ServerName): %w", ErrCertificate, t, err)
+	case errors.As(err, &alert):
+		return fmt.Errorf("%w: %s: the server refused the TLS handshake (check Options.TLS: the client certificate, and whether the server's CA signed it): %w", ErrCertificate, t, err)
+	}
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
 		switch ae.Code {
 		case amqp.AccessRefused:
+			if t.external {
+				return fmt.Errorf("%w: %s: SASL EXTERNAL: check the client certificate in Options.TLS, and that the server has a user named as the certificate: %w", ErrAccessRefused, t, err)
+			}
 			return fmt.Errorf("%w: %s: check the user name and password in the URL: %w", ErrAccessRefused, t, err)
 		case amqp.NotAllowed:
 			return fmt.Errorf("%w: %s: check the virtual host and the user's permissions: %w", ErrAccessRefused, t, err)
@@ -147,6 +173,7 @@ func (t *amqpTransport) dialError(err error) error {
 type amqpSession struct {
 	conn     *amqp.Connection
 	raw      net.Conn // the socket under conn
+	node     string   // host:port/vhost
 	maxProps int      // see transport.Session.MaxProperties
 	pub      *amqp.Channel
 	con      *amqp.Channel
@@ -223,10 +250,11 @@ type sendError struct{ err error }
 
 func (e *sendError) Error() string { return e.err.Error() }
 
-func newAMQPSession(conn *amqp.Connection, raw net.Conn) (*amqpSession, error) {
+func newAMQPSession(conn *amqp.Connection, raw net.Conn, node string) (*amqpSession, error) {
 	s := &amqpSession{
 		conn:     conn,
 		raw:      raw,
+		node:     node,
 		done:     make(chan struct{}),
 		cancels:  make(chan string, 1),
 		requests: make(chan *pendingPublish),
@@ -619,6 +647,20 @@ func (s *amqpSession) Delete(_ context.Context, queues []string) error {
 	return nil
 }
 
+func (s *amqpSession) SyncGets(_ context.Context) error {
+	s.getMu.Lock()
+	defer s.getMu.Unlock()
+	if s.getCh == nil {
+		return nil
+	}
+	// basic.qos is answered in turn, after the methods sent before it,
+	// and changes nothing for basic.get.
+	if err := s.getCh.Qos(0, 0, false); err != nil {
+		return s.translate(err)
+	}
+	return nil
+}
+
 func (s *amqpSession) Get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {
 	s.getMu.Lock()
 	defer s.getMu.Unlock()
@@ -639,6 +681,7 @@ func (s *amqpSession) Get(_ context.Context, queue string) (*amqp.Delivery, bool
 	return &d, true, nil
 }
 
+func (s *amqpSession) Node() string             { return s.node }
 func (s *amqpSession) MaxProperties() int       { return s.maxProps }
 func (s *amqpSession) Closed() <-chan struct{}  { return s.done }
 func (s *amqpSession) Reason() error            { return s.err }

@@ -3,6 +3,7 @@ package broker
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -46,6 +47,12 @@ var (
 	// ErrAccessRefused reports a connection refused for its credentials or
 	// virtual host. It is fatal: retrying cannot help.
 	ErrAccessRefused = errors.New("broker: access refused")
+	// ErrCertificate reports a TLS handshake that failed on a
+	// certificate: the server's is not signed by a CA that Options.TLS
+	// trusts (or the system's, without it), or not for the server's
+	// name; or the server refused the client's. It is fatal: retrying
+	// cannot help.
+	ErrCertificate = errors.New("broker: TLS certificate refused")
 	// ErrQueueNotFound reports a queue that does not exist (with
 	// DeclareNone or DeclareSupport, or for Len and Get).
 	ErrQueueNotFound = errors.New("broker: queue not found")
@@ -108,6 +115,24 @@ type Options struct {
 	KeepEmptyMessageID bool
 	// Observer receives the Broker's events, and those of its consumers.
 	Observer Observer
+	// ConnectionName names the Broker's connections on the server (the
+	// client property connection_name, shown by `rabbitmqctl
+	// list_connections client_properties` and in the management UI).
+	// Each connection's name is ConnectionName, what it is for ("consume
+	// <queue>", "dlq"; nothing for the connection that Publish shares),
+	// and Process in brackets. Default "rabbitmw".
+	ConnectionName string
+	// TLS configures the TLS of "amqps://" URLs: the CAs to trust
+	// (RootCAs), the client certificate (Certificates), the server name
+	// (ServerName; by default the URL's host). Nil selects the system's
+	// roots and no client certificate. The Broker uses a copy of it.
+	TLS *tls.Config
+	// ExternalAuth authenticates with SASL EXTERNAL instead of the URL's
+	// user name and password: by the client certificate that TLS
+	// presents. RabbitMQ needs the rabbitmq_auth_mechanism_ssl plugin, and
+	// a user named as its ssl_cert_login_from setting says (the
+	// certificate's distinguished name, or its common name).
+	ExternalAuth bool
 }
 
 // config is Options with the defaults resolved.
@@ -119,6 +144,9 @@ type config struct {
 	process      string
 	keepNoID     bool
 	obs          Observer
+	connName     string
+	tls          *tls.Config // nil: amqp091's default
+	external     bool
 	serverString string // set by the transport, for logs
 }
 
@@ -126,7 +154,8 @@ const (
 	// retryHeadroom is what a message that Publish sends, and a copy sent
 	// to a delay queue, must leave free of a frame: room for the headers
 	// added when it is retried or dead-lettered (the fault headers, an
-	// error text of up to 4 KiB among them, and RabbitMQ's x-death and
+	// error text of up to 4 KiB among them, the first failure's of up to
+	// 512 bytes that a delay copy carries, and RabbitMQ's x-death and
 	// x-delivery-count).
 	retryHeadroom = 8 << 10
 
@@ -145,6 +174,14 @@ func (o Options) resolve() config {
 		process:   o.Process,
 		keepNoID:  o.KeepEmptyMessageID,
 		obs:       o.Observer,
+		connName:  o.ConnectionName,
+		external:  o.ExternalAuth,
+	}
+	if o.TLS != nil {
+		c.tls = o.TLS.Clone()
+	}
+	if c.connName == "" {
+		c.connName = "rabbitmw"
 	}
 	switch {
 	case c.rmin < 0, c.rmax < 0, c.heartbeat < 0:
@@ -180,8 +217,9 @@ func (o Options) resolve() config {
 	return c
 }
 
-// A Broker publishes to and consumes from one RabbitMQ server (or one
-// in-memory server of package brokertest). It is safe for concurrent use.
+// A Broker publishes to and consumes from one RabbitMQ server, a cluster
+// of them ([NewCluster]), or an in-memory server of package brokertest.
+// It is safe for concurrent use.
 //
 // Publish and the inspection methods (Declare, Len, Get, Delete) share one
 // connection, made when first needed and made again after it is lost; when
@@ -262,7 +300,7 @@ func (b *Broker) shared(ctx context.Context) (session, error) {
 			return b.sess, nil
 		}
 	}
-	s, err := b.tr.Dial(ctx, "rabbitmw "+b.cfg.process)
+	s, err := b.dial(ctx, "", "")
 	if err != nil {
 		return nil, err
 	}

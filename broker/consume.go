@@ -81,6 +81,12 @@ var consumerSeq atomic.Uint64
 // the package documentation's table says for the outcome that
 // [rabbitmw.Decide] gives h's result.
 //
+// h sees each delivery as it was first delivered, on every attempt and
+// after a replay: its exchange, routing key, UserId, Expiration and
+// DeliveryMode as published, though a retry comes back from a delay queue
+// through the default exchange, and every copy keeps those properties in
+// headers (see the package documentation, Settlement).
+//
 // Acks are coalesced: once every delivery received before it on its
 // channel is settled, one ack with multiple set settles the run; an ack
 // behind a delivery still in its handler waits at most 5 ms, or until a
@@ -264,7 +270,7 @@ func (c *consumer) run(ctx context.Context) error {
 			return end(nil)
 		}
 		c.log.LogAttrs(ctx, slog.LevelInfo, "broker: connecting", server)
-		s, err := c.b.tr.Dial(ctx, "rabbitmw consume "+c.top.queue+" ("+c.b.cfg.process+")")
+		s, err := c.b.dial(ctx, c.top.queue, "consume "+c.top.queue)
 		switch {
 		case err != nil && ctx.Err() != nil:
 			return end(nil)
@@ -719,7 +725,9 @@ func (c *consumer) delay(ctx context.Context, s session, d *amqp.Delivery, dec r
 		// see asCopy.)
 		due = time.Now().Add(dec.Delay)
 	}
-	msg := republishing(d, delayHeaders(d, dec, c.top.queue, due))
+	h := delayHeaders(d, dec, c.top.queue, due)
+	noteFirstFailure(h, dec.Err, time.Now())
+	msg := republishing(d, h)
 	err := c.publishCopy(ctx, s, tr.queue, msg, retryHeadroom)
 	c.b.cfg.obs.republish(ctx, RepublishEvent{Outcome: rabbitmw.Delay, Queue: c.top.queue, To: tr.queue, Delay: dec.Delay, Err: err, Delivery: d})
 	if errors.Is(err, ErrInvalidMessage) {

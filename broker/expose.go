@@ -25,7 +25,7 @@ func init() {
 func (b *Broker) dialOwn(ctx context.Context) (session, error) {
 	bo := newBackoff(b.cfg.rmin, b.cfg.rmax)
 	for {
-		s, err := b.tr.Dial(ctx, "rabbitmw dlq "+b.cfg.process)
+		s, err := b.dial(ctx, "", "dlq")
 		if err == nil || !errors.Is(err, ErrUnreachable) {
 			return s, err
 		}

@@ -24,9 +24,23 @@ const (
 	// type such as "*json.SyntaxError", or "error" for an error made by
 	// errors.New or fmt.Errorf.
 	HeaderErrorType = "x-rabbitmw-error-type"
+	// HeaderFirstError and HeaderFirstFailedAt are the error text (at
+	// most 512 bytes) and the time (a timestamp, UTC, whole seconds) of
+	// the first failure the broker copied the message for: written on its
+	// first delay copy, or, if it had none, left out of its dead-letter
+	// copy, whose HeaderError and HeaderFailedAt then say the same. A
+	// failure that is not counted (rabbitmw.NotCounted: busy, the store
+	// unavailable) is not one. RabbitMQ's x-first-death-* name the first
+	// time the server dead-lettered the message, which for a message
+	// delayed on a retry is the first delay queue's expiry.
+	HeaderFirstError    = "x-rabbitmw-first-error"
+	HeaderFirstFailedAt = "x-rabbitmw-first-failed-at"
 	// HeaderOriginalExchange and HeaderOriginalRoutingKey are the exchange
 	// and routing key the message was first published with: recorded at
-	// its first delay or dead-letter, and kept at later hops.
+	// its first delay or dead-letter (or, for a message RabbitMQ
+	// dead-lettered itself, at its replay, from its x-death record), and
+	// kept at later hops. Consume gives them back to the delivery before
+	// the handler runs.
 	HeaderOriginalExchange   = "x-rabbitmw-original-exchange"
 	HeaderOriginalRoutingKey = "x-rabbitmw-original-routing-key"
 	// HeaderOriginalQueue is the work queue the message was dead-lettered
@@ -48,7 +62,9 @@ const (
 	HeaderNotBefore = "x-rabbitmw-not-before"
 	// HeaderUserID keeps the UserId property of a message that the broker
 	// republishes (RabbitMQ refuses a publish whose user-id is not the
-	// connection's user, so the copy goes without it).
+	// connection's user, so the copy goes without it). Consume gives it
+	// back to the delivery before the handler runs, as it does
+	// HeaderOriginalExpiration and HeaderOriginalDeliveryMode.
 	HeaderUserID = "x-rabbitmw-user-id"
 	// HeaderOriginalExpiration keeps the Expiration property (a per-message
 	// TTL) of a message that the broker copies: no copy carries one, so
@@ -91,8 +107,25 @@ const (
 	HeaderDeaths = "x-rabbitmw-deaths"
 )
 
-// maxErrorText bounds HeaderError, in bytes.
-const maxErrorText = 4 << 10
+// maxErrorText bounds HeaderError, in bytes, and maxFirstErrorText
+// HeaderFirstError, which a delay copy carries (see retryHeadroom).
+const (
+	maxErrorText      = 4 << 10
+	maxFirstErrorText = 512
+)
+
+// noteFirstFailure records on h, the headers of a delay copy, the failure
+// err at time at, unless h records one already or err is not counted.
+func noteFirstFailure(h amqp.Table, err error, at time.Time) {
+	if err == nil || rabbitmw.IsNotCounted(err) {
+		return
+	}
+	if _, ok := h[HeaderFirstFailedAt]; ok {
+		return
+	}
+	h[HeaderFirstError] = transport.Truncate(err.Error(), maxFirstErrorText)
+	h[HeaderFirstFailedAt] = at.UTC().Truncate(time.Second)
+}
 
 // faultHeaders returns the headers of the dead-lettered copy of d: all of
 // d's headers, whatever their types, the records of HeaderDeaths back in

@@ -26,6 +26,9 @@ type Observer struct {
 	// Reconnect, if set, is called when a connection was lost or could
 	// not be made, before the wait for the next attempt.
 	Reconnect func(e ReconnectEvent)
+	// Connect, if set, is called when a connection is made, with the
+	// node it is on.
+	Connect func(e ConnectEvent)
 	// Ack, if set, is called after a consumer sent a basic.ack, which may
 	// settle several deliveries at once (see [Broker.Consume]).
 	Ack func(e AckEvent)
@@ -61,6 +64,16 @@ type RepublishEvent struct {
 	Delivery *amqp.Delivery
 }
 
+// A ConnectEvent is a connection made.
+type ConnectEvent struct {
+	// Queue is the queue of the consumer whose connection it is; empty
+	// for the connection that Publish and the inspection methods share,
+	// and for a dead-letter operation's.
+	Queue string
+	// Node names the server: host:port/vhost, without credentials.
+	Node string
+}
+
 // A ReconnectEvent is a lost connection, or one that could not be made.
 type ReconnectEvent struct {
 	// Queue is the queue of the consumer whose connection it was; empty
@@ -81,5 +94,11 @@ func (o *Observer) republish(ctx context.Context, e RepublishEvent) {
 func (o *Observer) reconnect(queue string, err error, wait time.Duration) {
 	if o.Reconnect != nil {
 		o.Reconnect(ReconnectEvent{Queue: queue, Err: err, Wait: wait})
+	}
+}
+
+func (o *Observer) connect(queue, node string) {
+	if o.Connect != nil {
+		o.Connect(ConnectEvent{Queue: queue, Node: node})
 	}
 }

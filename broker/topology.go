@@ -84,6 +84,13 @@ type Topology struct {
 	// Retry layer does: a death is a failed attempt). 0 means none; it
 	// requires Quorum (and so DeclareAll).
 	DeliveryLimit int
+	// SingleActiveConsumer sets x-single-active-consumer on the work
+	// queue: of all the consumers of the queue, in any process, one
+	// receives its messages, and the next takes over when it is gone.
+	// With ConsumeOptions.Workers 1 and no failures, messages are then
+	// handled in the order they were published (the README's "Ordering"
+	// says what breaks it). It requires DeclareAll, as Quorum does.
+	SingleActiveConsumer bool
 	// Exchanges are declared before the queues, in order. With
 	// DeclareSupport they are only checked (a passive declare: each must
 	// exist, whatever its settings); DeclareNone refuses them.
@@ -180,6 +187,7 @@ type topology struct {
 	mode      DeclareMode
 	quorum    bool
 	limit     int
+	single    bool
 	queue     string
 	dlq       string
 	tiers     []tier // ascending, distinct
@@ -196,6 +204,9 @@ func (t Topology) resolve(queue string) (topology, error) {
 	}
 	if t.DeliveryLimit < 0 || (t.DeliveryLimit > 0 && !t.Quorum) {
 		return topology{}, fmt.Errorf("broker: Topology.DeliveryLimit %d: needs Quorum and a value >= 0", t.DeliveryLimit)
+	}
+	if t.SingleActiveConsumer && t.Declare != DeclareAll {
+		return topology{}, fmt.Errorf("broker: Topology.SingleActiveConsumer with Declare %v: it is a queue argument, which %v leaves to whoever declared the work queue (declare it with x-single-active-consumer there)", t.Declare, t.Declare)
 	}
 	if t.Quorum && t.Declare != DeclareAll {
 		return topology{}, fmt.Errorf("broker: Topology.Quorum with Declare %v: Quorum and DeliveryLimit say how to declare the work queue, which %v leaves to whoever declared it (declare it a quorum queue there)", t.Declare, t.Declare)
@@ -220,6 +231,7 @@ func (t Topology) resolve(queue string) (topology, error) {
 		mode:   t.Declare,
 		quorum: t.Quorum,
 		limit:  t.DeliveryLimit,
+		single: t.SingleActiveConsumer,
 		queue:  queue,
 		dlq:    queue + ".dlq",
 		tiers:  make([]tier, len(ds)),
@@ -321,6 +333,9 @@ func (t *topology) specs() []queueSpec {
 		args := amqp.Table{
 			"x-dead-letter-exchange":    "",
 			"x-dead-letter-routing-key": t.dlq,
+		}
+		if t.single {
+			args["x-single-active-consumer"] = true
 		}
 		if t.quorum {
 			args["x-queue-type"] = "quorum"

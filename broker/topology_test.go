@@ -48,8 +48,8 @@ func exchangeName(t *testing.T, what string) string {
 }
 
 // Messages reach the work queue through a topic, a headers and a fanout
-// exchange; one is retried through a delay queue and one dead-lettered,
-// as if it had been published to the work queue.
+// exchange; one is retried through a delay queue (the handler sees the
+// exchange it was published to again) and one dead-lettered.
 func TestExchangesRouteToTheWorkQueue(t *testing.T) {
 	for _, be := range backends {
 		t.Run(be.name, func(t *testing.T) {
@@ -120,7 +120,7 @@ func TestExchangesRouteToTheWorkQueue(t *testing.T) {
 			mu.Lock()
 			assert.Equal(t, map[string][]string{
 				"created": {events},
-				"retried": {events, ""}, // back from its delay queue through the default exchange
+				"retried": {events, events}, // back from its delay queue, with its own exchange restored
 				"refund":  {events},
 				"acme":    {tagged},
 				"fanned":  {all},

@@ -96,25 +96,40 @@ func fullMessage(id string, ts time.Time) amqp.Publishing {
 
 var errCopyTest = errors.New("test: handler failed")
 
-func TestCopiesCarryEveryProperty(t *testing.T) {
+// onCopyBackends runs f on a Broker of each copyBackend.
+func onCopyBackends(t *testing.T, f func(t *testing.T, b *broker.Broker)) {
 	for _, be := range copyBackends {
-		t.Run(be.name, func(t *testing.T) { testCopies(t, be.open(t)) })
+		t.Run(be.name, func(t *testing.T) { f(t, be.open(t)) })
 	}
 }
+
+// declared declares top for a work queue named prefix and a random
+// suffix, deletes it at the end of t, and returns its name and the
+// suffix.
+func declared(t *testing.T, b *broker.Broker, prefix string, top func(suffix string) broker.Topology) (queue, suffix string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var r [4]byte
+	_, _ = rand.Read(r[:])
+	suffix = hex.EncodeToString(r[:])
+	queue = prefix + suffix
+	tp := top(suffix)
+	require.NoError(t, b.Declare(ctx, queue, tp))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		assert.NoError(t, b.Delete(ctx, queue, tp))
+	})
+	return queue, suffix
+}
+
+func TestCopiesCarryEveryProperty(t *testing.T) { onCopyBackends(t, testCopies) }
 
 func testCopies(t *testing.T, b *broker.Broker) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	var r [4]byte
-	_, _ = rand.Read(r[:])
-	q := "rabbitmw-test-copies-" + hex.EncodeToString(r[:])
 	top := broker.Topology{Delays: []time.Duration{100 * time.Millisecond, time.Hour}}
-	require.NoError(t, b.Declare(ctx, q, top))
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		assert.NoError(t, b.Delete(ctx, q, top))
-	})
+	q, _ := declared(t, b, "rabbitmw-test-copies-", func(string) broker.Topology { return top })
 	ts := time.Unix(time.Now().Unix(), 0).UTC()
 	publish := func(id string) {
 		t.Helper()
@@ -214,6 +229,28 @@ func testCopies(t *testing.T, b *broker.Broker) {
 	got["handler, after a replay"] = &views["failing"][2]
 	mu.Unlock()
 
+	// RabbitMQ's dead-letter, replayed: its route and expiration come from
+	// its x-death record.
+	m, err = deadletter.ExportMessage(q+".dlq", got["rabbitmq dead-letter"])
+	require.NoError(t, err)
+	line.Reset()
+	require.NoError(t, json.NewEncoder(&line).Encode(m))
+	_, err = deadletter.New(b).Import(ctx, q, &line, deadletter.ImportOptions{})
+	require.NoError(t, err)
+	res, err = deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{Filter: deadletter.Filter{IDs: []string{"settler"}}, To: q})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Replayed)
+	stop = consumeIn(t, b, q, top, h)
+	require.Eventually(t, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(views["settler"]) == 1
+	}, 20*time.Second, 20*time.Millisecond, "the replayed dead-letter of RabbitMQ was not handled")
+	stop()
+	mu.Lock()
+	got["handler, after a replay of RabbitMQ's dead-letter"] = &views["settler"][0]
+	mu.Unlock()
+
 	// What each must carry. published is the message as first delivered;
 	// copy is what the broker's copies carry on the wire: every property
 	// but DeliveryMode (persistent), Expiration and UserId, each kept in a
@@ -263,6 +300,7 @@ func testCopies(t *testing.T, b *broker.Broker) {
 		{"handler, attempt 1", published("failing"), nil},
 		{"handler, attempt 2", published("failing"), kept},
 		{"handler, after a replay", published("failing"), kept},
+		{"handler, after a replay of RabbitMQ's dead-letter", published("settler"), kept},
 	}
 	for _, c := range cases {
 		d := got[c.kind]

@@ -7,8 +7,6 @@ package e2e_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"log/slog"
 	"sync"
 	"testing"
@@ -25,7 +23,6 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/deadletter"
-	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/otelmw"
 )
@@ -57,32 +54,25 @@ func (l *routeLog) Handle(_ context.Context, r slog.Record) error {
 }
 
 func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
+	onCopyBackends(t, testRetriesSeeTheOriginalRoute)
+}
+
+// eventsTopology is a work queue bound with "order.*" to a topic exchange,
+// the exchange of the issue, "events", with a name of its own (the server
+// is shared) that goes with the queue's binding.
+func eventsTopology(suffix string) broker.Topology {
+	return broker.Topology{
+		Delays:    []time.Duration{50 * time.Millisecond},
+		Exchanges: []broker.Exchange{{Name: "rabbitmw-test-events-" + suffix, Kind: broker.ExchangeTopic, Transient: true, AutoDelete: true}},
+		Bindings:  []broker.Binding{{Exchange: "rabbitmw-test-events-" + suffix, Key: "order.*"}},
+	}
+}
+
+func testRetriesSeeTheOriginalRoute(t *testing.T, b *broker.Broker) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	var r [4]byte
-	_, _ = rand.Read(r[:])
-	suffix := hex.EncodeToString(r[:])
-	// The exchange of the issue, "events", with a name of its own: the
-	// server is shared.
-	exchange := "rabbitmw-test-events-" + suffix
-	q := "rabbitmw-test-orders-" + suffix
-	b := broker.New(url, broker.Options{})
-	t.Cleanup(func() { b.Close() })
-	top := broker.Topology{Delays: []time.Duration{50 * time.Millisecond}}
-	require.NoError(t, b.Declare(ctx, q, top))
-	conn, err := amqp.Dial(url)
-	require.NoError(t, err)
-	defer conn.Close()
-	ch, err := conn.Channel()
-	require.NoError(t, err)
-	require.NoError(t, ch.ExchangeDeclare(exchange, "topic", false, true, false, false, nil))
-	require.NoError(t, ch.QueueBind(q, "order.*", exchange, false, nil))
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		assert.NoError(t, b.Delete(ctx, q, top))
-	})
+	q, suffix := declared(t, b, "rabbitmw-test-orders-", eventsTopology)
+	top, exchange := eventsTopology(suffix), "rabbitmw-test-events-"+suffix
 
 	var mu sync.Mutex
 	var seen []route
@@ -148,4 +138,39 @@ func TestRetriesSeeTheOriginalExchangeAndRoutingKey(t *testing.T) {
 		assert.Equal(t, "order.created", v.AsString(), "span %d routing key", i+1)
 		assert.Equal(t, "process "+exchange+":order.created:"+q, s.Name(), "span %d", i+1)
 	}
+}
+
+// A message that RabbitMQ itself dead-lettered (it expired in the work
+// queue) carries its route only in its x-death record; replayed, it is
+// handled with that route and its expiration, as first published.
+func TestReplayOfAServerDeadLetterSeesItsRoute(t *testing.T) {
+	onCopyBackends(t, func(t *testing.T, b *broker.Broker) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		q, suffix := declared(t, b, "rabbitmw-test-orders-", eventsTopology)
+		top, exchange := eventsTopology(suffix), "rabbitmw-test-events-"+suffix
+		require.NoError(t, b.Publish(ctx, exchange, "order.cancelled", amqp.Publishing{MessageId: "o2", Expiration: "1", Body: []byte("x")}))
+		require.Eventually(t, func() bool {
+			n, err := b.Len(ctx, q+".dlq")
+			require.NoError(t, err)
+			return n == 1
+		}, 20*time.Second, 20*time.Millisecond, "the message did not expire into the dead-letter queue")
+		res, err := deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{To: q})
+		require.NoError(t, err)
+		require.Equal(t, 1, res.Replayed)
+		seen := make(chan amqp.Delivery, 1)
+		stop := consumeIn(t, b, q, top, rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			seen <- *d
+			return nil
+		}))
+		var d amqp.Delivery
+		select {
+		case d = <-seen:
+		case <-ctx.Done():
+			t.Fatal("the replayed message was not handled")
+		}
+		stop()
+		assert.Equal(t, []string{exchange, "order.cancelled", "1"}, []string{d.Exchange, d.RoutingKey, d.Expiration})
+		assert.Equal(t, 0, len(seen), "handled once")
+	})
 }

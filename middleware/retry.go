@@ -271,8 +271,11 @@ type exhaustedError struct {
 	err error
 }
 
+// Error reads cause first, "decode: unexpected EOF (middleware: retries
+// exhausted after 5 attempts)", so that a text cut to a width, or grouped,
+// shows what failed.
 func (e *exhaustedError) Error() string {
-	return fmt.Sprintf("%v after %d attempts: %v", ErrRetriesExhausted, e.n, e.err)
+	return fmt.Sprintf("%v (%v after %d attempts)", e.err, ErrRetriesExhausted, e.n)
 }
 
 func (e *exhaustedError) Unwrap() error { return e.err }

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
@@ -558,4 +560,14 @@ func TestRetryAbandonedOneAtATime(t *testing.T) {
 			}
 		}
 	})
+}
+
+// The reason Retry gives at its limit reads cause first, so that a column
+// cut to its width, or a group by text, shows what failed.
+func TestExhaustedReadsCauseFirst(t *testing.T) {
+	h := middleware.Retry(nil, middleware.RetryOptions{MaxAttempts: 2, CountByHeader: true})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { return errors.New("decode order 7: unexpected EOF") }))
+	err := h.Handle(context.Background(), &amqp.Delivery{MessageId: "m", Headers: amqp.Table{rabbitmw.HeaderAttempts: int64(1)}})
+	require.ErrorIs(t, err, middleware.ErrRetriesExhausted)
+	assert.Equal(t, "decode order 7: unexpected EOF (middleware: retries exhausted after 2 attempts)", err.Error())
 }

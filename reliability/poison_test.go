@@ -138,7 +138,7 @@ func poisonCases(rng *rand.Rand) []poisonCase {
 	add(poisonCase{name: "unknown-kind", msg: amqp.Publishing{Body: order("refund", 0)},
 		dead: true, reason: `unknown order kind "refund"`, errType: "error", attempts: 1, calls: 1, deliveries: 1})
 	add(poisonCase{name: "fail-every-type", msg: amqp.Publishing{Body: order("fail", 0), Headers: everyType()},
-		dead: true, reason: "retries exhausted after 3 attempts: business: payment gateway failed", attempts: poisonAttempts, calls: poisonAttempts, deliveries: poisonAttempts})
+		dead: true, reason: "business: payment gateway failed (middleware: retries exhausted after 3 attempts)", attempts: poisonAttempts, calls: poisonAttempts, deliveries: poisonAttempts})
 	add(poisonCase{name: "panic", msg: amqp.Publishing{Body: order("panic", 0)},
 		dead: true, reason: "panic: business: order p-panic panicked", attempts: poisonAttempts, calls: poisonAttempts, deliveries: poisonAttempts})
 	for _, n := range []int{1, 7, 4096, 1 << 20} {

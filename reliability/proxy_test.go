@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"sync"
 	"testing"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -28,6 +29,9 @@ type proxy struct {
 	// sent, if set, is called with the bytes a client sent, once they are
 	// forwarded. It is called under mu: it must be quick.
 	sent func([]byte)
+	// lag delays what the server sends, each read of it, before it is
+	// forwarded: a slow link, or a slow server.
+	lag time.Duration
 }
 
 // brokerProxy starts a proxy to the run's RabbitMQ server, and returns it
@@ -126,8 +130,11 @@ func (p *proxy) pump(dst, src net.Conn, fromClient bool) {
 		n, err := src.Read(buf)
 		if n > 0 && dst != nil {
 			p.mu.Lock()
-			cut, sent := p.cut, p.sent
+			cut, sent, lag := p.cut, p.sent, p.lag
 			p.mu.Unlock()
+			if lag > 0 && !fromClient {
+				time.Sleep(lag) // the slow link this proxy plays
+			}
 			if !cut {
 				if _, werr := dst.Write(buf[:n]); werr != nil {
 					return
@@ -150,6 +157,13 @@ func (p *proxy) onSent(f func([]byte)) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.sent = f
+}
+
+// slow delays what the server sends by lag from now on (0: none).
+func (p *proxy) slow(lag time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.lag = lag
 }
 
 // partition stops all traffic through the proxy.

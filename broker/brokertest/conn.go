@@ -158,6 +158,7 @@ func (c *memConn) shutdown(reason *amqp.Error) {
 	}
 }
 
+func (c *memConn) Node() string             { return c.m.url }
 func (c *memConn) MaxProperties() int       { return frameMax - transport.FrameOverhead }
 func (c *memConn) Closed() <-chan struct{}  { return c.done }
 func (c *memConn) Reason() error            { return c.err }
@@ -216,7 +217,7 @@ func (c *memConn) Declare(_ context.Context, specs []transport.QueueSpec) error 
 }
 
 // queueArgs are the arguments compared when a queue is declared again.
-var queueArgs = []string{"x-queue-type", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key", "x-delivery-limit"}
+var queueArgs = []string{"x-queue-type", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key", "x-delivery-limit", "x-single-active-consumer"}
 
 func newMemQueue(name string, args amqp.Table) (*memQueue, error) {
 	q := &memQueue{name: name, args: rabbit.WireTable(args)}
@@ -252,6 +253,12 @@ func newMemQueue(name string, args amqp.Table) (*memQueue, error) {
 				return nil, bad(k)
 			}
 			q.dlrk, q.hasDLRK = s, true
+		case "x-single-active-consumer":
+			b, ok := v.(bool)
+			if !ok {
+				return nil, bad(k)
+			}
+			q.single = b
 		case "x-delivery-limit":
 			n, ok := header.Integer(v)
 			if !ok || n < 0 {
@@ -419,6 +426,13 @@ func (c *memConn) route(exchange, key string, msg amqp.Publishing) (time.Duratio
 		m.enqueue(q, &memMsg{pub: wirePublishing(pub), exchange: exchange, key: key}) // a copy each
 	}
 	return m.confirmDelay, nil
+}
+
+// SyncGets: the in-memory server processes each ack as it is sent.
+func (c *memConn) SyncGets(context.Context) error {
+	c.m.mu.Lock()
+	defer c.m.mu.Unlock()
+	return c.lost()
 }
 
 func (c *memConn) Get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {

@@ -22,14 +22,18 @@
 //   - publisher confirms, at once or after a delay (Server.SetConfirmDelay);
 //   - durable queues with the arguments x-queue-type ("quorum" or
 //     "classic"), x-message-ttl, x-dead-letter-exchange (the default
-//     exchange ""), x-dead-letter-routing-key and x-delivery-limit;
+//     exchange ""), x-dead-letter-routing-key, x-delivery-limit and
+//     x-single-active-consumer (the longest registered consumer gets
+//     every message);
 //     redeclaring with other arguments fails with 406 PRECONDITION_FAILED,
 //     a passive declare of a missing queue with 404 NOT_FOUND;
 //   - dead-lettering on expiry at the head of a queue (by its TTL or the
 //     message's Expiration, its per-message TTL in milliseconds), on a
 //     reject or nack without requeue, and past a quorum queue's delivery
 //     limit, with the x-death, x-first-death-queue, x-first-death-reason
-//     and x-first-death-exchange headers as RabbitMQ writes them; a message
+//     and x-first-death-exchange headers as RabbitMQ writes them, and
+//     without the message's Expiration (kept in its x-death record as
+//     original-expiration), so that it does not expire again; a message
 //     that would circle through dead-lettering with no reject on the way is
 //     dropped, by RabbitMQ 3.10's cycle rule;
 //   - per-consumer prefetch, delivery tags per connection, ack, nack and

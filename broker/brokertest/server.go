@@ -179,6 +179,7 @@ type memQueue struct {
 	dlrk      string
 	hasDLRK   bool
 	limit     int
+	single    bool // x-single-active-consumer: the first consumer gets every message
 	ready     []*memMsg
 	consumers []*memConsumer
 	rr        int // round-robin position
@@ -283,7 +284,14 @@ func (m *Server) deadLetter(q *memQueue, msg *memMsg, reason string) {
 func (m *Server) dispatch(q *memQueue) {
 	for len(q.ready) > 0 && len(q.consumers) > 0 {
 		var cons *memConsumer
-		for range len(q.consumers) {
+		if q.single {
+			// The active consumer is the longest registered; the next
+			// takes over when it is removed.
+			if c := q.consumers[0]; c.prefetch == 0 || c.unacked < c.prefetch {
+				cons = c
+			}
+		}
+		for i := 0; i < len(q.consumers) && !q.single; i++ {
 			c := q.consumers[q.rr%len(q.consumers)]
 			q.rr++
 			if c.prefetch == 0 || c.unacked < c.prefetch {

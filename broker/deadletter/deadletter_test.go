@@ -29,6 +29,7 @@ var behaviours = []struct {
 	run  func(t *testing.T, be backend)
 }{
 	{"ListKeepsTheQueue", testListKeepsTheQueue},
+	{"FirstFailureIsTheHandlers", testFirstFailureIsTheHandlers},
 	{"ReplaySelected", testReplaySelected},
 	{"ReplayedMessageFailsAgain", testReplayFailsAgain},
 	{"ReplayOfServerDeadLetters", testReplayServerDeadLetters},
@@ -547,5 +548,26 @@ func TestTypedValueRoundTrip(t *testing.T) {
 		if _, err := tv.decode(); err == nil {
 			t.Errorf("decode(%s) = nil error; want one", bad)
 		}
+	}
+}
+
+// A message retried through a delay queue, then dead-lettered, shows its
+// first failure: the handler's, not the delay hop's expiry that RabbitMQ
+// records in x-first-death-*.
+func testFirstFailureIsTheHandlers(t *testing.T, be backend) {
+	f := setup(t, be, broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	before := time.Now().Add(-time.Second).Truncate(time.Second)
+	f.deadLetter(t, true, nil, "r1")
+	dls, err := f.in.List(ctx, f.q, ListOptions{})
+	require.NoError(t, err)
+	require.Len(t, dls, 1)
+	dl := dls[0]
+	assert.Equal(t, "boom", dl.FirstError, "first error")
+	assert.Equal(t, "failure of r1: boom", dl.Error, "last error")
+	assert.Empty(t, dl.DeadLetteredFrom, "dead-lettered from (x-first-death-queue is %v)", dl.Delivery.Headers["x-first-death-queue"])
+	assert.Empty(t, dl.Reason, "reason")
+	if dl.FirstFailure.Before(before) || dl.FirstFailure.After(dl.LastFailure) {
+		t.Errorf("first, last failure = %v, %v; want in [%v, last]", dl.FirstFailure, dl.LastFailure, before)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -14,6 +15,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/internal/header"
+	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
 // An Inspector works on the dead-letter queues of a [broker.Broker]'s
@@ -68,14 +70,22 @@ var (
 type Message struct {
 	// ID is the message's MessageId property.
 	ID string `json:"id"`
+	// Key is the key by which the consumers' Dedup and Retry know the
+	// message, without a Keying.Namespace: its id, or for a message
+	// without one, the MD5 of its body in hex (see middleware.Key); empty
+	// for a message with neither. A [Filter] selects a message by its key
+	// as by its id.
+	Key string `json:"key,omitempty"`
 	// Queue is the work queue the broker dead-lettered the message from
 	// ([broker.HeaderOriginalQueue]); empty for a message that the server or
 	// another tool dead-lettered.
 	Queue string `json:"queue,omitempty"`
-	// DeadLetteredFrom and Reason are RabbitMQ's x-first-death-queue and
-	// x-first-death-reason ("rejected", "expired", "maxlen",
-	// "delivery_limit"), when the server dead-lettered the message at some
-	// point.
+	// DeadLetteredFrom and Reason say where and why the server
+	// dead-lettered the message ("rejected", "expired", "maxlen",
+	// "delivery_limit"), when it did: RabbitMQ's x-first-death-queue and
+	// x-first-death-reason, unless they name one of the work queue's delay
+	// queues, whose copies expire by design; then the earliest x-death
+	// record of another queue, if any.
 	DeadLetteredFrom string `json:"dead_lettered_from,omitempty"`
 	Reason           string `json:"reason,omitempty"`
 	// Error and ErrorType are [broker.HeaderError] and
@@ -84,8 +94,13 @@ type Message struct {
 	ErrorType string `json:"error_type,omitempty"`
 	// Attempts is the attempt count ([rabbitmw.HeaderAttempts]).
 	Attempts int `json:"attempts"`
-	// FirstFailure is the earliest time in the message's headers: its
-	// x-death records, its HeaderHistory, and LastFailure. LastFailure is
+	// FirstError is the error of the first failure the broker recorded
+	// ([broker.HeaderFirstError]), or Error without one.
+	FirstError string `json:"first_error,omitempty"`
+	// FirstFailure is the earliest time in the message's headers:
+	// [broker.HeaderFirstFailedAt], its x-death records but those of the
+	// work queue's delay queues (whose times are those of the copies'
+	// expiries), its HeaderHistory, and LastFailure. LastFailure is
 	// [broker.HeaderFailedAt], or, without it, the latest x-death record.
 	FirstFailure time.Time `json:"first_failure,omitzero"`
 	LastFailure  time.Time `json:"last_failure,omitzero"`
@@ -107,6 +122,7 @@ type Message struct {
 // leaves out, and names in Malformed.
 func readMessage(d *amqp.Delivery) *Message {
 	dl := &Message{ID: d.MessageId, BodySize: len(d.Body), Delivery: d}
+	dl.Key, _ = middleware.Key(d)
 	h := d.Headers
 	str := func(k string) string {
 		v, ok := h[k]
@@ -123,6 +139,10 @@ func readMessage(d *amqp.Delivery) *Message {
 	dl.DeadLetteredFrom = str("x-first-death-queue")
 	dl.Reason = str("x-first-death-reason")
 	dl.Error = str(broker.HeaderError)
+	dl.FirstError = str(broker.HeaderFirstError)
+	if _, ok := h[broker.HeaderFirstError]; !ok {
+		dl.FirstError = dl.Error
+	}
 	dl.ErrorType = str(broker.HeaderErrorType)
 	dl.Host = str(broker.HeaderHost)
 	dl.Process = str(broker.HeaderProcess)
@@ -149,14 +169,40 @@ func readMessage(d *amqp.Delivery) *Message {
 			dl.Malformed = append(dl.Malformed, broker.HeaderFailedAt)
 		}
 	}
+	if v, ok := h[broker.HeaderFirstFailedAt]; ok {
+		if t, ok := v.(time.Time); ok {
+			times = append(times, t)
+		} else {
+			dl.Malformed = append(dl.Malformed, broker.HeaderFirstFailedAt)
+		}
+	}
+	// A delay hop's record is no failure: the copy expired there by
+	// design, after the failure that sent it.
+	hop := func(queue string) bool {
+		return dl.Queue != "" && strings.HasPrefix(queue, dl.Queue+".delay.")
+	}
+	if hop(dl.DeadLetteredFrom) {
+		dl.DeadLetteredFrom, dl.Reason = "", ""
+	}
 	var deathTimes []time.Time
+	var firstDeath time.Time
+	fromRecords := dl.DeadLetteredFrom == ""
 	if v, ok := h["x-death"]; ok {
 		if !expose.WellFormedXDeath(v) {
 			dl.Malformed = append(dl.Malformed, "x-death")
 		} else {
 			for _, r := range v.([]any) {
-				if t, ok := r.(amqp.Table)["time"].(time.Time); ok {
-					deathTimes = append(deathTimes, t)
+				rec := r.(amqp.Table)
+				t, ok := rec["time"].(time.Time)
+				queue, _ := rec["queue"].(string)
+				if !ok || hop(queue) {
+					continue
+				}
+				deathTimes = append(deathTimes, t)
+				if fromRecords && (firstDeath.IsZero() || t.Before(firstDeath)) {
+					firstDeath = t
+					dl.DeadLetteredFrom = queue
+					dl.Reason, _ = rec["reason"].(string)
 				}
 			}
 		}
@@ -187,10 +233,17 @@ func readMessage(d *amqp.Delivery) *Message {
 // message; each field that is set narrows the selection, and a message
 // must pass them all.
 type Filter struct {
-	// IDs selects the messages with one of these message ids.
+	// IDs selects the messages with one of these message ids, or keys
+	// (Message.Key: the MD5 of the body of a message without an id).
 	IDs []string
 	// ErrorType selects the messages whose Message.ErrorType is this.
 	ErrorType string
+	// Error selects the messages whose Message.Error contains this text,
+	// whatever the case.
+	Error string
+	// Group selects the messages of the group with this ID (see
+	// [Groups]).
+	Group string
 	// Since and Until select the messages whose Message.LastFailure is
 	// at or after Since, and before Until. A message with no failure time
 	// is left out when either is set.
@@ -201,8 +254,10 @@ type Filter struct {
 
 func (f *Filter) match(dl *Message) bool {
 	switch {
-	case len(f.IDs) > 0 && !slices.Contains(f.IDs, dl.ID),
+	case len(f.IDs) > 0 && !slices.Contains(f.IDs, dl.ID) && (dl.Key == "" || !slices.Contains(f.IDs, dl.Key)),
 		f.ErrorType != "" && dl.ErrorType != f.ErrorType,
+		f.Error != "" && !strings.Contains(strings.ToLower(dl.Error), strings.ToLower(f.Error)),
+		f.Group != "" && GroupID(dl) != f.Group,
 		(!f.Since.IsZero() || !f.Until.IsZero()) && dl.LastFailure.IsZero(),
 		!f.Since.IsZero() && dl.LastFailure.Before(f.Since),
 		!f.Until.IsZero() && !dl.LastFailure.Before(f.Until),

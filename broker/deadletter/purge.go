@@ -1,6 +1,11 @@
 package deadletter
 
-import "context"
+import (
+	"context"
+	"fmt"
+
+	"github.com/rabbitmw/rabbitmw/broker/internal/expose"
+)
 
 // PurgeOptions selects the messages that [Inspector.Purge]
 // removes. The zero value removes them all.
@@ -17,28 +22,64 @@ type PurgeOptions struct {
 
 // Purge removes from the dead-letter queue of work queue queue
 // the messages that opts selects, and returns them; the others stay, in
-// their order. It reads the queue as [Inspector.List] does. With an
-// error, the messages returned are those removed before it.
+// their order. It reads the queue as [Inspector.List] does. A message
+// counts as removed once the server has processed its acknowledgement (a
+// round trip after each batch of acks): if the connection drops before,
+// the server puts the message back. With an error, the messages returned
+// are those removed before it; the error says how many more were
+// acknowledged without a word from the server, and may be back.
 func (in *Inspector) Purge(ctx context.Context, queue string, opts PurgeOptions) ([]*Message, error) {
 	snap, err := in.snapshot(ctx, queue, opts.ScanProgress)
 	if err != nil {
 		return nil, err
 	}
-	var removed []*Message
+	var removed, acked []*Message
+	// confirm waits until the server has processed the acks sent, and
+	// counts their messages removed.
+	confirm := func() error {
+		if len(acked) == 0 {
+			return nil
+		}
+		if err := snap.s.SyncGets(ctx); err != nil {
+			return fmt.Errorf("deadletter: purge: %d message(s) acknowledged, and not confirmed removed (they may be back in the dead-letter queue): %w",
+				len(acked), expose.LostError(err))
+		}
+		removed = append(removed, acked...)
+		acked = acked[:0]
+		return nil
+	}
 	for i, dl := range snap.msgs {
-		if opts.Limit > 0 && len(removed) == opts.Limit {
+		if opts.Limit > 0 && len(removed)+len(acked) == opts.Limit {
 			break
 		}
 		if !opts.Filter.match(dl) {
 			continue
 		}
-		if !opts.DryRun {
-			if err := snap.ack(i); err != nil {
-				snap.close(in)
-				return removed, err
-			}
+		if opts.DryRun {
+			removed = append(removed, dl)
+			continue
 		}
-		removed = append(removed, dl)
+		err := snap.ack(i)
+		if err == nil {
+			acked = append(acked, dl)
+			if len(acked) == purgeBatch {
+				err = confirm()
+			}
+		} else if len(acked) > 0 {
+			err = fmt.Errorf("deadletter: purge: %d message(s) acknowledged, and not confirmed removed (they may be back in the dead-letter queue): %w", len(acked), err)
+		}
+		if err != nil {
+			snap.close(in)
+			return removed, err
+		}
+	}
+	if err := confirm(); err != nil {
+		snap.close(in)
+		return removed, err
 	}
 	return removed, snap.close(in)
 }
+
+// purgeBatch is the number of acks Purge sends before it waits for the
+// server to have processed them.
+const purgeBatch = 256

@@ -95,7 +95,8 @@ type ReplayResult struct {
 // original stays in [broker.HeaderOriginalExpiration]); its UserId stays
 // in [broker.HeaderUserID]. The handler sees the message as first
 // delivered: its exchange, routing key, UserId and Expiration as
-// published. The copy carries no
+// published (for a message that RabbitMQ itself dead-lettered, the route
+// and expiration of its x-death record). The copy carries no
 // x-death, so neither this publish nor a later dead-lettering can meet
 // RabbitMQ's dead-letter cycle check with a record of the work queue.
 //
@@ -269,23 +270,64 @@ func (snap *snapshot) replayOne(ctx context.Context, i int, opts ReplayOptions, 
 	return nil
 }
 
+// firstRoute gives h, the headers of a message that RabbitMQ itself
+// dead-lettered (no broker copy recorded its route), the route and
+// expiration it was first published with, from its x-death record of the
+// first dead-lettering (x-first-death-queue and -reason): the exchange
+// and first routing key in [broker.HeaderOriginalExchange] and
+// [broker.HeaderOriginalRoutingKey], original-expiration in
+// [broker.HeaderOriginalExpiration]. So the replayed message reaches its
+// handler as it was published, as one the broker dead-lettered does. A
+// header already there, or a record not in RabbitMQ's form, is left alone.
+// It modifies h.
+func firstRoute(h amqp.Table) {
+	deaths, _ := h["x-death"].([]any)
+	queue, _ := h["x-first-death-queue"].(string)
+	reason, _ := h["x-first-death-reason"].(string)
+	for _, d := range deaths {
+		r, _ := d.(amqp.Table)
+		if r == nil || r["queue"] != queue || r["reason"] != reason {
+			continue
+		}
+		exchange, ok := r["exchange"].(string)
+		keys, _ := r["routing-keys"].([]any)
+		var key string
+		if len(keys) > 0 {
+			key, _ = keys[0].(string)
+		}
+		if _, done := h[broker.HeaderOriginalExchange]; ok && key != "" && !done {
+			if _, done := h[broker.HeaderOriginalRoutingKey]; !done {
+				h[broker.HeaderOriginalExchange] = exchange
+				h[broker.HeaderOriginalRoutingKey] = key
+			}
+		}
+		if exp, ok := r["original-expiration"].(string); ok {
+			if _, done := h[broker.HeaderOriginalExpiration]; !done {
+				h[broker.HeaderOriginalExpiration] = exp
+			}
+		}
+		return
+	}
+}
+
 // historyHeaders are the headers a replay moves into HeaderHistory.
 var historyHeaders = []string{
 	broker.HeaderError, broker.HeaderErrorType, broker.HeaderOriginalQueue, broker.HeaderFailedAt,
 	broker.HeaderHost, broker.HeaderProcess, rabbitmw.HeaderAttempts, broker.HeaderNotBefore,
-	broker.HeaderDeaths, broker.HeaderMalformedXDeath,
+	broker.HeaderDeaths, broker.HeaderMalformedXDeath, broker.HeaderFirstError, broker.HeaderFirstFailedAt,
 	"x-death", "x-first-death-queue", "x-first-death-reason", "x-first-death-exchange",
 	"x-last-death-queue", "x-last-death-reason", "x-last-death-exchange", "x-delivery-count",
 }
 
 // replayHeaders returns the headers of the replayed copy of a message
 // with headers h, from dead-letter queue dlq at time at: see
-// HeaderHistory. It does not modify h.
+// HeaderHistory, and firstRoute. It does not modify h.
 func replayHeaders(h amqp.Table, dlq string, at time.Time, history int) amqp.Table {
 	out := maps.Clone(h)
 	if out == nil {
 		out = amqp.Table{}
 	}
+	firstRoute(out)
 	life := amqp.Table{"replayed-at": at.UTC().Truncate(time.Second), "dead-letter-queue": dlq}
 	for _, k := range historyHeaders {
 		if v, ok := out[k]; ok {

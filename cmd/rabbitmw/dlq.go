@@ -25,11 +25,13 @@ import (
 
 func (e *env) dlq(ctx context.Context, args []string) error {
 	if len(args) == 0 {
-		return usageError("dlq: name a subcommand: ls, show, replay, purge, export, import")
+		return usageError("dlq: name a subcommand: ls, groups, show, replay, purge, export, import")
 	}
 	switch args[0] {
 	case "ls", "list":
 		return e.dlqList(ctx, args[1:])
+	case "groups":
+		return e.dlqGroups(ctx, args[1:])
 	case "show":
 		return e.dlqShow(ctx, args[1:])
 	case "replay":
@@ -41,7 +43,7 @@ func (e *env) dlq(ctx context.Context, args []string) error {
 	case "import":
 		return e.dlqImport(ctx, args[1:])
 	}
-	return usageError("dlq: unknown subcommand %q: ls, show, replay, purge, export, import", args[0])
+	return usageError("dlq: unknown subcommand %q: ls, groups, show, replay, purge, export, import", args[0])
 }
 
 // classify gives err its exit code.
@@ -134,6 +136,40 @@ func (e *env) dlqList(ctx context.Context, args []string) error {
 	return nil
 }
 
+func (e *env) dlqGroups(ctx context.Context, args []string) error {
+	q := e.queueCommand("dlq groups", withFilters|withJSON)
+	if err := q.parseQueue(args); err != nil {
+		return err
+	}
+	b, err := q.connect(e)
+	if err != nil {
+		return err
+	}
+	defer b.Close()
+	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
+	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: q.filter(), Progress: bar.update})
+	bar.done()
+	if err != nil {
+		return classify(err)
+	}
+	groups := deadletter.Groups(dls)
+	if q.json {
+		if groups == nil {
+			groups = []*deadletter.Group{}
+		}
+		return writeJSON(e.stdout, groups)
+	}
+	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(w, "GROUP\tCOUNT\tERROR TYPE\tFIRST SEEN\tLAST SEEN\tSAMPLE\tERROR")
+	for _, g := range groups {
+		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", g.ID, g.Count, orDash(g.ErrorType),
+			stamp(g.FirstSeen), stamp(g.LastSeen), orDash(g.Sample.Key), cut(oneLine(g.Pattern), 80))
+	}
+	w.Flush()
+	fmt.Fprintf(e.stdout, "%d group(s) of %d message(s); select one with --group GROUP\n", len(groups), len(dls))
+	return nil
+}
+
 func nonNil(dls []*deadletter.Message) []*deadletter.Message {
 	if dls == nil {
 		return []*deadletter.Message{}
@@ -157,7 +193,7 @@ func (e *env) table(dls []*deadletter.Message) {
 		if len(dl.Malformed) > 0 {
 			text = "[malformed: " + strings.Join(dl.Malformed, ", ") + "] " + text
 		}
-		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\t%s\t%d\t%d\t%s\n", orDash(dl.ID), queue, dl.Attempts, orDash(dl.ErrorType),
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\t%s\t%d\t%d\t%s\n", orDash(dl.Key), queue, dl.Attempts, orDash(dl.ErrorType),
 			stamp(dl.FirstFailure), stamp(dl.LastFailure), dl.Replays, dl.BodySize, cut(oneLine(text), 60))
 	}
 	w.Flush()
@@ -196,7 +232,7 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 		return err
 	}
 	if len(pos) == 0 {
-		return usageError("dlq show: name a message id")
+		return usageError("dlq show: name a message id (or, for a message without one, its key: the MD5 of its body, as dlq ls lists it)")
 	}
 	if err := needQueue(&q.common, pos, len(pos)); err != nil {
 		return err
@@ -211,7 +247,7 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 		return classify(err)
 	}
 	if len(dls) == 0 {
-		return &exitError{exitNotFound, fmt.Errorf("no message with id %q in the dead-letter queue of %q", strings.Join(pos, ", "), q.queue)}
+		return &exitError{exitNotFound, fmt.Errorf("no message with id or key %q in the dead-letter queue of %q", strings.Join(pos, ", "), q.queue)}
 	}
 	if q.json {
 		var out []any
@@ -246,6 +282,9 @@ func (e *env) show(dl *deadletter.Message) {
 		}
 	}
 	row("id", orDash(dl.ID))
+	if dl.ID == "" && dl.Key != "" {
+		row("key", dl.Key+" (the MD5 of the body, as the consumers' Dedup and Retry know it)")
+	}
 	row("queue", dl.Queue)
 	row("dead-lettered from", dl.DeadLetteredFrom)
 	row("reason", dl.Reason)
@@ -253,6 +292,9 @@ func (e *env) show(dl *deadletter.Message) {
 	row("error", dl.Error)
 	row("attempts", strconv.Itoa(dl.Attempts))
 	row("first failure", stamp(dl.FirstFailure))
+	if dl.FirstError != dl.Error {
+		row("first error", dl.FirstError)
+	}
 	row("last failure", stamp(dl.LastFailure))
 	row("host", dl.Host)
 	row("process", dl.Process)

@@ -31,14 +31,14 @@ const defaultTimeout = 10 * time.Second
 
 // common are the flags every command that talks to RabbitMQ has.
 type common struct {
-	url   string
+	urls  urlList
 	queue string
 	json  bool
 }
 
 // register adds --amqp, and -q/--queue if queue.
 func (c *common) register(fs *flagSet, queue bool) {
-	fs.StringVar(&c.url, "amqp", "", "AMQP URL of the server (default $RABBITMQ_URL, else "+defaultURL+")")
+	fs.Var(&c.urls, "amqp", "AMQP URL of the server; repeated or comma-separated for the nodes of a cluster (default $RABBITMQ_URL, else "+defaultURL+")")
 	if queue {
 		fs.StringVar(&c.queue, "queue", "", "the work queue (required)")
 		fs.alias("q", "queue")
@@ -50,27 +50,62 @@ func (c *common) registerJSON(fs *flagSet) {
 	fs.BoolVar(&c.json, "json", false, "print JSON instead of a table")
 }
 
-func (c *common) amqpURL() string {
-	url := c.url
-	if url == "" {
-		url = os.Getenv("RABBITMQ_URL")
+// urlList is a repeatable flag of AMQP URLs, each value one URL or
+// several separated by commas.
+type urlList []string
+
+func (l *urlList) String() string { return strings.Join(*l, ",") }
+
+func (l *urlList) Set(v string) error {
+	for u := range strings.SplitSeq(v, ",") {
+		if u = strings.TrimSpace(u); u == "" {
+			return errors.New("empty URL")
+		}
+		*l = append(*l, u)
 	}
-	if url == "" {
-		url = defaultURL
-	}
-	return url
+	return nil
 }
 
-// connect returns a Broker on the server, once it has answered within
-// timeout: the Broker itself would wait for ever, reconnecting.
-func (c *common) connect(timeout time.Duration) (*broker.Broker, error) {
-	url := c.amqpURL()
-	conn, err := amqp.DialConfig(url, amqp.Config{Dial: amqp.DefaultDial(timeout), Locale: "en_US"})
-	if err != nil {
-		return nil, unreachable("RabbitMQ", redact(url), timeout, err)
+// amqpURLs returns the URLs of the nodes: --amqp, else $RABBITMQ_URL,
+// else the default.
+func (c *common) amqpURLs() []string {
+	urls := c.urls
+	if len(urls) == 0 {
+		if env := os.Getenv("RABBITMQ_URL"); env != "" {
+			// An empty entry is skipped: there is no flag to blame.
+			for u := range strings.SplitSeq(env, ",") {
+				if u = strings.TrimSpace(u); u != "" {
+					urls = append(urls, u)
+				}
+			}
+		}
 	}
-	conn.Close()
-	return broker.New(url, broker.Options{ReconnectMax: 2 * time.Second}), nil
+	if len(urls) == 0 {
+		urls = urlList{defaultURL}
+	}
+	return urls
+}
+
+// connect returns a Broker on the server, or on the nodes of a cluster,
+// once one of them has answered within timeout: the Broker itself would
+// wait for ever, reconnecting.
+func (c *common) connect(timeout time.Duration) (*broker.Broker, error) {
+	urls := c.amqpURLs()
+	var errs []error
+	for _, url := range urls {
+		conn, err := amqp.DialConfig(url, amqp.Config{Dial: amqp.DefaultDial(timeout), Locale: "en_US"})
+		if err != nil {
+			errs = append(errs, unreachable("RabbitMQ", redact(url), timeout, err))
+			continue
+		}
+		conn.Close()
+		opts := broker.Options{ReconnectMax: 2 * time.Second}
+		if len(urls) == 1 {
+			return broker.New(url, opts), nil
+		}
+		return broker.NewCluster(broker.Addresses(urls), opts), nil
+	}
+	return nil, errors.Join(errs...)
 }
 
 // unreachable is the error of a server that could not be reached.
@@ -208,22 +243,26 @@ func (w *when) Set(s string) error {
 type filterFlags struct {
 	ids          list
 	errorType    string
+	errorText    string
+	group        string
 	since, until when
 }
 
 func (f *filterFlags) register(fs *flagSet) {
-	fs.Var(&f.ids, "id", "select this message id (repeatable, or comma-separated)")
+	fs.Var(&f.ids, "id", "select this message id, or key for a message without one (repeatable, or comma-separated)")
 	fs.StringVar(&f.errorType, "error-type", "", "select this error type, as in the ERROR TYPE column")
+	fs.StringVar(&f.errorText, "error", "", "select messages whose error contains this text, whatever the case")
+	fs.StringVar(&f.group, "group", "", "select the messages of this group, as dlq groups lists them")
 	fs.Var(&f.since, "since", "select messages that failed at or after this time (RFC 3339, or a duration before now)")
 	fs.Var(&f.until, "until", "select messages that failed before this time")
 }
 
 func (f *filterFlags) filter() deadletter.Filter {
-	return deadletter.Filter{IDs: f.ids, ErrorType: f.errorType, Since: f.since.t, Until: f.until.t}
+	return deadletter.Filter{IDs: f.ids, ErrorType: f.errorType, Error: f.errorText, Group: f.group, Since: f.since.t, Until: f.until.t}
 }
 
 func (f *filterFlags) empty() bool {
-	return len(f.ids) == 0 && f.errorType == "" && f.since.t.IsZero() && f.until.t.IsZero()
+	return len(f.ids) == 0 && f.errorType == "" && f.errorText == "" && f.group == "" && f.since.t.IsZero() && f.until.t.IsZero()
 }
 
 // storeFlags name a store and its key layout.

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
 )
 
 func (e *env) key(ctx context.Context, args []string) error {
@@ -33,6 +34,7 @@ func (e *env) key(ctx context.Context, args []string) error {
 		return err
 	}
 	host, pid, _ := middleware.TokenOwner(s.Token)
+	meaning, unknown := keyMeaning(s)
 	if *asJSON {
 		return writeJSON(e.stdout, struct {
 			Key         string  `json:"key"`
@@ -43,7 +45,9 @@ func (e *env) key(ctx context.Context, args []string) error {
 			TTL         float64 `json:"ttl_seconds,omitempty"`
 			Failures    int64   `json:"failures"`
 			FailuresTTL float64 `json:"failures_ttl_seconds,omitempty"`
-		}{k, s.State(), s.Token, host, pid, s.TTL.Seconds(), s.Failures, s.FailuresTTL.Seconds()})
+			Meaning     string  `json:"meaning"`
+			Unknown     string  `json:"unknown,omitempty"`
+		}{k, s.State(), s.Token, host, pid, s.TTL.Seconds(), s.Failures, s.FailuresTTL.Seconds(), meaning, unknown})
 	}
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(w, "key\t%s\n", k)
@@ -69,7 +73,31 @@ func (e *env) key(ctx context.Context, args []string) error {
 	if s.Failures > 0 {
 		fmt.Fprintf(w, "failures expire in\t%s\n", ttl(s.FailuresTTL))
 	}
+	fmt.Fprintf(w, "meaning\t%s\n", meaning)
+	if unknown != "" {
+		fmt.Fprintf(w, "the store cannot tell\t%s\n", unknown)
+	}
 	return w.Flush()
+}
+
+// keyMeaning says what a key's state means for its message, and what the
+// store cannot know of it.
+func keyMeaning(s store.KeyState) (meaning, unknown string) {
+	switch s.Status {
+	case store.Processing:
+		return "a consumer is handling the message now (or died, and its lease has not ended yet)", ""
+	case store.Abandoned:
+		return "an attempt never finished; the next delivery counts it as a failed attempt", ""
+	case store.Done:
+		return "the message was handled; a copy delivered before the retention ends is acked as a duplicate, unhandled", ""
+	}
+	if s.Failures > 0 {
+		return fmt.Sprintf("between attempts: %d failed attempt(s) counted; the message waits in a delay queue or its work queue for the next", s.Failures),
+			"whether the message is still on its way: it may also have been dead-lettered by a consumer that could not reset the count"
+	}
+	return "nothing is held for this key: no consumer handles it, no success is remembered, no failure is counted",
+		"whether the message was never handled under this key, was dead-lettered (Retry resets the count and Dedup releases the claim when they dead-letter it), " +
+			"or was handled longer ago than the retention; the dead-letter queue knows the second: rabbitmw dlq show -q QUEUE KEY"
 }
 
 func ttl(d time.Duration) string {

@@ -4,8 +4,9 @@
 // key, and declares, shows and deletes a work queue's topology.
 //
 //	rabbitmw dlq ls -q orders                 (-q is short for --queue)
-//	rabbitmw dlq show -q orders <message id>
-//	rabbitmw dlq replay -q orders (--all | [--id ID]... [--error-type T] [--since S] [--until U])
+//	rabbitmw dlq groups -q orders [filters]    (failures by type and masked text)
+//	rabbitmw dlq show -q orders <message id, or key of a message without one>
+//	rabbitmw dlq replay -q orders (--all | [--id ID]... [--error-type T] [--error TEXT] [--group G] [--since S] [--until U])
 //	                     [--to Q] [--dry-run] [--limit N] [--rate R]
 //	                     [--reset-failures (--redis ADDR | --postgres URL)] [--history N]
 //	rabbitmw dlq purge -q orders (--all | filters) [--dry-run] [--limit N]
@@ -14,9 +15,24 @@
 //	rabbitmw key <message id> --redis 127.0.0.1:6379 [--prefix P] [--namespace NS]
 //	rabbitmw key <message id> --postgres postgres://app@db/shop [--table T] [--namespace NS]
 //	rabbitmw topology declare|delete|show -q orders [--quorum] [--delivery-limit N] [--delays 1s,5s]
+//	rabbitmw outbox ls --postgres postgres://app@db/shop [--table T] [--state pending|sent|parked] [--after ID] [--limit N]
+//	rabbitmw outbox stats --postgres URL [--table T]
+//	rabbitmw outbox retry --postgres URL [--table T] (--all | --id ID...)
+//	rabbitmw ui -q orders [-q payments]... [--listen ADDR] [--token T | --basic-auth U:P] [--read-only]
+//	             [--redis ADDR | --postgres URL] [--delays 1s,5s]
+//
+// ui serves a web console on --listen (default 127.0.0.1:8080): the
+// queues with their depth and consumers, each dead-letter queue's
+// failures grouped by error type and masked text, each message in full,
+// replay, purge and export of a selection or a group, and key lookups in
+// the store. On an address that is not loopback it requires --token or
+// --basic-auth; every action carries a form token and is refused from
+// another origin; --read-only refuses them all.
 //
 // The server is --amqp, or else $RABBITMQ_URL, or else
-// amqp://guest:guest@127.0.0.1:5672/. A server that does not answer
+// amqp://guest:guest@127.0.0.1:5672/. For a cluster, repeat --amqp or
+// separate the nodes' URLs with commas (in $RABBITMQ_URL too): each
+// connection goes to a node that answers. A server that does not answer
 // within --timeout (default 10s) fails the command. Output is a table, or
 // JSON with --json. Long reads and replays draw a progress bar on standard
 // error, from their start, when it is a terminal. Each command's -h lists
@@ -82,9 +98,11 @@ func usageError(format string, args ...any) error {
 }
 
 const usage = `usage:
-  rabbitmw dlq ls|show|replay|purge|export|import -q QUEUE [flags]
+  rabbitmw dlq ls|groups|show|replay|purge|export|import -q QUEUE [flags]
   rabbitmw key ID (--redis ADDR | --postgres URL) [flags]
   rabbitmw topology declare|delete|show -q QUEUE [flags]
+  rabbitmw ui -q QUEUE [-q QUEUE]... [--listen 127.0.0.1:8080] [flags]
+  rabbitmw outbox ls|stats|retry --postgres URL [flags]
   rabbitmw --version
 Run a command with -h for its flags.`
 
@@ -128,6 +146,10 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		err = e.key(ctx, args[1:])
 	case args[0] == "topology":
 		err = e.topology(ctx, args[1:])
+	case args[0] == "ui":
+		err = e.ui(ctx, args[1:])
+	case args[0] == "outbox":
+		err = e.outbox(ctx, args[1:])
 	default:
 		err = usageError("unknown command %q; see 'rabbitmw -h'", args[0])
 	}

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/md5"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -19,6 +20,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
@@ -223,7 +226,7 @@ func TestCLI(t *testing.T) {
 
 	out, stderr, code = cli(t, url, nil, "key", "a", "--redis", testenv.RedisAddr(t), "--prefix", prefix, "--namespace", "ns")
 	expectCode(t, "key a", code, exitOK, stderr)
-	if !strings.Contains(out, "absent") || !strings.Contains(out, "failures            2") && !strings.Contains(out, "failures  2") {
+	if words := strings.Join(strings.Fields(out), " "); !strings.Contains(words, "state absent") || !strings.Contains(words, "failures 2") {
 		t.Errorf("key a output:\n%s", out)
 	}
 	out, stderr, code = cli(t, url, nil, "key", "--json", "b", "--redis", "redis://"+testenv.RedisAddr(t), "--prefix", prefix, "--namespace", "ns")
@@ -457,4 +460,87 @@ func TestKeyPostgres(t *testing.T) {
 		_, stderr, code = cli(t, "", nil, append([]string{"key", "b"}, args...)...)
 		expectCode(t, "key "+name, code, exitUsage, stderr)
 	}
+}
+
+// What a key's state means, and what the store cannot know: an absent key
+// with no failures is also what a dead-lettered message leaves, since
+// Retry resets its count and Dedup releases its claim when it
+// dead-letters.
+func TestKeySaysWhatTheStoreKnows(t *testing.T) {
+	addr := testenv.RedisAddr(t)
+	rc := redis.NewClient(&redis.Options{Addr: addr})
+	t.Cleanup(func() { rc.Close() })
+	prefix := "rabbitmw-test-cli:" + queueName(t) + ":"
+	st := redisstore.New(rc, redisstore.Options{Prefix: prefix})
+	ctx := context.Background()
+	_, err := st.Fail(ctx, "between", time.Hour)
+	require.NoError(t, err)
+	t.Cleanup(func() { rc.Del(context.Background(), prefix+"retry:between") })
+
+	for _, c := range []struct {
+		key  string
+		want []string
+	}{
+		{"never-seen", []string{"state absent", "failures 0", "dead-lettered", "dlq show"}},
+		{"between", []string{"state absent", "failures 1", "between attempts"}},
+	} {
+		out, stderr, code := cli(t, "", nil, "key", c.key, "--redis", addr, "--prefix", prefix)
+		expectCode(t, "key "+c.key, code, exitOK, stderr)
+		words := strings.Join(strings.Fields(out), " ")
+		for _, w := range c.want {
+			assert.Contains(t, words, w, "key %s:\n%s", c.key, out)
+		}
+		out, stderr, code = cli(t, "", nil, "key", "--json", c.key, "--redis", addr, "--prefix", prefix)
+		expectCode(t, "key --json "+c.key, code, exitOK, stderr)
+		var ks struct{ Meaning, Unknown string }
+		require.NoError(t, json.Unmarshal([]byte(out), &ks), out)
+		assert.NotEmpty(t, ks.Meaning, "key --json %s: no meaning\n%s", c.key, out)
+	}
+}
+
+// A message without an id is listed and shown by its key; messages are
+// selected by their error's text, and grouped by type and masked text.
+func TestDLQKeysTextAndGroups(t *testing.T) {
+	_, url, q := setupQueue(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	now := time.Now().UTC().Truncate(time.Second)
+	b := broker.New(url, broker.Options{KeepEmptyMessageID: true})
+	t.Cleanup(func() { b.Close() })
+	pub := func(id, body string, h amqp.Table) {
+		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: id, Body: []byte(body), Headers: h}))
+	}
+	pub("", `{"order":7}`, faulty(q, "error", "decode order 7: unexpected EOF", now))
+	pub("m8", "x", faulty(q, "error", "decode order 8: unexpected EOF", now))
+	pub("m9", "y", faulty(q, "*json.SyntaxError", "payment Gateway said no", now))
+	sum := md5.Sum([]byte(`{"order":7}`))
+	key := hex.EncodeToString(sum[:])
+
+	out, stderr, code := cli(t, url, nil, "dlq", "ls", "-q", q)
+	expectCode(t, "dlq ls", code, exitOK, stderr)
+	assert.Contains(t, out, key, "dlq ls lists the message without an id by its key")
+	out, stderr, code = cli(t, url, nil, "dlq", "show", "-q", q, key)
+	expectCode(t, "dlq show KEY", code, exitOK, stderr)
+	assert.Contains(t, out, "decode order 7", "dlq show KEY")
+
+	out, stderr, code = cli(t, url, nil, "dlq", "ls", "-q", q, "--error", "gateway SAID")
+	expectCode(t, "dlq ls --error", code, exitOK, stderr)
+	assert.Contains(t, out, "m9")
+	assert.NotContains(t, out, "m8")
+	assert.Contains(t, out, "1 message(s)")
+
+	out, stderr, code = cli(t, url, nil, "dlq", "groups", "-q", q, "--json")
+	expectCode(t, "dlq groups", code, exitOK, stderr)
+	var groups []struct {
+		ID, ErrorType, Pattern string
+		Count                  int
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &groups), out)
+	require.Len(t, groups, 2, out)
+	assert.Equal(t, "decode order #: unexpected EOF", groups[0].Pattern)
+	assert.Equal(t, 2, groups[0].Count)
+	out, stderr, code = cli(t, url, nil, "dlq", "ls", "-q", q, "--group", groups[0].ID)
+	expectCode(t, "dlq ls --group", code, exitOK, stderr)
+	assert.Contains(t, out, "2 message(s)")
+	assert.Contains(t, out, "m8")
 }

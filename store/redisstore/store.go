@@ -187,7 +187,8 @@ var (
 	// ARGV: the claim's value, its PX (lease plus abandoned retention),
 	// the lease alone (for a hand-written mark without expiry). It
 	// returns a store.Status's number: 1 claimed, 2 processing, 3 done,
-	// 4 abandoned.
+	// 4 abandoned. A key that holds the claim's own value is claimed: see
+	// Store.Claim.
 	claimScript = redis.NewScript(`
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return 1
@@ -195,6 +196,9 @@ end
 local v = redis.call('GET', KEYS[1])
 if v == 'done' then
   return 3
+end
+if v == ARGV[1] then
+  return 1
 end
 local keep = string.match(v, '^rabbitmw:claim:(%d+):')
 if keep then
@@ -249,6 +253,13 @@ func (r *Store) Load(ctx context.Context) error {
 // Claim implements [store.Store]. The common claims, of an absent key and
 // of a done one, are one SET NX GET; a claim that finds a claim or a
 // hand-written mark runs claimScript, which reads the key's PTTL to decide.
+//
+// go-redis sends a command again, or a whole pipeline, on a new connection
+// when its answer does not come within the client's read timeout (up to
+// MaxRetries times), though the first send may have taken effect. A claim
+// that finds the key holding its own value (its token, which no other
+// claim has) is therefore this claim, sent before: it reports Claimed,
+// with the lease that the first send set.
 func (r *Store) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, r.fail("claim", key, err)
@@ -263,6 +274,9 @@ func (r *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 			return store.Claimed, nil
 		case err == nil && old == doneMark:
 			return store.Done, nil
+		case err == nil && old == value:
+			// This very claim, sent before: see Claim's doc.
+			return store.Claimed, nil
 		case err == nil:
 			// A claim or a mark: the script decides.
 		case isSyntaxError(err):

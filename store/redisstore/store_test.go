@@ -1,9 +1,11 @@
 package redisstore_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"strconv"
 	"strings"
@@ -14,6 +16,8 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
@@ -423,12 +427,16 @@ func TestClaimCommands(t *testing.T) {
 		cmds []string
 	}{
 		{"absent", "a", store.Claimed, []string{"set"}},
-		{"processing", "a", store.Processing, []string{"set", "evalsha"}},
+		{"processing", "a", store.Processing, []string{"set", "evalsha"}}, // by tok, not tok2: see below
 		{"hand-written mark", "hand", store.Processing, []string{"set", "evalsha"}},
 		{"abandoned", "gone", store.Abandoned, []string{"set", "evalsha"}},
 		{"absent again", "gone", store.Claimed, []string{"set"}},
 	} {
-		got, err := s.Claim(ctx, tc.key, "tok2", time.Minute)
+		token := "tok2"
+		if tc.name == "processing" {
+			token = "tok" // another owner: tok2's own claim, sent again, is claimed
+		}
+		got, err := s.Claim(ctx, tc.key, token, time.Minute)
 		if err != nil || got != tc.want {
 			t.Errorf("Claim(%s) of %s = %v, %v; want %v", tc.key, tc.name, got, err, tc.want)
 		}
@@ -492,4 +500,136 @@ func TestClaimBeforeRedis7(t *testing.T) {
 		_, c := newMiniredis(t)
 		return redisstore.New(&oldRedis{Client: c}, redisstore.Options{})
 	})
+}
+
+// A lateProxy forwards TCP connections to a server. Once armed with a
+// key, it holds the answer to the next request that names the key past the
+// client's read timeout: the command took effect, and its answer comes too
+// late.
+type lateProxy struct {
+	l     net.Listener
+	to    string
+	late  time.Duration
+	armed atomic.Pointer[string]
+	wg    sync.WaitGroup
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+// startLateProxy starts a proxy to addr, closed when t ends.
+func startLateProxy(t *testing.T, addr string, late time.Duration) *lateProxy {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	p := &lateProxy{l: l, to: addr, late: late}
+	p.wg.Go(p.accept) // ends when l is closed
+	t.Cleanup(func() {
+		l.Close()
+		p.mu.Lock()
+		for _, c := range p.conns {
+			c.Close()
+		}
+		p.mu.Unlock()
+		p.wg.Wait()
+	})
+	return p
+}
+
+// lateFor holds the answer to the next request that names key.
+func (p *lateProxy) lateFor(key string) { p.armed.Store(&key) }
+
+func (p *lateProxy) accept() {
+	for {
+		c, err := p.l.Accept()
+		if err != nil {
+			return
+		}
+		s, err := net.Dial("tcp", p.to)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		p.mu.Lock()
+		p.conns = append(p.conns, c, s)
+		p.mu.Unlock()
+		late := new(atomic.Bool) // the next answer on this connection is late
+		// Each pump ends when either side closes.
+		p.wg.Go(func() {
+			p.pump(s, c, func(b []byte) {
+				if k := p.armed.Load(); k != nil && bytes.Contains(b, []byte(*k)) && p.armed.CompareAndSwap(k, nil) {
+					late.Store(true)
+				}
+			})
+		})
+		p.wg.Go(func() {
+			p.pump(c, s, func([]byte) {
+				if late.CompareAndSwap(true, false) {
+					time.Sleep(p.late) // the slow link this proxy plays
+				}
+			})
+		})
+	}
+}
+
+// pump copies src to dst, calling seen with each read before it forwards
+// it.
+func (p *lateProxy) pump(dst, src net.Conn, seen func([]byte)) {
+	defer dst.Close()
+	defer src.Close()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			seen(buf[:n])
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// go-redis sends a command again, on a new connection, when its answer
+// does not come within the read timeout (as it does a whole pipeline). A
+// claim whose first send took effect then finds the key held by its own
+// token: it is the caller's claim, not another consumer's.
+func TestClaimResentAfterItsAnswerWasLost(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		store func(c *redis.Client) *redisstore.Store
+	}{
+		{"batched", func(c *redis.Client) *redisstore.Store { return redisstore.New(c, redisstore.Options{}) }},
+		{"unbatched", func(c *redis.Client) *redisstore.Store {
+			return redisstore.New(c, redisstore.Options{NoBatching: true})
+		}},
+		{"script alone, as on Redis before 7.0", func(c *redis.Client) *redisstore.Store {
+			return redisstore.New(&oldRedis{Client: c}, redisstore.Options{})
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			m := miniredis.RunT(t)
+			p := startLateProxy(t, m.Addr(), 300*time.Millisecond)
+			c := redis.NewClient(&redis.Options{Addr: p.l.Addr().String(), ReadTimeout: 100 * time.Millisecond})
+			t.Cleanup(func() { c.Close() })
+			s := tc.store(c)
+			require.NoError(t, s.Load(ctx)) // the connection is open, the scripts cached
+
+			p.lateFor("msg:k")
+			st, err := s.Claim(ctx, "k", "mine", time.Minute)
+			require.Nil(t, p.armed.Load(), "no answer was late")
+			require.NoError(t, err)
+			assert.Equal(t, store.Claimed, st, "the claim resent after its answer was lost")
+			assert.NoError(t, s.Complete(ctx, "k", "mine", time.Hour), "the token owns the key")
+
+			// Another token still finds the key taken.
+			st, err = s.Claim(ctx, "k2", "mine", time.Minute)
+			require.NoError(t, err)
+			require.Equal(t, store.Claimed, st)
+			st, err = s.Claim(ctx, "k2", "other", time.Minute)
+			require.NoError(t, err)
+			assert.Equal(t, store.Processing, st, "another token's claim")
+		})
+	}
 }

@@ -27,7 +27,7 @@ import (
 // clock, which advances in real time (for miniredis, enable ClockTTL); the
 // margins are wide because test machines are often loaded.
 const (
-	shortTTL = 150 * time.Millisecond // an entry meant to expire
+	shortTTL = 400 * time.Millisecond // an entry meant to expire
 	expired  = 3 * shortTTL           // waited for an entry to be gone
 	longTTL  = time.Minute            // an entry meant to stay
 )

@@ -72,12 +72,21 @@ type Session interface {
 	// MaxProperties) with an error wrapping ErrInvalidMessage, sending
 	// nothing.
 	Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
+	// Node names the server of this session, for logs: host:port/vhost,
+	// without credentials.
+	Node() string
 	// MaxProperties is the most bytes the properties and headers of a
 	// message may take on this connection: its frame size less a frame's
 	// header and end (0: no limit).
 	MaxProperties() int
 	// Get takes one message from queue with manual ack (basic.get).
 	Get(ctx context.Context, queue string) (*amqp.Delivery, bool, error)
+	// SyncGets returns once the server has processed what was sent so far
+	// on the channel of Get, the acknowledgements of its messages among
+	// them: a synchronous round trip on that channel. An ack that was
+	// written is not done until then: if the connection drops first, the
+	// server requeues the message.
+	SyncGets(ctx context.Context) error
 	// Length returns the number of ready messages in queue.
 	Length(ctx context.Context, queue string) (int, error)
 	// Delete deletes the queues; missing ones are skipped.

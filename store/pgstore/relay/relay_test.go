@@ -118,9 +118,13 @@ func (f *fixture) drain(want int) map[string]int {
 	f.t.Helper()
 	got := map[string]int{}
 	total := 0
-	deadline := time.Now().Add(20 * time.Second)
-	for total < want && time.Now().Before(deadline) {
-		d, ok, err := f.b.Get(context.Background(), f.queue)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for total < want && ctx.Err() == nil {
+		d, ok, err := f.b.Get(ctx, f.queue)
+		if ctx.Err() != nil {
+			break
+		}
 		require.NoError(f.t, err)
 		if !ok {
 			time.Sleep(20 * time.Millisecond) // waits for the relay's sends

@@ -1,0 +1,179 @@
+package broker
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/brokertest"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+)
+
+// nodes starts n in-memory servers, closed at the end of t.
+func nodes(t *testing.T, n int) ([]*brokertest.Server, Addresses) {
+	var srvs []*brokertest.Server
+	var urls Addresses
+	for range n {
+		m := brokertest.NewServer()
+		t.Cleanup(m.Close)
+		srvs = append(srvs, m)
+		urls = append(urls, m.URL())
+	}
+	return srvs, urls
+}
+
+// connects records the nodes of Observer.Connect.
+type connects struct {
+	mu    sync.Mutex
+	nodes []string
+}
+
+func (c *connects) observe(e ConnectEvent) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.nodes = append(c.nodes, e.Node)
+}
+
+func (c *connects) all() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]string(nil), c.nodes...)
+}
+
+// Nodes that are down are skipped within one attempt, without a backoff
+// wait; only when every node is down is the attempt a failure.
+func TestClusterSkipsNodesThatAreDown(t *testing.T) {
+	srvs, urls := nodes(t, 3)
+	var seen connects
+	var reconnects []ReconnectEvent
+	b := NewCluster(urls, Options{Observer: Observer{
+		Connect:   seen.observe,
+		Reconnect: func(e ReconnectEvent) { reconnects = append(reconnects, e) },
+	}})
+	defer b.Close()
+	srvs[0].SetDown(true)
+	srvs[2].SetDown(true)
+	ctx := testContext(t, 10*time.Second)
+	require.NoError(t, b.Declare(ctx, "q", Topology{}))
+	assert.Equal(t, []string{urls[1]}, seen.all())
+	assert.Empty(t, reconnects, "no backoff wait while a node answers")
+	assert.LessOrEqual(t, srvs[0].Stats().Dials+srvs[2].Stats().Dials, 2, "each node that is down tried at most once")
+
+	for _, m := range srvs {
+		m.SetDown(true)
+	}
+	_, err := b.tr.Dial(ctx, "all down")
+	require.ErrorIs(t, err, ErrUnreachable)
+	for _, u := range urls {
+		assert.Contains(t, err.Error(), u, "the error names every node")
+	}
+}
+
+// Connections spread over the nodes, and the connection that follows one
+// never goes to the node of the one before while another is up.
+func TestClusterSpreadsConnections(t *testing.T) {
+	_, urls := nodes(t, 3)
+	b := NewCluster(urls, Options{})
+	defer b.Close()
+	ctx := testContext(t, 10*time.Second)
+	count := map[string]int{}
+	last := ""
+	for range 60 {
+		s, err := b.tr.Dial(ctx, "spread")
+		require.NoError(t, err)
+		assert.NotEqual(t, last, s.Node(), "the node just connected to is tried last")
+		last = s.Node()
+		count[last]++
+		require.NoError(t, s.Close())
+	}
+	for _, u := range urls {
+		assert.Positive(t, count[u], "connections to %s of 60: %v", u, count)
+	}
+}
+
+// A consumer whose node goes down moves to another node and consumes
+// there; the Observer and the log say which node is in use.
+func TestClusterConsumerMovesToAnotherNode(t *testing.T) {
+	srvs, urls := nodes(t, 2)
+	var seen connects
+	logs := newLogRecorder(t)
+	b := NewCluster(urls, Options{
+		Observer:     Observer{Connect: seen.observe},
+		Logger:       slog.New(logs),
+		ReconnectMin: time.Millisecond, ReconnectMax: 10 * time.Millisecond,
+	})
+	defer b.Close()
+	ctx := testContext(t, 20*time.Second)
+	top := Topology{Delays: testTiers}
+	// The servers are not a cluster: the queue is declared on each.
+	for _, u := range urls {
+		m := New(u, Options{})
+		require.NoError(t, m.Declare(ctx, "q", top))
+		require.NoError(t, m.Publish(ctx, "", "q", amqp.Publishing{MessageId: u}))
+		m.Close()
+	}
+	got := make(chan string, 2)
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- b.Consume(cctx, "q", rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+			got <- d.MessageId
+			return nil
+		}), ConsumeOptions{Topology: top})
+	}()
+	first := <-got
+	var firstNode *brokertest.Server
+	for i, u := range urls {
+		if u == first {
+			firstNode = srvs[i]
+		}
+	}
+	require.NotNil(t, firstNode)
+	firstNode.SetDown(true)
+	firstNode.CloseConnections()
+	select {
+	case second := <-got:
+		assert.NotEqual(t, first, second)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the consumer did not move to the other node")
+	}
+	cancel()
+	require.NoError(t, <-done)
+	consumers := 0
+	for _, n := range seen.all() {
+		consumers++
+		assert.Contains(t, []string(urls), n)
+	}
+	assert.GreaterOrEqual(t, consumers, 2)
+	assert.Positive(t, logs.count("broker: connected", "node=\""+first+"\"", "role=\"consume q\""))
+}
+
+// Against RabbitMQ: a node that refuses connections (a closed port) is
+// skipped for the one that answers.
+func TestClusterRabbitMQSkipsARefusingNode(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	closed := "amqp://guest:guest@" + l.Addr().String() + "/"
+	require.NoError(t, l.Close()) // nothing listens there now
+	var seen connects
+	b := NewCluster(Addresses{closed, url, closed}, Options{Observer: Observer{Connect: seen.observe}, ReconnectMin: 5 * time.Second})
+	defer b.Close()
+	ctx := testContext(t, 4*time.Second) // less than one backoff wait
+	start := time.Now()
+	_, err = b.Len(ctx, "rabbitmw-test-cluster-missing-queue")
+	require.ErrorIs(t, err, ErrQueueNotFound)
+	t.Logf("answered in %v", time.Since(start))
+	uri, err := amqp.ParseURI(url)
+	require.NoError(t, err)
+	assert.Equal(t, []string{net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)) + "/"}, seen.all())
+}

@@ -1,0 +1,204 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
+)
+
+// outbox runs rabbitmw outbox ls|stats|retry: the rows of a pgstore
+// outbox, their counts by state, and parked rows sent back to pending.
+func (e *env) outbox(ctx context.Context, args []string) error {
+	if len(args) == 0 {
+		return usageError("outbox: name a command: ls, stats or retry")
+	}
+	name := "outbox " + args[0]
+	fs := e.newFlags(name)
+	pg := fs.String("postgres", "", "PostgreSQL URL (postgres://...) of the outbox's database")
+	table := fs.String("table", "", "pgstore OutboxOptions.Table (default "+strconv.Quote(pgstore.DefaultOutboxTable)+")")
+	asJSON := fs.Bool("json", false, "print JSON instead of a table")
+	var state string
+	var after int64
+	var limit int
+	var all bool
+	var ids list
+	switch args[0] {
+	case "ls":
+		fs.StringVar(&state, "state", "", "only rows in this state: pending, sent or parked")
+		fs.Int64Var(&after, "after", 0, "only rows whose id is greater (for the next page)")
+		fs.IntVar(&limit, "limit", 100, "list at most this many rows")
+	case "stats":
+	case "retry":
+		fs.BoolVar(&all, "all", false, "send every parked row back to pending")
+		fs.Var(&ids, "id", "send the parked row with this id back to pending (repeatable, comma-separated)")
+	default:
+		return usageError("outbox: unknown command %q: want ls, stats or retry", args[0])
+	}
+	pos, err := fs.parse(args[1:])
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return usageError("%s: unexpected argument %q", name, pos[0])
+	}
+	if *pg == "" {
+		return usageError("%s: --postgres is required", name)
+	}
+	var rowIDs []int64
+	if args[0] == "retry" {
+		for _, s := range ids {
+			id, err := strconv.ParseInt(s, 10, 64)
+			if err != nil {
+				return usageError("outbox retry: --id %q: want a row id (a number; see rabbitmw outbox ls --state parked)", s)
+			}
+			rowIDs = append(rowIDs, id)
+		}
+		switch {
+		case all && len(rowIDs) > 0:
+			return usageError("outbox retry: --all or --id, not both")
+		case !all && len(rowIDs) == 0:
+			return &exitError{exitRefused, errors.New("outbox retry: name the rows (--id) or say --all; nothing changed")}
+		}
+	}
+	ob, closePool, err := openOutbox(ctx, *pg, *table, e.timeout)
+	if err != nil {
+		return err
+	}
+	defer closePool()
+
+	switch args[0] {
+	case "ls":
+		rows, err := ob.List(ctx, pgstore.OutboxFilter{State: state, AfterID: after, Limit: limit})
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			type row struct {
+				ID        int64      `json:"id"`
+				MessageID string     `json:"message_id"`
+				Exchange  string     `json:"exchange"`
+				Key       string     `json:"routing_key"`
+				State     string     `json:"state"`
+				Created   time.Time  `json:"created_at"`
+				Attempts  int        `json:"attempts"`
+				SentAt    *time.Time `json:"sent_at,omitempty"`
+				Error     string     `json:"error,omitempty"`
+				BodySize  int        `json:"body_size"`
+			}
+			out := make([]row, 0, len(rows))
+			for _, r := range rows {
+				x := row{r.ID, r.MessageID, r.Exchange, r.Key, r.State, r.Created, r.Attempts, nil, r.Error, r.BodySize}
+				if !r.SentAt.IsZero() {
+					x.SentAt = &r.SentAt
+				}
+				out = append(out, x)
+			}
+			return writeJSON(e.stdout, out)
+		}
+		w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(w, "ID\tSTATE\tMESSAGE ID\tEXCHANGE\tROUTING KEY\tCREATED\tATTEMPTS\tBYTES\tERROR")
+		for _, r := range rows {
+			ex := r.Exchange
+			if ex == "" {
+				ex = `""`
+			}
+			fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%s\n", r.ID, r.State, r.MessageID, ex, r.Key,
+				r.Created.UTC().Format(time.RFC3339), r.Attempts, r.BodySize, r.Error)
+		}
+		if err := w.Flush(); err != nil {
+			return err
+		}
+		if len(rows) == limit {
+			fmt.Fprintf(e.stderr, "more rows may follow: --after %d\n", rows[len(rows)-1].ID)
+		}
+		return nil
+	case "stats":
+		s, err := ob.Stats(ctx)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return writeJSON(e.stdout, struct {
+				Pending       int64   `json:"pending"`
+				Parked        int64   `json:"parked"`
+				Sent          int64   `json:"sent"`
+				OldestPending float64 `json:"oldest_pending_seconds"`
+			}{s.Pending, s.Parked, s.Sent, s.OldestPending.Seconds()})
+		}
+		w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintf(w, "pending\t%d\n", s.Pending)
+		if s.Pending > 0 {
+			fmt.Fprintf(w, "oldest pending\t%s\n", s.OldestPending.Round(time.Millisecond))
+		}
+		fmt.Fprintf(w, "parked\t%d\n", s.Parked)
+		fmt.Fprintf(w, "sent (kept for the relays' retention)\t%d\n", s.Sent)
+		return w.Flush()
+	}
+	// retry
+	n, err := ob.Retry(ctx, rowIDs)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		if err := writeJSON(e.stdout, struct {
+			Retried int64 `json:"retried"`
+		}{n}); err != nil {
+			return err
+		}
+	} else {
+		fmt.Fprintf(e.stdout, "%d parked row(s) back to pending\n", n)
+	}
+	if n == 0 && len(rowIDs) > 0 {
+		return &exitError{exitNotFound, errors.New("outbox retry: no parked row with the ids given")}
+	}
+	return nil
+}
+
+// openOutbox opens the outbox of url and table, and checks that the
+// database answers and holds the table.
+func openOutbox(ctx context.Context, url, table string, timeout time.Duration) (ob *pgstore.Outbox, closePool func(), err error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, nil, usageError("--postgres: %v", err)
+	}
+	if cfg.ConnConfig.ConnectTimeout == 0 {
+		cfg.ConnConfig.ConnectTimeout = timeout
+	}
+	where := net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port)))
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--postgres: %w", err)
+	}
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				err = usageError("--table: %v", r)
+			}
+		}()
+		ob = pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: table})
+	}()
+	if err != nil {
+		pool.Close()
+		return nil, nil, err
+	}
+	cctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if err := pool.Ping(cctx); err != nil {
+		pool.Close()
+		return nil, nil, unreachable("PostgreSQL", where, timeout, err)
+	}
+	if err := ob.Check(cctx); err != nil {
+		pool.Close()
+		return nil, nil, err
+	}
+	return ob, pool.Close, nil
+}

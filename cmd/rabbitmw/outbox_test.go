@@ -1,0 +1,112 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
+)
+
+// rabbitmw outbox ls, stats and retry on an outbox with a row of each
+// state; retry refuses to act on nothing named.
+func TestOutboxCommands(t *testing.T) {
+	ctx := context.Background()
+	url := testenv.PostgresURL(t)
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	b := make([]byte, 6)
+	rand.Read(b)
+	table := "rmwtest_cli_outbox_" + hex.EncodeToString(b)
+	t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+table) })
+	ob := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: table})
+	require.NoError(t, ob.Migrate(ctx))
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		for _, id := range []string{"sent-1", "parked-1", "pending-1"} {
+			if _, err := ob.Write(ctx, tx, "", "shipments", amqp.Publishing{MessageId: id, Body: []byte("body")}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	_, err = ob.Dispatch(ctx, 10, false, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+		for i, m := range msgs {
+			switch m.Publishing.MessageId {
+			case "sent-1":
+				results[i].Sent = true
+			case "parked-1":
+				results[i].Park = errors.New("broker: message unroutable")
+			}
+		}
+	})
+	require.NoError(t, err)
+
+	out, stderr, code := cli(t, "", nil, "outbox", "stats", "--postgres", url, "--table", table)
+	expectCode(t, "outbox stats", code, exitOK, stderr)
+	words := strings.Join(strings.Fields(out), " ")
+	for _, want := range []string{"pending 1", "oldest pending", "parked 1", "sent (kept for the relays' retention) 1"} {
+		assert.Contains(t, words, want)
+	}
+
+	out, stderr, code = cli(t, "", nil, "outbox", "ls", "--postgres", url, "--table", table, "--state", "parked", "--json")
+	expectCode(t, "outbox ls --state parked", code, exitOK, stderr)
+	var rows []struct {
+		ID        int64  `json:"id"`
+		MessageID string `json:"message_id"`
+		State     string `json:"state"`
+		Error     string `json:"error"`
+		BodySize  int    `json:"body_size"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &rows), out)
+	require.Len(t, rows, 1)
+	assert.Equal(t, "parked-1", rows[0].MessageID)
+	assert.Equal(t, "broker: message unroutable", rows[0].Error)
+	assert.Equal(t, 4, rows[0].BodySize)
+
+	out, stderr, code = cli(t, "", nil, "outbox", "ls", "--postgres", url, "--table", table)
+	expectCode(t, "outbox ls", code, exitOK, stderr)
+	for _, want := range []string{"sent-1", "parked-1", "pending-1", "unroutable"} {
+		assert.Contains(t, out, want)
+	}
+
+	_, stderr, code = cli(t, "", nil, "outbox", "retry", "--postgres", url, "--table", table)
+	expectCode(t, "outbox retry without --id or --all", code, exitRefused, stderr)
+	_, stderr, code = cli(t, "", nil, "outbox", "retry", "--postgres", url, "--table", table, "--id", "999999")
+	expectCode(t, "outbox retry of a missing row", code, exitNotFound, stderr)
+	out, stderr, code = cli(t, "", nil, "outbox", "retry", "--postgres", url, "--table", table, "--id", strconv.FormatInt(rows[0].ID, 10))
+	expectCode(t, "outbox retry --id", code, exitOK, stderr)
+	assert.Contains(t, out, "1 parked row(s) back to pending")
+	s, err := ob.Stats(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, int64(2), s.Pending)
+	assert.Zero(t, s.Parked)
+
+	for name, args := range map[string][]string{
+		"no --postgres":    {"outbox", "stats"},
+		"a bad --table":    {"outbox", "stats", "--postgres", url, "--table", "Bad-Name"},
+		"a bad --id":       {"outbox", "retry", "--postgres", url, "--id", "x"},
+		"--all and --id":   {"outbox", "retry", "--postgres", url, "--all", "--id", "1"},
+		"an unknown verb":  {"outbox", "drop", "--postgres", url},
+		"no verb":          {"outbox"},
+		"an extra operand": {"outbox", "stats", "--postgres", url, "extra"},
+	} {
+		_, stderr, code := cli(t, "", nil, args...)
+		expectCode(t, name, code, exitUsage, stderr)
+	}
+	_, stderr, code = cli(t, "", nil, "outbox", "stats", "--postgres", url, "--table", table+"_missing")
+	expectCode(t, "outbox stats of a missing table", code, exitFailed, stderr)
+	assert.Contains(t, stderr, "OutboxSchema")
+}

@@ -1,0 +1,346 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"html/template"
+	"log/slog"
+	"maps"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
+	"github.com/rabbitmw/rabbitmw/middleware"
+)
+
+var templateFuncs = template.FuncMap{
+	"stamp": func(t time.Time) string {
+		if t.IsZero() {
+			return "-"
+		}
+		return t.UTC().Format("2006-01-02 15:04:05Z")
+	},
+	"ago": func(t time.Time) string {
+		if t.IsZero() {
+			return ""
+		}
+		return time.Since(t).Round(time.Second).String() + " ago"
+	},
+	"cut":    cut,
+	"join":   strings.Join,
+	"orDash": orDash,
+}
+
+func (c *console) queuesPage(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := c.ctx(r)
+	defer cancel()
+	type section struct {
+		Queue string
+		Rows  []queueRow
+	}
+	var sections []section
+	for _, q := range c.queues {
+		names, err := c.top.Queues(q)
+		if err != nil {
+			c.fail(w, r, err)
+			return
+		}
+		rows, err := c.stats.read(ctx, names)
+		if err != nil {
+			c.fail(w, r, err)
+			return
+		}
+		sections = append(sections, section{q, rows})
+	}
+	c.render(w, r, "queues", map[string]any{"Title": "queues", "Sections": sections})
+}
+
+func (c *console) dlqPage(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
+	msgs, err := c.dl.List(ctx, q, deadletter.ListOptions{})
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	c.render(w, r, "dlq", map[string]any{"Title": q + ".dlq", "Queue": q, "Groups": deadletter.Groups(msgs), "Messages": msgs})
+}
+
+// A header is one header of a message, with its AMQP type.
+type header struct {
+	Name, Type, Value string
+}
+
+// A life is one life of a message: its fault headers as it was
+// dead-lettered.
+type life struct {
+	Title   string
+	Headers []header
+}
+
+func (c *console) messagePage(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
+	id := r.FormValue("id")
+	msgs, err := c.dl.List(ctx, q, deadletter.ListOptions{Filter: deadletter.Filter{IDs: []string{id}}})
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	if len(msgs) == 0 {
+		c.fail(w, r, &exitError{exitNotFound, fmt.Errorf("no message with id %q in the dead-letter queue of %q", id, q)})
+		return
+	}
+	m := msgs[0]
+	exported, err := deadletter.ExportMessage(q+".dlq", m.Delivery)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	var headers []header
+	for _, k := range slices.Sorted(maps.Keys(exported.Headers)) {
+		if k == deadletter.HeaderHistory {
+			continue
+		}
+		tv := exported.Headers[k]
+		headers = append(headers, header{k, tv.Type, typedText(tv.Value)})
+	}
+	var props []header
+	add := func(k, v string) {
+		if v != "" {
+			props = append(props, header{Name: k, Value: v})
+		}
+	}
+	p := exported.Properties
+	add("message id", p.MessageID)
+	add("content type", p.ContentType)
+	add("content encoding", p.ContentEncoding)
+	add("delivery mode", strconv.Itoa(int(p.DeliveryMode)))
+	add("priority", strconv.Itoa(int(p.Priority)))
+	add("correlation id", p.CorrelationID)
+	add("reply to", p.ReplyTo)
+	add("expiration", p.Expiration)
+	if !p.Timestamp.IsZero() {
+		add("timestamp", p.Timestamp.UTC().Format(time.RFC3339))
+	}
+	add("type", p.Type)
+	add("user id", p.UserID)
+	add("app id", p.AppID)
+	add("body size", strconv.Itoa(m.BodySize))
+
+	var lives []life
+	if entries, ok := m.Delivery.Headers[deadletter.HeaderHistory].([]any); ok {
+		for i, e := range entries {
+			t, _ := e.(amqp.Table)
+			l := life{Title: fmt.Sprintf("life %d (replayed %d lives ago)", len(entries)-i, i+1)}
+			for _, k := range slices.Sorted(maps.Keys(t)) {
+				l.Headers = append(l.Headers, header{Name: k, Type: fmt.Sprintf("%T", t[k]), Value: valueText(t[k])})
+			}
+			lives = append(lives, l)
+		}
+	}
+	body := m.Delivery.Body
+	var text, pretty string
+	if utf8.Valid(body) {
+		text = string(body)
+	}
+	var buf bytes.Buffer
+	if json.Valid(body) && json.Indent(&buf, body, "", "  ") == nil {
+		pretty = buf.String()
+	}
+	dump := body
+	more := 0
+	if len(dump) > 64<<10 {
+		dump, more = dump[:64<<10], len(dump)-64<<10
+	}
+	c.render(w, r, "message", map[string]any{
+		"Title": "message " + id, "Queue": q, "M": m, "Props": props, "Headers": headers, "Lives": lives,
+		"Text": text, "JSON": pretty, "Hex": hex.Dump(dump), "HexMore": more,
+	})
+}
+
+// typedText returns a typed value's JSON as text: a string without its
+// quotes, anything else as JSON.
+func typedText(raw json.RawMessage) string {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s
+	}
+	return string(raw)
+}
+
+func valueText(v any) string {
+	switch x := v.(type) {
+	case time.Time:
+		return x.UTC().Format(time.RFC3339)
+	case []byte:
+		return strconv.Quote(string(x))
+	case amqp.Table, []any:
+		var buf bytes.Buffer
+		printValue(&buf, "", x, "")
+		return strings.TrimSpace(buf.String())
+	}
+	return fmt.Sprint(v)
+}
+
+// selection reads the filter of an action's form: the ids of the
+// messages, or a group, or both (the messages of the group that a
+// confirmation counted).
+func selection(r *http.Request) deadletter.Filter {
+	return deadletter.Filter{IDs: selectedIDs(r), Group: r.PostForm.Get("group")}
+}
+
+func selectedIDs(r *http.Request) []string {
+	var ids []string
+	for _, v := range r.PostForm["id"] {
+		for _, id := range strings.Split(v, "\n") {
+			if id = strings.TrimSpace(id); id != "" && !slices.Contains(ids, id) {
+				ids = append(ids, id)
+			}
+		}
+	}
+	return ids
+}
+
+// confirmPage shows what an action would do, with the count of messages
+// it would move, found by a dry run of the same operation.
+func (c *console) confirmPage(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
+	action := r.PostForm.Get("action")
+	filter := selection(r)
+	if (action != "replay" && action != "purge") || (len(filter.IDs) == 0 && filter.Group == "") {
+		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("choose replay or purge, and at least one message")})
+		return
+	}
+	found, err := c.dl.List(ctx, q, deadletter.ListOptions{Filter: filter})
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	// The action moves what this page counts: the ids found, within the
+	// group if one was chosen. A message without an id can only be
+	// selected as part of its group, as it is when the action runs.
+	var ids []string
+	for _, m := range found {
+		if m.ID == "" {
+			ids = nil
+			break
+		}
+		ids = append(ids, m.ID)
+	}
+	c.render(w, r, "confirm", map[string]any{"Title": "confirm", "Queue": q, "Action": action,
+		"IDs": strings.Join(ids, "\n"), "Group": filter.Group, "Count": len(found), "Messages": found})
+}
+
+// do replays or purges the selected messages.
+func (c *console) do(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
+	filter := selection(r)
+	if len(filter.IDs) == 0 && filter.Group == "" {
+		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("no message selected")})
+		return
+	}
+	var done string
+	switch r.PostForm.Get("action") {
+	case "replay":
+		opts := deadletter.ReplayOptions{Filter: filter}
+		if r.PostForm.Get("reset") == "on" && c.hasStore() {
+			st, closeStore, err := c.store.open(ctx, c.timeout)
+			if err != nil {
+				c.fail(w, r, err)
+				return
+			}
+			defer closeStore()
+			opts.ResetFailures = func(ctx context.Context, d *amqp.Delivery) error {
+				k, err := middleware.Key(d)
+				if err != nil {
+					return nil // nothing was ever counted under no key
+				}
+				return st.ResetFailures(ctx, c.store.key(k))
+			}
+		}
+		res, err := c.dl.Replay(ctx, q, opts)
+		if err != nil {
+			c.fail(w, r, fmt.Errorf("replayed %d of %d: %w", res.Replayed, len(res.Selected), err))
+			return
+		}
+		done = fmt.Sprintf("replayed %d message(s) to their queues", res.Replayed)
+	case "purge":
+		removed, err := c.dl.Purge(ctx, q, deadletter.PurgeOptions{Filter: filter})
+		if err != nil {
+			c.fail(w, r, fmt.Errorf("removed %d: %w", len(removed), err))
+			return
+		}
+		done = fmt.Sprintf("removed %d message(s)", len(removed))
+	default:
+		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("unknown action %q", r.PostForm.Get("action"))})
+		return
+	}
+	c.logger.LogAttrs(ctx, slog.LevelInfo, "ui: "+done, slog.String("queue", q), slog.String("remote", r.RemoteAddr))
+	c.render(w, r, "done", map[string]any{"Title": "done", "Queue": q, "Done": done})
+}
+
+// hasStore reports whether the console was given a store.
+func (c *console) hasStore() bool {
+	return c.store != nil && (c.store.redis != "" || c.store.postgres != "")
+}
+
+func (c *console) export(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
+	// The export is written to memory first, so that a failure shows as
+	// an error page rather than as a truncated download.
+	var buf bytes.Buffer
+	bw := bufio.NewWriter(&buf)
+	if _, err := c.dl.Export(ctx, q, bw, deadletter.ExportOptions{}); err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	bw.Flush()
+	w.Header().Set("Content-Type", "application/jsonl")
+	w.Header().Set("Content-Disposition", fmt.Sprintf(`attachment; filename="%s.dlq-%s.jsonl"`, q, time.Now().UTC().Format("20060102T150405Z")))
+	w.Write(buf.Bytes())
+}
+
+func (c *console) keyPage(w http.ResponseWriter, r *http.Request) {
+	k := strings.TrimSpace(r.FormValue("k"))
+	data := map[string]any{"Title": "key", "K": k}
+	if k == "" || !c.hasStore() {
+		c.render(w, r, "key", data)
+		return
+	}
+	ctx, cancel := c.ctx(r)
+	defer cancel()
+	st, closeStore, err := c.store.open(ctx, c.timeout)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	defer closeStore()
+	key := c.store.key(k)
+	s, err := st.Inspect(ctx, key)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	host, pid, _ := middleware.TokenOwner(s.Token)
+	rows := []header{{Name: "key", Value: key}, {Name: "state", Value: s.State()}}
+	if s.Token != "" {
+		owner := "unknown (token not Dedup's)"
+		if pid != 0 {
+			owner = "host " + host + ", pid " + strconv.Itoa(pid)
+		}
+		rows = append(rows, header{Name: "owner", Value: owner}, header{Name: "token", Value: s.Token})
+	}
+	if s.State() != "absent" {
+		rows = append(rows, header{Name: "expires in", Value: ttl(s.TTL)})
+	}
+	rows = append(rows, header{Name: "failures", Value: strconv.FormatInt(s.Failures, 10)})
+	if s.Failures > 0 {
+		rows = append(rows, header{Name: "failures expire in", Value: ttl(s.FailuresTTL)})
+	}
+	data["Rows"] = rows
+	c.render(w, r, "key", data)
+}

@@ -1,0 +1,346 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+)
+
+// serveConsole serves a console of cfg on a loopback port of its own
+// until t ends, and returns its base URL.
+func serveConsole(t *testing.T, b *broker.Broker, cfg consoleConfig) string {
+	t.Helper()
+	if cfg.timeout == 0 {
+		cfg.timeout = 10 * time.Second
+	}
+	con, err := newConsole(cfg, b)
+	require.NoError(t, err)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv := &http.Server{Handler: con.handler(ln.Addr().String())}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	t.Cleanup(func() {
+		srv.Close()
+		<-served
+		con.close()
+	})
+	return "http://" + ln.Addr().String()
+}
+
+// newBrowser returns the context of a headless Chromium, closed when t
+// ends. It skips t (fails it under CI) without Chromium.
+func newBrowser(t *testing.T) context.Context {
+	t.Helper()
+	path := ""
+	for _, name := range []string{"chromium", "chromium-browser", "google-chrome"} {
+		if p, err := exec.LookPath(name); err == nil {
+			path = p
+			break
+		}
+	}
+	if path == "" {
+		testenv.Missing(t, "Chromium", "install it with: apt-get install -y chromium")
+	}
+	alloc, cancelAlloc := chromedp.NewExecAllocator(context.Background(),
+		chromedp.ExecPath(path),
+		chromedp.Flag("headless", true),
+		chromedp.NoSandbox,
+		chromedp.DisableGPU,
+		chromedp.Flag("disable-quic", true),
+		chromedp.NoFirstRun,
+		chromedp.Flag("disable-background-networking", true),
+		chromedp.Flag("disable-component-update", true),
+		chromedp.Flag("disable-sync", true),
+		chromedp.UserDataDir(t.TempDir()),
+		chromedp.WindowSize(1280, 900),
+	)
+	ctx, cancelBrowser := chromedp.NewContext(alloc)
+	t.Cleanup(func() {
+		cancelBrowser()
+		cancelAlloc()
+	})
+	require.NoError(t, chromedp.Do(ctx, chromedp.Navigate("about:blank")), "start Chromium")
+	return ctx
+}
+
+// waitPath waits until the browser shows a page at path, loaded.
+func waitPath(t *testing.T, browser context.Context, path string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		// An evaluation that a navigation interrupts fails: not there yet.
+		ok, err := chromedp.Run(browser, chromedp.Evaluate[bool](`location.pathname === "`+path+`" && document.readyState === "complete"`))
+		return err == nil && ok
+	}, 30*time.Second, 20*time.Millisecond, "the browser never showed %s", path)
+}
+
+// text returns the text of the first element sel selects.
+func text(t *testing.T, browser context.Context, sel string) string {
+	t.Helper()
+	v, err := chromedp.Run(browser, chromedp.Text(sel))
+	require.NoError(t, err, "text of %s", sel)
+	return v
+}
+
+// declinedError is the failure of the test's consumer: a card declined,
+// its number and the order in the text.
+type declinedError struct{ card, order int }
+
+func (e *declinedError) Error() string {
+	return fmt.Sprintf("card %d declined for order %d", e.card, e.order)
+}
+
+// A consumer dead-letters three messages that fail the same way; the
+// console shows them as one group of three; replaying the group from the
+// page empties the dead-letter queue, and the consumer, fixed meanwhile,
+// handles each message once. A form posted from another origin, or
+// without the console's form token, is refused and moves nothing.
+func TestConsoleInBrowser(t *testing.T) {
+	b, url, q := setupQueue(t)
+	browser := newBrowser(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{url}, queues: []string{q}})
+
+	var failing atomic.Bool
+	failing.Store(true)
+	var mu sync.Mutex
+	handled := map[string]int{}
+	h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		if failing.Load() {
+			var n int
+			fmt.Sscan(strings.TrimPrefix(d.MessageId, "order-"), &n)
+			return rabbitmw.Permanent(&declinedError{4000 + n, n})
+		}
+		mu.Lock()
+		handled[d.MessageId]++
+		mu.Unlock()
+		return nil
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	consumeCtx, stop := context.WithCancel(ctx)
+	consumed := make(chan error, 1)
+	go func() { consumed <- b.Consume(consumeCtx, q, h, broker.ConsumeOptions{Workers: 2}) }()
+	defer func() {
+		stop()
+		require.NoError(t, <-consumed)
+	}()
+	publish := func(ids ...string) {
+		for _, id := range ids {
+			require.NoError(t, b.Publish(ctx, "", q, amqp.Publishing{MessageId: id, ContentType: "application/json",
+				Body: []byte(`{"order":"` + id + `","amount":42}`)}))
+		}
+	}
+	dlqHolds := func(n int) {
+		t.Helper()
+		require.Eventually(t, func() bool {
+			got, err := b.Len(ctx, q+".dlq")
+			return err == nil && got == n
+		}, time.Minute, 50*time.Millisecond, "the dead-letter queue never held %d", n)
+	}
+	publish("order-1", "order-2", "order-3")
+	dlqHolds(3)
+
+	// The group, with its count.
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(base+"/dlq?q="+q), chromedp.WaitVisible(".group")))
+	assert.Equal(t, "3", text(t, browser, ".group .count"))
+	assert.Equal(t, "card # declined for order #", text(t, browser, ".group .pattern"))
+	assert.Equal(t, "*main.declinedError", text(t, browser, ".group .type"))
+	if path := os.Getenv("RABBITMW_SCREENSHOT"); path != "" {
+		png, err := chromedp.Run(browser, chromedp.FullScreenshot(100))
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(path, png, 0o644))
+	}
+
+	// An action from the console's own page without its form token.
+	_, err := chromedp.Run(browser, chromedp.Evaluate[any](`document.querySelectorAll('input[name=csrf]').forEach(e => e.remove())`))
+	require.NoError(t, err)
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(".group .replay-group", chromedp.NodeVisible)))
+	waitPath(t, browser, "/confirm")
+	assert.Contains(t, text(t, browser, "body"), "form's token is missing or wrong")
+
+	// An action from another origin, even with the form token.
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(base+"/dlq?q="+q), chromedp.WaitVisible(".group")))
+	csrf, err := chromedp.Run(browser, chromedp.Value(`.group input[name=csrf]`))
+	require.NoError(t, err)
+	evil := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/html; charset=utf-8")
+		fmt.Fprintf(w, `<!doctype html><form id="f" method="post" action="%s/do">
+<input name="csrf" value="%s"><input name="q" value="%s"><input name="action" value="purge">
+<input name="id" value="order-1"><input name="id" value="order-2"><input name="id" value="order-3"></form>
+<script>document.getElementById("f").submit()</script>`, base, csrf, q)
+	}))
+	defer evil.Close()
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(evil.URL)))
+	waitPath(t, browser, "/do")
+	assert.Contains(t, text(t, browser, "body"), "refused: a request from another site")
+	dlqHolds(3)
+	n, err := b.Len(ctx, q)
+	require.NoError(t, err)
+	require.Zero(t, n, "the work queue")
+
+	// Replay the group, after the confirmation that counts it.
+	failing.Store(false)
+	require.NoError(t, chromedp.Do(browser,
+		chromedp.Navigate(base+"/dlq?q="+q),
+		chromedp.Click(".group .replay-group", chromedp.NodeVisible),
+		chromedp.WaitVisible("#confirm"),
+	))
+	assert.Equal(t, "3", text(t, browser, ".confirm-text .count"))
+	require.NoError(t, chromedp.Do(browser, chromedp.Click("#confirm"), chromedp.WaitVisible("#done")))
+	assert.Equal(t, "replayed 3 message(s) to their queues", text(t, browser, "#done"))
+	dlqHolds(0)
+	require.Eventually(t, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(handled) == 3
+	}, time.Minute, 20*time.Millisecond)
+	// Whatever RabbitMQ still had to deliver has had time to arrive.
+	time.Sleep(500 * time.Millisecond)
+	mu.Lock()
+	assert.Equal(t, map[string]int{"order-1": 1, "order-2": 1, "order-3": 1}, handled)
+	mu.Unlock()
+
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(base+"/dlq?q="+q)))
+	assert.Equal(t, "No dead letters.", text(t, browser, ".empty"))
+}
+
+// The requests the console refuses, and those it serves: without the
+// token, with the wrong Host, an action when read-only, an action without
+// its form token.
+func TestConsoleRefusals(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	tokened := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}, token: "s3cret"})
+	readOnly := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}, readOnly: true})
+	basic := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}, user: "ops", password: "pw"})
+	noRedirect := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+
+	do := func(method, u string, form url.Values, set func(*http.Request)) (*http.Response, string) {
+		t.Helper()
+		var r *http.Request
+		var err error
+		if form != nil {
+			r, err = http.NewRequest(method, u, strings.NewReader(form.Encode()))
+			require.NoError(t, err)
+			r.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		} else {
+			r, err = http.NewRequest(method, u, nil)
+			require.NoError(t, err)
+		}
+		if set != nil {
+			set(r)
+		}
+		resp, err := noRedirect.Do(r)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp, string(body)
+	}
+	resp, _ := do("GET", tokened+"/", nil, nil)
+	assert.Equal(t, http.StatusUnauthorized, resp.StatusCode, "no token")
+	resp, _ = do("GET", tokened+"/", nil, func(r *http.Request) { r.Header.Set("Authorization", "Bearer wrong") })
+	assert.Equal(t, http.StatusUnauthorized, resp.StatusCode, "a wrong token")
+	resp, _ = do("GET", tokened+"/", nil, func(r *http.Request) { r.Header.Set("Authorization", "Bearer s3cret") })
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "the token")
+	resp, _ = do("GET", tokened+"/dlq?q="+q+"&token=s3cret", nil, nil)
+	require.Equal(t, http.StatusSeeOther, resp.StatusCode, "?token= sets the cookie")
+	assert.Equal(t, "/dlq?q="+q, resp.Header.Get("Location"))
+	cookie := resp.Cookies()[0]
+	assert.True(t, cookie.HttpOnly)
+	resp, _ = do("GET", tokened+"/", nil, func(r *http.Request) { r.AddCookie(cookie) })
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "the cookie")
+
+	resp, _ = do("GET", basic+"/", nil, nil)
+	assert.Equal(t, http.StatusUnauthorized, resp.StatusCode, "no basic auth")
+	resp, _ = do("GET", basic+"/", nil, func(r *http.Request) { r.SetBasicAuth("ops", "pw") })
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "basic auth")
+
+	resp, _ = do("GET", readOnly+"/", nil, func(r *http.Request) { r.Host = "rebound.example.com" + r.Host[strings.LastIndex(r.Host, ":"):] })
+	assert.Equal(t, http.StatusForbidden, resp.StatusCode, "another Host on loopback")
+
+	resp, body := do("POST", readOnly+"/confirm", url.Values{"q": {q}, "action": {"purge"}, "id": {"x"}}, nil)
+	assert.Equal(t, http.StatusForbidden, resp.StatusCode)
+	assert.Contains(t, body, "read-only")
+	_, page := do("GET", readOnly+"/dlq?q="+q, nil, nil)
+	assert.NotContains(t, page, "<button", "a read-only page offers an action")
+
+	writable := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	resp, body = do("POST", writable+"/do", url.Values{"q": {q}, "action": {"purge"}, "id": {"x"}}, nil)
+	assert.Equal(t, http.StatusForbidden, resp.StatusCode)
+	assert.Contains(t, body, "form's token")
+	resp, _ = do("GET", writable+"/dlq?q=another-queue", nil, nil)
+	assert.Equal(t, http.StatusNotFound, resp.StatusCode, "a queue the console does not serve")
+}
+
+// `rabbitmw ui` refuses an address that is not loopback without a token
+// or basic auth.
+func TestConsoleListenNeedsAuth(t *testing.T) {
+	_, stderr, code := cli(t, "", nil, "ui", "-q", "orders", "--listen", "0.0.0.0:0")
+	expectCode(t, "ui --listen 0.0.0.0:0", code, exitUsage, stderr)
+	assert.Contains(t, stderr, "--token or --basic-auth")
+}
+
+// A message's page shows its properties, its headers with their AMQP
+// types, its body as JSON, text and hex, and its earlier lives; the
+// export downloads it.
+func TestConsoleMessagePage(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	h := faulty(q, "*main.declinedError", "card 4242 declined", time.Now())
+	h[deadletter.HeaderHistory] = []any{amqp.Table{"replayed-at": time.Now().UTC().Truncate(time.Second), broker.HeaderError: "an earlier failure"}}
+	require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: "m-1", ContentType: "application/json",
+		Body: []byte(`{"order":"m-1","amount":42}`), Headers: h}))
+
+	get := func(path string) (int, string, http.Header) {
+		resp, err := http.Get(base + path)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, string(body), resp.Header
+	}
+	code, page, _ := get("/message?q=" + q + "&id=m-1")
+	require.Equal(t, http.StatusOK, code, page)
+	for _, want := range []string{
+		"application/json", // a property
+		"x-rabbitmw-attempts</code></td><td class=\"type\">int64", // a header with its type
+		"x-rabbitmw-failed-at</code></td><td class=\"type\">timestamp",
+		"&#34;amount&#34;: 42",  // the body as indented JSON
+		"00000000  7b 22 6f 72", // and in hex
+		"life 1",                // the earlier life
+		"an earlier failure",
+	} {
+		assert.Contains(t, page, want)
+	}
+	code, _, _ = get("/message?q=" + q + "&id=nope")
+	assert.Equal(t, http.StatusNotFound, code)
+
+	code, export, hdr := get("/export?q=" + q)
+	require.Equal(t, http.StatusOK, code)
+	assert.Contains(t, hdr.Get("Content-Disposition"), "attachment")
+	assert.Equal(t, 1, strings.Count(export, "\n"))
+	assert.Contains(t, export, `"message_id":"m-1"`)
+}
