@@ -35,7 +35,7 @@
 // Each delivery is settled once, by the outcome that [rabbitmw.Decide]
 // gives the handler's result (the contract is on [rabbitmw.Handler]):
 //
-//	Ack, Duplicate     basic.ack (coalesced: see Broker.Consume)
+//	Ack, Duplicate     basic.ack (coalesced: see Acks below)
 //	Requeue            basic.nack, requeue
 //	Delay d            copy to Q.delay.<t>, t the shortest tier >= d;
 //	                   ack once the copy is confirmed
@@ -59,7 +59,7 @@
 // server refuses the copy, the original is nacked with requeue after about
 // a second; while the copy's fate is unknown, the original is never
 // settled (see below). A copy that can never be sent (ErrInvalidMessage)
-// is not tried again (see [Broker.Consume]).
+// is not tried again (see Copies that fail, below).
 //
 // A delay longer than the longest tier goes to the longest tier, with the
 // HeaderNotBefore header; a consumer that
@@ -77,6 +77,88 @@
 // before the first layer runs. So a handler that branches on the routing
 // key does the same on every attempt, and Log, otelmw and the fault
 // headers name the original.
+//
+// # Acks
+//
+// Acks are coalesced: once every delivery received before it on its
+// channel is settled, one ack with multiple set settles the run; an ack
+// behind a delivery still in its handler waits at most 5 ms, or until a
+// quarter of the prefetch count (at most 32) wait, and is then sent alone.
+// Acks not sent yet when a connection is lost are lost with it, as an ack
+// written just before it dies is: the server redelivers those messages,
+// and Dedup takes them for duplicates.
+//
+// # Copies that fail
+//
+// The original of a copy is settled only once the copy's fate is known. If
+// the server refuses the copy (unroutable, or nacked), the original is
+// nacked with requeue after a pause of about a second: a message is never
+// lost for a failed settlement, and never requeued in a hot loop. A copy
+// that can never be sent (ErrInvalidMessage: too big for a frame with the
+// headers it adds) is not tried again: a delayed message is dead-lettered
+// instead, and a dead-letter copy is sent with its fault headers cut
+// short or, if even that does not fit, the original is rejected to the
+// work queue's dead-letter exchange, and the reason logged at Error. If the
+// copy's fate cannot be known, because the connection is lost before its
+// confirm, or the confirm has not come two minutes after the copy was sent
+// (Consume then gives the connection up, and connects again), the original
+// is left to the server, which redelivers it: the message then exists
+// twice, as the original and as its copy. That is the one window in which
+// Consume duplicates a message; Dedup absorbs the second.
+//
+// A panic that escapes the handler becomes
+// rabbitmw.Permanent(&rabbitmw.PanicError{...}): the message is
+// dead-lettered, the panic logged at Error, and the process goes on.
+//
+// # Reconnection
+//
+// When the connection or a channel is lost (a server's consumer_timeout
+// closes the channel too), [Broker.Consume] connects again at once, with
+// backoff (Options.ReconnectMin/Max, starting again from the minimum once
+// a connection is consuming), declares again and resumes. Handlers still
+// running on the lost connection finish in the background: their
+// deliveries cannot be settled any more, the server redelivers them, and
+// Dedup absorbs the redeliveries. They keep their worker until they
+// return: at most ConsumeOptions.Workers handlers run at once, whatever
+// connection their deliveries came on. A delivery received on a connection
+// that has since closed is not handled. Each state change is logged.
+//
+// # Shutdown
+//
+// When its context is cancelled, Consume stops taking deliveries
+// (basic.cancel), requeues the ones received but not started (if those
+// writes have not ended five seconds later, on a socket the server no
+// longer reads, it sends the acks not sent yet, as below, and closes the
+// connection, which ends them: the server requeues what was not settled,
+// and the handlers in flight can no longer settle theirs), lets the
+// handlers in flight finish and settles them, then closes its connection,
+// after the acks not sent yet (an ack whose write has not ended five
+// seconds later, on a socket the server no longer reads, is lost with the
+// connection), and returns nil.
+//
+// Handlers, those of lost connections included, run with a context that
+// is cancelled only when ConsumeOptions.ShutdownTimeout has passed after
+// Consume's context was cancelled. A result that comes after that deadline
+// is still settled, once, under a context of its own that lasts two
+// seconds: no copy is published under a context that is done. If some
+// handlers have still not returned a second after the deadline, Consume
+// waits up to two seconds more for the settlements in progress, closes the
+// connection (the server requeues the messages of the handlers still
+// running) and returns an error wrapping ErrShutdownTimeout that says how
+// many. Those handlers' goroutines end when the handlers return; their
+// results are not settled. Every other goroutine of Consume has ended when
+// it returns. A fatal error ends Consume the same way, after the same wait
+// for the handlers in flight. A socket the server no longer reads delays
+// Consume's return by at most about twenty seconds past ShutdownTimeout.
+//
+// # Fatal errors
+//
+// Consume returns on a fatal error: wrong credentials (ErrAccessRefused),
+// a missing queue (ErrQueueNotFound), a work queue with other arguments
+// (ErrQueueArguments), a consumer cancelled by the server, as when its
+// queue is deleted (ErrConsumerCancelled), invalid options. A server that
+// cannot be reached is not fatal: Consume logs it and keeps trying until
+// its context is done, and then returns nil.
 //
 // # Guarantees and their limits
 //

@@ -30,7 +30,7 @@ type Observer struct {
 	// node it is on.
 	Connect func(e ConnectEvent)
 	// Ack, if set, is called after a consumer sent a basic.ack, which may
-	// settle several deliveries at once (see [Broker.Consume]).
+	// settle several deliveries at once (see Acks in the package documentation).
 	Ack func(e AckEvent)
 }
 
@@ -46,7 +46,7 @@ type AckEvent struct {
 }
 
 // A RepublishEvent is a copy of a delivery published by a consumer to
-// settle it (see [Broker.Consume]).
+// settle it (see Copies that fail in the package documentation).
 type RepublishEvent struct {
 	// Outcome is rabbitmw.Delay or rabbitmw.DeadLetter.
 	Outcome rabbitmw.Outcome

@@ -390,6 +390,9 @@ func (t *topology) refusal(err error) error {
 	if errors.As(err, &qe) {
 		queue = qe.Queue
 	}
+	if nodeDown(ae) {
+		return fmt.Errorf("%w: queue %q is on a node that is down (%s)", ErrUnreachable, queue, ae.Reason)
+	}
 	switch ae.Code {
 	case amqp.PreconditionFailed:
 		if queue == t.queue {
@@ -422,12 +425,32 @@ func (t *topology) exchangeRefusal(exchange string, ae *amqp.Error) error {
 	return fmt.Errorf("broker: exchange %q: %w", exchange, ae)
 }
 
-// refusal turns a server's 404 about queue into ErrQueueNotFound; other
-// errors pass unchanged.
+// refusal turns a server's 404 about queue into ErrQueueNotFound, or,
+// for a queue whose node is down, ErrUnreachable; other errors pass
+// unchanged.
 func refusal(queue string, err error) error {
 	var ae *amqp.Error
 	if err != nil && !retryable(err) && errors.As(err, &ae) && ae.Server && ae.Code == amqp.NotFound {
+		if nodeDown(ae) {
+			return fmt.Errorf("%w: queue %q is on a node that is down (%s)", ErrUnreachable, queue, ae.Reason)
+		}
 		return fmt.Errorf("%w: %q (%s)", ErrQueueNotFound, queue, ae.Reason)
 	}
 	return err
+}
+
+// nodeDown reports a refusal about a queue that exists on a node that is
+// down, or whose process stopped: RabbitMQ answers 404 NOT_FOUND, as for
+// a missing queue, with one of these reasons. It passes once the node is
+// back.
+func nodeDown(ae *amqp.Error) bool {
+	if ae.Code != amqp.NotFound {
+		return false
+	}
+	for _, s := range []string{"is down or inaccessible", "process is stopped by supervisor", "has crashed and failed to restart"} {
+		if strings.Contains(ae.Reason, s) {
+			return true
+		}
+	}
+	return false
 }

@@ -198,3 +198,29 @@ func TestInternalExchange(t *testing.T) {
 		})
 	}
 }
+
+// A queue whose node is down (a classic queue's home node, stopped or
+// killed) is refused with 404 NOT_FOUND, but it exists: the refusal is
+// temporary, for Consume to wait out, not ErrQueueNotFound, which stops
+// it for good.
+func TestRefusalOfAQueueWhoseNodeIsDown(t *testing.T) {
+	top, err := Topology{}.resolve("q")
+	require.NoError(t, err)
+	for _, reason := range []string{
+		"NOT_FOUND - home node 'rabbit@b' of durable queue 'q.dlq' in vhost '/' is down or inaccessible",
+		"NOT_FOUND - queue 'q.dlq' in vhost '/' process is stopped by supervisor",
+		"NOT_FOUND - queue 'q.dlq' in vhost '/' has crashed and failed to restart",
+	} {
+		e404 := &amqp.Error{Code: amqp.NotFound, Reason: reason, Server: true, Recover: true}
+		for what, err := range map[string]error{
+			"topology": top.refusal(&queueError{Queue: "q.dlq", Err: e404}),
+			"Len":      refusal("q.dlq", e404),
+		} {
+			assert.ErrorIs(t, err, ErrUnreachable, "%s: %s", what, reason)
+			assert.NotErrorIs(t, err, ErrQueueNotFound, "%s: %s", what, reason)
+			assert.True(t, retryable(err), "%s: %s", what, reason)
+		}
+	}
+	missing := &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no queue 'q' in vhost '/'", Server: true, Recover: true}
+	assert.ErrorIs(t, refusal("q", missing), ErrQueueNotFound)
+}

@@ -475,7 +475,7 @@ func TestWorkerSkipsDeliveryOfClosedSession(t *testing.T) {
 	close(deliveries)
 	a := newAcker("q", 1, &Observer{}, c.log)
 	defer a.close()
-	c.work(context.Background(), closedSession{}, a, deliveries, make(chan struct{}), func(error) {})
+	newConn(c, closedSession{}, a, deliveries).work(context.Background())
 	equal(t, "handler calls", calls.Load(), int32(0))
 	equal(t, "settlements", rec.n.Load(), int32(0))
 	equal(t, "slots held", len(c.slots), 0)

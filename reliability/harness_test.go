@@ -65,11 +65,18 @@ func newRun(t *testing.T, scenario string, delays ...time.Duration) *run {
 // its queue type and delivery limit too.
 func newRunWith(t *testing.T, scenario string, topo broker.Topology) *run {
 	t.Helper()
+	return newRunOn(t, scenario, topo, testenv.RabbitMQURL(t))
+}
+
+// newRunOn is newRunWith on the RabbitMQ nodes at urls: the consumers and
+// the run's own Broker are given them all.
+func newRunOn(t *testing.T, scenario string, topo broker.Topology, urls ...string) *run {
+	t.Helper()
 	stamp := strconv.FormatInt(time.Now().UnixNano(), 36)
 	r := &run{
 		t:         t,
 		scenario:  scenario,
-		amqpURL:   testenv.RabbitMQURL(t),
+		amqpURL:   strings.Join(urls, ","),
 		redisAddr: testenv.RedisAddr(t),
 		queue:     "rabbitmw-reliability-" + scenario + "-" + stamp,
 		prefix:    "rabbitmw-reliability:" + scenario + ":" + stamp + ":",
@@ -92,7 +99,10 @@ func newRunWith(t *testing.T, scenario string, topo broker.Topology) *run {
 		}
 		r.rdb.Close()
 	})
-	r.b = broker.New(r.amqpURL, broker.Options{ReconnectMin: 50 * time.Millisecond, ReconnectMax: time.Second})
+	r.b = broker.NewCluster(broker.Addresses(urls), broker.Options{ReconnectMin: 50 * time.Millisecond, ReconnectMax: time.Second})
+	if len(urls) == 1 {
+		r.b = broker.New(urls[0], broker.Options{ReconnectMin: 50 * time.Millisecond, ReconnectMax: time.Second})
+	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()

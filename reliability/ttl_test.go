@@ -18,6 +18,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 )
 
 const (
@@ -62,7 +63,7 @@ func TestDeadLettersOutliveTheirTTL(t *testing.T) {
 	}
 	full := time.Now()
 	time.Sleep(ttl + time.Second) // the server's expiry is real time
-	dls, err := r.b.DeadLetters(ctx, r.queue, broker.ListOptions{})
+	dls, err := deadletter.New(r.b).List(ctx, r.queue, deadletter.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -70,7 +71,7 @@ func TestDeadLettersOutliveTheirTTL(t *testing.T) {
 	kept := 0 // without an Expiration, the original in its header
 	for _, dl := range dls {
 		listed[dl.ID] = true
-		d := dl.Message
+		d := dl.Delivery
 		if d.Expiration == "" && d.Headers[broker.HeaderOriginalExpiration] == fmt.Sprint(ttl.Milliseconds()) {
 			kept++
 		} else {

@@ -135,7 +135,7 @@ type ImportOptions struct {
 // (or to opts.To), in order, each with publisher confirms, and returns the
 // number published. Each goes as it was exported: body, properties and
 // headers, types included, but for the properties no copy the broker
-// makes carries (see [broker.Broker.Consume]): an Expiration does not
+// makes carries (see the package documentation of broker): an Expiration does not
 // come back (nothing in a dead-letter queue expires), it moves to
 // [broker.HeaderOriginalExpiration]; UserId moves to
 // [broker.HeaderUserID] (RabbitMQ refuses a publish whose user-id is not

@@ -90,7 +90,7 @@ type ReplayResult struct {
 // The copy keeps the body, the properties and the headers, but for the
 // fault headers and dead-letter records, which move into [HeaderHistory];
 // [HeaderReplays] counts one more. Like every copy the broker makes (see
-// [broker.Broker.Consume]), it carries no Expiration: the replayed message
+// the package documentation of broker), it carries no Expiration: the replayed message
 // does not expire in the work queue, however long it waits there (the
 // original stays in [broker.HeaderOriginalExpiration]); its UserId stays
 // in [broker.HeaderUserID]. The handler sees the message as first

@@ -88,6 +88,14 @@ func Dir(t testing.TB) string {
 // waits until it runs. It is stopped when t ends.
 func Start(t testing.TB, dir string, cfg Config) *Node {
 	t.Helper()
+	n := prepare(t, dir, cfg)
+	n.Start()
+	return n
+}
+
+// prepare writes a node's files, and arranges its removal.
+func prepare(t testing.TB, dir string, cfg Config) *Node {
+	t.Helper()
 	n := &Node{t: t, cfg: cfg, Name: cfg.Name + "@localhost", dir: filepath.Join(dir, cfg.Name), home: dir}
 	for _, d := range []string{"mnesia", "log"} {
 		if err := os.MkdirAll(filepath.Join(n.dir, d), 0o755); err != nil {
@@ -113,8 +121,34 @@ func Start(t testing.TB, dir string, cfg Config) *Node {
 		t.Fatal(err)
 	}
 	t.Cleanup(n.remove)
-	n.Start()
 	return n
+}
+
+// StartAll starts a node for each of cfgs in dir (from Dir), at once, and
+// waits until they all run.
+func StartAll(t testing.TB, dir string, cfgs ...Config) []*Node {
+	t.Helper()
+	nodes := make([]*Node, len(cfgs))
+	for i, cfg := range cfgs {
+		nodes[i] = prepare(t, dir, cfg)
+		nodes[i].launch()
+	}
+	for _, n := range nodes {
+		n.awaitOrFail()
+	}
+	return nodes
+}
+
+// RestartAll starts nodes, killed or stopped, at once, and waits until
+// they all run: a node that was not stopped last waits for its peers
+// as it boots.
+func RestartAll(nodes ...*Node) {
+	for _, n := range nodes {
+		n.launch()
+	}
+	for _, n := range nodes {
+		n.awaitOrFail()
+	}
 }
 
 // env is the environment of the node's server and of rabbitmqctl.
@@ -143,6 +177,13 @@ func (n *Node) env() []string {
 // data, and waits until it runs.
 func (n *Node) Start() {
 	n.t.Helper()
+	n.launch()
+	n.awaitOrFail()
+}
+
+// launch starts the node's VM, without waiting.
+func (n *Node) launch() {
+	n.t.Helper()
 	n.starts++
 	n.logPath = filepath.Join(n.dir, "log", fmt.Sprintf("server-%d.out", n.starts))
 	out, err := os.Create(n.logPath)
@@ -167,6 +208,12 @@ func (n *Node) Start() {
 		_ = cmd.Wait()
 		close(exited)
 	}()
+}
+
+// awaitOrFail waits until the node runs, and fails the test if it does
+// not.
+func (n *Node) awaitOrFail() {
+	n.t.Helper()
 	if err := n.await(); err != nil {
 		n.Kill()
 		n.t.Fatalf("node %s did not start: %v\n%s", n.Name, err, n.Log())

@@ -101,7 +101,7 @@ func parseFlags(args []string) (config, error) {
 	var c config
 	var delays string
 	fs := flag.NewFlagSet("consumer", flag.ContinueOnError)
-	fs.StringVar(&c.amqpURL, "amqp", "amqp://guest:guest@127.0.0.1:5672/", "AMQP URL of RabbitMQ")
+	fs.StringVar(&c.amqpURL, "amqp", "amqp://guest:guest@127.0.0.1:5672/", "AMQP URL of RabbitMQ; the nodes of a cluster separated by commas")
 	fs.StringVar(&c.queue, "queue", "", "work queue (required)")
 	fs.StringVar(&c.name, "name", "consumer", "consumer name: in the effect log, and the process in fault headers")
 	fs.StringVar(&c.storeAddr, "store", "127.0.0.1:6379", "address of the Redis that holds the idempotency store; a postgres:// URL selects the PostgreSQL inbox (pgstore, effects as rows in the handler's transaction)")
@@ -275,12 +275,16 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	)
 	h := rabbitmw.Chain(layers...)(handler)
 
-	b := broker.New(cfg.amqpURL, broker.Options{
+	opts := broker.Options{
 		Logger:       logger,
 		ReconnectMin: min(50*time.Millisecond, cfg.reconnectMax),
 		ReconnectMax: cfg.reconnectMax,
 		Process:      cfg.name,
-	})
+	}
+	b := broker.New(cfg.amqpURL, opts)
+	if urls := strings.Split(cfg.amqpURL, ","); len(urls) > 1 {
+		b = broker.NewCluster(broker.Addresses(urls), opts)
+	}
 	defer b.Close()
 	err := b.Consume(ctx, cfg.queue, h, broker.ConsumeOptions{
 		Workers:         cfg.workers,
