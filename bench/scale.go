@@ -7,7 +7,6 @@ import (
 	"math"
 	"os"
 	"slices"
-	"strings"
 	"text/tabwriter"
 
 	"github.com/rabbitmw/rabbitmw/broker"
@@ -193,16 +192,5 @@ func (r *scaleResult) chart() lineChart {
 // writeFiles writes, if svgPath is set, the plot to it and, beside it, the
 // table (.md) and the results (.json).
 func (r *scaleResult) writeFiles(svgPath string) error {
-	if svgPath == "" {
-		return nil
-	}
-	base := strings.TrimSuffix(svgPath, ".svg")
-	if err := writeFile(svgPath, r.chart().writeSVG); err != nil {
-		return err
-	}
-	if err := writeFile(base+".md", func(w io.Writer) error { r.markdown(w); return nil }); err != nil {
-		return err
-	}
-	fmt.Fprintf(os.Stderr, "wrote %s, %s.md and %s.json\n", svgPath, base, base)
-	return writeJSON(base+".json", r)
+	return writePlot(svgPath, r.chart(), r.markdown, r)
 }

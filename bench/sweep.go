@@ -388,16 +388,22 @@ func writeFile(path string, f func(io.Writer) error) error {
 // writeFiles writes, if svgPath is set, the plot to it and, beside it, the
 // tables (.md) and the results (.json).
 func (r *sweepResult) writeFiles(svgPath string) error {
+	return writePlot(svgPath, r.chart(), r.markdown, r)
+}
+
+// writePlot writes, if svgPath is set, chart to it and, beside it, the
+// same name with .md (what markdown writes) and .json (v).
+func writePlot(svgPath string, chart lineChart, markdown func(io.Writer), v any) error {
 	if svgPath == "" {
 		return nil
 	}
 	base := strings.TrimSuffix(svgPath, ".svg")
-	if err := writeFile(svgPath, r.chart().writeSVG); err != nil {
+	if err := writeFile(svgPath, chart.writeSVG); err != nil {
 		return err
 	}
-	if err := writeFile(base+".md", func(w io.Writer) error { r.markdown(w); return nil }); err != nil {
+	if err := writeFile(base+".md", func(w io.Writer) error { markdown(w); return nil }); err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "wrote %s, %s.md and %s.json\n", svgPath, base, base)
-	return writeJSON(base+".json", r)
+	return writeJSON(base+".json", v)
 }
