@@ -5,82 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"reflect"
-	"strings"
 	"testing"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
 )
-
-// named returns a layer that records its name on the way in and out.
-func named(name string, trace *[]string) rabbitmw.Middleware {
-	return func(next rabbitmw.Handler) rabbitmw.Handler {
-		return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-			*trace = append(*trace, name+">")
-			err := next.Handle(ctx, d)
-			*trace = append(*trace, "<"+name)
-			return err
-		})
-	}
-}
-
-func TestChainOrder(t *testing.T) {
-	var trace []string
-	h := rabbitmw.Chain(named("a", &trace), named("b", &trace), named("c", &trace))(
-		rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
-			trace = append(trace, "h")
-			return nil
-		}))
-	if err := h.Handle(context.Background(), &amqp.Delivery{}); err != nil {
-		t.Fatal(err)
-	}
-	want := []string{"a>", "b>", "c>", "h", "<c", "<b", "<a"}
-	if !reflect.DeepEqual(trace, want) {
-		t.Fatalf("Chain(a, b, c)(h) ran %v; want %v", trace, want)
-	}
-}
-
-// Chain(a, b)(h) is a(b(h)), and chains nest.
-func TestChainNests(t *testing.T) {
-	var t1, t2 []string
-	leaf := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
-	rabbitmw.Chain(rabbitmw.Chain(named("a", &t1), named("b", &t1)), named("c", &t1))(leaf).Handle(context.Background(), nil)
-	named("a", &t2)(named("b", &t2)(named("c", &t2)(leaf))).Handle(context.Background(), nil)
-	if !reflect.DeepEqual(t1, t2) {
-		t.Fatalf("nested Chain ran %v; a(b(c(h))) ran %v", t1, t2)
-	}
-}
-
-type sentinel struct{}
-
-func (sentinel) Handle(context.Context, *amqp.Delivery) error { return nil }
-
-func TestChainEmpty(t *testing.T) {
-	var h rabbitmw.Handler = sentinel{}
-	if got := rabbitmw.Chain()(h); got != h {
-		t.Fatalf("Chain()(h) = %v; want h", got)
-	}
-}
-
-func TestChainPanics(t *testing.T) {
-	for name, f := range map[string]func(){
-		"nil middleware": func() { rabbitmw.Chain(nil) },
-		"nil handler":    func() { rabbitmw.Chain()(nil) },
-	} {
-		func() {
-			defer func() {
-				if v, _ := recover().(string); !strings.HasPrefix(v, "rabbitmw: Chain") {
-					t.Errorf("%s: recovered %q; want a rabbitmw: Chain panic", name, v)
-				}
-			}()
-			f()
-		}()
-	}
-}
 
 var errBoom = errors.New("boom")
 
@@ -128,9 +62,7 @@ func TestMarkersKeepText(t *testing.T) {
 		}
 	}
 	for _, err := range []error{rabbitmw.Permanent(nil), rabbitmw.RetryAfter(nil, time.Second), rabbitmw.WithAttempts(nil, 1), rabbitmw.NotCounted(nil)} {
-		if err != nil {
-			t.Errorf("a marker of nil = %v; want nil", err)
-		}
+		assert.NoError(t, err, "a marker of nil")
 	}
 }
 
@@ -219,18 +151,14 @@ func TestSettle(t *testing.T) {
 }
 
 func TestSettleNilDelivery(t *testing.T) {
-	if err := rabbitmw.Settle(context.Background(), nil, nil); !errors.Is(err, rabbitmw.ErrNoDelivery) {
-		t.Fatalf("Settle(nil) = %v; want ErrNoDelivery", err)
-	}
+	require.ErrorIs(t, rabbitmw.Settle(context.Background(), nil, nil), rabbitmw.ErrNoDelivery, "Settle(nil)")
 }
 
 func TestSettleNilContext(t *testing.T) {
 	rec := rabbitmwtest.NewRecorder()
 	d := rec.Deliver(amqp.Publishing{})
 	var ctx context.Context // nil: bad input that Settle must survive
-	if err := rabbitmw.Settle(ctx, d, rabbitmw.RetryAfter(errBoom, time.Millisecond)); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, rabbitmw.Settle(ctx, d, rabbitmw.RetryAfter(errBoom, time.Millisecond)))
 	if got := rec.Settlement(1); got != "requeued" {
 		t.Fatalf("settled %s; want requeued", got)
 	}

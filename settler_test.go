@@ -12,6 +12,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw"
@@ -107,9 +109,7 @@ func TestSettlerHoldsDelaysOffTheLoop(t *testing.T) {
 		start := time.Now()
 		for _, res := range results {
 			d := rec.Deliver(amqp.Publishing{})
-			if err := s.Settle(context.Background(), d, res); err != nil {
-				t.Fatalf("Settle(%d) = %v", d.DeliveryTag, err)
-			}
+			require.NoError(t, s.Settle(context.Background(), d, res), "Settle(%d)", d.DeliveryTag)
 		}
 		if d := time.Since(start); d != 0 {
 			t.Fatalf("the loop took %v; want no time", d)
@@ -137,9 +137,7 @@ func TestSettlerBlocksAtMaxHeld(t *testing.T) {
 		rec := rabbitmwtest.NewRecorder()
 		d1, d2 := rec.Deliver(amqp.Publishing{}), rec.Deliver(amqp.Publishing{})
 		start := time.Now()
-		if err := s.Settle(context.Background(), d1, rabbitmw.RetryAfter(errBoom, 10*time.Second)); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, s.Settle(context.Background(), d1, rabbitmw.RetryAfter(errBoom, 10*time.Second)))
 		done := settleAsync(context.Background(), s, d2, rabbitmw.RetryAfter(errBoom, time.Second))
 		synctest.Wait()
 		if ok, _ := returned(done); ok {
@@ -171,16 +169,12 @@ func TestSettlerContextEndsTheWait(t *testing.T) {
 		defer s.Close()
 		rec := rabbitmwtest.NewRecorder()
 		d1, d2 := rec.Deliver(amqp.Publishing{}), rec.Deliver(amqp.Publishing{})
-		if err := s.Settle(context.Background(), d1, rabbitmw.RetryAfter(errBoom, time.Minute)); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, s.Settle(context.Background(), d1, rabbitmw.RetryAfter(errBoom, time.Minute)))
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
 		start := time.Now()
 		err := s.Settle(ctx, d2, rabbitmw.RetryAfter(errBoom, time.Second))
-		if !errors.Is(err, context.DeadlineExceeded) {
-			t.Errorf("Settle = %v; want DeadlineExceeded", err)
-		}
+		assert.ErrorIs(t, err, context.DeadlineExceeded, "Settle")
 		if d := time.Since(start); d != 2*time.Second {
 			t.Errorf("Settle returned after %v; want 2s, the deadline", d)
 		}
@@ -190,9 +184,7 @@ func TestSettlerContextEndsTheWait(t *testing.T) {
 		d3 := rec.Deliver(amqp.Publishing{})
 		s2 := rabbitmw.NewSettler(rabbitmw.SettlerOptions{})
 		defer s2.Close()
-		if err := s2.Settle(ctx, d3, rabbitmw.RetryAfter(errBoom, time.Second)); err != nil {
-			t.Errorf("Settle with room and a done ctx = %v; want nil", err)
-		}
+		assert.NoError(t, s2.Settle(ctx, d3, rabbitmw.RetryAfter(errBoom, time.Second)), "Settle with room and a done ctx")
 		wantCalls(t, "with room", rec, requeued(2))
 		time.Sleep(time.Second)
 		synctest.Wait()
@@ -207,9 +199,7 @@ func TestSettlerClose(t *testing.T) {
 		s := rabbitmw.NewSettler(rabbitmw.SettlerOptions{MaxHeld: 1})
 		rec := rabbitmwtest.NewRecorder()
 		d1, d2 := rec.Deliver(amqp.Publishing{}), rec.Deliver(amqp.Publishing{})
-		if err := s.Settle(context.Background(), d1, rabbitmw.RetryAfter(errBoom, time.Hour)); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, s.Settle(context.Background(), d1, rabbitmw.RetryAfter(errBoom, time.Hour)))
 		waiting := settleAsync(context.Background(), s, d2, rabbitmw.RetryAfter(errBoom, time.Hour))
 		synctest.Wait()
 
@@ -231,12 +221,8 @@ func TestSettlerClose(t *testing.T) {
 
 		// After Close, a delay is requeued at once; the rest settles as ever.
 		d3, d4 := rec.Deliver(amqp.Publishing{}), rec.Deliver(amqp.Publishing{})
-		if err := s.Settle(context.Background(), d3, rabbitmw.RetryAfter(errBoom, time.Hour)); !errors.Is(err, rabbitmw.ErrSettlerClosed) {
-			t.Errorf("Settle after Close = %v; want ErrSettlerClosed", err)
-		}
-		if err := s.Settle(context.Background(), d4, nil); err != nil {
-			t.Errorf("Settle(nil) after Close = %v; want nil", err)
-		}
+		assert.ErrorIs(t, s.Settle(context.Background(), d3, rabbitmw.RetryAfter(errBoom, time.Hour)), rabbitmw.ErrSettlerClosed, "Settle after Close")
+		assert.NoError(t, s.Settle(context.Background(), d4, nil), "Settle(nil) after Close")
 		s.Close() // a second Close is harmless
 		time.Sleep(2 * time.Hour)
 		synctest.Wait()
@@ -264,9 +250,7 @@ func TestSettlerCloseWaitsForRequeues(t *testing.T) {
 		g := gate{rabbitmwtest.NewRecorder(), make(chan struct{})}
 		d := g.Deliver(amqp.Publishing{})
 		d.Acknowledger = g
-		if err := s.Settle(context.Background(), d, rabbitmw.RetryAfter(errBoom, time.Second)); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, s.Settle(context.Background(), d, rabbitmw.RetryAfter(errBoom, time.Second)))
 		time.Sleep(time.Second)
 		synctest.Wait() // the requeue has started, and waits at the gate
 		closed := make(chan struct{})
@@ -361,14 +345,10 @@ func TestSettlerCloseLeavesNoGoroutine(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	s := rabbitmw.NewSettler(rabbitmw.SettlerOptions{MaxHeld: 1})
 	rec := rabbitmwtest.NewRecorder()
-	if err := s.Settle(context.Background(), rec.Deliver(amqp.Publishing{}), rabbitmw.RetryAfter(errBoom, time.Hour)); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.Settle(context.Background(), rec.Deliver(amqp.Publishing{}), rabbitmw.RetryAfter(errBoom, time.Hour)))
 	waiting := settleAsync(context.Background(), s, rec.Deliver(amqp.Publishing{}), rabbitmw.RetryAfter(errBoom, time.Hour))
 	s.Close()
-	if err := <-waiting; !errors.Is(err, rabbitmw.ErrSettlerClosed) {
-		t.Errorf("the waiting Settle returned %v; want ErrSettlerClosed", err)
-	}
+	assert.ErrorIs(t, <-waiting, rabbitmw.ErrSettlerClosed, "the waiting Settle")
 	if rec.Settlement(1) != "requeued" || rec.Settlement(2) != "requeued" {
 		t.Errorf("calls = %v; want both requeued", rec.Calls())
 	}
@@ -377,14 +357,10 @@ func TestSettlerCloseLeavesNoGoroutine(t *testing.T) {
 func TestSettlerBadInput(t *testing.T) {
 	s := rabbitmw.NewSettler(rabbitmw.SettlerOptions{})
 	defer s.Close()
-	if err := s.Settle(context.Background(), nil, nil); !errors.Is(err, rabbitmw.ErrNoDelivery) {
-		t.Errorf("Settle(nil) = %v; want ErrNoDelivery", err)
-	}
+	assert.ErrorIs(t, s.Settle(context.Background(), nil, nil), rabbitmw.ErrNoDelivery, "Settle(nil)")
 	rec := rabbitmwtest.NewRecorder()
 	var ctx context.Context // nil: bad input that Settle must survive
-	if err := s.Settle(ctx, rec.Deliver(amqp.Publishing{}), rabbitmw.RetryAfter(errBoom, time.Hour)); err != nil {
-		t.Errorf("Settle with a nil ctx = %v; want nil", err)
-	}
+	assert.NoError(t, s.Settle(ctx, rec.Deliver(amqp.Publishing{}), rabbitmw.RetryAfter(errBoom, time.Hour)), "Settle with a nil ctx")
 	defer func() {
 		if v, _ := recover().(string); !strings.HasPrefix(v, "rabbitmw: NewSettler") {
 			t.Errorf("NewSettler with MaxHeld -1 recovered %q; want a rabbitmw: NewSettler panic", v)

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 func TestMessageIDs(t *testing.T) {
@@ -88,9 +90,7 @@ func TestBrokerSettings(t *testing.T) {
 
 func TestParseFlags(t *testing.T) {
 	cfg, err := parseFlags([]string{"-n", "100", "-only", "plain, rabbitmw-redis", "-sweep-workers", "2,4"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	if cfg.n != 100 || len(cfg.only) != 2 || cfg.only[1] != redisName || len(cfg.sweepWorkers) != 2 {
 		t.Errorf("parseFlags = %+v; want n 100, only [plain rabbitmw-redis], sweep workers [2 4]", cfg)
 	}
@@ -184,13 +184,9 @@ func TestResultJSON(t *testing.T) {
 		{&summary{}, []string{"contender", "cpu", "deliveries", "effects", "load_max", "load_min", "msgs_per_sec_max", "msgs_per_sec_median", "msgs_per_sec_min", "prefetch", "ratio_to_plain", "redis_commands_per_msg", "unique_effects", "workers"}},
 	} {
 		b, err := json.Marshal(tc.v)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		var m map[string]any
-		if err := json.Unmarshal(b, &m); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, json.Unmarshal(b, &m))
 		if got := slices.Sorted(maps.Keys(m)); !slices.Equal(got, tc.want) {
 			t.Errorf("%T keys = %v; want %v", tc.v, got, tc.want)
 		}

@@ -13,6 +13,7 @@
 //	go run . -sweep -out sweep.svg # the prefetch × workers grid, plotted
 //	go run . -scale -out scale.svg # CPU per message as things grow, plotted
 //	go run . -latency -n 2000      # publish-to-ack latency at 200 msgs/s
+//	go run . -outbox -n 20000      # the outbox's relay against direct publishing (outbox.go)
 //	go run . -plot sweep.json -out sweep.svg # the plot again, from its results
 //	go run . -stack-only           # the stack in process; no servers needed
 //	go run . -only plain,rabbitmw-redis -n 50000 -json out.json
@@ -91,6 +92,7 @@ type config struct {
 	sweep       bool
 	scale       bool // -scale: CPU per message as things grow
 	latency     bool // -latency: publish→ack latency at a light load
+	outbox      bool // -outbox: the relay against direct confirmed publishing
 	rate        int  // -rate: its messages per second
 	only        []string
 	jsonPath    string
@@ -158,7 +160,8 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&cfg.prefetch, "prefetch", 0, "prefetch of every contender (default: the broker's default)")
 	fs.IntVar(&cfg.workers, "workers", 0, "workers of every contender (default: the broker's default)")
 	fs.BoolVar(&cfg.latency, "latency", false, "measure publish-to-ack latency at a light load instead: -n messages (use about 2000) published at -rate (contenders plain, rabbitmw-redis, rabbitmw-redis-unbatched, unless -only)")
-	fs.IntVar(&cfg.rate, "rate", 200, "-latency: messages per second")
+	fs.IntVar(&cfg.rate, "rate", 200, "-latency, -outbox: messages per second")
+	fs.BoolVar(&cfg.outbox, "outbox", false, "measure the transactional outbox instead: its relay's msgs/s and CPU against direct confirmed publishing (-n messages, -rounds), and commit-to-delivery latency with NOTIFY and with the poll alone (500 messages at -rate)")
 	fs.BoolVar(&cfg.scale, "scale", false, "measure CPU per message as body size, workers, messages and consumer processes grow instead (contenders plain and rabbitmw-redis, unless -only); -out FILE.svg plots it")
 	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders plain, rabbitmw-redis and rabbitmw-redis-unbatched, unless -only)")
 	only := fs.String("only", "", "comma-separated contenders to run (default: all but rabbitmw-redis-dup and rabbitmw-pgstore; for -sweep: plain,rabbitmw-redis,rabbitmw-redis-unbatched)")
@@ -282,6 +285,9 @@ func run(ctx context.Context, cfg config) error {
 	e.machine.print(out)
 	if cfg.latency {
 		return runLatency(ctx, e, cfg, prefetch, workers)
+	}
+	if cfg.outbox {
+		return runOutbox(ctx, e, cfg)
 	}
 	if cfg.scale {
 		res, err := runScale(ctx, e, cfg)

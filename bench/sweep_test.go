@@ -7,6 +7,8 @@ import (
 	"io"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 func TestParsePrefetch(t *testing.T) {
@@ -73,12 +75,8 @@ func sweepFixture() *sweepResult {
 func TestSweepChartSVG(t *testing.T) {
 	r := sweepFixture()
 	var a, b bytes.Buffer
-	if err := r.chart().writeSVG(&a); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.chart().writeSVG(&b); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.chart().writeSVG(&a))
+	require.NoError(t, r.chart().writeSVG(&b))
 	if !bytes.Equal(a.Bytes(), b.Bytes()) {
 		t.Error("two writes of the same chart differ")
 	}
@@ -96,9 +94,7 @@ func TestSweepChartSVG(t *testing.T) {
 		if errors.Is(err, io.EOF) {
 			break
 		}
-		if err != nil {
-			t.Fatalf("the SVG is not well-formed XML: %v\n%s", err, a.String())
-		}
+		require.NoError(t, err, "the SVG is not well-formed XML:\n%s", a.String())
 		se, ok := tok.(xml.StartElement)
 		if !ok {
 			if ee, ok := tok.(xml.EndElement); ok && ee.Name.Local == "g" && inLegend {

@@ -238,7 +238,8 @@ type Broker struct {
 }
 
 // New returns a Broker for the RabbitMQ server at url, an AMQP URI such as
-// "amqp://guest:guest@127.0.0.1:5672/" ("amqps://" for TLS). It does no
+// "amqp://guest:guest@127.0.0.1:5672/" ("amqps://" for TLS, configured by
+// Options.TLS; [NewCluster] for several nodes). It does no
 // I/O: connections are made when Publish, Consume or another method needs
 // one. A malformed url is reported by the first of those calls.
 //

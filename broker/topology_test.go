@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -223,4 +224,128 @@ func TestRefusalOfAQueueWhoseNodeIsDown(t *testing.T) {
 	}
 	missing := &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no queue 'q' in vhost '/'", Server: true, Recover: true}
 	assert.ErrorIs(t, refusal("q", missing), ErrQueueNotFound)
+}
+
+func TestTierName(t *testing.T) {
+	for _, c := range []struct {
+		d    time.Duration
+		want string
+	}{
+		{time.Second, "1s"}, {5 * time.Second, "5s"}, {30 * time.Second, "30s"},
+		{2 * time.Minute, "2m"}, {10 * time.Minute, "10m"}, {time.Hour, "1h"},
+		{1500 * time.Millisecond, "1500ms"}, {90 * time.Second, "90s"},
+		{3600 * time.Second, "1h"}, {50 * time.Millisecond, "50ms"}, {25 * time.Hour, "25h"},
+	} {
+		if got := tierName(c.d); got != c.want {
+			t.Errorf("tierName(%v) = %q; want %q", c.d, got, c.want)
+		}
+	}
+}
+
+func TestTopologyResolve(t *testing.T) {
+	top, err := Topology{}.resolve("orders")
+	require.NoError(t, err, "resolve(defaults)")
+	var names []string
+	for _, s := range top.specs() {
+		names = append(names, s.Name)
+	}
+	assert.Equal(t, []string{"orders", "orders.dlq",
+		"orders.delay.1s", "orders.delay.5s", "orders.delay.30s", "orders.delay.2m", "orders.delay.10m", "orders.delay.1h"}, names, "declared queues")
+	specs := top.specs()
+	assert.Equal(t, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "orders.dlq"}, specs[0].Args, "work queue arguments")
+	assert.Equal(t, amqp.Table(nil), specs[1].Args, "dead-letter queue arguments")
+	assert.Equal(t, amqp.Table{"x-message-ttl": int64(5000), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "orders"}, specs[3].Args, "delay queue 5s arguments")
+
+	top, err = Topology{Declare: DeclareSupport, Delays: []time.Duration{time.Minute, time.Second, time.Second}}.resolve("q")
+	require.NoError(t, err, "resolve(quorum, support)")
+	specs = top.specs()
+	assert.Equal(t, queueSpec{Name: "q", Passive: true}, specs[0], "work queue spec with DeclareSupport")
+	assert.Equal(t, 4, len(specs), "specs with a deduplicated ladder")
+	assert.Equal(t, []string{"q.delay.1s", "q.delay.1m"}, []string{specs[2].Name, specs[3].Name}, "tiers sorted")
+	top, _ = Topology{Quorum: true, DeliveryLimit: 5}.resolve("q")
+	assert.Equal(t, amqp.Table{
+		"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "q.dlq", "x-queue-type": "quorum", "x-delivery-limit": int64(5)}, top.specs()[0].Args, "quorum work queue arguments")
+	top, _ = Topology{Declare: DeclareNone}.resolve("q")
+	assert.Equal(t, 0, len(top.specs()), "specs with DeclareNone")
+	assert.Equal(t, 8, len(top.names()), "names with DeclareNone")
+
+	for _, bad := range []Topology{
+		{Delays: []time.Duration{0}},
+		{Delays: []time.Duration{-time.Second}},
+		{Delays: []time.Duration{1500 * time.Microsecond}},
+		{Delays: []time.Duration{50 * 24 * time.Hour}},
+		{DeliveryLimit: 3},
+		{Quorum: true, DeliveryLimit: -1},
+		{Declare: DeclareMode(7)},
+		{Quorum: true, Declare: DeclareSupport},
+		{Quorum: true, DeliveryLimit: 3, Declare: DeclareSupport},
+		{Quorum: true, Declare: DeclareNone},
+	} {
+		if _, err := bad.resolve("q"); err == nil {
+			t.Errorf("resolve(%+v) = nil error; want one", bad)
+		}
+	}
+	if _, err := (Topology{}).resolve(""); err == nil {
+		t.Error("resolve of an empty queue name = nil error; want one")
+	}
+}
+
+func TestTierFor(t *testing.T) {
+	top, _ := Topology{Delays: []time.Duration{time.Second, 5 * time.Second, time.Minute}}.resolve("q")
+	for _, c := range []struct {
+		d    time.Duration
+		want string
+		over bool
+	}{
+		{time.Millisecond, "q.delay.1s", false},
+		{time.Second, "q.delay.1s", false},
+		{time.Second + 1, "q.delay.5s", false},
+		{6 * time.Second, "q.delay.1m", false},
+		{time.Minute, "q.delay.1m", false},
+		{time.Hour, "q.delay.1m", true},
+	} {
+		tr, over := top.tierFor(c.d)
+		if tr.queue != c.want || over != c.over {
+			t.Errorf("tierFor(%v) = %q, %t; want %q, %t", c.d, tr.queue, over, c.want, c.over)
+		}
+	}
+}
+
+func TestRefusalText(t *testing.T) {
+	top, _ := Topology{}.resolve("q")
+	e406 := &amqp.Error{Code: amqp.PreconditionFailed, Reason: "PRECONDITION_FAILED - inequivalent arg", Server: true, Recover: true}
+	err := top.refusal(&queueError{Queue: "q", Err: e406})
+	require.ErrorIs(t, err, ErrQueueArguments, "refusal(406 on q)")
+	assert.Contains(t, err.Error(), "DeclareSupport", "refusal(406 on q)")
+	err = top.refusal(&queueError{Queue: "q.dlq", Err: e406})
+	require.ErrorIs(t, err, ErrQueueArguments, "refusal(406 on q.dlq)")
+	assert.Contains(t, err.Error(), `"q.dlq"`, "refusal(406 on q.dlq)")
+	lost := lostError(&amqp.Error{Code: amqp.ConnectionForced, Server: true})
+	if got := top.refusal(lost); got != lost {
+		t.Errorf("refusal(lost) = %v; want it unchanged", got)
+	}
+}
+
+// DefaultDelays hands out a copy: changing it changes no later call, nor
+// the default ladder.
+func TestDefaultDelaysIsACopy(t *testing.T) {
+	d := DefaultDelays()
+	want := slices.Clone(d)
+	d[0] = time.Hour
+	assert.Equal(t, want, DefaultDelays(), "DefaultDelays() after a caller changed its result")
+	top, err := Topology{}.resolve("q")
+	require.NoError(t, err, "resolve(defaults)")
+	assert.Equal(t, time.Second, top.tiers[0].d, "the shortest default tier")
+}
+
+func TestTopologyQueues(t *testing.T) {
+	q, err := Topology{Delays: []time.Duration{time.Minute, 1500 * time.Millisecond, time.Second, time.Second}}.Queues("orders")
+	require.NoError(t, err, "Queues")
+	assert.Equal(t, Queues{Work: "orders", DeadLetter: "orders.dlq", Delays: []string{"orders.delay.1s", "orders.delay.1500ms", "orders.delay.1m"}}, q, "Queues")
+	q, err = Topology{}.Queues("orders")
+	require.NoError(t, err, "Queues")
+	assert.Equal(t, []string{"orders.delay.1s", "orders.delay.5s", "orders.delay.30s", "orders.delay.2m", "orders.delay.10m", "orders.delay.1h"}, q.Delays, "default delay queues")
+	if _, err := (Topology{Delays: []time.Duration{-time.Second}}).Queues("orders"); err == nil {
+		t.Error("Queues of an invalid Topology = nil error; want an error")
+	}
 }

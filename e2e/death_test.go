@@ -23,6 +23,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
@@ -217,13 +218,9 @@ func runKiller(t *testing.T, srv servers, top broker.Topology) {
 	defer cancel()
 	queue := fmt.Sprintf("rabbitmw-killer-%d", time.Now().UnixNano())
 	t.Cleanup(func() { srv.broker.Delete(context.Background(), queue, top) })
-	if err := srv.broker.Declare(ctx, queue, top); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, srv.broker.Declare(ctx, queue, top))
 	names, err := top.Queues(queue)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	// The handlers of dead processes never return while the test runs.
 	gone := make(chan struct{})
 	var consumers sync.WaitGroup
@@ -256,9 +253,7 @@ func runKiller(t *testing.T, srv servers, top broker.Topology) {
 		}()
 		return dead, stop
 	}
-	if err := srv.broker.Publish(ctx, "", queue, amqp.Publishing{MessageId: "kills-its-consumer", Body: []byte("x")}); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, srv.broker.Publish(ctx, "", queue, amqp.Publishing{MessageId: "kills-its-consumer", Body: []byte("x")}))
 
 	died, stop := start()
 	defer func() { stop() }()

@@ -14,6 +14,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw"
@@ -148,12 +150,11 @@ func (e *effectCounter) check(want []string) (missing, twice []string) {
 
 // e2eStack is the recommended stack with delays short enough for a test.
 func e2eStack(st store.Store) rabbitmw.Middleware {
-	return rabbitmw.Chain(
-		middleware.Retry(st, middleware.RetryOptions{Backoff: middleware.Exponential(20*time.Millisecond, 200*time.Millisecond)}),
-		middleware.Recover(),
-		middleware.Dedup(st, middleware.DedupOptions{BusyDelay: 50 * time.Millisecond, UnavailableDelay: 50 * time.Millisecond}),
-		middleware.Timeout(10*time.Second),
-	)
+	return middleware.Stack(st, middleware.StackOptions{
+		Retry:   middleware.RetryOptions{Backoff: middleware.Exponential(20*time.Millisecond, 200*time.Millisecond)},
+		Dedup:   middleware.DedupOptions{BusyDelay: 50 * time.Millisecond, UnavailableDelay: 50 * time.Millisecond},
+		Timeout: 10 * time.Second,
+	})
 }
 
 var e2eTopology = broker.Topology{Delays: []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, time.Second}}
@@ -167,13 +168,9 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 	defer cancel()
 	queue := fmt.Sprintf("rabbitmw-e2e-%d", time.Now().UnixNano())
 	t.Cleanup(func() { srv.broker.Delete(context.Background(), queue, e2eTopology) })
-	if err := srv.broker.Declare(ctx, queue, e2eTopology); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, srv.broker.Declare(ctx, queue, e2eTopology))
 	names, err := e2eTopology.Queues(queue)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 
 	// The connections drop as the effects pass even intervals, so the
 	// consumers are at work at each drop.
@@ -198,9 +195,7 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 			cancel()
 			wg.Wait()
 			for i, err := range errs {
-				if err != nil {
-					t.Errorf("consumer %d: %v", i, err)
-				}
+				assert.NoError(t, err, "consumer %d", i)
 			}
 		}
 	}
@@ -226,9 +221,7 @@ func runE2E(t *testing.T, srv servers, n, drops int) {
 			go func() {
 				defer pw.Done()
 				for id := range work {
-					if err := srv.broker.Publish(ctx, "", queue, amqp.Publishing{MessageId: id, Body: []byte(id)}); err != nil {
-						t.Errorf("publish %s: %v", id, err)
-					}
+					assert.NoError(t, srv.broker.Publish(ctx, "", queue, amqp.Publishing{MessageId: id, Body: []byte(id)}), "publish %s", id)
 				}
 			}()
 		}

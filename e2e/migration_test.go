@@ -17,6 +17,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
@@ -41,14 +43,10 @@ func declarePlain(ch *amqp.Channel, queue string) error {
 func declarePlainOnce(t *testing.T, url, queue string) error {
 	t.Helper()
 	conn, err := amqp.Dial(url)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer conn.Close()
 	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return declarePlain(ch, queue)
 }
 
@@ -249,18 +247,14 @@ func (r *migrationRun) await(what string, cond func() bool, live ...*fleetProces
 // hand-written consumer declared it.
 func (r *migrationRun) consumers() int {
 	ch, err := r.conn.Channel() // one per call: a 404 closes it
-	if err != nil {
-		r.t.Fatal(err)
-	}
+	require.NoError(r.t, err)
 	defer ch.Close()
 	q, err := ch.QueueDeclarePassive(r.queue, true, false, false, false, nil)
 	var ae *amqp.Error
 	if errors.As(err, &ae) && ae.Code == amqp.NotFound {
 		return 0
 	}
-	if err != nil {
-		r.t.Fatalf("QueueDeclarePassive(%s): %v", r.queue, err)
-	}
+	require.NoError(r.t, err, "QueueDeclarePassive(%s)", r.queue)
 	return q.Consumers
 }
 
@@ -273,9 +267,7 @@ func (r *migrationRun) publish(phase string, n int, poison bool) []string {
 	var batch []string
 	pub := func(id string, copies int) {
 		for range copies {
-			if err := r.b.Publish(r.ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: []byte(id)}); err != nil {
-				r.t.Fatalf("publish %s: %v", id, err)
-			}
+			require.NoError(r.t, r.b.Publish(r.ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: []byte(id)}), "publish %s", id)
 			r.copies++
 		}
 	}
@@ -313,9 +305,7 @@ func (r *migrationRun) applied(batch []string) func() bool {
 // length returns the number of ready messages in queue.
 func (r *migrationRun) length(queue string) int {
 	n, err := r.b.Len(r.ctx, queue)
-	if err != nil {
-		r.t.Fatalf("Len(%s): %v", queue, err)
-	}
+	require.NoError(r.t, err, "Len(%s)", queue)
 	return n
 }
 
@@ -341,17 +331,15 @@ func runMigration(t *testing.T, first fleetKind) {
 	defer cancel()
 	r := &migrationRun{t: t, ctx: ctx, url: url, queue: fmt.Sprintf("rabbitmw-migration-%d", time.Now().UnixNano())}
 	var err error
-	if r.names, err = migrationTopology.Queues(r.queue); err != nil {
-		t.Fatal(err)
-	}
+	r.names, err = migrationTopology.Queues(r.queue)
+	require.NoError(t, err)
 	// The default key layout, msg:<id> and retry:<id>, as legacyConsumer
 	// writes it; the ids, named after the queue, keep this run apart.
 	r.rdb = redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
 	r.st = redisstore.New(r.rdb, redisstore.Options{})
 	r.b = broker.New(url, broker.Options{})
-	if r.conn, err = amqp.Dial(url); err != nil {
-		t.Fatal(err)
-	}
+	r.conn, err = amqp.Dial(url)
+	require.NoError(t, err)
 	t.Cleanup(func() {
 		ctx := context.Background()
 		r.b.Delete(ctx, r.queue, migrationTopology)
@@ -372,9 +360,7 @@ func runMigration(t *testing.T, first fleetKind) {
 	if first == rabbitmwKind {
 		// The queue exists already, as the hand-written fleet declared it:
 		// DeclareSupport checks that it does.
-		if err := declarePlainOnce(t, url, r.queue); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, declarePlainOnce(t, url, r.queue))
 	}
 	const n = 50
 	phase := func(name string, live ...*fleetProcess) {
@@ -502,9 +488,7 @@ func TestMigrationQueueArguments(t *testing.T) {
 
 	t.Run("default topology on the hand-written queue", func(t *testing.T) {
 		q := newQueue(t)
-		if err := declarePlainOnce(t, url, q); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, declarePlainOnce(t, url, q))
 		h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
 		err := b.Consume(ctx, q, h, broker.ConsumeOptions{})
 		if !errors.Is(err, broker.ErrQueueArguments) || !strings.Contains(err.Error(), "DeclareSupport") {
@@ -519,16 +503,12 @@ func TestMigrationQueueArguments(t *testing.T) {
 		q := newQueue(t)
 		h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
 		err := b.Consume(ctx, q, h, broker.ConsumeOptions{Topology: broker.Topology{Declare: broker.DeclareSupport}})
-		if !errors.Is(err, broker.ErrQueueNotFound) {
-			t.Fatalf("Consume with DeclareSupport before the work queue exists = %v; want ErrQueueNotFound", err)
-		}
+		require.ErrorIs(t, err, broker.ErrQueueNotFound, "Consume with DeclareSupport before the work queue exists")
 	})
 
 	t.Run("hand-written declare of the default topology's queue", func(t *testing.T) {
 		q := newQueue(t)
-		if err := b.Declare(ctx, q, broker.Topology{}); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
 		err := declarePlainOnce(t, url, q)
 		var ae *amqp.Error
 		if !errors.As(err, &ae) || ae.Code != amqp.PreconditionFailed {
@@ -541,50 +521,36 @@ func TestMigrationQueueArguments(t *testing.T) {
 	// dropped by the server from the hand-written one.
 	t.Run("reject from the hand-written queue is dropped", func(t *testing.T) {
 		plain, ours := newQueue(t), newQueue(t)
-		if err := declarePlainOnce(t, url, plain); err != nil {
-			t.Fatal(err)
-		}
-		if err := b.Declare(ctx, plain, broker.Topology{Declare: broker.DeclareSupport}); err != nil {
-			t.Fatal(err)
-		}
-		if err := b.Declare(ctx, ours, broker.Topology{}); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, declarePlainOnce(t, url, plain))
+		require.NoError(t, b.Declare(ctx, plain, broker.Topology{Declare: broker.DeclareSupport}))
+		require.NoError(t, b.Declare(ctx, ours, broker.Topology{}))
 		reject := func(q string) {
 			t.Helper()
-			if err := b.Publish(ctx, "", q, amqp.Publishing{Body: []byte("x")}); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, b.Publish(ctx, "", q, amqp.Publishing{Body: []byte("x")}))
 			var d *amqp.Delivery
 			for d == nil {
 				got, ok, err := b.Get(ctx, q)
-				if err != nil {
-					t.Fatal(err)
-				}
+				require.NoError(t, err)
 				if ok {
 					d = got
 				}
 			}
-			if err := rabbitmw.Settle(ctx, d, rabbitmw.Permanent(errors.New("poison"))); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, rabbitmw.Settle(ctx, d, rabbitmw.Permanent(errors.New("poison"))))
 		}
 		length := func(q string) int {
 			t.Helper()
 			n, err := b.Len(ctx, q)
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			return n
 		}
 		reject(plain)
 		reject(ours)
-		for length(ours+".dlq") != 1 {
-			if ctx.Err() != nil {
-				t.Fatalf("the reject from %s never reached %s.dlq", ours, ours)
-			}
-			time.Sleep(20 * time.Millisecond) // waits for the server
-		}
+		deadline, _ := ctx.Deadline()
+		require.EventuallyWithT(t, func(c *assert.CollectT) { // waits for the server
+			n, err := b.Len(ctx, ours+".dlq")
+			assert.NoError(c, err)
+			assert.Equal(c, 1, n, "messages in %s.dlq", ours)
+		}, time.Until(deadline), 20*time.Millisecond, "the reject from %s never reached %s.dlq", ours, ours)
 		// The server dead-lettered the later reject: it would have routed
 		// the earlier one by now, if the plain queue had a route.
 		if l, d := length(plain), length(plain+".dlq"); l != 0 || d != 0 {

@@ -18,6 +18,7 @@ import (
 	"github.com/alicebob/miniredis/v2"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
@@ -372,12 +373,8 @@ func TestStackBadInput(t *testing.T) {
 		var ctx context.Context
 		rec := rabbitmwtest.NewRecorder()
 		d := rec.Deliver(amqp.Publishing{MessageId: "nil-ctx", Body: []byte("x")})
-		if err := h.Handle(ctx, d); err != nil {
-			t.Errorf("Handle with a nil context = %v; want nil", err)
-		}
-		if err := h.Handle(context.Background(), nil); !errors.Is(err, rabbitmw.ErrNoDelivery) {
-			t.Errorf("Handle of a nil delivery = %v; want ErrNoDelivery", err)
-		}
+		assert.NoError(t, h.Handle(ctx, d), "Handle with a nil context")
+		assert.ErrorIs(t, h.Handle(context.Background(), nil), rabbitmw.ErrNoDelivery, "Handle of a nil delivery")
 	})
 }
 

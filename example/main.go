@@ -19,7 +19,13 @@
 //
 // With -postgres URL it runs the scenarios a second time over the
 // PostgreSQL inbox (store/pgstore) in that database: each effect is a row
-// inserted in the transaction that commits the message's done mark.
+// inserted in the transaction that commits the message's done mark. Then
+// it runs a chain of two services: A consumes orders with the inbox and,
+// in the same transaction, writes a shipment request into the outbox
+// (pgstore.Outbox); a relay (store/pgstore/relay) sends it; B consumes the
+// shipments with an inbox of its own. Each order must take effect once in
+// A and once in B, and a message written by a transaction that rolled
+// back must never leave.
 //
 //	go run ./example -postgres postgres://postgres@127.0.0.1:5432/test
 //
@@ -37,6 +43,10 @@ import (
 	"os"
 	"os/signal"
 	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 func main() {
@@ -54,6 +64,7 @@ func main() {
 	if *verbose {
 		cfg.logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}
+	redis.SetLogger(redisstore.Logging(cfg.logger)) // go-redis's own lines, through the same logger
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	var err error
@@ -88,6 +99,16 @@ func main() {
 		if rep.spans != nil {
 			rep.spans.print(os.Stdout)
 		}
+		ok = ok && rep.ok()
+	}
+	if cfg.postgresURL != "" {
+		fmt.Println()
+		rep, err := runChain(ctx, cfg)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "example:", err)
+			os.Exit(2)
+		}
+		rep.print(os.Stdout)
 		ok = ok && rep.ok()
 	}
 	if !ok {

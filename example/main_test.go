@@ -13,6 +13,8 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // The example's consumers, broker and embedded Redis end with each run.
@@ -39,9 +41,7 @@ func TestExample(t *testing.T) {
 			cfg.timeout = time.Minute
 			cfg.logger = slog.New(slog.DiscardHandler)
 			rep, err := run(context.Background(), cfg)
-			if err != nil {
-				t.Fatalf("run: %v", err)
-			}
+			require.NoError(t, err, "run")
 			var out bytes.Buffer
 			rep.print(&out)
 			t.Log("\n" + out.String())
@@ -67,29 +67,22 @@ func TestExampleVerdictCatchesDoubleEffect(t *testing.T) {
 		}
 	}
 	rep.effect("order-1") // a second effect
-	if rep.ok() {
-		t.Fatal("the report is ok with order-1 applied twice; want a failed verdict")
-	}
+	require.False(t, rep.ok(), "the report is ok with order-1 applied twice; want a failed verdict")
 	var out bytes.Buffer
 	rep.print(&out)
-	if !strings.Contains(out.String(), "order-1: business effect 2 time(s), want 1") {
-		t.Errorf("the verdict does not name the double effect:\n%s", out.String())
-	}
+	assert.Contains(t, out.String(), "order-1: business effect 2 time(s), want 1", "the verdict does not name the double effect")
 }
 
 // -trace prints each message's trace, and -metrics serves the metrics to
 // Prometheus: a scrape at the end of the run finds every message counted.
 func TestExampleTelemetry(t *testing.T) {
 	l, err := listenMetrics("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	var scraped string
 	cfg := config{timeout: time.Minute, logger: slog.New(slog.DiscardHandler), trace: true, metrics: l}
 	cfg.serving = func(addr string) {
 		resp, err := http.Get("http://" + addr + "/metrics")
-		if err != nil {
-			t.Errorf("scrape: %v", err)
+		if !assert.NoError(t, err, "scrape") {
 			return
 		}
 		defer resp.Body.Close()
@@ -97,9 +90,7 @@ func TestExampleTelemetry(t *testing.T) {
 		scraped = string(body)
 	}
 	rep, err := run(context.Background(), cfg)
-	if err != nil {
-		t.Fatalf("run: %v", err)
-	}
+	require.NoError(t, err, "run")
 	for _, want := range []string{
 		`messaging_client_consumed_messages_total{`,
 		`messaging_client_sent_messages_total{`,

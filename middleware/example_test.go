@@ -39,7 +39,7 @@ func ExampleStack() {
 	// Output:
 	// charging pay-1 under billing:pay-1
 	// level=INFO msg=delivery message_id=pay-1 delivery_tag=1 routing_key="" redelivered=false attempt=1 outcome=acked
-	// level=INFO msg=delivery message_id=pay-1 delivery_tag=2 routing_key="" redelivered=false attempt=1 outcome=duplicate error="middleware: dedup: key \"billing:pay-1\": rabbitmw: duplicate delivery"
+	// level=INFO msg=delivery message_id=pay-1 delivery_tag=2 routing_key="" redelivered=false attempt=1 outcome=duplicate reason="middleware: dedup: key \"billing:pay-1\": rabbitmw: duplicate delivery"
 }
 
 func ExampleDedup() {

@@ -27,9 +27,12 @@ import (
 //	outcome       what the result asks for (rabbitmw.Decide): acked,
 //	              duplicate, requeued, delayed or dead-lettered; or panicked
 //	delay         for delayed: the least delay before the next delivery
-//	error         the error text, when there is one
+//	error         for a failure (any outcome but acked and duplicate),
+//	              the error's text
 //	error_type    for a failure, its type (rabbitmw.ErrorType), as the
 //	              dead-letter headers and otelmw name it
+//	reason        for a duplicate, why it is one (the text of its error:
+//	              a duplicate is no failure, and carries no error)
 //	stack         for a recovered panic (rabbitmw.PanicError): its stack
 //
 // The level is Info for acked and duplicate, Warn for requeued and delayed,
@@ -182,11 +185,14 @@ func appendDeliveryAttrs(attrs []slog.Attr, d *amqp.Delivery, start time.Time, o
 	if dec.Outcome == rabbitmw.Delay {
 		attrs = append(attrs, slog.Duration("delay", dec.Delay))
 	}
-	if err != nil {
-		attrs = append(attrs, slog.String("error", err.Error()))
-		if dec.Outcome != rabbitmw.Duplicate {
-			attrs = append(attrs, slog.String("error_type", rabbitmw.ErrorType(err)))
-		}
+	switch {
+	case err != nil && dec.Outcome == rabbitmw.Duplicate:
+		// Not a failure: an alert on error must not fire on it.
+		attrs = append(attrs, slog.String("reason", err.Error()))
+	case err != nil:
+		attrs = append(attrs,
+			slog.String("error", err.Error()),
+			slog.String("error_type", rabbitmw.ErrorType(err)))
 		var pe *rabbitmw.PanicError
 		if errors.As(err, &pe) {
 			attrs = append(attrs, slog.String("stack", string(pe.Stack)))

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
@@ -33,8 +35,8 @@ func TestLog(t *testing.T) {
 		{
 			name:   "duplicate",
 			result: fmt.Errorf("dedup: %w", rabbitmw.ErrDuplicate),
-			want:   map[string]any{"level": "INFO", "outcome": "duplicate", "error": "dedup: rabbitmw: duplicate delivery"},
-			absent: []string{"error_type"},
+			want:   map[string]any{"level": "INFO", "outcome": "duplicate", "reason": "dedup: rabbitmw: duplicate delivery"},
+			absent: []string{"error", "error_type"}, // an alert on error= must not fire on a success
 		},
 		{
 			name:   "requeued",
@@ -68,23 +70,15 @@ func TestLog(t *testing.T) {
 			if tt.header != nil {
 				d.Headers = amqp.Table{rabbitmw.HeaderAttempts: tt.header}
 			}
-			if err := h.Handle(context.Background(), d); err != tt.result {
-				t.Fatalf("Log changed the result: %v; want %v", err, tt.result)
-			}
+			require.Equal(t, tt.result, h.Handle(context.Background(), d), "Log changed the result")
 			rec := decodeOne(t, &buf)
 			for k, v := range tt.want {
-				if rec[k] != v {
-					t.Errorf("record[%q] = %v; want %v (record %v)", k, rec[k], v, rec)
-				}
+				assert.Equal(t, v, rec[k], "record[%q] (record %v)", k, rec)
 			}
 			for _, k := range tt.absent {
-				if _, ok := rec[k]; ok {
-					t.Errorf("record has %q; want it absent", k)
-				}
+				assert.NotContains(t, rec, k)
 			}
-			if _, ok := rec["duration"]; !ok {
-				t.Errorf("record has no duration")
-			}
+			assert.Contains(t, rec, "duration")
 		})
 	}
 }
@@ -92,13 +86,9 @@ func TestLog(t *testing.T) {
 func decodeOne(t *testing.T, buf *bytes.Buffer) map[string]any {
 	t.Helper()
 	lines := strings.Split(strings.TrimSpace(buf.String()), "\n")
-	if len(lines) != 1 {
-		t.Fatalf("got %d records; want 1:\n%s", len(lines), buf.String())
-	}
+	require.Len(t, lines, 1, "records:\n%s", buf.String())
 	var rec map[string]any
-	if err := json.Unmarshal([]byte(lines[0]), &rec); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, json.Unmarshal([]byte(lines[0]), &rec))
 	return rec
 }
 
@@ -106,17 +96,10 @@ func TestLogPanicIsRecordedAndGoesOn(t *testing.T) {
 	var buf bytes.Buffer
 	h := middleware.Log(slog.New(slog.NewJSONHandler(&buf, nil)))(panickyHandler("kaboom"))
 	d, _ := deliverytest.New("m1", "")
-	func() {
-		defer func() {
-			if recover() != "kaboom" {
-				t.Error("Log swallowed the panic")
-			}
-		}()
-		h.Handle(context.Background(), d)
-	}()
-	if rec := decodeOne(t, &buf); rec["outcome"] != "panicked" || rec["level"] != "ERROR" {
-		t.Errorf("record = %v; want outcome panicked at ERROR", rec)
-	}
+	assert.PanicsWithValue(t, "kaboom", func() { h.Handle(context.Background(), d) }, "Log swallowed the panic")
+	rec := decodeOne(t, &buf)
+	assert.Equal(t, "panicked", rec["outcome"])
+	assert.Equal(t, "ERROR", rec["level"])
 }
 
 func TestLogRespectsLevel(t *testing.T) {
@@ -125,9 +108,7 @@ func TestLogRespectsLevel(t *testing.T) {
 	h := middleware.Log(l)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }))
 	d, _ := deliverytest.New("m1", "")
 	h.Handle(context.Background(), d)
-	if buf.Len() != 0 {
-		t.Errorf("an acked delivery was logged at level Warn: %s", buf.String())
-	}
+	assert.Zero(t, buf.Len(), "an acked delivery was logged at level Warn: %s", buf.String())
 }
 
 type plainHandler struct{}
@@ -180,22 +161,17 @@ func TestLogWith(t *testing.T) {
 			h := middleware.LogWith(l, opts)(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return tt.result }))
 			d, _ := deliverytest.New("m1", "")
 			d.Headers = amqp.Table{"tenant": "acme"}
-			if err := h.Handle(context.Background(), d); err != tt.result {
-				t.Fatalf("LogWith changed the result: %v; want %v", err, tt.result)
-			}
+			require.Equal(t, tt.result, h.Handle(context.Background(), d), "LogWith changed the result")
 			if tt.wantLevel == "" {
-				if buf.Len() != 0 || calls != 0 {
-					t.Errorf("wrote %q, called AppendAttrs %d times; want no record and no call", buf.String(), calls)
-				}
+				assert.Zero(t, buf.Len(), "wrote %q; want no record", buf.String())
+				assert.Zero(t, calls, "AppendAttrs calls")
 				return
 			}
 			rec := decodeOne(t, &buf)
-			if rec["level"] != tt.wantLevel || rec["tenant"] != "acme" || rec["message_id"] != "m1" {
-				t.Errorf("record = %v; want level %s, tenant acme, message_id m1", rec, tt.wantLevel)
-			}
-			if calls != 1 {
-				t.Errorf("AppendAttrs called %d times; want 1", calls)
-			}
+			assert.Equal(t, tt.wantLevel, rec["level"])
+			assert.Equal(t, "acme", rec["tenant"])
+			assert.Equal(t, "m1", rec["message_id"])
+			assert.Equal(t, 1, calls, "AppendAttrs calls")
 		})
 	}
 }
@@ -221,9 +197,7 @@ func TestLogWithAttrsOrder(t *testing.T) {
 	h.Handle(context.Background(), &amqp.Delivery{MessageId: "m1", DeliveryTag: 2})
 	want := "level=WARN msg=delivery message_id=m1 delivery_tag=2 routing_key=\"\" redelivered=false attempt=1 outcome=requeued error=boom error_type=error" +
 		" a0=0 a1=1 a2=2 a3=3 a4=4 a5=5 a6=6 a7=7 a8=8 a9=9 a10=10 a11=11\n"
-	if got := buf.String(); got != want {
-		t.Errorf("record =\n%s; want\n%s", got, want)
-	}
+	assert.Equal(t, want, buf.String())
 }
 
 func TestLogWithNilDiscards(t *testing.T) {

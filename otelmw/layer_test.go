@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/baggage"
 	"go.opentelemetry.io/otel/codes"
@@ -47,9 +48,7 @@ func TestCreationContext(t *testing.T) {
 				return nil
 			}))
 			d := &amqp.Delivery{Headers: amqp.Table{"traceparent": c.value, "baggage": []byte("tenant=acme")}, RoutingKey: "q"}
-			if err := h.Handle(context.Background(), d); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, h.Handle(context.Background(), d))
 			spans := r.spans.Ended()
 			if len(spans) != 1 {
 				t.Fatalf("%d spans; want 1", len(spans))
@@ -174,9 +173,7 @@ func TestCoreDoesNotLinkOpenTelemetry(t *testing.T) {
 	core := []string{"github.com/rabbitmw/rabbitmw", "github.com/rabbitmw/rabbitmw/middleware",
 		"github.com/rabbitmw/rabbitmw/store/...", "github.com/rabbitmw/rabbitmw/broker/...", "github.com/rabbitmw/rabbitmw/rabbitmwtest"}
 	out, err := exec.Command("go", append([]string{"list", "-deps"}, core...)...).CombinedOutput()
-	if err != nil {
-		t.Fatalf("go list -deps: %v\n%s", err, out)
-	}
+	require.NoError(t, err, "go list -deps: %s", out)
 	for _, p := range strings.Fields(string(out)) {
 		if strings.HasPrefix(p, "go.opentelemetry.io/") || strings.Contains(p, "prometheus") || strings.HasSuffix(p, "/otelmw") {
 			t.Errorf("go list -deps of the core lists %s", p)

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
@@ -71,9 +73,7 @@ func (r *rig) ended(name string) []sdktrace.ReadOnlySpan {
 func (r *rig) metrics(t *testing.T) metricdata.ResourceMetrics {
 	t.Helper()
 	var rm metricdata.ResourceMetrics
-	if err := r.reader.Collect(context.Background(), &rm); err != nil {
-		t.Fatalf("Collect: %v", err)
-	}
+	require.NoError(t, r.reader.Collect(context.Background(), &rm), "Collect")
 	return rm
 }
 
@@ -190,9 +190,7 @@ func testTraceAndMetrics(t *testing.T, open func(*testing.T, broker.Options) *br
 	top := broker.Topology{Delays: []time.Duration{50 * time.Millisecond}}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if err := b.Declare(ctx, q, top); err != nil {
-		t.Fatalf("Declare: %v", err)
-	}
+	require.NoError(t, b.Declare(ctx, q, top), "Declare")
 	t.Cleanup(func() { b.Delete(context.Background(), q, top) })
 
 	s := store.NewMemory()
@@ -222,9 +220,7 @@ func testTraceAndMetrics(t *testing.T, open func(*testing.T, broker.Options) *br
 	go func() { done <- b.Consume(cctx, q, chain, broker.ConsumeOptions{Topology: top, Workers: 1}) }()
 	defer func() {
 		stop()
-		if err := <-done; err != nil {
-			t.Errorf("Consume: %v", err)
-		}
+		assert.NoError(t, <-done, "Consume")
 	}()
 
 	// One worker: the second copy of dup comes after the first was marked
@@ -233,24 +229,16 @@ func testTraceAndMetrics(t *testing.T, open func(*testing.T, broker.Options) *br
 	// The publisher's own span, around its publishes.
 	pctx, client := r.tp.Tracer("client").Start(ctx, "client")
 	for _, id := range []string{"flaky", "poison", "dup", "dup"} {
-		if err := b.Publish(pctx, "", q, amqp.Publishing{MessageId: id, CorrelationId: "conv-" + id}); err != nil {
-			t.Fatalf("Publish(%s): %v", id, err)
-		}
+		require.NoError(t, b.Publish(pctx, "", q, amqp.Publishing{MessageId: id, CorrelationId: "conv-" + id}), "Publish(%s)", id)
 	}
 	client.End()
 
 	processName := "process " + q
-	deadline := time.Now().Add(30 * time.Second)
-	for len(r.ended(processName)) < 6 {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d process spans after 30 s; want 6", len(r.ended(processName)))
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		assert.GreaterOrEqual(c, len(r.ended(processName)), 6, "process spans")
+	}, 30*time.Second, 10*time.Millisecond)
 	stop()
-	if err := <-done; err != nil {
-		t.Errorf("Consume: %v", err)
-	}
+	assert.NoError(t, <-done, "Consume")
 	done <- nil
 
 	sends := r.ended("send " + q)

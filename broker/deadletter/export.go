@@ -327,114 +327,105 @@ func typed(v any) (TypedValue, error) {
 
 // decode returns the Go value of tv, of the type amqp091 decodes it to.
 func (tv TypedValue) decode() (any, error) {
-	var err error
-	into := func(p any) {
-		if err == nil {
-			err = json.Unmarshal(tv.Value, p)
-		}
+	dec, ok := decoders[tv.Type]
+	if !ok {
+		return nil, fmt.Errorf("%s: unknown type %q", tv.Type, tv.Type)
 	}
-	integer := func(lo, hi int64) int64 {
-		var n int64
-		into(&n)
-		if err == nil && (n < lo || n > hi) {
-			err = fmt.Errorf("%d out of the range of %s", n, tv.Type)
-		}
-		return n
-	}
-	float := func(bits int) float64 {
-		var s string
-		into(&s)
-		if err != nil {
-			return 0
-		}
-		f, e := strconv.ParseFloat(s, bits)
-		err = e
-		return f
-	}
-	var v any
-	switch tv.Type {
-	case "void":
-		if len(tv.Value) > 0 && string(tv.Value) != "null" {
-			err = errors.New("void with a value")
-		}
-	case "bool":
-		var b bool
-		into(&b)
-		v = b
-	case "int8":
-		v = int8(integer(math.MinInt8, math.MaxInt8))
-	case "uint8":
-		v = uint8(integer(0, math.MaxUint8))
-	case "int16":
-		v = int16(integer(math.MinInt16, math.MaxInt16))
-	case "uint16":
-		v = uint16(integer(0, math.MaxUint16))
-	case "int32":
-		v = int32(integer(math.MinInt32, math.MaxInt32))
-	case "uint32":
-		v = uint32(integer(0, math.MaxUint32))
-	case "int64":
-		var s string
-		into(&s)
-		if err == nil {
-			v, err = strconv.ParseInt(s, 10, 64)
-		}
-	case "float32":
-		v = float32(float(32))
-	case "float64":
-		v = float(64)
-	case "decimal":
-		var d struct{ Scale, Value int64 }
-		into(&d)
-		if err == nil && (d.Scale < 0 || d.Scale > math.MaxUint8 || d.Value < math.MinInt32 || d.Value > math.MaxInt32) {
-			err = fmt.Errorf("decimal out of range: scale %d, value %d", d.Scale, d.Value)
-		}
-		v = amqp.Decimal{Scale: uint8(d.Scale), Value: int32(d.Value)}
-	case "string":
-		var s string
-		into(&s)
-		v = s
-	case "bytes":
-		var s string
-		into(&s)
-		if err == nil {
-			v, err = base64.StdEncoding.DecodeString(s)
-		}
-	case "timestamp":
-		var s string
-		into(&s)
-		if err == nil {
-			var t time.Time
-			t, err = time.Parse(time.RFC3339Nano, s)
-			v = time.Unix(t.Unix(), 0) // as amqp091 decodes it
-		}
-	case "array":
-		var a []TypedValue
-		into(&a)
-		out := make([]any, len(a))
-		for i, e := range a {
-			if err != nil {
-				break
-			}
-			out[i], err = e.decode()
-		}
-		v = out
-	case "table":
-		var t map[string]TypedValue
-		into(&t)
-		out := make(amqp.Table, len(t))
-		for k, e := range t {
-			if err != nil {
-				break
-			}
-			out[k], err = e.decode()
-		}
-		v = out
-	default:
-		err = fmt.Errorf("unknown type %q", tv.Type)
-	}
+	v, err := dec(tv.Value)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", tv.Type, err)
 	}
 	return v, nil
+}
+
+// A decoder returns the Go value of the JSON of a TypedValue's Value.
+type decoder func(value json.RawMessage) (any, error)
+
+// decoders holds the decoder of each type of TypedValue (see its doc). It
+// is filled by init: those of array and table decode their elements with
+// it.
+var decoders map[string]decoder
+
+func init() {
+	decoders = map[string]decoder{
+		"void":   void,
+		"bool":   as(func(b bool) (any, error) { return b, nil }),
+		"int8":   integer[int8](math.MinInt8, math.MaxInt8),
+		"uint8":  integer[uint8](0, math.MaxUint8),
+		"int16":  integer[int16](math.MinInt16, math.MaxInt16),
+		"uint16": integer[uint16](0, math.MaxUint16),
+		"int32":  integer[int32](math.MinInt32, math.MaxInt32),
+		"uint32": integer[uint32](0, math.MaxUint32),
+		"int64":  as(func(s string) (any, error) { return strconv.ParseInt(s, 10, 64) }),
+		"float32": as(func(s string) (any, error) {
+			f, err := strconv.ParseFloat(s, 32)
+			return float32(f), err
+		}),
+		"float64": as(func(s string) (any, error) { return strconv.ParseFloat(s, 64) }),
+		"decimal": as(func(d struct{ Scale, Value int64 }) (any, error) {
+			if d.Scale < 0 || d.Scale > math.MaxUint8 || d.Value < math.MinInt32 || d.Value > math.MaxInt32 {
+				return nil, fmt.Errorf("decimal out of range: scale %d, value %d", d.Scale, d.Value)
+			}
+			return amqp.Decimal{Scale: uint8(d.Scale), Value: int32(d.Value)}, nil
+		}),
+		"string": as(func(s string) (any, error) { return s, nil }),
+		"bytes":  as(func(s string) (any, error) { return base64.StdEncoding.DecodeString(s) }),
+		"timestamp": as(func(s string) (any, error) {
+			t, err := time.Parse(time.RFC3339Nano, s)
+			return time.Unix(t.Unix(), 0), err // as amqp091 decodes it
+		}),
+		"array": as(func(a []TypedValue) (any, error) {
+			out := make([]any, len(a))
+			for i, e := range a {
+				v, err := e.decode()
+				if err != nil {
+					return nil, err
+				}
+				out[i] = v
+			}
+			return out, nil
+		}),
+		"table": as(func(t map[string]TypedValue) (any, error) {
+			out := make(amqp.Table, len(t))
+			for k, e := range t {
+				v, err := e.decode()
+				if err != nil {
+					return nil, err
+				}
+				out[k] = v
+			}
+			return out, nil
+		}),
+	}
+}
+
+// as returns the decoder of a value whose JSON reads as a T, which value
+// turns into the header's value.
+func as[T any](value func(T) (any, error)) decoder {
+	return func(raw json.RawMessage) (any, error) {
+		var x T
+		if err := json.Unmarshal(raw, &x); err != nil {
+			return nil, err
+		}
+		return value(x)
+	}
+}
+
+// integer returns the decoder of an integer of type T, a JSON number in
+// [lo, hi].
+func integer[T int8 | uint8 | int16 | uint16 | int32 | uint32](lo, hi int64) decoder {
+	return as(func(n int64) (any, error) {
+		if n < lo || n > hi {
+			return nil, fmt.Errorf("%d out of the range of %T", n, T(0))
+		}
+		return T(n), nil
+	})
+}
+
+// void decodes no value: absent, or null.
+func void(raw json.RawMessage) (any, error) {
+	if len(raw) > 0 && string(raw) != "null" {
+		return nil, errors.New("void with a value")
+	}
+	return nil, nil
 }

@@ -136,3 +136,19 @@ func TestPurgeReportsOnlyWhatTheServerRemoved(t *testing.T) {
 	assert.Error(t, err, "Purge with its connection lost")
 	assert.Empty(t, ids(removed), "messages reported removed, and still in the dead-letter queue")
 }
+
+// Purge removes what it selects and leaves the rest in order.
+func testPurgeSelected(t *testing.T, be backend) {
+	f := setup(t, be, broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	f.deadLetter(t, false, nil, "a", "typed-b", "c", "typed-d")
+	removed, err := f.in.Purge(ctx, f.q, PurgeOptions{Filter: Filter{ErrorType: "*deadletter.typedErr"}, DryRun: true})
+	require.NoError(t, err, "Purge dry run")
+	assert.Equal(t, []string{"typed-b", "typed-d"}, ids(removed), "selected")
+	assert.Equal(t, 4, f.length(f.q+".dlq"), "dead-letter queue after a dry run")
+	removed, err = f.in.Purge(ctx, f.q, PurgeOptions{Filter: Filter{ErrorType: "*deadletter.typedErr"}})
+	require.NoError(t, err, "Purge")
+	assert.Equal(t, []string{"typed-b", "typed-d"}, ids(removed), "removed")
+	assert.Equal(t, []string{"a", "c"}, deliveryIDs(f.drain(f.q+".dlq")), "left")
+	f.assertSettled(t)
+}

@@ -35,6 +35,11 @@ type ReplayOptions struct {
 	Limit int
 	// Rate, if positive, is the most messages replayed per second.
 	Rate float64
+	// HoldLimit is the longest the replay holds a message of the
+	// dead-letter queue unacknowledged (see [Inspector.Replay]): below
+	// RabbitMQ's consumer_timeout, past which the server closes the
+	// channel. Default 10 minutes, a third of RabbitMQ's default.
+	HoldLimit time.Duration
 	// HistoryLimit is the number of earlier lives that [HeaderHistory]
 	// keeps, the most recent ones. Default 5; negative keeps none.
 	HistoryLimit int
@@ -87,6 +92,17 @@ type ReplayResult struct {
 // Dedup layer absorbs. Replay does not reconnect, and stops at the first
 // error: run it again.
 //
+// RabbitMQ closes a channel that holds a message unacknowledged longer
+// than its consumer_timeout (30 minutes by default), and a slow replay (a
+// low Rate, a long queue) would hold some that long. So Replay works in
+// rounds of at most opts.HoldLimit, from the reading of the queue to the
+// last message sent: at the limit, it puts back the messages it has not
+// replayed, in their places, waits for the next one's turn, and reads the
+// queue again, to replay the rest of those it selected at first (by key),
+// and no message that came into the queue meanwhile. Each round replays
+// at least one message, so a queue too long to read within the limit
+// still moves, one message a round.
+//
 // The copy keeps the body, the properties and the headers, but for the
 // fault headers and dead-letter records, which move into [HeaderHistory];
 // [HeaderReplays] counts one more. Like every copy the broker makes (see
@@ -103,29 +119,12 @@ type ReplayResult struct {
 // The result says what was found and done, also with an error.
 func (in *Inspector) Replay(ctx context.Context, queue string, opts ReplayOptions) (ReplayResult, error) {
 	var res ReplayResult
-	if opts.Rate < 0 || opts.Limit < 0 {
-		return res, errors.New("deadletter: Replay: negative Rate or Limit")
+	if opts.Rate < 0 || opts.Limit < 0 || opts.HoldLimit < 0 {
+		return res, errors.New("deadletter: Replay: negative Rate, Limit or HoldLimit")
 	}
-	snap, err := in.snapshot(ctx, queue, opts.ScanProgress)
-	if err != nil {
-		return res, err
-	}
-	res.Scanned = len(snap.msgs)
-	var picked []int
-	for i, dl := range snap.msgs {
-		if opts.Limit > 0 && len(picked) == opts.Limit {
-			break
-		}
-		if opts.Filter.match(dl) {
-			picked = append(picked, i)
-			res.Selected = append(res.Selected, dl)
-		}
-	}
-	if err := snap.checkDestinations(ctx, picked, opts.To); err != nil {
-		return res, errors.Join(err, snap.close(in))
-	}
-	if opts.DryRun {
-		return res, snap.close(in)
+	hold := opts.HoldLimit
+	if hold == 0 {
+		hold = defaultHoldLimit
 	}
 	history := opts.HistoryLimit
 	switch {
@@ -134,8 +133,104 @@ func (in *Inspector) Replay(ctx context.Context, queue string, opts ReplayOption
 	case history < 0:
 		history = 0
 	}
-	err = snap.replay(ctx, picked, opts, history, &res)
-	return res, errors.Join(err, snap.close(in))
+	r := &replayRun{in: in, queue: queue, opts: opts, history: history, hold: hold, res: &res, start: time.Now()}
+	err := r.run(ctx)
+	return res, err
+}
+
+const defaultHoldLimit = 10 * time.Minute
+
+// A replayRun is one call of Replay: its rounds, its rate's schedule and
+// the messages it has still to replay.
+type replayRun struct {
+	in      *Inspector
+	queue   string
+	opts    ReplayOptions
+	history int
+	hold    time.Duration
+	res     *ReplayResult
+	start   time.Time      // the rate's schedule starts here
+	sent    int            // messages started, for the schedule
+	pending map[string]int // keys of the messages selected and not yet replayed, counted
+}
+
+// due returns when the next message may start.
+func (r *replayRun) due() time.Time {
+	if r.opts.Rate <= 0 {
+		return time.Time{}
+	}
+	return r.start.Add(time.Duration(float64(r.sent) / r.opts.Rate * float64(time.Second)))
+}
+
+// run replays in rounds until every message selected in the first is
+// replayed, or one fails.
+func (r *replayRun) run(ctx context.Context) error {
+	for round := 0; ; round++ {
+		if round > 0 {
+			// Hold nothing while waiting for the next message's turn.
+			if err := clock.Sleep(ctx, time.Until(r.due())); err != nil {
+				return err
+			}
+		}
+		deadline := time.Now().Add(r.hold)
+		var progress func(done, total int)
+		if round == 0 {
+			progress = r.opts.ScanProgress
+		}
+		snap, err := r.in.snapshot(ctx, r.queue, progress)
+		if err != nil {
+			return err
+		}
+		picked := r.pick(snap, round == 0)
+		if err := snap.checkDestinations(ctx, picked, r.opts.To); err != nil {
+			return errors.Join(err, snap.close(r.in))
+		}
+		if r.opts.DryRun || len(picked) == 0 {
+			return snap.close(r.in)
+		}
+		err = snap.replay(ctx, picked, r, deadline)
+		for _, i := range picked {
+			if snap.done[i] {
+				r.pending[snap.msgs[i].Key]--
+			}
+		}
+		if err := errors.Join(err, snap.close(r.in)); err != nil {
+			return err
+		}
+		if r.res.Replayed == len(r.res.Selected) {
+			return nil
+		}
+	}
+}
+
+// pick returns the indexes of the messages of snap to replay: in the first
+// round, those the filter and the limit select (recorded in the result);
+// later, those of them not yet replayed.
+func (r *replayRun) pick(snap *snapshot, first bool) []int {
+	var picked []int
+	if first {
+		r.res.Scanned = len(snap.msgs)
+		r.pending = map[string]int{}
+		for i, dl := range snap.msgs {
+			if r.opts.Limit > 0 && len(picked) == r.opts.Limit {
+				break
+			}
+			if r.opts.Filter.match(dl) {
+				picked = append(picked, i)
+				r.res.Selected = append(r.res.Selected, dl)
+				r.pending[dl.Key]++
+			}
+		}
+		return picked
+	}
+	left := maps.Clone(r.pending)
+	for i, dl := range snap.msgs {
+		if left[dl.Key] > 0 && r.opts.Filter.match(dl) {
+			left[dl.Key]--
+			picked = append(picked, i)
+		}
+	}
+	return picked
 }
 
 // replayWindow is the number of messages a replay has in flight: sent and
@@ -144,9 +239,10 @@ func (in *Inspector) Replay(ctx context.Context, queue string, opts ReplayOption
 // one at a time, a replay ran at about 300 messages a second on loopback.
 const replayWindow = 16
 
-// replay replays the messages picked, up to replayWindow at a time, until
-// one fails.
-func (snap *snapshot) replay(ctx context.Context, picked []int, opts ReplayOptions, history int, res *ReplayResult) error {
+// replay replays the messages picked, up to replayWindow at a time, at
+// the run's rate, until one fails, or until the next would start after
+// deadline (the first always starts).
+func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, deadline time.Time) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var (
@@ -160,13 +256,14 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, opts ReplayOptio
 		defer mu.Unlock()
 		return first != nil
 	}
-	start := time.Now()
+	total := len(r.res.Selected)
 	for n, i := range picked {
-		if opts.Rate > 0 {
-			due := start.Add(time.Duration(float64(n) / opts.Rate * float64(time.Second)))
-			if clock.Sleep(ctx, time.Until(due)) != nil {
-				break
-			}
+		due := r.due()
+		if n > 0 && (due.After(deadline) || time.Now().After(deadline)) {
+			break // the next round takes the rest
+		}
+		if clock.Sleep(ctx, time.Until(due)) != nil {
+			break
 		}
 		select {
 		case slots <- struct{}{}:
@@ -175,11 +272,12 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, opts ReplayOptio
 		if ctx.Err() != nil || failed() {
 			break
 		}
+		r.sent++
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			defer func() { <-slots }()
-			err := snap.replayOne(ctx, i, opts, history)
+			err := snap.replayOne(ctx, i, r.opts, r.history)
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
@@ -189,9 +287,9 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, opts ReplayOptio
 				}
 				return
 			}
-			res.Replayed++
-			if opts.Progress != nil {
-				opts.Progress(res.Replayed, len(picked))
+			r.res.Replayed++
+			if r.opts.Progress != nil {
+				r.opts.Progress(r.res.Replayed, total)
 			}
 		}()
 	}

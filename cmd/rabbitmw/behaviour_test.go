@@ -147,6 +147,9 @@ func TestImportRefusesDuplicates(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 2, n, "the refused import published")
 
+	_, stderr, code = cli(t, url, []byte(exported), "dlq", "import", "-q", "another", "--to", q+".dlq")
+	expectCode(t, "dlq import --to the same dead-letter queue", code, exitRefused, stderr)
+
 	_, stderr, code = cli(t, url, []byte(exported), "dlq", "import", "-q", q, "--allow-duplicates")
 	expectCode(t, "dlq import --allow-duplicates", code, exitOK, stderr)
 	assert.Equal(t, []string{"a", "b", "a", "b"}, drain(t, b, q+".dlq"))

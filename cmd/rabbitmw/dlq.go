@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -112,22 +113,32 @@ func (q *queueCommand) connect(e *env) (*broker.Broker, error) {
 	return q.common.connect(e.timeout)
 }
 
+// list connects and lists the messages of the queue that q's filters
+// select, at most limit if it is positive, with a progress bar.
+func (q *queueCommand) list(ctx context.Context, e *env, limit int) ([]*deadletter.Message, error) {
+	b, err := q.connect(e)
+	if err != nil {
+		return nil, err
+	}
+	defer b.Close()
+	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
+	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: q.filter(), Limit: limit, Progress: bar.update})
+	bar.done()
+	if err != nil {
+		return nil, classify(err)
+	}
+	return dls, nil
+}
+
 func (e *env) dlqList(ctx context.Context, args []string) error {
 	q := e.queueCommand("dlq ls", withFilters|withJSON)
 	limit := q.Int("limit", 0, "list at most this many messages")
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	b, err := q.connect(e)
+	dls, err := q.list(ctx, e, *limit)
 	if err != nil {
 		return err
-	}
-	defer b.Close()
-	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
-	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
-	bar.done()
-	if err != nil {
-		return classify(err)
 	}
 	if q.json {
 		return writeJSON(e.stdout, nonNil(dls))
@@ -141,16 +152,9 @@ func (e *env) dlqGroups(ctx context.Context, args []string) error {
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	b, err := q.connect(e)
+	dls, err := q.list(ctx, e, 0)
 	if err != nil {
 		return err
-	}
-	defer b.Close()
-	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
-	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: q.filter(), Progress: bar.update})
-	bar.done()
-	if err != nil {
-		return classify(err)
 	}
 	groups := deadletter.Groups(dls)
 	if q.json {
@@ -194,10 +198,24 @@ func (e *env) table(dls []*deadletter.Message) {
 			text = "[malformed: " + strings.Join(dl.Malformed, ", ") + "] " + text
 		}
 		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\t%s\t%d\t%d\t%s\n", orDash(dl.Key), queue, dl.Attempts, orDash(dl.ErrorType),
-			stamp(dl.FirstFailure), stamp(dl.LastFailure), dl.Replays, dl.BodySize, cut(oneLine(text), 60))
+			stamp(dl.FirstFailure), stamp(dl.LastFailure), dl.Replays, dl.BodySize, cut(oneLine(causeFirst(text)), 60))
 	}
 	w.Flush()
 	fmt.Fprintf(e.stdout, "%d message(s)\n", len(dls))
+}
+
+// legacyExhausted is Retry's reason at its limit as it read before it
+// put the cause first.
+var legacyExhausted = regexp.MustCompile(`^(middleware: retries exhausted after \d+ attempts): (.+)$`)
+
+// causeFirst returns an error text with the cause first: Retry's reason
+// at its limit, as written on the messages dead-lettered before it read
+// cause first, turned round.
+func causeFirst(text string) string {
+	if m := legacyExhausted.FindStringSubmatch(text); m != nil {
+		return m[2] + " (" + m[1] + ")"
+	}
+	return text
 }
 
 func orDash(s string) string {
@@ -385,18 +403,19 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 	dry := q.Bool("dry-run", false, "list what would be replayed, and move nothing")
 	limit := q.Int("limit", 0, "replay at most this many messages")
 	rate := q.Float64("rate", 0, "replay at most this many messages a second")
+	hold := q.Duration("hold-limit", 0, "hold no message of the DLQ unacknowledged longer than this, below the server's consumer_timeout (default 10m)")
 	reset := q.Bool("reset-failures", false, "reset each message's failure count in the store (needs --redis or --postgres)")
 	history := q.Int("history", 0, "earlier lives kept in the history header (default 5)")
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	if *limit < 0 || *rate < 0 {
-		return usageError("--limit and --rate must not be negative")
+	if *limit < 0 || *rate < 0 || *hold < 0 {
+		return usageError("--limit, --rate and --hold-limit must not be negative")
 	}
 	if err := q.everything(*all, "replay"); err != nil {
 		return err
 	}
-	opts := deadletter.ReplayOptions{Filter: q.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HistoryLimit: *history}
+	opts := deadletter.ReplayOptions{Filter: q.filter(), To: *to, DryRun: *dry, Limit: *limit, Rate: *rate, HoldLimit: *hold, HistoryLimit: *history}
 	if *reset {
 		st, closeStore, err := sf.open(ctx, e.timeout)
 		if err != nil {
@@ -517,7 +536,7 @@ func (e *env) dlqExport(ctx context.Context, args []string) error {
 func (e *env) dlqImport(ctx context.Context, args []string) error {
 	q := e.queueCommand("dlq import", 0)
 	to := q.String("to", "", "publish to this queue instead of the dead-letter queue")
-	dup := q.Bool("allow-duplicates", false, "import messages whose id is still in the dead-letter queue")
+	dup := q.Bool("allow-duplicates", false, "import messages whose id is still in the target dead-letter queue")
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
@@ -527,14 +546,21 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 	}
 	defer b.Close()
 	var in io.Reader = bufio.NewReaderSize(e.stdin, 1<<20)
-	if *to == "" && !*dup {
+	// The target is checked when it is a dead-letter queue, which nothing
+	// consumes: --to a work queue is not, whose consumers take what is
+	// there as it arrives.
+	target, isDLQ := q.queue, true
+	if *to != "" {
+		target, isDLQ = strings.CutSuffix(*to, ".dlq")
+	}
+	if isDLQ && !*dup {
 		// The whole file is read first, to refuse it before anything is
 		// published.
 		data, err := io.ReadAll(in)
 		if err != nil {
 			return err
 		}
-		if err := e.refuseDuplicates(ctx, b, q.queue, data); err != nil {
+		if err := e.refuseDuplicates(ctx, b, target, data); err != nil {
 			return err
 		}
 		in = bytes.NewReader(data)

@@ -65,13 +65,19 @@ func (c *console) queuesPage(w http.ResponseWriter, r *http.Request) {
 	c.render(w, r, "queues", map[string]any{"Title": "queues", "Sections": sections})
 }
 
+// maxRows is the most messages a dead-letter queue's page lists.
+const maxRows = 1000
+
 func (c *console) dlqPage(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
 	msgs, err := c.dl.List(ctx, q, deadletter.ListOptions{})
 	if err != nil {
 		c.fail(w, r, err)
 		return
 	}
-	c.render(w, r, "dlq", map[string]any{"Title": q + ".dlq", "Queue": q, "Groups": deadletter.Groups(msgs), "Messages": msgs})
+	// The groups count every message; the table shows the first ones.
+	shown := msgs[:min(len(msgs), maxRows)]
+	c.render(w, r, "dlq", map[string]any{"Title": q + ".dlq", "Queue": q, "Groups": deadletter.Groups(msgs),
+		"Count": len(msgs), "Messages": shown, "Hidden": len(msgs) - len(shown)})
 }
 
 // A header is one header of a message, with its AMQP type.

@@ -1,11 +1,13 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/cookiejar"
 	"net/http/httptest"
 	"net/url"
 	"os"
@@ -18,6 +20,7 @@ import (
 
 	"github.com/chromedp/chromedp"
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -303,10 +306,13 @@ func TestConsoleListenNeedsAuth(t *testing.T) {
 
 // A message's page shows its properties, its headers with their AMQP
 // types, its body as JSON, text and hex, and its earlier lives; the
-// export downloads it.
-func TestConsoleMessagePage(t *testing.T) {
+// export downloads it; the queues page counts it; a key is looked up in
+// the store.
+func TestConsolePages(t *testing.T) {
 	b, amqpURL, q := setupQueue(t)
-	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	prefix := "rabbitmw-test-ui:" + q + ":"
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q},
+		store: &storeFlags{redis: testenv.RedisAddr(t), prefix: prefix}})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	h := faulty(q, "*main.declinedError", "card 4242 declined", time.Now())
@@ -343,4 +349,66 @@ func TestConsoleMessagePage(t *testing.T) {
 	assert.Contains(t, hdr.Get("Content-Disposition"), "attachment")
 	assert.Equal(t, 1, strings.Count(export, "\n"))
 	assert.Contains(t, export, `"message_id":"m-1"`)
+
+	code, page, _ = get("/")
+	require.Equal(t, http.StatusOK, code, page)
+	assert.Contains(t, page, `data-queue="`+q+`.dlq">1<`)
+	assert.Contains(t, page, `data-queue="`+q+`">0<`)
+
+	rc := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t)})
+	defer rc.Close()
+	require.NoError(t, rc.Set(ctx, prefix+"retry:m-1", 2, time.Hour).Err())
+	t.Cleanup(func() { rc.Del(context.Background(), prefix+"retry:m-1") })
+	code, page, _ = get("/key?k=m-1")
+	require.Equal(t, http.StatusOK, code, page)
+	assert.Regexp(t, `<th>state</th><td>absent</td>`, page)
+	assert.Regexp(t, `<th>failures</th><td>2</td>`, page)
+}
+
+// `rabbitmw ui` serves until interrupted, then stops and exits 0; the
+// address it prints with ?token= logs the browser in; -h does not show
+// the token of the environment.
+func TestUICommand(t *testing.T) {
+	_, amqpURL, q := setupQueue(t)
+	cmd := exec.Command(binary, "ui", "-q", q, "--listen", "127.0.0.1:0")
+	cmd.Env = append(os.Environ(), "RABBITMQ_URL="+amqpURL, "RABBITMW_UI_TOKEN=t0ken")
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+		}
+	})
+	line, err := bufio.NewReader(stderr).ReadString('\n')
+	require.NoError(t, err)
+	_, addr, ok := strings.Cut(strings.TrimSpace(line), " on ")
+	require.True(t, ok, "first line: %q", line)
+	require.True(t, strings.HasSuffix(addr, "/?token=t0ken"), "address %q", addr)
+
+	jar, err := cookiejar.New(nil)
+	require.NoError(t, err)
+	client := &http.Client{Jar: jar}
+	resp, err := client.Get(addr)
+	require.NoError(t, err)
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+	assert.Contains(t, string(body), q+".dlq")
+
+	help := exec.Command(binary, "ui", "-h")
+	help.Env = cmd.Env
+	out, err := help.Output()
+	require.NoError(t, err)
+	assert.NotContains(t, string(out), "t0ken")
+
+	require.NoError(t, cmd.Process.Signal(os.Interrupt))
+	select {
+	case err := <-exited:
+		require.NoError(t, err, "exit after an interrupt")
+	case <-time.After(30 * time.Second):
+		t.Fatal("rabbitmw ui did not stop within 30s of an interrupt")
+	}
 }

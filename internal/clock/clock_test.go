@@ -2,10 +2,11 @@ package clock
 
 import (
 	"context"
-	"errors"
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/stretchr/testify/assert"
 )
 
 func TestSleep(t *testing.T) {
@@ -30,9 +31,7 @@ func TestSleep(t *testing.T) {
 				}
 				began := time.Now()
 				err := Sleep(ctx, tc.d)
-				if !errors.Is(err, tc.want) {
-					t.Errorf("Sleep(ctx, %v) = %v; want %v", tc.d, err, tc.want)
-				}
+				assert.ErrorIs(t, err, tc.want, "Sleep(ctx, %v)", tc.d)
 				if took := time.Since(began); took != tc.took {
 					t.Errorf("Sleep(ctx, %v) took %v; want %v", tc.d, took, tc.took)
 				}
@@ -46,8 +45,6 @@ func TestSleepDoneContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	for _, d := range []time.Duration{-time.Second, 0, time.Hour} {
-		if err := Sleep(ctx, d); !errors.Is(err, context.Canceled) {
-			t.Errorf("Sleep(done ctx, %v) = %v; want context.Canceled", d, err)
-		}
+		assert.ErrorIs(t, Sleep(ctx, d), context.Canceled, "Sleep(done ctx, %v)", d)
 	}
 }

@@ -48,6 +48,10 @@ type Config struct {
 	// TLS makes the AMQP listener a TLS one (listeners.ssl.default);
 	// Conf then holds the ssl_options.
 	TLS bool
+	// Advanced, if set, is the node's advanced.config, for the settings
+	// rabbitmq.conf does not take (such as the rabbit application's
+	// channel_tick_interval).
+	Advanced string
 }
 
 // A Node is a RabbitMQ node of the test's own. Its methods are for the
@@ -115,6 +119,11 @@ func prepare(t testing.TB, dir string, cfg Config) *Node {
 		strings.ReplaceAll(cfg.Conf, "{{port}}", strconv.Itoa(n.Port))
 	if err := os.WriteFile(filepath.Join(n.dir, "rabbitmq.conf"), []byte(conf), 0o644); err != nil {
 		t.Fatal(err)
+	}
+	if cfg.Advanced != "" {
+		if err := os.WriteFile(filepath.Join(n.dir, "advanced.config"), []byte(cfg.Advanced), 0o644); err != nil {
+			t.Fatal(err)
+		}
 	}
 	plugins := "[" + strings.Join(cfg.Plugins, ",") + "].\n"
 	if err := os.WriteFile(filepath.Join(n.dir, "enabled_plugins"), []byte(plugins), 0o644); err != nil {

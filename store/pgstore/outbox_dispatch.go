@@ -102,7 +102,11 @@ FROM unnest($1::bigint[], $2::text[]) AS x (id, error) WHERE t.id = x.id`
 //
 // Dispatch returns the counts, and an error if the database could not be
 // reached. If the commit's answer is lost, the rows sent may be sent
-// again: the copies carry the same MessageId.
+// again: the copies carry the same MessageId. So may they after a crash
+// of the database: the results are committed without waiting for the
+// write-ahead log's flush (synchronous_commit off, for this transaction
+// only), since a lost mark costs a copy that the consumers' Dedup
+// absorbs, and the flush would cost each dispatch a disk write's wait.
 func (o *Outbox) Dispatch(ctx context.Context, limit int, deleteSent bool, send func(ctx context.Context, msgs []OutboxMessage, results []OutboxResult)) (DispatchResult, error) {
 	var res DispatchResult
 	if limit <= 0 {
@@ -183,6 +187,12 @@ func (o *Outbox) Dispatch(ctx context.Context, limit int, deleteSent bool, send 
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	var b pgx.Batch
+	// The commit does not wait for its WAL flush: a crash of the database
+	// can lose the last marks, and their rows are then sent again, as
+	// after a relay's crash. Nothing is lost (the rows were written by
+	// commits of their own), and the flush is what a dispatch would wait
+	// for most.
+	b.Queue(`SET LOCAL synchronous_commit TO off`)
 	if len(sent) > 0 {
 		b.Queue(o.markSentSQL(deleteSent), sent)
 	}

@@ -11,7 +11,9 @@
 //	             <-prefix>_rolled_back, outside the transaction.
 //	-role b      consumes -shipments with the inbox (store table
 //	             <-prefix>_b) and inserts (order, message id, process) into
-//	             <-prefix>_b_effects in the inbox's transaction.
+//	             <-prefix>_b_effects in the inbox's transaction; it records
+//	             every delivery's message id in <-prefix>_b_deliveries
+//	             first, outside any transaction.
 //	-role relay  relays the outbox to RabbitMQ.
 //
 // The suite makes the tables, starts the processes, kills them (SIGKILL),
@@ -141,7 +143,21 @@ func run(ctx context.Context, c config) error {
 	}
 	st := pgstore.New(pool, pgstore.Options{Table: table})
 	defer st.Close()
+	// B records each delivery, before Dedup, so that the suite can count
+	// the copies Dedup absorbed (the relay's resends, RabbitMQ's
+	// redeliveries). Best effort: a delivery during the database's outage
+	// is not recorded.
+	record := func(next rabbitmw.Handler) rabbitmw.Handler {
+		if c.role != "b" {
+			return next
+		}
+		return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			pool.Exec(ctx, `INSERT INTO `+c.prefix+`_b_deliveries (message_id) VALUES ($1)`, d.MessageId)
+			return next.Handle(ctx, d)
+		})
+	}
 	h := rabbitmw.Chain(
+		record,
 		middleware.Log(logger),
 		middleware.Retry(st, middleware.RetryOptions{MaxAttempts: 100, Backoff: middleware.Exponential(250*time.Millisecond, time.Second)}),
 		middleware.Recover(),

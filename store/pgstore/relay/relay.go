@@ -22,14 +22,20 @@
 // The relay takes up to BatchSize pending rows in one transaction
 // (SELECT … FOR UPDATE SKIP LOCKED, in id order), publishes them all at
 // once with confirms and the mandatory flag, records each result in the
-// same transaction and commits (see [pgstore.Outbox.Dispatch]):
+// same transaction and commits (see [pgstore.Outbox.Dispatch]). It keeps
+// Senders such dispatches going at once, so that the database's work of
+// one overlaps the confirms of another:
 //
 //   - confirmed: the row is marked sent (deleted once Retention has
 //     passed), only after its confirm;
 //   - returned (no queue is bound for it), nacked, refused by the server,
 //     or a message the broker cannot send: the row is parked, with the
 //     reason, never dropped; `rabbitmw outbox retry` (or
-//     [pgstore.Outbox.Retry]) sends it back to pending;
+//     [pgstore.Outbox.Retry]) sends it back to pending. A refusal that
+//     closes the channel (a missing write permission, a body over the
+//     server's limit) does not say which publish it refused, so the rows
+//     whose publishes were in flight on that channel are parked with it;
+//     retry them once the cause is fixed;
 //   - no confirm (RabbitMQ down, the connection lost, PublishTimeout
 //     passed): the row stays pending, and the relay backs off before it
 //     tries again.
@@ -107,6 +113,10 @@ type Options struct {
 	// BatchSize is the most rows taken, and published at once, by one
 	// dispatch. Default 100.
 	BatchSize int
+	// Senders is how many dispatches one Run keeps going at once, each
+	// taking rows the others do not hold (SKIP LOCKED): while one waits
+	// for its confirms, another reads and records its rows. Default 2.
+	Senders int
 	// PollInterval is how often the relay looks for pending rows when no
 	// notification came. Default 1s.
 	PollInterval time.Duration
@@ -152,7 +162,7 @@ type Relay struct {
 	pub Publisher
 	log *slog.Logger
 
-	batch                     int
+	batch, senders            int
 	poll                      time.Duration
 	listen                    bool
 	retention                 time.Duration
@@ -167,12 +177,12 @@ func New(ob *pgstore.Outbox, pub Publisher, opts Options) *Relay {
 	if ob == nil || pub == nil {
 		panic("relay: New: nil outbox or publisher")
 	}
-	if opts.BatchSize < 0 || opts.PollInterval < 0 || opts.PublishTimeout < 0 || opts.StopTimeout < 0 || opts.BackoffMin < 0 || opts.BackoffMax < 0 {
+	if opts.BatchSize < 0 || opts.Senders < 0 || opts.PollInterval < 0 || opts.PublishTimeout < 0 || opts.StopTimeout < 0 || opts.BackoffMin < 0 || opts.BackoffMax < 0 {
 		panic("relay: New: negative option")
 	}
 	r := &Relay{
 		ob: ob, pub: pub, log: opts.Logger,
-		batch: opts.BatchSize, poll: opts.PollInterval, listen: !opts.NoListen,
+		batch: opts.BatchSize, senders: opts.Senders, poll: opts.PollInterval, listen: !opts.NoListen,
 		retention: opts.Retention, publishTimeout: opts.PublishTimeout, stopAfter: opts.StopTimeout,
 		bmin: opts.BackoffMin, bmax: opts.BackoffMax, obs: opts.Observer,
 	}
@@ -187,6 +197,9 @@ func New(ob *pgstore.Outbox, pub Publisher, opts Options) *Relay {
 	if r.batch == 0 {
 		r.batch = 100
 	}
+	if r.senders == 0 {
+		r.senders = 2
+	}
 	def(&r.poll, time.Second)
 	def(&r.retention, 24*time.Hour)
 	def(&r.publishTimeout, 30*time.Second)
@@ -200,27 +213,51 @@ func New(ob *pgstore.Outbox, pub Publisher, opts Options) *Relay {
 }
 
 // Run sends the outbox's rows until ctx is done, then waits for the
-// confirms of the batch in flight (StopTimeout at most), records them and
+// confirms of the batches in flight (StopTimeout at most), records them and
 // returns nil. It returns an error earlier only if the publisher is closed
 // (broker.ErrClosed). A database or RabbitMQ that cannot be reached is
 // not an error: Run logs it, backs off and tries again. Every goroutine
 // Run starts has ended when it returns. Run may be called by several
 // goroutines, and processes, at once: see the package's documentation.
 func (r *Relay) Run(ctx context.Context) error {
-	wake := make(chan struct{}, 1)
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	wakes := make([]chan struct{}, r.senders)
+	for i := range wakes {
+		wakes[i] = make(chan struct{}, 1)
+	}
 	var wg sync.WaitGroup
 	lctx, stopListening := context.WithCancel(ctx)
-	defer func() {
-		stopListening()
-		wg.Wait()
-	}()
 	if r.listen {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			r.listenLoop(lctx, wake)
+			r.listenLoop(lctx, wakes)
 		}()
 	}
+	var senders sync.WaitGroup
+	for i, wake := range wakes {
+		senders.Add(1)
+		go func() {
+			defer senders.Done()
+			if err := r.sendLoop(ctx, wake, i == 0); err != nil {
+				cancel(err)
+			}
+		}()
+	}
+	senders.Wait()
+	stopListening()
+	wg.Wait()
+	if err := context.Cause(ctx); err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	return nil
+}
+
+// sendLoop dispatches batches until ctx is done, waiting for wake or the
+// poll between batches that found the outbox drained. The loop that
+// prunes deletes the sent rows past the retention, once a minute.
+func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool) error {
 	var failures int // consecutive dispatches that failed
 	nextPrune := time.Now()
 	for ctx.Err() == nil {
@@ -229,7 +266,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		case errors.Is(err, broker.ErrClosed):
 			return err
 		case err != nil && ctx.Err() != nil:
-			return nil // stopped while taking rows: none was sent
+			return nil // stopped: the rows not recorded stay pending
 		case err != nil:
 			failures++
 			d := r.backoff(failures)
@@ -244,7 +281,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			continue
 		}
 		failures = 0
-		if r.retention > 0 && !time.Now().Before(nextPrune) {
+		if prunes && r.retention > 0 && !time.Now().Before(nextPrune) {
 			if _, err := r.ob.DeleteSent(ctx, r.retention, 10*r.batch); err != nil && ctx.Err() == nil {
 				r.log.LogAttrs(ctx, slog.LevelWarn, "relay: delete sent rows", slog.String("error", err.Error()))
 			}
@@ -267,10 +304,6 @@ func (r *Relay) Run(ctx context.Context) error {
 func (r *Relay) backoff(n int) time.Duration {
 	return rand.N(backoff.Doubled(r.bmin, n-1, r.bmax) + 1)
 }
-
-// errStopped ends the publishes of a batch whose Run stopped StopTimeout
-// ago.
-var errStopped = errors.New("relay: stopped before the confirm came")
 
 // dispatch takes and sends one batch. Its publishes outlive ctx by
 // StopTimeout at most, so that a stop does not throw away confirms that
@@ -344,15 +377,17 @@ func parks(err error) bool {
 	return errors.As(err, &ae) && ae.Server && ae.Recover
 }
 
-// listenLoop listens on the outbox's channel and signals wake at each
+// listenLoop listens on the outbox's channel and signals every wake at each
 // notification, until ctx is done. A connection that breaks is made
 // again, with backoff; after it is made, wake is signalled once, for the
 // rows written meanwhile.
-func (r *Relay) listenLoop(ctx context.Context, wake chan<- struct{}) {
+func (r *Relay) listenLoop(ctx context.Context, wakes []chan struct{}) {
 	signal := func() {
-		select {
-		case wake <- struct{}{}:
-		default:
+		for _, wake := range wakes {
+			select {
+			case wake <- struct{}{}:
+			default:
+			}
 		}
 	}
 	failures := 0

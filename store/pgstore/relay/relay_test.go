@@ -15,10 +15,15 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	noopmetric "go.opentelemetry.io/otel/metric/noop"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/rabbitmw/rabbitmw/otelmw"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 	"github.com/rabbitmw/rabbitmw/store/pgstore/relay"
 )
@@ -300,4 +305,78 @@ func TestRelaysShareTheOutbox(t *testing.T) {
 	left, err := f.b.Len(context.Background(), f.queue)
 	require.NoError(t, err)
 	assert.Zero(t, left, "no copy")
+}
+
+// A message that RabbitMQ refuses (a nack: here a queue at its length
+// limit that rejects publishes) is parked with the reason, as one it
+// returns is; the others are sent.
+func TestRelayParksRefusedMessages(t *testing.T) {
+	f := newFixture(t)
+	full := unique("rmwtest.outbox.full.")
+	conn, err := amqp.Dial(testenv.RabbitMQURL(t))
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	_, err = ch.QueueDeclare(full, false, true, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"})
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		f.b.Delete(ctx, full, broker.Topology{Declare: broker.DeclareNone})
+	})
+	f.write(full, 3, false)
+	f.run(relay.New(f.ob, f.b, relay.Options{PollInterval: 50 * time.Millisecond, Senders: 1}))
+	require.Eventually(t, func() bool { s := f.stats(); return s.Sent+s.Parked == 3 }, 10*time.Second, 20*time.Millisecond)
+	assert.Equal(t, pgstore.OutboxStats{Sent: 1, Parked: 2}, f.stats(), "one fits the queue")
+	rows, err := f.ob.List(context.Background(), pgstore.OutboxFilter{State: "parked"})
+	require.NoError(t, err)
+	for _, r := range rows {
+		assert.Contains(t, r.Error, "nack")
+	}
+}
+
+// With otelmw wired in (the writer's trace context stored by Inject, given
+// back by Extract, the broker's publish observed), the relay's send span
+// is a child of the writer's span, and the message carries the send's
+// context to the next service.
+func TestRelayContinuesTheWritersTrace(t *testing.T) {
+	f := newFixture(t)
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	t.Cleanup(func() { tp.Shutdown(context.Background()) })
+	tel := otelmw.New(otelmw.Options{TracerProvider: tp, MeterProvider: noopmetric.NewMeterProvider(), Propagator: propagation.TraceContext{}})
+	ot := tel.Outbox(f.ob.Table())
+	ob := pgstore.NewOutbox(f.pool, pgstore.OutboxOptions{Table: f.ob.Table(), Inject: ot.Inject})
+	b := broker.New(testenv.RabbitMQURL(t), broker.Options{Observer: tel.Broker()})
+	t.Cleanup(func() { b.Close() })
+
+	ctx, writer := tp.Tracer("test").Start(context.Background(), "process orders")
+	require.NoError(t, pgx.BeginFunc(ctx, f.pool, func(tx pgx.Tx) error {
+		_, err := ob.Write(ctx, tx, "", f.queue, amqp.Publishing{Body: []byte("ship")})
+		return err
+	}))
+	writer.End()
+	f.run(relay.New(ob, b, relay.Options{PollInterval: 50 * time.Millisecond, Observer: relay.Observer{Extract: ot.Extract, Dispatched: ot.Dispatched}}))
+
+	var d *amqp.Delivery
+	require.Eventually(t, func() bool {
+		var ok bool
+		var err error
+		d, ok, err = f.b.Get(context.Background(), f.queue)
+		return err == nil && ok
+	}, 10*time.Second, 20*time.Millisecond)
+	require.NoError(t, d.Ack(false))
+	var send sdktrace.ReadOnlySpan
+	require.Eventually(t, func() bool { // it ends with the confirm, which may follow the delivery
+		for _, s := range spans.Ended() {
+			if s.Name() == "send "+f.queue {
+				send = s
+			}
+		}
+		return send != nil
+	}, 10*time.Second, 10*time.Millisecond, "the relay's send span")
+	assert.Equal(t, writer.SpanContext().TraceID(), send.SpanContext().TraceID())
+	assert.Equal(t, writer.SpanContext().SpanID(), send.Parent().SpanID(), "the send's parent is the writer's span")
+	assert.Contains(t, d.Headers["traceparent"], send.SpanContext().SpanID().String(), "the message carries the send's context")
 }

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/header"
@@ -60,18 +62,18 @@ func testDeadLetterCycleRule(t *testing.T, be backend) {
 	}
 	ctx := testContext(t, 30*time.Second)
 	for _, c := range cases {
-		noErr(t, "Publish "+c.id, f.b.Publish(ctx, "", delay, amqp.Publishing{MessageId: c.id, Headers: c.headers}))
+		require.NoError(t, f.b.Publish(ctx, "", delay, amqp.Publishing{MessageId: c.id, Headers: c.headers}), "Publish "+c.id)
 	}
 	// The delay queue dead-letters in order: once the last one arrives,
 	// every case has arrived or was dropped.
-	noErr(t, "Publish end", f.b.Publish(ctx, "", delay, amqp.Publishing{MessageId: "end"}))
+	require.NoError(t, f.b.Publish(ctx, "", delay, amqp.Publishing{MessageId: "end"}), "Publish end")
 	got := map[string]*amqp.Delivery{}
-	eventually(t, 20*time.Second, "the last message did not arrive", func() bool {
+	require.Eventually(t, func() bool {
 		for _, d := range f.drain(f.q) {
 			got[d.MessageId] = d
 		}
 		return got["end"] != nil
-	})
+	}, 20*time.Second, 10*time.Millisecond, "the last message did not arrive")
 	for _, c := range cases {
 		if _, ok := got[c.id]; ok != c.arrives {
 			t.Errorf("%s arrived: %v; want %v", c.id, ok, c.arrives)
@@ -83,33 +85,31 @@ func testDeadLetterCycleRule(t *testing.T, be backend) {
 		}
 		return []any{d.Headers["x-first-death-queue"], d.Headers["x-first-death-reason"], d.Headers["x-first-death-exchange"]}
 	}
-	equal(t, "x-first-death-* set at the first death", first(got["none"]), []any{delay, "expired", ""})
-	equal(t, "x-first-death-* kept with an empty x-death", first(got["empty"]), []any{"stale", "maxlen", "stale-x"})
-	equal(t, "x-first-death-* rewritten without x-death", first(got["absent-stale-first"]), []any{delay, "expired", ""})
+	assert.Equal(t, []any{delay, "expired", ""}, first(got["none"]), "x-first-death-* set at the first death")
+	assert.Equal(t, []any{"stale", "maxlen", "stale-x"}, first(got["empty"]), "x-first-death-* kept with an empty x-death")
+	assert.Equal(t, []any{delay, "expired", ""}, first(got["absent-stale-first"]), "x-first-death-* rewritten without x-death")
 	if d := got["work-queue-then-reject"]; d != nil {
-		equal(t, "records of work-queue-then-reject", deathKeys(d.Headers["x-death"]),
-			[]string{delay + " expired 1", "elsewhere rejected 1", f.q + " expired 1"})
+		assert.Equal(t, []string{delay + " expired 1", "elsewhere rejected 1", f.q + " expired 1"}, deathKeys(d.Headers["x-death"]), "records of work-queue-then-reject")
 	}
 	if d := got["delay-again"]; d != nil {
 		deaths, _ := d.Headers["x-death"].([]any)
-		equal(t, "records of delay-again", deathKeys(deaths), []string{delay + " expired 5", "elsewhere rejected 1"})
+		assert.Equal(t, []string{delay + " expired 5", "elsewhere rejected 1"}, deathKeys(deaths), "records of delay-again")
 		if len(deaths) > 0 {
 			r, _ := deaths[0].(amqp.Table)
-			equal(t, "a counted record keeps its time, exchange and routing keys",
-				[]any{r["time"], r["exchange"], r["routing-keys"]}, []any{old, "old-x", []any{"old-k"}})
+			assert.Equal(t, []any{old, "old-x", []any{"old-k"}}, []any{r["time"], r["exchange"], r["routing-keys"]}, "a counted record keeps its time, exchange and routing keys")
 		}
 	}
 
 	// A reject is never a cycle: rejected out of Q into Q.dlq, with a
 	// record of Q.dlq in x-death.
-	noErr(t, "Publish", f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: "rejected", Headers: with(nil, []any{rec(f.q+".dlq", "expired")})}))
+	require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: "rejected", Headers: with(nil, []any{rec(f.q+".dlq", "expired")})}), "Publish")
 	d, ok, err := f.b.Get(ctx, f.q)
-	noErr(t, "Get", err)
+	require.NoError(t, err, "Get")
 	if !ok {
 		t.Fatal("Get found no message")
 	}
-	noErr(t, "Reject", d.Reject(false))
-	eventually(t, 10*time.Second, "a rejected message whose x-death names the dead-letter queue was dropped", func() bool { return f.length(f.q+".dlq") == 1 })
+	require.NoError(t, d.Reject(false), "Reject")
+	require.Eventually(t, func() bool { return f.length(f.q+".dlq") == 1 }, 10*time.Second, 10*time.Millisecond, "a rejected message whose x-death names the dead-letter queue was dropped")
 	f.drain(f.q + ".dlq")
 	f.assertSettled(t)
 }
@@ -134,9 +134,9 @@ func testReplayExpired(t *testing.T, be backend) {
 	f := setup(t, be, Topology{})
 	ctx := testContext(t, 20*time.Second)
 	for _, id := range []string{"ok", "dead"} {
-		noErr(t, "Publish", f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: id, Body: []byte(id), Expiration: "1"}))
+		require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: id, Body: []byte(id), Expiration: "1"}), "Publish")
 	}
-	eventually(t, 20*time.Second, "expired messages not dead-lettered", func() bool { return f.length(f.q+".dlq") == 2 })
+	require.Eventually(t, func() bool { return f.length(f.q+".dlq") == 2 }, 20*time.Second, 10*time.Millisecond, "expired messages not dead-lettered")
 	f.replay(t, "expired")
 }
 
@@ -150,13 +150,13 @@ func testReplayDeliveryLimit(t *testing.T, be backend) {
 	}
 	for range 20 {
 		d, ok, err := f.b.Get(ctx, f.q)
-		noErr(t, "Get", err)
+		require.NoError(t, err, "Get")
 		if !ok {
 			break
 		}
-		noErr(t, "Nack", d.Nack(false, true))
+		require.NoError(t, d.Nack(false, true), "Nack")
 	}
-	eventually(t, 20*time.Second, "messages not dead-lettered by the delivery limit", func() bool { return f.length(f.q+".dlq") == 2 })
+	require.Eventually(t, func() bool { return f.length(f.q+".dlq") == 2 }, 20*time.Second, 10*time.Millisecond, "messages not dead-lettered by the delivery limit")
 	f.replay(t, "delivery_limit")
 }
 
@@ -173,8 +173,8 @@ func (f *fixture) replay(t *testing.T, reason string) {
 	ctx := testContext(t, 30*time.Second)
 	delay := f.q + ".delay.50ms"
 	for _, d := range f.drain(f.q + ".dlq") {
-		equal(t, d.MessageId+": records as the server dead-lettered it", deathKeys(d.Headers["x-death"]), []string{f.q + " " + reason + " 1"})
-		noErr(t, "replay", f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: d.MessageId, Body: d.Body, Headers: d.Headers}))
+		assert.Equal(t, []string{f.q + " " + reason + " 1"}, deathKeys(d.Headers["x-death"]), d.MessageId+": records as the server dead-lettered it")
+		require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: d.MessageId, Body: d.Body, Headers: d.Headers}), "replay")
 	}
 	j := newJournal()
 	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
@@ -187,34 +187,34 @@ func (f *fixture) replay(t *testing.T, reason string) {
 		}
 		return nil
 	}), ConsumeOptions{})
-	eventually(t, 20*time.Second, "replayed messages not handled after their retry", func() bool {
+	require.Eventually(t, func() bool {
 		return len(j.callsOf("ok")) == 2 && len(j.callsOf("dead")) == 2 && f.length(f.q+".dlq") == 1
-	})
+	}, 20*time.Second, 10*time.Millisecond, "replayed messages not handled after their retry")
 	for _, id := range []string{"ok", "dead"} {
 		d := j.callsOf(id)[1].d
-		equal(t, id+": x-death after the delay hop", deathKeys(d.Headers["x-death"]), []string{delay + " expired 1"})
-		equal(t, id+": "+HeaderDeaths+" after the delay hop", deathKeys(d.Headers[HeaderDeaths]), []string{f.q + " " + reason + " 1"})
-		equal(t, id+": x-first-death-queue", d.Headers["x-first-death-queue"], f.q)
-		equal(t, id+": x-first-death-reason", d.Headers["x-first-death-reason"], reason)
+		assert.Equal(t, []string{delay + " expired 1"}, deathKeys(d.Headers["x-death"]), id+": x-death after the delay hop")
+		assert.Equal(t, []string{f.q + " " + reason + " 1"}, deathKeys(d.Headers[HeaderDeaths]), id+": "+HeaderDeaths+" after the delay hop")
+		assert.Equal(t, f.q, d.Headers["x-first-death-queue"], id+": x-first-death-queue")
+		assert.Equal(t, reason, d.Headers["x-first-death-reason"], id+": x-first-death-reason")
 	}
 	dead := f.onlyDeadLetter()
-	equal(t, "x-death of the dead-lettered copy", deathKeys(dead.Headers["x-death"]), []string{delay + " expired 1", f.q + " " + reason + " 1"})
+	assert.Equal(t, []string{delay + " expired 1", f.q + " " + reason + " 1"}, deathKeys(dead.Headers["x-death"]), "x-death of the dead-lettered copy")
 	if v, ok := dead.Headers[HeaderDeaths]; ok {
 		t.Errorf("%s = %v on the dead-lettered copy; want it back in x-death", HeaderDeaths, v)
 	}
-	equal(t, "x-first-death-queue of the dead-lettered copy", dead.Headers["x-first-death-queue"], f.q)
+	assert.Equal(t, f.q, dead.Headers["x-first-death-queue"], "x-first-death-queue of the dead-lettered copy")
 
 	// Replayed again, it fails again: one more hop counted.
-	noErr(t, "replay", f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: dead.MessageId, Body: dead.Body, Headers: dead.Headers}))
-	eventually(t, 20*time.Second, "message replayed twice not handled after its retry", func() bool {
+	require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: dead.MessageId, Body: dead.Body, Headers: dead.Headers}), "replay")
+	require.Eventually(t, func() bool {
 		return len(j.callsOf("dead")) == 4 && f.length(f.q+".dlq") == 1
-	})
-	noErr(t, "Consume after cancel", r.stop(t))
+	}, 20*time.Second, 10*time.Millisecond, "message replayed twice not handled after its retry")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	dead = f.onlyDeadLetter()
-	equal(t, "x-death of the message dead-lettered twice", deathKeys(dead.Headers["x-death"]), []string{delay + " expired 2", f.q + " " + reason + " 1"})
-	equal(t, "handler calls of ok", len(j.callsOf("ok")), 2)
+	assert.Equal(t, []string{delay + " expired 2", f.q + " " + reason + " 1"}, deathKeys(dead.Headers["x-death"]), "x-death of the message dead-lettered twice")
+	assert.Equal(t, 2, len(j.callsOf("ok")), "handler calls of ok")
 	f.assertSettled(t)
 	for _, tr := range f.top.Delays {
-		equal(t, "Len(delay queue "+tierName(tr)+")", f.length(f.q+".delay."+tierName(tr)), 0)
+		assert.Equal(t, 0, f.length(f.q+".delay."+tierName(tr)), "Len(delay queue "+tierName(tr)+")")
 	}
 }
