@@ -32,6 +32,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 )
 
 func TestCutsWithAcksPending(t *testing.T) {
@@ -93,9 +94,7 @@ func TestCutsWithAcksPending(t *testing.T) {
 	}
 	publish := func(msgs []amqp.Publishing) {
 		t.Helper()
-		if err := <-r.publishAsync(ctx, msgs, 8); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, <-r.publishAsync(ctx, msgs, 8))
 	}
 
 	// What the consumers send through the proxy: basic.consume methods,
@@ -124,24 +123,20 @@ func TestCutsWithAcksPending(t *testing.T) {
 	for range cuts {
 		done := r.publishAsync(ctx, batch(perBatch), 4) // going on across the cut
 		want := int64(len(progress)+1) * int64(len(procs))
-		if err := awaitCount(ctx, &consumes, want, 20*time.Second); err != nil {
+		if err := awaitCount(ctx, &consumes, want, 20*time.Second); err != nil { // the count in the message is read after the wait
 			t.Fatalf("the consumers did not all consume again within 20s of cut %d (%d effects then): %v", len(progress), r.count(ctx, "total"), err)
 		}
 		time.Sleep(time.Duration(20+rng.IntN(40)) * time.Millisecond)
 		px.heal() // closes every connection through the proxy
 		progress = append(progress, r.count(ctx, "total"))
-		if err := <-done; err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, <-done)
 	}
 	lastCut := time.Now()
 	atLastCut := r.count(ctx, "total")
 	publish(batch(tail))
 	qctx, qcancel := context.WithTimeout(ctx, 40*time.Second)
 	defer qcancel()
-	if err := r.awaitQuiet(qctx, len(all), 2*time.Second); err != nil {
-		t.Fatalf("after the last cut (%d effects then): %v", atLastCut, err)
-	}
+	require.NoError(t, r.awaitQuiet(qctx, len(all), 2*time.Second), "after the last cut (%d effects then)", atLastCut)
 	endedIn := time.Since(lastCut)
 	e := r.end(ctx, all, procs...)
 	v := e.v

@@ -24,6 +24,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
@@ -97,9 +98,7 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	}
 	publish := func(msgs []amqp.Publishing) {
 		t.Helper()
-		if err := <-r.publishAsync(ctx, msgs, 8); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, <-r.publishAsync(ctx, msgs, 8))
 	}
 
 	var consumes atomic.Int64 // basic.consume methods sent through the proxy
@@ -119,7 +118,7 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	for range batches {
 		publish(batch(perBatch, "1s", mix...))
 		want := int64(len(progress)+1) * int64(len(procs))
-		if err := awaitCount(ctx, &consumes, want, 20*time.Second); err != nil {
+		if err := awaitCount(ctx, &consumes, want, 20*time.Second); err != nil { // the count in the message is read after the wait
 			t.Fatalf("the consumers did not all consume again within 20s of cut %d (%d effects then): %v", len(progress), r.count(ctx, "total"), err)
 		}
 		time.Sleep(every)
@@ -134,9 +133,7 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	publish(batch(tail, "1s", "ok", "retry"))
 	qctx, qcancel := context.WithTimeout(ctx, 40*time.Second)
 	defer qcancel()
-	if err := r.awaitQuiet(qctx, len(all), 2*time.Second); err != nil {
-		t.Fatalf("after the last cut (%d effects then): %v", atLastCut, err)
-	}
+	require.NoError(t, r.awaitQuiet(qctx, len(all), 2*time.Second), "after the last cut (%d effects then)", atLastCut)
 	endedIn := time.Since(lastCut)
 	if n, want := consumes.Load(), int64(batches+1)*int64(len(procs)); n < want {
 		t.Errorf("%d basic.consume sent in all; want %d, one per consumer before the first cut and after each", n, want)

@@ -24,6 +24,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 func TestRedisOutage(t *testing.T) {
@@ -50,15 +52,11 @@ func TestRedisOutage(t *testing.T) {
 	})
 	pa := r.procs[0]
 
-	if err := r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5))
 	sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
 	err := store.shutdown(sctx)
 	scancel()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	down := time.Now()
 	before := r.count(ctx, "total")
 	t.Logf("store shut down at %d effects", before)
@@ -68,9 +66,7 @@ func TestRedisOutage(t *testing.T) {
 	time.Sleep(outage)
 	atRestart := r.count(ctx, "total")
 	during := atRestart - before
-	if err := store.restart(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, store.restart())
 	t.Logf("store back after %v; %d effects applied meanwhile", time.Since(down).Round(time.Millisecond), during)
 	r.wantUnfinished(ctx, "the store came back")
 	// Only handlers that had claimed their message before the outage can
@@ -83,9 +79,7 @@ func TestRedisOutage(t *testing.T) {
 	e.wantEachOnce(t)
 	v := e.v
 	byOrder, err := r.effectOrder(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	// The consumer started during the outage found the store down, and
 	// applied effects only after it was back.
 	if e.stats[1].Unavailable == 0 {

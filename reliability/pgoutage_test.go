@@ -15,6 +15,8 @@ import (
 	"fmt"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 func TestPostgresOutage(t *testing.T) {
@@ -44,22 +46,14 @@ func TestPostgresOutage(t *testing.T) {
 	})
 	p := r.procs[0]
 
-	if err := r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5))
 	before := r.count(ctx, "distinct")
-	if err := db.stop(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, db.stop())
 	down := time.Now()
 	t.Logf("database stopped at %d messages done", before)
 	time.Sleep(outage)
-	if err := p.unexpectedExit(); err != nil {
-		t.Fatalf("the consumer did not survive the outage: %v", err)
-	}
-	if err := db.start(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, p.unexpectedExit(), "the consumer did not survive the outage")
+	require.NoError(t, db.start())
 	t.Logf("database back after %v", time.Since(down).Round(time.Millisecond))
 	r.wantUnfinished(ctx, "the database came back")
 	e := r.wrapUp(ctx, 4*time.Second, p)
