@@ -43,25 +43,18 @@ func TestPostgresOutage(t *testing.T) {
 		consumers: []string{"pgoutage-A"},
 	})
 	p := r.procs[0]
-
-	if err := r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5); err != nil {
-		t.Fatal(err)
-	}
-	before := r.count(ctx, "distinct")
-	if err := db.stop(); err != nil {
-		t.Fatal(err)
-	}
-	down := time.Now()
-	t.Logf("database stopped at %d messages done", before)
-	time.Sleep(outage)
-	if err := p.unexpectedExit(); err != nil {
-		t.Fatalf("the consumer did not survive the outage: %v", err)
-	}
-	if err := db.start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("database back after %v", time.Since(down).Round(time.Millisecond))
-	r.wantUnfinished(ctx, "the database came back")
+	r.outage(ctx, t, serverOutage{
+		what:   "the database",
+		length: outage,
+		count:  "distinct",
+		stop:   db.stop,
+		start:  db.start,
+		back: func() {
+			if err := p.unexpectedExit(); err != nil {
+				t.Fatalf("the consumer did not survive the outage: %v", err)
+			}
+		},
+	})
 	e := r.wrapUp(ctx, 4*time.Second, p)
 	e.wantEachOnce(t)
 	if e.stats[0].Unavailable == 0 {
