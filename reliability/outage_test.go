@@ -49,8 +49,11 @@ func TestRedisOutage(t *testing.T) {
 		consumers: []string{"outage-A"},
 	})
 	pa := r.procs[0]
-	var pb *proc
-	before, atRestart := r.outage(ctx, t, serverOutage{
+	var (
+		pb     *proc
+		before int64
+	)
+	atRestart := r.outage(ctx, t, serverOutage{
 		what:   "the store",
 		length: outage,
 		count:  "total",
@@ -63,7 +66,10 @@ func TestRedisOutage(t *testing.T) {
 		// A second consumer starts while the store is down: it must
 		// process nothing until the store is back (fail closed), and then
 		// resume.
-		down: func() { pb = r.startConsumer("outage-B", r.opts) },
+		down: func() {
+			before = r.count(ctx, "total")
+			pb = r.startConsumer("outage-B", r.opts)
+		},
 	})
 	during := atRestart - before
 	t.Logf("%d effects applied while the store was down", during)
@@ -114,19 +120,18 @@ type serverOutage struct {
 
 // outage stops o's server once a random fifth to two fifths of the
 // messages are done, leaves it down for o.length, and starts it again;
-// the run must not be finished by then. It returns the count o.count when
-// the server went down and when it came back.
-func (r *load) outage(ctx context.Context, t *testing.T, o serverOutage) (before, atRestart int64) {
+// the run must not be finished by then. It returns the count o.count
+// when the server came back.
+func (r *load) outage(ctx context.Context, t *testing.T, o serverOutage) (atRestart int64) {
 	t.Helper()
 	if err := r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5); err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("%s stops at %d (%s)", o.what, r.count(ctx, o.count), o.count)
 	if err := o.stop(); err != nil {
 		t.Fatal(err)
 	}
 	down := time.Now()
-	before = r.count(ctx, o.count)
-	t.Logf("%s stopped at %d (%s)", o.what, before, o.count)
 	if o.down != nil {
 		o.down()
 	}
@@ -140,5 +145,5 @@ func (r *load) outage(ctx context.Context, t *testing.T, o serverOutage) (before
 	}
 	t.Logf("%s back after %v", o.what, time.Since(down).Round(time.Millisecond))
 	r.wantUnfinished(ctx, o.what+" came back")
-	return before, atRestart
+	return atRestart
 }
