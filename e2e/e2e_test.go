@@ -150,12 +150,11 @@ func (e *effectCounter) check(want []string) (missing, twice []string) {
 
 // e2eStack is the recommended stack with delays short enough for a test.
 func e2eStack(st store.Store) rabbitmw.Middleware {
-	return rabbitmw.Chain(
-		middleware.Retry(st, middleware.RetryOptions{Backoff: middleware.Exponential(20*time.Millisecond, 200*time.Millisecond)}),
-		middleware.Recover(),
-		middleware.Dedup(st, middleware.DedupOptions{BusyDelay: 50 * time.Millisecond, UnavailableDelay: 50 * time.Millisecond}),
-		middleware.Timeout(10*time.Second),
-	)
+	return middleware.Stack(st, middleware.StackOptions{
+		Retry:   middleware.RetryOptions{Backoff: middleware.Exponential(20*time.Millisecond, 200*time.Millisecond)},
+		Dedup:   middleware.DedupOptions{BusyDelay: 50 * time.Millisecond, UnavailableDelay: 50 * time.Millisecond},
+		Timeout: 10 * time.Second,
+	})
 }
 
 var e2eTopology = broker.Topology{Delays: []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, time.Second}}

@@ -284,8 +284,9 @@ func runSettle(t *testing.T, b settleBackend, id string, failFirst bool, at int,
 	cs := &cuttingStore{Store: b.store, b: &b, at: at, how: how}
 	var r settleRun
 	stack := middleware.Stack(cs, middleware.StackOptions{
-		MaxAttempts: 10, Backoff: func(int) time.Duration { return time.Millisecond },
-		Lease: b.lease, Timeout: b.lease / 2,
+		Retry:   middleware.RetryOptions{MaxAttempts: 10, Backoff: func(int) time.Duration { return time.Millisecond }},
+		Dedup:   middleware.DedupOptions{Lease: b.lease},
+		Timeout: b.lease / 2,
 	})
 	h := stack(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
 		defer cs.returned()

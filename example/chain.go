@@ -131,7 +131,7 @@ func runChain(ctx context.Context, cfg config) (*chainReport, error) {
 	rep := &chainReport{aEffects: map[string]int{}, bEffects: map[string]int{}, shipmentIDs: map[string]string{}}
 	var mu sync.Mutex
 	stack := func(st *pgstore.Store, name string) rabbitmw.Middleware {
-		return middleware.Stack(st, middleware.StackOptions{Logger: cfg.logger.With("service", name), Backoff: backoff})
+		return middleware.Stack(st, middleware.StackOptions{Logger: cfg.logger.With("service", name), Retry: middleware.RetryOptions{Backoff: backoff}})
 	}
 	// Service A: the order's effect and the shipment request, one commit.
 	a := stack(stores["a"], "A")(pgstore.Handler(stores["a"], func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {

@@ -89,10 +89,8 @@ func run(ctx context.Context, cfg config) (*report, error) {
 	// own: one records what each delivery came to, the other drops the
 	// acknowledgement of one message once, as a crash after its effect
 	// would. The stack is written out rather than built by
-	// middleware.Stack: the demo's short delays are settings that
-	// StackOptions does not have, and its slow handler outlives its lease
-	// on purpose, to show the renewals, where Stack keeps the Timeout
-	// below the lease.
+	// middleware.Stack: its slow handler outlives its lease on purpose, to
+	// show the renewals, where Stack keeps the Timeout below the lease.
 	biz := &business{effect: rep.effect}
 	var handler rabbitmw.Handler = biz
 	if inbox != nil {

@@ -2,11 +2,12 @@ package middleware_test
 
 import (
 	"context"
-	"errors"
 	"testing"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
@@ -32,43 +33,39 @@ func TestClaimMarkedDone(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			s := &faultyStore{Store: store.NewMemory()}
-			opts := middleware.DedupOptions{Keying: middleware.Keying{Namespace: "ns"}, Retention: 42 * time.Minute}
+			opts := middleware.DedupOptions{Retention: 42 * time.Minute}
 			var got *middleware.Claim
-			h := middleware.Dedup(s, opts)(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			h := rabbitmw.Chain(middleware.Keys(middleware.Keying{Namespace: "ns"}), middleware.Dedup(s, opts))(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 				c, ok := middleware.ClaimFrom(ctx)
-				if !ok {
-					t.Fatal("ClaimFrom(handler's context) found no claim")
-				}
+				require.True(t, ok, "ClaimFrom(handler's context) found no claim")
 				got = c
 				if tt.markedDone {
 					// What a transactional handler does in its commit.
-					if err := s.Store.Complete(ctx, c.Key(), c.Token(), c.Retention()); err != nil {
-						t.Fatalf("Complete by the handler: %v", err)
-					}
+					require.NoError(t, s.Store.Complete(ctx, c.Key(), c.Token(), c.Retention()), "Complete by the handler")
 					c.MarkedDone()
 				}
 				return tt.result
 			}))
 			d, _ := deliverytest.New("m1", "body")
 			err := h.Handle(ctx, d)
-			if tt.wantIs == nil && err != nil || tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
-				t.Fatalf("Handle = %v; want %v", err, tt.wantIs)
+			if tt.wantIs == nil {
+				require.NoError(t, err)
+			} else {
+				require.ErrorIs(t, err, tt.wantIs)
 			}
-			if got.Key() != "ns:m1" || got.Token() == "" || got.Retention() != 42*time.Minute {
-				t.Errorf("Claim = key %q, token %q, retention %v; want ns:m1, a token, 42m", got.Key(), got.Token(), got.Retention())
-			}
-			if n := s.Calls("complete"); n != tt.wantComplete {
-				t.Errorf("Dedup called Complete %d times; want %d", n, tt.wantComplete)
-			}
-			if st, err := s.Claim(ctx, "ns:m1", "stranger", time.Minute); err != nil || st != store.Done {
-				t.Errorf("Claim afterwards = %v, %v; want done", st, err)
-			}
+			assert.Equal(t, "ns:m1", got.Key())
+			assert.NotEmpty(t, got.Token())
+			assert.Equal(t, 42*time.Minute, got.Retention())
+			assert.Equal(t, tt.wantComplete, s.Calls("complete"), "Dedup's Complete calls")
+			st, err := s.Claim(ctx, "ns:m1", "stranger", time.Minute)
+			require.NoError(t, err)
+			assert.Equal(t, store.Done, st, "Claim afterwards")
 		})
 	}
 }
 
 func TestClaimFromWithoutDedup(t *testing.T) {
-	if c, ok := middleware.ClaimFrom(context.Background()); ok || c != nil {
-		t.Errorf("ClaimFrom(context.Background()) = %v, %v; want nil, false", c, ok)
-	}
+	c, ok := middleware.ClaimFrom(context.Background())
+	assert.False(t, ok)
+	assert.Nil(t, c)
 }

@@ -44,10 +44,6 @@ var ErrAbandoned error = &sentinel{"middleware: an attempt never finished: its c
 // DedupOptions configures [Dedup]. The zero value selects the defaults.
 // Dedup panics on a negative duration.
 type DedupOptions struct {
-	// Keying names a delivery's claim and done mark in the store. Beneath
-	// a Retry, leave it zero: Dedup uses the key that Retry made (see
-	// [Keying]).
-	Keying
 	// Lease is how long a claim lasts unless renewed. While the handler
 	// runs, Dedup renews it every Lease/3. Default 5 minutes.
 	Lease time.Duration
@@ -139,7 +135,7 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	}
 	cfg := dedupConfig{
 		store:       s,
-		keying:      newKeying(opts.Keying, "Dedup"),
+		keying:      newKeying(Keying{}, "Dedup"),
 		lease:       cmp.Or(opts.Lease, defaultLease),
 		retention:   cmp.Or(opts.Retention, 24*time.Hour),
 		busy:        cmp.Or(opts.BusyDelay, 5*time.Second),

@@ -29,6 +29,7 @@ func TestDedup(t *testing.T) {
 		id      string
 		body    string
 		opts    middleware.DedupOptions
+		keying  middleware.Keying    // given to a Keys layer above Dedup, if set
 		prepare func(s *faultyStore) // state before the delivery
 		handler func(ctx context.Context, d *amqp.Delivery) error
 
@@ -99,7 +100,7 @@ func TestDedup(t *testing.T) {
 		},
 		{
 			name: "namespace keeps services apart",
-			id:   "m1", opts: middleware.DedupOptions{Keying: middleware.Keying{Namespace: "billing"}},
+			id:   "m1", keying: middleware.Keying{Namespace: "billing"},
 			prepare: func(s *faultyStore) { // done for another service only
 				s.Claim(ctx, "m1", "old", time.Minute)
 				s.Complete(ctx, "m1", "old", time.Hour)
@@ -143,7 +144,11 @@ func TestDedup(t *testing.T) {
 					return nil
 				})
 				d, rec := deliverytest.New(tt.id, tt.body)
-				err := middleware.Dedup(s, tt.opts)(h).Handle(ctx, d)
+				layers := []rabbitmw.Middleware{middleware.Dedup(s, tt.opts)}
+				if tt.keying.Namespace != "" {
+					layers = append([]rabbitmw.Middleware{middleware.Keys(tt.keying)}, layers...)
+				}
+				err := rabbitmw.Chain(layers...)(h).Handle(ctx, d)
 
 				if got := int(calls.Load()); got != tt.wantCalls {
 					t.Errorf("handler calls = %d; want %d", got, tt.wantCalls)

@@ -42,8 +42,8 @@
 //     is below Dedup's lease (Stack panics otherwise), so the deadline,
 //     not a lost lease, ends a handler that runs too long.
 //
-// Use one store for Dedup and Retry, and set a [Keying], if any, on Retry
-// alone: Dedup uses the key that Retry made.
+// Use one store for Dedup and Retry, and set a [Keying], if any, once, in a
+// [Keys] layer above them (StackOptions.Keying): both read it.
 //
 // # What each layer returns
 //
@@ -55,10 +55,9 @@
 // or ErrAbandoned (the attempt
 // before never finished: its consumer died; Retry counts it). Retry returns
 // rabbitmw.RetryAfter or rabbitmw.Permanent, with the attempt count
-// attached. Either of them returns ErrKeyMismatch, inside
-// rabbitmw.Permanent, when its own [Keying] makes another key than the
-// Retry or Dedup above it. Recover returns *rabbitmw.PanicError. Timeout
-// wraps ErrTimeout.
+// attached. Keys returns ErrKeyMismatch, inside rabbitmw.Permanent, when
+// it stands beneath a Retry or Dedup that named the message otherwise.
+// Recover returns *rabbitmw.PanicError. Timeout wraps ErrTimeout.
 //
 // # Guarantees, and where they end
 //

@@ -39,24 +39,17 @@ func Key(d *amqp.Delivery) (string, error) {
 	return hex.EncodeToString(sum[:]), nil
 }
 
-// ErrKeyMismatch is wrapped by the error with which [Retry] or [Dedup]
-// dead-letters a delivery whose key, made with the layer's own [Keying],
-// is not the key that a Retry or Dedup above it made.
+// ErrKeyMismatch is wrapped by the error with which a [Keys] layer
+// dead-letters a delivery whose key, made with its Keying, is not the key
+// that a layer above it made (a Retry or Dedup that made the default key,
+// or another Keys layer): the Keys layer stands beneath the layer that
+// names the message, where it cannot.
 var ErrKeyMismatch error = &sentinel{"middleware: keyed layers disagree on a message's key", "key_mismatch"}
 
-// Keying is how [Retry] and [Dedup] name a message in their store: by Key,
-// under Namespace. The zero value means [Key], with no namespace.
-//
-// A message has one key in a chain. The outermost Retry or Dedup with a
-// store makes it, with its Keying, and hands it down, with the delivery,
-// to the Retry and Dedup layers beneath it (through any layers between),
-// which use it instead of making their own. So give the Keying to the outermost of them
-// only (Retry, in the recommended order; [Stack] does) and leave it zero
-// on the others. A layer beneath with a Keying of its own checks that it
-// makes the same key, and if it does not, returns an error wrapping
-// ErrKeyMismatch, with both keys, inside rabbitmw.Permanent: the message
-// is dead-lettered with that reason at once, rather than have its failures
-// counted under one key and its claim taken under another.
+// Keying is how a message is named in the store: by Key, under Namespace.
+// The zero value means [Key], with no namespace. It is set in one place,
+// a [Keys] layer (or StackOptions.Keying, which puts one in the stack),
+// where [Retry] and [Dedup] both read it.
 type Keying struct {
 	// Key returns a delivery's key. Default: [Key] (message_id, else the
 	// MD5 of the body). When Key returns an error, Dedup dead-letters the
@@ -69,12 +62,43 @@ type Keying struct {
 	Namespace string
 }
 
+// Keys returns a layer that names each delivery's message by k for the
+// [Retry] and [Dedup] layers beneath it (through any layers between):
+// they count its failures and claim it under that one key. Without a Keys
+// layer above them, they name a message by [Key], with no namespace, and
+// the outermost of them hands its key to the others.
+//
+// Put it above the outermost of Retry and Dedup ([Stack] does, with
+// StackOptions.Keying). Beneath one of them, it finds the message already
+// named: if it would name it otherwise, it returns an error wrapping
+// ErrKeyMismatch, with both keys, inside rabbitmw.Permanent, and the
+// message is dead-lettered with that reason at once rather than have its
+// failures counted under one key and its claim taken under another.
+func Keys(k Keying) rabbitmw.Middleware {
+	kg := newKeying(k, "Keys")
+	return func(next rabbitmw.Handler) rabbitmw.Handler {
+		return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			if d == nil {
+				return next.Handle(ctx, d)
+			}
+			if ctx == nil {
+				ctx = context.Background()
+			}
+			down, err := kg.handDown(ctx, d)
+			if err != nil {
+				return rabbitmw.Permanent(err)
+			}
+			return handleKeyed(next, ctx, d, down)
+		})
+	}
+}
+
 // keying is a layer's Keying, with its default.
 type keying struct {
 	key       func(*amqp.Delivery) (string, error)
 	namespace string
-	set       bool   // the layer was given a Keying of its own
-	layer     string // "Retry" or "Dedup", for ErrKeyMismatch
+	set       bool   // a Keying was given (a Keys layer)
+	layer     string // "Keys", "Retry" or "Dedup", for ErrKeyMismatch
 }
 
 func newKeying(k Keying, layer string) *keying {
@@ -101,7 +125,7 @@ func (k *keying) make(d *amqp.Delivery) (string, error) {
 }
 
 // of returns the store key of d: the one that a keyed layer above made
-// for d, if there is one, else k's own. If k is a Keying of its own and
+// for d, if there is one, else k's own. If k is a Keys layer's and
 // makes another key than the layer above, the error wraps ErrKeyMismatch.
 func (k *keying) of(ctx context.Context, d *amqp.Delivery) (string, error) {
 	key, _, err := k.resolve(ctx, d, keyed{})

@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/middleware"
@@ -25,31 +27,26 @@ func TestKey(t *testing.T) {
 	}
 	for _, tt := range tests {
 		got, err := middleware.Key(&amqp.Delivery{MessageId: tt.id, Body: []byte(tt.body)})
-		if got != tt.want || !errors.Is(err, tt.wantErr) {
-			t.Errorf("Key(id %q, body %q) = %q, %v; want %q, %v", tt.id, tt.body, got, err, tt.want, tt.wantErr)
-		}
+		assert.Equal(t, tt.want, got, "Key(id %q, body %q)", tt.id, tt.body)
+		assert.ErrorIs(t, err, tt.wantErr, "Key(id %q, body %q)", tt.id, tt.body)
 	}
 }
 
-// A message has one key in a chain: the outermost keyed layer makes it,
-// those beneath use it, and one with a Keying of its own that makes
-// another key dead-letters the message, rather than count its failures
-// under one key and claim it under another.
-func TestKeyingShared(t *testing.T) {
+// The key is set in one place, a Keys layer, and Retry and Dedup beneath
+// it both use it; a Keys layer beneath the layer that named the message
+// dead-letters it if it would name it otherwise, rather than have its
+// failures counted under one key and its claim taken under another.
+func TestKeys(t *testing.T) {
 	errNoID := errors.New("no order id")
 	noID := func(*amqp.Delivery) (string, error) { return "", errNoID }
-	byBody := func(d *amqp.Delivery) (string, error) { return string(d.Body), nil }
 	ns := func(n string) middleware.Keying { return middleware.Keying{Namespace: n} }
-	retry := func(k middleware.Keying) func(store.Store) rabbitmw.Middleware {
-		return func(st store.Store) rabbitmw.Middleware {
-			return middleware.Retry(st, middleware.RetryOptions{Keying: k, Backoff: linear})
-		}
+	keys := func(k middleware.Keying) func(store.Store) rabbitmw.Middleware {
+		return func(store.Store) rabbitmw.Middleware { return middleware.Keys(k) }
 	}
-	dedup := func(k middleware.Keying) func(store.Store) rabbitmw.Middleware {
-		return func(st store.Store) rabbitmw.Middleware {
-			return middleware.Dedup(st, middleware.DedupOptions{Keying: k})
-		}
+	retry := func(st store.Store) rabbitmw.Middleware {
+		return middleware.Retry(st, middleware.RetryOptions{Backoff: linear})
 	}
+	dedup := func(st store.Store) rabbitmw.Middleware { return middleware.Dedup(st, middleware.DedupOptions{}) }
 	// own is a layer of one's own, which hands the key down in the context.
 	own := func(store.Store) rabbitmw.Middleware {
 		return func(next rabbitmw.Handler) rabbitmw.Handler {
@@ -60,9 +57,10 @@ func TestKeyingShared(t *testing.T) {
 	byHeader := func(store.Store) rabbitmw.Middleware {
 		return middleware.Retry(nil, middleware.RetryOptions{CountByHeader: true, Backoff: linear})
 	}
+	type layer = func(store.Store) rabbitmw.Middleware
 	tests := []struct {
 		name        string
-		layers      []func(store.Store) rabbitmw.Middleware
+		layers      []layer
 		wantOutcome rabbitmw.Outcome
 		wantClaim   string // the key the handler's claim has; "" if it must not run
 		wantFailed  string // the key of the failure count; "" if none
@@ -70,76 +68,58 @@ func TestKeyingShared(t *testing.T) {
 		wantText    string
 	}{
 		{
-			name:        "Keying on Retry alone: Dedup claims under Retry's key",
-			layers:      []func(store.Store) rabbitmw.Middleware{retry(ns("billing")), dedup(middleware.Keying{})},
+			name:        "no Keys: Key, no namespace",
+			layers:      []layer{retry, dedup},
+			wantOutcome: rabbitmw.Delay, wantClaim: "m1", wantFailed: "m1",
+		},
+		{
+			name:        "Keys above both",
+			layers:      []layer{keys(ns("billing")), retry, dedup},
 			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1", wantFailed: "billing:m1",
 		},
 		{
-			name:        "the same Keying on both",
-			layers:      []func(store.Store) rabbitmw.Middleware{retry(ns("billing")), dedup(ns("billing"))},
+			name:        "Keys above Dedup above Retry",
+			layers:      []layer{keys(ns("billing")), dedup, retry},
 			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1", wantFailed: "billing:m1",
-		},
-		{
-			name:        "a Namespace on Dedup alone: dead-lettered, the handler not run",
-			layers:      []func(store.Store) rabbitmw.Middleware{retry(middleware.Keying{}), dedup(ns("billing"))},
-			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
-			wantText: `middleware: keyed layers disagree on a message's key: Dedup makes "billing:m1"; the Retry above it made "m1"`,
-		},
-		{
-			name:        "different Keys",
-			layers:      []func(store.Store) rabbitmw.Middleware{retry(middleware.Keying{Key: byBody}), dedup(middleware.Keying{Key: middleware.Key})},
-			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
-			wantText: `middleware: keyed layers disagree on a message's key: Dedup makes "m1"; the Retry above it made "order 42"`,
-		},
-		{
-			name:        "Dedup's own Key fails where Retry's did not",
-			layers:      []func(store.Store) rabbitmw.Middleware{retry(middleware.Keying{}), dedup(middleware.Keying{Key: noID})},
-			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
-			wantText: `middleware: keyed layers disagree on a message's key: Dedup makes no key (no order id); the Retry above it made "m1"`,
-		},
-		{
-			name:        "Retry's Key fails: Dedup dead-letters with its error",
-			layers:      []func(store.Store) rabbitmw.Middleware{retry(middleware.Keying{Key: noID}), dedup(middleware.Keying{})},
-			wantOutcome: rabbitmw.DeadLetter, wantIs: errNoID,
-			wantText: "middleware: dedup: no idempotency key: no order id",
-		},
-		{
-			name:        "Retry beneath Dedup uses Dedup's key",
-			layers:      []func(store.Store) rabbitmw.Middleware{dedup(ns("billing")), retry(middleware.Keying{})},
-			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1", wantFailed: "billing:m1",
-		},
-		{
-			name:        "Retry beneath Dedup with another Keying",
-			layers:      []func(store.Store) rabbitmw.Middleware{dedup(ns("billing")), retry(ns("shipping"))},
-			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
-			wantText: `middleware: keyed layers disagree on a message's key: Retry makes "shipping:m1"; the Dedup above it made "billing:m1"`,
 		},
 		{
 			name:        "through a layer of one's own and Recover",
-			layers:      []func(store.Store) rabbitmw.Middleware{retry(ns("billing")), own, recoverer, dedup(middleware.Keying{})},
-			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1", wantFailed: "billing:m1",
-		},
-		{
-			name:        "a mismatch through a layer of one's own",
-			layers:      []func(store.Store) rabbitmw.Middleware{retry(middleware.Keying{}), own, dedup(ns("billing"))},
-			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
-			wantText: `middleware: keyed layers disagree on a message's key: Dedup makes "billing:m1"; the Retry above it made "m1"`,
-		},
-		{
-			name:        "a mismatch through Recover",
-			layers:      []func(store.Store) rabbitmw.Middleware{retry(middleware.Keying{}), recoverer, dedup(ns("billing"))},
-			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
-			wantText: `middleware: keyed layers disagree on a message's key: Dedup makes "billing:m1"; the Retry above it made "m1"`,
-		},
-		{
-			name:        "Retry beneath Dedup and a layer of one's own",
-			layers:      []func(store.Store) rabbitmw.Middleware{dedup(ns("billing")), own, retry(middleware.Keying{})},
+			layers:      []layer{keys(ns("billing")), own, retry, own, recoverer, dedup},
 			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1", wantFailed: "billing:m1",
 		},
 		{
 			name:        "a Retry that counts by the header makes no key",
-			layers:      []func(store.Store) rabbitmw.Middleware{byHeader, dedup(ns("billing"))},
+			layers:      []layer{keys(ns("billing")), byHeader, dedup},
 			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1",
+		},
+		{
+			name:        "the Key fails: Dedup dead-letters with its error",
+			layers:      []layer{keys(middleware.Keying{Key: noID}), retry, dedup},
+			wantOutcome: rabbitmw.DeadLetter, wantIs: errNoID,
+			wantText: "middleware: dedup: no idempotency key: no order id",
+		},
+		{
+			name:        "Keys beneath Retry: dead-lettered, the handler not run",
+			layers:      []layer{retry, keys(ns("billing")), dedup},
+			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
+			wantText: `middleware: keyed layers disagree on a message's key: Keys makes "billing:m1"; the Retry above it made "m1"`,
+		},
+		{
+			name:        "Keys beneath Recover beneath Retry",
+			layers:      []layer{retry, recoverer, keys(ns("billing")), dedup},
+			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
+			wantText: `middleware: keyed layers disagree on a message's key: Keys makes "billing:m1"; the Retry above it made "m1"`,
+		},
+		{
+			name:        "Keys beneath Keys, another namespace",
+			layers:      []layer{keys(ns("billing")), own, keys(ns("shipping")), retry, dedup},
+			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
+			wantText: `middleware: keyed layers disagree on a message's key: Keys makes "shipping:m1"; the Keys above it made "billing:m1"`,
+		},
+		{
+			name:        "Keys beneath Keys, the same key",
+			layers:      []layer{keys(ns("billing")), keys(ns("billing")), retry, dedup},
+			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1", wantFailed: "billing:m1",
 		},
 	}
 	for _, tt := range tests {
@@ -159,26 +139,21 @@ func TestKeyingShared(t *testing.T) {
 				return errBoom
 			}))
 			err := h.Handle(ctx, &amqp.Delivery{MessageId: "m1", Body: []byte("order 42")})
-			if got := rabbitmw.Decide(err).Outcome; got != tt.wantOutcome {
-				t.Errorf("outcome %v (%v); want %v", got, err, tt.wantOutcome)
+			assert.Equal(t, tt.wantOutcome, rabbitmw.Decide(err).Outcome, "outcome of %v", err)
+			assert.Equal(t, tt.wantClaim, claimed, "the handler's claim")
+			if tt.wantIs != nil {
+				assert.ErrorIs(t, err, tt.wantIs)
 			}
-			if claimed != tt.wantClaim {
-				t.Errorf("handler ran with claim %q; want %q", claimed, tt.wantClaim)
-			}
-			if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
-				t.Errorf("result %v; want one wrapping %v", err, tt.wantIs)
-			}
-			if tt.wantText != "" && err.Error() != tt.wantText {
-				t.Errorf("result %q; want %q", err, tt.wantText)
+			if tt.wantText != "" {
+				assert.EqualError(t, err, tt.wantText)
 			}
 			for _, key := range []string{"m1", "billing:m1", "shipping:m1"} {
 				want := int64(0)
 				if key == tt.wantFailed {
 					want = 1
 				}
-				if ks, _ := st.Inspect(ctx, key); ks.Failures != want {
-					t.Errorf("failures under %q: %d; want %d", key, ks.Failures, want)
-				}
+				ks, _ := st.Inspect(ctx, key)
+				assert.Equal(t, want, ks.Failures, "failures under %q", key)
 			}
 		})
 	}
@@ -190,21 +165,17 @@ func TestKeyingOtherDelivery(t *testing.T) {
 	ctx := context.Background()
 	st := store.NewMemory()
 	inner := middleware.Dedup(st, middleware.DedupOptions{})(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
-		if c, _ := middleware.ClaimFrom(ctx); c.Key() != "m2" {
-			t.Errorf("inner claim %q; want %q", c.Key(), "m2")
-		}
+		c, _ := middleware.ClaimFrom(ctx)
+		assert.Equal(t, "m2", c.Key(), "inner claim")
 		return nil
 	}))
 	outer := middleware.Stack(st, middleware.StackOptions{Keying: middleware.Keying{Namespace: "billing"}})(rabbitmw.HandlerFunc(
 		func(ctx context.Context, _ *amqp.Delivery) error {
 			return inner.Handle(ctx, &amqp.Delivery{MessageId: "m2"})
 		}))
-	if err := outer.Handle(ctx, &amqp.Delivery{MessageId: "m1"}); err != nil {
-		t.Fatalf("Handle: %v", err)
-	}
+	require.NoError(t, outer.Handle(ctx, &amqp.Delivery{MessageId: "m1"}))
 	for key, want := range map[string]store.Status{"billing:m1": store.Done, "m2": store.Done, "billing:m2": 0} {
-		if ks, _ := st.Inspect(ctx, key); ks.Status != want {
-			t.Errorf("%q is %v; want %v", key, ks.Status, want)
-		}
+		ks, _ := st.Inspect(ctx, key)
+		assert.Equal(t, want, ks.Status, "%q", key)
 	}
 }

@@ -2,7 +2,6 @@ package middleware_test
 
 import (
 	"context"
-	"errors"
 	"slices"
 	"sync"
 	"testing"
@@ -10,6 +9,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
@@ -48,7 +49,7 @@ func (l *eventLog) got() []string {
 func TestDedupObserve(t *testing.T) {
 	s := &faultyStore{Store: store.NewMemory()}
 	var log eventLog
-	h := middleware.Dedup(s, middleware.DedupOptions{Keying: middleware.Keying{Namespace: "ns"}, Observe: log.observe})(nop)
+	h := rabbitmw.Chain(middleware.Keys(middleware.Keying{Namespace: "ns"}), middleware.Dedup(s, middleware.DedupOptions{Observe: log.observe}))(nop)
 	ctx := context.WithValue(context.Background(), tagKey{}, true)
 
 	d, _ := deliverytest.New("m1", "")
@@ -62,15 +63,9 @@ func TestDedupObserve(t *testing.T) {
 	h.Handle(ctx, d3) // unavailable
 
 	want := []string{"claimed", "duplicate", "busy", "unavailable"}
-	if got := log.got(); !slices.Equal(got, want) {
-		t.Errorf("events = %v; want %v", got, want)
-	}
-	if want := []string{"ns:m1", "ns:m1", "ns:m2", "ns:m3"}; !slices.Equal(log.keys, want) {
-		t.Errorf("keys = %v; want %v", log.keys, want)
-	}
-	if log.tagged != len(want) {
-		t.Errorf("%d of %d events came with the delivery's context", log.tagged, len(want))
-	}
+	assert.Equal(t, want, log.got(), "events")
+	assert.Equal(t, []string{"ns:m1", "ns:m1", "ns:m2", "ns:m3"}, log.keys, "keys")
+	assert.Equal(t, len(want), log.tagged, "events that came with the delivery's context")
 }
 
 // Renewals and a lost lease are events too, the renewals with the
@@ -88,16 +83,10 @@ func TestDedupObserveLease(t *testing.T) {
 			}))
 		ctx := context.WithValue(context.Background(), tagKey{}, true)
 		d, _ := deliverytest.New("m1", "")
-		if err := h.Handle(ctx, d); err != nil {
-			t.Fatalf("Handle = %v; want nil", err)
-		}
+		require.NoError(t, h.Handle(ctx, d))
 		want := []string{"claimed", "lease_renewed", "lease_renewed", "lease_renewed", "lease_renewed"}
-		if got := log.got(); !slices.Equal(got, want) {
-			t.Errorf("events = %v; want %v", got, want)
-		}
-		if log.tagged != len(want) {
-			t.Errorf("%d of %d events came with the delivery's context", log.tagged, len(want))
-		}
+		assert.Equal(t, want, log.got(), "events")
+		assert.Equal(t, len(want), log.tagged, "events that came with the delivery's context")
 	})
 }
 
@@ -109,13 +98,8 @@ func TestDedupObserveLeaseLost(t *testing.T) {
 	var log eventLog
 	h := middleware.Dedup(s, middleware.DedupOptions{Observe: log.observe})(nop)
 	d, _ := deliverytest.New("m1", "")
-	if err := h.Handle(context.Background(), d); !errors.Is(err, middleware.ErrLeaseLost) {
-		t.Fatalf("Handle = %v; want ErrLeaseLost", err)
-	}
-	want := []string{"claimed", "lease_lost"}
-	if got := log.got(); !slices.Equal(got, want) {
-		t.Errorf("events = %v; want %v", got, want)
-	}
+	require.ErrorIs(t, h.Handle(context.Background(), d), middleware.ErrLeaseLost)
+	assert.Equal(t, []string{"claimed", "lease_lost"}, log.got(), "events")
 }
 
 // A claim whose lease ended unfinished is reported as abandoned.
@@ -128,11 +112,7 @@ func TestDedupObserveAbandoned(t *testing.T) {
 		s.Claim(ctx, "m1", "crashed", time.Second) // a consumer that died
 		time.Sleep(2 * time.Second)
 		d, _ := deliverytest.New("m1", "")
-		if err := h.Handle(ctx, d); !errors.Is(err, middleware.ErrAbandoned) {
-			t.Fatalf("Handle = %v; want ErrAbandoned", err)
-		}
-		if got, want := log.got(), []string{"abandoned"}; !slices.Equal(got, want) {
-			t.Errorf("events = %v; want %v", got, want)
-		}
+		require.ErrorIs(t, h.Handle(ctx, d), middleware.ErrAbandoned)
+		assert.Equal(t, []string{"abandoned"}, log.got(), "events")
 	})
 }

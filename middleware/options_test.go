@@ -4,6 +4,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 )
@@ -21,14 +23,8 @@ func TestConstructorPanics(t *testing.T) {
 			"middleware: Retry: nil store (set RetryOptions.CountByHeader to count by the attempts header alone)"},
 		{"Retry CountByHeader with a store", func() { middleware.Retry(st, middleware.RetryOptions{CountByHeader: true}) },
 			"middleware: Retry: RetryOptions.CountByHeader with a store"},
-		{"Retry CountByHeader with a Namespace", func() {
-			middleware.Retry(nil, middleware.RetryOptions{CountByHeader: true, Keying: middleware.Keying{Namespace: "ns"}})
-		}, "middleware: Retry: RetryOptions.CountByHeader with a Keying or a TTL, which only a store uses"},
-		{"Retry CountByHeader with a Key", func() {
-			middleware.Retry(nil, middleware.RetryOptions{CountByHeader: true, Keying: middleware.Keying{Key: middleware.Key}})
-		}, "middleware: Retry: RetryOptions.CountByHeader with a Keying or a TTL, which only a store uses"},
 		{"Retry CountByHeader with a TTL", func() { middleware.Retry(nil, middleware.RetryOptions{CountByHeader: true, TTL: time.Hour}) },
-			"middleware: Retry: RetryOptions.CountByHeader with a Keying or a TTL, which only a store uses"},
+			"middleware: Retry: RetryOptions.CountByHeader with a TTL, which only a store uses"},
 		{"Retry negative MaxAttempts", func() { middleware.Retry(st, middleware.RetryOptions{MaxAttempts: -1}) },
 			"middleware: Retry: negative MaxAttempts -1"},
 		{"Retry negative TTL", func() { middleware.Retry(st, middleware.RetryOptions{TTL: -time.Second}) },
@@ -49,26 +45,27 @@ func TestConstructorPanics(t *testing.T) {
 			"middleware: Timeout: non-positive duration -1s"},
 		{"Stack nil store", func() { middleware.Stack(nil, middleware.StackOptions{}) },
 			"middleware: Stack: nil store"},
-		{"Stack negative Lease", func() { middleware.Stack(st, middleware.StackOptions{Lease: -time.Minute}) },
-			"middleware: Stack: negative Lease -1m0s"},
+		{"Stack negative Lease", func() {
+			middleware.Stack(st, middleware.StackOptions{Dedup: middleware.DedupOptions{Lease: -time.Minute}})
+		},
+			"middleware: Stack: negative Dedup.Lease -1m0s"},
 		{"Stack negative Timeout", func() { middleware.Stack(st, middleware.StackOptions{Timeout: -time.Minute}) },
 			"middleware: Stack: negative Timeout -1m0s"},
 		{"Stack Timeout above the default lease", func() { middleware.Stack(st, middleware.StackOptions{Timeout: 6 * time.Minute}) },
 			"middleware: Stack: Timeout 6m0s is not below the lease 5m0s"},
-		{"Stack Timeout equal to the lease", func() { middleware.Stack(st, middleware.StackOptions{Lease: time.Minute, Timeout: time.Minute}) },
+		{"Stack Timeout equal to the lease", func() {
+			middleware.Stack(st, middleware.StackOptions{Dedup: middleware.DedupOptions{Lease: time.Minute}, Timeout: time.Minute})
+		},
 			"middleware: Stack: Timeout 1m0s is not below the lease 1m0s"},
-		{"Stack default Timeout above the Lease", func() { middleware.Stack(st, middleware.StackOptions{Lease: 10 * time.Second}) },
+		{"Stack default Timeout above the Lease", func() {
+			middleware.Stack(st, middleware.StackOptions{Dedup: middleware.DedupOptions{Lease: 10 * time.Second}})
+		},
 			"middleware: Stack: Timeout 30s is not below the lease 10s"},
-		{"Stack negative MaxAttempts", func() { middleware.Stack(st, middleware.StackOptions{MaxAttempts: -3}) },
+		{"Stack negative MaxAttempts", func() { middleware.Stack(st, middleware.StackOptions{Retry: middleware.RetryOptions{MaxAttempts: -3}}) },
 			"middleware: Retry: negative MaxAttempts -3"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			defer func() {
-				if got := recover(); got != tt.want {
-					t.Errorf("panic %#v; want %q", got, tt.want)
-				}
-			}()
-			tt.f()
+			assert.PanicsWithValue(t, tt.want, tt.f)
 		})
 	}
 }

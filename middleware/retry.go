@@ -29,15 +29,12 @@ type RetryOptions struct {
 	// failed attempt number n (from 1). Default: Exponential(time.Second,
 	// time.Minute).
 	Backoff func(n int) time.Duration
-	// Keying names a delivery's failures in the store. Retry hands the key
-	// it makes to the Dedup beneath it, which uses it: see [Keying].
-	Keying
 	// TTL is how long a failure count is kept after the last failure.
 	// Default 24 hours.
 	TTL time.Duration
 	// CountByHeader counts failures by the rabbitmw.HeaderAttempts header
-	// alone, with no store: Retry must then be given a nil store, and
-	// neither a Keying nor a TTL, which only a store uses. Only the broker
+	// alone, with no store: Retry must then be given a nil store, and no
+	// TTL, which only a store uses. Only the broker
 	// package's delayed retries update the header, and a count that lives
 	// only in the message is lost with it, so prefer a store.
 	CountByHeader bool
@@ -117,8 +114,8 @@ func Retry(s store.Store, opts RetryOptions) rabbitmw.Middleware {
 		panic("middleware: Retry: nil store (set RetryOptions.CountByHeader to count by the attempts header alone)")
 	case s != nil && opts.CountByHeader:
 		panic("middleware: Retry: RetryOptions.CountByHeader with a store")
-	case opts.CountByHeader && (opts.Key != nil || opts.Namespace != "" || opts.TTL != 0):
-		panic("middleware: Retry: RetryOptions.CountByHeader with a Keying or a TTL, which only a store uses")
+	case opts.CountByHeader && opts.TTL != 0:
+		panic("middleware: Retry: RetryOptions.CountByHeader with a TTL, which only a store uses")
 	case opts.MaxAttempts < 0:
 		panic(fmt.Sprintf("middleware: Retry: negative MaxAttempts %d", opts.MaxAttempts))
 	case opts.TTL < 0:
@@ -128,7 +125,7 @@ func Retry(s store.Store, opts RetryOptions) rabbitmw.Middleware {
 		store:     s,
 		max:       opts.MaxAttempts,
 		backoff:   opts.Backoff,
-		keying:    newKeying(opts.Keying, "Retry"),
+		keying:    newKeying(Keying{}, "Retry"),
 		ttl:       cmp.Or(opts.TTL, 24*time.Hour),
 		permanent: opts.Permanent,
 		alone:     make(chan struct{}, 1),
@@ -232,9 +229,8 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 	return rabbitmw.RetryAfter(rabbitmw.WithAttempts(err, n), delay)
 }
 
-// handleNext runs the layers beneath for d, handing them the key that
-// Retry makes for d (see [Keying]). If a layer above made another, it
-// returns the mismatch, dead-lettered, and runs nothing.
+// handleNext runs the layers beneath for d, handing them the key of d: the
+// one a layer above made (a [Keys] layer), or else Retry's own, by [Key].
 func (h *retry) handleNext(ctx context.Context, d *amqp.Delivery) error {
 	if h.store == nil { // counting by the header, with no key
 		return h.next.Handle(ctx, d)

@@ -6,11 +6,12 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
-	"slices"
 	"testing"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/middleware"
@@ -28,27 +29,29 @@ func TestStack(t *testing.T) {
 	var events []string
 	const lease, timeout = 2 * time.Minute, 40 * time.Second
 	opts := middleware.StackOptions{
-		Logger:  slog.New(slog.NewJSONHandler(&logs, nil)),
-		Log:     middleware.LogOptions{DuplicateLevel: slog.LevelDebug},
-		Keying:  middleware.Keying{Namespace: "billing"},
-		Backoff: func(int) time.Duration { return 7 * time.Second },
-		Lease:   lease,
+		Logger: slog.New(slog.NewJSONHandler(&logs, nil)),
+		Log:    middleware.LogOptions{DuplicateLevel: slog.LevelDebug},
+		Keying: middleware.Keying{Namespace: "billing"},
+		Retry:  middleware.RetryOptions{Backoff: func(int) time.Duration { return 7 * time.Second }},
+		Dedup: middleware.DedupOptions{
+			Lease:   lease,
+			Observe: func(_ context.Context, e middleware.DedupEvent) { events = append(events, e.Kind.String()) },
+		},
 		Timeout: timeout,
-		Observe: func(_ context.Context, e middleware.DedupEvent) { events = append(events, e.Kind.String()) },
 	}
 	calls := 0
 	h := middleware.Stack(st, opts)(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 		calls++
 		c, ok := middleware.ClaimFrom(ctx)
-		if !ok || c.Key() != "billing:m1" {
-			t.Errorf("handler's claim %v, %v; want billing:m1", c, ok)
+		if assert.True(t, ok, "the handler's claim") {
+			assert.Equal(t, "billing:m1", c.Key())
 		}
-		if ks, _ := st.Inspect(ctx, "billing:m1"); ks.Status != store.Processing || ks.TTL > lease || ks.TTL < lease-time.Minute {
-			t.Errorf("while the handler runs, billing:m1 is %v for %v; want processing for %v", ks.Status, ks.TTL, lease)
-		}
-		if dl, ok := ctx.Deadline(); !ok || time.Until(dl) > timeout || time.Until(dl) < timeout-time.Minute/2 {
-			t.Errorf("handler's deadline in %v (%v); want %v", time.Until(dl), ok, timeout)
-		}
+		ks, _ := st.Inspect(ctx, "billing:m1")
+		assert.Equal(t, store.Processing, ks.Status, "billing:m1 while the handler runs")
+		assert.InDelta(t, float64(lease), float64(ks.TTL), float64(time.Minute), "the lease")
+		dl, ok := ctx.Deadline()
+		assert.True(t, ok, "the handler has a deadline")
+		assert.InDelta(t, float64(timeout), float64(time.Until(dl)), float64(time.Minute/2), "the handler's deadline")
 		if calls == 1 {
 			panic("kaboom")
 		}
@@ -74,35 +77,27 @@ func TestStack(t *testing.T) {
 			t.Errorf("delivery %d: %v after %v, attempts %d; want %v after %v, attempts %d",
 				i, dec.Outcome, dec.Delay, dec.Attempts, want.outcome, want.delay, want.attempts)
 		}
-		if ks, _ := st.Inspect(ctx, "billing:m1"); ks.Failures != want.failures || ks.Status != want.status {
-			t.Errorf("delivery %d: billing:m1 is %v with %d failures; want %v with %d", i, ks.Status, ks.Failures, want.status, want.failures)
-		}
-		if calls != want.calls {
-			t.Errorf("delivery %d: handler called %d times; want %d", i, calls, want.calls)
-		}
+		ks, _ := st.Inspect(ctx, "billing:m1")
+		assert.Equal(t, want.status, ks.Status, "delivery %d: billing:m1", i)
+		assert.Equal(t, want.failures, ks.Failures, "delivery %d: failures", i)
+		assert.Equal(t, want.calls, calls, "delivery %d: handler calls", i)
 		var rec struct{ Outcome string }
 		if logs.Len() > 0 {
-			if err := json.Unmarshal(logs.Bytes(), &rec); err != nil {
-				t.Fatalf("delivery %d: log %q: %v", i, logs.String(), err)
-			}
+			require.NoError(t, json.Unmarshal(logs.Bytes(), &rec), "delivery %d: log %q", i, logs.String())
 		}
-		if rec.Outcome != want.log {
-			t.Errorf("delivery %d: logged %q; want %q", i, logs.String(), want.log)
-		}
+		assert.Equal(t, want.log, rec.Outcome, "delivery %d: logged %q", i, logs.String())
 	}
-	if got, want := events, []string{"claimed", "claimed", "duplicate"}; !slices.Equal(got, want) {
-		t.Errorf("Dedup's events %q; want %q", got, want)
-	}
+	assert.Equal(t, []string{"claimed", "claimed", "duplicate"}, events, "Dedup's events")
 }
 
 // Stack's Retry dead-letters after MaxAttempts, or at once an error that
 // Permanent reports.
 func TestStackRetryOptions(t *testing.T) {
 	errBad := errors.New("malformed order")
-	h := middleware.Stack(store.NewMemory(), middleware.StackOptions{
+	h := middleware.Stack(store.NewMemory(), middleware.StackOptions{Retry: middleware.RetryOptions{
 		MaxAttempts: 2,
 		Permanent:   func(err error) bool { return errors.Is(err, errBad) },
-	})(rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+	}})(rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
 		if d.MessageId == "bad" {
 			return errBad
 		}
@@ -112,8 +107,38 @@ func TestStackRetryOptions(t *testing.T) {
 		id   string
 		want rabbitmw.Outcome
 	}{{"m1", rabbitmw.Delay}, {"m1", rabbitmw.DeadLetter}, {"bad", rabbitmw.DeadLetter}} {
-		if got := rabbitmw.Decide(h.Handle(context.Background(), &amqp.Delivery{MessageId: tt.id, Redelivered: i == 1})).Outcome; got != tt.want {
-			t.Errorf("delivery %d (%s): %v; want %v", i, tt.id, got, tt.want)
-		}
+		got := rabbitmw.Decide(h.Handle(context.Background(), &amqp.Delivery{MessageId: tt.id, Redelivered: i == 1})).Outcome
+		assert.Equal(t, tt.want, got, "delivery %d (%s)", i, tt.id)
 	}
+}
+
+// Stack reaches the settings of every layer: here Dedup's BusyDelay and
+// Retention and Retry's TTL, which the layers' own tests cover.
+func TestStackReachesEverySetting(t *testing.T) {
+	ctx := context.Background()
+	st := store.NewMemory()
+	h := middleware.Stack(st, middleware.StackOptions{
+		Retry: middleware.RetryOptions{TTL: 3 * time.Hour},
+		Dedup: middleware.DedupOptions{BusyDelay: 42 * time.Millisecond, Retention: 2 * time.Hour},
+	})(rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
+		if d.Redelivered {
+			return nil
+		}
+		return errBoom
+	}))
+
+	_, err := st.Claim(ctx, "held", "another consumer", time.Minute)
+	require.NoError(t, err)
+	dec := rabbitmw.Decide(h.Handle(ctx, &amqp.Delivery{MessageId: "held"}))
+	assert.Equal(t, rabbitmw.Delay, dec.Outcome)
+	assert.Equal(t, 42*time.Millisecond, dec.Delay, "Dedup.BusyDelay")
+
+	h.Handle(ctx, &amqp.Delivery{MessageId: "m1"}) // fails: counted
+	ks, err := st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.InDelta(t, float64(3*time.Hour), float64(ks.FailuresTTL), float64(time.Minute), "Retry.TTL")
+	require.NoError(t, h.Handle(ctx, &amqp.Delivery{MessageId: "m1", Redelivered: true}))
+	ks, err = st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.InDelta(t, float64(2*time.Hour), float64(ks.TTL), float64(time.Minute), "Dedup.Retention")
 }

@@ -8,14 +8,14 @@
 // A [Telemetry] serves the consumers of one queue, which Options.Queue
 // names (a delivery does not), and any number of publishers. Wire it in
 // three places: its layer first in the chain, its Dedup observer in the
-// Dedup layer (StackOptions.Observe), and its broker observer in the
+// Dedup layer (DedupOptions.Observe, StackOptions.Dedup.Observe), and its broker observer in the
 // Broker:
 //
 //	tel := otelmw.New(otelmw.Options{Queue: "orders"})
 //	b := broker.New(url, broker.Options{Observer: tel.Broker()})
 //	chain := rabbitmw.Chain(
 //		tel.Middleware(),
-//		middleware.Stack(s, middleware.StackOptions{Logger: logger, Observe: tel.Dedup()}),
+//		middleware.Stack(s, middleware.StackOptions{Logger: logger, Dedup: middleware.DedupOptions{Observe: tel.Dedup()}}),
 //	)
 //
 // Then a message's trace holds the producer's "send orders" span and, as

@@ -46,7 +46,7 @@ func Example() {
 	defer b.Close()
 	chain := rabbitmw.Chain(
 		tel.Middleware(), // 2: outermost in the chain
-		middleware.Stack(store.NewMemory(), middleware.StackOptions{Observe: tel.Dedup()}), // 3: Dedup's observer
+		middleware.Stack(store.NewMemory(), middleware.StackOptions{Dedup: middleware.DedupOptions{Observe: tel.Dedup()}}), // 3: Dedup's observer
 	)
 
 	ctx, cancel := context.WithCancel(context.Background())

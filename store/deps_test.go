@@ -4,6 +4,8 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 // The core packages, the store interface among them, do not link go-redis
@@ -14,9 +16,7 @@ func TestCoreDoesNotLinkClients(t *testing.T) {
 		"github.com/rabbitmw/rabbitmw/store", "github.com/rabbitmw/rabbitmw/store/storetest",
 		"github.com/rabbitmw/rabbitmw/broker/...", "github.com/rabbitmw/rabbitmw/rabbitmwtest"}
 	out, err := exec.Command("go", append([]string{"list", "-deps"}, core...)...).CombinedOutput()
-	if err != nil {
-		t.Fatalf("go list -deps: %v\n%s", err, out)
-	}
+	require.NoError(t, err, "go list -deps: %s", out)
 	for _, p := range strings.Fields(string(out)) {
 		if strings.HasPrefix(p, "github.com/redis/go-redis/") || strings.HasPrefix(p, "github.com/jackc/pgx/") ||
 			strings.HasSuffix(p, "/redisstore") || strings.HasSuffix(p, "/pgstore") {

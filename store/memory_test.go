@@ -9,6 +9,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/storetest"
+	"github.com/stretchr/testify/require"
 )
 
 func TestMemoryConformance(t *testing.T) {
@@ -31,21 +32,18 @@ func TestMemorySweepsExpiredEntries(t *testing.T) {
 		ctx := context.Background()
 		for i := range 5000 {
 			k := fmt.Sprint("short-", i)
-			if _, err := m.Claim(ctx, k, "t", time.Millisecond); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := m.Fail(ctx, k, time.Millisecond); err != nil {
-				t.Fatal(err)
-			}
+			_, err := m.Claim(ctx, k, "t", time.Millisecond)
+			require.NoError(t, err)
+			_, err = m.Fail(ctx, k, time.Millisecond)
+			require.NoError(t, err)
 		}
 		time.Sleep(10 * time.Millisecond)
 		// A sweep comes within as many writes as the last one kept entries
 		// (at most 10,000 here), and it removes every expired entry.
 		const live = 20000
 		for i := range live {
-			if _, err := m.Claim(ctx, fmt.Sprint("live-", i), "t", time.Hour); err != nil {
-				t.Fatal(err)
-			}
+			_, err := m.Claim(ctx, fmt.Sprint("live-", i), "t", time.Hour)
+			require.NoError(t, err)
 		}
 		claims, failures := m.Len()
 		if claims != live || failures != 0 {

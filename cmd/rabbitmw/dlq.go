@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -194,10 +195,24 @@ func (e *env) table(dls []*deadletter.Message) {
 			text = "[malformed: " + strings.Join(dl.Malformed, ", ") + "] " + text
 		}
 		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\t%s\t%d\t%d\t%s\n", orDash(dl.Key), queue, dl.Attempts, orDash(dl.ErrorType),
-			stamp(dl.FirstFailure), stamp(dl.LastFailure), dl.Replays, dl.BodySize, cut(oneLine(text), 60))
+			stamp(dl.FirstFailure), stamp(dl.LastFailure), dl.Replays, dl.BodySize, cut(oneLine(causeFirst(text)), 60))
 	}
 	w.Flush()
 	fmt.Fprintf(e.stdout, "%d message(s)\n", len(dls))
+}
+
+// legacyExhausted is Retry's reason at its limit as it read before it
+// put the cause first.
+var legacyExhausted = regexp.MustCompile(`^(middleware: retries exhausted after \d+ attempts): (.+)$`)
+
+// causeFirst returns an error text with the cause first: Retry's reason
+// at its limit, as written on the messages dead-lettered before it read
+// cause first, turned round.
+func causeFirst(text string) string {
+	if m := legacyExhausted.FindStringSubmatch(text); m != nil {
+		return m[2] + " (" + m[1] + ")"
+	}
+	return text
 }
 
 func orDash(s string) string {

@@ -332,18 +332,9 @@ func (s *storeFlags) open(ctx context.Context, timeout time.Duration) (inspectin
 // openPostgres opens the pgstore of --postgres and --table, and checks that
 // the database answers and holds the store's tables.
 func (s *storeFlags) openPostgres(ctx context.Context, timeout time.Duration) (inspectingStore, func(), error) {
-	cfg, err := pgxpool.ParseConfig(s.postgres)
+	pool, ping, err := openPool(ctx, s.postgres, timeout)
 	if err != nil {
-		return nil, nil, usageError("--postgres: %v", err)
-	}
-	if cfg.ConnConfig.ConnectTimeout == 0 {
-		cfg.ConnConfig.ConnectTimeout = timeout
-	}
-	where := net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port)))
-	cfg.MaxConns = 2
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, nil, fmt.Errorf("--postgres: %w", err)
+		return nil, nil, err
 	}
 	st, err := newPgStore(pool, s.table)
 	if err != nil {
@@ -354,17 +345,41 @@ func (s *storeFlags) openPostgres(ctx context.Context, timeout time.Duration) (i
 		st.Close()
 		pool.Close()
 	}
-	cctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	if err := pool.Ping(cctx); err != nil {
+	if err := ping(ctx); err != nil {
 		closeAll()
-		return nil, nil, unreachable("PostgreSQL", where, timeout, err)
+		return nil, nil, err
 	}
 	if err := st.Check(ctx); err != nil {
 		closeAll()
 		return nil, nil, err
 	}
 	return st, closeAll, nil
+}
+
+// openPool opens a pool of two connections on the PostgreSQL database of
+// --postgres url (it connects when first used), and returns it with a
+// function that checks, within timeout, that the database answers.
+func openPool(ctx context.Context, url string, timeout time.Duration) (pool *pgxpool.Pool, ping func(context.Context) error, err error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, nil, usageError("--postgres: %v", err)
+	}
+	if cfg.ConnConfig.ConnectTimeout == 0 {
+		cfg.ConnConfig.ConnectTimeout = timeout
+	}
+	where := net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port)))
+	cfg.MaxConns = 2
+	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
+		return nil, nil, fmt.Errorf("--postgres: %w", err)
+	}
+	return pool, func(ctx context.Context) error {
+		ctx, cancel := context.WithTimeout(ctx, timeout)
+		defer cancel()
+		if err := pool.Ping(ctx); err != nil {
+			return unreachable("PostgreSQL", where, timeout, err)
+		}
+		return nil
+	}, nil
 }
 
 // newPgStore returns pgstore.New(pool, table), or a usage error where New

@@ -4,12 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"strconv"
 	"text/tabwriter"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 )
@@ -165,38 +162,27 @@ func (e *env) outbox(ctx context.Context, args []string) error {
 // openOutbox opens the outbox of url and table, and checks that the
 // database answers and holds the table.
 func openOutbox(ctx context.Context, url, table string, timeout time.Duration) (ob *pgstore.Outbox, closePool func(), err error) {
-	cfg, err := pgxpool.ParseConfig(url)
+	pool, ping, err := openPool(ctx, url, timeout)
 	if err != nil {
-		return nil, nil, usageError("--postgres: %v", err)
-	}
-	if cfg.ConnConfig.ConnectTimeout == 0 {
-		cfg.ConnConfig.ConnectTimeout = timeout
-	}
-	where := net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port)))
-	cfg.MaxConns = 2
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, nil, fmt.Errorf("--postgres: %w", err)
+		return nil, nil, err
 	}
 	func() {
-		defer func() {
+		defer func() { // NewOutbox panics on a bad name: here, the operator's typing
 			if r := recover(); r != nil {
 				err = usageError("--table: %v", r)
 			}
 		}()
 		ob = pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: table})
 	}()
+	if err == nil {
+		err = ping(ctx)
+	}
+	if err == nil {
+		cctx, cancel := context.WithTimeout(ctx, timeout)
+		err = ob.Check(cctx)
+		cancel()
+	}
 	if err != nil {
-		pool.Close()
-		return nil, nil, err
-	}
-	cctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	if err := pool.Ping(cctx); err != nil {
-		pool.Close()
-		return nil, nil, unreachable("PostgreSQL", where, timeout, err)
-	}
-	if err := ob.Check(cctx); err != nil {
 		pool.Close()
 		return nil, nil, err
 	}

@@ -26,8 +26,10 @@ func (e *env) ui(ctx context.Context, args []string) error {
 	fs.Var(&queues, "queue", "a work queue to show (repeatable, or comma-separated; required)")
 	fs.alias("q", "queue")
 	listen := fs.String("listen", "127.0.0.1:8080", "the address to serve on; one that is not loopback needs --token or --basic-auth")
-	token := fs.String("token", os.Getenv("RABBITMW_UI_TOKEN"), "require this token of every request (default $RABBITMW_UI_TOKEN)")
-	basic := fs.String("basic-auth", os.Getenv("RABBITMW_UI_BASIC_AUTH"), "require this USER:PASSWORD of every request (default $RABBITMW_UI_BASIC_AUTH)")
+	// The secrets' defaults are read after parsing: a flag's default is
+	// printed by -h.
+	token := fs.String("token", "", "require this token of every request (default $RABBITMW_UI_TOKEN)")
+	basic := fs.String("basic-auth", "", "require this USER:PASSWORD of every request (default $RABBITMW_UI_BASIC_AUTH)")
 	readOnly := fs.Bool("read-only", false, "show, and refuse every replay and purge")
 	var delays list
 	fs.Var(&delays, "delays", "the delay ladder of the queues, comma-separated (default 1s,5s,30s,2m,10m,1h)")
@@ -42,6 +44,12 @@ func (e *env) ui(ctx context.Context, args []string) error {
 	}
 	if len(queues) == 0 {
 		return usageError("-q/--queue QUEUE is required")
+	}
+	if *token == "" {
+		*token = os.Getenv("RABBITMW_UI_TOKEN")
+	}
+	if *basic == "" {
+		*basic = os.Getenv("RABBITMW_UI_BASIC_AUTH")
 	}
 	cfg := consoleConfig{amqpURLs: c.amqpURLs(), queues: queues, store: &sf, timeout: e.timeout, readOnly: *readOnly, token: *token,
 		logger: slog.New(slog.NewTextHandler(e.stderr, nil))}

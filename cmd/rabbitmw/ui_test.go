@@ -366,11 +366,12 @@ func TestConsolePages(t *testing.T) {
 }
 
 // `rabbitmw ui` serves until interrupted, then stops and exits 0; the
-// address it prints with ?token= logs the browser in.
+// address it prints with ?token= logs the browser in; -h does not show
+// the token of the environment.
 func TestUICommand(t *testing.T) {
 	_, amqpURL, q := setupQueue(t)
-	cmd := exec.Command(binary, "ui", "-q", q, "--listen", "127.0.0.1:0", "--token", "t0ken")
-	cmd.Env = append(os.Environ(), "RABBITMQ_URL="+amqpURL)
+	cmd := exec.Command(binary, "ui", "-q", q, "--listen", "127.0.0.1:0")
+	cmd.Env = append(os.Environ(), "RABBITMQ_URL="+amqpURL, "RABBITMW_UI_TOKEN=t0ken")
 	stderr, err := cmd.StderrPipe()
 	require.NoError(t, err)
 	require.NoError(t, cmd.Start())
@@ -396,6 +397,12 @@ func TestUICommand(t *testing.T) {
 	resp.Body.Close()
 	assert.Equal(t, http.StatusOK, resp.StatusCode)
 	assert.Contains(t, string(body), q+".dlq")
+
+	help := exec.Command(binary, "ui", "-h")
+	help.Env = cmd.Env
+	out, err := help.Output()
+	require.NoError(t, err)
+	assert.NotContains(t, string(out), "t0ken")
 
 	require.NoError(t, cmd.Process.Signal(os.Interrupt))
 	select {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
@@ -30,9 +31,7 @@ func BenchmarkClaimComplete(b *testing.B) {
 	c.AddHook(rt)
 	prefix := "rabbitmw-bench-" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
 	ap, err := c.AutoPipeline()
-	if err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, err)
 	b.Cleanup(func() { ap.Close() })
 	clients := []struct {
 		name string
@@ -48,9 +47,7 @@ func BenchmarkClaimComplete(b *testing.B) {
 		b.Run(cl.name, func(b *testing.B) {
 			s := redisstore.New(cl.rc, cl.opts)
 			ctx := context.Background()
-			if err := s.Load(ctx); err != nil {
-				b.Fatal(err)
-			}
+			require.NoError(b, s.Load(ctx))
 			b.SetParallelism(8) // 16 goroutines on 2 cores, as the consumer's workers
 			cpu, trips := redisCPU(b, c), rt.Count()
 			b.ResetTimer()
@@ -80,9 +77,7 @@ func BenchmarkClaimComplete(b *testing.B) {
 func redisCPU(b *testing.B, c *redis.Client) time.Duration {
 	b.Helper()
 	info, err := c.Info(context.Background(), "cpu").Result()
-	if err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, err)
 	var total time.Duration
 	for line := range strings.Lines(info) {
 		name, v, ok := strings.Cut(strings.TrimSpace(line), ":")
@@ -90,9 +85,7 @@ func redisCPU(b *testing.B, c *redis.Client) time.Duration {
 			continue
 		}
 		sec, err := strconv.ParseFloat(v, 64)
-		if err != nil {
-			b.Fatalf("INFO cpu %s: %v", name, err)
-		}
+		require.NoError(b, err, "INFO cpu %s", name)
 		total += time.Duration(sec * float64(time.Second))
 	}
 	return total

@@ -14,6 +14,8 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
@@ -160,9 +162,7 @@ func TestBatcherConcurrent(t *testing.T) {
 		wg.Go(func() {
 			for i := range each {
 				want := fmt.Sprintf("%d-%d", w, i)
-				if err := b.EvalSha(ctx, "", nil).Err(); err == nil {
-					t.Errorf("EvalSha of an empty digest succeeded")
-				}
+				assert.Error(t, b.EvalSha(ctx, "", nil).Err(), "EvalSha of an empty digest succeeded")
 				got, err := b.Eval(ctx, echo, []string{want}, want).Text()
 				if got != want || err != nil {
 					t.Errorf("Eval(%s) = %q, %v; want %q, nil", want, got, err, want)
@@ -192,9 +192,7 @@ func TestBatcherNoScript(t *testing.T) {
 	_, c, g, b := gated(t, redisstore.BatcherOptions{})
 	ctx := context.Background()
 	s := redis.NewScript("return 'ran ' .. ARGV[1]")
-	if err := s.Load(ctx, b).Err(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.Load(ctx, b).Err())
 	var wg sync.WaitGroup
 	wg.Go(func() { b.Del(ctx, "x") })
 	<-g.held
@@ -249,9 +247,7 @@ func TestBatcherContextEndsWhileQueued(t *testing.T) {
 			waitQueued(t, b, 2)
 			cancel(errors.New("caller gave up"))
 			left.Wait()
-			if !errors.Is(leftErr, context.Canceled) {
-				t.Errorf("%s after its context ended = %v; want context.Canceled", c.name, leftErr)
-			}
+			assert.ErrorIs(t, leftErr, context.Canceled, "%s after its context ended", c.name)
 			if q := b.Queued(); q != 1 {
 				t.Errorf("%d calls queued after one left; want 1", q)
 			}
@@ -298,9 +294,7 @@ func TestBatcherContextEndsInFlight(t *testing.T) {
 	cancel()
 	cancelSender()
 	left.Wait()
-	if !errors.Is(leftErr, context.Canceled) {
-		t.Errorf("Eval whose context ended in flight = %v; want context.Canceled", leftErr)
-	}
+	assert.ErrorIs(t, leftErr, context.Canceled, "Eval whose context ended in flight")
 	g.open <- struct{}{}
 	wg.Wait()
 	sender.Wait()
@@ -374,23 +368,15 @@ func TestBatcherRestartMidBatch(t *testing.T) {
 			t.Errorf("call %d while Redis was down = %v; want a connection error", i, err)
 		}
 	}
-	if err := m.Restart(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, m.Restart())
 	g.mu.Lock()
 	g.closed = false
 	g.mu.Unlock()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	require.EventuallyWithT(t, func(c *assert.CollectT) { // waits for the server to answer
 		v, err := b.Eval(bg, echo, []string{"k"}, "back").Text()
-		if err == nil && v == "back" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("Eval after the restart = %q, %v; want \"back\"", v, err)
-		}
-		time.Sleep(10 * time.Millisecond) // waits for the server to answer
-	}
+		assert.NoError(c, err, "Eval after the restart")
+		assert.Equal(c, "back", v, "Eval after the restart")
+	}, 10*time.Second, 10*time.Millisecond)
 }
 
 // SETs travel in the pipelines with the scripts and DELs, each with its own

@@ -69,9 +69,7 @@ func TestNewBatches(t *testing.T) {
 	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": addr}})
 	universal := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{addr}})
 	ap, err := c.AutoPipeline()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { cluster.Close(); ring.Close(); universal.Close(); ap.Close() })
 	for _, tc := range []struct {
 		name   string
@@ -143,9 +141,7 @@ func TestLegacyLayout(t *testing.T) {
 	if ttl, want := m.TTL("msg:a"), time.Minute+store.DefaultAbandonedRetention; ttl <= store.DefaultAbandonedRetention || ttl > want {
 		t.Fatalf("TTL(msg:a) = %v; want %v, the lease and the abandoned retention, set with the claim", ttl, want)
 	}
-	if err := s.Complete(ctx, "a", "tok", 24*time.Hour); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.Complete(ctx, "a", "tok", 24*time.Hour))
 	if v, _ := m.Get("msg:a"); v != "done" {
 		t.Fatalf("msg:a = %q after Complete; want \"done\"", v)
 	}
@@ -162,9 +158,7 @@ func TestLegacyLayout(t *testing.T) {
 	// Its claims cannot be stolen: no token of ours owns them, not even
 	// one spelt as the mark.
 	for _, tok := range []string{"tok", "processing"} {
-		if err := s.Complete(ctx, "c", tok, time.Hour); !errors.Is(err, store.ErrLostClaim) {
-			t.Fatalf("Complete(c, %q) of a hand-written claim = %v; want ErrLostClaim", tok, err)
-		}
+		require.ErrorIs(t, s.Complete(ctx, "c", tok, time.Hour), store.ErrLostClaim, "Complete(c, %q) of a hand-written claim", tok)
 	}
 	// It keeps its meaning to the end: processing until it expires, then
 	// absent, never abandoned (its consumer's crash is not ours to count).
@@ -201,12 +195,10 @@ func TestPrefixes(t *testing.T) {
 	m, c := newMiniredis(t)
 	s := redisstore.New(c, redisstore.Options{Prefix: "billing:", ClaimPrefix: "m/", FailurePrefix: "r/"})
 	ctx := context.Background()
-	if _, err := s.Claim(ctx, "x", "tok", time.Minute); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.Fail(ctx, "x", time.Minute); err != nil {
-		t.Fatal(err)
-	}
+	_, err := s.Claim(ctx, "x", "tok", time.Minute)
+	require.NoError(t, err)
+	_, err = s.Fail(ctx, "x", time.Minute)
+	require.NoError(t, err)
 	keys := strings.Join(m.Keys(), ",")
 	if keys != "billing:m/x,billing:r/x" {
 		t.Fatalf("keys = %s; want billing:m/x,billing:r/x", keys)
@@ -219,14 +211,10 @@ func TestRoundTrips(t *testing.T) {
 	_, c, rt := redistest.Start(t)
 	s := redisstore.New(c, redisstore.Options{})
 	ctx := context.Background()
-	if err := s.Load(ctx); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.Load(ctx))
 	// The batcher's pipelines may dial a connection of their own, whose
 	// handshake the counter would count.
-	if err := s.ResetFailures(ctx, "warm-up"); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.ResetFailures(ctx, "warm-up"))
 	for _, tc := range []struct {
 		name string
 		call func() error
@@ -243,9 +231,7 @@ func TestRoundTrips(t *testing.T) {
 		{"Release", func() error { return s.Release(ctx, "j", "t") }, 1},
 	} {
 		before := rt.Count()
-		if err := tc.call(); err != nil {
-			t.Fatalf("%s: %v", tc.name, err)
-		}
+		require.NoError(t, tc.call(), "%s", tc.name)
 		if got := rt.Count() - before; got != tc.want {
 			t.Errorf("%s took %d round trips; want %d", tc.name, got, tc.want)
 		}
@@ -279,9 +265,7 @@ func TestConformanceAutoPipeline(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) store.Store {
 		_, c := newMiniredis(t)
 		ap, err := c.AutoPipeline()
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		t.Cleanup(func() { ap.Close() })
 		return redisstore.New(ap, redisstore.Options{})
 	})
@@ -304,9 +288,7 @@ func TestAbandonedClaims(t *testing.T) {
 		t.Fatalf("TTL(msg:a) = %v; want the lease and the abandoned retention", ttl)
 	}
 	m.FastForward(time.Minute)
-	if err := s.Extend(ctx, "a", "tok", time.Minute); !errors.Is(err, store.ErrLostClaim) {
-		t.Fatalf("Extend after the lease = %v; want ErrLostClaim", err)
-	}
+	require.ErrorIs(t, s.Extend(ctx, "a", "tok", time.Minute), store.ErrLostClaim, "Extend after the lease")
 	if !m.Exists("msg:a") {
 		t.Fatal("msg:a gone with the lease; want it kept for the abandoned retention")
 	}
@@ -317,18 +299,15 @@ func TestAbandonedClaims(t *testing.T) {
 	}
 
 	// Past the abandoned retention, the key is gone and the crash uncounted.
-	if _, err := s.Claim(ctx, "b", "tok", time.Minute); err != nil {
-		t.Fatal(err)
-	}
+	_, err := s.Claim(ctx, "b", "tok", time.Minute)
+	require.NoError(t, err)
 	m.FastForward(time.Hour + time.Minute)
 	if got, err := s.Claim(ctx, "b", "tok2", time.Minute); err != nil || got != store.Claimed {
 		t.Fatalf("Claim(b) after the abandoned retention = %v, %v; want claimed", got, err)
 	}
 
 	// Extend keeps the claim's own retention.
-	if err := s.Extend(ctx, "b", "tok2", 2*time.Minute); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.Extend(ctx, "b", "tok2", 2*time.Minute))
 	if ttl := m.TTL("msg:b"); !near(ttl, time.Hour+2*time.Minute) {
 		t.Fatalf("TTL(msg:b) after Extend = %v; want the new lease and the abandoned retention", ttl)
 	}
@@ -345,18 +324,14 @@ func TestAbandonedRetentionPerClaim(t *testing.T) {
 	ctx := context.Background()
 	short := redisstore.New(c, redisstore.Options{AbandonedRetention: time.Minute})
 	long := redisstore.New(c, redisstore.Options{}) // 24 hours
-	if _, err := short.Claim(ctx, "k", "tok", time.Hour); err != nil {
-		t.Fatal(err)
-	}
+	_, err := short.Claim(ctx, "k", "tok", time.Hour)
+	require.NoError(t, err)
 	if got, err := long.Claim(ctx, "k", "tok2", time.Hour); err != nil || got != store.Processing {
 		t.Fatalf("Claim by a store with a longer retention, within the lease = %v, %v; want processing", got, err)
 	}
-	if err := long.Complete(ctx, "k", "tok", time.Hour); err != nil {
-		t.Fatalf("Complete by the owner through a store with a longer retention = %v; want nil", err)
-	}
-	if _, err := long.Claim(ctx, "j", "tok", time.Minute); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, long.Complete(ctx, "k", "tok", time.Hour), "Complete by the owner through a store with a longer retention")
+	_, err = long.Claim(ctx, "j", "tok", time.Minute)
+	require.NoError(t, err)
 	m.FastForward(time.Minute)
 	if got, err := short.Claim(ctx, "j", "tok2", time.Hour); err != nil || got != store.Abandoned {
 		t.Fatalf("Claim by a store with a shorter retention, after the lease = %v, %v; want abandoned", got, err)
@@ -410,14 +385,11 @@ func TestClaimCommands(t *testing.T) {
 	c.AddHook(rec)
 	s := redisstore.New(c, redisstore.Options{AbandonedRetention: time.Hour})
 	ctx := context.Background()
-	if err := s.Load(ctx); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.Load(ctx))
 	m.Set("msg:hand", "processing")
 	m.SetTTL("msg:hand", time.Hour)
-	if _, err := s.Claim(ctx, "gone", "tok", time.Minute); err != nil {
-		t.Fatal(err)
-	}
+	_, err := s.Claim(ctx, "gone", "tok", time.Minute)
+	require.NoError(t, err)
 	m.FastForward(time.Minute) // gone's lease ends: abandoned
 	rec.take()
 	for _, tc := range []struct {
@@ -444,9 +416,7 @@ func TestClaimCommands(t *testing.T) {
 			t.Errorf("Claim(%s) of %s sent %v; want %v", tc.key, tc.name, cmds, tc.cmds)
 		}
 	}
-	if err := s.Complete(ctx, "a", "tok2", time.Hour); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.Complete(ctx, "a", "tok2", time.Hour))
 	rec.take()
 	if got, err := s.Claim(ctx, "a", "tok3", time.Minute); err != nil || got != store.Done {
 		t.Errorf("Claim(a) of done = %v, %v; want done", got, err)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/storetest"
+	"github.com/stretchr/testify/require"
 )
 
 // A kit that cannot fail proves nothing. Each mutant below breaks one clause
@@ -51,9 +52,7 @@ func TestKitCatchesMutants(t *testing.T) {
 			cmd := exec.Command(os.Args[0], "-test.run=^TestKitCatchesMutants$", "-test.v", "-test.count=1")
 			cmd.Env = append(os.Environ(), "STORETEST_MUTANT="+name)
 			out, err := cmd.CombinedOutput()
-			if err == nil {
-				t.Fatalf("the kit passed a store whose %s; want a failure\n%s", name, out)
-			}
+			require.Error(t, err, "the kit passed a store whose %s; want a failure\n%s", name, out)
 			if want := "--- FAIL: TestKitCatchesMutants/" + m.failing + " "; !strings.Contains(string(out), want) {
 				t.Fatalf("the kit did not fail case %s for a store whose %s; output:\n%s", m.failing, name, out)
 			}
