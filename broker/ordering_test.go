@@ -36,6 +36,9 @@ func TestSingleActiveConsumerKeepsOrder(t *testing.T) {
 				handled = map[string][]int{} // consumer -> message numbers, in the order handled
 				order   []string             // consumer of each handling
 			)
+			// The first consumer's handler stops at its n/3-th message
+			// until the test has killed it: the kill lands mid-stream.
+			killed := make(chan struct{})
 			handler := func(name string) rabbitmw.Handler {
 				return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 					i, err := strconv.Atoi(d.MessageId)
@@ -43,8 +46,11 @@ func TestSingleActiveConsumerKeepsOrder(t *testing.T) {
 					mu.Lock()
 					handled[name] = append(handled[name], i)
 					order = append(order, name)
+					hold := name == "first" && len(handled[name]) == n/3
 					mu.Unlock()
-					time.Sleep(time.Millisecond) // a handler's work: the kill lands mid-stream
+					if hold {
+						<-killed
+					}
 					return nil
 				})
 			}
@@ -53,35 +59,48 @@ func TestSingleActiveConsumerKeepsOrder(t *testing.T) {
 				defer mu.Unlock()
 				return len(handled[name])
 			}
-			first := f.consume(handler("first"), ConsumeOptions{Workers: 1})
-			require.Eventually(t, func() bool { return count("first") > 0 }, 20*time.Second, time.Millisecond)
-
-			// The second consumer, in a process of its own, waits.
-			var r [4]byte
-			_, _ = rand.Read(r[:])
 			var url string
 			if f.mem != nil {
 				url = f.mem.URL()
 			} else {
 				url = testenv.RabbitMQURL(t)
 			}
-			b2 := New(url, Options{Process: "second-" + hex.EncodeToString(r[:]) + "[2]", ReconnectMax: 100 * time.Millisecond})
-			defer b2.Close()
-			ctx2, cancel2 := context.WithCancel(context.Background())
-			done2 := make(chan error, 1)
-			go func() { done2 <- b2.Consume(ctx2, f.q, handler("second"), ConsumeOptions{Workers: 1, Topology: f.top}) }()
-			defer func() {
-				cancel2()
-				assert.NoError(t, <-done2)
-			}()
+			// consume starts a consumer in a process of its own (a Broker
+			// with its own process name); the first one never reconnects
+			// on its own within the test (its backoff is an hour), as a
+			// killed process does not come back.
+			consume := func(name string, reconnect time.Duration) (process string, stop func() error) {
+				var r [4]byte
+				_, _ = rand.Read(r[:])
+				process = name + "-" + hex.EncodeToString(r[:]) + "[1]"
+				b := New(url, Options{Process: process, ReconnectMin: reconnect, ReconnectMax: reconnect})
+				ctx, cancel := context.WithCancel(context.Background())
+				done := make(chan error, 1)
+				go func() { done <- b.Consume(ctx, f.q, handler(name), ConsumeOptions{Workers: 1, Topology: f.top}) }()
+				var once sync.Once
+				var err error
+				stop = func() error {
+					once.Do(func() {
+						cancel()
+						err = <-done
+						b.Close()
+					})
+					return err
+				}
+				t.Cleanup(func() { _ = stop() })
+				return process, stop
+			}
+			first, stopFirst := consume("first", time.Hour)
+			require.Eventually(t, func() bool { return count("first") > 0 }, 20*time.Second, time.Millisecond)
+			_, stopSecond := consume("second", 50*time.Millisecond) // waits
 
 			require.Eventually(t, func() bool { return count("first") >= n/3 }, 30*time.Second, time.Millisecond)
 			assert.Zero(t, count("second"), "the second consumer got messages while the first lived")
-			// Kill the first: it stops (a killed process does not come
-			// back), and its connection is cut under it.
-			first.cancel()
-			f.be.drop(t, f.mem, f.process)
-			require.NoError(t, first.wait(t, time.Minute))
+			// Kill the first: its connection is cut under it, with a
+			// handler running; on the memory server the second's is cut
+			// too, and it reconnects.
+			f.be.drop(t, f.mem, first)
+			close(killed)
 
 			require.Eventually(t, func() bool {
 				mu.Lock()
@@ -94,6 +113,8 @@ func TestSingleActiveConsumerKeepsOrder(t *testing.T) {
 				}
 				return len(seen) == n
 			}, 60*time.Second, 10*time.Millisecond, "every message handled")
+			assert.NoError(t, stopFirst())
+			assert.NoError(t, stopSecond())
 
 			mu.Lock()
 			defer mu.Unlock()

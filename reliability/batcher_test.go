@@ -18,6 +18,8 @@ import (
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
 	"github.com/rabbitmw/rabbitmw/store/storetest"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestBatcherCluster(t *testing.T) {
@@ -25,9 +27,7 @@ func TestBatcherCluster(t *testing.T) {
 	c := startRedisCluster(t)
 	audit := new(slotAudit)
 	s := redisstore.New(c.client(t, audit), redisstore.Options{Prefix: "batch:"})
-	if err := s.Load(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.Load(context.Background()))
 	t.Run("storetest", func(t *testing.T) {
 		storetest.Run(t, func(*testing.T) store.Store { return s })
 	})
@@ -46,9 +46,7 @@ func TestBatcherCluster(t *testing.T) {
 					t.Errorf("Claim(%s) = %v, %v; want claimed", key, st, err)
 					continue
 				}
-				if err := s.Complete(ctx, key, tok, time.Hour); err != nil {
-					t.Errorf("Complete(%s) = %v", key, err)
-				}
+				assert.NoError(t, s.Complete(ctx, key, tok, time.Hour), "Complete(%s)", key)
 				if st, err := s.Claim(ctx, key, "other", time.Minute); st != store.Done || err != nil {
 					t.Errorf("Claim(%s) after Complete = %v, %v; want done", key, st, err)
 				}
@@ -98,13 +96,9 @@ func TestBatcherRedisRestart(t *testing.T) {
 		})
 	}
 	waitFor := func(n int64) {
-		deadline := time.Now().Add(30 * time.Second)
-		for ok.Load() < n {
-			if time.Now().After(deadline) {
-				t.Fatalf("%d claims succeeded; want %d within 30s", ok.Load(), n)
-			}
-			time.Sleep(5 * time.Millisecond) // the workers talk to a real server
-		}
+		require.EventuallyWithT(t, func(c *assert.CollectT) { // the workers talk to a real server
+			assert.GreaterOrEqual(c, ok.Load(), n, "claims succeeded within 30s")
+		}, 30*time.Second, 5*time.Millisecond)
 	}
 	waitFor(500)
 	sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)

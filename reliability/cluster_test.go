@@ -34,6 +34,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/rabbitnode"
@@ -239,9 +240,7 @@ func (l *clusterLoad) finish(t *testing.T, ctx context.Context, scenario, faults
 		break
 	}
 	l.pub.mu.Unlock()
-	if err := l.awaitQuiet(ctx, len(confirmed), 3*time.Second); err != nil {
-		t.Fatalf("%s: %v", l.store, err)
-	}
+	require.NoError(t, l.awaitQuiet(ctx, len(confirmed), 3*time.Second), "%s", l.store)
 	e := l.end(ctx, confirmed, l.procs...)
 	e.wantEachOnce(t)
 	var worst time.Duration
@@ -289,17 +288,13 @@ func TestCluster(t *testing.T) {
 			defer cancel()
 			loads := []*clusterLoad{startClusterLoad(t, c, "cluster"+sc.name, "redis"), startClusterLoad(t, c, "cluster"+sc.name, "pg")}
 			for _, l := range loads {
-				if err := l.waitCount(ctx, "distinct", 100); err != nil {
-					t.Fatalf("%s: before the fault: %v", l.store, err)
-				}
+				require.NoError(t, l.waitCount(ctx, "distinct", 100), "%s: before the fault", l.store)
 			}
 			faults, recovery := sc.fault(t, ctx, c, loads)
 			// Go on a while after the faults, publishing and consuming.
 			for _, l := range loads {
 				mark := l.count(ctx, "total")
-				if err := l.waitCount(ctx, "total", mark+50); err != nil {
-					t.Fatalf("%s: after the faults: %v", l.store, err)
-				}
+				require.NoError(t, l.waitCount(ctx, "total", mark+50), "%s: after the faults", l.store)
 			}
 			for _, l := range loads {
 				l.finish(t, ctx, sc.name, faults, sc.from, recovery)
@@ -325,9 +320,7 @@ func recovered(t *testing.T, ctx context.Context, loads []*clusterLoad, m []int6
 	var ds []time.Duration
 	for i, l := range loads {
 		d, err := l.firstEffectAfter(ctx, m[i], since)
-		if err != nil {
-			t.Fatalf("%s: no effect after the fault: %v", l.store, err)
-		}
+		require.NoError(t, err, "%s: no effect after the fault", l.store)
 		ds = append(ds, d)
 	}
 	return ds

@@ -15,6 +15,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 func TestConnectionLoss(t *testing.T) {
@@ -49,9 +51,7 @@ func TestConnectionLoss(t *testing.T) {
 	// The closes start once a tenth of the messages is done, one every
 	// two seconds, each on its own goroutine (rabbitmqctl itself takes a
 	// second or two), so that all of them find the consumers at work.
-	if err := r.waitCount(ctx, "distinct", int64(len(ids)/10)); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.waitCount(ctx, "distinct", int64(len(ids)/10)))
 	var (
 		wg      sync.WaitGroup
 		errs    = make([]error, closes)

@@ -16,6 +16,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 const (
@@ -57,9 +59,7 @@ func crash(t *testing.T, scenario, pgURL string) (*load, ending, []string) {
 	var killed []string
 	lo, hi := len(r.ids)/20, len(r.ids)*9/10
 	for i := range crashKills {
-		if err := r.waitRandom(ctx, lo+(hi-lo)*i/crashKills, (hi-lo)/crashKills); err != nil {
-			t.Fatalf("before kill %d: %v", i+1, err)
-		}
+		require.NoError(t, r.waitRandom(ctx, lo+(hi-lo)*i/crashKills, (hi-lo)/crashKills), "before kill %d", i+1)
 		time.Sleep(time.Duration(r.rng.IntN(5000)) * time.Microsecond)
 		p.kill()
 		killed = append(killed, p.name)

@@ -33,6 +33,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
@@ -61,13 +62,9 @@ func crashLoop(t *testing.T, scenario string, top broker.Topology, pgURL string)
 	if top.Quorum {
 		// newRun declared a classic work queue: declare the run's queues
 		// again, as a quorum work queue.
-		if err := r.b.Delete(ctx, r.queue, r.topo); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, r.b.Delete(ctx, r.queue, r.topo))
 		r.topo.Quorum, r.topo.DeliveryLimit = top.Quorum, top.DeliveryLimit
-		if err := r.b.Declare(ctx, r.queue, r.topo); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, r.b.Declare(ctx, r.queue, r.topo))
 	}
 	opts := consumerOpts{
 		mode:          "poison",
@@ -135,9 +132,7 @@ wait:
 		default:
 		}
 		lens, err := r.queueLens(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		distinct, dlq := r.count(ctx, "distinct"), lens[len(lens)-1]
 		state := fmt.Sprintf("%d orders applied, %d dead-lettered, queues %v, %d crashes", distinct, dlq, lens, len(crashed))
 		busy := slices.ContainsFunc(lens[:len(lens)-1], func(n int) bool { return n > 0 })
@@ -156,18 +151,14 @@ wait:
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
-	if err := <-published; err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, <-published)
 	e := r.end(ctx, append(slices.Clone(ids), crashLoopKiller), p)
 	v := e.v
 
 	// The killer: in the dead-letter queue, alone, after at most
 	// MaxAttempts crashes, with a reason that says so.
 	killerCalls, err := r.counts(ctx, "attempts:", []string{crashLoopKiller})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	calls := killerCalls[crashLoopKiller]
 	if len(crashed) == 0 || len(crashed) > crashLoopAttempts || calls != len(crashed) {
 		t.Errorf("%d crashes, %d handler calls of the killer; want 1 to %d crashes, one per call", len(crashed), calls, crashLoopAttempts)
@@ -190,9 +181,7 @@ wait:
 		t.Errorf("%d orders lost, first %v; want none", len(v.lost), first(v.lost))
 	}
 	abandoned, err := r.counts(ctx, "abandoned:", ids)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	if pgURL != "" && len(v.twice) > 0 {
 		t.Errorf("%d orders applied twice over the PostgreSQL inbox, first %v; want none", len(v.twice), first(v.twice))
 	}

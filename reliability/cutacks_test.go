@@ -32,6 +32,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 )
 
 func TestCutsWithAcksPending(t *testing.T) {
@@ -99,9 +100,7 @@ func TestCutsWithAcksPending(t *testing.T) {
 	for range cuts {
 		done := r.publishAsync(ctx, batch(perBatch), 4) // going on across the cut
 		c.cut(ctx, t, time.Duration(20+rng.IntN(40))*time.Millisecond)
-		if err := <-done; err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, <-done)
 	}
 	tailMsgs := batch(tail)
 	e, _, endedIn := c.finish(ctx, t, all, tailMsgs)

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 )
 
 // cutOpts are the consumers' options in the cut scenarios, on the proxy's
@@ -73,9 +74,7 @@ func startCuts(r *run, px *proxy, opts consumerOpts, sent func([]byte), names ..
 // publish publishes msgs, and stops the test if that fails.
 func (c *cuts) publish(ctx context.Context, t *testing.T, msgs []amqp.Publishing) {
 	t.Helper()
-	if err := <-c.r.publishAsync(ctx, msgs, 8); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, <-c.r.publishAsync(ctx, msgs, 8))
 }
 
 // cut waits until every consumer consumes again (at most 20 s), waits
@@ -84,7 +83,7 @@ func (c *cuts) publish(ctx context.Context, t *testing.T, msgs []amqp.Publishing
 func (c *cuts) cut(ctx context.Context, t *testing.T, after time.Duration) {
 	t.Helper()
 	want := int64(len(c.progress)+1) * int64(len(c.procs))
-	if err := awaitCount(ctx, &c.consumes, want, 20*time.Second); err != nil {
+	if err := awaitCount(ctx, &c.consumes, want, 20*time.Second); err != nil { // the count in the message is read after the wait
 		t.Fatalf("the consumers did not all consume again within 20s of cut %d (%d effects then): %v", len(c.progress), c.r.count(ctx, "total"), err)
 	}
 	time.Sleep(after)
@@ -103,9 +102,7 @@ func (c *cuts) finish(ctx context.Context, t *testing.T, all []string, tail []am
 	c.publish(ctx, t, tail)
 	qctx, qcancel := context.WithTimeout(ctx, 40*time.Second)
 	defer qcancel()
-	if err := c.r.awaitQuiet(qctx, len(all), 2*time.Second); err != nil {
-		t.Fatalf("after the last cut (%d effects then): %v", atLastCut, err)
-	}
+	require.NoError(t, c.r.awaitQuiet(qctx, len(all), 2*time.Second), "after the last cut (%d effects then)", atLastCut)
 	endedIn = time.Since(lastCut)
 	return c.r.end(ctx, all, c.procs...), atLastCut, endedIn
 }

@@ -23,6 +23,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
@@ -106,16 +108,12 @@ func newRunOn(t *testing.T, scenario string, topo broker.Topology, urls ...strin
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		if err := r.b.Delete(ctx, r.queue, r.topo); err != nil {
-			t.Errorf("deleting the queues of %s: %v", r.queue, err)
-		}
+		assert.NoError(t, r.b.Delete(ctx, r.queue, r.topo), "deleting the queues of %s", r.queue)
 		r.b.Close()
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if err := r.b.Declare(ctx, r.queue, r.topo); err != nil {
-		t.Fatalf("declaring %s: %v", r.queue, err)
-	}
+	require.NoError(t, r.b.Declare(ctx, r.queue, r.topo), "declaring %s", r.queue)
 	// Cleanups run last registered first: this one after the processes
 	// were killed (they are started later), and before the log directory
 	// is removed (made earlier).
@@ -143,9 +141,7 @@ func (r *run) delaysFlag() string {
 
 func (r *run) delayQueues() []string {
 	qs, err := r.topo.Queues(r.queue)
-	if err != nil {
-		r.t.Fatalf("the queues of %s: %v", r.queue, err)
-	}
+	require.NoError(r.t, err, "the queues of %s", r.queue)
 	return qs.Delays
 }
 
@@ -156,9 +152,8 @@ func seed(t *testing.T) uint64 {
 	s := uint64(time.Now().UnixNano())
 	if v := os.Getenv("RELIABILITY_SEED"); v != "" {
 		var err error
-		if s, err = strconv.ParseUint(v, 10, 64); err != nil {
-			t.Fatalf("RELIABILITY_SEED=%q: %v", v, err)
-		}
+		s, err = strconv.ParseUint(v, 10, 64)
+		require.NoError(t, err, "RELIABILITY_SEED=%q", v)
 	}
 	t.Logf("seed %d (RELIABILITY_SEED=%d replays it)", s, s)
 	return s
@@ -374,18 +369,14 @@ func (r *run) end(ctx context.Context, keys []string, procs ...*proc) ending {
 	var e ending
 	for _, p := range procs {
 		st, err := p.stop(30 * time.Second)
-		if err != nil {
-			r.t.Error(err)
-		}
+		assert.NoError(r.t, err)
 		e.stats = append(e.stats, st)
 	}
 	var err error
-	if e.dead, err = r.finish(ctx); err != nil {
-		r.t.Error(err)
-	}
-	if e.effects, err = r.effectLog(ctx, keys); err != nil {
-		r.t.Fatal(err)
-	}
+	e.dead, err = r.finish(ctx)
+	assert.NoError(r.t, err)
+	e.effects, err = r.effectLog(ctx, keys)
+	require.NoError(r.t, err)
 	e.v = judge(keys, e.effects, deadKeys(e.dead))
 	r.checkLogs()
 	return e

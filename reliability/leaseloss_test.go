@@ -29,6 +29,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 )
 
 const (
@@ -107,9 +108,7 @@ func leaseLoss(t *testing.T, name, mode string, ctxTimeouts bool) *leaseLossResu
 	}
 	t.Logf("A's handlers all returned, and every message has an effect, %v after the partition", time.Since(cutAt).Round(time.Millisecond))
 	px.heal()
-	if err := r.awaitQuiet(ctx, leaseLossIDs, 3*time.Second); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.awaitQuiet(ctx, leaseLossIDs, 3*time.Second))
 	e := r.end(ctx, res.ids, a, b)
 	t.Logf("consumers: %+v", e.stats)
 	if len(e.dead) > 0 {
@@ -117,9 +116,7 @@ func leaseLoss(t *testing.T, name, mode string, ctxTimeouts bool) *leaseLossResu
 	}
 	res.effects = e.effects
 	ev, err := r.events(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	res.aEvents = map[string][]string{}
 	for id, es := range ev {
 		for _, e := range es {
@@ -196,9 +193,7 @@ func everyHas(ev map[string][]string, ids []string, prefixes ...string) bool {
 func (r *run) publishIDs(ctx context.Context, ids []string) {
 	r.t.Helper()
 	for _, id := range ids {
-		if err := r.b.Publish(ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: []byte(id)}); err != nil {
-			r.t.Fatalf("publish %s: %v", id, err)
-		}
+		require.NoError(r.t, r.b.Publish(ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: []byte(id)}), "publish %s", id)
 	}
 }
 

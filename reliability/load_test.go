@@ -14,6 +14,8 @@ import (
 	"math/rand/v2"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 // A loadSpec is a load scenario's opening.
@@ -80,12 +82,8 @@ func (r *load) wantUnfinished(ctx context.Context, event string) {
 // window (see awaitQuiet), and ends the run with procs (see run.end).
 func (r *load) wrapUp(ctx context.Context, window time.Duration, procs ...*proc) ending {
 	r.t.Helper()
-	if err := <-r.published; err != nil {
-		r.t.Fatal(err)
-	}
-	if err := r.awaitQuiet(ctx, len(r.ids), window); err != nil {
-		r.t.Fatal(err)
-	}
+	require.NoError(r.t, <-r.published)
+	require.NoError(r.t, r.awaitQuiet(ctx, len(r.ids), window))
 	return r.end(ctx, r.ids, procs...)
 }
 

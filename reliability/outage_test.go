@@ -24,6 +24,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 func TestRedisOutage(t *testing.T) {
@@ -83,9 +85,7 @@ func TestRedisOutage(t *testing.T) {
 	e.wantEachOnce(t)
 	v := e.v
 	byOrder, err := r.effectOrder(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	// The consumer started during the outage found the store down, and
 	// applied effects only after it was back.
 	if e.stats[1].Unavailable == 0 {
@@ -124,13 +124,9 @@ type serverOutage struct {
 // when the server came back.
 func (r *load) outage(ctx context.Context, t *testing.T, o serverOutage) (atRestart int64) {
 	t.Helper()
-	if err := r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5))
 	t.Logf("%s stops at %d (%s)", o.what, r.count(ctx, o.count), o.count)
-	if err := o.stop(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, o.stop())
 	down := time.Now()
 	if o.down != nil {
 		o.down()
@@ -140,9 +136,7 @@ func (r *load) outage(ctx context.Context, t *testing.T, o serverOutage) (atRest
 		o.back()
 	}
 	atRestart = r.count(ctx, o.count)
-	if err := o.start(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, o.start())
 	t.Logf("%s back after %v", o.what, time.Since(down).Round(time.Millisecond))
 	r.wantUnfinished(ctx, o.what+" came back")
 	return atRestart

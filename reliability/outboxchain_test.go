@@ -32,6 +32,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
@@ -147,21 +149,16 @@ func TestOutboxChain(t *testing.T) {
 		procs:     map[string]*chainProc{}, starts: map[string]int{},
 	}
 	var err error
-	if c.pool, err = pgxpool.New(ctx, db.url); err != nil {
-		t.Fatal(err)
-	}
+	c.pool, err = pgxpool.New(ctx, db.url)
+	require.NoError(t, err)
 	defer c.pool.Close()
 	ob := pgstore.NewOutbox(c.pool, pgstore.OutboxOptions{Table: "chain_outbox"})
-	if err := ob.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, ob.Migrate(ctx))
 	for _, table := range []string{"chain_a", "chain_b"} {
 		st := pgstore.New(c.pool, pgstore.Options{Table: table})
 		err := st.Migrate(ctx)
 		st.Close()
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 	}
 	for _, ddl := range []string{
 		`CREATE TABLE chain_a_effects (seq bigserial PRIMARY KEY, order_id text NOT NULL, process text NOT NULL)`,
@@ -169,32 +166,25 @@ func TestOutboxChain(t *testing.T) {
 		`CREATE TABLE chain_rolled_back (order_id text PRIMARY KEY, message_id text NOT NULL)`,
 		`CREATE TABLE chain_b_deliveries (message_id text NOT NULL)`,
 	} {
-		if _, err := c.pool.Exec(ctx, ddl); err != nil {
-			t.Fatal(err)
-		}
+		_, err := c.pool.Exec(ctx, ddl)
+		require.NoError(t, err)
 	}
 
 	c.b = broker.New(rabbitURL, broker.Options{ReconnectMin: 50 * time.Millisecond, ReconnectMax: time.Second})
 	top := broker.Topology{Delays: []time.Duration{250 * time.Millisecond, time.Second}}
 	for _, q := range []string{c.orders, c.shipments} {
-		if err := c.b.Declare(ctx, q, top); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, c.b.Declare(ctx, q, top))
 	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		for _, q := range []string{c.orders, c.shipments} {
-			if err := c.b.Delete(ctx, q, top); err != nil {
-				t.Errorf("deleting %s: %v", q, err)
-			}
+			assert.NoError(t, c.b.Delete(ctx, q, top), "deleting %s", q)
 		}
 		c.b.Close()
 	})
 	uri, err := amqp.ParseURI(rabbitURL)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	px := startProxy(t, fmt.Sprintf("%s:%d", uri.Host, uri.Port))
 	host, port, _ := strings.Cut(px.addr, ":")
 	uri.Host = host
@@ -225,9 +215,7 @@ func TestOutboxChain(t *testing.T) {
 			n = rng.IntN(orders) // a copy of an earlier order
 		}
 		order := fmt.Sprintf("order-%d", n)
-		if err := c.b.Publish(ctx, "", c.orders, amqp.Publishing{MessageId: order, Body: []byte(order)}); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, c.b.Publish(ctx, "", c.orders, amqp.Publishing{MessageId: order, Body: []byte(order)}))
 	}
 	t.Logf("published %d orders (%d of them twice) in %v", orders, dups, time.Since(began).Round(time.Millisecond))
 
@@ -269,13 +257,9 @@ func TestOutboxChain(t *testing.T) {
 			px.heal()
 			t.Logf("RabbitMQ connections cut for 1s at %d shipments", f.at)
 		case "postgres":
-			if err := db.stop(); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, db.stop())
 			time.Sleep(2 * time.Second)
-			if err := db.start(); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, db.start())
 			t.Logf("PostgreSQL stopped (immediate) for 2s and restarted at %d shipments", f.at)
 		}
 	}
@@ -313,17 +297,13 @@ func TestOutboxChain(t *testing.T) {
 	// The verdict.
 	perOrder := func(table string) map[string]int {
 		rows, err := c.pool.Query(context.Background(), `SELECT order_id, count(*) FROM `+table+` GROUP BY order_id`)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		defer rows.Close()
 		m := map[string]int{}
 		for rows.Next() {
 			var id string
 			var n int
-			if err := rows.Scan(&id, &n); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, rows.Scan(&id, &n))
 			m[id] = n
 		}
 		return m
@@ -355,9 +335,7 @@ func TestOutboxChain(t *testing.T) {
 		t.Errorf("%d transactions rolled back after their outbox write; want about %d", rolledBack, orders/10)
 	}
 	stats, err := ob.Stats(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	if stats.Parked != 0 || stats.Pending != 0 {
 		t.Errorf("outbox: %+v; want nothing pending or parked", stats)
 	}
@@ -367,9 +345,7 @@ func TestOutboxChain(t *testing.T) {
 	var dead int
 	for _, q := range []string{c.orders, c.shipments} {
 		n, err := c.b.Len(context.Background(), q+".dlq")
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		dead += n
 	}
 	if dead != 0 {

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/stretchr/testify/require"
 )
 
 func TestPostgresLeaseLoss(t *testing.T) {
@@ -48,17 +49,13 @@ func TestPostgresLeaseLoss(t *testing.T) {
 	a := r.startConsumer("A", optsA)
 	r.publishIDs(ctx, keys)
 	// A's handlers are in their transactions.
-	if err := r.waitEvents(ctx, func(ev map[string][]string) bool { return everyHas(ev, keys, "start A") }); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.waitEvents(ctx, func(ev map[string][]string) bool { return everyHas(ev, keys, "start A") }))
 	a.cmd.Process.Signal(syscall.SIGSTOP)
 	frozen := time.Now()
 	t.Logf("A frozen with its %d transactions open", ids)
 	b := r.startConsumer("B", optsB)
 	r.publishIDs(ctx, keys)
-	if err := r.waitCount(ctx, "distinct", ids); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.waitCount(ctx, "distinct", ids))
 	t.Logf("B committed every effect %v after A froze", time.Since(frozen).Round(time.Millisecond))
 	if d := pause - time.Since(frozen); d > 0 {
 		time.Sleep(d)
@@ -68,16 +65,11 @@ func TestPostgresLeaseLoss(t *testing.T) {
 	// matches no row A owns ("no longer owned by this claim"), or, when
 	// A's renewer woke first, by the cancellation of the context that the
 	// mark runs under. Either way A logs the claim lost.
-	for a.logCount("claim lost") < ids {
-		if ctx.Err() != nil {
-			t.Fatalf("A did not finish its transactions: %v", ctx.Err())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	deadline, _ := ctx.Deadline()
+	require.Eventually(t, func() bool { return a.logCount("claim lost") >= ids },
+		time.Until(deadline), 20*time.Millisecond, "A did not finish its transactions")
 	fenced := a.logCount("no longer owned by this claim")
-	if err := r.awaitQuiet(ctx, ids, 3*time.Second); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.awaitQuiet(ctx, ids, 3*time.Second))
 	e := r.end(ctx, keys, a, b)
 	for _, id := range keys {
 		if by := e.effects[id]; !slices.Equal(by, []string{"B"}) {

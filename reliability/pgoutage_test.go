@@ -15,6 +15,8 @@ import (
 	"fmt"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 func TestPostgresOutage(t *testing.T) {
@@ -50,9 +52,7 @@ func TestPostgresOutage(t *testing.T) {
 		stop:   db.stop,
 		start:  db.start,
 		back: func() {
-			if err := p.unexpectedExit(); err != nil {
-				t.Fatalf("the consumer did not survive the outage: %v", err)
-			}
+			require.NoError(t, p.unexpectedExit(), "the consumer did not survive the outage")
 		},
 	})
 	e := r.wrapUp(ctx, 4*time.Second, p)

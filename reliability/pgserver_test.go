@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
@@ -74,12 +75,8 @@ func startPostgresServer(t *testing.T) *pgServer {
 		s.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
 		// The postgres user must reach the directory: the temporary
 		// directories above it are the test's own.
-		if err := os.Chmod(filepath.Dir(s.dir), 0o777); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Chmod(filepath.Dir(filepath.Dir(s.dir)), 0o711); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, os.Chmod(filepath.Dir(s.dir), 0o777))
+		require.NoError(t, os.Chmod(filepath.Dir(filepath.Dir(s.dir)), 0o711))
 	}
 	out, err := s.command(filepath.Join(s.bin, "initdb"), "-D", s.dir, "-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8").CombinedOutput()
 	if err != nil {
@@ -87,9 +84,7 @@ func startPostgresServer(t *testing.T) *pgServer {
 	}
 	for attempt := 1; ; attempt++ {
 		ports, err := freePorts(1)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		s.port = strconv.Itoa(ports[0])
 		s.url = "postgres://postgres@127.0.0.1:" + s.port + "/postgres?sslmode=disable"
 		if err = s.start(); err == nil {

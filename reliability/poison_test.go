@@ -22,6 +22,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
@@ -186,9 +188,7 @@ func TestPoison(t *testing.T) {
 	pub := broker.New(r.amqpURL, broker.Options{KeepEmptyMessageID: true})
 	defer pub.Close()
 	for _, c := range cases {
-		if err := pub.Publish(ctx, "", r.queue, c.msg); err != nil {
-			t.Fatalf("publish %s: %v", c.name, err)
-		}
+		require.NoError(t, pub.Publish(ctx, "", r.queue, c.msg), "publish %s", c.name)
 	}
 	p := r.startConsumer("poison-A", consumerOpts{
 		workers:         4,
@@ -201,9 +201,7 @@ func TestPoison(t *testing.T) {
 		unavailable:     200 * time.Millisecond,
 		countDeliveries: true,
 	})
-	if err := r.awaitQuiet(ctx, len(cases), 3*time.Second); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.awaitQuiet(ctx, len(cases), 3*time.Second))
 	var keys []string
 	for _, c := range cases {
 		keys = append(keys, c.key())
@@ -312,9 +310,7 @@ func TestPoisonMalformedXDeath(t *testing.T) {
 		{name: "control", msg: amqp.Publishing{MessageId: "x-control", Body: order("fail", 0), Headers: amqp.Table{"x-case": "control"}}},
 	}
 	for _, c := range cases {
-		if err := r.b.Publish(ctx, "", r.queue, c.msg); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, r.b.Publish(ctx, "", r.queue, c.msg))
 	}
 	p := r.startConsumer("xdeath-A", consumerOpts{
 		workers: 2, mode: "poison", maxAttempts: poisonAttempts,
@@ -326,12 +322,9 @@ func TestPoisonMalformedXDeath(t *testing.T) {
 	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
 	err := r.awaitQuiet(wctx, len(cases), 3*time.Second)
 	wcancel()
-	if err != nil {
-		t.Error(err)
-	}
-	if _, err := p.stop(30 * time.Second); err != nil {
-		t.Error(err)
-	}
+	assert.NoError(t, err)
+	_, err = p.stop(30 * time.Second)
+	assert.NoError(t, err)
 	// Not r.finish: asking a crashed queue for its length waits for
 	// RabbitMQ's internal timeouts. The dead-letter queue is intact.
 	dctx, dcancel := context.WithTimeout(ctx, 10*time.Second)

@@ -14,6 +14,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 )
@@ -32,9 +33,7 @@ func (r *run) usePostgres(url string, o consumerOpts) consumerOpts {
 	r.t.Helper()
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		r.t.Fatalf("pgxpool.New(%q): %v", url, err)
-	}
+	require.NoError(r.t, err, "pgxpool.New(%q)", url)
 	b := make([]byte, 6)
 	rand.Read(b)
 	pe := &pgEffects{pool: pool, table: "rmwrel_" + r.scenario + "_" + hex.EncodeToString(b)}
@@ -45,12 +44,9 @@ func (r *run) usePostgres(url string, o consumerOpts) consumerOpts {
 	})
 	st := pgstore.New(pool, pgstore.Options{Table: pe.table})
 	defer st.Close()
-	if err := st.Migrate(ctx); err != nil {
-		r.t.Fatal(err)
-	}
-	if _, err := pool.Exec(ctx, `CREATE TABLE `+pe.effects+` (seq bigserial PRIMARY KEY, id text NOT NULL, consumer text NOT NULL)`); err != nil {
-		r.t.Fatal(err)
-	}
+	require.NoError(r.t, st.Migrate(ctx))
+	_, err = pool.Exec(ctx, `CREATE TABLE `+pe.effects+` (seq bigserial PRIMARY KEY, id text NOT NULL, consumer text NOT NULL)`)
+	require.NoError(r.t, err)
 	r.pg = pe
 	r.t.Logf("PostgreSQL inbox: table %s, effects in %s", pe.table, pe.effects)
 	o.storeAddr, o.storePrefix = url, pe.table

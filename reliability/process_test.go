@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/reliability/internal/stats"
+	"github.com/stretchr/testify/require"
 )
 
 // binDir holds the consumer binary; TestMain creates and removes it.
@@ -164,9 +165,7 @@ func (r *run) startConsumer(name string, o consumerOpts) *proc {
 	}
 	p := &proc{name: name, logPath: filepath.Join(r.logDir, name+".log")}
 	logFile, err := os.Create(p.logPath)
-	if err != nil {
-		r.t.Fatal(err)
-	}
+	require.NoError(r.t, err)
 	defer logFile.Close() // the process has its own descriptor once started
 	cmd := exec.Command(r.bin, args...)
 	cmd.Stdout = &p.stdout

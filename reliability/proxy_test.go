@@ -15,6 +15,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 )
 
 type proxy struct {
@@ -39,9 +40,7 @@ type proxy struct {
 func (r *run) brokerProxy() (*proxy, string) {
 	r.t.Helper()
 	uri, err := amqp.ParseURI(r.amqpURL)
-	if err != nil {
-		r.t.Fatal(err)
-	}
+	require.NoError(r.t, err)
 	px := startProxy(r.t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
 	host, port, _ := net.SplitHostPort(px.addr)
 	uri.Host = host
@@ -54,9 +53,7 @@ func (r *run) brokerProxy() (*proxy, string) {
 func startProxy(t *testing.T, target string) *proxy {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	p := &proxy{addr: l.Addr().String(), target: target, l: l, conns: map[net.Conn]bool{}}
 	p.wg.Add(1)
 	go p.accept() // ends when l is closed

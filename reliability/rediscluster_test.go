@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
@@ -294,9 +295,7 @@ func (c *redisCluster) keysPerNode(t *testing.T) map[string]int64 {
 	got := map[string]int64{}
 	for _, n := range c.nodes {
 		size, err := c.node(t, n.addr).DBSize(context.Background()).Result()
-		if err != nil {
-			t.Fatalf("DBSIZE on %s: %v", n.addr, err)
-		}
+		require.NoError(t, err, "DBSIZE on %s", n.addr)
 		got[n.addr] = size
 	}
 	return got

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
 )
 
 // A redisServer is one redis-server with persistence on: every write is in
@@ -42,9 +43,7 @@ func startRedisServer(t *testing.T) *redisServer {
 	s := &redisServer{t: t, server: lookPath(t, "redis-server"), dir: t.TempDir()}
 	for attempt := 1; ; attempt++ {
 		ports, err := freePorts(1)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		s.port = strconv.Itoa(ports[0])
 		s.addr = net.JoinHostPort("127.0.0.1", s.port)
 		err = s.start()

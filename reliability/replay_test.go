@@ -19,6 +19,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/broker"
 )
@@ -56,9 +58,7 @@ func TestReplayOfServerDeadLetters(t *testing.T) {
 				}
 				msgs = append(msgs, m)
 			}
-			if err := <-r.publishAsync(ctx, msgs, 8); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, <-r.publishAsync(ctx, msgs, 8))
 			if c.reason == "delivery_limit" {
 				r.overDeliveryLimit(ctx)
 			}
@@ -72,15 +72,11 @@ func TestReplayOfServerDeadLetters(t *testing.T) {
 			for i, d := range dead {
 				replays[i] = amqp.Publishing{MessageId: d.MessageId, ContentType: d.ContentType, Headers: d.Headers, Body: d.Body}
 			}
-			if err := <-r.publishAsync(ctx, replays, 8); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, <-r.publishAsync(ctx, replays, 8))
 
 			p := r.startConsumer("replay", consumerOpts{mode: "poison", backoffMin: 50 * time.Millisecond, backoffMax: 100 * time.Millisecond, countDeliveries: true})
 			quiet, cancelQuiet := context.WithTimeout(ctx, 20*time.Second)
-			if err := r.awaitQuiet(quiet, replayMessages, 2*time.Second); err != nil {
-				t.Error(err)
-			}
+			assert.NoError(t, r.awaitQuiet(quiet, replayMessages, 2*time.Second))
 			cancelQuiet()
 			e := r.end(ctx, ids, p)
 			e.wantEachOnce(t)
@@ -109,15 +105,11 @@ func (r *run) overDeliveryLimit(ctx context.Context) {
 	r.t.Helper()
 	for range 10 * replayMessages * (r.topo.DeliveryLimit + 1) {
 		d, ok, err := r.b.Get(ctx, r.queue)
-		if err != nil {
-			r.t.Fatal(err)
-		}
+		require.NoError(r.t, err)
 		if !ok {
 			return
 		}
-		if err := d.Nack(false, true); err != nil {
-			r.t.Fatal(err)
-		}
+		require.NoError(r.t, d.Nack(false, true))
 	}
 	r.t.Fatalf("%s not empty after %d returns", r.queue, 10*replayMessages*(r.topo.DeliveryLimit+1))
 }
@@ -128,9 +120,7 @@ func (r *run) awaitDLQ(ctx context.Context, n int) []*amqp.Delivery {
 	r.t.Helper()
 	for {
 		got, err := r.b.Len(ctx, r.queue+".dlq")
-		if err != nil {
-			r.t.Fatal(err)
-		}
+		require.NoError(r.t, err)
 		if got >= n {
 			break
 		}
@@ -141,9 +131,7 @@ func (r *run) awaitDLQ(ctx context.Context, n int) []*amqp.Delivery {
 		}
 	}
 	dead, err := r.drainDLQ(ctx)
-	if err != nil {
-		r.t.Fatal(err)
-	}
+	require.NoError(r.t, err)
 	return dead
 }
 

@@ -21,6 +21,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/middleware"
@@ -76,9 +78,7 @@ func testCrossSlotRefused(t *testing.T, client *redis.ClusterClient) {
 	a, b := "{a}canary", "{b}canary" // slots 15495 and 3300: the first and last nodes
 	sa, errA := client.ClusterKeySlot(ctx, a).Result()
 	sb, errB := client.ClusterKeySlot(ctx, b).Result()
-	if err := errors.Join(errA, errB); err != nil {
-		t.Fatalf("CLUSTER KEYSLOT: %v", err)
-	}
+	require.NoError(t, errors.Join(errA, errB), "CLUSTER KEYSLOT")
 	if sa == sb {
 		t.Fatalf("keys %q and %q are both in slot %d; want two slots", a, b, sa)
 	}
@@ -92,9 +92,7 @@ func testCrossSlotRefused(t *testing.T, client *redis.ClusterClient) {
 
 	undeclared := redis.NewScript(`return redis.call('SET', ARGV[1], 'x')`)
 	err = undeclared.Run(ctx, client, []string{a}, b).Err()
-	if err == nil {
-		t.Errorf("script declaring %q (slot %d) that writes %q (slot %d): no error; want a refusal", a, sa, b, sb)
-	}
+	assert.Error(t, err, "script declaring %q (slot %d) that writes %q (slot %d): no error; want a refusal", a, sa, b, sb)
 	t.Logf("an undeclared key: %v", err)
 }
 
@@ -275,9 +273,7 @@ func (c *redisCluster) expectedPerNode(t *testing.T, client *redis.ClusterClient
 	t.Helper()
 	ctx := context.Background()
 	slots, err := client.ClusterSlots(ctx).Result()
-	if err != nil {
-		t.Fatalf("CLUSTER SLOTS: %v", err)
-	}
+	require.NoError(t, err, "CLUSTER SLOTS")
 	want := map[string]int64{}
 	for _, a := range c.addrs() {
 		want[a] = 0
@@ -285,9 +281,7 @@ func (c *redisCluster) expectedPerNode(t *testing.T, client *redis.ClusterClient
 	for i := range n {
 		key := "msg:" + goodID(i)
 		slot, err := client.ClusterKeySlot(ctx, key).Result()
-		if err != nil {
-			t.Fatalf("CLUSTER KEYSLOT %s: %v", key, err)
-		}
+		require.NoError(t, err, "CLUSTER KEYSLOT %s", key)
 		owner := ""
 		for _, r := range slots {
 			if int64(r.Start) <= slot && slot <= int64(r.End) && len(r.Nodes) > 0 {

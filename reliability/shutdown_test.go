@@ -25,6 +25,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 )
 
 func TestShutdownPastDeadline(t *testing.T) {
@@ -57,9 +58,7 @@ func TestShutdownPastDeadline(t *testing.T) {
 		id := fmt.Sprintf("s-%03d", i)
 		ids = append(ids, id)
 		body, _ := json.Marshal(map[string]string{"kind": kind})
-		if err := r.b.Publish(ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: body}); err != nil {
-			t.Fatalf("publish %s: %v", id, err)
-		}
+		require.NoError(t, r.b.Publish(ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: body}), "publish %s", id)
 	}
 	var settleErrors int64
 	for i := range rounds {
@@ -68,15 +67,11 @@ func TestShutdownPastDeadline(t *testing.T) {
 		want := int64((i + 1) * workers)
 		for {
 			n, err := r.rdb.LLen(ctx, r.prefix+"events").Result()
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			if n >= want {
 				break
 			}
-			if err := r.procsAlive(); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, r.procsAlive())
 			select {
 			case <-ctx.Done():
 				t.Fatalf("round %d: %d handlers started; want %d", i+1, n, want)
@@ -84,9 +79,7 @@ func TestShutdownPastDeadline(t *testing.T) {
 			}
 		}
 		st, err := p.stop(30 * time.Second)
-		if err != nil {
-			t.Fatalf("round %d: %v", i+1, err)
-		}
+		require.NoError(t, err, "round %d", i+1)
 		settleErrors += st.SettleErrors
 		t.Logf("round %d: %+v", i+1, st)
 	}
@@ -98,16 +91,12 @@ func TestShutdownPastDeadline(t *testing.T) {
 	for _, q := range queues {
 		for {
 			d, ok, err := r.b.Get(ctx, q)
-			if err != nil {
-				t.Fatalf("get from %s: %v", q, err)
-			}
+			require.NoError(t, err, "get from %s", q)
 			if !ok {
 				break
 			}
 			copies[d.MessageId] = append(copies[d.MessageId], q)
-			if err := d.Ack(false); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, d.Ack(false))
 		}
 	}
 	var once, twice, extra, lost, dead int

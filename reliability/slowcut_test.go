@@ -22,15 +22,14 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 )
 
 func TestSlowHandlerConnectionCut(t *testing.T) {
 	const hold = 20 * time.Second
 	r := newRun(t, "slowcut", tiers...)
 	u, err := url.Parse(r.amqpURL)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	target := u.Host
 	if u.Port() == "" {
 		target = net.JoinHostPort(u.Hostname(), "5672")
@@ -50,15 +49,11 @@ func TestSlowHandlerConnectionCut(t *testing.T) {
 	began := time.Now()
 	publish := func(id, kind string) {
 		body, _ := json.Marshal(map[string]string{"kind": kind})
-		if err := r.b.Publish(ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: body}); err != nil {
-			t.Fatalf("publish %s: %v", id, err)
-		}
+		require.NoError(t, r.b.Publish(ctx, "", r.queue, amqp.Publishing{MessageId: id, Body: body}), "publish %s", id)
 	}
 	poll := func(what string, cond func() bool) time.Time {
 		for !cond() {
-			if err := r.procsAlive(); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, r.procsAlive())
 			select {
 			case <-ctx.Done():
 				t.Fatalf("%s: %v", what, ctx.Err())
@@ -88,9 +83,7 @@ func TestSlowHandlerConnectionCut(t *testing.T) {
 		cut.Sub(started).Round(time.Millisecond), resumed.Round(time.Millisecond), slowTook.Round(time.Millisecond))
 
 	ids := []string{"slow", "new"}
-	if err := r.awaitQuiet(ctx, len(ids), 3*time.Second); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.awaitQuiet(ctx, len(ids), 3*time.Second))
 	e := r.end(ctx, ids, p)
 	e.wantEachOnce(t)
 	if n := p.logCount(`msg="broker: connection lost"`); n != 1 {

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
+	"github.com/stretchr/testify/require"
 )
 
 const (
@@ -58,9 +59,7 @@ func gracefulStops(t *testing.T, scenario, pgURL string, messages int, lag time.
 		r.opts.storeAddr = px.addr
 	} else {
 		u, err := url.Parse(r.opts.storeAddr)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		px := startProxy(t, u.Host)
 		px.slow(lag)
 		u.Host = px.addr
@@ -71,14 +70,10 @@ func gracefulStops(t *testing.T, scenario, pgURL string, messages int, lag time.
 	var cancelled, settleErrors int64
 	lo, hi := len(r.ids)/10, len(r.ids)*8/10
 	for i := range stopRounds {
-		if err := r.waitRandom(ctx, lo+(hi-lo)*i/stopRounds, (hi-lo)/stopRounds); err != nil {
-			t.Fatalf("before stop %d: %v", i+1, err)
-		}
+		require.NoError(t, r.waitRandom(ctx, lo+(hi-lo)*i/stopRounds, (hi-lo)/stopRounds), "before stop %d", i+1)
 		at := r.count(ctx, "distinct")
 		st, err := p.stop(30 * time.Second)
-		if err != nil {
-			t.Fatalf("stop %d: %v", i+1, err)
-		}
+		require.NoError(t, err, "stop %d", i+1)
 		cancelled += int64(p.logCount("context canceled"))
 		settleErrors += st.SettleErrors
 		t.Logf("stop %d at %d messages done: %+v", i+1, at, st)

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/reliability/internal/stats"
 )
@@ -86,9 +87,7 @@ func TestDuplicateStorm(t *testing.T) {
 	if pubErr != nil {
 		t.Fatal(pubErr)
 	}
-	if err := r.awaitQuiet(ctx, ids, 2*time.Second); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, r.awaitQuiet(ctx, ids, 2*time.Second))
 	e := r.end(ctx, keys, procs...)
 	e.wantEachOnce(t)
 	v := e.v

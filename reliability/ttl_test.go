@@ -16,6 +16,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/deadletter"
@@ -44,29 +46,17 @@ func TestDeadLettersOutliveTheirTTL(t *testing.T) {
 		msgs = append(msgs, amqp.Publishing{MessageId: id, ContentType: "application/json",
 			Expiration: fmt.Sprint(ttl.Milliseconds()), Body: order(kind, 0)})
 	}
-	if err := <-r.publishAsync(ctx, msgs, 8); err != nil {
-		t.Fatal(err)
-	}
-	for {
+	require.NoError(t, <-r.publishAsync(ctx, msgs, 8))
+	deadline, _ := ctx.Deadline()
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		n, err := r.b.Len(ctx, r.queue+".dlq")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if n >= ttlMessages {
-			break
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("the DLQ holds %d messages; want %d: %v", n, ttlMessages, ctx.Err())
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+		assert.NoError(c, err)
+		assert.GreaterOrEqual(c, n, ttlMessages, "messages in the DLQ")
+	}, time.Until(deadline), 50*time.Millisecond)
 	full := time.Now()
 	time.Sleep(ttl + time.Second) // the server's expiry is real time
 	dls, err := deadletter.New(r.b).List(ctx, r.queue, deadletter.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	listed := map[string]bool{}
 	kept := 0 // without an Expiration, the original in its header
 	for _, dl := range dls {

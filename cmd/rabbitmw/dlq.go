@@ -113,22 +113,32 @@ func (q *queueCommand) connect(e *env) (*broker.Broker, error) {
 	return q.common.connect(e.timeout)
 }
 
+// list connects and lists the messages of the queue that q's filters
+// select, at most limit if it is positive, with a progress bar.
+func (q *queueCommand) list(ctx context.Context, e *env, limit int) ([]*deadletter.Message, error) {
+	b, err := q.connect(e)
+	if err != nil {
+		return nil, err
+	}
+	defer b.Close()
+	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
+	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: q.filter(), Limit: limit, Progress: bar.update})
+	bar.done()
+	if err != nil {
+		return nil, classify(err)
+	}
+	return dls, nil
+}
+
 func (e *env) dlqList(ctx context.Context, args []string) error {
 	q := e.queueCommand("dlq ls", withFilters|withJSON)
 	limit := q.Int("limit", 0, "list at most this many messages")
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	b, err := q.connect(e)
+	dls, err := q.list(ctx, e, *limit)
 	if err != nil {
 		return err
-	}
-	defer b.Close()
-	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
-	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
-	bar.done()
-	if err != nil {
-		return classify(err)
 	}
 	if q.json {
 		return writeJSON(e.stdout, nonNil(dls))
@@ -142,16 +152,9 @@ func (e *env) dlqGroups(ctx context.Context, args []string) error {
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	b, err := q.connect(e)
+	dls, err := q.list(ctx, e, 0)
 	if err != nil {
 		return err
-	}
-	defer b.Close()
-	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
-	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: q.filter(), Progress: bar.update})
-	bar.done()
-	if err != nil {
-		return classify(err)
 	}
 	groups := deadletter.Groups(dls)
 	if q.json {
