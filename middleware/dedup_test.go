@@ -12,6 +12,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
@@ -215,9 +217,7 @@ func TestDedupRenewsLease(t *testing.T) {
 				return ctx.Err()
 			}))
 		d, _ := deliverytest.New("m1", "")
-		if err := h.Handle(ctx, d); err != nil {
-			t.Fatalf("Handle = %v; want nil", err)
-		}
+		require.NoError(t, h.Handle(ctx, d), "Handle")
 		if during != store.Processing {
 			t.Errorf("Claim by another consumer after 3 leases = %v; want processing (renewed)", during)
 		}
@@ -292,9 +292,7 @@ func TestDedupUnrenewableLeaseCancelsHandler(t *testing.T) {
 		d, _ := deliverytest.New("m1", "")
 		start := time.Now()
 		err := h.Handle(context.Background(), d)
-		if !errors.Is(cause, middleware.ErrStoreUnavailable) {
-			t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
-		}
+		assert.ErrorIs(t, cause, middleware.ErrStoreUnavailable, "handler context cause")
 		// Renewals every lease/3 fail; the one at 2/3 of the lease sees that the
 		// next would come too late, and cancels: not the handler's own fallback
 		// after 10 leases.
@@ -315,9 +313,7 @@ func TestDedupCompletesAfterCancel(t *testing.T) {
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { cancel(); return nil }))
 	d, _ := deliverytest.New("m1", "")
-	if err := h.Handle(ctx, d); err != nil {
-		t.Fatalf("Handle = %v; want nil", err)
-	}
+	require.NoError(t, h.Handle(ctx, d), "Handle")
 	if got, _ := s.Claim(context.Background(), "m1", "x", time.Minute); got != store.Done {
 		t.Fatalf("Claim afterwards = %v; want done", got)
 	}
@@ -415,9 +411,7 @@ func TestDedupRenewsManyLeases(t *testing.T) {
 				defer wg.Done()
 				time.Sleep(time.Duration(i) * lease / 7)
 				d, _ := deliverytest.New(fmt.Sprint(i), "")
-				if err := h.Handle(ctx, d); err != nil {
-					t.Error(err)
-				}
+				assert.NoError(t, h.Handle(ctx, d))
 			}()
 		}
 		wg.Wait()
@@ -485,9 +479,7 @@ func TestDedupHangingRenewalCancelsHandler(t *testing.T) {
 		if extendFirst {
 			t.Errorf("the handler was cancelled only after the hanging renewal returned; want it cancelled before the lease ends")
 		}
-		if !errors.Is(cause, middleware.ErrStoreUnavailable) {
-			t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
-		}
+		assert.ErrorIs(t, cause, middleware.ErrStoreUnavailable, "handler context cause")
 		if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay {
 			t.Errorf("result %v decides %v; want delayed", err, dec.Outcome)
 		}
@@ -510,9 +502,7 @@ func TestDedupFinishedHandlerDoesNotWaitForRenewal(t *testing.T) {
 			}))
 		d, _ := deliverytest.New("m1", "")
 		start := time.Now()
-		if err := h.Handle(context.Background(), d); err != nil {
-			t.Fatalf("Handle = %v; want nil", err)
-		}
+		require.NoError(t, h.Handle(context.Background(), d), "Handle")
 		if elapsed := time.Since(start); elapsed >= lease {
 			t.Errorf("Handle returned after %v, waiting for the hanging renewal; want before the lease (%v) ends", elapsed, lease)
 		}
@@ -541,9 +531,7 @@ func TestDedupReleasesAnUnansweredClaim(t *testing.T) {
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
 	d, _ := deliverytest.New("m1", "")
-	if err := h.Handle(context.Background(), d); !errors.Is(err, middleware.ErrStoreUnavailable) {
-		t.Fatalf("Handle = %v; want ErrStoreUnavailable", err)
-	}
+	require.ErrorIs(t, h.Handle(context.Background(), d), middleware.ErrStoreUnavailable, "Handle")
 	if got, _ := s.Store.Claim(context.Background(), "m1", "next", time.Minute); got != store.Claimed {
 		t.Fatalf("Claim after the unanswered claim = %v; want claimed (released)", got)
 	}
@@ -560,9 +548,7 @@ func TestDedupFailOpenNotOnDoneContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	d, _ := deliverytest.New("m1", "")
-	if err := h.Handle(ctx, d); err == nil {
-		t.Error("Handle with a done context and a failed claim = nil; want an error")
-	}
+	assert.Error(t, h.Handle(ctx, d), "Handle with a done context and a failed claim = nil; want an error")
 	if n := calls.Load(); n != 0 {
 		t.Errorf("handler called %d times on a done context; want 0", n)
 	}
@@ -579,13 +565,12 @@ func TestDedupAbandonedClaim(t *testing.T) {
 		var calls int
 		h := middleware.Dedup(s, middleware.DedupOptions{Lease: time.Minute})(rabbitmw.HandlerFunc(
 			func(context.Context, *amqp.Delivery) error { calls++; return nil }))
-		if _, err := s.Claim(ctx, "m1", "dead consumer", time.Minute); err != nil {
-			t.Fatal(err)
-		}
+		_, err := s.Claim(ctx, "m1", "dead consumer", time.Minute)
+		require.NoError(t, err)
 		time.Sleep(time.Minute)
 		before := s.Calls("claim") + s.Calls("release")
 		d, rec := deliverytest.New("m1", "")
-		err := h.Handle(ctx, d)
+		err = h.Handle(ctx, d)
 		if calls != 0 || !errors.Is(err, middleware.ErrAbandoned) || rabbitmw.Decide(err).Outcome != rabbitmw.Requeue {
 			t.Errorf("Handle of an abandoned message = %v (%v), %d handler calls; want ErrAbandoned, requeued, no call", err, rabbitmw.Decide(err).Outcome, calls)
 		}
@@ -641,15 +626,11 @@ func TestDedupReleasesClaimsWhoseAnswerWasLost(t *testing.T) {
 			}))
 			s.down.Store(true)
 			d, _ := deliverytest.New("m1", "")
-			if err := h.Handle(ctx, d); !errors.Is(err, middleware.ErrStoreUnavailable) {
-				t.Fatalf("Handle while the store is down = %v; want ErrStoreUnavailable", err)
-			}
+			require.ErrorIs(t, h.Handle(ctx, d), middleware.ErrStoreUnavailable, "Handle while the store is down")
 			s.down.Store(false)
 			for _, id := range next {
 				d, _ := deliverytest.New(id, "")
-				if err := h.Handle(ctx, d); err != nil {
-					t.Errorf("Handle(%s) once the store is back = %v; want nil", id, err)
-				}
+				assert.NoError(t, h.Handle(ctx, d), "Handle(%s) once the store is back", id)
 			}
 			if _, ok := calls.Load("m1"); !ok {
 				t.Errorf("m1 was not processed once the store was back: its lost claim still held it")
