@@ -40,9 +40,8 @@ func newInbox(t *testing.T, pool *pgxpool.Pool) *inboxFixture {
 	t.Helper()
 	table := uniqueTable(t, pool)
 	f := &inboxFixture{pool: pool, st: newStore(t, pool, pgstore.Options{Table: table}), effects: table + "_effects"}
-	if _, err := pool.Exec(context.Background(), `CREATE TABLE `+f.effects+` (seq serial PRIMARY KEY, id text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
+	_, err := pool.Exec(context.Background(), `CREATE TABLE `+f.effects+` (seq serial PRIMARY KEY, id text NOT NULL)`)
+	require.NoError(t, err)
 	t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+f.effects) })
 	return f
 }
@@ -57,9 +56,7 @@ func (f *inboxFixture) insert(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) 
 func (f *inboxFixture) count(t *testing.T, id string) int {
 	t.Helper()
 	var n int
-	if err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+f.effects+` WHERE id = $1`, id).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, f.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+f.effects+` WHERE id = $1`, id).Scan(&n))
 	return n
 }
 
@@ -68,9 +65,7 @@ func (f *inboxFixture) count(t *testing.T, id string) int {
 func (f *inboxFixture) status(t *testing.T, id string) store.Status {
 	t.Helper()
 	st, err := f.st.Claim(context.Background(), id, "stranger", time.Millisecond)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return st
 }
 
@@ -97,15 +92,11 @@ func TestHandlerEffectAndMarkCommitTogether(t *testing.T) {
 		middleware.Recover(),
 		middleware.Dedup(counting, middleware.DedupOptions{}),
 	)(pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}))
-	if err := h.Handle(ctx, delivery("m1")); err != nil {
-		t.Fatalf("first delivery: %v", err)
-	}
+	require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
 	if n := counting.completes.Load(); n != 0 {
 		t.Errorf("Dedup called Complete %d times after the handler's commit; want 0", n)
 	}
-	if err := h.Handle(ctx, delivery("m1")); !errors.Is(err, rabbitmw.ErrDuplicate) {
-		t.Fatalf("second delivery = %v; want a duplicate", err)
-	}
+	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
 	if n := f.count(t, "m1"); n != 1 {
 		t.Errorf("%d effects; want 1", n)
 	}
@@ -144,9 +135,7 @@ func TestHandlerLostClaimRollsBack(t *testing.T) {
 	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		c, _ := middleware.ClaimFrom(ctx)
 		// The lease ends and another consumer claims the key.
-		if err := f.st.Release(ctx, c.Key(), c.Token()); err != nil {
-			t.Errorf("Release: %v", err)
-		}
+		assert.NoError(t, f.st.Release(ctx, c.Key(), c.Token()), "Release")
 		if st, err := f.st.Claim(ctx, c.Key(), "thief", time.Minute); err != nil || st != store.Claimed {
 			t.Errorf("Claim by the thief = %v, %v", st, err)
 		}
@@ -159,9 +148,7 @@ func TestHandlerLostClaimRollsBack(t *testing.T) {
 	if n := f.count(t, "m1"); n != 0 {
 		t.Errorf("%d effects; want 0 (rolled back)", n)
 	}
-	if err := f.st.Complete(ctx, "m1", "thief", time.Minute); err != nil {
-		t.Errorf("the thief's claim was touched: Complete = %v", err)
-	}
+	assert.NoError(t, f.st.Complete(ctx, "m1", "thief", time.Minute), "the thief's claim was touched: Complete")
 }
 
 // A Dedup over another store (Redis, kept from before the inbox, or a
@@ -227,9 +214,7 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 		return commitCutter{c, &armed}, nil
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(pool.Close) // after the tables are dropped (cleanups run last first)
 	f := newInbox(t, pool)
 	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
@@ -247,9 +232,7 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 		t.Fatalf("%d effects; want 1 (the commit took effect)", n)
 	}
 	// The retry finds the message done: no second effect, no second mark.
-	if err := h.Handle(ctx, delivery("m1")); !errors.Is(err, rabbitmw.ErrDuplicate) {
-		t.Fatalf("redelivery = %v; want a duplicate", err)
-	}
+	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "redelivery")
 	if n := f.count(t, "m1"); n != 1 {
 		t.Errorf("%d effects after the redelivery; want 1", n)
 	}
@@ -296,9 +279,7 @@ func TestHandlerCommitTimeoutBoundsTheCommit(t *testing.T) {
 		return commitSwallower{c, &armed}, nil
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	f := newInbox(t, pool)
 	db := stdlib.OpenDBFromPool(pool)
@@ -331,9 +312,7 @@ func TestHandlerCommitTimeoutBoundsTheCommit(t *testing.T) {
 			go func() { done <- h.Handle(ctx, delivery("m-"+tt.name)) }()
 			select {
 			case err := <-done:
-				if !errors.Is(err, middleware.ErrStoreUnavailable) {
-					t.Errorf("Handle = %v; want ErrStoreUnavailable (the commit's answer was lost)", err)
-				}
+				assert.ErrorIs(t, err, middleware.ErrStoreUnavailable, "Handle")
 			case <-time.After(15 * time.Second): // waits for the real server's (non-)answer
 				t.Errorf("Handle still waiting on its commit 15 s after it was sent, with CommitTimeout %v", opts.CommitTimeout)
 			}
@@ -446,9 +425,7 @@ func TestHandlerLongTransactionShortLease(t *testing.T) {
 	cfg := base.Config()
 	cfg.MaxConns = 1
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(pool.Close) // after the tables are dropped (cleanups run last first)
 	f := newInbox(t, pool)
 	counting := &countingStore{Store: f.st}
@@ -468,9 +445,7 @@ func TestHandlerLongTransactionShortLease(t *testing.T) {
 			return context.Cause(ctx)
 		}
 	}, pgstore.HandlerOptions{}))
-	if err := h.Handle(ctx, delivery("m1")); err != nil {
-		t.Fatalf("Handle: %v", err)
-	}
+	require.NoError(t, h.Handle(ctx, delivery("m1")), "Handle")
 	if n := counting.extends.Load(); n < 2 {
 		t.Errorf("%d renewals during a %v transaction with a %v lease; want at least 2", n, hold, lease)
 	}
@@ -493,21 +468,15 @@ func TestSQLHandler(t *testing.T) {
 		return err
 	}
 	h := f.stack(pgstore.SQLHandler(f.st, db, insert, pgstore.HandlerOptions{}), middleware.DedupOptions{})
-	if err := h.Handle(ctx, delivery("m1")); err != nil {
-		t.Fatalf("first delivery: %v", err)
-	}
-	if err := h.Handle(ctx, delivery("m1")); !errors.Is(err, rabbitmw.ErrDuplicate) {
-		t.Fatalf("second delivery = %v; want a duplicate", err)
-	}
+	require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
+	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
 	if n := f.count(t, "m1"); n != 1 {
 		t.Errorf("%d effects; want 1", n)
 	}
 	selfCommit := pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
 		return tx.Commit()
 	}, pgstore.HandlerOptions{})
-	if err := f.stack(selfCommit, middleware.DedupOptions{}).Handle(ctx, delivery("m2")); !errors.Is(err, pgstore.ErrTxSettled) {
-		t.Errorf("self-committed = %v; want ErrTxSettled", err)
-	}
+	assert.ErrorIs(t, f.stack(selfCommit, middleware.DedupOptions{}).Handle(ctx, delivery("m2")), pgstore.ErrTxSettled, "self-committed")
 	if st := f.status(t, "m2"); st == store.Done {
 		t.Errorf("self-committed key is done; want not marked")
 	}
@@ -573,9 +542,7 @@ func TestStackConcurrentDuplicates(t *testing.T) {
 	close(work)
 	wg.Wait()
 	var rows, distinct int
-	if err := f.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT id) FROM `+f.effects).Scan(&rows, &distinct); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, f.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT id) FROM `+f.effects).Scan(&rows, &distinct))
 	if rows != distinct || distinct != len(uniq(ids)) {
 		t.Errorf("%d effect rows for %d distinct ids; want %d, once each", rows, distinct, len(uniq(ids)))
 	}
@@ -629,9 +596,8 @@ func TestStackAbandonedAttempt(t *testing.T) {
 
 	// m2's first death is counted; its second reaches MaxAttempts.
 	calls.Store(0)
-	if _, err := f.st.Fail(ctx, "m2", time.Hour); err != nil {
-		t.Fatal(err)
-	}
+	_, err := f.st.Fail(ctx, "m2", time.Hour)
+	require.NoError(t, err)
 	die("m2")
 	dec := rabbitmw.Decide(h.Handle(ctx, delivery("m2")))
 	if dec.Outcome != rabbitmw.DeadLetter || !errors.Is(dec.Err, middleware.ErrAbandoned) || dec.Attempts != 2 {
