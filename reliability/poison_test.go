@@ -330,9 +330,7 @@ func TestPoisonMalformedXDeath(t *testing.T) {
 	dctx, dcancel := context.WithTimeout(ctx, 10*time.Second)
 	dead, ferr := r.drainDLQ(dctx)
 	dcancel()
-	if ferr != nil {
-		t.Error(ferr)
-	}
+	assert.NoError(t, ferr)
 	got := map[string]int{}
 	for _, d := range dead {
 		name, _ := d.Headers["x-case"].(string)
