@@ -18,7 +18,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	amqp "github.com/rabbitmq/amqp091-go"
-
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -185,17 +184,37 @@ func TestHandlerUnderDedupOfAnotherStore(t *testing.T) {
 	}
 }
 
-// A connection that drops itself right after it sent a COMMIT: the server
-// commits, the client never hears.
+// sendsCommit reports whether a write to PostgreSQL sends a COMMIT: a
+// simple query (database/sql's Commit, pgx's), or Handler's pipeline of the
+// done mark and the COMMIT (extended protocol, the COMMIT parsed each
+// time).
+func sendsCommit(b []byte) bool {
+	return len(b) > 0 && (b[0] == 'Q' || b[0] == 'B') && bytes.Contains(bytes.ToLower(b), []byte("commit"))
+}
+
+// A connection that drops itself when the answer to a COMMIT comes: the
+// server has committed, the client never hears. (Closing right after the
+// COMMIT was written would race the server: it may see the connection
+// gone before it commits.)
 type commitCutter struct {
 	net.Conn
 	armed *atomic.Bool
+	sent  *atomic.Bool // the COMMIT was written; its answer is awaited
 }
 
 func (c commitCutter) Write(b []byte) (int, error) {
 	n, err := c.Conn.Write(b)
-	if err == nil && len(b) > 0 && b[0] == 'Q' && bytes.Contains(bytes.ToLower(b), []byte("commit")) && c.armed.CompareAndSwap(true, false) {
+	if err == nil && sendsCommit(b) && c.armed.CompareAndSwap(true, false) {
+		c.sent.Store(true)
+	}
+	return n, err
+}
+
+func (c commitCutter) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	if c.sent.CompareAndSwap(true, false) {
 		c.Conn.Close()
+		return 0, net.ErrClosed
 	}
 	return n, err
 }
@@ -211,7 +230,7 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 		if err != nil {
 			return nil, err
 		}
-		return commitCutter{c, &armed}, nil
+		return commitCutter{c, &armed, new(atomic.Bool)}, nil
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
@@ -250,7 +269,7 @@ type commitSwallower struct {
 }
 
 func (c commitSwallower) Write(b []byte) (int, error) {
-	if len(b) > 0 && b[0] == 'Q' && bytes.Contains(bytes.ToLower(b), []byte("commit")) && c.armed.CompareAndSwap(true, false) {
+	if sendsCommit(b) && c.armed.CompareAndSwap(true, false) {
 		return len(b), nil
 	}
 	return c.Conn.Write(b)
@@ -605,6 +624,50 @@ func TestStackAbandonedAttempt(t *testing.T) {
 	}
 	if n, c := f.count(t, "m2"), calls.Load(); n != 0 || c != 0 {
 		t.Errorf("m2 dead-lettered: %d effects, %d handler calls; want 0, 0", n, c)
+	}
+}
+
+// Handler sends the done mark and the COMMIT in one round trip, as a
+// prepared statement when the pool prepares its statements, else parsed
+// each time (a pool behind a pooler in transaction mode sends no named
+// statements): in every mode the effect and the mark commit together, and
+// a mark that finds the claim lost commits nothing.
+func TestHandlerInEveryExecMode(t *testing.T) {
+	for _, mode := range []pgx.QueryExecMode{
+		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+	} {
+		t.Run(mode.String(), func(t *testing.T) {
+			ctx := context.Background()
+			cfg := newPool(t).Config()
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			f := newInbox(t, pool)
+			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if d.MessageId == "lost" {
+					c, _ := middleware.ClaimFrom(ctx)
+					require.NoError(t, f.st.Release(ctx, c.Key(), c.Token()))
+					_, err := f.st.Claim(ctx, c.Key(), "thief", time.Minute)
+					require.NoError(t, err)
+				}
+				return f.insert(ctx, tx, d)
+			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			for range 3 { // a connection's first mark prepares it; the next ones do not
+				require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
+				require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
+				assert.Equal(t, 1, f.count(t, "m1"))
+				assert.Equal(t, store.Done, f.status(t, "m1"))
+				_, err := pool.Exec(ctx, `DELETE FROM `+f.effects)
+				require.NoError(t, err)
+				_, err = pool.Exec(ctx, `TRUNCATE `+strings.TrimSuffix(f.effects, "_effects"))
+				require.NoError(t, err)
+			}
+			err = h.Handle(ctx, delivery("lost"))
+			assert.ErrorIs(t, err, middleware.ErrLeaseLost)
+			assert.Equal(t, 0, f.count(t, "lost"), "effects of a lost claim")
+		})
 	}
 }
 
