@@ -70,12 +70,7 @@ func (f *inboxFixture) status(t *testing.T, id string) store.Status {
 
 // stack is the recommended stack over the store, around h.
 func (f *inboxFixture) stack(h rabbitmw.Handler, dedup middleware.DedupOptions) rabbitmw.Handler {
-	return rabbitmw.Chain(
-		middleware.Retry(f.st, middleware.RetryOptions{}),
-		middleware.Recover(),
-		middleware.Dedup(f.st, dedup),
-		middleware.Timeout(30*time.Second),
-	)(h)
+	return middleware.Stack(f.st, middleware.StackOptions{Dedup: dedup})(h)
 }
 
 func delivery(id string) *amqp.Delivery {
