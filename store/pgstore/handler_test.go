@@ -70,12 +70,7 @@ func (f *inboxFixture) status(t *testing.T, id string) store.Status {
 
 // stack is the recommended stack over the store, around h.
 func (f *inboxFixture) stack(h rabbitmw.Handler, dedup middleware.DedupOptions) rabbitmw.Handler {
-	return rabbitmw.Chain(
-		middleware.Retry(f.st, middleware.RetryOptions{}),
-		middleware.Recover(),
-		middleware.Dedup(f.st, dedup),
-		middleware.Timeout(30*time.Second),
-	)(h)
+	return middleware.Stack(f.st, middleware.StackOptions{Dedup: dedup})(h)
 }
 
 func delivery(id string) *amqp.Delivery {
@@ -96,12 +91,8 @@ func TestHandlerEffectAndMarkCommitTogether(t *testing.T) {
 		t.Errorf("Dedup called Complete %d times after the handler's commit; want 0", n)
 	}
 	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects; want 1", n)
-	}
-	if st := f.status(t, "m1"); st != store.Done {
-		t.Errorf("key is %v; want done", st)
-	}
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+	assert.Equal(t, store.Done, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 }
 
 func TestHandlerFailureRollsBack(t *testing.T) {
@@ -115,15 +106,10 @@ func TestHandlerFailureRollsBack(t *testing.T) {
 		return boom
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	err := h.Handle(ctx, delivery("m1"))
-	if !errors.Is(err, boom) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
-		t.Fatalf("Handle = %v; want boom, retried after a backoff", err)
-	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0 (rolled back)", n)
-	}
-	if st := f.status(t, "m1"); st != store.Claimed {
-		t.Errorf("key is %v; want absent (claimable)", st)
-	}
+	require.ErrorIs(t, err, boom)
+	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects rolled back")
+	assert.Equal(t, store.Claimed, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 }
 
 // Another consumer took the message over while the function ran: its
@@ -141,12 +127,9 @@ func TestHandlerLostClaimRollsBack(t *testing.T) {
 		return f.insert(ctx, tx, d)
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	err := h.Handle(ctx, delivery("m1"))
-	if !errors.Is(err, middleware.ErrLeaseLost) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
-		t.Fatalf("Handle = %v; want ErrLeaseLost, retried later", err)
-	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0 (rolled back)", n)
-	}
+	require.ErrorIs(t, err, middleware.ErrLeaseLost)
+	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects rolled back")
 	assert.NoError(t, f.st.Complete(ctx, "m1", "thief", time.Minute), "the thief's claim was touched: Complete")
 }
 
@@ -179,9 +162,7 @@ func TestHandlerUnderDedupOfAnotherStore(t *testing.T) {
 	} else if !errors.Is(last.Err, pgstore.ErrNoClaim) {
 		t.Errorf("dead-lettered with %v; want ErrNoClaim", last.Err)
 	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects committed; want 0", n)
-	}
+	assert.Equal(t, 0, f.count(t, "m1"), "effects committed")
 }
 
 // sendsCommit reports whether a write to PostgreSQL sends a COMMIT: a
@@ -241,20 +222,13 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 		return f.insert(ctx, tx, d)
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	err = h.Handle(ctx, delivery("m1"))
-	if !errors.Is(err, middleware.ErrStoreUnavailable) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
-		t.Fatalf("Handle = %v; want ErrStoreUnavailable, retried later", err)
-	}
-	if armed.Load() {
-		t.Fatal("the commit was never cut")
-	}
-	if n := f.count(t, "m1"); n != 1 {
-		t.Fatalf("%d effects; want 1 (the commit took effect)", n)
-	}
+	require.ErrorIs(t, err, middleware.ErrStoreUnavailable)
+	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	require.False(t, armed.Load(), "the commit was never cut")
+	require.Equal(t, 1, f.count(t, "m1"), "effects: the commit took effect")
 	// The retry finds the message done: no second effect, no second mark.
 	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "redelivery")
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects after the redelivery; want 1", n)
-	}
+	assert.Equal(t, 1, f.count(t, "m1"), "effects after the redelivery")
 	// Nor is the lost answer counted as a failure of the message.
 	if n, err := f.st.Fail(ctx, "m1", time.Minute); err != nil || n != 1 {
 		t.Errorf("failure count = %d, %v; want 0 before this Fail", n-1, err)
@@ -353,12 +327,8 @@ func TestHandlerPanic(t *testing.T) {
 	if !errors.As(err, &pe) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
 		t.Fatalf("Handle = %v; want a PanicError, retried after a backoff", err)
 	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0 (rolled back)", n)
-	}
-	if st := f.status(t, "m1"); st != store.Claimed {
-		t.Errorf("key is %v; want absent (claimable)", st)
-	}
+	assert.Equal(t, 0, f.count(t, "m1"), "effects rolled back")
+	assert.Equal(t, store.Claimed, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 	// Counted as a failed attempt.
 	if n, err := f.st.Fail(ctx, "m1", time.Minute); err != nil || n != 2 {
 		t.Errorf("Fail = %d, %v; want 2 (the panic counted once)", n, err)
@@ -380,12 +350,9 @@ func TestHandlerSelfSettledTx(t *testing.T) {
 				return tx.Rollback(ctx)
 			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 			err := h.Handle(ctx, delivery("m1"))
-			if !errors.Is(err, pgstore.ErrTxSettled) || rabbitmw.Decide(err).Outcome != rabbitmw.DeadLetter {
-				t.Fatalf("Handle = %v; want ErrTxSettled, dead-lettered", err)
-			}
-			if st := f.status(t, "m1"); st == store.Done {
-				t.Errorf("key is done; want not marked")
-			}
+			require.ErrorIs(t, err, pgstore.ErrTxSettled)
+			require.Equal(t, rabbitmw.DeadLetter, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+			assert.NotEqual(t, store.Done, f.status(t, "m1"), "key is done; want not marked")
 		})
 	}
 }
@@ -407,12 +374,9 @@ func TestHandlerSerializationFailureIsOrdinary(t *testing.T) {
 func TestHandlerWithoutDedup(t *testing.T) {
 	f := newInbox(t, newPool(t))
 	err := pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}).Handle(context.Background(), delivery("m1"))
-	if !errors.Is(err, pgstore.ErrNoClaim) || rabbitmw.Decide(err).Outcome != rabbitmw.DeadLetter {
-		t.Fatalf("Handle = %v; want ErrNoClaim, dead-lettered", err)
-	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0", n)
-	}
+	require.ErrorIs(t, err, pgstore.ErrNoClaim)
+	require.Equal(t, rabbitmw.DeadLetter, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects")
 }
 
 // countingStore counts Extend and Complete calls.
@@ -468,12 +432,8 @@ func TestHandlerLongTransactionShortLease(t *testing.T) {
 	if n := counting.extends.Load(); n < 2 {
 		t.Errorf("%d renewals during a %v transaction with a %v lease; want at least 2", n, hold, lease)
 	}
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects; want 1", n)
-	}
-	if st := f.status(t, "m1"); st != store.Done {
-		t.Errorf("key is %v; want done", st)
-	}
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+	assert.Equal(t, store.Done, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 }
 
 func TestSQLHandler(t *testing.T) {
@@ -489,16 +449,12 @@ func TestSQLHandler(t *testing.T) {
 	h := f.stack(pgstore.SQLHandler(f.st, db, insert, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
 	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects; want 1", n)
-	}
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
 	selfCommit := pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
 		return tx.Commit()
 	}, pgstore.HandlerOptions{})
 	assert.ErrorIs(t, f.stack(selfCommit, middleware.DedupOptions{}).Handle(ctx, delivery("m2")), pgstore.ErrTxSettled, "self-committed")
-	if st := f.status(t, "m2"); st == store.Done {
-		t.Errorf("self-committed key is done; want not marked")
-	}
+	assert.NotEqual(t, store.Done, f.status(t, "m2"), "self-committed key is done; want not marked")
 }
 
 // The recommended stack, with the transactional handler, over many
@@ -609,9 +565,7 @@ func TestStackAbandonedAttempt(t *testing.T) {
 	if n, c := f.count(t, "m1"), calls.Load(); n != 1 || c != 1 {
 		t.Errorf("after one death: %d effects, %d handler calls; want 1, 1", n, c)
 	}
-	if st := f.status(t, "m1"); st != store.Done {
-		t.Errorf("m1 is %v; want done", st)
-	}
+	assert.Equal(t, store.Done, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 
 	// m2's first death is counted; its second reaches MaxAttempts.
 	calls.Store(0)
