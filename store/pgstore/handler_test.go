@@ -18,7 +18,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	amqp "github.com/rabbitmq/amqp091-go"
-
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -71,12 +70,7 @@ func (f *inboxFixture) status(t *testing.T, id string) store.Status {
 
 // stack is the recommended stack over the store, around h.
 func (f *inboxFixture) stack(h rabbitmw.Handler, dedup middleware.DedupOptions) rabbitmw.Handler {
-	return rabbitmw.Chain(
-		middleware.Retry(f.st, middleware.RetryOptions{}),
-		middleware.Recover(),
-		middleware.Dedup(f.st, dedup),
-		middleware.Timeout(30*time.Second),
-	)(h)
+	return middleware.Stack(f.st, middleware.StackOptions{Dedup: dedup})(h)
 }
 
 func delivery(id string) *amqp.Delivery {
@@ -97,12 +91,8 @@ func TestHandlerEffectAndMarkCommitTogether(t *testing.T) {
 		t.Errorf("Dedup called Complete %d times after the handler's commit; want 0", n)
 	}
 	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects; want 1", n)
-	}
-	if st := f.status(t, "m1"); st != store.Done {
-		t.Errorf("key is %v; want done", st)
-	}
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+	assert.Equal(t, store.Done, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 }
 
 func TestHandlerFailureRollsBack(t *testing.T) {
@@ -116,15 +106,10 @@ func TestHandlerFailureRollsBack(t *testing.T) {
 		return boom
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	err := h.Handle(ctx, delivery("m1"))
-	if !errors.Is(err, boom) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
-		t.Fatalf("Handle = %v; want boom, retried after a backoff", err)
-	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0 (rolled back)", n)
-	}
-	if st := f.status(t, "m1"); st != store.Claimed {
-		t.Errorf("key is %v; want absent (claimable)", st)
-	}
+	require.ErrorIs(t, err, boom)
+	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects rolled back")
+	assert.Equal(t, store.Claimed, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 }
 
 // Another consumer took the message over while the function ran: its
@@ -142,12 +127,9 @@ func TestHandlerLostClaimRollsBack(t *testing.T) {
 		return f.insert(ctx, tx, d)
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	err := h.Handle(ctx, delivery("m1"))
-	if !errors.Is(err, middleware.ErrLeaseLost) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
-		t.Fatalf("Handle = %v; want ErrLeaseLost, retried later", err)
-	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0 (rolled back)", n)
-	}
+	require.ErrorIs(t, err, middleware.ErrLeaseLost)
+	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects rolled back")
 	assert.NoError(t, f.st.Complete(ctx, "m1", "thief", time.Minute), "the thief's claim was touched: Complete")
 }
 
@@ -180,22 +162,40 @@ func TestHandlerUnderDedupOfAnotherStore(t *testing.T) {
 	} else if !errors.Is(last.Err, pgstore.ErrNoClaim) {
 		t.Errorf("dead-lettered with %v; want ErrNoClaim", last.Err)
 	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects committed; want 0", n)
-	}
+	assert.Equal(t, 0, f.count(t, "m1"), "effects committed")
 }
 
-// A connection that drops itself right after it sent a COMMIT: the server
-// commits, the client never hears.
+// sendsCommit reports whether a write to PostgreSQL sends a COMMIT: a
+// simple query (database/sql's Commit, pgx's), or Handler's pipeline of the
+// done mark and the COMMIT (extended protocol, the COMMIT parsed each
+// time).
+func sendsCommit(b []byte) bool {
+	return len(b) > 0 && (b[0] == 'Q' || b[0] == 'B') && bytes.Contains(bytes.ToLower(b), []byte("commit"))
+}
+
+// A connection that drops itself when the answer to a COMMIT comes: the
+// server has committed, the client never hears. (Closing right after the
+// COMMIT was written would race the server: it may see the connection
+// gone before it commits.)
 type commitCutter struct {
 	net.Conn
 	armed *atomic.Bool
+	sent  *atomic.Bool // the COMMIT was written; its answer is awaited
 }
 
 func (c commitCutter) Write(b []byte) (int, error) {
 	n, err := c.Conn.Write(b)
-	if err == nil && len(b) > 0 && b[0] == 'Q' && bytes.Contains(bytes.ToLower(b), []byte("commit")) && c.armed.CompareAndSwap(true, false) {
+	if err == nil && sendsCommit(b) && c.armed.CompareAndSwap(true, false) {
+		c.sent.Store(true)
+	}
+	return n, err
+}
+
+func (c commitCutter) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	if c.sent.CompareAndSwap(true, false) {
 		c.Conn.Close()
+		return 0, net.ErrClosed
 	}
 	return n, err
 }
@@ -211,7 +211,7 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 		if err != nil {
 			return nil, err
 		}
-		return commitCutter{c, &armed}, nil
+		return commitCutter{c, &armed, new(atomic.Bool)}, nil
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
@@ -222,20 +222,13 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 		return f.insert(ctx, tx, d)
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	err = h.Handle(ctx, delivery("m1"))
-	if !errors.Is(err, middleware.ErrStoreUnavailable) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
-		t.Fatalf("Handle = %v; want ErrStoreUnavailable, retried later", err)
-	}
-	if armed.Load() {
-		t.Fatal("the commit was never cut")
-	}
-	if n := f.count(t, "m1"); n != 1 {
-		t.Fatalf("%d effects; want 1 (the commit took effect)", n)
-	}
+	require.ErrorIs(t, err, middleware.ErrStoreUnavailable)
+	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	require.False(t, armed.Load(), "the commit was never cut")
+	require.Equal(t, 1, f.count(t, "m1"), "effects: the commit took effect")
 	// The retry finds the message done: no second effect, no second mark.
 	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "redelivery")
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects after the redelivery; want 1", n)
-	}
+	assert.Equal(t, 1, f.count(t, "m1"), "effects after the redelivery")
 	// Nor is the lost answer counted as a failure of the message.
 	if n, err := f.st.Fail(ctx, "m1", time.Minute); err != nil || n != 1 {
 		t.Errorf("failure count = %d, %v; want 0 before this Fail", n-1, err)
@@ -250,7 +243,7 @@ type commitSwallower struct {
 }
 
 func (c commitSwallower) Write(b []byte) (int, error) {
-	if len(b) > 0 && b[0] == 'Q' && bytes.Contains(bytes.ToLower(b), []byte("commit")) && c.armed.CompareAndSwap(true, false) {
+	if sendsCommit(b) && c.armed.CompareAndSwap(true, false) {
 		return len(b), nil
 	}
 	return c.Conn.Write(b)
@@ -334,12 +327,8 @@ func TestHandlerPanic(t *testing.T) {
 	if !errors.As(err, &pe) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
 		t.Fatalf("Handle = %v; want a PanicError, retried after a backoff", err)
 	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0 (rolled back)", n)
-	}
-	if st := f.status(t, "m1"); st != store.Claimed {
-		t.Errorf("key is %v; want absent (claimable)", st)
-	}
+	assert.Equal(t, 0, f.count(t, "m1"), "effects rolled back")
+	assert.Equal(t, store.Claimed, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 	// Counted as a failed attempt.
 	if n, err := f.st.Fail(ctx, "m1", time.Minute); err != nil || n != 2 {
 		t.Errorf("Fail = %d, %v; want 2 (the panic counted once)", n, err)
@@ -361,12 +350,9 @@ func TestHandlerSelfSettledTx(t *testing.T) {
 				return tx.Rollback(ctx)
 			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 			err := h.Handle(ctx, delivery("m1"))
-			if !errors.Is(err, pgstore.ErrTxSettled) || rabbitmw.Decide(err).Outcome != rabbitmw.DeadLetter {
-				t.Fatalf("Handle = %v; want ErrTxSettled, dead-lettered", err)
-			}
-			if st := f.status(t, "m1"); st == store.Done {
-				t.Errorf("key is done; want not marked")
-			}
+			require.ErrorIs(t, err, pgstore.ErrTxSettled)
+			require.Equal(t, rabbitmw.DeadLetter, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+			assert.NotEqual(t, store.Done, f.status(t, "m1"), "key is done; want not marked")
 		})
 	}
 }
@@ -388,12 +374,9 @@ func TestHandlerSerializationFailureIsOrdinary(t *testing.T) {
 func TestHandlerWithoutDedup(t *testing.T) {
 	f := newInbox(t, newPool(t))
 	err := pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}).Handle(context.Background(), delivery("m1"))
-	if !errors.Is(err, pgstore.ErrNoClaim) || rabbitmw.Decide(err).Outcome != rabbitmw.DeadLetter {
-		t.Fatalf("Handle = %v; want ErrNoClaim, dead-lettered", err)
-	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0", n)
-	}
+	require.ErrorIs(t, err, pgstore.ErrNoClaim)
+	require.Equal(t, rabbitmw.DeadLetter, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects")
 }
 
 // countingStore counts Extend and Complete calls.
@@ -449,12 +432,8 @@ func TestHandlerLongTransactionShortLease(t *testing.T) {
 	if n := counting.extends.Load(); n < 2 {
 		t.Errorf("%d renewals during a %v transaction with a %v lease; want at least 2", n, hold, lease)
 	}
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects; want 1", n)
-	}
-	if st := f.status(t, "m1"); st != store.Done {
-		t.Errorf("key is %v; want done", st)
-	}
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+	assert.Equal(t, store.Done, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 }
 
 func TestSQLHandler(t *testing.T) {
@@ -470,16 +449,12 @@ func TestSQLHandler(t *testing.T) {
 	h := f.stack(pgstore.SQLHandler(f.st, db, insert, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
 	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects; want 1", n)
-	}
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
 	selfCommit := pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
 		return tx.Commit()
 	}, pgstore.HandlerOptions{})
 	assert.ErrorIs(t, f.stack(selfCommit, middleware.DedupOptions{}).Handle(ctx, delivery("m2")), pgstore.ErrTxSettled, "self-committed")
-	if st := f.status(t, "m2"); st == store.Done {
-		t.Errorf("self-committed key is done; want not marked")
-	}
+	assert.NotEqual(t, store.Done, f.status(t, "m2"), "self-committed key is done; want not marked")
 }
 
 // The recommended stack, with the transactional handler, over many
@@ -590,9 +565,7 @@ func TestStackAbandonedAttempt(t *testing.T) {
 	if n, c := f.count(t, "m1"), calls.Load(); n != 1 || c != 1 {
 		t.Errorf("after one death: %d effects, %d handler calls; want 1, 1", n, c)
 	}
-	if st := f.status(t, "m1"); st != store.Done {
-		t.Errorf("m1 is %v; want done", st)
-	}
+	assert.Equal(t, store.Done, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 
 	// m2's first death is counted; its second reaches MaxAttempts.
 	calls.Store(0)
@@ -605,6 +578,50 @@ func TestStackAbandonedAttempt(t *testing.T) {
 	}
 	if n, c := f.count(t, "m2"), calls.Load(); n != 0 || c != 0 {
 		t.Errorf("m2 dead-lettered: %d effects, %d handler calls; want 0, 0", n, c)
+	}
+}
+
+// Handler sends the done mark and the COMMIT in one round trip, as a
+// prepared statement when the pool prepares its statements, else parsed
+// each time (a pool behind a pooler in transaction mode sends no named
+// statements): in every mode the effect and the mark commit together, and
+// a mark that finds the claim lost commits nothing.
+func TestHandlerInEveryExecMode(t *testing.T) {
+	for _, mode := range []pgx.QueryExecMode{
+		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+	} {
+		t.Run(mode.String(), func(t *testing.T) {
+			ctx := context.Background()
+			cfg := newPool(t).Config()
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			f := newInbox(t, pool)
+			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if d.MessageId == "lost" {
+					c, _ := middleware.ClaimFrom(ctx)
+					require.NoError(t, f.st.Release(ctx, c.Key(), c.Token()))
+					_, err := f.st.Claim(ctx, c.Key(), "thief", time.Minute)
+					require.NoError(t, err)
+				}
+				return f.insert(ctx, tx, d)
+			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			for range 3 { // a connection's first mark prepares it; the next ones do not
+				require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
+				require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
+				assert.Equal(t, 1, f.count(t, "m1"))
+				assert.Equal(t, store.Done, f.status(t, "m1"))
+				_, err := pool.Exec(ctx, `DELETE FROM `+f.effects)
+				require.NoError(t, err)
+				_, err = pool.Exec(ctx, `TRUNCATE `+strings.TrimSuffix(f.effects, "_effects"))
+				require.NoError(t, err)
+			}
+			err = h.Handle(ctx, delivery("lost"))
+			assert.ErrorIs(t, err, middleware.ErrLeaseLost)
+			assert.Equal(t, 0, f.count(t, "lost"), "effects of a lost claim")
+		})
 	}
 }
 

@@ -238,3 +238,27 @@ func TestAbandonedWindowPerClaim(t *testing.T) {
 		t.Errorf("Claim by the short store = %v, %v; want abandoned", st, err)
 	}
 }
+
+// A claim commits asynchronously unless DurableClaims: its statement sets
+// synchronous_commit off for its own transaction, and only for it.
+func TestClaimCommitMode(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	for _, tc := range []struct {
+		durable bool
+		want    string
+	}{{false, "off"}, {true, "on"}} {
+		s := newStore(t, pool, pgstore.Options{DurableClaims: tc.durable})
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		var st int
+		require.NoError(t, tx.QueryRow(ctx, pgstore.ClaimSQL(s), []byte("k"), []byte("t1"), time.Minute, time.Hour).Scan(&st))
+		var mode string
+		require.NoError(t, tx.QueryRow(ctx, `SHOW synchronous_commit`).Scan(&mode))
+		assert.Equal(t, tc.want, mode, "synchronous_commit in the claim's transaction, DurableClaims %v", tc.durable)
+		require.NoError(t, tx.Rollback(ctx))
+		// The setting ended with the transaction.
+		require.NoError(t, pool.QueryRow(ctx, `SHOW synchronous_commit`).Scan(&mode))
+		assert.Equal(t, "on", mode)
+	}
+}
