@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"maps"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -88,10 +89,10 @@ func TestBrokerSettings(t *testing.T) {
 }
 
 func TestParseFlags(t *testing.T) {
-	cfg, err := parseFlags([]string{"-n", "100", "-only", "raw, rabbitmw-redis", "-sweep-workers", "2,4"})
+	cfg, err := parseFlags([]string{"-n", "100", "-only", "plain, rabbitmw-redis", "-sweep-workers", "2,4"})
 	require.NoError(t, err)
 	if cfg.n != 100 || len(cfg.only) != 2 || cfg.only[1] != redisName || len(cfg.sweepWorkers) != 2 {
-		t.Errorf("parseFlags = %+v; want n 100, only [raw rabbitmw-redis], sweep workers [2 4]", cfg)
+		t.Errorf("parseFlags = %+v; want n 100, only [plain rabbitmw-redis], sweep workers [2 4]", cfg)
 	}
 	for _, args := range [][]string{{"-only", "nope"}, {"-dup", "1"}, {"-n", "0"}, {"-sweep-prefetch", "0"}, {"extra"}} {
 		if _, err := parseFlags(args); err == nil {
@@ -103,73 +104,55 @@ func TestParseFlags(t *testing.T) {
 // The verdicts that bench prints, and BENCHMARKS.md quotes: each target
 // met, missed, and not measured.
 func TestTargets(t *testing.T) {
-	cpu := func(self, redis, rabbit float64) cpuUsage {
-		return cpuUsage{Self: self, Redis: redis, Rabbit: rabbit, Postgres: -1}
+	cpu := func(self, redis, rabbit, pg float64) cpuUsage {
+		return cpuUsage{Self: self, Redis: redis, Rabbit: rabbit, Postgres: pg}
 	}
 	sum := func(name string, median float64, c cpuUsage) *summary {
 		return &summary{figures: figures{Contender: name, Prefetch: 32, Workers: 16, CPU: c}, Median: median}
 	}
-	at := func(p, w int, s *summary) *summary { s.Prefetch, s.Workers = p, w; return s }
-	withRTT := func(mean float64, max int64, n int64) *summary {
-		s := sum(redisName, 0, cpuUsage{})
-		s.RTTAck = rttSummary{N: n, Mean: mean, Max: max}
-		return s
-	}
 	withProblem := func(p string) summaries {
 		s := *sum(redisName, 0, cpuUsage{})
 		s.Problems = []string{p}
-		return summaries{*sum(rawName, 0, cpuUsage{}), s}
+		return summaries{*sum(plainName, 0, cpuUsage{}), s}
 	}
 	defaults := settings{Defaults: true, Rounds: 5, Prefetch: 32, Workers: 16}
-	other := settings{Defaults: false, Rounds: 5, Prefetch: 8, Workers: 4}
 	fewRounds := settings{Defaults: true, Rounds: 3, Prefetch: 32, Workers: 16}
-	raw := sum(rawName, 1000, cpu(50, 0, 50))
-	hand := sum(handName, 300, cpu(150, 100, 100))
-	stack := func(ns float64, allocs int64) *stackCase { return &stackCase{Name: stackNew, Ns: ns, Allocs: allocs} }
+	plain := sum(plainName, 1000, cpu(50, 0, 50, -1))
+	hand := sum(handPgName, 1000, cpu(100, 0, 100, 200))
+	wm := sum(watermillName, 800, cpu(100, 0, 100, -1))
+	stack := func(ns float64, allocs int64) *stackCase {
+		return &stackCase{Name: stackWaitsNew, Ns: ns, Allocs: allocs}
+	}
 
 	for _, tc := range []struct {
 		name string
 		got  target
 		want string
 	}{
-		{"CPU at the bound", cpuTarget(sum(redisName, 0, cpu(75, 25, 25)), raw, defaults), met},
-		{"CPU over the bound", cpuTarget(sum(redisName, 0, cpu(75, 26, 25)), raw, defaults), missed},
-		{"CPU without raw", cpuTarget(sum(redisName, 0, cpu(1, 1, 1)), nil, defaults), notMeasured},
-		{"CPU unknown", cpuTarget(sum(redisName, 0, cpu(1, -1, 1)), raw, defaults), notMeasured},
-		{"CPU not at the defaults", cpuTarget(sum(redisName, 0, cpu(1, 1, 1)), raw, other), notMeasured},
+		{"rate at the bound", rateTarget("", sum(redisName, 850, cpuUsage{}), plain, redisRateBound, defaults), met},
+		{"rate under the bound", rateTarget("", sum(redisName, 849, cpuUsage{}), plain, redisRateBound, defaults), missed},
+		{"rate in too few rounds", rateTarget("", sum(redisName, 900, cpuUsage{}), plain, redisRateBound, fewRounds), notMeasured},
+		{"rate without the baseline", rateTarget("", sum(redisName, 900, cpuUsage{}), nil, redisRateBound, defaults), notMeasured},
+		{"PostgreSQL rate at the bound", rateTarget("", sum(postgresName, 1200, cpuUsage{}), hand, pgRateBound, defaults), met},
 
-		{"raw at the bound", rawTarget(sum(redisName, 800, cpuUsage{}), raw, nil, defaults), met},
-		{"raw under the bound", rawTarget(sum(redisName, 799, cpuUsage{}), raw, nil, defaults), missed},
-		{"raw not at the defaults", rawTarget(sum(redisName, 800, cpuUsage{}), raw, nil, other), met},
-		{"raw in too few rounds", rawTarget(sum(redisName, 900, cpuUsage{}), raw, nil, fewRounds), notMeasured},
-		{"raw did not run", rawTarget(sum(redisName, 900, cpuUsage{}), nil, nil, defaults), notMeasured},
+		{"CPU at the bound", cpuTarget("", sum(redisName, 0, cpu(50, 25, 25, -1)), plain, redisCPUBound, defaults), met},
+		{"CPU over the bound", cpuTarget("", sum(redisName, 0, cpu(50, 26, 25, -1)), plain, redisCPUBound, defaults), missed},
+		{"CPU unknown", cpuTarget("", sum(redisName, 0, cpu(1, -1, 1, -1)), plain, redisCPUBound, defaults), notMeasured},
+		{"PostgreSQL's CPU counts", cpuTarget("", sum(postgresName, 0, cpu(90, 0, 90, 181)), hand, pgCPUBound, defaults), missed},
+		{"PostgreSQL CPU within", cpuTarget("", sum(postgresName, 0, cpu(90, 0, 90, 180)), hand, pgCPUBound, defaults), met},
 
-		{"ahead of watermill", watermillTarget(sum(redisName, 1001, cpuUsage{}), sum(watermillName, 1000, cpuUsage{})), met},
-		{"level with watermill", watermillTarget(sum(redisName, 1000, cpuUsage{}), sum(watermillName, 1000, cpuUsage{})), missed},
+		{"ahead of watermill", watermillTarget(sum(redisName, 801, cpu(50, 50, 99, -1)), wm), met},
+		{"faster than watermill, but dearer", watermillTarget(sum(redisName, 801, cpu(50, 50, 100, -1)), wm), missed},
+		{"level with watermill", watermillTarget(sum(redisName, 800, cpu(1, 1, 1, -1)), wm), missed},
 		{"watermill did not run", watermillTarget(sum(redisName, 1000, cpuUsage{}), nil), notMeasured},
 
-		{"3 × hand-written", handTarget(sum(redisName, 900, cpu(1, 1, 1)), hand), met},
-		{"under 3 × hand-written", handTarget(sum(redisName, 899, cpu(1, 1, 1)), hand), missed},
-		{"hand-written at other settings", handTarget(sum(redisName, 900, cpu(1, 1, 1)), at(8, 4, sum(handName, 300, cpuUsage{}))), notMeasured},
-		{"hand-written did not run", handTarget(sum(redisName, 900, cpu(1, 1, 1)), nil), notMeasured},
+		{"stack within", stackTarget("", stack(2000, 6), stackNsBound, stackAllocBound), met},
+		{"stack too slow", stackTarget("", stack(2001, 6), stackNsBound, stackAllocBound), missed},
+		{"stack allocates too much", stackTarget("", stack(500, 7), stackNsBound, stackAllocBound), missed},
+		{"stack not measured", stackTarget("", nil, stackNsBound, stackAllocBound), notMeasured},
 
-		{"stack within", stackTarget("", stack(1000, 3), 1000, 3), met},
-		{"stack too slow", stackTarget("", stack(1001, 3), 1000, 3), missed},
-		{"stack allocates too much", stackTarget("", stack(500, 4), 1000, 3), missed},
-		{"stack not measured", stackTarget("", nil, 1000, 3), notMeasured},
-
-		{"round trips within", roundTripsTarget(withRTT(0.3, 2, 100)), met},
-		{"a third round trip", roundTripsTarget(withRTT(0.3, 3, 100)), missed},
-		{"a mean of 2", roundTripsTarget(withRTT(2, 2, 100)), missed},
-		{"no deliveries counted", roundTripsTarget(withRTT(0, 0, 0)), notMeasured},
-		{"rabbitmw-redis did not run", roundTripsTarget(nil), notMeasured},
-
-		{"exactly once", exactlyOnceTarget(summaries{*raw, *hand}), met},
+		{"exactly once", exactlyOnceTarget(summaries{*plain, *hand}), met},
 		{"a message left behind", exactlyOnceTarget(withProblem("round 1: 1 messages left in the queue, 0 in its dead-letter queue")), missed},
-
-		{"20 × hand-written-p1", handP1Target(sum(redisName, 2000, cpuUsage{}), sum(handP1Name, 100, cpuUsage{}), raw), met},
-		{"under 20 × hand-written-p1", handP1Target(sum(redisName, 1999, cpuUsage{}), sum(handP1Name, 100, cpuUsage{}), nil), missed},
-		{"hand-written-p1 did not run", handP1Target(sum(redisName, 2000, cpuUsage{}), nil, raw), notMeasured},
 	} {
 		if tc.got.Status != tc.want {
 			t.Errorf("%s: %s (%s); want %s", tc.name, tc.got.Status, tc.got.Detail, tc.want)
@@ -177,29 +160,14 @@ func TestTargets(t *testing.T) {
 	}
 }
 
-// The targets of a saved run (go run . -rounds 5 -only raw,hand-written,
-// rabbitmw-memory,rabbitmw-redis,rabbitmw-redis-unbatched,rabbitmw-pgstore,
-// watermill -json testdata/table0.json), judged again from its JSON. Run
-// with -v to see them as bench prints them.
-func TestTargetsOfSavedRun(t *testing.T) {
-	b, err := os.ReadFile("testdata/table0.json")
-	require.NoError(t, err)
-	var r compareResult
-	require.NoError(t, json.Unmarshal(b, &r))
-	ts := r.targets()
+// The targets print headed "targets:", one line each, with no issue
+// number.
+func TestPrintTargets(t *testing.T) {
 	var out strings.Builder
-	printTargets(&out, ts)
-	t.Log("\n" + out.String())
-	want := []string{met, met, met, missed, missed, missed, met, met, notMeasured}
-	var got []string
-	for _, tg := range ts {
-		got = append(got, tg.Status)
-	}
-	if !slices.Equal(got, want) {
-		t.Errorf("statuses %q; want %q", got, want)
-	}
-	if s := out.String(); strings.Contains(s, "issue 5") || !strings.HasPrefix(s, "targets:\n") {
-		t.Errorf("printed %q; want it headed \"targets:\", with no issue number", s)
+	printTargets(&out, (&compareResult{}).targets())
+	s := out.String()
+	if !strings.HasPrefix(s, "targets:\n") || strings.Contains(s, "issue") || strings.Count(s, "\n") != 8 {
+		t.Errorf("printed %q; want it headed \"targets:\", seven targets, no issue number", s)
 	}
 }
 
@@ -210,10 +178,10 @@ func TestResultJSON(t *testing.T) {
 		v    any
 		want []string
 	}{
-		{&compareResult{}, []string{"Runs", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings", "summary", "targets"}},
+		{&compareResult{}, []string{"Runs", "loads", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings", "summary", "targets"}},
 		{&sweepResult{}, []string{"cells", "defaults", "grid_prefetch", "grid_workers", "machine", "rabbitmq_idle_cpu_per_s", "run_id", "settings"}},
-		{&runResult{}, []string{"contender", "cpu", "deliveries", "effects", "failed_settlements", "left_in_dlq", "left_in_queue", "messages", "msgs_per_sec", "outcomes", "p50_us", "p99_us", "prefetch", "redelivered", "redis_commands", "redis_round_trips", "redis_setup_round_trips", "repeated_effects", "round", "rtt_per_ack", "rtt_per_duplicate", "seconds", "unique_effects", "unique_ids", "workers"}},
-		{&summary{}, []string{"contender", "cpu", "deliveries", "effects", "msgs_per_sec_max", "msgs_per_sec_median", "msgs_per_sec_min", "outcomes", "p50_us", "p99_us", "prefetch", "ratio_to_raw", "redis_commands_per_msg", "redis_round_trips_per_msg", "rtt_per_ack", "rtt_per_duplicate", "unique_effects", "workers"}},
+		{&runResult{}, []string{"contender", "cpu", "deliveries", "effects", "left_in_dlq", "left_in_queue", "load", "messages", "msgs_per_sec", "prefetch", "rabbitmq_idle_cpu_per_s", "redis_commands", "repeated_effects", "round", "seconds", "unique_effects", "unique_ids", "workers"}},
+		{&summary{}, []string{"contender", "cpu", "deliveries", "effects", "load_max", "load_min", "msgs_per_sec_max", "msgs_per_sec_median", "msgs_per_sec_min", "prefetch", "ratio_to_plain", "redis_commands_per_msg", "unique_effects", "workers"}},
 	} {
 		b, err := json.Marshal(tc.v)
 		require.NoError(t, err)
@@ -225,17 +193,46 @@ func TestResultJSON(t *testing.T) {
 	}
 }
 
+// The counter closes done once, when the acks reach the target, whatever
+// the sizes of the acks that cross it; effects are counted by message.
+func TestCounter(t *testing.T) {
+	c := newCounter(5)
+	for _, id := range []string{"m0", "m1", "m1", "m4", "bad", "m9"} {
+		c.effect(id)
+	}
+	total, unique, repeated := c.effectCounts()
+	if total != 4 || unique != 3 || repeated != 1 {
+		t.Errorf("effectCounts() = %d, %d, %d; want 4, 3, 1", total, unique, repeated)
+	}
+	c.ack(3)
+	select {
+	case <-c.done:
+		t.Fatal("done after 3 of 5 acks")
+	default:
+	}
+	c.ack(4) // past the target: closes done, once
+	c.ack(1)
+	select {
+	case <-c.done:
+	default:
+		t.Fatal("not done after 8 of 5 acks")
+	}
+	if c.elapsed() < 0 {
+		t.Errorf("elapsed() = %v; want ≥ 0", c.elapsed())
+	}
+}
+
 // Each contender of a set of summaries is related to raw's median.
 func TestRelateToRaw(t *testing.T) {
-	ss := summaries{{figures: figures{Contender: redisName}, Median: 500}, {figures: figures{Contender: rawName}, Median: 1000}}
+	ss := summaries{{figures: figures{Contender: redisName}, Median: 500}, {figures: figures{Contender: plainName}, Median: 1000}}
 	ss.relateToRaw()
-	if ss.find(redisName).RatioToRaw != 0.5 || ss.find(rawName).RatioToRaw != 1 {
+	if ss.find(redisName).RatioToRaw != 0.5 || ss.find(plainName).RatioToRaw != 1 {
 		t.Errorf("ratios %v; want 0.5 and 1", ss)
 	}
 	ss = summaries{{figures: figures{Contender: redisName}, Median: 500}}
 	ss.relateToRaw()
-	if ss.find(rawName) != nil || ss[0].RatioToRaw != 0 {
-		t.Errorf("without raw: %v; want ratio 0", ss)
+	if ss.find(plainName) != nil || ss[0].RatioToRaw != 0 {
+		t.Errorf("without plain: %v; want ratio 0", ss)
 	}
 }
 
@@ -249,5 +246,53 @@ func TestInRoundOrder(t *testing.T) {
 	}
 	if !slices.Equal(items, []string{"a", "b", "c"}) {
 		t.Errorf("inRoundOrder changed its argument: %v", items)
+	}
+}
+
+// The scale plot has a panel per contender and a line per process, a
+// point per case; the table a row per case and contender.
+func TestScaleChart(t *testing.T) {
+	r := &scaleResult{}
+	for i, sc := range scaleCases {
+		cell := scaleCell{Case: sc}
+		for j, name := range []string{plainName, redisName} {
+			cell.Summary = append(cell.Summary, summary{figures: figures{Contender: name,
+				CPU: cpuUsage{Self: float64(10 * (i + j)), Redis: 1, Rabbit: 20, Postgres: -1}}, Median: 1000})
+		}
+		r.Cases = append(r.Cases, cell)
+	}
+	c := r.chart()
+	if len(c.Panels) != 2 || len(c.X) != len(scaleCases) || len(c.Series) != 4 {
+		t.Fatalf("chart: %d panels, %d cases, %d series; want 2, %d, 4", len(c.Panels), len(c.X), len(c.Series), len(scaleCases))
+	}
+	if got := c.Panels[1].Y[3][2]; got != 10*(2+1)+1+20 {
+		t.Errorf("rabbitmw-redis's total at case 3 = %v; want %v", got, 10*(2+1)+1+20)
+	}
+	var md strings.Builder
+	r.markdown(&md)
+	if n := strings.Count(md.String(), "\n| "); n != 2+2*len(scaleCases) {
+		t.Errorf("markdown has %d table rows; want %d:\n%s", n, 2+2*len(scaleCases), md.String())
+	}
+	var svg strings.Builder
+	if err := c.writeSVG(&svg); err != nil || !strings.Contains(svg.String(), "</svg>") {
+		t.Errorf("writeSVG: %v", err)
+	}
+}
+
+// RabbitMQ's CPU is read from the process that listens on the AMQP port:
+// here, this test's own listener.
+func TestListenerPID(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	port := l.Addr().(*net.TCPAddr).Port
+	if got := listenerPID(port); got != os.Getpid() {
+		t.Errorf("listenerPID(%d) = %d; want this process, %d", port, got, os.Getpid())
+	}
+	l.Close()
+	if got := listenerPID(port); got != 0 {
+		t.Errorf("listenerPID(%d) after the listener closed = %d; want 0", port, got)
 	}
 }

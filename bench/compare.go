@@ -6,13 +6,10 @@ import (
 	"fmt"
 	"os"
 	"slices"
+	"strconv"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
-	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
-	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // figures are what a run of a contender and a summary of its runs both
@@ -21,20 +18,14 @@ type figures struct {
 	Contender string `json:"contender"`
 	Prefetch  int    `json:"prefetch"`
 	Workers   int    `json:"workers"`
-	// Deliveries counts handler runs, redeliveries included.
-	Deliveries int64            `json:"deliveries"`
-	Outcomes   map[string]int64 `json:"outcomes"`
+	// Deliveries counts the deliveries acked: the messages, duplicates
+	// included.
+	Deliveries int64 `json:"deliveries"`
 	// Effects counts business handler runs; UniqueEffects the message ids
 	// that ran at least once.
-	Effects       int64 `json:"effects"`
-	UniqueEffects int64 `json:"unique_effects"`
-	// The store's round trips per delivery, by outcome.
-	RTTAck       rttSummary `json:"rtt_per_ack"`
-	RTTDuplicate rttSummary `json:"rtt_per_duplicate"`
-	// From the handler's start to the return of its ack.
-	P50Micros float64  `json:"p50_us"`
-	P99Micros float64  `json:"p99_us"`
-	CPU       cpuUsage `json:"cpu"`
+	Effects       int64    `json:"effects"`
+	UniqueEffects int64    `json:"unique_effects"`
+	CPU           cpuUsage `json:"cpu"`
 }
 
 // runResult is what one contender did in one round.
@@ -43,50 +34,21 @@ type runResult struct {
 	Round      int     `json:"round"`
 	Messages   int     `json:"messages"`
 	UniqueIDs  int     `json:"unique_ids"`
-	Seconds    float64 `json:"seconds"` // first delivery to last settlement
+	Seconds    float64 `json:"seconds"` // first effect to last ack
 	MsgsPerSec float64 `json:"msgs_per_sec"`
-	// Redelivered counts deliveries that RabbitMQ marked redelivered: a
-	// consumer's connection was lost during the run (on this machine,
-	// usually another user's rabbitmqctl close_all_connections), so its
-	// timing is disturbed.
-	Redelivered       int64 `json:"redelivered"`
-	FailedSettlements int64 `json:"failed_settlements"`
+	// Load is the 1-minute load average when the run started.
+	Load float64 `json:"load"`
+	// RabbitIdle is RabbitMQ's CPU per second just before the run,
+	// subtracted from its CPU over the run.
+	RabbitIdle float64 `json:"rabbitmq_idle_cpu_per_s"`
 	// RepeatedEffects counts the message ids that ran more than once.
 	RepeatedEffects int64 `json:"repeated_effects"`
 	// RedisCommands is the rise of INFO commandstats' calls during the run:
 	// server wide, so other clients of the server add to it.
-	RedisCommands   int64            `json:"redis_commands"`
-	RedisByCommand  map[string]int64 `json:"redis_by_command,omitempty"`
-	RedisRoundTrips int64            `json:"redis_round_trips"` // by the contender's client
-	// RedisSetupRoundTrips counts connection handshakes (not in the above).
-	RedisSetupRoundTrips int64 `json:"redis_setup_round_trips"`
-	// PostgresRoundTrips counts the statements sent by the contender's
-	// pool (BEGIN and COMMIT included).
-	PostgresRoundTrips int64 `json:"postgres_round_trips,omitempty"`
-	LeftReady          int   `json:"left_in_queue"`
-	LeftDead           int   `json:"left_in_dlq"`
-
-	lat []int64
-}
-
-// rttSummary is the store's round trips (requests: Redis commands and
-// pipelines, PostgreSQL statements) per delivery of one outcome.
-type rttSummary struct {
-	N int64 `json:"n"`
-	// Mean is what a delivery cost: a request that carried the commands of
-	// k deliveries (a batched pipeline) counts 1/k to each of them.
-	Mean float64 `json:"mean"`
-	// Max is the most requests that one delivery's commands travelled in:
-	// what it waited for, shared or not.
-	Max int64 `json:"max"`
-}
-
-func (t *rttTally) summary() rttSummary {
-	s := rttSummary{N: t.n.Load(), Max: t.max.Load()}
-	if s.N > 0 {
-		s.Mean = float64(t.share.Load()) / shareUnit / float64(s.N)
-	}
-	return s
+	RedisCommands  int64            `json:"redis_commands"`
+	RedisByCommand map[string]int64 `json:"redis_by_command,omitempty"`
+	LeftReady      int              `json:"left_in_queue"`
+	LeftDead       int              `json:"left_in_dlq"`
 }
 
 // problems lists what went wrong in r beyond its speed: a message whose
@@ -103,37 +65,27 @@ func (r runResult) problems() []string {
 	if r.LeftReady > 0 || r.LeftDead > 0 {
 		p = append(p, fmt.Sprintf("%d messages left in the queue, %d in its dead-letter queue", r.LeftReady, r.LeftDead))
 	}
-	if r.FailedSettlements > 0 {
-		p = append(p, fmt.Sprintf("%d settlements failed", r.FailedSettlements))
-	}
-	if n := r.Outcomes[rabbitmw.DeadLetter.String()]; n > 0 {
-		p = append(p, fmt.Sprintf("%d messages dead-lettered", n))
-	}
 	return p
 }
 
 // run runs c once, as runOnce does, and once more if that failed for a
-// reason other than an interrupt, or if a connection was lost during the
-// run (its timing is then disturbed): on a machine shared with other work,
-// a server may refuse a publish or close connections now and then, and a
-// long sweep should not be lost to it. The retry is reported on stderr.
+// reason other than an interrupt: on a machine shared with other work, a
+// server may refuse a publish or close connections now and then (another
+// user's rabbitmqctl close_all_connections), and a long sweep should not
+// be lost to it. The retry is reported on stderr.
 func (e *env) run(ctx context.Context, c contender, round int, label string) (runResult, error) {
 	r, err := e.runOnce(ctx, c, round, label)
-	switch {
-	case ctx.Err() != nil:
+	if err == nil || ctx.Err() != nil {
 		return r, err
-	case err != nil:
-		fmt.Fprintf(os.Stderr, "round %d %s failed, trying it again once: %v\n", round, c.name, err)
-	case r.Redelivered > 0:
-		fmt.Fprintf(os.Stderr, "round %d %s had %d redeliveries (a connection was lost), trying it again once\n", round, c.name, r.Redelivered)
-	default:
-		return r, nil
 	}
+	fmt.Fprintf(os.Stderr, "round %d %s failed, trying it again once: %v\n", round, c.name, err)
 	return e.runOnce(ctx, c, round, label+".again")
 }
 
-// runOnce fills a fresh queue and consumes it with c. label names the
-// queue and the Redis keys, after the run's prefix.
+// runOnce fills a fresh queue and consumes it with c in a child process;
+// with c.procs > 1, as many queues of an equal share of the messages, each
+// consumed by a process of its own, all at once. label names the queues,
+// the Redis keys and the tables, after the run's prefix.
 func (e *env) runOnce(ctx context.Context, c contender, round int, label string) (res runResult, err error) {
 	gap := 0
 	dup := 0.0
@@ -142,148 +94,134 @@ func (e *env) runOnce(ctx context.Context, c contender, round int, label string)
 		// settled: beyond the prefetch window and the workers in hand.
 		dup, gap = e.cfg.dup, max(minDuplicatesGap, 4*c.prefetch+c.workers)
 	}
-	ids, unique := messageIDs(e.cfg.n, dup, gap)
-	b := batch{
-		queue:  e.runID + "." + label,
-		prefix: e.runID + ":" + label + ":",
-		ids:    ids,
-		unique: unique,
+	procs := max(c.procs, 1)
+	batches := make([]batch, procs)
+	unique := 0
+	for i := range batches {
+		ids, u := messageIDs(e.cfg.n/procs, dup, gap)
+		name := label
+		if procs > 1 {
+			name += ".q" + strconv.Itoa(i)
+		}
+		batches[i] = batch{queue: e.runID + "." + name, prefix: e.runID + ":" + name + ":", ids: ids, unique: u}
+		unique += u
 	}
+	messages := procs * (e.cfg.n / procs)
 	defer func() {
-		if derr := e.drop(b); derr != nil {
-			err = errors.Join(err, fmt.Errorf("clean up: %w", derr))
+		for _, b := range batches {
+			if derr := e.drop(b); derr != nil {
+				err = errors.Join(err, fmt.Errorf("clean up: %w", derr))
+			}
 		}
 	}()
-	if err := e.fill(ctx, b); err != nil {
-		return res, err
+	for _, b := range batches {
+		if err := e.fill(ctx, b); err != nil {
+			return res, err
+		}
 	}
-	rec := newRecorder(len(ids), c.prefetch)
-	cl, err := e.openClients(ctx, c, b.prefix)
-	if err != nil {
-		return res, err
+	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout+time.Minute)
+	defer cancel()
+	children := make([]*child, procs)
+	var pgPIDs []int
+	for i, b := range batches {
+		ch, ready, err := startChild(rctx, e.childSpec(c, b, false))
+		if err != nil {
+			return res, err
+		}
+		defer ch.stop()
+		children[i] = ch
+		pgPIDs = append(pgPIDs, ready.PgPIDs...)
 	}
-	defer cl.close()
+
+	load := loadNow()
 	before, err := e.commandStats(ctx)
 	if err != nil {
 		return res, err
 	}
-	var rttBefore, setupBefore, pgBefore int64
-	if cl.rtt != nil {
-		rttBefore, setupBefore = cl.rtt.n.Load(), cl.rtt.setup.Load()
-	}
-	if cl.pg != nil {
-		pgBefore = cl.pg.rt.n.Load()
-	}
-
-	var pgPIDs []int
-	if cl.pg != nil {
-		pgPIDs = cl.pg.pids
-	}
+	// RabbitMQ's CPU while this run's consumers are connected but idle:
+	// other users' load on the shared server, sampled just before the run
+	// and subtracted from its CPU over the run.
+	idle := idleCPU(ctx, e.rabbitPID, runIdleSample)
 	cpuBefore := e.cpuTimes(ctx, pgPIDs)
-	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout)
-	err = c.consume(rctx, e, b, cl, rec)
-	cancel()
-	cpuAfter := e.cpuTimes(ctx, pgPIDs)
-	if err != nil {
-		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
-			err = fmt.Errorf("%w: %d of %d messages settled within -timeout %v", err, rec.final.Load(), len(ids), e.cfg.timeout)
+	cpuBefore.rabbitIdle = idle
+	for _, ch := range children {
+		if err := ch.start(); err != nil {
+			return res, err
 		}
-		return res, err
 	}
-
+	var first, last int64
+	var self time.Duration
+	for i, ch := range children {
+		var done childDone
+		if err := ch.read("done", &done); err != nil {
+			return res, err
+		}
+		if i == 0 || done.First < first {
+			first = done.First
+		}
+		last = max(last, done.Last)
+		self += done.CPU
+	}
+	cpuAfter := e.cpuTimes(ctx, pgPIDs)
 	after, err := e.commandStats(ctx)
 	if err != nil {
 		return res, err
 	}
+	var effects, uniqueEffects, repeated int64
+	for _, ch := range children {
+		var cr childResult
+		if err := ch.read("result", &cr); err != nil {
+			return res, err
+		}
+		if err := ch.wait(); err != nil {
+			return res, fmt.Errorf("the child: %w", err)
+		}
+		if cr.Err != "" {
+			return res, errors.New(cr.Err)
+		}
+		effects += cr.Effects
+		uniqueEffects += cr.UniqueEffects
+		repeated += cr.RepeatedEffects
+	}
+	cpuBefore.self, cpuAfter.self = 0, self
 	res = runResult{
 		figures: figures{
-			Contender:    c.name,
-			Prefetch:     c.prefetch,
-			Workers:      c.workers,
-			Deliveries:   rec.deliveries.Load(),
-			Outcomes:     make(map[string]int64),
-			RTTAck:       rec.rttAck.summary(),
-			RTTDuplicate: rec.rttDup.summary(),
-			CPU:          cpuBefore.usage(cpuAfter, rec.deliveries.Load()),
+			Contender:     c.name,
+			Prefetch:      c.prefetch,
+			Workers:       c.workers,
+			Deliveries:    int64(messages),
+			Effects:       effects,
+			UniqueEffects: uniqueEffects,
+			CPU:           cpuBefore.usage(cpuAfter, int64(messages)),
 		},
-		Round:             round,
-		Messages:          len(ids),
-		UniqueIDs:         unique,
-		Seconds:           rec.elapsed().Seconds(),
-		Redelivered:       rec.redelivered.Load(),
-		FailedSettlements: rec.failed.Load(),
-		lat:               rec.latencies(),
+		Round:           round,
+		RabbitIdle:      idle,
+		Messages:        messages,
+		UniqueIDs:       unique,
+		Seconds:         time.Duration(last - first).Seconds(),
+		Load:            load,
+		RepeatedEffects: repeated,
 	}
-	res.MsgsPerSec = float64(len(ids)) / res.Seconds
-	for o := rabbitmw.Ack; o <= rabbitmw.DeadLetter; o++ {
-		if n := rec.outcomes[o].Load(); n > 0 {
-			res.Outcomes[o.String()] = n
-		}
-	}
-	res.Effects, res.UniqueEffects, res.RepeatedEffects = rec.effectCounts()
+	res.MsgsPerSec = float64(messages) / res.Seconds
 	res.RedisByCommand, res.RedisCommands = statsDelta(before, after)
-	if cl.rtt != nil {
-		res.RedisRoundTrips = cl.rtt.n.Load() - rttBefore
-		res.RedisSetupRoundTrips = cl.rtt.setup.Load() - setupBefore
-	}
-	if cl.pg != nil {
-		res.PostgresRoundTrips = cl.pg.rt.n.Load() - pgBefore
-	}
-	slices.Sort(res.lat)
-	res.P50Micros = micros(percentile(res.lat, 50))
-	res.P99Micros = micros(percentile(res.lat, 99))
-	if res.LeftReady, res.LeftDead, err = e.leftovers(ctx, b.queue); err != nil {
-		return res, err
+	for _, b := range batches {
+		ready, dead, err := e.leftovers(ctx, b.queue)
+		if err != nil {
+			return res, err
+		}
+		res.LeftReady += ready
+		res.LeftDead += dead
 	}
 	return res, nil
 }
 
-// clients are the connections of one contender's run to the stores it
-// uses.
-type clients struct {
-	redis *redis.Client // nil unless the contender uses Redis
-	rtt   *roundTrips   // redis's round trips
-	pg    *pgRun        // nil unless the contender uses PostgreSQL
-}
-
-// openClients opens the store clients that c uses, warmed up, the
-// PostgreSQL tables named after prefix.
-func (e *env) openClients(ctx context.Context, c contender, prefix string) (*clients, error) {
-	cl := new(clients)
-	if c.redis {
-		var err error
-		// The hand-written contender calls the client itself; the others
-		// go through a store, whose client counts per command.
-		if cl.redis, cl.rtt, err = e.newRedisClient(ctx, c.workers, c.kind != kindHand); err != nil {
-			return nil, err
-		}
-		// A consumer that has been running has the store's scripts in
-		// Redis's cache; a fresh Redis would charge the first deliveries
-		// an extra round trip each (NOSCRIPT, then EVAL).
-		if err := redisstore.New(cl.redis, redisstore.Options{}).Load(ctx); err != nil {
-			cl.close()
-			return nil, err
-		}
-		if cl.rtt.shares != nil {
-			cl.rtt.shares.Clear()
-		}
-	}
-	if c.pg {
-		var err error
-		if cl.pg, err = e.newPgRun(ctx, prefix, c.workers); err != nil {
-			cl.close()
-			return nil, err
-		}
-	}
-	return cl, nil
-}
-
-func (cl *clients) close() {
-	if cl.redis != nil {
-		cl.redis.Close()
-	}
-	if cl.pg != nil {
-		cl.pg.close()
+// childSpec is what a child runs for c on b.
+func (e *env) childSpec(c contender, b batch, latency bool) childSpec {
+	return childSpec{
+		Contender: c.name, Prefetch: c.prefetch, Workers: c.workers, Opts: c.opts,
+		Queue: b.queue, Prefix: b.prefix, N: len(b.ids),
+		AMQP: e.cfg.amqpURL, Redis: e.cfg.redisAddr, Postgres: e.cfg.postgresURL,
+		Latency: latency, Timeout: e.cfg.timeout,
 	}
 }
 
@@ -313,6 +251,8 @@ type runHeader struct {
 // compareResult is the output of a comparison run.
 type compareResult struct {
 	runHeader
+	// Loads is the 1-minute load average at the start of each round.
+	Loads   []float64  `json:"loads"`
 	Summary summaries  `json:"summary"`
 	Stack   *stackCost `json:"stack,omitempty"`
 	Targets []target   `json:"targets"`
@@ -344,9 +284,9 @@ func (ss summaries) find(name string) *summary {
 	return nil
 }
 
-// relateToRaw sets the RatioToRaw of each summary, when raw ran.
+// relateToRaw sets the RatioToRaw of each summary, when plain ran.
 func (ss summaries) relateToRaw() {
-	if raw := ss.find(rawName); raw != nil && raw.Median > 0 {
+	if raw := ss.find(plainName); raw != nil && raw.Median > 0 {
 		median := raw.Median
 		for i := range ss {
 			ss[i].RatioToRaw = ss[i].Median / median
@@ -361,52 +301,42 @@ type summary struct {
 	Median float64 `json:"msgs_per_sec_median"`
 	Min    float64 `json:"msgs_per_sec_min"`
 	Max    float64 `json:"msgs_per_sec_max"`
-	// RatioToRaw is Median over raw's median in the same run; 0 when raw
-	// did not run.
-	RatioToRaw float64 `json:"ratio_to_raw"`
-	// Per delivered message (handler run).
-	CommandsPerMsg   float64            `json:"redis_commands_per_msg"`
-	RoundTripsPerMsg float64            `json:"redis_round_trips_per_msg"`
-	ByCommandPerMsg  map[string]float64 `json:"redis_by_command_per_msg,omitempty"`
-	Problems         []string           `json:"problems,omitempty"`
-	Disturbed        []string           `json:"disturbed,omitempty"` // runs with redeliveries
+	// RatioToRaw is Median over plain's median in the same run; 0 when
+	// plain did not run.
+	RatioToRaw float64 `json:"ratio_to_plain"`
+	// LoadMin and LoadMax are the least and the most 1-minute load average
+	// at the start of its runs.
+	LoadMin float64 `json:"load_min"`
+	LoadMax float64 `json:"load_max"`
+	// Per delivered message.
+	CommandsPerMsg  float64            `json:"redis_commands_per_msg"`
+	ByCommandPerMsg map[string]float64 `json:"redis_by_command_per_msg,omitempty"`
+	Problems        []string           `json:"problems,omitempty"`
 }
-
-// perDelivery is the store's round trips of every final delivery, acked
-// or acked as a duplicate.
-func (f figures) perDelivery() rttSummary { return mergeRTT(f.RTTAck, f.RTTDuplicate) }
 
 // summarize folds the runs of one contender.
 func summarize(name string, runs []runResult) summary {
-	s := summary{figures: figures{Contender: name, Outcomes: make(map[string]int64)}, ByCommandPerMsg: make(map[string]float64)}
+	s := summary{figures: figures{Contender: name}, ByCommandPerMsg: make(map[string]float64)}
 	var rates []float64
-	var lat []int64
-	var cmds, rtts int64
-	var ack, dup rttSummary
+	var cmds int64
 	byCmd := make(map[string]int64)
-	for _, r := range runs {
+	for i, r := range runs {
 		s.Prefetch, s.Workers = r.Prefetch, r.Workers
 		rates = append(rates, r.MsgsPerSec)
-		lat = append(lat, r.lat...)
 		cmds += r.RedisCommands
-		rtts += r.RedisRoundTrips + r.PostgresRoundTrips
 		s.Deliveries += r.Deliveries
 		s.Effects += r.Effects
 		s.UniqueEffects += r.UniqueEffects
-		for k, v := range r.Outcomes {
-			s.Outcomes[k] += v
-		}
 		for k, v := range r.RedisByCommand {
 			byCmd[k] += v
 		}
-		ack = mergeRTT(ack, r.RTTAck)
-		dup = mergeRTT(dup, r.RTTDuplicate)
 		for _, p := range r.problems() {
 			s.Problems = append(s.Problems, fmt.Sprintf("round %d: %s", r.Round, p))
 		}
-		if r.Redelivered > 0 {
-			s.Disturbed = append(s.Disturbed, fmt.Sprintf("round %d: %d redeliveries (a connection was lost during the run; its timing is disturbed)", r.Round, r.Redelivered))
+		if i == 0 || r.Load < s.LoadMin {
+			s.LoadMin = r.Load
 		}
+		s.LoadMax = max(s.LoadMax, r.Load)
 	}
 	if len(rates) == 0 {
 		return s
@@ -415,17 +345,12 @@ func summarize(name string, runs []runResult) summary {
 	slices.Sort(rates)
 	s.Median = median(rates)
 	s.Min, s.Max = rates[0], rates[len(rates)-1]
-	slices.Sort(lat)
-	s.P50Micros = micros(percentile(lat, 50))
-	s.P99Micros = micros(percentile(lat, 99))
 	if s.Deliveries > 0 {
 		s.CommandsPerMsg = float64(cmds) / float64(s.Deliveries)
-		s.RoundTripsPerMsg = float64(rtts) / float64(s.Deliveries)
 		for k, v := range byCmd {
 			s.ByCommandPerMsg[k] = float64(v) / float64(s.Deliveries)
 		}
 	}
-	s.RTTAck, s.RTTDuplicate = ack, dup
 	return s
 }
 
@@ -451,14 +376,6 @@ func meanCPU(runs []runResult) cpuUsage {
 		}
 	}
 	return sum
-}
-
-func mergeRTT(a, b rttSummary) rttSummary {
-	n := a.N + b.N
-	if n == 0 {
-		return rttSummary{}
-	}
-	return rttSummary{N: n, Mean: (a.Mean*float64(a.N) + b.Mean*float64(b.N)) / float64(n), Max: max(a.Max, b.Max)}
 }
 
 func median(sorted []float64) float64 {
@@ -494,6 +411,7 @@ func runCompare(ctx context.Context, e *env, cfg config, prefetch, workers int, 
 	res.Settings.print(os.Stdout, e.runID)
 	byName := make(map[string][]runResult)
 	for round := 1; round <= cfg.rounds; round++ {
+		res.Loads = append(res.Loads, loadNow())
 		for _, c := range inRoundOrder(cs, round) {
 			r, err := e.run(ctx, c, round, fmt.Sprintf("%s.r%d", c.name, round))
 			if err != nil {
@@ -520,6 +438,6 @@ func runCompare(ctx context.Context, e *env, cfg config, prefetch, workers int, 
 
 // progress reports a finished run on stderr, to show that bench is alive.
 func progress(r runResult) {
-	fmt.Fprintf(os.Stderr, "round %d %-19s p%-4d w%-3d %9.0f msgs/s  p50 %7.0fµs  p99 %7.0fµs  load %s\n",
-		r.Round, r.Contender, r.Prefetch, r.Workers, r.MsgsPerSec, r.P50Micros, r.P99Micros, loadAverage())
+	fmt.Fprintf(os.Stderr, "round %d %-24s p%-4d w%-3d %9.0f msgs/s  CPU/1,000 %s ms  load %.2f\n",
+		r.Round, r.Contender, r.Prefetch, r.Workers, r.MsgsPerSec, fmtCPU(r.CPU.total()), r.Load)
 }

@@ -4,10 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -22,42 +20,39 @@ import (
 
 // The contenders, in the order of the table.
 const (
-	rawName      = "raw"
-	handP1Name   = "hand-written-p1"
-	handName     = "hand-written"
+	// plainName is the baseline: a plain amqp091 consumer that acks each
+	// message; plainMultiName acks with multiple=true every multiAckEvery
+	// messages, the limit of what coalescing acks can save.
+	plainName      = "plain"
+	plainMultiName = "plain-multi"
+	handName       = "hand-written"
+	// watermillName: see watermill.go.
 	memoryName   = "rabbitmw-memory"
 	redisName    = "rabbitmw-redis"
 	redisDupName = "rabbitmw-redis-dup"
-	// postgresName and pgStoreName: see postgres.go.
 	// redisUnbatchedName is the Redis contender with batching off
 	// (redisstore.Options.NoBatching); rabbitmw-redis batches, as
-	// redisstore.New does by default. Until the batching became the
-	// default, rabbitmw-redis was unbatched and the batched contender was
-	// rabbitmw-redis-batch.
+	// redisstore.New does by default.
 	redisUnbatchedName = "rabbitmw-redis-unbatched"
-	// redisAPName runs only when -only names it: the Redis contender over
-	// go-redis's autopipeliner, which batches the commands of concurrent
-	// callers into pipelines (BENCHMARKS.md says what it showed).
-	redisAPName = "rabbitmw-redis-ap"
+	// handPgName, postgresName and pgStoreName: see postgres.go.
 )
 
 const (
-	// The hand-written pattern's expiries, and the settings teams run it
-	// with (hand-written-p1).
-	handClaimTTL   = 300 * time.Second
-	handDoneTTL    = 24 * time.Hour
-	handP1Prefetch = 1
-	handP1Workers  = 1
+	// The hand-written Redis pattern's expiries.
+	handClaimTTL = 300 * time.Second
+	handDoneTTL  = 24 * time.Hour
 	// minDuplicatesGap is the least distance, in messages, between a
 	// message and a later one that repeats its id (rabbitmw-redis-dup).
 	minDuplicatesGap = 1000
+	// multiAckEvery is how many deliveries plain-multi acks at once.
+	multiAckEvery = 16
 )
 
 // contenderNames is every contender, in the order of the table;
 // defaultContenders those that run when -only is not given.
 var (
-	contenderNames    = []string{rawName, handP1Name, handName, memoryName, redisName, redisDupName, pgStoreName, postgresName, redisUnbatchedName, watermillName, redisAPName}
-	defaultContenders = slices.Clip(contenderNames[:len(contenderNames)-1])
+	contenderNames    = []string{plainName, plainMultiName, handName, watermillName, memoryName, redisName, redisUnbatchedName, redisDupName, handPgName, postgresName, pgStoreName}
+	defaultContenders = []string{plainName, plainMultiName, handName, watermillName, memoryName, redisName, redisUnbatchedName, handPgName, postgresName}
 )
 
 func knownContender(name string) bool { return slices.Contains(contenderNames, name) }
@@ -73,149 +68,90 @@ type contender struct {
 	redis bool // uses Redis
 	pg    bool // uses PostgreSQL
 	dup   bool // its messages repeat ids (-dup)
-	kind  kind
+	// procs is the consumer processes of a run, each on a queue of its
+	// own (0 means 1): see env.runOnce.
+	procs int
 }
-
-type kind int
-
-const (
-	kindRaw kind = iota
-	kindHand
-	kindRabbitmwMemory
-	kindRabbitmwRedis
-	kindRabbitmwRedisAP
-	kindRabbitmwPostgres
-	kindRabbitmwPgStore
-	kindRabbitmwRedisUnbatched
-	kindWatermill
-)
 
 // newContender returns the contender called name at the common prefetch and
 // workers; opts is what rabbitmw passes to Consume for them.
 func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions) contender {
+	if !knownContender(name) {
+		panic("bench: unknown contender " + name)
+	}
 	c := contender{name: name, prefetch: prefetch, workers: workers, opts: opts}
 	switch name {
-	case rawName:
-		c.kind = kindRaw
-	case handP1Name:
-		c.kind, c.redis = kindHand, true
-		c.prefetch, c.workers = handP1Prefetch, handP1Workers
-	case handName:
-		c.kind, c.redis = kindHand, true
-	case memoryName:
-		c.kind = kindRabbitmwMemory
-	case redisName:
-		c.kind, c.redis = kindRabbitmwRedis, true
+	case handName, redisName, redisUnbatchedName:
+		c.redis = true
 	case redisDupName:
-		c.kind, c.redis, c.dup = kindRabbitmwRedis, true, true
-	case redisAPName:
-		c.kind, c.redis = kindRabbitmwRedisAP, true
-	case postgresName:
-		c.kind, c.pg = kindRabbitmwPostgres, true
-	case pgStoreName:
-		c.kind, c.pg = kindRabbitmwPgStore, true
-	case redisUnbatchedName:
-		c.kind, c.redis = kindRabbitmwRedisUnbatched, true
-	case watermillName:
-		c.kind = kindWatermill
-	default:
-		panic("bench: unknown contender " + name)
+		c.redis, c.dup = true, true
+	case handPgName, postgresName, pgStoreName:
+		c.pg = true
 	}
 	return c
 }
 
-// consume consumes b with c until every message is settled for good (acked,
-// or acked as a duplicate), recording into rec, over the run's store
-// clients cl.
-func (c contender) consume(ctx context.Context, e *env, b batch, cl *clients, rec *recorder) error {
-	rc, pg := cl.redis, cl.pg
-	switch c.kind {
-	case kindRaw:
-		return consumeRaw(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec,
-			func(_ context.Context, d *amqp.Delivery) rabbitmw.Outcome {
-				rec.effect(d.MessageId)
-				return rabbitmw.Ack
-			})
-	case kindHand:
-		return consumeRaw(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec, handWritten(rc, b.prefix, rec))
-	case kindRabbitmwMemory:
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, store.NewMemory(), false, rec)
-	case kindRabbitmwRedis:
-		// The batcher that redisstore.New would put over rc, made here so
-		// that attributed sits between it and the store: a pipeline serves
-		// several deliveries, and each pays its share.
-		bt := redisstore.NewBatcher(rc, redisstore.BatcherOptions{})
-		st := redisstore.New(attributed{bt, cl.rtt.shares}, redisstore.Options{Prefix: b.prefix})
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, st, true, rec)
-	case kindRabbitmwRedisAP:
-		// Not counted per delivery: the autopipeliner's dispatch does not
-		// show the hook which command a pipeline carried.
-		ap, err := rc.AutoPipeline()
-		if err != nil {
-			return fmt.Errorf("Redis autopipeline: %w", err)
-		}
-		defer ap.Close()
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, redisstore.New(ap, redisstore.Options{Prefix: b.prefix}), false, rec)
-	case kindRabbitmwPostgres:
-		return consumePostgres(ctx, e.cfg.amqpURL, b.queue, c.opts, pg, rec)
-	case kindRabbitmwPgStore:
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, pg.st, true, rec)
-	case kindWatermill:
-		return consumeWatermill(ctx, e.cfg.amqpURL, b.queue, c.prefetch, c.workers, rec)
-	case kindRabbitmwRedisUnbatched:
-		st := redisstore.New(attributed{rc, cl.rtt.shares}, redisstore.Options{Prefix: b.prefix, NoBatching: true})
-		return consumeRabbitmw(ctx, e.cfg.amqpURL, b.queue, c.opts, st, true, rec)
+// consume consumes queue with c until cnt has counted every delivery
+// acked, over the run's store clients cl. It runs in the child process
+// (see child.go).
+func (c contender) consume(ctx context.Context, url, queue string, cl *clients, cnt *counter) error {
+	switch c.name {
+	case plainName:
+		return consumePlain(ctx, url, queue, c.prefetch, c.workers, cnt, func(_ context.Context, d *amqp.Delivery) rabbitmw.Outcome {
+			cnt.effect(d.MessageId)
+			return rabbitmw.Ack
+		})
+	case plainMultiName:
+		return consumePlainMulti(ctx, url, queue, c.prefetch, cnt)
+	case handName:
+		return consumePlain(ctx, url, queue, c.prefetch, c.workers, cnt, handWritten(cl.redis, cl.prefix, cnt))
+	case watermillName:
+		return consumeWatermill(ctx, url, queue, c.prefetch, c.workers, cnt)
+	case memoryName:
+		return consumeRabbitmw(ctx, url, queue, c.opts, store.NewMemory(), cnt)
+	case redisName, redisDupName:
+		return consumeRabbitmw(ctx, url, queue, c.opts, redisstore.New(cl.redis, redisstore.Options{Prefix: cl.prefix}), cnt)
+	case redisUnbatchedName:
+		return consumeRabbitmw(ctx, url, queue, c.opts, redisstore.New(cl.redis, redisstore.Options{Prefix: cl.prefix, NoBatching: true}), cnt)
+	case handPgName:
+		return consumePlain(ctx, url, queue, c.prefetch, c.workers, cnt, handInbox(cl.pg, cnt))
+	case postgresName:
+		return consumePostgres(ctx, url, queue, c.opts, cl.pg, cnt)
+	case pgStoreName:
+		return consumeRabbitmw(ctx, url, queue, c.opts, cl.pg.st, cnt)
 	}
-	panic("bench: unknown contender kind")
+	panic("bench: unknown contender " + c.name)
 }
 
-// consumeRaw consumes queue with a plain amqp091 consumer: manual acks,
-// the given prefetch, and workers goroutines ranging over the delivery
-// channel. handle says how to settle each delivery: Ack and Duplicate ack
-// it, anything else nacks it with requeue.
-func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, rec *recorder,
-	handle func(context.Context, *amqp.Delivery) rabbitmw.Outcome) error {
+// dialPlain opens a connection and a channel with the given prefetch, and
+// consumes queue with manual acks.
+func dialPlain(url, queue string, prefetch int) (*amqp.Connection, <-chan *amqp.Error, <-chan amqp.Delivery, error) {
 	conn, err := amqp.Dial(url)
 	if err != nil {
-		return err
+		return nil, nil, nil, err
 	}
-	defer conn.Close()
 	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
 	ch, err := conn.Channel()
+	if err == nil {
+		err = ch.Qos(prefetch, 0, false)
+	}
+	var deliveries <-chan amqp.Delivery
+	if err == nil {
+		deliveries, err = ch.Consume(queue, "", false, false, false, false, nil)
+	}
 	if err != nil {
-		return err
+		conn.Close()
+		return nil, nil, nil, err
 	}
-	if err := ch.Qos(prefetch, 0, false); err != nil {
-		return err
-	}
-	deliveries, err := ch.Consume(queue, "", false, false, false, false, nil)
-	if err != nil {
-		return err
-	}
-	// The workers end when deliveries closes, with the connection.
-	var wg sync.WaitGroup
-	for range workers {
-		wg.Go(func() {
-			var p probe // counts the Redis round trips of the delivery in hand
-			pctx := withProbe(ctx, &p)
-			for d := range deliveries {
-				start := rec.begin(d.Redelivered)
-				p.reset()
-				o := handle(pctx, &d)
-				var err error
-				if o == rabbitmw.Ack || o == rabbitmw.Duplicate {
-					if err = d.Ack(false); err == nil {
-						rec.acked(d.MessageId)
-					}
-				} else {
-					err = d.Nack(false, true)
-				}
-				rec.end(start, o, p.cost(), err)
-			}
-		})
-	}
+	return conn, closed, deliveries, nil
+}
+
+// waitPlain waits until cnt is done, ctx ends or the connection is lost,
+// then closes the connection, which ends the workers, and waits for them.
+func waitPlain(ctx context.Context, conn *amqp.Connection, closed <-chan *amqp.Error, cnt *counter, wg *sync.WaitGroup) error {
+	var err error
 	select {
-	case <-rec.done:
+	case <-cnt.done:
 	case <-ctx.Done():
 		err = ctx.Err()
 	case e := <-closed:
@@ -226,13 +162,85 @@ func consumeRaw(ctx context.Context, url, queue string, prefetch, workers int, r
 	return err
 }
 
+// consumePlain consumes queue with a plain amqp091 consumer: manual acks,
+// the given prefetch, and workers goroutines ranging over the delivery
+// channel. handle says how to settle each delivery: Ack and Duplicate ack
+// it, anything else nacks it with requeue.
+func consumePlain(ctx context.Context, url, queue string, prefetch, workers int, cnt *counter,
+	handle func(context.Context, *amqp.Delivery) rabbitmw.Outcome) error {
+	conn, closed, deliveries, err := dialPlain(url, queue, prefetch)
+	if err != nil {
+		return err
+	}
+	// The workers end when deliveries closes, with the connection.
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for d := range deliveries {
+				if o := handle(ctx, &d); o == rabbitmw.Ack || o == rabbitmw.Duplicate {
+					if d.Ack(false) == nil {
+						cnt.ackedAt(d.MessageId)
+						cnt.ack(1)
+					}
+				} else {
+					d.Nack(false, true)
+				}
+			}
+		})
+	}
+	return waitPlain(ctx, conn, closed, cnt, &wg)
+}
+
+// consumePlainMulti is the plain consumer that acks with multiple=true: one
+// goroutine takes the deliveries in order, runs the effect, and acks every
+// multiAckEvery deliveries at once, and the last ones when no more are
+// waiting. With a handler that only counts, one goroutine keeps up with
+// RabbitMQ, and the ack frames are as few as they can be.
+func consumePlainMulti(ctx context.Context, url, queue string, prefetch int, cnt *counter) error {
+	conn, closed, deliveries, err := dialPlain(url, queue, prefetch)
+	if err != nil {
+		return err
+	}
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		var held int
+		var last *amqp.Delivery
+		flush := func() {
+			if held > 0 && last.Ack(true) == nil {
+				cnt.ack(held)
+			}
+			held = 0
+		}
+		for {
+			var d amqp.Delivery
+			var ok bool
+			select {
+			case d, ok = <-deliveries:
+			default:
+				flush() // nothing waiting: ack what is held
+				d, ok = <-deliveries
+			}
+			if !ok {
+				return
+			}
+			cnt.effect(d.MessageId)
+			cnt.ackedAt(d.MessageId)
+			last = &d
+			if held++; held == multiAckEvery {
+				flush()
+			}
+		}
+	})
+	return waitPlain(ctx, conn, closed, cnt, &wg)
+}
+
 // handWritten returns the usual hand-written Redis pattern, ported as it
 // is written (the legacyConsumer of package e2e's tests): SETNX
 // msg:<id> processing, EXPIRE 300; a key already set means done (ack) or
 // being processed (nack with requeue); then the handler, SET msg:<id> done,
 // EXPIRE 24h, DEL retry:<id>, ack. Errors are ignored, as in the original.
 // Its keys are under prefix.
-func handWritten(rc *redis.Client, prefix string, rec *recorder) func(context.Context, *amqp.Delivery) rabbitmw.Outcome {
+func handWritten(rc *redis.Client, prefix string, cnt *counter) func(context.Context, *amqp.Delivery) rabbitmw.Outcome {
 	return func(ctx context.Context, d *amqp.Delivery) rabbitmw.Outcome {
 		id := d.MessageId
 		key := prefix + "msg:" + id
@@ -243,7 +251,7 @@ func handWritten(rc *redis.Client, prefix string, rec *recorder) func(context.Co
 			return rabbitmw.Requeue
 		}
 		rc.Expire(ctx, key, handClaimTTL)
-		rec.effect(id)
+		cnt.effect(id)
 		rc.Set(ctx, key, "done", 0)
 		rc.Expire(ctx, key, handDoneTTL)
 		rc.Del(ctx, prefix+"retry:"+id)
@@ -252,84 +260,52 @@ func handWritten(rc *redis.Client, prefix string, rec *recorder) func(context.Co
 }
 
 // consumeRabbitmw consumes queue with broker.Consume and the recommended
-// stack over st. An outermost layer stamps the start of each delivery, by
-// its delivery tag, and ConsumeOptions.OnSettle the end.
-func consumeRabbitmw(ctx context.Context, url, queue string, opts broker.ConsumeOptions, st store.Store, trackRTT bool, rec *recorder) error {
+// stack over st, the business counting its effect.
+func consumeRabbitmw(ctx context.Context, url, queue string, opts broker.ConsumeOptions, st store.Store, cnt *counter) error {
 	business := rabbitmw.HandlerFunc(func(_ context.Context, d *amqp.Delivery) error {
-		rec.effect(d.MessageId)
+		cnt.effect(d.MessageId)
 		return nil
 	})
-	return consumeStack(ctx, url, queue, opts, benchstack.Recommended(st), business, trackRTT, rec)
+	return consumeStack(ctx, url, queue, opts, benchstack.Recommended(st), business, cnt)
 }
 
 // consumeStack consumes queue with broker.Consume and stack around
-// business, as consumeRabbitmw describes.
-func consumeStack(ctx context.Context, url, queue string, opts broker.ConsumeOptions, stack rabbitmw.Middleware, business rabbitmw.Handler, trackRTT bool, rec *recorder) error {
-	var frames, acked atomic.Int64
+// business. The acks are counted by the broker's Observer, once per ack
+// frame; OnSettle is set only under -latency.
+func consumeStack(ctx context.Context, url, queue string, opts broker.ConsumeOptions, stack rabbitmw.Middleware, business rabbitmw.Handler, cnt *counter) error {
 	b := broker.New(url, broker.Options{Observer: broker.Observer{Ack: func(e broker.AckEvent) {
-		frames.Add(1)
-		acked.Add(int64(e.Deliveries))
+		if e.Err == nil {
+			cnt.ack(e.Deliveries)
+		}
 	}}})
 	defer b.Close()
-	defer func() {
-		if n := frames.Load(); n > 0 {
-			fmt.Fprintf(os.Stderr, "bench: %s: %d deliveries acked in %d basic.ack frames: %.2f per frame\n", queue, acked.Load(), n, float64(acked.Load())/float64(n))
-		}
-	}()
-	h := rabbitmw.Chain(stamp(rec, trackRTT), stack)(business)
 	opts.Topology = topology
-	opts.OnSettle = func(d *amqp.Delivery, o rabbitmw.Outcome, err error) {
-		if err == nil && (o == rabbitmw.Ack || o == rabbitmw.Duplicate) {
-			rec.acked(d.MessageId)
-		}
-		var start int64
-		c := notCounted
-		if p := rec.probe(d.DeliveryTag); p != nil {
-			start = p.start.Swap(0)
-			if trackRTT {
-				c = p.cost()
+	if cnt.ackAt != nil {
+		opts.OnSettle = func(d *amqp.Delivery, o rabbitmw.Outcome, err error) {
+			if err == nil && (o == rabbitmw.Ack || o == rabbitmw.Duplicate) {
+				cnt.ackedAt(d.MessageId)
 			}
 		}
-		rec.end(start, o, c, err)
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	go func() {
 		select {
-		case <-rec.done:
+		case <-cnt.done:
 			cancel()
 		case <-cctx.Done():
 		}
 	}()
-	if err := b.Consume(cctx, queue, h, opts); err != nil {
+	if err := b.Consume(cctx, queue, stack(business), opts); err != nil {
 		return err
 	}
 	select {
-	case <-rec.done:
+	case <-cnt.done:
 		return nil
 	default:
 		if err := ctx.Err(); err != nil {
 			return err
 		}
 		return errors.New("the consumer stopped before every message was settled")
-	}
-}
-
-// stamp is the outermost layer of the rabbitmw contenders: it records the
-// start of each delivery's handling on the probe of its delivery tag and,
-// if trackRTT, passes the probe down in the context for the round trip hook.
-func stamp(rec *recorder, trackRTT bool) rabbitmw.Middleware {
-	return func(next rabbitmw.Handler) rabbitmw.Handler {
-		return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-			t := rec.begin(d.Redelivered)
-			if p := rec.probe(d.DeliveryTag); p != nil {
-				p.reset()
-				p.start.Store(t)
-				if trackRTT {
-					ctx = withProbe(ctx, p)
-				}
-			}
-			return next.Handle(ctx, d)
-		})
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -11,7 +12,8 @@ import (
 	"time"
 )
 
-// cpuTimes is the CPU time used so far by this process, by the Redis
+// cpuTimes is the CPU time used so far by the consumer (the child: see
+// child.go), by the Redis
 // server (INFO cpu, user + system), by the RabbitMQ server and by the
 // PostgreSQL processes that serve the run (from /proc, when they run on
 // this machine). A negative value is unknown.
@@ -26,7 +28,7 @@ type cpuTimes struct {
 // unknown. The servers' figures are server wide: other clients of the same
 // servers add to them, except RabbitMQ's idle CPU, which is subtracted.
 type cpuUsage struct {
-	Self   float64 `json:"bench_us_per_msg"`
+	Self   float64 `json:"consumer_us_per_msg"`
 	Redis  float64 `json:"redis_us_per_msg"`
 	Rabbit float64 `json:"rabbitmq_us_per_msg"`
 	// Postgres: the PostgreSQL processes that serve the run (see
@@ -93,13 +95,20 @@ func (t cpuTimes) usage(later cpuTimes, messages int64) cpuUsage {
 	return cpuUsage{Self: per(t.self, later.self), Redis: per(t.redis, later.redis), Rabbit: per(t.rabbit, rabbit), Postgres: per(t.postgres, later.postgres)}
 }
 
-// idleSample is how long idleCPU watches RabbitMQ at start-up. /proc
-// counts CPU time in ticks of 10 ms, so 2 s resolve 0.5 % of a core.
-const idleSample = 2 * time.Second
+// idleSample is how long idleCPU watches RabbitMQ at start-up, and
+// runIdleSample before each run. /proc counts CPU time in ticks of 10 ms,
+// so 2 s resolve 0.5 % of a core, 1 s 1 %.
+const (
+	idleSample    = 2 * time.Second
+	runIdleSample = time.Second
+)
 
 // idleCPU returns the CPU time that process pid uses per second of wall
 // time over the next d, or 0 if it cannot tell.
 func idleCPU(ctx context.Context, pid int, d time.Duration) float64 {
+	if pid <= 0 {
+		return 0
+	}
 	before, t0 := procCPU(pid), time.Now()
 	select {
 	case <-time.After(d):
@@ -113,18 +122,40 @@ func idleCPU(ctx context.Context, pid int, d time.Duration) float64 {
 	return float64(after-before) / float64(time.Since(t0))
 }
 
-// rabbitPID finds the RabbitMQ server's Erlang VM among this machine's
-// processes (beam.smp started with "-s rabbit boot"), or returns 0. It is
-// a best effort, for the CPU figures only.
-func rabbitPID() int {
-	dirs, _ := filepath.Glob("/proc/[0-9]*")
-	for _, d := range dirs {
-		cmd, err := os.ReadFile(filepath.Join(d, "cmdline"))
-		if err != nil || !bytes.Contains(cmd, []byte("beam.smp")) || !bytes.Contains(cmd, []byte("rabbit\x00boot")) {
+// listenerPID returns the process of this machine that listens on TCP
+// port, or 0: the socket's inode from /proc/net/tcp and tcp6, then the
+// process that holds it among its file descriptors. It is a best effort,
+// for the CPU figures only. (Searching for a RabbitMQ by its command line,
+// as bench did before, found the wrong one when another engineer's test
+// node was running too.)
+func listenerPID(port int) int {
+	want := fmt.Sprintf(":%04X", port)
+	inodes := make(map[string]bool)
+	for _, table := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+		b, err := os.ReadFile(table)
+		if err != nil {
 			continue
 		}
-		if pid, err := strconv.Atoi(filepath.Base(d)); err == nil {
-			return pid
+		for line := range strings.SplitSeq(string(b), "\n") {
+			f := strings.Fields(line)
+			// sl local_address rem_address st ... inode (field 9)
+			if len(f) > 9 && strings.HasSuffix(f[1], want) && f[3] == "0A" {
+				inodes["socket:["+f[9]+"]"] = true
+			}
+		}
+	}
+	if len(inodes) == 0 {
+		return 0
+	}
+	dirs, _ := filepath.Glob("/proc/[0-9]*")
+	for _, d := range dirs {
+		fds, _ := filepath.Glob(d + "/fd/*")
+		for _, fd := range fds {
+			if link, err := os.Readlink(fd); err == nil && inodes[link] {
+				if pid, err := strconv.Atoi(filepath.Base(d)); err == nil {
+					return pid
+				}
+			}
 		}
 	}
 	return 0

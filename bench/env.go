@@ -12,11 +12,8 @@ import (
 	"net"
 	"os"
 	"runtime"
-	"slices"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -25,7 +22,6 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/brokertest"
-	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // env holds the servers and what bench needs to prepare and clean up after
@@ -49,7 +45,7 @@ type env struct {
 }
 
 // topology is the topology of every queue bench declares: the broker's
-// defaults, so that the raw and hand-written contenders consume from the
+// defaults, so that the plain and hand-written contenders consume from the
 // same kind of queue as rabbitmw (a classic durable queue with a
 // dead-letter exchange).
 var topology = broker.Topology{}
@@ -67,7 +63,7 @@ func connect(ctx context.Context, cfg config) (*env, error) {
 	}
 	if u, err := amqp.ParseURI(cfg.amqpURL); err == nil {
 		if ip := net.ParseIP(u.Host); u.Host == "localhost" || (ip != nil && ip.IsLoopback()) {
-			e.rabbitPID = rabbitPID()
+			e.rabbitPID = listenerPID(u.Port)
 			e.rabbitIdle = idleCPU(ctx, e.rabbitPID, idleSample)
 		}
 	}
@@ -307,154 +303,10 @@ func statsDelta(before, after map[string]int64) (map[string]int64, int64) {
 	return d, total
 }
 
-// roundTrips is a go-redis hook that counts the requests a client sends: one
-// per command, one per pipeline. The handshake of a new connection (HELLO,
-// and the CLIENT and SELECT commands that follow it) is counted apart, in
-// setup: it is the pool's cost, not the protocol's, and the pool is warmed
-// up before a run anyway.
-//
-// A request is also counted per delivery, in one of two ways. Without
-// shares, on the probe that its context carries (see withProbe): right for
-// a client that its callers use directly, one request per call. With
-// shares, the hook notes for each command the number of commands of the
-// request that carried it, and the store's client (an [attributed]) counts
-// that on the probe of the call that made the command: right for a client
-// under a batcher, whose pipelines run under a context of their own and
-// carry the commands of several deliveries.
-type roundTrips struct {
-	n, setup atomic.Int64
-	shares   *sync.Map // redis.Cmder → commands in its request (int)
-}
-
-func (r *roundTrips) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (r *roundTrips) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		if isSetup(cmd) {
-			r.setup.Add(1)
-			return next(ctx, cmd)
-		}
-		r.n.Add(1)
-		if r.shares != nil {
-			r.shares.Store(cmd, 1)
-		} else {
-			onProbe(ctx)
-		}
-		return next(ctx, cmd)
-	}
-}
-
-func (r *roundTrips) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		if !slices.ContainsFunc(cmds, func(c redis.Cmder) bool { return !isSetup(c) }) {
-			r.setup.Add(1)
-			return next(ctx, cmds)
-		}
-		r.n.Add(1)
-		if r.shares != nil {
-			for _, c := range cmds {
-				r.shares.Store(c, len(cmds))
-			}
-		} else {
-			onProbe(ctx)
-		}
-		return next(ctx, cmds)
-	}
-}
-
-// onProbe counts a request of one command on the probe in ctx, if any.
-func onProbe(ctx context.Context) {
-	if p, _ := ctx.Value(probeKey{}).(*probe); p != nil {
-		p.add(1)
-	}
-}
-
-// attributed is the store's client for a contender whose requests are
-// counted per delivery through roundTrips' shares: after each call it looks
-// up the request that carried the call's command and counts it on the
-// probe in the call's context. A command that was never sent (its caller's
-// context ended first) counts nothing.
-type attributed struct {
-	redisstore.Client
-	shares *sync.Map
-}
-
-func (a attributed) Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
-	return attribute(ctx, a.shares, a.Client.Eval(ctx, script, keys, args...))
-}
-
-func (a attributed) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
-	return attribute(ctx, a.shares, a.Client.EvalSha(ctx, sha1, keys, args...))
-}
-
-func (a attributed) EvalRO(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
-	return attribute(ctx, a.shares, a.Client.EvalRO(ctx, script, keys, args...))
-}
-
-func (a attributed) EvalShaRO(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
-	return attribute(ctx, a.shares, a.Client.EvalShaRO(ctx, sha1, keys, args...))
-}
-
-func (a attributed) SetArgs(ctx context.Context, key string, value any, args redis.SetArgs) *redis.StatusCmd {
-	return attribute(ctx, a.shares, a.Client.SetArgs(ctx, key, value, args))
-}
-
-func (a attributed) Del(ctx context.Context, keys ...string) *redis.IntCmd {
-	return attribute(ctx, a.shares, a.Client.Del(ctx, keys...))
-}
-
-func attribute[C redis.Cmder](ctx context.Context, shares *sync.Map, cmd C) C {
-	k, ok := shares.LoadAndDelete(cmd)
-	if p, _ := ctx.Value(probeKey{}).(*probe); ok && p != nil {
-		p.add(k.(int))
-	}
-	return cmd
-}
-
-// isSetup reports whether cmd belongs to a connection's handshake.
-func isSetup(cmd redis.Cmder) bool {
-	switch cmd.Name() {
-	case "hello", "auth", "client", "select", "readonly":
-		return true
-	}
-	return false
-}
-
-// newRedisClient returns a client for one contender's run, with go-redis's
-// default options, counting its round trips (with shares if perCommand, see
-// roundTrips), and with up to conns connections open in its pool (a
-// consumer that has been running for a while has a warm pool; dialling is
-// not what is measured).
-func (e *env) newRedisClient(ctx context.Context, conns int, perCommand bool) (*redis.Client, *roundTrips, error) {
-	c := redis.NewClient(&redis.Options{Addr: e.cfg.redisAddr})
-	rt := new(roundTrips)
-	if perCommand {
-		rt.shares = new(sync.Map)
-	}
-	c.AddHook(rt)
-	conns = min(conns, c.Options().PoolSize)
-	errs := make(chan error, conns)
-	for range conns {
-		go func() { errs <- c.Ping(ctx).Err() }()
-	}
-	var err error
-	for range conns {
-		err = errors.Join(err, <-errs)
-	}
-	if err != nil {
-		c.Close()
-		return nil, nil, fmt.Errorf("Redis: %w", err)
-	}
-	if perCommand {
-		rt.shares.Clear() // the pings
-	}
-	return c, rt, nil
-}
-
 // brokerSettings returns the prefetch and workers that broker.Consume uses
 // for the given options (0 for its defaults). It asks the broker itself,
 // by starting a consumer on the in-memory broker and reading the settings
-// from its "consuming" log record, so that the raw and hand-written
+// from its "consuming" log record, so that the plain and hand-written
 // contenders run with exactly what rabbitmw runs with, whatever the
 // defaults are.
 func brokerSettings(ctx context.Context, prefetch, workers int) (int, int, error) {
@@ -523,9 +375,12 @@ type machine struct {
 	MemTotal   string `json:"mem_total"`
 	Go         string `json:"go"`
 	RabbitMQ   string `json:"rabbitmq"`
-	Redis      string `json:"redis"`
-	LoadStart  string `json:"load_average_start"`
-	LoadEnd    string `json:"load_average_end"`
+	// RabbitPID is the process whose CPU is RabbitMQ's: the one that
+	// listens on the AMQP port; 0 when unknown.
+	RabbitPID int    `json:"rabbitmq_pid"`
+	Redis     string `json:"redis"`
+	LoadStart string `json:"load_average_start"`
+	LoadEnd   string `json:"load_average_end"`
 }
 
 func describeMachine(ctx context.Context, e *env) machine {
@@ -537,6 +392,7 @@ func describeMachine(ctx context.Context, e *env) machine {
 		MemTotal:   procField("/proc/meminfo", "MemTotal"),
 		Go:         runtime.Version(),
 		LoadStart:  loadAverage(),
+		RabbitPID:  e.rabbitPID,
 	}
 	if v, ok := e.conn.Properties["version"].(string); ok {
 		m.RabbitMQ = v
@@ -554,7 +410,7 @@ func describeMachine(ctx context.Context, e *env) machine {
 func (m machine) print(w io.Writer) {
 	fmt.Fprintf(w, "machine: %d CPUs (%s), GOMAXPROCS %d, %s RAM, %s, RabbitMQ %s, Redis %s\n",
 		m.CPUs, m.CPUModel, m.GOMAXPROCS, m.MemTotal, m.Go, m.RabbitMQ, m.Redis)
-	fmt.Fprintf(w, "load average at start: %s\n", m.LoadStart)
+	fmt.Fprintf(w, "load average at start: %s; RabbitMQ's process (listening on the AMQP port): %d\n", m.LoadStart, m.RabbitPID)
 }
 
 // procField returns the value of the first "name: value" line of a /proc
@@ -573,6 +429,19 @@ func procField(path, name string) string {
 		}
 	}
 	return "?"
+}
+
+// loadNow returns the 1-minute load average, or -1.
+func loadNow() float64 {
+	f := strings.Fields(loadAverage())
+	if len(f) == 0 {
+		return -1
+	}
+	v, err := strconv.ParseFloat(f[0], 64)
+	if err != nil {
+		return -1
+	}
+	return v
 }
 
 // loadAverage returns the 1, 5 and 15 minute load averages, or "?".

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"slices"
-	"sync/atomic"
 	"text/tabwriter"
 	"time"
 
@@ -16,7 +15,7 @@ import (
 )
 
 // latencyContenders run under -latency when -only is not given.
-var latencyContenders = []string{rawName, redisName, redisUnbatchedName}
+var latencyContenders = []string{plainName, redisName, redisUnbatchedName}
 
 // runLatency measures, for each contender, the time from publishing a
 // message to its ack at a light load: the consumer runs first on an empty
@@ -47,6 +46,8 @@ func runLatency(ctx context.Context, e *env, cfg config, prefetch, workers int) 
 	return nil
 }
 
+// latencyRun runs c in a child that notes when each ack was sent, while
+// this process publishes at -rate and notes when each message was sent.
 func (e *env) latencyRun(ctx context.Context, c contender, label string) (lat []int64, err error) {
 	ids, _ := messageIDs(e.cfg.n, 0, 0)
 	b := batch{queue: e.runID + "." + label, prefix: e.runID + ":" + label + ":", ids: ids, unique: len(ids)}
@@ -58,19 +59,16 @@ func (e *env) latencyRun(ctx context.Context, c contender, label string) (lat []
 	if err := e.admin.Declare(ctx, b.queue, topology); err != nil {
 		return nil, err
 	}
-	rec := newRecorder(len(ids), c.prefetch)
-	rec.pubAt = make([]atomic.Int64, len(ids))
-	rec.ackLat = make([]int64, len(ids))
-	cl, err := e.openClients(ctx, c, b.prefix)
+	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout+time.Minute)
+	defer cancel()
+	child, _, err := startChild(rctx, e.childSpec(c, b, true))
 	if err != nil {
 		return nil, err
 	}
-	defer cl.close()
-	rctx, cancel := context.WithTimeout(ctx, e.cfg.timeout)
-	defer cancel()
-	errc := make(chan error, 1)
-	go func() { errc <- c.consume(rctx, e, b, cl, rec) }()
-
+	defer child.stop()
+	if err := child.start(); err != nil {
+		return nil, err
+	}
 	ch, err := e.channel()
 	if err != nil {
 		return nil, err
@@ -82,29 +80,39 @@ func (e *env) latencyRun(ctx context.Context, c contender, label string) (lat []
 	}
 	body := make([]byte, e.cfg.size)
 	if err := waitConsumer(rctx, ch, b.queue); err != nil {
-		cancel()
-		<-errc
 		return nil, err
 	}
+	pubAt := make([]int64, len(ids))
 	interval := time.Second / time.Duration(e.cfg.rate)
 	t0 := time.Now()
 	for i, id := range ids {
 		if d := time.Until(t0.Add(time.Duration(i) * interval)); d > 0 {
 			time.Sleep(d)
 		}
-		rec.pubAt[i].Store(now())
+		pubAt[i] = time.Now().UnixNano()
 		if err := ch.PublishWithContext(rctx, "", b.queue, false, false, amqp.Publishing{
 			MessageId: id, DeliveryMode: mode, ContentType: "application/octet-stream", Body: body,
 		}); err != nil {
-			cancel()
-			<-errc
 			return nil, err
 		}
 	}
-	if err := <-errc; err != nil {
+	var done childDone
+	if err := child.read("done", &done); err != nil {
 		return nil, err
 	}
-	return slices.Clone(rec.ackLat[:min(rec.nack.Load(), int64(len(rec.ackLat)))]), nil
+	var res childResult
+	if err := child.read("result", &res); err != nil {
+		return nil, err
+	}
+	if res.Err != "" {
+		return nil, errors.New(res.Err)
+	}
+	for i, at := range res.AckAt {
+		if at > 0 && i < len(pubAt) {
+			lat = append(lat, at-pubAt[i])
+		}
+	}
+	return lat, nil
 }
 
 // waitConsumer waits until queue has a consumer, so that no message waits

@@ -1,70 +1,68 @@
-// Command bench measures the throughput of rabbitmw against a plain amqp091
-// consumer and against the usual hand-written Redis pattern, on a real
-// RabbitMQ and a real Redis, prints one table, and says which targets of
-// the performance issue are met or missed, with the figures.
-// BENCHMARKS.md holds its results and how to read them.
+// Command bench measures the throughput and CPU cost of rabbitmw against a
+// plain amqp091 consumer, Watermill, and the hand-written Redis and
+// PostgreSQL patterns that it replaces, on a real RabbitMQ, Redis and
+// PostgreSQL, prints one table, and says which performance targets are
+// met or missed, with the figures. BENCHMARKS.md holds its results and how
+// to read them.
 //
 // bench is a module of its own, so that what it compares against
 // (Watermill) is never a dependency of the library. From this directory:
 //
-//	go run .                      # the contenders, 3 rounds of 20,000 messages
+//	go run . -rounds 5             # the contenders, 20,000 messages of 12 bytes each run
+//	go run . -rounds 5 -size 1024  # the same with 1 KB bodies
 //	go run . -sweep -out sweep.svg # the prefetch × workers grid, plotted
-//	go run . -latency -n 2000     # publish-to-ack latency at 200 msgs/s
-//	go run . -outbox -n 20000     # the outbox's relay against direct publishing (outbox.go)
+//	go run . -scale -out scale.svg # CPU per message as things grow, plotted
+//	go run . -latency -n 2000      # publish-to-ack latency at 200 msgs/s
+//	go run . -outbox -n 20000      # the outbox's relay against direct publishing (outbox.go)
 //	go run . -plot sweep.json -out sweep.svg # the plot again, from its results
-//	go run . -stack-only          # the stack in process; no servers needed
-//	go run . -only raw,rabbitmw-redis -n 50000 -json out.json
+//	go run . -stack-only           # the stack in process; no servers needed
+//	go run . -only plain,rabbitmw-redis -n 50000 -json out.json
 //
 // For each round and each contender, in an order that reverses from round
-// to round (so that a noisy machine hurts all of them alike), bench declares
-// a fresh queue, publishes -n messages to it with confirms (not timed), then
-// consumes them with the contender and times from the first delivery to the
-// last settlement. It records per delivery the time from the moment the
-// handler starts to the moment its ack returns; counts the Redis commands
-// the server ran (INFO commandstats) and the round trips the contender's
-// client made (a go-redis hook), per delivery; reads the CPU time of
-// itself, of Redis and of a local RabbitMQ; and checks that every message's
-// effect happened exactly once. The sweep runs its grid the same way, the
-// runs of all cells interleaved.
+// to round (so that a noisy machine hurts all of them alike), bench
+// declares a fresh queue, publishes -n messages to it with confirms (not
+// timed), then starts the contender in a process of its own (this program
+// again, with -child: see child.go) and times from its first effect to its
+// last ack. On its per-delivery path the contender has the work itself and
+// an atomic count, nothing else. bench reads the CPU time of that process,
+// of Redis, of a local RabbitMQ and of the PostgreSQL processes serving
+// it, counts the Redis commands the server ran (INFO commandstats), and
+// checks that every message's effect happened exactly once.
 //
-// The contenders, all at the same prefetch and workers unless said
-// otherwise:
+// The contenders, all at the same prefetch and workers:
 //
-//	raw                 amqp091 consumer, manual acks, no layers: the ceiling
-//	hand-written-p1     the hand-written Redis pattern at prefetch 1, 1 worker,
-//	                    as teams run it
-//	hand-written        the same at the common prefetch and workers
-//	rabbitmw-memory     broker.Consume, the recommended stack, memory store
-//	rabbitmw-redis      the same over the Redis store (batched, its default)
-//	rabbitmw-redis-dup  the same with -dup of the message ids duplicated
-//	rabbitmw-pgstore    the same over the PostgreSQL store (store/pgstore)
-//	rabbitmw-postgres   the PostgreSQL inbox: the stack over pgstore and
-//	                    pgstore.Handler, the effect a row inserted in the
-//	                    transaction that commits the done mark
-//	rabbitmw-redis-unbatched rabbitmw-redis with NoBatching: each
-//	                    command its own round trip (called rabbitmw-redis
-//	                    before batching was the default; the batched one
-//	                    was rabbitmw-redis-batch)
+//	plain               amqp091 consumer, workers goroutines on the delivery
+//	                    channel, an ack per message: the baseline
+//	plain-multi         one goroutine that acks with multiple=true every 16
+//	                    deliveries: the limit of acking
+//	hand-written        the usual hand-written Redis pattern (SETNX ...)
 //	watermill           Watermill's AMQP router with its Deduplicator (in
 //	                    process memory), Retry and Recoverer
-//	rabbitmw-redis-ap   rabbitmw-redis over go-redis's autopipeliner; only
+//	rabbitmw-memory     broker.Consume, the recommended stack, memory store
+//	rabbitmw-redis      the same over the Redis store, at its defaults
+//	rabbitmw-redis-unbatched rabbitmw-redis with NoBatching
+//	rabbitmw-redis-dup  rabbitmw-redis with -dup of the message ids repeated;
+//	                    only when -only names it
+//	hand-written-pg     the hand-written one-transaction PostgreSQL inbox:
+//	                    BEGIN; INSERT ... ON CONFLICT DO NOTHING; the
+//	                    effect (a row); COMMIT
+//	rabbitmw-postgres   the PostgreSQL inbox: the stack over pgstore and
+//	                    pgstore.Handler, the same effect in its transaction
+//	rabbitmw-pgstore    the stack over pgstore, the effect in memory; only
 //	                    when -only names it
 //
-// CPU is reported as milliseconds per 1,000 delivered messages, for this
-// process, the Redis server, a local RabbitMQ, with RabbitMQ's idle CPU
-// (measured for 2 s at start-up) subtracted, and, for the PostgreSQL
-// contenders, a local PostgreSQL's processes that serve the run (its
-// backends and the server's auxiliary processes).
+// BENCH_CHILD_CPUPROFILE=PATH writes a CPU profile of each child's run to
+// PATH.<contender>.pprof (pair it with -only and -rounds 1).
 //
-// The business handler only records, in memory, that it ran. The common
-// prefetch and workers are the broker's defaults unless -prefetch or
-// -workers say otherwise.
+// CPU is reported as milliseconds per 1,000 messages, with RabbitMQ's idle
+// CPU (measured for 2 s at start-up) subtracted. The common prefetch and
+// workers are the broker's defaults unless -prefetch or -workers say
+// otherwise.
 //
-// bench uses queues and Redis keys whose names start with a prefix unique to
-// the run ("rmwbench-..."), and deletes them when a run ends, so it can share
-// the servers with other work; -sweep -out FILE.svg plots the sweep, and
-// writes its tables and results beside the plot. RABBITMQ_URL and REDIS_ADDR stand for -amqp
-// and -redis, DATABASE_URL for -postgres.
+// bench uses queues, Redis keys and tables whose names start with a prefix
+// unique to the run ("rmwbench-..."), and deletes them when a run ends, so
+// it can share the servers with other work. RABBITMQ_URL and REDIS_ADDR
+// stand for -amqp and -redis, DATABASE_URL for -postgres.
 package main
 
 import (
@@ -92,6 +90,7 @@ type config struct {
 	prefetch    int // 0: the broker's default
 	workers     int // 0: the broker's default
 	sweep       bool
+	scale       bool // -scale: CPU per message as things grow
 	latency     bool // -latency: publish→ack latency at a light load
 	outbox      bool // -outbox: the relay against direct confirmed publishing
 	rate        int  // -rate: its messages per second
@@ -110,6 +109,16 @@ type config struct {
 }
 
 func main() {
+	if len(os.Args) == 3 && os.Args[1] == "-child" {
+		// A contender's run, in a process of its own (see child.go).
+		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+		defer stop()
+		if err := runChild(ctx, os.Args[2], os.Stdin, os.Stdout); err != nil {
+			fmt.Fprintln(os.Stderr, "bench -child:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	cfg, err := parseFlags(os.Args[1:])
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
@@ -145,16 +154,17 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&cfg.redisAddr, "redis", envOr("REDIS_ADDR", "127.0.0.1:6379"), "address of the Redis server")
 	fs.StringVar(&cfg.postgresURL, "postgres", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"), "URL of the PostgreSQL database of rabbitmw-postgres")
 	fs.IntVar(&cfg.n, "n", 20000, "messages per run (-sweep: 5000)")
-	fs.IntVar(&cfg.size, "size", 256, "message body size in bytes")
+	fs.IntVar(&cfg.size, "size", 12, "message body size in bytes")
 	fs.Float64Var(&cfg.dup, "dup", 0.2, "fraction of the messages of rabbitmw-redis-dup that repeat an earlier message's id")
 	fs.IntVar(&cfg.rounds, "rounds", 3, "rounds; each runs every contender once")
-	fs.IntVar(&cfg.prefetch, "prefetch", 0, "prefetch of every contender but hand-written-p1 (default: the broker's default)")
-	fs.IntVar(&cfg.workers, "workers", 0, "workers of every contender but hand-written-p1 (default: the broker's default)")
-	fs.BoolVar(&cfg.latency, "latency", false, "measure publish-to-ack latency at a light load instead: -n messages (use about 2000) published at -rate (contenders raw, rabbitmw-redis, rabbitmw-redis-unbatched, unless -only)")
+	fs.IntVar(&cfg.prefetch, "prefetch", 0, "prefetch of every contender (default: the broker's default)")
+	fs.IntVar(&cfg.workers, "workers", 0, "workers of every contender (default: the broker's default)")
+	fs.BoolVar(&cfg.latency, "latency", false, "measure publish-to-ack latency at a light load instead: -n messages (use about 2000) published at -rate (contenders plain, rabbitmw-redis, rabbitmw-redis-unbatched, unless -only)")
 	fs.IntVar(&cfg.rate, "rate", 200, "-latency, -outbox: messages per second")
 	fs.BoolVar(&cfg.outbox, "outbox", false, "measure the transactional outbox instead: its relay's msgs/s and CPU against direct confirmed publishing (-n messages, -rounds), and commit-to-delivery latency with NOTIFY and with the poll alone (500 messages at -rate)")
-	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders raw, rabbitmw-redis and rabbitmw-redis-unbatched, unless -only)")
-	only := fs.String("only", "", "comma-separated contenders to run (default: all but rabbitmw-redis-ap; for -sweep: raw,rabbitmw-redis,rabbitmw-redis-unbatched)")
+	fs.BoolVar(&cfg.scale, "scale", false, "measure CPU per message as body size, workers, messages and consumer processes grow instead (contenders plain and rabbitmw-redis, unless -only); -out FILE.svg plots it")
+	fs.BoolVar(&cfg.sweep, "sweep", false, "run the prefetch × workers grid instead (contenders plain, rabbitmw-redis and rabbitmw-redis-unbatched, unless -only)")
+	only := fs.String("only", "", "comma-separated contenders to run (default: all but rabbitmw-redis-dup and rabbitmw-pgstore; for -sweep: plain,rabbitmw-redis,rabbitmw-redis-unbatched)")
 	fs.StringVar(&cfg.jsonPath, "json", "", "also write the results as JSON to this file")
 	fs.DurationVar(&cfg.timeout, "timeout", 5*time.Minute, "the longest one contender may take to consume one run")
 	fs.BoolVar(&cfg.persistent, "persistent", true, "publish persistent messages (delivery mode 2), as broker.Publish does")
@@ -205,8 +215,8 @@ func parseFlags(args []string) (config, error) {
 	if cfg.sweep && !setFlags["n"] {
 		cfg.n = sweepMessages
 	}
-	if cfg.sweepOut != "" && !cfg.sweep && cfg.plot == "" {
-		return cfg, errors.New("-out needs -sweep or -plot")
+	if cfg.sweepOut != "" && !cfg.sweep && !cfg.scale && cfg.plot == "" {
+		return cfg, errors.New("-out needs -sweep, -scale or -plot")
 	}
 	if cfg.plot != "" && cfg.sweepOut == "" {
 		return cfg, errors.New("-plot needs -out")
@@ -278,6 +288,18 @@ func run(ctx context.Context, cfg config) error {
 	}
 	if cfg.outbox {
 		return runOutbox(ctx, e, cfg)
+	}
+	if cfg.scale {
+		res, err := runScale(ctx, e, cfg)
+		if err != nil {
+			return err
+		}
+		res.Machine = e.machine
+		res.print(out)
+		if err := res.writeFiles(cfg.sweepOut); err != nil {
+			return err
+		}
+		return writeJSON(cfg.jsonPath, res)
 	}
 	if cfg.sweep {
 		res, err := runSweep(ctx, e, cfg, defPrefetch, defWorkers)

@@ -6,13 +6,14 @@ import (
 	"encoding/hex"
 	"fmt"
 	"strings"
-	"sync/atomic"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/benchstack"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
@@ -32,64 +33,59 @@ const postgresName = "rabbitmw-postgres"
 // store's claim and complete, to set beside the Redis store's.
 const pgStoreName = "rabbitmw-pgstore"
 
-// pgRoundTrips is a pgx tracer that counts the statements a pool sends,
-// each one round trip (BEGIN and COMMIT included; pgx prepares a statement
-// once per connection, on the pool's warm-up). A statement made under a
-// context that carries a delivery's probe is also counted on the probe.
-type pgRoundTrips struct{ n atomic.Int64 }
+// handPgName is the hand-written one-transaction inbox that the PostgreSQL
+// inbox replaces: BEGIN; INSERT INTO inbox ... ON CONFLICT DO NOTHING (no
+// row: a duplicate, rolled back and acked); the effect, the same row as
+// rabbitmw-postgres's; COMMIT; ack. A failure nacks with requeue.
+const handPgName = "hand-written-pg"
 
-func (r *pgRoundTrips) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	r.n.Add(1)
-	onProbe(ctx)
-	return ctx
-}
-
-func (r *pgRoundTrips) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-
-// pgRun is one run's database: a pool that counts its round trips, the
-// store on tables of the run's own, and the effects table.
+// pgRun is one run's database: a pool, the store on tables of the run's
+// own, the effects table and the hand-written inbox's table.
 type pgRun struct {
 	app     string // the pool's application_name
 	pids    []int  // the server's processes that serve it, for their CPU
 	pool    *pgxpool.Pool
 	st      *pgstore.Store
-	rt      *pgRoundTrips
 	effects string
+	inbox   string
 }
 
 // newPgRun makes the run's tables, named after its key prefix, and a pool
 // of conns connections, warmed up.
-func (e *env) newPgRun(ctx context.Context, prefix string, conns int) (*pgRun, error) {
-	cfg, err := pgxpool.ParseConfig(e.cfg.postgresURL)
+func newPgRun(ctx context.Context, url, prefix string, conns int) (*pgRun, error) {
+	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("-postgres: %w", err)
 	}
 	sum := sha256.Sum256([]byte(prefix))
 	table := "rmwbench_" + hex.EncodeToString(sum[:8])
-	r := &pgRun{rt: new(pgRoundTrips), app: table}
-	cfg.ConnConfig.Tracer = r.rt
+	r := &pgRun{app: table}
 	cfg.ConnConfig.RuntimeParams["application_name"] = r.app
 	cfg.MaxConns, cfg.MinConns = int32(conns+2), int32(conns+2)
 	if r.pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 		return nil, err
 	}
-	r.effects = table + "_effects"
+	r.effects, r.inbox = table+"_effects", table+"_inbox"
 	r.st = pgstore.New(r.pool, pgstore.Options{Table: table})
 	if err := r.st.Migrate(ctx); err != nil {
 		r.close()
-		return nil, fmt.Errorf("PostgreSQL at %s: %w (start it, or set -postgres / DATABASE_URL)", e.cfg.postgresURL, err)
+		return nil, fmt.Errorf("PostgreSQL at %s: %w (start it, or set -postgres / DATABASE_URL)", url, err)
 	}
-	if _, err := r.pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+r.effects+` (id text NOT NULL)`); err != nil {
+	if _, err := r.pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+r.effects+` (id text NOT NULL);
+		CREATE TABLE IF NOT EXISTS `+r.inbox+` (id text PRIMARY KEY)`); err != nil {
 		r.close()
 		return nil, err
 	}
-	// Warm every connection: the statements of the store are prepared
-	// per connection, once; that is not what is measured.
-	for range 2 {
-		for i := 0; i < conns+2; i++ {
+	// Warm every connection: the statements are prepared per connection,
+	// once; that is not what is measured.
+	var wg sync.WaitGroup
+	for range conns + 2 {
+		wg.Go(func() {
 			r.st.Claim(ctx, "warm-up", "warm-up", time.Millisecond)
-		}
+			r.pool.Exec(ctx, `SELECT 1 FROM `+r.inbox+` WHERE id = $1`, "warm-up")
+		})
 	}
+	wg.Wait()
 	if r.pids, err = r.serverPIDs(ctx); err != nil {
 		r.close()
 		return nil, err
@@ -103,22 +99,50 @@ func (r *pgRun) close() {
 	defer cancel()
 	r.st.Close()
 	table := strings.TrimSuffix(r.effects, "_effects")
-	r.pool.Exec(ctx, `DROP TABLE IF EXISTS `+table+`, `+table+`_failures, `+r.effects)
+	r.pool.Exec(ctx, `DROP TABLE IF EXISTS `+table+`, `+table+`_failures, `+r.effects+`, `+r.inbox)
 	r.pool.Close()
 }
 
 // consumePostgres consumes queue with broker.Consume, the recommended
 // stack over the run's store and the transactional handler.
-func consumePostgres(ctx context.Context, url, queue string, opts broker.ConsumeOptions, pg *pgRun, rec *recorder) error {
+func consumePostgres(ctx context.Context, url, queue string, opts broker.ConsumeOptions, pg *pgRun, cnt *counter) error {
 	insert := `INSERT INTO ` + pg.effects + ` (id) VALUES ($1)`
 	business := pgstore.Handler(pg.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		if _, err := tx.Exec(ctx, insert, d.MessageId); err != nil {
 			return err
 		}
-		rec.effect(d.MessageId)
+		cnt.effect(d.MessageId)
 		return nil
 	}, pgstore.HandlerOptions{})
-	return consumeStack(ctx, url, queue, opts, benchstack.Recommended(pg.st), business, true, rec)
+	return consumeStack(ctx, url, queue, opts, benchstack.Recommended(pg.st), business, cnt)
+}
+
+// handInbox returns the hand-written one-transaction inbox (handPgName).
+func handInbox(pg *pgRun, cnt *counter) func(context.Context, *amqp.Delivery) rabbitmw.Outcome {
+	claim := `INSERT INTO ` + pg.inbox + ` (id) VALUES ($1) ON CONFLICT DO NOTHING`
+	insert := `INSERT INTO ` + pg.effects + ` (id) VALUES ($1)`
+	return func(ctx context.Context, d *amqp.Delivery) rabbitmw.Outcome {
+		tx, err := pg.pool.Begin(ctx)
+		if err != nil {
+			return rabbitmw.Requeue
+		}
+		defer tx.Rollback(ctx)
+		tag, err := tx.Exec(ctx, claim, d.MessageId)
+		switch {
+		case err != nil:
+			return rabbitmw.Requeue
+		case tag.RowsAffected() == 0:
+			return rabbitmw.Duplicate
+		}
+		if _, err := tx.Exec(ctx, insert, d.MessageId); err != nil {
+			return rabbitmw.Requeue
+		}
+		cnt.effect(d.MessageId)
+		if tx.Commit(ctx) != nil {
+			return rabbitmw.Requeue
+		}
+		return rabbitmw.Ack
+	}
 }
 
 // serverPIDs returns the PostgreSQL processes that serve the run: the

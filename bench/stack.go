@@ -16,50 +16,52 @@ type stackCase struct {
 	Allocs  int64     `json:"allocs_per_op"`
 	Bytes   int64     `json:"bytes_per_op"`
 	Samples []float64 `json:"samples_ns"`
+	Load    string    `json:"load"` // the load averages when it was measured
 }
 
 // stackCost is the in-process cost of the recommended stack per delivery:
-// benchstack.Run, the loop of BenchmarkChain in package e2e, run with
-// testing.Benchmark three times each. The targets judge the new message
-// over the memory store (stackNew) and over a store that does nothing, no
-// map, no clock (stackNopNew); the others say where the time goes: a
-// duplicate, and without the Timeout layer.
+// benchstack.Run and RunWaiting, the loops of BenchmarkChain in package
+// e2e, run with testing.Benchmark three times each. The target judges the
+// new message over the memory store in front of a handler that waits on
+// its context, as any handler doing I/O does (stackWaitsNew); the others
+// say where the time goes: a handler that never looks at its context, a
+// duplicate, a store that does nothing.
 type stackCost struct {
 	Cases []stackCase `json:"cases"`
 }
 
 const (
-	stackNew       = "memory, new message"
+	stackWaitsNew  = "memory, new message, handler waits on its context"
+	stackNew       = "memory, new message, handler ignores its context"
 	stackDuplicate = "memory, duplicate"
-	stackNopNew    = "no-op store, new message"
+	stackNopNew    = "no-op store, new message, handler waits on its context"
 )
 
 func measureStack() stackCost {
 	cases := []struct {
 		name  string
-		stack func(store.Store) rabbitmw.Middleware
 		store func() store.Store
-		dup   bool
+		run   func(*testing.B, rabbitmw.Middleware)
 	}{
-		{stackNew, benchstack.Recommended, memoryStore, false},
-		{stackDuplicate, benchstack.Recommended, memoryStore, true},
-		{"memory, new message, no Timeout layer", benchstack.WithoutTimeout, memoryStore, false},
-		{stackNopNew, benchstack.Recommended, nopStore, false},
-		{"no-op store, new message, no Timeout layer", benchstack.WithoutTimeout, nopStore, false},
+		{stackWaitsNew, memoryStore, benchstack.RunWaiting},
+		{stackNew, memoryStore, func(b *testing.B, m rabbitmw.Middleware) { benchstack.Run(b, m, false) }},
+		{stackDuplicate, memoryStore, func(b *testing.B, m rabbitmw.Middleware) { benchstack.Run(b, m, true) }},
+		{stackNopNew, nopStore, benchstack.RunWaiting},
 	}
 	var sc stackCost
+	load := loadAverage()
 	results := make([][]testing.BenchmarkResult, len(cases))
 	for range 3 {
 		for i, c := range cases {
 			results[i] = append(results[i], testing.Benchmark(func(b *testing.B) {
-				benchstack.Run(b, c.stack(c.store()), c.dup)
+				c.run(b, benchstack.Recommended(c.store()))
 			}))
 		}
 	}
 	for i, c := range cases {
 		rs := results[i]
 		slices.SortFunc(rs, func(a, b testing.BenchmarkResult) int { return int(a.NsPerOp() - b.NsPerOp()) })
-		sample := stackCase{Name: c.name}
+		sample := stackCase{Name: c.name, Load: load}
 		for _, r := range rs {
 			sample.Samples = append(sample.Samples, nsPerOp(r))
 		}

@@ -16,7 +16,7 @@ import (
 )
 
 // sweepContenders run under -sweep when -only is not given.
-var sweepContenders = []string{rawName, redisName, redisUnbatchedName}
+var sweepContenders = []string{plainName, redisName, redisUnbatchedName}
 
 // sweepMessages is -n under -sweep when -n is not given: a grid has many
 // cells.
@@ -96,9 +96,6 @@ func runSweep(ctx context.Context, e *env, cfg config, defPrefetch, defWorkers i
 	if len(names) == 0 {
 		names = sweepContenders
 	}
-	if slices.Contains(names, handP1Name) {
-		return nil, fmt.Errorf("-sweep: %s has fixed settings; it is hand-written at workers 1, prefetch 1", handP1Name)
-	}
 	res := &sweepResult{
 		runHeader: runHeader{
 			RabbitIdle: e.rabbitIdle,
@@ -171,12 +168,12 @@ func (r *sweepResult) cell(w int, spec prefetchSpec) *sweepCell {
 
 func (r *sweepResult) print(w io.Writer) {
 	fmt.Fprintf(w, "load average at end: %s\n\n", r.Machine.LoadEnd)
-	// The grid: one table per contender but raw (see grid).
+	// The grid: one table per contender but plain (see grid).
 	for _, name := range contenderNames {
-		if name == rawName || r.Cells[0].Summary.find(name) == nil {
+		if name == plainName || r.Cells[0].Summary.find(name) == nil {
 			continue
 		}
-		fmt.Fprintf(w, "%s, msgs/s median (× raw at the same setting) / CPU ms per 1,000 messages; * = the broker's defaults (prefetch %d, workers %d)\n", name, r.Defaults[0], r.Defaults[1])
+		fmt.Fprintf(w, "%s, msgs/s median (× plain at the same setting) / CPU ms per 1,000 messages; * = the broker's defaults (prefetch %d, workers %d)\n", name, r.Defaults[0], r.Defaults[1])
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 		for _, row := range r.grid(name, "*") {
 			fmt.Fprintln(tw, strings.Join(row, "\t")+"\t")
@@ -187,13 +184,13 @@ func (r *sweepResult) print(w io.Writer) {
 
 	// Every cell in full.
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "prefetch\tworkers\tcontender\tmsgs/s median\tmin–max\t× raw\tp50\tp99\tRedis RTT/msg\tCPU ms/1,000\t")
+	fmt.Fprintln(tw, "prefetch\tworkers\tcontender\tmsgs/s median\tmin–max\t× plain\tRedis cmds/msg\tCPU ms/1,000\tload\t")
 	for _, c := range r.Cells {
 		for _, s := range c.Summary {
 			ratio := fmtRatio(s.RatioToRaw)
-			fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s–%s\t%s\t%s\t%s\t%.2f\t%s\t\n", c.Prefetch, c.Workers, s.Contender,
+			fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s–%s\t%s\t%.2f\t%s\t%s\t\n", c.Prefetch, c.Workers, s.Contender,
 				thousands(s.Median), thousands(s.Min), thousands(s.Max), ratio,
-				fmtMicros(s.P50Micros), fmtMicros(s.P99Micros), s.RoundTripsPerMsg, fmtCPU(s.CPU.total()))
+				s.CommandsPerMsg, fmtCPU(s.CPU.total()), s.loads())
 		}
 	}
 	tw.Flush()
@@ -222,9 +219,6 @@ func (r *sweepResult) print(w io.Writer) {
 				problems++
 				fmt.Fprintf(w, "PROBLEM: %s at prefetch %d, workers %d: %s\n", s.Contender, c.Prefetch, c.Workers, p)
 			}
-			for _, d := range s.Disturbed {
-				fmt.Fprintf(w, "NOTE: %s at prefetch %d, workers %d: %s\n", s.Contender, c.Prefetch, c.Workers, d)
-			}
 		}
 	}
 	if problems == 0 {
@@ -243,7 +237,7 @@ func (r *sweepResult) chart() lineChart {
 				r.RunID, r.Machine.Date, thousands(float64(r.Settings.Messages)), r.Settings.mode(), r.Settings.Size, r.Settings.Rounds),
 			fmt.Sprintf("load average %s at the start, %s at the end; the broker's defaults: prefetch %d, workers %d",
 				r.Machine.LoadStart, r.Machine.LoadEnd, r.Defaults[0], r.Defaults[1]),
-			"CPU: of this process (the consumer) alone, and of it, Redis and RabbitMQ together (RabbitMQ's idle CPU subtracted)",
+			"CPU: of the consumer's process alone, and of it, Redis and RabbitMQ together (RabbitMQ's idle CPU subtracted)",
 		},
 		XLabel:  "workers",
 		Columns: 3,
@@ -297,7 +291,7 @@ func (r *sweepResult) contenders() []string {
 }
 
 // grid returns the table of contender name over the grid: a header row,
-// then a row per workers, a column per prefetch, each cell msgs/s (× raw
+// then a row per workers, a column per prefetch, each cell msgs/s (× plain
 // in the same cell) / CPU ms per 1,000 messages, mark before the broker's
 // defaults, "–" where name did not run.
 func (r *sweepResult) grid(name, mark string) [][]string {
@@ -318,7 +312,7 @@ func (r *sweepResult) grid(name, mark string) [][]string {
 			if c.Prefetch == r.Defaults[0] && c.Workers == r.Defaults[1] {
 				v = mark + v
 			}
-			if s.RatioToRaw > 0 && name != rawName {
+			if s.RatioToRaw > 0 && name != plainName {
 				v += fmt.Sprintf(" (%.2f)", s.RatioToRaw)
 			}
 			row = append(row, v+" / "+fmtCPU(s.CPU.total()))
@@ -335,7 +329,7 @@ func (r *sweepResult) markdown(w io.Writer) {
 		r.RunID, r.Machine.Date, thousands(float64(r.Settings.Messages)), r.Settings.mode(),
 		r.Settings.Size, r.Settings.Rounds, r.Machine.LoadStart, r.Machine.LoadEnd, r.Defaults[0], r.Defaults[1])
 	for _, name := range r.contenders() {
-		fmt.Fprintf(w, "%s: msgs/s median (× raw in the same cell) / CPU ms per 1,000 messages, this process + Redis + RabbitMQ\n\n", name)
+		fmt.Fprintf(w, "%s: msgs/s median (× plain in the same cell) / CPU ms per 1,000 messages, this process + Redis + RabbitMQ\n\n", name)
 		for i, row := range r.grid(name, "\\*") {
 			fmt.Fprintf(w, "| %s |\n", strings.Join(row, " | "))
 			if i == 0 {
@@ -344,19 +338,15 @@ func (r *sweepResult) markdown(w io.Writer) {
 		}
 		fmt.Fprintln(w)
 	}
-	fmt.Fprintln(w, "| prefetch | workers | contender | msgs/s median | min–max | × raw | CPU ms per 1,000: process | Redis | RabbitMQ | total | store RTT/msg mean | max | p50 | p99 |")
-	fmt.Fprintln(w, "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+	fmt.Fprintln(w, "| prefetch | workers | contender | msgs/s median | min–max | × plain | CPU ms per 1,000: consumer | Redis | RabbitMQ | total | Redis cmds/msg | load |")
+	fmt.Fprintln(w, "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 	for _, c := range r.Cells {
 		for _, s := range c.Summary {
 			ratio := fmtRatio(s.RatioToRaw)
-			mean, most := "–", "–"
-			if m := s.perDelivery(); m.N > 0 && s.Contender != rawName {
-				mean, most = fmt.Sprintf("%.2f", m.Mean), strconv.FormatInt(m.Max, 10)
-			}
-			fmt.Fprintf(w, "| %d | %d | %s | %s | %s–%s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+			fmt.Fprintf(w, "| %d | %d | %s | %s | %s–%s | %s | %s | %s | %s | %s | %.2f | %s |\n",
 				c.Prefetch, c.Workers, s.Contender, thousands(s.Median), thousands(s.Min), thousands(s.Max), ratio,
 				fmtCPU(s.CPU.Self), fmtCPU(s.CPU.Redis), fmtCPU(s.CPU.Rabbit), fmtCPU(s.CPU.total()),
-				mean, most, fmtMicros(s.P50Micros), fmtMicros(s.P99Micros))
+				s.CommandsPerMsg, s.loads())
 		}
 	}
 }
@@ -398,16 +388,22 @@ func writeFile(path string, f func(io.Writer) error) error {
 // writeFiles writes, if svgPath is set, the plot to it and, beside it, the
 // tables (.md) and the results (.json).
 func (r *sweepResult) writeFiles(svgPath string) error {
+	return writePlot(svgPath, r.chart(), r.markdown, r)
+}
+
+// writePlot writes, if svgPath is set, chart to it and, beside it, the
+// same name with .md (what markdown writes) and .json (v).
+func writePlot(svgPath string, chart lineChart, markdown func(io.Writer), v any) error {
 	if svgPath == "" {
 		return nil
 	}
 	base := strings.TrimSuffix(svgPath, ".svg")
-	if err := writeFile(svgPath, r.chart().writeSVG); err != nil {
+	if err := writeFile(svgPath, chart.writeSVG); err != nil {
 		return err
 	}
-	if err := writeFile(base+".md", func(w io.Writer) error { r.markdown(w); return nil }); err != nil {
+	if err := writeFile(base+".md", func(w io.Writer) error { markdown(w); return nil }); err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "wrote %s, %s.md and %s.json\n", svgPath, base, base)
-	return writeJSON(base+".json", r)
+	return writeJSON(base+".json", v)
 }

@@ -53,7 +53,7 @@ func sweepFixture() *sweepResult {
 	for i, w := range r.Workers {
 		for j, spec := range r.Prefetch {
 			cell := sweepCell{Prefetch: spec.at(w), Workers: w, Spec: spec}
-			raw := summary{figures: figures{Contender: rawName, CPU: cpuUsage{Self: 30, Redis: 0, Rabbit: 40, Postgres: -1}}, Median: float64(10000 + 1000*i + 100*j)}
+			raw := summary{figures: figures{Contender: plainName, CPU: cpuUsage{Self: 30, Redis: 0, Rabbit: 40, Postgres: -1}}, Median: float64(10000 + 1000*i + 100*j)}
 			cell.Summary = append(cell.Summary, raw)
 			if i != 1 || j != 2 {
 				cpu := cpuUsage{Self: 80, Redis: 30, Rabbit: 50, Postgres: -1}
@@ -125,7 +125,7 @@ func TestSweepChartSVG(t *testing.T) {
 			series[attr("data-series")]++
 		}
 	}
-	if want := []string{"raw: msgs/s", "raw: consumer CPU", "raw: total CPU", "rabbitmw-redis: msgs/s", "rabbitmw-redis: consumer CPU", "rabbitmw-redis: total CPU"}; strings.Join(panels, "|") != strings.Join(want, "|") {
+	if want := []string{"plain: msgs/s", "plain: consumer CPU", "plain: total CPU", "rabbitmw-redis: msgs/s", "rabbitmw-redis: consumer CPU", "rabbitmw-redis: total CPU"}; strings.Join(panels, "|") != strings.Join(want, "|") {
 		t.Errorf("panels %q; want %q", panels, want)
 	}
 	if legend != len(r.Prefetch) {

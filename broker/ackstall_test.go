@@ -217,7 +217,7 @@ func TestGivenUpSessionWithAnAckBlocked(t *testing.T) {
 		}()
 		time.Sleep(settleTimeout + time.Minute)
 		synctest.Wait()
-		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 2)
+		equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 2)
 		f.mem.SetConfirmDelay(0)
 		cancel()
 		select {

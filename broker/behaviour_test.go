@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
+
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
@@ -93,7 +95,7 @@ func (f *fixture) assertSettled(t *testing.T) {
 			t.Errorf("settlements with unknown delivery tags = %d; want 0", s.UnknownTags)
 		}
 	}
-	if n := f.logs.count("unknown delivery tag"); n != 0 {
+	if n := f.logs.Count("unknown delivery tag"); n != 0 {
 		t.Errorf("log records about unknown delivery tags = %d; want 0", n)
 	}
 }
@@ -115,8 +117,8 @@ func flow(t *testing.T, f *fixture, n int) {
 		}
 	}
 	f.assertSettled(t)
-	equal(t, "consumer sessions", f.logs.count("broker: consuming"), 1)
-	equal(t, "stop records", f.logs.count("broker: consumer stopped"), 1)
+	equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 1)
+	equal(t, "stop records", f.logs.Count("broker: consumer stopped"), 1)
 }
 
 // N messages through a handler: each handled and acked once, queue empty.
@@ -314,7 +316,7 @@ func testPanic(t *testing.T, be backend) {
 	dead := f.onlyDeadLetter()
 	equal(t, HeaderError, dead.Headers[HeaderError], "panic: boom")
 	equal(t, HeaderErrorType, dead.Headers[HeaderErrorType], "panic")
-	equal(t, "panic records at Error", f.logs.count("ERROR", "panicked", "poison"), 1)
+	equal(t, "panic records at Error", f.logs.Count("ERROR", "panicked", "poison"), 1)
 	f.assertSettled(t)
 }
 
@@ -355,7 +357,7 @@ func testCopyFailure(t *testing.T, be backend) {
 		}
 		equal(t, id+": Redelivered", calls[1].d.Redelivered, true)
 	}
-	equal(t, "warnings about copies not published", f.logs.count("WARN", "copy not published"), 2)
+	equal(t, "warnings about copies not published", f.logs.Count("WARN", "copy not published"), 2)
 	if n := f.length(f.q); n != 0 {
 		t.Errorf("Len(%q) = %d; want 0", f.q, n)
 	}
@@ -400,7 +402,7 @@ func testShutdownInFlight(t *testing.T, be backend) {
 	}
 	r.cancel()
 	// Release the handlers once the consumer stopped taking deliveries.
-	eventually(t, 20*time.Second, "no shutdown record", func() bool { return f.logs.count("broker: shutting down") == 1 })
+	eventually(t, 20*time.Second, "no shutdown record", func() bool { return f.logs.Count("broker: shutting down") == 1 })
 	close(release)
 	noErr(t, "Consume after a graceful shutdown", r.wait(t, 20*time.Second))
 	equal(t, "handlers that saw their context cancelled", ctxErrs.Load(), int32(0))
@@ -482,7 +484,7 @@ func testConnectionLoss(t *testing.T, be backend) {
 		}
 		pubErr <- nil
 	}()
-	sessions := func() int { return f.logs.count("broker: consuming") }
+	sessions := func() int { return f.logs.Count("broker: consuming") }
 	eventually(t, 30*time.Second, "first tenth not handled", func() bool { return j.effected() >= n/10 })
 	for i := range 2 {
 		f.be.drop(t, f.mem, f.process)
@@ -506,7 +508,7 @@ func testConnectionLoss(t *testing.T, be backend) {
 	// closed, and publishes whose confirm was lost); the journal applied
 	// each message's effect once.
 	t.Logf("%d messages, %d handler calls, %d consumer sessions, %d publish retries",
-		n, j.totalCalls(), sessions(), f.logs.count("broker: publish failed; retrying"))
+		n, j.totalCalls(), sessions(), f.logs.Count("broker: publish failed; retrying"))
 	f.assertSettled(t)
 }
 
@@ -561,22 +563,6 @@ func testReject(t *testing.T, be backend) {
 	f.assertSettled(t)
 }
 
-// allTypes has a header of every AMQP field type amqp091 writes.
-func allTypes() amqp.Table {
-	return amqp.Table{
-		"bool": true, "byte": byte(200), "int8": int8(-5), "int16": int16(-300),
-		"int": int(-70000), "int32": int32(-70001), "int64": int64(-1 << 40),
-		"uint16": uint16(60000), "uint32": uint32(4000000000),
-		"float32": float32(1.5), "float64": float64(2.25),
-		"decimal": amqp.Decimal{Scale: 2, Value: 12345}, "string": "héllo",
-		"bytes": []byte{0, 1, 2, 255}, "time": time.Date(2024, 1, 2, 3, 4, 5, 600, time.UTC),
-		"void":           nil,
-		"array":          []any{int32(1), "x", amqp.Table{"k": int64(1)}, []any{true, []byte("b")}},
-		"table":          amqp.Table{"n": amqp.Table{"deep": "v", "list": []any{int64(7)}}},
-		"x-custom-death": []any{amqp.Table{"count": int64(3), "reason": "expired", "routing-keys": []any{"a", "b"}}},
-	}
-}
-
 // Headers of every type survive a delay hop and a dead-letter, as do the
 // x-death headers RabbitMQ adds. The memory server converts them as the
 // wire does.
@@ -589,7 +575,7 @@ func testHeaderTypes(t *testing.T, be backend) {
 		}
 		return rabbitmw.Permanent(errBoom)
 	}), ConsumeOptions{})
-	sent := allTypes()
+	sent := fixtures.AllTypes()
 	f.publish("types", []byte("x"), sent)
 	eventually(t, 20*time.Second, "message not dead-lettered", func() bool { return f.length(f.q+".dlq") == 1 })
 	noErr(t, "Consume after cancel", r.stop(t))
@@ -714,7 +700,7 @@ func testOtherArguments(t *testing.T, be backend) {
 // returns nil when its context is done; on the memory server, it consumes
 // once the server is up.
 func testServerDown(t *testing.T, be backend) {
-	logs := newLogRecorder(t)
+	logs := fixtures.NewLogRecorder(t)
 	opts := Options{Logger: slog.New(logs), ReconnectMin: 20 * time.Millisecond, ReconnectMax: 100 * time.Millisecond}
 	var b *Broker
 	var mem *brokertest.Server
@@ -737,7 +723,7 @@ func testServerDown(t *testing.T, be backend) {
 	if took < 700*time.Millisecond {
 		t.Errorf("Consume returned after %v; want >= 700ms (its context)", took)
 	}
-	retries := logs.count("WARN", "broker: reconnecting", "unreachable")
+	retries := logs.Count("WARN", "broker: reconnecting", "unreachable")
 	if retries < 2 || retries > 200 {
 		t.Errorf("connection attempts logged in 700ms = %d; want from 2 to 200 (no hot loop)", retries)
 	}

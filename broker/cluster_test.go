@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
+
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -105,7 +107,7 @@ func TestClusterSpreadsConnections(t *testing.T) {
 func TestClusterConsumerMovesToAnotherNode(t *testing.T) {
 	srvs, urls := nodes(t, 2)
 	var seen connects
-	logs := newLogRecorder(t)
+	logs := fixtures.NewLogRecorder(t)
 	b := NewCluster(urls, Options{
 		Observer:     Observer{Connect: seen.observe},
 		Logger:       slog.New(logs),
@@ -154,7 +156,7 @@ func TestClusterConsumerMovesToAnotherNode(t *testing.T) {
 		assert.Contains(t, []string(urls), n)
 	}
 	assert.GreaterOrEqual(t, consumers, 2)
-	assert.Positive(t, logs.count("broker: connected", "node=\""+first+"\"", "role=\"consume q\""))
+	assert.Positive(t, logs.Count("broker: connected", "node=\""+first+"\"", "role=\"consume q\""))
 }
 
 // Against RabbitMQ: a node that refuses connections (a closed port) is

@@ -141,7 +141,7 @@ func testCoalescedAcks(t *testing.T, be backend) {
 		equal(t, fmt.Sprintf("handler calls of c%d", i), len(j.callsOf(fmt.Sprint("c", i))), want)
 	}
 	f.assertSettled(t)
-	equal(t, "consumer sessions", f.logs.count("broker: consuming"), 1)
+	equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 1)
 	frames, deliveries, failed := acks.counts()
 	equal(t, "acks that failed", failed, 0)
 	equal(t, "deliveries acked", deliveries, n+n/25) // once, and the original of each delay
@@ -234,7 +234,7 @@ func TestConnectionLostWithHeldAcks(t *testing.T) {
 		f.mem.CloseConnections()
 		time.Sleep(time.Second) // past the reconnection backoff
 		synctest.Wait()
-		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 2)
+		equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 2)
 		for _, id := range []string{"slow", "f0", "f1"} {
 			calls := j.callsOf(id)
 			if equal(t, "handler calls of "+id, len(calls), 2) {

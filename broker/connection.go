@@ -139,6 +139,8 @@ func (c *consumer) serve(ctx, hctx context.Context, s session, consuming func())
 // its workers are told to stop taking them, and how a worker gives the
 // session up.
 type conn struct {
+	// The Consume call it serves: its slots, counts and log are shared
+	// by every session.
 	*consumer
 	s          session
 	a          *acker // sends the acks of s's deliveries

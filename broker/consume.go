@@ -20,8 +20,7 @@ type ConsumeOptions struct {
 	// running on a connection that was lost (see Reconnection in the
 	// package documentation). Default 16. For a rate r of messages per
 	// second and a handler that takes t seconds, give it at least r×t
-	// workers; more workers cost latency (BENCHMARKS.md has the sweep the
-	// default comes from).
+	// workers; more workers cost latency.
 	Workers int
 	// Prefetch is the QoS prefetch count: how many unsettled deliveries
 	// the server may hand this consumer at once. Default 2*Workers, at
@@ -51,8 +50,10 @@ type ConsumeOptions struct {
 }
 
 const (
-	// defaultWorkers and the default prefetch (2*Workers) are chosen from
-	// the sweep in BENCHMARKS.md (go run ./bench -sweep).
+	// defaultWorkers and the default prefetch (2*Workers) were chosen from
+	// a prefetch × workers sweep (go run ./bench -sweep) against a baseline
+	// since withdrawn; BENCHMARKS.md §6 has the sweep against a plain
+	// consumer, which they are to be chosen again from.
 	defaultWorkers         = 16
 	defaultShutdownTimeout = 30 * time.Second
 )

@@ -2,17 +2,17 @@ package broker
 
 import (
 	"context"
-	"fmt"
 	"maps"
 	"testing"
 	"time"
+
+	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
-	"github.com/rabbitmw/rabbitmw/internal/header"
 )
 
 // RabbitMQ 3.10's rule for dead-letter cycles, and how it updates x-death,
@@ -89,11 +89,11 @@ func testDeadLetterCycleRule(t *testing.T, be backend) {
 	assert.Equal(t, []any{"stale", "maxlen", "stale-x"}, first(got["empty"]), "x-first-death-* kept with an empty x-death")
 	assert.Equal(t, []any{delay, "expired", ""}, first(got["absent-stale-first"]), "x-first-death-* rewritten without x-death")
 	if d := got["work-queue-then-reject"]; d != nil {
-		assert.Equal(t, []string{delay + " expired 1", "elsewhere rejected 1", f.q + " expired 1"}, deathKeys(d.Headers["x-death"]), "records of work-queue-then-reject")
+		assert.Equal(t, []string{delay + " expired 1", "elsewhere rejected 1", f.q + " expired 1"}, fixtures.DeathKeys(d.Headers["x-death"]), "records of work-queue-then-reject")
 	}
 	if d := got["delay-again"]; d != nil {
 		deaths, _ := d.Headers["x-death"].([]any)
-		assert.Equal(t, []string{delay + " expired 5", "elsewhere rejected 1"}, deathKeys(deaths), "records of delay-again")
+		assert.Equal(t, []string{delay + " expired 5", "elsewhere rejected 1"}, fixtures.DeathKeys(deaths), "records of delay-again")
 		if len(deaths) > 0 {
 			r, _ := deaths[0].(amqp.Table)
 			assert.Equal(t, []any{old, "old-x", []any{"old-k"}}, []any{r["time"], r["exchange"], r["routing-keys"]}, "a counted record keeps its time, exchange and routing keys")
@@ -112,19 +112,6 @@ func testDeadLetterCycleRule(t *testing.T, be backend) {
 	require.Eventually(t, func() bool { return f.length(f.q+".dlq") == 1 }, 10*time.Second, 10*time.Millisecond, "a rejected message whose x-death names the dead-letter queue was dropped")
 	f.drain(f.q + ".dlq")
 	f.assertSettled(t)
-}
-
-// deathKeys returns "queue reason count" for each x-death record of v, in
-// order.
-func deathKeys(v any) []string {
-	deaths, _ := v.([]any)
-	keys := []string{}
-	for _, d := range deaths {
-		r, _ := d.(amqp.Table)
-		n, _ := header.Integer(r["count"])
-		keys = append(keys, fmt.Sprintf("%v %v %d", r["queue"], r["reason"], n))
-	}
-	return keys
 }
 
 // Messages that the server dead-lettered out of the work queue because
@@ -173,7 +160,7 @@ func (f *fixture) replay(t *testing.T, reason string) {
 	ctx := testContext(t, 30*time.Second)
 	delay := f.q + ".delay.50ms"
 	for _, d := range f.drain(f.q + ".dlq") {
-		assert.Equal(t, []string{f.q + " " + reason + " 1"}, deathKeys(d.Headers["x-death"]), d.MessageId+": records as the server dead-lettered it")
+		assert.Equal(t, []string{f.q + " " + reason + " 1"}, fixtures.DeathKeys(d.Headers["x-death"]), d.MessageId+": records as the server dead-lettered it")
 		require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: d.MessageId, Body: d.Body, Headers: d.Headers}), "replay")
 	}
 	j := newJournal()
@@ -192,13 +179,13 @@ func (f *fixture) replay(t *testing.T, reason string) {
 	}, 20*time.Second, 10*time.Millisecond, "replayed messages not handled after their retry")
 	for _, id := range []string{"ok", "dead"} {
 		d := j.callsOf(id)[1].d
-		assert.Equal(t, []string{delay + " expired 1"}, deathKeys(d.Headers["x-death"]), id+": x-death after the delay hop")
-		assert.Equal(t, []string{f.q + " " + reason + " 1"}, deathKeys(d.Headers[HeaderDeaths]), id+": "+HeaderDeaths+" after the delay hop")
+		assert.Equal(t, []string{delay + " expired 1"}, fixtures.DeathKeys(d.Headers["x-death"]), id+": x-death after the delay hop")
+		assert.Equal(t, []string{f.q + " " + reason + " 1"}, fixtures.DeathKeys(d.Headers[HeaderDeaths]), id+": "+HeaderDeaths+" after the delay hop")
 		assert.Equal(t, f.q, d.Headers["x-first-death-queue"], id+": x-first-death-queue")
 		assert.Equal(t, reason, d.Headers["x-first-death-reason"], id+": x-first-death-reason")
 	}
 	dead := f.onlyDeadLetter()
-	assert.Equal(t, []string{delay + " expired 1", f.q + " " + reason + " 1"}, deathKeys(dead.Headers["x-death"]), "x-death of the dead-lettered copy")
+	assert.Equal(t, []string{delay + " expired 1", f.q + " " + reason + " 1"}, fixtures.DeathKeys(dead.Headers["x-death"]), "x-death of the dead-lettered copy")
 	if v, ok := dead.Headers[HeaderDeaths]; ok {
 		t.Errorf("%s = %v on the dead-lettered copy; want it back in x-death", HeaderDeaths, v)
 	}
@@ -211,7 +198,7 @@ func (f *fixture) replay(t *testing.T, reason string) {
 	}, 20*time.Second, 10*time.Millisecond, "message replayed twice not handled after its retry")
 	require.NoError(t, r.stop(t), "Consume after cancel")
 	dead = f.onlyDeadLetter()
-	assert.Equal(t, []string{delay + " expired 2", f.q + " " + reason + " 1"}, deathKeys(dead.Headers["x-death"]), "x-death of the message dead-lettered twice")
+	assert.Equal(t, []string{delay + " expired 2", f.q + " " + reason + " 1"}, fixtures.DeathKeys(dead.Headers["x-death"]), "x-death of the message dead-lettered twice")
 	assert.Equal(t, 2, len(j.callsOf("ok")), "handler calls of ok")
 	f.assertSettled(t)
 	for _, tr := range f.top.Delays {

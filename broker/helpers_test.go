@@ -5,14 +5,14 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
-	"fmt"
 	"log/slog"
-	"os"
 	"reflect"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
@@ -79,7 +79,7 @@ type fixture struct {
 	mem  *brokertest.Server // nil on RabbitMQ
 	q    string
 	top  Topology
-	logs *logRecorder
+	logs *fixtures.LogRecorder
 	// process names the Broker's process in fault headers and in its
 	// connections' names; unique to the test.
 	process string
@@ -98,7 +98,7 @@ func setup(t *testing.T, be backend, top Topology) *fixture {
 // setupWith is setup with a ReconnectMax of its own.
 func setupWith(t *testing.T, be backend, top Topology, reconnectMax time.Duration) *fixture {
 	t.Helper()
-	logs := newLogRecorder(t)
+	logs := fixtures.NewLogRecorder(t)
 	var r [4]byte
 	_, _ = rand.Read(r[:])
 	process := "test-process-" + hex.EncodeToString(r[:]) + "[1]"
@@ -316,79 +316,6 @@ func (j *journal) totalCalls() int {
 	n := 0
 	for _, c := range j.calls {
 		n += len(c)
-	}
-	return n
-}
-
-// logRecorder is a slog.Handler that keeps records for assertions, and
-// writes them to the test log when the test fails (or BROKER_TEST_LOG is
-// set).
-type logRecorder struct {
-	mu      *sync.Mutex
-	records *[]string
-	attrs   string
-	verbose bool
-}
-
-func newLogRecorder(t *testing.T) *logRecorder {
-	l := &logRecorder{mu: new(sync.Mutex), records: new([]string), verbose: os.Getenv("BROKER_TEST_LOG") != ""}
-	t.Cleanup(func() {
-		if t.Failed() || l.verbose {
-			for _, r := range l.all() {
-				t.Log(r)
-			}
-		}
-	})
-	return l
-}
-
-func (l *logRecorder) Enabled(context.Context, slog.Level) bool { return true }
-
-func (l *logRecorder) Handle(_ context.Context, r slog.Record) error {
-	var b strings.Builder
-	fmt.Fprintf(&b, "%s %s %s%s", r.Time.Format("15:04:05.000"), r.Level, r.Message, l.attrs)
-	r.Attrs(func(a slog.Attr) bool {
-		if a.Key != "stack" {
-			fmt.Fprintf(&b, " %s=%q", a.Key, a.Value.String())
-		}
-		return true
-	})
-	l.mu.Lock()
-	*l.records = append(*l.records, b.String())
-	l.mu.Unlock()
-	return nil
-}
-
-func (l *logRecorder) WithAttrs(as []slog.Attr) slog.Handler {
-	c := *l
-	for _, a := range as {
-		c.attrs += fmt.Sprintf(" %s=%q", a.Key, a.Value.String())
-	}
-	return &c
-}
-
-func (l *logRecorder) WithGroup(string) slog.Handler { return l }
-
-func (l *logRecorder) all() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]string(nil), *l.records...)
-}
-
-// count returns the number of records that contain all of the substrings.
-func (l *logRecorder) count(subs ...string) int {
-	n := 0
-	for _, r := range l.all() {
-		match := true
-		for _, s := range subs {
-			if !strings.Contains(r, s) {
-				match = false
-				break
-			}
-		}
-		if match {
-			n++
-		}
 	}
 	return n
 }

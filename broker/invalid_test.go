@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
+
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
@@ -160,8 +162,8 @@ func testPublishInvalid(t *testing.T, be backend) {
 	if f.sharedSession() != before {
 		t.Errorf("the shared session was replaced; want it untouched")
 	}
-	equal(t, "retry warnings", f.logs.count("failed; retrying"), 0)
-	for _, r := range f.logs.all() {
+	equal(t, "retry warnings", f.logs.Count("failed; retrying"), 0)
+	for _, r := range f.logs.All() {
 		if len(r) > 2000 {
 			t.Errorf("a log record of %d bytes: %.200s…; want no value printed whole", len(r), r)
 		}
@@ -187,7 +189,7 @@ func testPublishFrameBoundary(t *testing.T, be backend) {
 	err = f.b.do(ctx, "publish", func(s session) error { return s.Publish(ctx, "", f.q, msg(padFor("b", maxProps)+1)) })
 	isErr(t, "session publish of a header frame one byte too big", err, ErrInvalidMessage)
 	equal(t, "messages in the queue", f.length(f.q), 1)
-	equal(t, "retry warnings", f.logs.count("failed; retrying"), 0)
+	equal(t, "retry warnings", f.logs.Count("failed; retrying"), 0)
 	f.drain(f.q)
 }
 
@@ -246,7 +248,7 @@ func testDelayCopyTooBigIsDeadLettered(t *testing.T, be backend) {
 	eventually(t, 20*time.Second, "nothing dead-lettered", func() bool { return f.length(f.q+".dlq") == 1 })
 	noErr(t, "Consume after cancel", r.stop(t))
 	equal(t, "handler calls", len(j.callsOf("near")), 1)
-	equal(t, "records at Warn of the broker's dead-letter", f.logs.count("WARN", "delay copy cannot be sent", `message_id="near"`), 1)
+	equal(t, "records at Warn of the broker's dead-letter", f.logs.Count("WARN", "delay copy cannot be sent", `message_id="near"`), 1)
 	dead := f.onlyDeadLetter()
 	text, _ := dead.Headers[HeaderError].(string)
 	contains(t, HeaderError, text, "boom")
@@ -283,7 +285,7 @@ func testCopyThatCannotBeSentIsRejected(t *testing.T, be backend) {
 	noErr(t, "Consume after cancel", r.stop(t))
 	equal(t, "handler calls", len(j.callsOf("full")), 1)
 	equal(t, "queue "+f.q, f.length(f.q), 0)
-	equal(t, "Error records about the rejected message", f.logs.count("ERROR", "rejected", "full"), 1)
+	equal(t, "Error records about the rejected message", f.logs.Count("ERROR", "rejected", "full"), 1)
 }
 
 // checkPublishing counts the header frame exactly as amqp091 writes it:
@@ -299,7 +301,7 @@ func TestRabbitMQPropertiesSizeIsTheWireSize(t *testing.T) {
 		{
 			ContentType: "text/plain", ContentEncoding: "gzip", DeliveryMode: amqp.Persistent, Priority: 3,
 			CorrelationId: "c", ReplyTo: "r", Expiration: "60000", MessageId: "id", Timestamp: time.Unix(1700000000, 0),
-			Type: "t", UserId: "guest", AppId: "a", Headers: allTypes(), Body: []byte("body"),
+			Type: "t", UserId: "guest", AppId: "a", Headers: fixtures.AllTypes(), Body: []byte("body"),
 		},
 	}
 	for i, msg := range msgs {

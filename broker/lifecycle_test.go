@@ -12,6 +12,8 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
+
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
 
@@ -97,8 +99,8 @@ func TestSlowHandlerDoesNotStallReconnection(t *testing.T) {
 			f.publish(fmt.Sprint("next", i), nil, nil)
 		}
 		synctest.Wait()
-		equal(t, "consumer sessions while the slow handler runs", f.logs.count("broker: consuming"), 2)
-		equal(t, "records of the lost connection", f.logs.count("WARN broker: connection lost"), 1)
+		equal(t, "consumer sessions while the slow handler runs", f.logs.Count("broker: consuming"), 2)
+		equal(t, "records of the lost connection", f.logs.Count("WARN broker: connection lost"), 1)
 		equal(t, "handler calls of slow (the first still running, its redelivery done)", len(j.callsOf("slow")), 2)
 		equal(t, "new deliveries started while the slow handler runs", j.started("next"), 1)
 		equal(t, "most handlers at once", g.most(), 2)
@@ -176,7 +178,7 @@ func TestShutdownWaitsForHandlersOfLostConnections(t *testing.T) {
 // must not make the waits grow.
 func TestReconnectionBackoffResetsOnceConsuming(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		logs := newLogRecorder(t)
+		logs := fixtures.NewLogRecorder(t)
 		m := brokertest.NewServer()
 		t.Cleanup(m.Close)
 		const minimum = time.Second
@@ -191,15 +193,15 @@ func TestReconnectionBackoffResetsOnceConsuming(t *testing.T) {
 		const cuts = 10
 		begin := time.Now()
 		for i := range cuts {
-			for logs.count("broker: consuming") < i+1 {
+			for logs.Count("broker: consuming") < i+1 {
 				if time.Since(begin) > 24*time.Hour {
-					t.Fatalf("consumer sessions after a day = %d; want %d", logs.count("broker: consuming"), i+1)
+					t.Fatalf("consumer sessions after a day = %d; want %d", logs.Count("broker: consuming"), i+1)
 				}
 				time.Sleep(10 * time.Millisecond)
 			}
 			m.CloseConnections() // at once: the session lasted no time
 		}
-		for logs.count("broker: consuming") < cuts+1 {
+		for logs.Count("broker: consuming") < cuts+1 {
 			time.Sleep(10 * time.Millisecond)
 		}
 		took := time.Since(begin)
@@ -221,10 +223,10 @@ func TestReconnectionBackoffResetsOnceConsuming(t *testing.T) {
 var retryIn = regexp.MustCompile(`retry_in="([^"]+)"`)
 
 // retryWaits returns the waits logged before reconnections, in order.
-func retryWaits(t *testing.T, logs *logRecorder) []time.Duration {
+func retryWaits(t *testing.T, logs *fixtures.LogRecorder) []time.Duration {
 	t.Helper()
 	var waits []time.Duration
-	for _, r := range logs.all() {
+	for _, r := range logs.All() {
 		if !strings.Contains(r, "broker: reconnecting") {
 			continue
 		}
@@ -367,7 +369,7 @@ func TestLateConfirmSettlesTheOriginal(t *testing.T) {
 		synctest.Wait()
 		equal(t, "handler calls (the original, its delayed copy)", len(j.callsOf("x")), 2)
 		equal(t, "deliveries nacked with requeue", f.mem.Stats().Nacked, 0)
-		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 1)
+		equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 1)
 		f.mem.SetConfirmDelay(0)
 		noErr(t, "Consume after cancel", r.stop(t))
 		f.assertSettled(t)
@@ -395,8 +397,8 @@ func TestConfirmThatNeverComesGivesTheSessionUp(t *testing.T) {
 		s := f.mem.Stats()
 		equal(t, "deliveries nacked with requeue", s.Nacked, 0)
 		equal(t, "deliveries returned by the connection's close", s.RequeuedOnClose, 1)
-		equal(t, "consumer sessions", f.logs.count("broker: consuming"), 2)
-		equal(t, "warnings about the copy", f.logs.count("WARN", "not confirmed", `message_id="x"`), 1)
+		equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 2)
+		equal(t, "warnings about the copy", f.logs.Count("WARN", "not confirmed", `message_id="x"`), 1)
 		equal(t, "handler calls (the original, its copy, the original again)", len(j.callsOf("x")), 3)
 		f.mem.SetConfirmDelay(0)
 		noErr(t, "Consume after cancel", r.stop(t))
@@ -488,7 +490,7 @@ func TestReconnectsLeakNothing(t *testing.T) {
 	before := goleak.IgnoreCurrent()
 	f.mem.SetDown(false)
 
-	sessions := func() int { return f.logs.count("broker: consuming") }
+	sessions := func() int { return f.logs.Count("broker: consuming") }
 	eventually(t, 10*time.Second, "not consuming", func() bool { return sessions() == 1 })
 	for i := range 20 {
 		f.mem.CloseConnections()

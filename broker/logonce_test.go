@@ -35,11 +35,11 @@ func TestDeadLetterLoggedOnce(t *testing.T) {
 		{"far", "WARN", "broker: not-before header too far ahead"},
 	} {
 		id := `message_id="` + c.id + `"`
-		warned := f.logs.count("WARN", id) + f.logs.count("ERROR", id)
-		if warned != 1 || f.logs.count(c.level+" "+c.message, id) != 1 {
-			t.Errorf("message %s: %d records at Warn or above; want 1, at %s, %q:\n%q", c.id, warned, c.level, c.message, f.logs.all())
+		warned := f.logs.Count("WARN", id) + f.logs.Count("ERROR", id)
+		if warned != 1 || f.logs.Count(c.level+" "+c.message, id) != 1 {
+			t.Errorf("message %s: %d records at Warn or above; want 1, at %s, %q:\n%q", c.id, warned, c.level, c.message, f.logs.All())
 		}
-		equal(t, "records at Debug of the copy of "+c.id, f.logs.count("DEBUG broker: dead-letter copy confirmed", id), 1)
+		equal(t, "records at Debug of the copy of "+c.id, f.logs.Count("DEBUG broker: dead-letter copy confirmed", id), 1)
 	}
 	equal(t, "Len(work queue)", f.length(f.q), 0)
 }

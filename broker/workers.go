@@ -73,7 +73,7 @@ const (
 // when its result came: the server redelivers it.
 var errUnsettled = fmt.Errorf("broker: not settled, its connection is gone; the server redelivers it: %w", amqp.ErrClosed)
 
-// startWorkers starts c.workers workers (work) on s, and returns a channel
+// startWorkers starts cn.workers workers (work) on s, and returns a channel
 // that the last of them to end closes. The workers end when stop is
 // closed (serve then gives back what deliveries still holds), when
 // deliveries is closed (at once when s is lost), or when s is lost while
@@ -144,8 +144,8 @@ func (cn *conn) work(hctx context.Context) {
 }
 
 // handle runs the handler for d, as first delivered (see asPublished),
-// settles d on s, and frees the worker's slot. If s is gone by the time the handler returns, d is not settled:
-// the server redelivers it. If drain gave up on the handler meanwhile, d
+// settles d on s, and frees the worker's slot. If s is gone by the time
+// the handler returns, d is not settled: the server redelivers it. If drain gave up on the handler meanwhile, d
 // is not settled either, the slot is kept (drain counts on it), and handle
 // reports false: the worker must end.
 func (cn *conn) handle(hctx context.Context, d *amqp.Delivery) bool {

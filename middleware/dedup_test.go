@@ -12,6 +12,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
@@ -150,19 +152,14 @@ func TestDedup(t *testing.T) {
 				}
 				err := rabbitmw.Chain(layers...)(h).Handle(ctx, d)
 
-				if got := int(calls.Load()); got != tt.wantCalls {
-					t.Errorf("handler calls = %d; want %d", got, tt.wantCalls)
-				}
+				assert.EqualValues(t, tt.wantCalls, calls.Load(), "handler calls")
 				dec := rabbitmw.Decide(err)
-				if dec.Outcome != tt.wantOutcome || dec.Delay != tt.wantDelay {
-					t.Errorf("Decide(%v) = %v after %v; want %v after %v", err, dec.Outcome, dec.Delay, tt.wantOutcome, tt.wantDelay)
+				assert.Equal(t, tt.wantOutcome, dec.Outcome, "Decide(%v)", err)
+				assert.Equal(t, tt.wantDelay, dec.Delay, "Decide(%v).Delay", err)
+				if tt.wantIs != nil {
+					assert.ErrorIs(t, err, tt.wantIs)
 				}
-				if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
-					t.Errorf("result %v does not wrap %v", err, tt.wantIs)
-				}
-				if got := deliverytest.Settle(t, d, rec, err); got != tt.wantSettle {
-					t.Errorf("settled %s; want %s", got, tt.wantSettle)
-				}
+				assert.Equal(t, tt.wantSettle, deliverytest.Settle(t, d, rec, err), "settled")
 				if tt.wantState != 0 {
 					set(&s.claim, nil)
 					key := tt.wantKey
@@ -170,9 +167,8 @@ func TestDedup(t *testing.T) {
 						key = tt.id
 					}
 					got, err := s.Store.Claim(ctx, key, "stranger", time.Minute)
-					if err != nil || got != tt.wantState {
-						t.Errorf("Claim(%q) afterwards = %v, %v; want %v", key, got, err, tt.wantState)
-					}
+					assert.NoError(t, err)
+					assert.Equal(t, tt.wantState, got, "Claim(%q) afterwards", key)
 				}
 			})
 		})
@@ -186,17 +182,9 @@ func TestDedupReleasesOnPanic(t *testing.T) {
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { panic("kaboom") }))
 	d, _ := deliverytest.New("m1", "")
-	func() {
-		defer func() {
-			if v := recover(); v != "kaboom" {
-				t.Errorf("recovered %v; want the handler's panic to go on", v)
-			}
-		}()
-		h.Handle(context.Background(), d)
-	}()
-	if got, _ := s.Claim(context.Background(), "m1", "next", time.Minute); got != store.Claimed {
-		t.Fatalf("Claim after the panic = %v; want claimed (released)", got)
-	}
+	assert.PanicsWithValue(t, "kaboom", func() { h.Handle(context.Background(), d) }, "the handler's panic goes on")
+	got, _ := s.Claim(context.Background(), "m1", "next", time.Minute)
+	assert.Equal(t, store.Claimed, got, "Claim after the panic (released)")
 }
 
 // While the handler runs past a third of the lease, the claim is renewed:
@@ -215,18 +203,11 @@ func TestDedupRenewsLease(t *testing.T) {
 				return ctx.Err()
 			}))
 		d, _ := deliverytest.New("m1", "")
-		if err := h.Handle(ctx, d); err != nil {
-			t.Fatalf("Handle = %v; want nil", err)
-		}
-		if during != store.Processing {
-			t.Errorf("Claim by another consumer after 3 leases = %v; want processing (renewed)", during)
-		}
-		if n := s.Calls("extend"); n < 3 {
-			t.Errorf("Extend called %d times in 4 leases; want at least 3 (every lease/3)", n)
-		}
-		if got, _ := s.Store.Claim(ctx, "m1", "other", time.Minute); got != store.Done {
-			t.Errorf("Claim afterwards = %v; want done", got)
-		}
+		require.NoError(t, h.Handle(ctx, d))
+		assert.Equal(t, store.Processing, during, "Claim by another consumer after 3 leases (renewed)")
+		assert.GreaterOrEqual(t, s.Calls("extend"), int64(3), "Extend calls in 4 leases (every lease/3)")
+		got, _ := s.Store.Claim(ctx, "m1", "other", time.Minute)
+		assert.Equal(t, store.Done, got, "Claim afterwards")
 	})
 }
 
@@ -259,15 +240,13 @@ func TestDedupLostLeaseCancelsHandler(t *testing.T) {
 			}))
 		d, _ := deliverytest.New("m1", "")
 		err := h.Handle(ctx, d)
-		if !errors.Is(cause, middleware.ErrLeaseLost) || !errors.Is(cause, store.ErrLostClaim) {
-			t.Errorf("handler context cause = %v; want ErrLeaseLost wrapping store.ErrLostClaim", cause)
-		}
+		assert.ErrorIs(t, cause, middleware.ErrLeaseLost, "the handler's context's cause")
+		assert.ErrorIs(t, cause, store.ErrLostClaim, "the handler's context's cause")
 		if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay || dec.Delay != time.Second || !errors.Is(err, middleware.ErrLeaseLost) {
 			t.Errorf("result %v decides %v after %v; want delayed by BusyDelay with ErrLeaseLost", err, dec.Outcome, dec.Delay)
 		}
-		if got, _ := s.Store.Claim(ctx, "m1", "stranger", time.Minute); got != store.Claimed {
-			t.Errorf("Claim afterwards = %v; want claimed: nothing written after the claim was lost", got)
-		}
+		got, _ := s.Store.Claim(ctx, "m1", "stranger", time.Minute)
+		assert.Equal(t, store.Claimed, got, "Claim afterwards: nothing written after the claim was lost")
 	})
 }
 
@@ -292,15 +271,11 @@ func TestDedupUnrenewableLeaseCancelsHandler(t *testing.T) {
 		d, _ := deliverytest.New("m1", "")
 		start := time.Now()
 		err := h.Handle(context.Background(), d)
-		if !errors.Is(cause, middleware.ErrStoreUnavailable) {
-			t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
-		}
+		assert.ErrorIs(t, cause, middleware.ErrStoreUnavailable, "the handler's context's cause")
 		// Renewals every lease/3 fail; the one at 2/3 of the lease sees that the
 		// next would come too late, and cancels: not the handler's own fallback
 		// after 10 leases.
-		if elapsed := time.Since(start); elapsed != 2*lease/3 {
-			t.Errorf("handler cancelled after %v; want 2/3 of the lease (%v)", elapsed, 2*lease/3)
-		}
+		assert.Equal(t, 2*lease/3, time.Since(start), "handler cancelled after 2/3 of the lease")
 		if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay || dec.Delay != 2*time.Second || !errors.Is(err, middleware.ErrStoreUnavailable) {
 			t.Errorf("result %v decides %v after %v; want delayed by UnavailableDelay with ErrStoreUnavailable", err, dec.Outcome, dec.Delay)
 		}
@@ -315,12 +290,9 @@ func TestDedupCompletesAfterCancel(t *testing.T) {
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { cancel(); return nil }))
 	d, _ := deliverytest.New("m1", "")
-	if err := h.Handle(ctx, d); err != nil {
-		t.Fatalf("Handle = %v; want nil", err)
-	}
-	if got, _ := s.Claim(context.Background(), "m1", "x", time.Minute); got != store.Done {
-		t.Fatalf("Claim afterwards = %v; want done", got)
-	}
+	require.NoError(t, h.Handle(ctx, d))
+	got, _ := s.Claim(context.Background(), "m1", "x", time.Minute)
+	assert.Equal(t, store.Done, got, "Claim afterwards")
 }
 
 // The happy path costs two store round trips (claim, complete) and a
@@ -340,9 +312,7 @@ func TestDedupRoundTrips(t *testing.T) {
 		d, _ := deliverytest.New("m1", "")
 		before := rt.Count()
 		h.Handle(ctx, d)
-		if got := rt.Count() - before; got != tc.want {
-			t.Errorf("%s: %d round trips; want %d", tc.name, got, tc.want)
-		}
+		assert.Equal(t, tc.want, rt.Count()-before, "%s: round trips", tc.name)
 	}
 }
 
@@ -364,14 +334,10 @@ func TestDedupTokensAreDistinct(t *testing.T) {
 	wg.Wait()
 	seen := map[string]bool{}
 	for _, tok := range s.tokens {
-		if seen[tok] || tok == "" || tok == "done" || strings.ContainsAny(tok, " \n") {
-			t.Fatalf("token %q reused or malformed", tok)
-		}
+		require.False(t, seen[tok] || tok == "" || tok == "done" || strings.ContainsAny(tok, " \n"), "token %q reused or malformed", tok)
 		seen[tok] = true
 	}
-	if len(seen) != goroutines*claims {
-		t.Fatalf("%d tokens for %d claims; want %d", len(seen), goroutines*claims, goroutines*claims)
-	}
+	assert.Len(t, seen, goroutines*claims, "distinct tokens")
 }
 
 type recordingStore struct {
@@ -415,16 +381,13 @@ func TestDedupRenewsManyLeases(t *testing.T) {
 				defer wg.Done()
 				time.Sleep(time.Duration(i) * lease / 7)
 				d, _ := deliverytest.New(fmt.Sprint(i), "")
-				if err := h.Handle(ctx, d); err != nil {
-					t.Error(err)
-				}
+				assert.NoError(t, h.Handle(ctx, d))
 			}()
 		}
 		wg.Wait()
 		for i := range 20 {
-			if got, _ := s.Store.Claim(ctx, fmt.Sprint(i), "x", time.Minute); got != store.Done {
-				t.Errorf("message %d afterwards: %v; want done", i, got)
-			}
+			got, _ := s.Store.Claim(ctx, fmt.Sprint(i), "x", time.Minute)
+			assert.Equal(t, store.Done, got, "message %d afterwards", i)
 		}
 	})
 }
@@ -482,15 +445,9 @@ func TestDedupHangingRenewalCancelsHandler(t *testing.T) {
 			}))
 		d, _ := deliverytest.New("m1", "")
 		err := h.Handle(context.Background(), d)
-		if extendFirst {
-			t.Errorf("the handler was cancelled only after the hanging renewal returned; want it cancelled before the lease ends")
-		}
-		if !errors.Is(cause, middleware.ErrStoreUnavailable) {
-			t.Errorf("handler context cause = %v; want ErrStoreUnavailable", cause)
-		}
-		if dec := rabbitmw.Decide(err); dec.Outcome != rabbitmw.Delay {
-			t.Errorf("result %v decides %v; want delayed", err, dec.Outcome)
-		}
+		assert.False(t, extendFirst, "the handler was cancelled only after the hanging renewal returned; want it cancelled before the lease ends")
+		assert.ErrorIs(t, cause, middleware.ErrStoreUnavailable, "the handler's context's cause")
+		assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
 	})
 }
 
@@ -510,18 +467,11 @@ func TestDedupFinishedHandlerDoesNotWaitForRenewal(t *testing.T) {
 			}))
 		d, _ := deliverytest.New("m1", "")
 		start := time.Now()
-		if err := h.Handle(context.Background(), d); err != nil {
-			t.Fatalf("Handle = %v; want nil", err)
-		}
-		if elapsed := time.Since(start); elapsed >= lease {
-			t.Errorf("Handle returned after %v, waiting for the hanging renewal; want before the lease (%v) ends", elapsed, lease)
-		}
-		if s.returned.Load() {
-			t.Fatal("the renewal returned before the handler finished; the test proves nothing")
-		}
-		if got, _ := s.Store.Claim(context.Background(), "m1", "other", time.Minute); got != store.Done {
-			t.Errorf("Claim afterwards = %v; want done", got)
-		}
+		require.NoError(t, h.Handle(context.Background(), d))
+		assert.Less(t, time.Since(start), lease, "Handle waited for the hanging renewal")
+		require.False(t, s.returned.Load(), "the renewal returned before the handler finished; the test proves nothing")
+		got, _ := s.Store.Claim(context.Background(), "m1", "other", time.Minute)
+		assert.Equal(t, store.Done, got, "Claim afterwards")
 	})
 }
 
@@ -541,12 +491,9 @@ func TestDedupReleasesAnUnansweredClaim(t *testing.T) {
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
 	d, _ := deliverytest.New("m1", "")
-	if err := h.Handle(context.Background(), d); !errors.Is(err, middleware.ErrStoreUnavailable) {
-		t.Fatalf("Handle = %v; want ErrStoreUnavailable", err)
-	}
-	if got, _ := s.Store.Claim(context.Background(), "m1", "next", time.Minute); got != store.Claimed {
-		t.Fatalf("Claim after the unanswered claim = %v; want claimed (released)", got)
-	}
+	require.ErrorIs(t, h.Handle(context.Background(), d), middleware.ErrStoreUnavailable)
+	got, _ := s.Store.Claim(context.Background(), "m1", "next", time.Minute)
+	assert.Equal(t, store.Claimed, got, "Claim after the unanswered claim (released)")
 }
 
 // FailOpen runs the handler when the store is down, not when the claim
@@ -560,12 +507,8 @@ func TestDedupFailOpenNotOnDoneContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	d, _ := deliverytest.New("m1", "")
-	if err := h.Handle(ctx, d); err == nil {
-		t.Error("Handle with a done context and a failed claim = nil; want an error")
-	}
-	if n := calls.Load(); n != 0 {
-		t.Errorf("handler called %d times on a done context; want 0", n)
-	}
+	assert.Error(t, h.Handle(ctx, d), "Handle with a done context and a failed claim")
+	assert.Zero(t, calls.Load(), "handler calls on a done context")
 }
 
 // A claim whose lease ended without a done mark or a release (its consumer
@@ -579,26 +522,20 @@ func TestDedupAbandonedClaim(t *testing.T) {
 		var calls int
 		h := middleware.Dedup(s, middleware.DedupOptions{Lease: time.Minute})(rabbitmw.HandlerFunc(
 			func(context.Context, *amqp.Delivery) error { calls++; return nil }))
-		if _, err := s.Claim(ctx, "m1", "dead consumer", time.Minute); err != nil {
-			t.Fatal(err)
-		}
+		_, err := s.Claim(ctx, "m1", "dead consumer", time.Minute)
+		require.NoError(t, err)
 		time.Sleep(time.Minute)
 		before := s.Calls("claim") + s.Calls("release")
 		d, rec := deliverytest.New("m1", "")
-		err := h.Handle(ctx, d)
-		if calls != 0 || !errors.Is(err, middleware.ErrAbandoned) || rabbitmw.Decide(err).Outcome != rabbitmw.Requeue {
-			t.Errorf("Handle of an abandoned message = %v (%v), %d handler calls; want ErrAbandoned, requeued, no call", err, rabbitmw.Decide(err).Outcome, calls)
-		}
-		if n := s.Calls("claim") + s.Calls("release") - before; n != 1 {
-			t.Errorf("%d store calls for an abandoned message; want 1 (the claim)", n)
-		}
-		if got := deliverytest.Settle(t, d, rec, err); got != "requeued" {
-			t.Errorf("settled %s; want requeued", got)
-		}
+		err = h.Handle(ctx, d)
+		assert.Zero(t, calls, "handler calls")
+		assert.ErrorIs(t, err, middleware.ErrAbandoned)
+		assert.Equal(t, rabbitmw.Requeue, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+		assert.EqualValues(t, 1, s.Calls("claim")+s.Calls("release")-before, "store calls for an abandoned message (the claim)")
+		assert.Equal(t, "requeued", deliverytest.Settle(t, d, rec, err), "settled")
 		d, _ = deliverytest.New("m1", "")
-		if err := h.Handle(ctx, d); err != nil || calls != 1 {
-			t.Errorf("the next delivery: %v, %d handler calls; want nil, 1", err, calls)
-		}
+		assert.NoError(t, h.Handle(ctx, d), "the next delivery")
+		assert.Equal(t, 1, calls, "handler calls after the next delivery")
 	})
 }
 
@@ -641,19 +578,14 @@ func TestDedupReleasesClaimsWhoseAnswerWasLost(t *testing.T) {
 			}))
 			s.down.Store(true)
 			d, _ := deliverytest.New("m1", "")
-			if err := h.Handle(ctx, d); !errors.Is(err, middleware.ErrStoreUnavailable) {
-				t.Fatalf("Handle while the store is down = %v; want ErrStoreUnavailable", err)
-			}
+			require.ErrorIs(t, h.Handle(ctx, d), middleware.ErrStoreUnavailable, "Handle while the store is down")
 			s.down.Store(false)
 			for _, id := range next {
 				d, _ := deliverytest.New(id, "")
-				if err := h.Handle(ctx, d); err != nil {
-					t.Errorf("Handle(%s) once the store is back = %v; want nil", id, err)
-				}
+				assert.NoError(t, h.Handle(ctx, d), "Handle(%s) once the store is back", id)
 			}
-			if _, ok := calls.Load("m1"); !ok {
-				t.Errorf("m1 was not processed once the store was back: its lost claim still held it")
-			}
+			_, ok := calls.Load("m1")
+			assert.True(t, ok, "m1 was not processed once the store was back: its lost claim still held it")
 		})
 	}
 }

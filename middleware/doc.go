@@ -71,7 +71,10 @@
 // restarted); or the store stays unreachable, after the handler succeeded,
 // for longer than the lease. The first of these is inherent in any consumer
 // whose effect and bookkeeping are not one transaction; make effects
-// idempotent where a repeat would be costly.
+// idempotent where a repeat would be costly. A consumer that stops, and
+// cancels its handlers' context at its shutdown deadline, is none of
+// these: once a handler has returned, the store calls that record its
+// attempt run under a context that the cancellation does not end.
 //
 // With Retry, a failing message is never acknowledged: it is delayed, then
 // dead-lettered with its reason. An attempt whose consumer died (or lost

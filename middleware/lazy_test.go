@@ -8,6 +8,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"go.uber.org/goleak"
 )
 
@@ -190,9 +191,7 @@ func TestClaimContextChildWithoutGoroutine(t *testing.T) {
 	before := goleak.IgnoreCurrent()
 	child, cancel := context.WithTimeout(tctx, time.Minute)
 	defer cancel()
-	if err := goleak.Find(before); err != nil {
-		t.Errorf("context.WithTimeout(the handler's context) started a goroutine: %v", err)
-	}
+	assert.NoError(t, goleak.Find(before), "context.WithTimeout(the handler's context) started a goroutine")
 	c.cancel(errOwnCause)
 	if err := context.Cause(child); err != errOwnCause {
 		t.Errorf("Cause(child) at once after the cancellation = %v; want %v", err, errOwnCause)

@@ -262,9 +262,7 @@ func TestRetryHappyPathIsFree(t *testing.T) {
 	h := middleware.Retry(s, middleware.RetryOptions{})(rabbitmw.HandlerFunc(
 		func(context.Context, *amqp.Delivery) error { return nil }))
 	d, _ := deliverytest.New("m1", "")
-	if err := h.Handle(context.Background(), d); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, h.Handle(context.Background(), d))
 	for _, op := range []string{"fail", "reset"} {
 		if n := s.Calls(op); n != 0 {
 			t.Errorf("%s called %d times on the happy path; want 0", op, n)

@@ -56,7 +56,7 @@ func TestNewTokenUnique(t *testing.T) {
 }
 
 // plainToken is the token of one allocation per claim, against which
-// newToken's blocks are measured (BENCHMARKS.md).
+// newToken's blocks are measured (BenchmarkToken).
 func plainToken() string {
 	var buf [64]byte
 	b := append(buf[:0], tokenPrefix...)

@@ -46,24 +46,10 @@ func TestCutsWithAcksPending(t *testing.T) {
 	r := newRun(t, "cutacks", 50*time.Millisecond)
 	logStart := rabbitLogSize()
 	px, amqpURL := r.brokerProxy()
-	opts := consumerOpts{
-		amqpURL:      amqpURL,
-		workers:      16,
-		prefetch:     32,
-		mode:         "poison",
-		hold:         150 * time.Millisecond, // a slow order: acks held behind it
-		maxAttempts:  4,
-		backoffMin:   time.Millisecond,
-		backoffMax:   2 * time.Millisecond,
-		lease:        10 * time.Second,
-		busy:         50 * time.Millisecond,
-		unavailable:  50 * time.Millisecond,
-		timeout:      5 * time.Second,
-		reconnectMax: 100 * time.Millisecond,
-	}
+	opts := cutOpts(amqpURL, 32)
+	opts.hold = 150 * time.Millisecond // a slow order: acks held behind it
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	began := time.Now()
 
 	var (
 		effectIDs, deadIDs, all []string
@@ -92,19 +78,12 @@ func TestCutsWithAcksPending(t *testing.T) {
 		}
 		return msgs
 	}
-	publish := func(msgs []amqp.Publishing) {
-		t.Helper()
-		require.NoError(t, <-r.publishAsync(ctx, msgs, 8))
-	}
 
-	// What the consumers send through the proxy: basic.consume methods,
-	// and basic.ack methods, with multiple or not (a method split between
-	// two reads is missed: the counts are a report, not a check).
-	var consumes, acks, multiples atomic.Int64
-	px.onSent(func(b []byte) {
-		if bytes.Contains(b, basicConsume) {
-			consumes.Add(1)
-		}
+	// What the consumers send through the proxy: basic.ack methods, with
+	// multiple or not (a method split between two reads is missed: the
+	// counts are a report, not a check).
+	var acks, multiples atomic.Int64
+	c := startCuts(r, px, opts, func(b []byte) {
 		for rest := b; ; {
 			i := bytes.Index(rest, basicAck)
 			if i < 0 {
@@ -116,44 +95,29 @@ func TestCutsWithAcksPending(t *testing.T) {
 			}
 			rest = rest[i+len(basicAck):]
 		}
-	})
-	procs := []*proc{r.startConsumer("acks-A", opts), r.startConsumer("acks-B", opts)}
-	publish(batch(backlog))
-	var progress []int64
+	}, "acks-A", "acks-B")
+	c.publish(ctx, t, batch(backlog))
 	for range cuts {
 		done := r.publishAsync(ctx, batch(perBatch), 4) // going on across the cut
-		want := int64(len(progress)+1) * int64(len(procs))
-		if err := awaitCount(ctx, &consumes, want, 20*time.Second); err != nil { // the count in the message is read after the wait
-			t.Fatalf("the consumers did not all consume again within 20s of cut %d (%d effects then): %v", len(progress), r.count(ctx, "total"), err)
-		}
-		time.Sleep(time.Duration(20+rng.IntN(40)) * time.Millisecond)
-		px.heal() // closes every connection through the proxy
-		progress = append(progress, r.count(ctx, "total"))
+		c.cut(ctx, t, time.Duration(20+rng.IntN(40))*time.Millisecond)
 		require.NoError(t, <-done)
 	}
-	lastCut := time.Now()
-	atLastCut := r.count(ctx, "total")
-	publish(batch(tail))
-	qctx, qcancel := context.WithTimeout(ctx, 40*time.Second)
-	defer qcancel()
-	require.NoError(t, r.awaitQuiet(qctx, len(all), 2*time.Second), "after the last cut (%d effects then)", atLastCut)
-	endedIn := time.Since(lastCut)
-	e := r.end(ctx, all, procs...)
+	tailMsgs := batch(tail)
+	e, _, endedIn := c.finish(ctx, t, all, tailMsgs)
 	v := e.v
 
 	e.wantOrders(t, effectIDs, deadIDs)
-	var lostConns []int
+	lostConns := c.lostConnections()
 	// Settled by an ack, or meant to be: effects, duplicates, and the
 	// originals of dead-letter copies, less the settlements that failed
 	// (their session was gone).
 	var duplicates, acked int64
-	for i, p := range procs {
+	for i, p := range c.procs {
 		for _, s := range []string{"unknown delivery tag", "PRECONDITION_FAILED"} {
 			if n := p.logCount(s); n > 0 {
 				t.Errorf("consumer %s logged %q %d times; want never", p.name, s, n)
 			}
 		}
-		lostConns = append(lostConns, p.logCount(`msg="broker: connection lost"`))
 		duplicates += e.stats[i].Duplicates
 		acked += e.stats[i].Acked + e.stats[i].Duplicates + e.stats[i].DeadLettered - e.stats[i].SettleErrors
 	}
@@ -164,9 +128,7 @@ func TestCutsWithAcksPending(t *testing.T) {
 	case len(channelErrors) > 0:
 		t.Errorf("RabbitMQ closed %d channels of the consumers (first: %s); want none", len(channelErrors), channelErrors[0])
 	}
-	t.Logf("effects after each cut: %v", progress)
-	t.Logf("consumers: %+v; lost connections logged %v for %d cuts; the run ended %v after the last cut; took %v",
-		e.stats, lostConns, cuts, endedIn.Round(time.Millisecond), time.Since(began).Round(time.Millisecond))
+	c.report(t, e, lostConns, endedIn)
 	t.Logf("basic.ack seen through the proxy: %d, %d of them multiple; about %d deliveries acked: %.2f per ack frame; %d duplicates (redeliveries of messages done, acks lost at the cuts among them)",
 		acks.Load(), multiples.Load(), acked, float64(acked)/float64(max(1, acks.Load())), duplicates)
 	record(t, v.counted(row{

@@ -14,17 +14,14 @@ package reliability_test
 // are counted.
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
-	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
@@ -41,25 +38,10 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	rng := rand.New(rand.NewPCG(seed(t), 11))
 	r := newRun(t, "cutcopies", 50*time.Millisecond)
 	px, amqpURL := r.brokerProxy()
-	opts := consumerOpts{
-		amqpURL:     amqpURL,
-		workers:     16,
-		prefetch:    64,
-		mode:        "poison",
-		maxAttempts: attempts,
-		backoffMin:  time.Millisecond,
-		backoffMax:  2 * time.Millisecond,
-		lease:       10 * time.Second,
-		busy:        50 * time.Millisecond,
-		unavailable: 50 * time.Millisecond,
-		timeout:     5 * time.Second,
-		// Reconnections within 100 ms, so that the cuts come fast: the
-		// backoff never resets, each session lasting less than a second.
-		reconnectMax: 100 * time.Millisecond,
-	}
+	opts := cutOpts(amqpURL, 64)
+	opts.maxAttempts = attempts
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	began := time.Now()
 
 	// A "retry" order fails once and asks to be retried after a delay
 	// longer than the one delay queue: it cycles through that queue,
@@ -96,49 +78,23 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 		}
 		return msgs
 	}
-	publish := func(msgs []amqp.Publishing) {
-		t.Helper()
-		require.NoError(t, <-r.publishAsync(ctx, msgs, 8))
-	}
-
-	var consumes atomic.Int64 // basic.consume methods sent through the proxy
-	px.onSent(func(b []byte) {
-		if bytes.Contains(b, basicConsume) {
-			consumes.Add(1)
-		}
-	})
-	procs := []*proc{r.startConsumer("cuts-A", opts), r.startConsumer("cuts-B", opts)}
+	c := startCuts(r, px, opts, nil, "cuts-A", "cuts-B")
 	mix := []string{"retry", "retry", "retry", "poison", "fail"}
-	publish(batch(backlog, "10s", mix...))
-	// A batch, then a cut once every consumer is consuming again (its
-	// basic.consume went through the proxy) and has been for a moment:
-	// every cut finds sessions at work, with copies in flight, and none
-	// in its handshake.
-	var progress []int64
+	c.publish(ctx, t, batch(backlog, "10s", mix...))
+	// A batch, then a cut once every consumer is consuming again: every
+	// cut finds copies in flight.
 	for range batches {
-		publish(batch(perBatch, "1s", mix...))
-		want := int64(len(progress)+1) * int64(len(procs))
-		if err := awaitCount(ctx, &consumes, want, 20*time.Second); err != nil { // the count in the message is read after the wait
-			t.Fatalf("the consumers did not all consume again within 20s of cut %d (%d effects then): %v", len(progress), r.count(ctx, "total"), err)
-		}
-		time.Sleep(every)
-		px.heal() // closes every connection through the proxy
-		progress = append(progress, r.count(ctx, "total"))
+		c.publish(ctx, t, batch(perBatch, "1s", mix...))
+		c.cut(ctx, t, every)
 	}
-	lastCut := time.Now()
-	atLastCut := r.count(ctx, "total")
 
 	// The consumers must resume after the last cut: these are consumed
 	// only if they do.
-	publish(batch(tail, "1s", "ok", "retry"))
-	qctx, qcancel := context.WithTimeout(ctx, 40*time.Second)
-	defer qcancel()
-	require.NoError(t, r.awaitQuiet(qctx, len(all), 2*time.Second), "after the last cut (%d effects then)", atLastCut)
-	endedIn := time.Since(lastCut)
-	if n, want := consumes.Load(), int64(batches+1)*int64(len(procs)); n < want {
+	tailMsgs := batch(tail, "1s", "ok", "retry")
+	e, atLastCut, endedIn := c.finish(ctx, t, all, tailMsgs)
+	if n, want := c.consumes.Load(), int64(batches+1)*int64(len(c.procs)); n < want {
 		t.Errorf("%d basic.consume sent in all; want %d, one per consumer before the first cut and after each", n, want)
 	}
-	e := r.end(ctx, all, procs...)
 	v := e.v
 
 	dlqCopies := map[string]int{}
@@ -148,8 +104,8 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 		}
 	}
 	dlqTwice := 0
-	for _, c := range dlqCopies {
-		if c > 1 {
+	for _, copies := range dlqCopies {
+		if copies > 1 {
 			dlqTwice++
 		}
 	}
@@ -157,19 +113,15 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 	if after := r.count(ctx, "total"); after <= atLastCut {
 		t.Errorf("effects: %d at the last cut, %d at the end; want more (the consumers resumed)", atLastCut, after)
 	}
-	var lostConns []int
+	lostConns := c.lostConnections()
 	var settleErrors int64
-	for i, p := range procs {
-		n := p.logCount(`msg="broker: connection lost"`)
-		if n == 0 {
+	for i, p := range c.procs {
+		if lostConns[i] == 0 {
 			t.Errorf("consumer %s never logged a lost connection; want one for each cut that found it connected", p.name)
 		}
-		lostConns = append(lostConns, n)
 		settleErrors += e.stats[i].SettleErrors
 	}
-	t.Logf("effects after each cut: %v", progress)
-	t.Logf("consumers: %+v; lost connections logged %v for %d cuts; the run ended %v after the last cut; took %v",
-		e.stats, lostConns, batches, endedIn.Round(time.Millisecond), time.Since(began).Round(time.Millisecond))
+	c.report(t, e, lostConns, endedIn)
 	record(t, v.counted(row{
 		Scenario: "13 connection cuts with copies in flight",
 		Messages: len(all),
@@ -177,22 +129,4 @@ func TestCutsWithCopiesInFlight(t *testing.T) {
 		Note: fmt.Sprintf("2 consumers; lost connections logged %v; %d dead-lettered ids with two copies or more in the DLQ (%d copies in all); %d settlements failed",
 			lostConns, dlqTwice, len(e.dead), settleErrors),
 	}))
-}
-
-// basicConsume is the class and method id of basic.consume, as a method
-// frame carries them.
-var basicConsume = []byte{0, 60, 0, 20}
-
-// awaitCount waits until n reaches want, for at most d.
-func awaitCount(ctx context.Context, n *atomic.Int64, want int64, d time.Duration) error {
-	ctx, cancel := context.WithTimeout(ctx, d)
-	defer cancel()
-	for n.Load() < want {
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%d of %d: %w", n.Load(), want, ctx.Err())
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
-	return nil
 }

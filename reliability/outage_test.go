@@ -51,24 +51,30 @@ func TestRedisOutage(t *testing.T) {
 		consumers: []string{"outage-A"},
 	})
 	pa := r.procs[0]
-
-	require.NoError(t, r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5))
-	sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
-	err := store.shutdown(sctx)
-	scancel()
-	require.NoError(t, err)
-	down := time.Now()
-	before := r.count(ctx, "total")
-	t.Logf("store shut down at %d effects", before)
-	// A second consumer starts while the store is down: it must process
-	// nothing until the store is back (fail closed), and then resume.
-	pb := r.startConsumer("outage-B", r.opts)
-	time.Sleep(outage)
-	atRestart := r.count(ctx, "total")
+	var (
+		pb     *proc
+		before int64
+	)
+	atRestart := r.outage(ctx, t, serverOutage{
+		what:   "the store",
+		length: outage,
+		count:  "total",
+		stop: func() error {
+			sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
+			defer scancel()
+			return store.shutdown(sctx)
+		},
+		start: store.restart,
+		// A second consumer starts while the store is down: it must
+		// process nothing until the store is back (fail closed), and then
+		// resume.
+		down: func() {
+			before = r.count(ctx, "total")
+			pb = r.startConsumer("outage-B", r.opts)
+		},
+	})
 	during := atRestart - before
-	require.NoError(t, store.restart())
-	t.Logf("store back after %v; %d effects applied meanwhile", time.Since(down).Round(time.Millisecond), during)
-	r.wantUnfinished(ctx, "the store came back")
+	t.Logf("%d effects applied while the store was down", during)
 	// Only handlers that had claimed their message before the outage can
 	// have applied an effect during it.
 	if during > workers {
@@ -96,4 +102,42 @@ func TestRedisOutage(t *testing.T) {
 		Faults:     fmt.Sprintf("store SHUTDOWN for %v, restarted (AOF)", outage),
 		Note:       fmt.Sprintf("fail closed, 5 m lease; %d deliveries found the store down; %d effects during the outage (claimed before it)", e.stats[0].Unavailable+e.stats[1].Unavailable, during),
 	}))
+}
+
+// A serverOutage is a server the consumers need (the store, the
+// database) that goes away mid-stream and comes back on the same port and
+// data.
+type serverOutage struct {
+	what   string        // the server, for the log and failures
+	length time.Duration // how long it stays down
+	count  string        // the count (see run.count) that says how far the run is
+	// stop stops the server, and start starts it again.
+	stop, start func() error
+	// down, if not nil, runs once the server is down, and back once it
+	// has been down for length, before it starts again.
+	down, back func()
+}
+
+// outage stops o's server once a random fifth to two fifths of the
+// messages are done, leaves it down for o.length, and starts it again;
+// the run must not be finished by then. It returns the count o.count
+// when the server came back.
+func (r *load) outage(ctx context.Context, t *testing.T, o serverOutage) (atRestart int64) {
+	t.Helper()
+	require.NoError(t, r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5))
+	t.Logf("%s stops at %d (%s)", o.what, r.count(ctx, o.count), o.count)
+	require.NoError(t, o.stop())
+	down := time.Now()
+	if o.down != nil {
+		o.down()
+	}
+	time.Sleep(o.length)
+	if o.back != nil {
+		o.back()
+	}
+	atRestart = r.count(ctx, o.count)
+	require.NoError(t, o.start())
+	t.Logf("%s back after %v", o.what, time.Since(down).Round(time.Millisecond))
+	r.wantUnfinished(ctx, o.what+" came back")
+	return atRestart
 }

@@ -45,17 +45,16 @@ func TestPostgresOutage(t *testing.T) {
 		consumers: []string{"pgoutage-A"},
 	})
 	p := r.procs[0]
-
-	require.NoError(t, r.waitRandom(ctx, len(r.ids)/5, len(r.ids)/5))
-	before := r.count(ctx, "distinct")
-	require.NoError(t, db.stop())
-	down := time.Now()
-	t.Logf("database stopped at %d messages done", before)
-	time.Sleep(outage)
-	require.NoError(t, p.unexpectedExit(), "the consumer did not survive the outage")
-	require.NoError(t, db.start())
-	t.Logf("database back after %v", time.Since(down).Round(time.Millisecond))
-	r.wantUnfinished(ctx, "the database came back")
+	r.outage(ctx, t, serverOutage{
+		what:   "the database",
+		length: outage,
+		count:  "distinct",
+		stop:   db.stop,
+		start:  db.start,
+		back: func() {
+			require.NoError(t, p.unexpectedExit(), "the consumer did not survive the outage")
+		},
+	})
 	e := r.wrapUp(ctx, 4*time.Second, p)
 	e.wantEachOnce(t)
 	if e.stats[0].Unavailable == 0 {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/brokertest"
@@ -55,9 +56,7 @@ func TestURL(t *testing.T) {
 	for _, url := range []string{a.URL(), "memory://none"} {
 		br := broker.New(url, broker.Options{})
 		_, err := br.Len(ctx, "q")
-		if !errors.Is(err, broker.ErrClosed) {
-			t.Errorf("Len on a Broker for %s = %v; want an error wrapping broker.ErrClosed", url, err)
-		}
+		assert.ErrorIs(t, err, broker.ErrClosed, "Len on a Broker for %s", url)
 		if ctx.Err() != nil {
 			t.Errorf("Len on a Broker for %s retried until its context ended; want a fatal error", url)
 		}

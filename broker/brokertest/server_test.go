@@ -41,9 +41,7 @@ func TestAckAfterCloseAndUnknownTag(t *testing.T) {
 		t.Fatalf("get = %v, %t", err, ok)
 	}
 	require.NoError(t, c.Close())
-	if err := d.Ack(false); !errors.Is(err, amqp.ErrClosed) {
-		t.Errorf("Ack after close = %v; want amqp.ErrClosed", err)
-	}
+	assert.ErrorIs(t, d.Ack(false), amqp.ErrClosed, "Ack after close")
 	assert.Equal(t, 1, m.Stats().RequeuedOnClose, "requeued on close")
 
 	s, _ := (dialer{m}).Dial(ctx, "test")

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
+
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -82,7 +84,7 @@ func TestTypedValueDecode(t *testing.T) {
 func testExportImport(t *testing.T, be backend) {
 	f := setup(t, be, broker.Topology{})
 	ctx := testContext(t, 30*time.Second)
-	f.deadLetter(t, true, allTypes(), "a", "b")
+	f.deadLetter(t, true, fixtures.AllTypes(), "a", "b")
 	require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{
 		Headers: exportTypes(), Body: []byte{0, 1, 2, 0xff}, ContentType: "application/octet-stream",
 		ContentEncoding: "identity", DeliveryMode: amqp.Transient, Priority: 3, CorrelationId: "corr",
@@ -176,7 +178,7 @@ func equalTypes(t *testing.T, what string, got, want amqp.Table) {
 // The typed JSON of headers reads back type for type, without a server:
 // every type, extreme values, NaN.
 func TestTypedValueRoundTrip(t *testing.T) {
-	for name, h := range map[string]amqp.Table{"allTypes": allTypes(), "exportTypes": exportTypes()} {
+	for name, h := range map[string]amqp.Table{"allTypes": fixtures.AllTypes(), "exportTypes": exportTypes()} {
 		d := &amqp.Delivery{Headers: h, Body: []byte("b"), MessageId: "m", Timestamp: time.Unix(5, 0), DeliveryMode: amqp.Persistent}
 		m, err := ExportMessage("q", d)
 		require.NoError(t, err, "Export")

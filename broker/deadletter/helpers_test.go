@@ -5,12 +5,13 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
-	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
@@ -20,7 +21,6 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/brokertest"
-	"github.com/rabbitmw/rabbitmw/internal/header"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
@@ -67,7 +67,7 @@ type fixture struct {
 	mem  *brokertest.Server // nil on RabbitMQ
 	q    string
 	top  broker.Topology
-	logs *logRecorder
+	logs *fixtures.LogRecorder
 	// process names the Broker's process in fault headers; unique to the
 	// test.
 	process string
@@ -78,7 +78,7 @@ type fixture struct {
 // at the end of t.
 func setup(t *testing.T, be backend, top broker.Topology) *fixture {
 	t.Helper()
-	logs := newLogRecorder(t)
+	logs := fixtures.NewLogRecorder(t)
 	var r [4]byte
 	_, _ = rand.Read(r[:])
 	process := "test-process-" + hex.EncodeToString(r[:]) + "[1]"
@@ -158,7 +158,7 @@ func (f *fixture) assertSettled(t *testing.T) {
 		assert.Zero(t, f.mem.Unacked(f.q), "unacked(%q)", f.q)
 		assert.Zero(t, f.mem.Stats().UnknownTags, "settlements with unknown delivery tags")
 	}
-	assert.Zero(t, f.logs.count("unknown delivery tag"), "log records about unknown delivery tags")
+	assert.Zero(t, f.logs.Count("unknown delivery tag"), "log records about unknown delivery tags")
 }
 
 // A run is a Consume call running in the background.
@@ -229,98 +229,4 @@ func (j *journal) callsOf(id string) []amqp.Delivery {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	return append([]amqp.Delivery(nil), j.calls[id]...)
-}
-
-// deathKeys returns "queue reason count" for each x-death record of v, in
-// order.
-func deathKeys(v any) []string {
-	deaths, _ := v.([]any)
-	keys := []string{}
-	for _, d := range deaths {
-		r, _ := d.(amqp.Table)
-		n, _ := header.Integer(r["count"])
-		keys = append(keys, fmt.Sprintf("%v %v %d", r["queue"], r["reason"], n))
-	}
-	return keys
-}
-
-// allTypes has a header of every AMQP field type amqp091 writes (as in
-// package broker's tests).
-func allTypes() amqp.Table {
-	return amqp.Table{
-		"bool": true, "byte": byte(200), "int8": int8(-5), "int16": int16(-300),
-		"int": int(-70000), "int32": int32(-70001), "int64": int64(-1 << 40),
-		"uint16": uint16(60000), "uint32": uint32(4000000000),
-		"float32": float32(1.5), "float64": float64(2.25),
-		"decimal": amqp.Decimal{Scale: 2, Value: 12345}, "string": "héllo",
-		"bytes": []byte{0, 1, 2, 255}, "time": time.Date(2024, 1, 2, 3, 4, 5, 600, time.UTC),
-		"void":           nil,
-		"array":          []any{int32(1), "x", amqp.Table{"k": int64(1)}, []any{true, []byte("b")}},
-		"table":          amqp.Table{"n": amqp.Table{"deep": "v", "list": []any{int64(7)}}},
-		"x-custom-death": []any{amqp.Table{"count": int64(3), "reason": "expired", "routing-keys": []any{"a", "b"}}},
-	}
-}
-
-// logRecorder is a slog.Handler that keeps the text of records, and
-// writes them to the test log when the test fails.
-type logRecorder struct {
-	mu      *sync.Mutex
-	records *[]string
-	attrs   string
-}
-
-func newLogRecorder(t *testing.T) *logRecorder {
-	l := &logRecorder{mu: new(sync.Mutex), records: new([]string)}
-	t.Cleanup(func() {
-		if t.Failed() {
-			for _, r := range l.all() {
-				t.Log(r)
-			}
-		}
-	})
-	return l
-}
-
-func (l *logRecorder) Enabled(context.Context, slog.Level) bool { return true }
-
-func (l *logRecorder) Handle(_ context.Context, r slog.Record) error {
-	var b strings.Builder
-	fmt.Fprintf(&b, "%s %s %s%s", r.Time.Format("15:04:05.000"), r.Level, r.Message, l.attrs)
-	r.Attrs(func(a slog.Attr) bool {
-		if a.Key != "stack" {
-			fmt.Fprintf(&b, " %s=%q", a.Key, a.Value.String())
-		}
-		return true
-	})
-	l.mu.Lock()
-	*l.records = append(*l.records, b.String())
-	l.mu.Unlock()
-	return nil
-}
-
-func (l *logRecorder) WithAttrs(as []slog.Attr) slog.Handler {
-	c := *l
-	for _, a := range as {
-		c.attrs += fmt.Sprintf(" %s=%q", a.Key, a.Value.String())
-	}
-	return &c
-}
-
-func (l *logRecorder) WithGroup(string) slog.Handler { return l }
-
-func (l *logRecorder) all() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]string(nil), *l.records...)
-}
-
-// count returns the number of records that contain s.
-func (l *logRecorder) count(s string) int {
-	n := 0
-	for _, r := range l.all() {
-		if strings.Contains(r, s) {
-			n++
-		}
-	}
-	return n
 }

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
+
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -74,7 +76,7 @@ func testReplaySelected(t *testing.T, be backend) {
 		life, _ := lives[0].(amqp.Table)
 		assert.Equal(t, "typed failure of "+d.MessageId, life[broker.HeaderError], d.MessageId+": error in the history")
 		assert.Equal(t, f.q+".dlq", life["dead-letter-queue"], d.MessageId+": dead-letter queue in the history")
-		assert.Equal(t, []string{f.q + ".delay.50ms expired 1"}, deathKeys(life["x-death"]), d.MessageId+": x-death in the history")
+		assert.Equal(t, []string{f.q + ".delay.50ms expired 1"}, fixtures.DeathKeys(life["x-death"]), d.MessageId+": x-death in the history")
 	}
 	assert.Equal(t, []string{"a", "c", "e", "typed-f"}, deliveryIDs(f.drain(f.q+".dlq")), "left in the dead-letter queue, in order")
 	f.assertSettled(t)
@@ -125,7 +127,7 @@ func testReplayFailsAgain(t *testing.T, be backend) {
 		assert.Equal(t, want[:min(2, round)], errs, "errors in the history, most recent first")
 		if round == 1 {
 			life := lives[0].(amqp.Table)
-			assert.Equal(t, []string{f.q + ".delay.50ms expired 1"}, deathKeys(life["x-death"]), "x-death in the history")
+			assert.Equal(t, []string{f.q + ".delay.50ms expired 1"}, fixtures.DeathKeys(life["x-death"]), "x-death in the history")
 		}
 	}
 	mu.Lock()
@@ -200,7 +202,7 @@ func testReplayServerDeadLetters(t *testing.T, be backend) {
 				t.Fatalf("history = %v; want one life", first.Headers[HeaderHistory])
 			}
 			reason := map[bool]string{false: "expired", true: "delivery_limit"}[quorum]
-			assert.Equal(t, []string{f.q + " " + reason + " 1"}, deathKeys(lives[0].(amqp.Table)["x-death"]), "server's x-death in the history")
+			assert.Equal(t, []string{f.q + " " + reason + " 1"}, fixtures.DeathKeys(lives[0].(amqp.Table)["x-death"]), "server's x-death in the history")
 			f.assertSettled(t)
 		})
 	}

@@ -110,9 +110,7 @@ func setupQueue(t *testing.T) (*broker.Broker, string, string) {
 	q := queueName(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	if err := b.Declare(ctx, q, broker.Topology{}); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
@@ -128,15 +126,11 @@ func drain(t *testing.T, b *broker.Broker, queue string) []string {
 	var ids []string
 	for {
 		d, ok, err := b.Get(ctx, queue)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		if !ok {
 			return ids
 		}
-		if err := d.Ack(false); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, d.Ack(false))
 		ids = append(ids, d.MessageId)
 	}
 }
@@ -148,9 +142,7 @@ func TestCLI(t *testing.T) {
 	defer cancel()
 	now := time.Now().UTC().Truncate(time.Second)
 	pub := func(id string, h amqp.Table) {
-		if err := b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: id, Body: []byte("body " + id), Headers: h}); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: id, Body: []byte("body " + id), Headers: h}))
 	}
 	pub("a", faulty(q, "*json.SyntaxError", "invalid character 'x'", now.Add(-2*time.Hour)))
 	pub("b", faulty(q, "*errors.errorString", "payment gateway failed", now))
@@ -221,13 +213,11 @@ func TestCLI(t *testing.T) {
 	prefix := "rabbitmw-test-cli:" + q + ":"
 	st := redisstore.New(rc, redisstore.Options{Prefix: prefix})
 	for range 2 {
-		if _, err := st.Fail(ctx, "ns:a", time.Hour); err != nil {
-			t.Fatal(err)
-		}
+		_, err := st.Fail(ctx, "ns:a", time.Hour)
+		require.NoError(t, err)
 	}
-	if _, err := st.Claim(ctx, "ns:b", "web-7/4242/0a1b2c3d4e5f/1", time.Minute); err != nil {
-		t.Fatal(err)
-	}
+	_, err := st.Claim(ctx, "ns:b", "web-7/4242/0a1b2c3d4e5f/1", time.Minute)
+	require.NoError(t, err)
 	t.Cleanup(func() { rc.Del(context.Background(), prefix+"msg:ns:b", prefix+"retry:ns:a") })
 
 	out, stderr, code = cli(t, url, nil, "key", "a", "--redis", testenv.RedisAddr(t), "--prefix", prefix, "--namespace", "ns")
@@ -336,9 +326,7 @@ func TestReplayKilledMidway(t *testing.T) {
 	cmd := exec.Command(binary, "dlq", "replay", "-q", q, "--all", "--amqp", url)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, cmd.Start())
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
 	var atKill int
@@ -349,9 +337,8 @@ func TestReplayKilledMidway(t *testing.T) {
 		case <-time.After(20 * time.Millisecond):
 		}
 		var err error
-		if atKill, err = b.Len(ctx, q); err != nil {
-			t.Fatal(err)
-		}
+		atKill, err = b.Len(ctx, q)
+		require.NoError(t, err)
 	}
 	if err := cmd.Process.Kill(); err != nil { // SIGKILL
 		t.Fatal(err)
@@ -398,9 +385,7 @@ func TestKeyPostgres(t *testing.T) {
 	ctx := context.Background()
 	url := testenv.PostgresURL(t)
 	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	b := make([]byte, 6)
 	rand.Read(b)
@@ -408,22 +393,15 @@ func TestKeyPostgres(t *testing.T) {
 	t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+table+`, `+table+`_failures`) })
 	st := pgstore.New(pool, pgstore.Options{Table: table})
 	t.Cleanup(st.Close)
-	if err := st.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := st.Claim(ctx, "ns:b", "web-7/4242/0a1b2c3d4e5f/1", time.Minute); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := st.Claim(ctx, "ns:c", "t1", time.Minute); err != nil {
-		t.Fatal(err)
-	}
-	if err := st.Complete(ctx, "ns:c", "t1", time.Hour); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, st.Migrate(ctx))
+	_, err = st.Claim(ctx, "ns:b", "web-7/4242/0a1b2c3d4e5f/1", time.Minute)
+	require.NoError(t, err)
+	_, err = st.Claim(ctx, "ns:c", "t1", time.Minute)
+	require.NoError(t, err)
+	require.NoError(t, st.Complete(ctx, "ns:c", "t1", time.Hour))
 	for range 3 {
-		if _, err := st.Fail(ctx, "ns:c", time.Hour); err != nil {
-			t.Fatal(err)
-		}
+		_, err := st.Fail(ctx, "ns:c", time.Hour)
+		require.NoError(t, err)
 	}
 
 	out, stderr, code := cli(t, "", nil, "key", "b", "--postgres", url, "--table", table, "--namespace", "ns")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"strings"
@@ -11,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
@@ -76,8 +79,12 @@ type HandlerOptions struct {
 //  3. if fn returned nil, marks the key of Dedup's claim done in the same
 //     transaction, with a conditional UPDATE that matches only if the
 //     claim's token still owns the key and its lease has not ended;
-//  4. commits, and tells Dedup (middleware.Claim.MarkedDone) that the
-//     mark is written, so that Dedup writes none.
+//  4. commits, if the mark matched, and tells Dedup
+//     (middleware.Claim.MarkedDone) that the mark is written, so that
+//     Dedup writes none.
+//
+// Steps 3 and 4 travel in one round trip: the mark fails when it matches
+// nothing, and the server then skips the COMMIT.
 //
 // Results:
 //
@@ -112,13 +119,18 @@ func Handler(s *Store, fn TxFunc, opts HandlerOptions) rabbitmw.Handler {
 	h := newInbox(s, opts)
 	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 		return h.handle(ctx, func(ctx context.Context) (txn, error) {
-			tx, err := s.pool.BeginTx(ctx, opts.TxOptions)
+			conn, err := s.pool.Acquire(ctx)
 			if err != nil {
 				return nil, err
 			}
-			return pgxTxn{tx}, nil
+			tx, err := conn.BeginTx(ctx, opts.TxOptions)
+			if err != nil {
+				conn.Release()
+				return nil, err
+			}
+			return &pgxTxn{s: s, conn: conn, tx: tx}, nil
 		}, func(ctx context.Context, t txn) error {
-			return fn(ctx, t.(pgxTxn).Tx, d)
+			return fn(ctx, t.(*pgxTxn).tx, d)
 		})
 	})
 }
@@ -157,7 +169,7 @@ func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitm
 				end()
 				return nil, err
 			}
-			return sqlTxn{tx, end}, nil
+			return sqlTxn{Tx: tx, s: s, end: end}, nil
 		}, func(ctx context.Context, t txn) error {
 			return fn(ctx, t.(sqlTxn).Tx, d)
 		})
@@ -168,22 +180,104 @@ func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitm
 type txn interface {
 	// broken reports whether the transaction's connection is gone.
 	broken() bool
-	// queryInt runs a statement that answers one integer.
-	queryInt(ctx context.Context, sql string, args ...any) (int, error)
-	commit(ctx context.Context) error
+	// markAndCommit writes the done mark of key by token, with the
+	// retention, as the transaction's last statement, and commits if it
+	// marked the key. marked is the mark's answer (markSQL's: 1 marked, 0
+	// the key's row belongs to no claim of token, -1 no row) when markErr
+	// is nil. markErr is the mark's error: nothing was committed.
+	// commitErr is the commit's: a server's error means it did not
+	// commit, any other that its outcome is unknown.
+	markAndCommit(ctx context.Context, key, token []byte, retention time.Duration) (marked int, markErr, commitErr error)
 	rollback(ctx context.Context) error
+	// release ends the transaction's hold on its connection after the
+	// commit was sent.
+	release()
 }
 
-type pgxTxn struct{ pgx.Tx }
-
-func (t pgxTxn) broken() bool { return t.Conn().IsClosed() }
-
-func (t pgxTxn) queryInt(ctx context.Context, sql string, args ...any) (n int, err error) {
-	err = t.QueryRow(ctx, sql, args...).Scan(&n)
-	return n, err
+// A pgxTxn is Handler's transaction: tx, on conn, a connection of s's
+// pool that it holds until the commit or the rollback.
+type pgxTxn struct {
+	s    *Store
+	conn *pgxpool.Conn
+	tx   pgx.Tx
 }
-func (t pgxTxn) commit(ctx context.Context) error   { return t.Commit(ctx) }
-func (t pgxTxn) rollback(ctx context.Context) error { return t.Rollback(ctx) }
+
+func (t *pgxTxn) broken() bool { return t.conn.Conn().IsClosed() }
+
+// markAndCommit sends the mark and the COMMIT together, in one round trip
+// (a pipeline of the prepared mark and COMMIT, with one Sync): the mark
+// statement of markCommitSQL fails with a division by zero when it marks
+// nothing, and the server skips the COMMIT after an error, so the
+// transaction commits only if the key was marked. Then markAndCommit
+// reads which of 0 and -1 a failed mark meant, after the rollback.
+func (t *pgxTxn) markAndCommit(ctx context.Context, key, token []byte, retention time.Duration) (int, error, error) {
+	pc := t.conn.Conn().PgConn()
+	if pc.TxStatus() == 'I' {
+		// fn committed or rolled back tx itself.
+		return 0, pgx.ErrTxClosed, nil
+	}
+	args := [][]byte{key, token, binary.BigEndian.AppendUint64(nil, uint64(retention.Microseconds()))}
+	binary3 := []int16{1, 1, 1}
+	var b pgconn.Batch
+	if t.s.prepareMark {
+		// Prepared once per connection; then only Bind and Execute are
+		// sent.
+		sd, err := t.conn.Conn().Prepare(ctx, t.s.markCommitName, t.s.markCommitSQL)
+		if err != nil {
+			return 0, err, nil
+		}
+		b.ExecStatement(sd, args, binary3, nil)
+	} else {
+		// The pool sends no named statements (a pooler in transaction
+		// mode, say): an unnamed one, parsed each time.
+		b.ExecParams(t.s.markCommitSQL, args, []uint32{pgtype.ByteaOID, pgtype.ByteaOID, pgtype.Int8OID}, binary3, nil)
+	}
+	b.ExecParams("COMMIT", nil, nil, nil, nil)
+	results, err := pc.ExecBatch(ctx, &b).ReadAll()
+	var pe *pgconn.PgError
+	switch {
+	case err == nil:
+		return 1, nil, nil
+	case len(results) > 0 && results[0].Err == nil && errors.As(err, &pe):
+		// The mark marked: the COMMIT failed, and the server ended the
+		// transaction.
+		return 1, nil, err
+	case errors.As(err, &pe) && pe.Code == divisionByZero:
+		// Nothing marked, nothing committed: 0 or -1?
+		if err := t.tx.Rollback(ctx); err != nil {
+			return 0, err, nil
+		}
+		var exists bool
+		if err := t.conn.QueryRow(ctx, t.s.rowExistsSQL, key).Scan(&exists); err != nil {
+			return 0, err, nil
+		}
+		if exists {
+			return 0, nil, nil
+		}
+		return -1, nil, nil
+	case errors.As(err, &pe):
+		return 0, err, nil
+	}
+	// The connection: whether the COMMIT ran is unknown.
+	return 1, nil, err
+}
+
+// rollback rolls tx back, unless it is over, and gives conn back to the
+// pool (which closes it if it is still in a transaction).
+func (t *pgxTxn) rollback(ctx context.Context) error {
+	defer t.conn.Release()
+	if t.conn.Conn().PgConn().TxStatus() == 'I' {
+		return nil
+	}
+	return t.tx.Rollback(ctx)
+}
+
+// divisionByZero is the SQLSTATE of a mark of markCommitSQL that marked
+// nothing.
+const divisionByZero = "22012"
+
+// release gives conn back to the pool after the commit.
+func (t *pgxTxn) release() { t.conn.Release() }
 
 // An sqlTxn is a transaction of database/sql, whose Commit and Rollback
 // take no context: pgx's driver runs them under the context the
@@ -193,17 +287,24 @@ func (t pgxTxn) rollback(ctx context.Context) error { return t.Rollback(ctx) }
 // the outcome is unknown.
 type sqlTxn struct {
 	*sql.Tx
+	s   *Store
 	end context.CancelFunc
 }
 
 func (sqlTxn) broken() bool { return false } // database/sql does not say; lost reports driver.ErrBadConn
 
-func (t sqlTxn) queryInt(ctx context.Context, sql string, args ...any) (n int, err error) {
-	err = t.QueryRowContext(ctx, sql, args...).Scan(&n)
-	return n, err
+// markAndCommit runs the mark, then, if it marked the key, the commit:
+// two round trips (database/sql has no pipeline).
+func (t sqlTxn) markAndCommit(ctx context.Context, key, token []byte, retention time.Duration) (marked int, markErr, commitErr error) {
+	if markErr = t.QueryRowContext(ctx, t.s.markSQL, key, token, retention).Scan(&marked); markErr != nil || marked != 1 {
+		return marked, markErr, nil
+	}
+	return 1, nil, t.settle(ctx, t.Commit)
 }
-func (t sqlTxn) commit(ctx context.Context) error   { return t.settle(ctx, t.Commit) }
+
 func (t sqlTxn) rollback(ctx context.Context) error { return t.settle(ctx, t.Rollback) }
+
+func (sqlTxn) release() {}
 
 // settle runs commit or rollback, ending the transaction's context if ctx
 // is done first, and in any case when it returns.
@@ -288,7 +389,7 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 	defer cancel()
 	rec := recording.Begin(ctx, time.Now().Add(h.commitTimeout))
 	defer rec.End()
-	marked, err := t.queryInt(sctx, h.s.markSQL, []byte(key), []byte(c.Token()), c.Retention())
+	marked, err, cerr := t.markAndCommit(sctx, []byte(key), []byte(c.Token()), c.Retention())
 	switch {
 	case err != nil && ctx.Err() != nil && !lost(t, err) && !isPgError(err):
 		// Cancelled before the mark, while fn ran: database/sql
@@ -312,15 +413,17 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 	case marked <= 0:
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: %q is no longer owned by this claim (its lease ended, or another consumer took it over): the transaction was rolled back", middleware.ErrLeaseLost, key), h.retry)
 	}
+	// The commit was sent: whatever its answer, the transaction is over.
 	open = false
-	err = t.commit(sctx)
+	defer t.release()
 	switch {
-	case err == nil:
+	case cerr == nil:
 		c.MarkedDone()
 		return nil
-	case isPgError(err) && !lost(t, err):
+	case isPgError(cerr) && !lost(t, cerr):
 		// The server answered: the transaction did not commit.
-		return fmt.Errorf("pgstore: commit the transaction of %q: %w", key, err)
+		return fmt.Errorf("pgstore: commit the transaction of %q: %w", key, cerr)
 	}
+	err = cerr
 	return h.unavailable(fmt.Errorf("pgstore: commit the transaction of %q: its answer was lost, so whether it took effect is unknown (if it did, the redelivery finds the message done): %w", key, err))
 }

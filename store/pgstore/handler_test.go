@@ -18,7 +18,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	amqp "github.com/rabbitmq/amqp091-go"
-
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -40,9 +39,8 @@ func newInbox(t *testing.T, pool *pgxpool.Pool) *inboxFixture {
 	t.Helper()
 	table := uniqueTable(t, pool)
 	f := &inboxFixture{pool: pool, st: newStore(t, pool, pgstore.Options{Table: table}), effects: table + "_effects"}
-	if _, err := pool.Exec(context.Background(), `CREATE TABLE `+f.effects+` (seq serial PRIMARY KEY, id text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
+	_, err := pool.Exec(context.Background(), `CREATE TABLE `+f.effects+` (seq serial PRIMARY KEY, id text NOT NULL)`)
+	require.NoError(t, err)
 	t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+f.effects) })
 	return f
 }
@@ -57,9 +55,7 @@ func (f *inboxFixture) insert(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) 
 func (f *inboxFixture) count(t *testing.T, id string) int {
 	t.Helper()
 	var n int
-	if err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+f.effects+` WHERE id = $1`, id).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, f.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+f.effects+` WHERE id = $1`, id).Scan(&n))
 	return n
 }
 
@@ -68,20 +64,13 @@ func (f *inboxFixture) count(t *testing.T, id string) int {
 func (f *inboxFixture) status(t *testing.T, id string) store.Status {
 	t.Helper()
 	st, err := f.st.Claim(context.Background(), id, "stranger", time.Millisecond)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return st
 }
 
 // stack is the recommended stack over the store, around h.
 func (f *inboxFixture) stack(h rabbitmw.Handler, dedup middleware.DedupOptions) rabbitmw.Handler {
-	return rabbitmw.Chain(
-		middleware.Retry(f.st, middleware.RetryOptions{}),
-		middleware.Recover(),
-		middleware.Dedup(f.st, dedup),
-		middleware.Timeout(30*time.Second),
-	)(h)
+	return middleware.Stack(f.st, middleware.StackOptions{Dedup: dedup})(h)
 }
 
 func delivery(id string) *amqp.Delivery {
@@ -97,21 +86,13 @@ func TestHandlerEffectAndMarkCommitTogether(t *testing.T) {
 		middleware.Recover(),
 		middleware.Dedup(counting, middleware.DedupOptions{}),
 	)(pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}))
-	if err := h.Handle(ctx, delivery("m1")); err != nil {
-		t.Fatalf("first delivery: %v", err)
-	}
+	require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
 	if n := counting.completes.Load(); n != 0 {
 		t.Errorf("Dedup called Complete %d times after the handler's commit; want 0", n)
 	}
-	if err := h.Handle(ctx, delivery("m1")); !errors.Is(err, rabbitmw.ErrDuplicate) {
-		t.Fatalf("second delivery = %v; want a duplicate", err)
-	}
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects; want 1", n)
-	}
-	if st := f.status(t, "m1"); st != store.Done {
-		t.Errorf("key is %v; want done", st)
-	}
+	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+	assert.Equal(t, store.Done, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 }
 
 func TestHandlerFailureRollsBack(t *testing.T) {
@@ -125,15 +106,10 @@ func TestHandlerFailureRollsBack(t *testing.T) {
 		return boom
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	err := h.Handle(ctx, delivery("m1"))
-	if !errors.Is(err, boom) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
-		t.Fatalf("Handle = %v; want boom, retried after a backoff", err)
-	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0 (rolled back)", n)
-	}
-	if st := f.status(t, "m1"); st != store.Claimed {
-		t.Errorf("key is %v; want absent (claimable)", st)
-	}
+	require.ErrorIs(t, err, boom)
+	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects rolled back")
+	assert.Equal(t, store.Claimed, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 }
 
 // Another consumer took the message over while the function ran: its
@@ -144,24 +120,17 @@ func TestHandlerLostClaimRollsBack(t *testing.T) {
 	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		c, _ := middleware.ClaimFrom(ctx)
 		// The lease ends and another consumer claims the key.
-		if err := f.st.Release(ctx, c.Key(), c.Token()); err != nil {
-			t.Errorf("Release: %v", err)
-		}
+		assert.NoError(t, f.st.Release(ctx, c.Key(), c.Token()), "Release")
 		if st, err := f.st.Claim(ctx, c.Key(), "thief", time.Minute); err != nil || st != store.Claimed {
 			t.Errorf("Claim by the thief = %v, %v", st, err)
 		}
 		return f.insert(ctx, tx, d)
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	err := h.Handle(ctx, delivery("m1"))
-	if !errors.Is(err, middleware.ErrLeaseLost) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
-		t.Fatalf("Handle = %v; want ErrLeaseLost, retried later", err)
-	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0 (rolled back)", n)
-	}
-	if err := f.st.Complete(ctx, "m1", "thief", time.Minute); err != nil {
-		t.Errorf("the thief's claim was touched: Complete = %v", err)
-	}
+	require.ErrorIs(t, err, middleware.ErrLeaseLost)
+	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects rolled back")
+	assert.NoError(t, f.st.Complete(ctx, "m1", "thief", time.Minute), "the thief's claim was touched: Complete")
 }
 
 // A Dedup over another store (Redis, kept from before the inbox, or a
@@ -193,22 +162,40 @@ func TestHandlerUnderDedupOfAnotherStore(t *testing.T) {
 	} else if !errors.Is(last.Err, pgstore.ErrNoClaim) {
 		t.Errorf("dead-lettered with %v; want ErrNoClaim", last.Err)
 	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects committed; want 0", n)
-	}
+	assert.Equal(t, 0, f.count(t, "m1"), "effects committed")
 }
 
-// A connection that drops itself right after it sent a COMMIT: the server
-// commits, the client never hears.
+// sendsCommit reports whether a write to PostgreSQL sends a COMMIT: a
+// simple query (database/sql's Commit, pgx's), or Handler's pipeline of the
+// done mark and the COMMIT (extended protocol, the COMMIT parsed each
+// time).
+func sendsCommit(b []byte) bool {
+	return len(b) > 0 && (b[0] == 'Q' || b[0] == 'B') && bytes.Contains(bytes.ToLower(b), []byte("commit"))
+}
+
+// A connection that drops itself when the answer to a COMMIT comes: the
+// server has committed, the client never hears. (Closing right after the
+// COMMIT was written would race the server: it may see the connection
+// gone before it commits.)
 type commitCutter struct {
 	net.Conn
 	armed *atomic.Bool
+	sent  *atomic.Bool // the COMMIT was written; its answer is awaited
 }
 
 func (c commitCutter) Write(b []byte) (int, error) {
 	n, err := c.Conn.Write(b)
-	if err == nil && len(b) > 0 && b[0] == 'Q' && bytes.Contains(bytes.ToLower(b), []byte("commit")) && c.armed.CompareAndSwap(true, false) {
+	if err == nil && sendsCommit(b) && c.armed.CompareAndSwap(true, false) {
+		c.sent.Store(true)
+	}
+	return n, err
+}
+
+func (c commitCutter) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	if c.sent.CompareAndSwap(true, false) {
 		c.Conn.Close()
+		return 0, net.ErrClosed
 	}
 	return n, err
 }
@@ -224,12 +211,10 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 		if err != nil {
 			return nil, err
 		}
-		return commitCutter{c, &armed}, nil
+		return commitCutter{c, &armed, new(atomic.Bool)}, nil
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(pool.Close) // after the tables are dropped (cleanups run last first)
 	f := newInbox(t, pool)
 	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
@@ -237,22 +222,13 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 		return f.insert(ctx, tx, d)
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	err = h.Handle(ctx, delivery("m1"))
-	if !errors.Is(err, middleware.ErrStoreUnavailable) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
-		t.Fatalf("Handle = %v; want ErrStoreUnavailable, retried later", err)
-	}
-	if armed.Load() {
-		t.Fatal("the commit was never cut")
-	}
-	if n := f.count(t, "m1"); n != 1 {
-		t.Fatalf("%d effects; want 1 (the commit took effect)", n)
-	}
+	require.ErrorIs(t, err, middleware.ErrStoreUnavailable)
+	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	require.False(t, armed.Load(), "the commit was never cut")
+	require.Equal(t, 1, f.count(t, "m1"), "effects: the commit took effect")
 	// The retry finds the message done: no second effect, no second mark.
-	if err := h.Handle(ctx, delivery("m1")); !errors.Is(err, rabbitmw.ErrDuplicate) {
-		t.Fatalf("redelivery = %v; want a duplicate", err)
-	}
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects after the redelivery; want 1", n)
-	}
+	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "redelivery")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects after the redelivery")
 	// Nor is the lost answer counted as a failure of the message.
 	if n, err := f.st.Fail(ctx, "m1", time.Minute); err != nil || n != 1 {
 		t.Errorf("failure count = %d, %v; want 0 before this Fail", n-1, err)
@@ -267,7 +243,7 @@ type commitSwallower struct {
 }
 
 func (c commitSwallower) Write(b []byte) (int, error) {
-	if len(b) > 0 && b[0] == 'Q' && bytes.Contains(bytes.ToLower(b), []byte("commit")) && c.armed.CompareAndSwap(true, false) {
+	if sendsCommit(b) && c.armed.CompareAndSwap(true, false) {
 		return len(b), nil
 	}
 	return c.Conn.Write(b)
@@ -296,9 +272,7 @@ func TestHandlerCommitTimeoutBoundsTheCommit(t *testing.T) {
 		return commitSwallower{c, &armed}, nil
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	f := newInbox(t, pool)
 	db := stdlib.OpenDBFromPool(pool)
@@ -331,9 +305,7 @@ func TestHandlerCommitTimeoutBoundsTheCommit(t *testing.T) {
 			go func() { done <- h.Handle(ctx, delivery("m-"+tt.name)) }()
 			select {
 			case err := <-done:
-				if !errors.Is(err, middleware.ErrStoreUnavailable) {
-					t.Errorf("Handle = %v; want ErrStoreUnavailable (the commit's answer was lost)", err)
-				}
+				assert.ErrorIs(t, err, middleware.ErrStoreUnavailable, "Handle")
 			case <-time.After(15 * time.Second): // waits for the real server's (non-)answer
 				t.Errorf("Handle still waiting on its commit 15 s after it was sent, with CommitTimeout %v", opts.CommitTimeout)
 			}
@@ -355,12 +327,8 @@ func TestHandlerPanic(t *testing.T) {
 	if !errors.As(err, &pe) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
 		t.Fatalf("Handle = %v; want a PanicError, retried after a backoff", err)
 	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0 (rolled back)", n)
-	}
-	if st := f.status(t, "m1"); st != store.Claimed {
-		t.Errorf("key is %v; want absent (claimable)", st)
-	}
+	assert.Equal(t, 0, f.count(t, "m1"), "effects rolled back")
+	assert.Equal(t, store.Claimed, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 	// Counted as a failed attempt.
 	if n, err := f.st.Fail(ctx, "m1", time.Minute); err != nil || n != 2 {
 		t.Errorf("Fail = %d, %v; want 2 (the panic counted once)", n, err)
@@ -382,12 +350,9 @@ func TestHandlerSelfSettledTx(t *testing.T) {
 				return tx.Rollback(ctx)
 			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 			err := h.Handle(ctx, delivery("m1"))
-			if !errors.Is(err, pgstore.ErrTxSettled) || rabbitmw.Decide(err).Outcome != rabbitmw.DeadLetter {
-				t.Fatalf("Handle = %v; want ErrTxSettled, dead-lettered", err)
-			}
-			if st := f.status(t, "m1"); st == store.Done {
-				t.Errorf("key is done; want not marked")
-			}
+			require.ErrorIs(t, err, pgstore.ErrTxSettled)
+			require.Equal(t, rabbitmw.DeadLetter, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+			assert.NotEqual(t, store.Done, f.status(t, "m1"), "key is done; want not marked")
 		})
 	}
 }
@@ -409,12 +374,9 @@ func TestHandlerSerializationFailureIsOrdinary(t *testing.T) {
 func TestHandlerWithoutDedup(t *testing.T) {
 	f := newInbox(t, newPool(t))
 	err := pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}).Handle(context.Background(), delivery("m1"))
-	if !errors.Is(err, pgstore.ErrNoClaim) || rabbitmw.Decide(err).Outcome != rabbitmw.DeadLetter {
-		t.Fatalf("Handle = %v; want ErrNoClaim, dead-lettered", err)
-	}
-	if n := f.count(t, "m1"); n != 0 {
-		t.Errorf("%d effects; want 0", n)
-	}
+	require.ErrorIs(t, err, pgstore.ErrNoClaim)
+	require.Equal(t, rabbitmw.DeadLetter, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects")
 }
 
 // countingStore counts Extend and Complete calls.
@@ -446,9 +408,7 @@ func TestHandlerLongTransactionShortLease(t *testing.T) {
 	cfg := base.Config()
 	cfg.MaxConns = 1
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(pool.Close) // after the tables are dropped (cleanups run last first)
 	f := newInbox(t, pool)
 	counting := &countingStore{Store: f.st}
@@ -468,18 +428,12 @@ func TestHandlerLongTransactionShortLease(t *testing.T) {
 			return context.Cause(ctx)
 		}
 	}, pgstore.HandlerOptions{}))
-	if err := h.Handle(ctx, delivery("m1")); err != nil {
-		t.Fatalf("Handle: %v", err)
-	}
+	require.NoError(t, h.Handle(ctx, delivery("m1")), "Handle")
 	if n := counting.extends.Load(); n < 2 {
 		t.Errorf("%d renewals during a %v transaction with a %v lease; want at least 2", n, hold, lease)
 	}
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects; want 1", n)
-	}
-	if st := f.status(t, "m1"); st != store.Done {
-		t.Errorf("key is %v; want done", st)
-	}
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+	assert.Equal(t, store.Done, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 }
 
 func TestSQLHandler(t *testing.T) {
@@ -493,24 +447,14 @@ func TestSQLHandler(t *testing.T) {
 		return err
 	}
 	h := f.stack(pgstore.SQLHandler(f.st, db, insert, pgstore.HandlerOptions{}), middleware.DedupOptions{})
-	if err := h.Handle(ctx, delivery("m1")); err != nil {
-		t.Fatalf("first delivery: %v", err)
-	}
-	if err := h.Handle(ctx, delivery("m1")); !errors.Is(err, rabbitmw.ErrDuplicate) {
-		t.Fatalf("second delivery = %v; want a duplicate", err)
-	}
-	if n := f.count(t, "m1"); n != 1 {
-		t.Errorf("%d effects; want 1", n)
-	}
+	require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
+	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
 	selfCommit := pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
 		return tx.Commit()
 	}, pgstore.HandlerOptions{})
-	if err := f.stack(selfCommit, middleware.DedupOptions{}).Handle(ctx, delivery("m2")); !errors.Is(err, pgstore.ErrTxSettled) {
-		t.Errorf("self-committed = %v; want ErrTxSettled", err)
-	}
-	if st := f.status(t, "m2"); st == store.Done {
-		t.Errorf("self-committed key is done; want not marked")
-	}
+	assert.ErrorIs(t, f.stack(selfCommit, middleware.DedupOptions{}).Handle(ctx, delivery("m2")), pgstore.ErrTxSettled, "self-committed")
+	assert.NotEqual(t, store.Done, f.status(t, "m2"), "self-committed key is done; want not marked")
 }
 
 // The recommended stack, with the transactional handler, over many
@@ -573,9 +517,7 @@ func TestStackConcurrentDuplicates(t *testing.T) {
 	close(work)
 	wg.Wait()
 	var rows, distinct int
-	if err := f.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT id) FROM `+f.effects).Scan(&rows, &distinct); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, f.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT id) FROM `+f.effects).Scan(&rows, &distinct))
 	if rows != distinct || distinct != len(uniq(ids)) {
 		t.Errorf("%d effect rows for %d distinct ids; want %d, once each", rows, distinct, len(uniq(ids)))
 	}
@@ -623,15 +565,12 @@ func TestStackAbandonedAttempt(t *testing.T) {
 	if n, c := f.count(t, "m1"), calls.Load(); n != 1 || c != 1 {
 		t.Errorf("after one death: %d effects, %d handler calls; want 1, 1", n, c)
 	}
-	if st := f.status(t, "m1"); st != store.Done {
-		t.Errorf("m1 is %v; want done", st)
-	}
+	assert.Equal(t, store.Done, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 
 	// m2's first death is counted; its second reaches MaxAttempts.
 	calls.Store(0)
-	if _, err := f.st.Fail(ctx, "m2", time.Hour); err != nil {
-		t.Fatal(err)
-	}
+	_, err := f.st.Fail(ctx, "m2", time.Hour)
+	require.NoError(t, err)
 	die("m2")
 	dec := rabbitmw.Decide(h.Handle(ctx, delivery("m2")))
 	if dec.Outcome != rabbitmw.DeadLetter || !errors.Is(dec.Err, middleware.ErrAbandoned) || dec.Attempts != 2 {
@@ -639,6 +578,50 @@ func TestStackAbandonedAttempt(t *testing.T) {
 	}
 	if n, c := f.count(t, "m2"), calls.Load(); n != 0 || c != 0 {
 		t.Errorf("m2 dead-lettered: %d effects, %d handler calls; want 0, 0", n, c)
+	}
+}
+
+// Handler sends the done mark and the COMMIT in one round trip, as a
+// prepared statement when the pool prepares its statements, else parsed
+// each time (a pool behind a pooler in transaction mode sends no named
+// statements): in every mode the effect and the mark commit together, and
+// a mark that finds the claim lost commits nothing.
+func TestHandlerInEveryExecMode(t *testing.T) {
+	for _, mode := range []pgx.QueryExecMode{
+		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+	} {
+		t.Run(mode.String(), func(t *testing.T) {
+			ctx := context.Background()
+			cfg := newPool(t).Config()
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			f := newInbox(t, pool)
+			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if d.MessageId == "lost" {
+					c, _ := middleware.ClaimFrom(ctx)
+					require.NoError(t, f.st.Release(ctx, c.Key(), c.Token()))
+					_, err := f.st.Claim(ctx, c.Key(), "thief", time.Minute)
+					require.NoError(t, err)
+				}
+				return f.insert(ctx, tx, d)
+			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			for range 3 { // a connection's first mark prepares it; the next ones do not
+				require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
+				require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
+				assert.Equal(t, 1, f.count(t, "m1"))
+				assert.Equal(t, store.Done, f.status(t, "m1"))
+				_, err := pool.Exec(ctx, `DELETE FROM `+f.effects)
+				require.NoError(t, err)
+				_, err = pool.Exec(ctx, `TRUNCATE `+strings.TrimSuffix(f.effects, "_effects"))
+				require.NoError(t, err)
+			}
+			err = h.Handle(ctx, delivery("lost"))
+			assert.ErrorIs(t, err, middleware.ErrLeaseLost)
+			assert.Equal(t, 0, f.count(t, "lost"), "effects of a lost claim")
+		})
 	}
 }
 

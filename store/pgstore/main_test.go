@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
@@ -55,9 +56,7 @@ func newPool(t testing.TB) *pgxpool.Pool {
 	t.Helper()
 	url := testenv.PostgresURL(t)
 	pool, err := pgxpool.New(context.Background(), url)
-	if err != nil {
-		t.Fatalf("pgxpool.New(%q): %v", url, err)
-	}
+	require.NoError(t, err, "pgxpool.New(%q)", url)
 	t.Cleanup(pool.Close)
 	return pool
 }
@@ -85,8 +84,6 @@ func newStore(t testing.TB, pool *pgxpool.Pool, opts pgstore.Options) *pgstore.S
 	}
 	s := pgstore.New(pool, opts)
 	t.Cleanup(s.Close)
-	if err := s.Migrate(context.Background()); err != nil {
-		t.Fatalf("Migrate: %v", err)
-	}
+	require.NoError(t, s.Migrate(context.Background()), "Migrate")
 	return s
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"sync/atomic"
 	"time"
 
@@ -32,6 +33,25 @@ type Options struct {
 	// Default 1000; negative turns it off, for a deployment that calls
 	// Prune on a schedule of its own.
 	PruneEvery int
+	// DurableClaims makes each claim wait, as it commits, until
+	// PostgreSQL has flushed it to disk. By default a claim commits
+	// asynchronously (synchronous_commit off for its own transaction
+	// only): it is visible to every other consumer at once, as any
+	// commit, but a crash of the server (not a clean shutdown) may forget
+	// the claims committed in the last moments before it (at most three
+	// times wal_writer_delay, 600 ms by default). Done marks, releases and
+	// the transactions of [Handler] always commit durably, and a durable
+	// commit flushes every claim committed before it.
+	//
+	// What an asynchronous claim costs: with [Handler], nothing; its
+	// effect and done mark commit together, durably. Without it, a
+	// handler that was running when the server crashed may find its claim
+	// gone when the server is back: Dedup then stops it (its lease is
+	// lost) and the redelivery runs it again, so an effect outside the
+	// database may happen twice, as when a consumer dies between its
+	// effect and the done mark. A claim forgotten that way is not
+	// reported abandoned either.
+	DurableClaims bool
 }
 
 // Store is a [store.Store] in PostgreSQL, over a [pgxpool.Pool]. It keeps
@@ -48,7 +68,9 @@ type Options struct {
 // that checks the token and the lease in its WHERE clause; Fail is an
 // upsert that returns the count. Leases, retention and counter expiry are
 // measured by the database's clock (statement_timestamp), never the
-// consumer's.
+// consumer's. A claim commits without waiting for its flush to disk unless
+// [Options].DurableClaims: a delivery through [Handler] then waits for one
+// flush, its transaction's, instead of two.
 //
 // Rows are not deleted when they expire. A row is forgotten, as if absent,
 // at its forget_at: the end of a done mark's retention, AbandonedRetention
@@ -70,6 +92,7 @@ type Store struct {
 	n              names
 	abandoned      time.Duration
 	pruneEvery     int
+	durableClaims  bool
 	claims         atomic.Uint64
 	claimSQL       string
 	extendSQL      string
@@ -80,6 +103,10 @@ type Store struct {
 	pruneClaimsSQL string
 	pruneFailsSQL  string
 	markSQL        string
+	markCommitSQL  string
+	markCommitName string
+	prepareMark    bool
+	rowExistsSQL   string
 	inspectSQL     string
 }
 
@@ -111,6 +138,8 @@ func New(pool *pgxpool.Pool, opts Options) *Store {
 		n:          n,
 		abandoned:  opts.AbandonedRetention,
 		pruneEvery: opts.PruneEvery,
+
+		durableClaims: opts.DurableClaims,
 	}
 	if s.abandoned == 0 {
 		s.abandoned = store.DefaultAbandonedRetention
@@ -147,6 +176,13 @@ func (s *Store) prepare() {
 	// statement changed the row meanwhile, and then the key was processing
 	// during this statement (the other statement took it), the answer
 	// given; or it was done by this statement's clock.
+	// Unless DurableClaims, set_config makes the statement's own
+	// transaction commit asynchronously: the setting is read at commit,
+	// and ends with the transaction.
+	commitMode := "\nFROM (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode"
+	if s.durableClaims {
+		commitMode = ""
+	}
 	s.claimSQL = `WITH taken AS (
   INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
   VALUES ($1, $2, statement_timestamp() + $3::interval, statement_timestamp() + $3::interval + $4::interval)
@@ -159,7 +195,7 @@ func (s *Store) prepare() {
 )
 SELECT COALESCE(
   (SELECT CASE WHEN claimed THEN 1 ELSE 4 END FROM taken),
-  CASE WHEN EXISTS (SELECT FROM ` + c + ` WHERE key = $1 AND token IS NULL AND lease_until > statement_timestamp()) THEN 3 ELSE 2 END)`
+  CASE WHEN EXISTS (SELECT FROM ` + c + ` WHERE key = $1 AND token IS NULL AND lease_until > statement_timestamp()) THEN 3 ELSE 2 END)` + commitMode
 	s.extendSQL = `UPDATE ` + c + `
 SET lease_until = statement_timestamp() + $3::interval, forget_at = statement_timestamp() + $3::interval + $4::interval
 WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
@@ -178,6 +214,26 @@ WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
   RETURNING 1
 )
 SELECT CASE WHEN EXISTS (SELECT FROM marked) THEN 1 WHEN EXISTS (SELECT FROM ` + c + ` WHERE key = $1) THEN 0 ELSE -1 END`
+	// The done mark of Handler over pgx, sent with the COMMIT in one round
+	// trip: the same UPDATE, whose statement fails (division by zero)
+	// when it marks nothing, so that the server skips the COMMIT. count
+	// is not a constant: the division happens only then. $3 is the
+	// retention in microseconds.
+	s.markCommitSQL = `WITH marked AS (
+  UPDATE ` + c + `
+  SET token = NULL, lease_until = clock_timestamp() + $3::bigint * interval '1 microsecond', forget_at = clock_timestamp() + $3::bigint * interval '1 microsecond'
+  WHERE key = $1 AND token = $2 AND lease_until > clock_timestamp()
+  RETURNING 1
+)
+SELECT 1 / (SELECT count(*)::int FROM marked)`
+	sum := fnv.New64a()
+	sum.Write([]byte(s.markCommitSQL))
+	s.markCommitName = fmt.Sprintf("rabbitmw_pgstore_mark_%x", sum.Sum64())
+	switch s.pool.Config().ConnConfig.DefaultQueryExecMode {
+	case pgx.QueryExecModeCacheStatement:
+		s.prepareMark = true
+	}
+	s.rowExistsSQL = `SELECT EXISTS (SELECT FROM ` + c + ` WHERE key = $1)`
 	s.releaseSQL = `DELETE FROM ` + c + ` WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 	s.failSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at) VALUES ($1, 1, statement_timestamp() + $2::interval)
 ON CONFLICT (key) DO UPDATE

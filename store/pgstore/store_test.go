@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
@@ -28,9 +30,8 @@ func TestInspector(t *testing.T) {
 	// An abandoned claim is forgotten AbandonedRetention after its lease.
 	s = newStore(t, pool, pgstore.Options{AbandonedRetention: time.Hour})
 	ctx := context.Background()
-	if _, err := s.Claim(ctx, "k", "t1", time.Millisecond); err != nil {
-		t.Fatal(err)
-	}
+	_, err := s.Claim(ctx, "k", "t1", time.Millisecond)
+	require.NoError(t, err)
 	time.Sleep(50 * time.Millisecond) // waits for the database's clock
 	got, err := s.Inspect(ctx, "k")
 	if err != nil || got.Status != store.Abandoned || got.TTL <= 50*time.Minute || got.TTL > time.Hour {
@@ -53,25 +54,19 @@ func TestPrune(t *testing.T) {
 			t.Fatalf("Claim(%s) = %v, %v", k, st, err)
 		}
 	}
-	if err := s.Complete(ctx, "done", "t1", 50*time.Millisecond); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.Fail(ctx, "failed", 50*time.Millisecond); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.Complete(ctx, "done", "t1", 50*time.Millisecond))
+	_, err := s.Fail(ctx, "failed", 50*time.Millisecond)
+	require.NoError(t, err)
 	if st, err := s.Claim(ctx, "kept", "t1", time.Hour); err != nil || st != store.Claimed {
 		t.Fatalf("Claim(kept) = %v, %v", st, err)
 	}
 	time.Sleep(lease + 200*time.Millisecond) // waits for the database's clock
 	for i := range 7 {                       // the 10th claim prunes
-		if _, err := s.Claim(ctx, "other"+string(rune('a'+i)), "t1", time.Hour); err != nil {
-			t.Fatal(err)
-		}
+		_, err := s.Claim(ctx, "other"+string(rune('a'+i)), "t1", time.Hour)
+		require.NoError(t, err)
 	}
 	var claims, fails int
-	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+table+`), (SELECT count(*) FROM `+table+`_failures)`).Scan(&claims, &fails); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+table+`), (SELECT count(*) FROM `+table+`_failures)`).Scan(&claims, &fails))
 	if claims != 8 || fails != 0 {
 		t.Errorf("after the prune: %d claim rows, %d failure rows; want 8 (kept and 7 others), 0", claims, fails)
 	}
@@ -100,17 +95,14 @@ func TestSchemaQualifiedTable(t *testing.T) {
 	ctx := context.Background()
 	pool := newPool(t)
 	schema := uniqueTable(t, pool)
-	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+schema); err != nil {
-		t.Fatal(err)
-	}
+	_, err := pool.Exec(ctx, `CREATE SCHEMA `+schema)
+	require.NoError(t, err)
 	t.Cleanup(func() { pool.Exec(context.Background(), `DROP SCHEMA `+schema+` CASCADE`) })
 	s := newStore(t, pool, pgstore.Options{Table: schema + ".inbox"})
 	if st, err := s.Claim(ctx, "k", "t1", time.Minute); err != nil || st != store.Claimed {
 		t.Fatalf("Claim = %v, %v; want claimed", st, err)
 	}
-	if err := s.Check(ctx); err != nil {
-		t.Errorf("Check: %v", err)
-	}
+	assert.NoError(t, s.Check(ctx), "Check")
 }
 
 // A table of that name made by something else is refused, with the fix.
@@ -118,9 +110,8 @@ func TestOtherSchema(t *testing.T) {
 	ctx := context.Background()
 	pool := newPool(t)
 	table := uniqueTable(t, pool)
-	if _, err := pool.Exec(ctx, `CREATE TABLE `+table+` (id serial PRIMARY KEY, body text)`); err != nil {
-		t.Fatal(err)
-	}
+	_, err := pool.Exec(ctx, `CREATE TABLE `+table+` (id serial PRIMARY KEY, body text)`)
+	require.NoError(t, err)
 	s := pgstore.New(pool, pgstore.Options{Table: table})
 	defer s.Close()
 	for name, call := range map[string]func(context.Context) error{"Migrate": s.Migrate, "Check": s.Check} {
@@ -140,9 +131,7 @@ func TestOtherSchema(t *testing.T) {
 // A DSN where nothing answers: a clear error at start-up, promptly.
 func TestUnreachable(t *testing.T) {
 	pool, err := pgxpool.New(context.Background(), "postgres://postgres@127.0.0.1:1/test?connect_timeout=2")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer pool.Close()
 	s := pgstore.New(pool, pgstore.Options{})
 	defer s.Close()
@@ -204,14 +193,10 @@ func TestAbandonedWindow(t *testing.T) {
 		"Complete": s.Complete(ctx, "lapsed", "t1", time.Minute),
 		"Release":  s.Release(ctx, "lapsed", "t1"),
 	} {
-		if !errors.Is(err, store.ErrLostClaim) {
-			t.Errorf("%s by the lapsed owner = %v; want ErrLostClaim", name, err)
-		}
+		assert.ErrorIs(t, err, store.ErrLostClaim, "%s by the lapsed owner", name)
 	}
 	claim("lapsed", "t2", store.Abandoned)
-	if err := s.Complete(ctx, "lapsed", "t2", time.Minute); !errors.Is(err, store.ErrLostClaim) {
-		t.Errorf("Complete by the claimer that found it abandoned = %v; want ErrLostClaim", err)
-	}
+	assert.ErrorIs(t, s.Complete(ctx, "lapsed", "t2", time.Minute), store.ErrLostClaim, "Complete by the claimer that found it abandoned")
 	prune(1) // the row that Claim left forgotten
 	claim("lapsed", "t3", store.Claimed)
 
@@ -226,9 +211,7 @@ func TestAbandonedWindow(t *testing.T) {
 
 	// A done mark, with a retention far shorter than the abandoned window.
 	claim("done", "t1", store.Claimed)
-	if err := s.Complete(ctx, "done", "t1", time.Minute); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, s.Complete(ctx, "done", "t1", time.Minute))
 	age(t, pool, table, "done", time.Minute-time.Second)
 	prune(0)
 	claim("done", "t2", store.Done)
@@ -253,5 +236,29 @@ func TestAbandonedWindowPerClaim(t *testing.T) {
 	}
 	if st, err := short.Claim(ctx, "k", "t2", time.Minute); err != nil || st != store.Abandoned {
 		t.Errorf("Claim by the short store = %v, %v; want abandoned", st, err)
+	}
+}
+
+// A claim commits asynchronously unless DurableClaims: its statement sets
+// synchronous_commit off for its own transaction, and only for it.
+func TestClaimCommitMode(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	for _, tc := range []struct {
+		durable bool
+		want    string
+	}{{false, "off"}, {true, "on"}} {
+		s := newStore(t, pool, pgstore.Options{DurableClaims: tc.durable})
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		var st int
+		require.NoError(t, tx.QueryRow(ctx, pgstore.ClaimSQL(s), []byte("k"), []byte("t1"), time.Minute, time.Hour).Scan(&st))
+		var mode string
+		require.NoError(t, tx.QueryRow(ctx, `SHOW synchronous_commit`).Scan(&mode))
+		assert.Equal(t, tc.want, mode, "synchronous_commit in the claim's transaction, DurableClaims %v", tc.durable)
+		require.NoError(t, tx.Rollback(ctx))
+		// The setting ended with the transaction.
+		require.NoError(t, pool.QueryRow(ctx, `SHOW synchronous_commit`).Scan(&mode))
+		assert.Equal(t, "on", mode)
 	}
 }

@@ -255,8 +255,8 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 		retryOpts.Backoff = middleware.Exponential(cfg.backoffMin, cfg.backoffMax)
 	}
 	// The recommended stack, written out rather than built by
-	// middleware.Stack: the suite counts between its layers, and tunes
-	// Dedup's delays.
+	// middleware.Stack: the suite counts between its layers (Dedup's
+	// delays alone are reachable through StackOptions.Dedup).
 	layers := []rabbitmw.Middleware{cnt.observe}
 	if cfg.countDeliveries {
 		layers = append(layers, biz.countDeliveries)
