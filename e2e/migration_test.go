@@ -216,9 +216,7 @@ func (r *migrationRun) stop(p *fleetProcess) {
 	r.t.Helper()
 	p.cancel()
 	<-p.done
-	if p.err != nil {
-		r.t.Fatalf("%v consumer: %v", p.kind, p.err)
-	}
+	require.NoError(r.t, p.err, "%v consumer", p.kind)
 }
 
 // await polls cond until it holds; it fails the test if a consumer of live

@@ -65,9 +65,7 @@ func chainBinary(t *testing.T) string {
 			chainBuild.err = fmt.Errorf("go %s: %v\n%s", strings.Join(args, " "), err, out)
 		}
 	})
-	if chainBuild.err != nil {
-		t.Fatal(chainBuild.err)
-	}
+	require.NoError(t, chainBuild.err)
 	return chainBuild.path
 }
 
@@ -100,9 +98,7 @@ func (c *chainRun) start(slot string) {
 	role := strings.TrimRight(slot, "0123456789")
 	p := &chainProc{name: name, logPath: filepath.Join(c.logDir, name+".log")}
 	logFile, err := os.Create(p.logPath)
-	if err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, err)
 	defer logFile.Close()
 	cmd := exec.Command(c.bin, "-role", role, "-name", name, "-amqp", c.amqpURL, "-pg", c.db.url,
 		"-prefix", c.prefix, "-orders", c.orders, "-shipments", c.shipments, "-delays", "250ms,1s")

@@ -155,7 +155,7 @@ func poisonCases(rng *rand.Rand) []poisonCase {
 	body := random(512)
 	dead, typ := malformed(body)
 	add(poisonCase{name: "no-id-random", msg: amqp.Publishing{Body: body}, dead: dead, reason: "malformed order", errType: typ, attempts: 1, calls: 1, deliveries: 1})
-	add(poisonCase{name: "no-key", msg: amqp.Publishing{}, dead: true, reason: "no idempotency key", errType: "error", attempts: 1, calls: 0, deliveries: 1})
+	add(poisonCase{name: "no-key", msg: amqp.Publishing{}, dead: true, reason: "no idempotency key", errType: "no_key", attempts: 1, calls: 0, deliveries: 1})
 	// The attempt header as a string: Retry reads it as a floor, so the
 	// first failure is past the limit.
 	add(poisonCase{name: "attempts-string", msg: amqp.Publishing{Body: order("fail", 0), Headers: amqp.Table{rabbitmw.HeaderAttempts: "999"}},
@@ -330,9 +330,7 @@ func TestPoisonMalformedXDeath(t *testing.T) {
 	dctx, dcancel := context.WithTimeout(ctx, 10*time.Second)
 	dead, ferr := r.drainDLQ(dctx)
 	dcancel()
-	if ferr != nil {
-		t.Error(ferr)
-	}
+	assert.NoError(t, ferr)
 	got := map[string]int{}
 	for _, d := range dead {
 		name, _ := d.Headers["x-case"].(string)

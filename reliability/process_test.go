@@ -60,9 +60,7 @@ func consumerBinary(t *testing.T) string {
 		}
 		t.Logf("built the consumer (race detector: %t) in %v", raceEnabled, time.Since(began).Round(time.Millisecond))
 	})
-	if build.err != nil {
-		t.Fatal(build.err)
-	}
+	require.NoError(t, build.err)
 	return build.path
 }
 

@@ -84,9 +84,7 @@ func TestDuplicateStorm(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	if pubErr != nil {
-		t.Fatal(pubErr)
-	}
+	require.NoError(t, pubErr)
 	require.NoError(t, r.awaitQuiet(ctx, ids, 2*time.Second))
 	e := r.end(ctx, keys, procs...)
 	e.wantEachOnce(t)
