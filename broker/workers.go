@@ -149,7 +149,7 @@ func (cn *conn) work(hctx context.Context) {
 // is not settled either, the slot is kept (drain counts on it), and handle
 // reports false: the worker must end.
 func (cn *conn) handle(hctx context.Context, d *amqp.Delivery) bool {
-	asPublished(d)
+	asPublished(d, cn.top.queue)
 	dec := cn.decide(hctx, d)
 	if cn.returned() {
 		cn.report(hctx, d, dec.Outcome, errUnsettled)
