@@ -49,7 +49,22 @@ func (t *amqpTransport) String() string {
 	return net.JoinHostPort(t.uri.Host, strconv.Itoa(t.uri.Port)) + "/" + strings.TrimPrefix(t.uri.Vhost, "/")
 }
 
+// Dial connects to the server and opens a session named name.
+//
+// amqp091 reports a socket closed after connection.start-ok without a
+// reply as its ErrCredentials: RabbitMQ closes it so on wrong credentials
+// (amqp091 does not ask for a connection.close there), and so does a
+// network cut. One more handshake tells the two apart: credentials are
+// refused only when both handshakes are.
 func (t *amqpTransport) Dial(ctx context.Context, name string) (session, error) {
+	s, err := t.dialOnce(ctx, name)
+	if err != nil && errors.Is(err, amqp.ErrCredentials) && ctx.Err() == nil {
+		s, err = t.dialOnce(ctx, name)
+	}
+	return s, err
+}
+
+func (t *amqpTransport) dialOnce(ctx context.Context, name string) (session, error) {
 	if t.parseErr != nil {
 		return nil, fmt.Errorf("broker: malformed AMQP URL: %w", t.parseErr)
 	}
@@ -134,6 +149,12 @@ func (t *amqpTransport) dialError(err error) error {
 		return fmt.Errorf("%w: %s: the server's certificate is not trusted: give Options.TLS the CA that signed it (RootCAs) and the name it was issued for (ServerName): %w", ErrCertificate, t, err)
 	case errors.As(err, &alert):
 		return fmt.Errorf("%w: %s: the server refused the TLS handshake (check Options.TLS: the client certificate, and whether the server's CA signed it): %w", ErrCertificate, t, err)
+	}
+	if errors.Is(err, amqp.ErrVhost) {
+		// amqp091's own value for a socket closed after connection.open
+		// without a reply: the network failed. A vhost the server refuses
+		// comes as its connection.close, a distinct *amqp.Error.
+		return fmt.Errorf("%w: %s: the connection closed during the AMQP handshake: %w", ErrUnreachable, t, err)
 	}
 	var ae *amqp.Error
 	if errors.As(err, &ae) {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/clock"
+	"github.com/rabbitmw/rabbitmw/internal/recording"
 )
 
 // run connects, serves the session (serve), and connects again when the
@@ -21,7 +22,9 @@ import (
 func (c *consumer) run(ctx context.Context) error {
 	// Handlers run under hctx, which outlives ctx: it is cancelled only at
 	// the shutdown deadline (by drain), or when Consume returns.
-	hctx, cancelHandlers := context.WithCancel(context.WithoutCancel(ctx))
+	// It carries c.recording, which counts the layers' writes of results
+	// after their handlers returned (see drain).
+	hctx, cancelHandlers := context.WithCancel(recording.With(context.WithoutCancel(ctx), &c.recording))
 	defer cancelHandlers()
 	c.cancelHandlers = cancelHandlers
 	server := slog.String("server", c.b.cfg.serverString)

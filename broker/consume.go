@@ -52,7 +52,8 @@ type ConsumeOptions struct {
 const (
 	// defaultWorkers and the default prefetch (2*Workers) were chosen from
 	// a prefetch × workers sweep (go run ./bench -sweep) against a baseline
-	// since withdrawn; BENCHMARKS.md §6 says they are to be chosen again.
+	// since withdrawn; BENCHMARKS.md §6 has the sweep against a plain
+	// consumer, which they are to be chosen again from.
 	defaultWorkers         = 16
 	defaultShutdownTimeout = 30 * time.Second
 )

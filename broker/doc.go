@@ -144,8 +144,15 @@
 // is cancelled only when ConsumeOptions.ShutdownTimeout has passed after
 // Consume's context was cancelled. A result that comes after that deadline
 // is still settled, once, under a context of its own that lasts two
-// seconds: no copy is published under a context that is done. If some
-// handlers have still not returned a second after the deadline, Consume
+// seconds: no copy is published under a context that is done. A handler
+// whose own code has returned may still be in its layers, writing its
+// result to their store (the done mark and release of middleware.Dedup,
+// the failure count of middleware.Retry, the commit of pgstore's inbox)
+// under a context the cancellation does not end: Consume waits for those
+// writes until their own deadlines (for a done mark, the end of the
+// claim's lease), since a done mark lost when the process exits lets the
+// message's effect repeat. If some handlers have still not returned a
+// second after the deadline, and after those writes, Consume
 // waits up to two seconds more for the settlements in progress, closes the
 // connection (the server requeues the messages of the handlers still
 // running) and returns an error wrapping ErrShutdownTimeout that says how
@@ -153,7 +160,9 @@
 // results are not settled. Every other goroutine of Consume has ended when
 // it returns. A fatal error ends Consume the same way, after the same wait
 // for the handlers in flight. A socket the server no longer reads delays
-// Consume's return by at most about twenty seconds past ShutdownTimeout.
+// Consume's return by at most about twenty seconds past ShutdownTimeout;
+// a store that does not answer the writes above, by at most their
+// deadlines.
 //
 // # Fatal errors
 //

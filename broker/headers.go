@@ -29,7 +29,9 @@ const (
 	// its first delay or dead-letter (or, for a message RabbitMQ
 	// dead-lettered itself, at its replay, from its x-death record), and
 	// kept at later hops. Consume gives them back to the delivery before
-	// the handler runs.
+	// the handler runs, if it came as copies come (through the default
+	// exchange, with the work queue as routing key): a message an
+	// exchange routed keeps its own, whatever headers its producer set.
 	HeaderOriginalExchange   = "x-rabbitmw-original-exchange"
 	HeaderOriginalRoutingKey = "x-rabbitmw-original-routing-key"
 	// HeaderOriginalQueue is the work queue the message was dead-lettered
@@ -53,7 +55,10 @@ const (
 	// republishes (RabbitMQ refuses a publish whose user-id is not the
 	// connection's user, so the copy goes without it). Consume gives it
 	// back to the delivery before the handler runs, as it does
-	// HeaderOriginalExpiration and HeaderOriginalDeliveryMode.
+	// HeaderOriginalExpiration and HeaderOriginalDeliveryMode, under the
+	// same condition as the original route. Unlike the property, the
+	// header is not validated by RabbitMQ: a publisher allowed to publish
+	// straight to the work queue can set it.
 	HeaderUserID = "x-rabbitmw-user-id"
 	// HeaderOriginalExpiration keeps the Expiration property (a per-message
 	// TTL) of a message that the broker copies: no copy carries one, so

@@ -215,7 +215,18 @@ func asCopy(msg amqp.Publishing) amqp.Publishing {
 // RoutingKey from HeaderOriginalExchange and HeaderOriginalRoutingKey,
 // and the properties that [asCopy] keeps in headers. A header of another
 // type, or a property d carries itself, is left alone.
-func asPublished(d *amqp.Delivery) {
+//
+// Only a delivery that came the way copies come is given them: through the
+// default exchange, with queue, the work queue, as routing key. One that an
+// exchange routed there was published by a producer, whose headers may be
+// another message's (forwarded whole): its own route and properties stand,
+// UserId above all, which RabbitMQ validated. (A producer that publishes
+// straight to the queue, through the default exchange, cannot be told from
+// a copy: headers are not authenticated.)
+func asPublished(d *amqp.Delivery, queue string) {
+	if d.Exchange != "" || d.RoutingKey != queue {
+		return
+	}
 	h := d.Headers
 	if ex, ok := h[HeaderOriginalExchange].(string); ok {
 		if key, ok := h[HeaderOriginalRoutingKey].(string); ok {

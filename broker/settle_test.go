@@ -38,13 +38,16 @@ func TestAsPublished(t *testing.T) {
 			HeaderOriginalExchange: []byte("events"), HeaderOriginalRoutingKey: "order.created",
 			HeaderUserID: int32(1), HeaderOriginalExpiration: int64(4000), HeaderOriginalDeliveryMode: int64(7),
 		}}, []any{"", "orders", "", "", uint8(2)}},
-		{"properties the delivery carries", amqp.Delivery{UserId: "bob", Expiration: "9", DeliveryMode: 1, Headers: amqp.Table{
+		{"another queue's copy, forwarded by a producer with its headers", amqp.Delivery{
+			Exchange: "billing", RoutingKey: "invoice.paid", DeliveryMode: 2, Headers: copied.Headers,
+		}, []any{"billing", "invoice.paid", "", "", uint8(2)}},
+		{"properties the delivery carries", amqp.Delivery{RoutingKey: "orders", UserId: "bob", Expiration: "9", DeliveryMode: 1, Headers: amqp.Table{
 			HeaderUserID: "alice", HeaderOriginalExpiration: "4000", HeaderOriginalDeliveryMode: int64(0),
-		}}, []any{"", "", "bob", "9", uint8(1)}},
+		}}, []any{"", "orders", "bob", "9", uint8(1)}},
 	}
 	for _, c := range cases {
 		d := c.d
-		asPublished(&d)
+		asPublished(&d, "orders")
 		assert.Equal(t, c.want, view(d), c.name)
 	}
 }

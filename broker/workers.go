@@ -12,6 +12,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/recording"
 )
 
 // A consumer is one Consume call.
@@ -46,6 +47,11 @@ type consumer struct {
 	handling int  // handlers started and not returned
 	gaveUp   bool // drain stopped waiting for the handlers still running
 
+	// recording counts the writes that the handlers' layers make to
+	// record a result after its handler returned (a done mark), which
+	// drain waits for.
+	recording recording.Tracker
+
 	drainOnce sync.Once
 	drainErr  error
 }
@@ -58,6 +64,9 @@ const (
 	// the shutdown deadline; Consume waits that long, after the grace, for
 	// the settlements in progress.
 	lateSettleTimeout = 2 * time.Second
+	// recordingPoll is how often drain, once the grace has passed, looks
+	// again for the writes of results still in progress.
+	recordingPoll = 50 * time.Millisecond
 )
 
 // errUnsettled is what OnSettle hears of a delivery whose session was gone
@@ -140,7 +149,7 @@ func (cn *conn) work(hctx context.Context) {
 // is not settled either, the slot is kept (drain counts on it), and handle
 // reports false: the worker must end.
 func (cn *conn) handle(hctx context.Context, d *amqp.Delivery) bool {
-	asPublished(d)
+	asPublished(d, cn.top.queue)
 	dec := cn.decide(hctx, d)
 	if cn.returned() {
 		cn.report(hctx, d, dec.Outcome, errUnsettled)
@@ -216,6 +225,19 @@ func (c *consumer) awaitHandlers() error {
 	c.cancelHandlers()
 	if take(c.workers, shutdownGrace) {
 		return nil
+	}
+	// A handler that returned may leave its layers writing its result
+	// (Dedup's done mark) to a store that is slow to answer: wait for
+	// those writes until their own deadlines, for the process exits once
+	// Consume returns, and a done mark lost then lets the effect repeat.
+	for {
+		n, until := c.recording.Pending()
+		if n == 0 || !time.Now().Before(until) {
+			break
+		}
+		if take(c.workers, min(time.Until(until), recordingPoll)) {
+			return nil
+		}
 	}
 	// The handlers still running keep their slots (see handle); the other
 	// slots are held by settlements, until they end.

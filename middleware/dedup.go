@@ -12,6 +12,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/clock"
+	"github.com/rabbitmw/rabbitmw/internal/recording"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -117,7 +118,9 @@ type DedupOptions struct {
 // still be marked done, or released, rather than be redelivered to wait
 // out its lease and run again. Each is bounded instead: the done mark by
 // the end of the lease, the release by UnavailableDelay and the end of the
-// lease, at least a second each. Dedup panics if s is nil.
+// lease, at least a second each. A consumer of package broker that stops
+// waits for them, up to those bounds, before it returns and lets its
+// process exit. Dedup panics if s is nil.
 func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	if s == nil {
 		panic("middleware: Dedup: nil store")
@@ -418,8 +421,12 @@ func atLeastASecond(deadline time.Time) time.Time {
 // context at its shutdown deadline, possibly just as a handler returns;
 // the done mark, release or failure count of that handler must still be
 // written, or the message would be redelivered, wait out its lease, and
-// run again. Its timer is made only if a store call asks for Done; end
-// releases it.
+// run again. So the consumer that runs the handler, if it tracks such
+// writes (package broker does), waits for it until deadline before it
+// returns and lets its process exit. Its timer is made only if a store
+// call asks for Done; end releases it, and must be called.
 func settling(ctx context.Context, deadline time.Time) *lazyContext {
-	return newLazyDeadline(context.WithoutCancel(ctx), deadline)
+	c := newLazyDeadline(context.WithoutCancel(ctx), deadline)
+	c.recording = recording.Begin(ctx, deadline)
+	return c
 }

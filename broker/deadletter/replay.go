@@ -390,10 +390,13 @@ func firstRoute(h amqp.Table) {
 		exchange, ok := r["exchange"].(string)
 		keys, _ := r["routing-keys"].([]any)
 		var key string
-		if len(keys) > 0 {
-			key, _ = keys[0].(string)
+		if ok && len(keys) > 0 {
+			// An empty key is a key: a fanout exchange's, for one.
+			key, ok = keys[0].(string)
+		} else {
+			ok = false
 		}
-		if _, done := h[broker.HeaderOriginalExchange]; ok && key != "" && !done {
+		if _, done := h[broker.HeaderOriginalExchange]; ok && !done {
 			if _, done := h[broker.HeaderOriginalRoutingKey]; !done {
 				h[broker.HeaderOriginalExchange] = exchange
 				h[broker.HeaderOriginalRoutingKey] = key

@@ -45,6 +45,9 @@ func TestReplayHeadersFirstRoute(t *testing.T) {
 			record("orders", "expired", "events", []any{"order.cancelled"}, "1500"),
 		}}, amqp.Table{broker.HeaderOriginalExchange: "other", broker.HeaderOriginalRoutingKey: "k", broker.HeaderOriginalExpiration: "9"}),
 			route{"other", "k", "9"}},
+		{"an empty routing key, as to a fanout exchange", with(amqp.Table{"x-death": []any{
+			record("orders", "rejected", "events", []any{""}, nil),
+		}}, amqp.Table{"x-first-death-reason": "rejected"}), route{"events", "", nil}},
 		{"no routing key", with(amqp.Table{"x-death": []any{
 			record("orders", "expired", "events", []any{}, nil),
 		}}, nil), route{}},

@@ -42,7 +42,7 @@ func TestOutboxCommands(t *testing.T) {
 		}
 		return nil
 	}))
-	_, err = ob.Dispatch(ctx, 10, false, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+	_, err = ob.Dispatch(ctx, pgstore.DispatchOptions{Limit: 10}, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
 		for i, m := range msgs {
 			switch m.Publishing.MessageId {
 			case "sent-1":

@@ -37,7 +37,8 @@ const startTimeout = 90 * time.Second
 
 // A Config says what is particular to a node.
 type Config struct {
-	// Name is the node's short name: the node is Name@localhost.
+	// Name is the node's short name: the node is Name-<pid>@localhost,
+	// pid the test process's.
 	Name string
 	// Conf is appended to the node's rabbitmq.conf (which sets the
 	// listener and the log). "{{port}}" in it is replaced by the node's
@@ -100,7 +101,9 @@ func Start(t testing.TB, dir string, cfg Config) *Node {
 // prepare writes a node's files, and arranges its removal.
 func prepare(t testing.TB, dir string, cfg Config) *Node {
 	t.Helper()
-	n := &Node{t: t, cfg: cfg, Name: cfg.Name + "@localhost", dir: filepath.Join(dir, cfg.Name), home: dir}
+	// The process id in the name keeps two test processes that start a
+	// node of the same Config (two runs of the suite at once) apart.
+	n := &Node{t: t, cfg: cfg, Name: cfg.Name + "-" + strconv.Itoa(os.Getpid()) + "@localhost", dir: filepath.Join(dir, cfg.Name), home: dir}
 	for _, d := range []string{"mnesia", "log"} {
 		if err := os.MkdirAll(filepath.Join(n.dir, d), 0o755); err != nil {
 			t.Fatal(err)

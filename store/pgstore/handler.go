@@ -17,6 +17,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/recording"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -382,8 +383,12 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 	// shutdown deadline, the Timeout layer, Dedup unsure of its lease):
 	// the mark checks the claim's owner and lease on the database's clock,
 	// and once it is written the transaction holds the claim's row.
+	// A consumer that stops waits for them (see package recording) before
+	// it lets its process exit.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
 	defer cancel()
+	rec := recording.Begin(ctx, time.Now().Add(h.commitTimeout))
+	defer rec.End()
 	marked, err, cerr := t.markAndCommit(sctx, []byte(key), []byte(c.Token()), c.Retention())
 	switch {
 	case err != nil && ctx.Err() != nil && !lost(t, err) && !isPgError(err):

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -47,6 +48,23 @@ type OutboxResult struct {
 	Failed error
 }
 
+// DispatchOptions configures one [Outbox.Dispatch]. The zero value selects
+// the defaults.
+type DispatchOptions struct {
+	// Limit is the most rows taken. Default 100.
+	Limit int
+	// DeleteSent deletes the rows sent instead of marking them.
+	DeleteSent bool
+	// HoldFor, if positive, bounds how long the dispatch may hold its rows
+	// while send runs: past it, PostgreSQL ends the dispatch's session
+	// (idle_in_transaction_session_timeout, for this transaction), its
+	// rows go back to pending for another dispatch to send, and this one's
+	// results are not recorded (Dispatch returns an error). So a relay
+	// that stalls (a frozen process, a network that stops answering) does
+	// not hold its rows for ever. Choose it above the longest send.
+	HoldFor time.Duration
+}
+
 // A DispatchResult counts the rows of one [Outbox.Dispatch].
 type DispatchResult struct {
 	Taken, Sent, Parked, Failed int
@@ -84,10 +102,10 @@ func (o *Outbox) markSQL(state string) string {
 FROM unnest($1::bigint[], $2::text[]) AS x (id, error) WHERE t.id = x.id`
 }
 
-// Dispatch takes up to limit pending rows in id order, skipping those that
-// another Dispatch holds, calls send with them and a results slice of the
-// same length, and records the results: rows sent are marked sent (or
-// deleted, if deleteSent), rows parked are parked, the others stay
+// Dispatch takes up to opts.Limit pending rows in id order, skipping those
+// that another Dispatch holds, calls send with them and a results slice of
+// the same length, and records the results: rows sent are marked sent (or
+// deleted, with DeleteSent), rows parked are parked, the others stay
 // pending. It all happens in one transaction, which holds the rows locked
 // from the take to the commit: a send function that publishes with
 // confirms therefore marks a row sent only after its confirm, and a
@@ -107,14 +125,21 @@ FROM unnest($1::bigint[], $2::text[]) AS x (id, error) WHERE t.id = x.id`
 // write-ahead log's flush (synchronous_commit off, for this transaction
 // only), since a lost mark costs a copy that the consumers' Dedup
 // absorbs, and the flush would cost each dispatch a disk write's wait.
-func (o *Outbox) Dispatch(ctx context.Context, limit int, deleteSent bool, send func(ctx context.Context, msgs []OutboxMessage, results []OutboxResult)) (DispatchResult, error) {
+func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(ctx context.Context, msgs []OutboxMessage, results []OutboxResult)) (DispatchResult, error) {
 	var res DispatchResult
+	limit, deleteSent := opts.Limit, opts.DeleteSent
 	if limit <= 0 {
-		return res, nil
+		limit = 100
 	}
 	tx, err := o.pool.Begin(ctx)
 	if err != nil {
 		return res, o.unreachable("dispatch", err)
+	}
+	if opts.HoldFor > 0 {
+		ms := strconv.FormatInt(max(1, opts.HoldFor.Milliseconds()), 10)
+		if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`, ms); err != nil {
+			return res, o.unreachable("dispatch", err)
+		}
 	}
 	defer func() {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)

@@ -48,7 +48,7 @@ func write(t *testing.T, pool *pgxpool.Pool, ob *pgstore.Outbox, key string, msg
 func collect(t *testing.T, ob *pgstore.Outbox, limit int, answer func(pgstore.OutboxMessage) pgstore.OutboxResult) ([]pgstore.OutboxMessage, pgstore.DispatchResult) {
 	t.Helper()
 	var got []pgstore.OutboxMessage
-	res, err := ob.Dispatch(context.Background(), limit, false, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+	res, err := ob.Dispatch(context.Background(), pgstore.DispatchOptions{Limit: limit}, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
 		got = append(got, msgs...)
 		for i := range msgs {
 			results[i] = answer(msgs[i])
@@ -238,7 +238,7 @@ func TestOutboxDispatchWithoutCommitLeavesRowsPending(t *testing.T) {
 	pool := newPool(t)
 	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
 	write(t, pool, ob, "q", amqp.Publishing{MessageId: "m"})
-	_, err := ob.Dispatch(context.Background(), 10, false, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+	_, err := ob.Dispatch(context.Background(), pgstore.DispatchOptions{Limit: 10}, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
 		results[0].Sent = true
 		// The relay's connection dies after the confirm, before the
 		// commit. pg_terminate_backend waits until it has gone, and its
@@ -275,7 +275,7 @@ func TestOutboxDispatchesShareRows(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for {
-				res, err := ob.Dispatch(ctx, 7, true, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+				res, err := ob.Dispatch(ctx, pgstore.DispatchOptions{Limit: 7, DeleteSent: true}, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
 					time.Sleep(time.Millisecond) // a publish's round trip, so that the dispatches overlap
 					mu.Lock()
 					for i, m := range msgs {
@@ -314,4 +314,37 @@ func TestOutboxSchemaMismatch(t *testing.T) {
 	require.ErrorIs(t, missing.Check(context.Background()), pgstore.ErrSchema)
 	assert.Contains(t, pgstore.OutboxSchema("shop.outbox"), `CREATE TABLE IF NOT EXISTS "shop"."outbox"`)
 	assert.Panics(t, func() { pgstore.OutboxSchema("Bad Name") })
+}
+
+// A dispatch that stalls holding its rows (its process frozen, its
+// network cut) loses them once HoldFor has passed: PostgreSQL ends its
+// session, another dispatch sends the rows, and the stalled one's results
+// are not recorded.
+func TestOutboxStalledDispatchReleasesItsRows(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: "m"})
+	taken := make(chan struct{})
+	resume := make(chan struct{})
+	stalled := make(chan error, 1)
+	go func() {
+		_, err := ob.Dispatch(context.Background(), pgstore.DispatchOptions{Limit: 10, HoldFor: 300 * time.Millisecond}, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+			close(taken)
+			<-resume // frozen until the other dispatch has sent the row
+			results[0].Sent = true
+		})
+		stalled <- err
+	}()
+	<-taken
+	var got []pgstore.OutboxMessage
+	require.Eventually(t, func() bool {
+		got, _ = collect(t, ob, 10, sent)
+		return len(got) == 1
+	}, 10*time.Second, 50*time.Millisecond, "another dispatch takes the stalled one's row")
+	assert.Equal(t, "m", got[0].Publishing.MessageId)
+	close(resume)
+	require.Error(t, <-stalled, "the stalled dispatch's session was ended: its results are not recorded")
+	s, err := ob.Stats(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, pgstore.OutboxStats{Sent: 1}, s)
 }

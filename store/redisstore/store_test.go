@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -39,9 +38,7 @@ func TestConformanceMiniredis(t *testing.T) {
 			storetest.Run(t, func(t *testing.T) store.Store {
 				_, c := newMiniredis(t)
 				s := redisstore.New(c, redisstore.Options{NoBatching: noBatching})
-				if got := s.Batched(); got == noBatching {
-					t.Fatalf("store batched %v with NoBatching %v; want %v", got, noBatching, !noBatching)
-				}
+				require.Equal(t, !noBatching, s.Batched(), "batched with NoBatching %v", noBatching)
 				return s
 			})
 		})
@@ -86,9 +83,7 @@ func TestNewBatches(t *testing.T) {
 		{"a wrapper", &oldRedis{Client: c}, redisstore.Options{}, false},
 		{"a Batcher", redisstore.NewBatcher(c, redisstore.BatcherOptions{}), redisstore.Options{}, false},
 	} {
-		if got := redisstore.New(tc.client, tc.opts).Batched(); got != tc.want {
-			t.Errorf("New(%s, %+v) batched %v; want %v", tc.name, tc.opts, got, tc.want)
-		}
+		assert.Equal(t, tc.want, redisstore.New(tc.client, tc.opts).Batched(), "New(%s, %+v) batched", tc.name, tc.opts)
 	}
 }
 
@@ -111,16 +106,11 @@ func TestNewBatchOptions(t *testing.T) {
 		g.open <- struct{}{}
 	}
 	wg.Wait()
-	if sz := g.Sizes(); !slices.Equal(sz, []int{1, 2, 1}) {
-		t.Errorf("pipeline sizes = %v; want [1 2 1]", sz)
-	}
+	assert.Equal(t, []int{1, 2, 1}, g.Sizes(), "pipeline sizes")
 
-	defer func() {
-		if r := recover(); r == nil || !strings.HasPrefix(fmt.Sprint(r), "redisstore: New: negative") {
-			t.Errorf("New with a negative MaxBatch panicked with %v; want a redisstore: New panic", r)
-		}
-	}()
-	redisstore.New(c, redisstore.Options{Batch: redisstore.BatcherOptions{MaxBatch: -1}})
+	assert.PanicsWithValue(t, "redisstore: New: negative Batch.MaxBatch -1", func() {
+		redisstore.New(c, redisstore.Options{Batch: redisstore.BatcherOptions{MaxBatch: -1}})
+	})
 }
 
 // The default layout is the one hand-written consumers use, so both can
@@ -130,30 +120,30 @@ func TestLegacyLayout(t *testing.T) {
 	m, c := newMiniredis(t)
 	s := redisstore.New(c, redisstore.Options{})
 	ctx := context.Background()
+	claim := func(key string) store.Status {
+		t.Helper()
+		st, err := s.Claim(ctx, key, "tok", time.Minute)
+		require.NoError(t, err, "Claim(%s)", key)
+		return st
+	}
 
 	// Our claim is visible to a hand-written consumer as "not done".
-	if got, err := s.Claim(ctx, "a", "tok", time.Minute); err != nil || got != store.Claimed {
-		t.Fatalf("Claim(a) = %v, %v; want claimed", got, err)
-	}
-	if v, _ := m.Get("msg:a"); v == "done" || v == "" {
-		t.Fatalf("msg:a = %q while processing; want a token that is not \"done\"", v)
-	}
-	if ttl, want := m.TTL("msg:a"), time.Minute+store.DefaultAbandonedRetention; ttl <= store.DefaultAbandonedRetention || ttl > want {
-		t.Fatalf("TTL(msg:a) = %v; want %v, the lease and the abandoned retention, set with the claim", ttl, want)
-	}
+	require.Equal(t, store.Claimed, claim("a"), "Claim(a)")
+	v, _ := m.Get("msg:a")
+	require.NotContains(t, []string{"done", ""}, v, "msg:a while processing: a token that is not \"done\"")
+	ttl, want := m.TTL("msg:a"), time.Minute+store.DefaultAbandonedRetention
+	require.True(t, ttl > store.DefaultAbandonedRetention && ttl <= want,
+		"TTL(msg:a) = %v; want %v, the lease and the abandoned retention, set with the claim", ttl, want)
 	require.NoError(t, s.Complete(ctx, "a", "tok", 24*time.Hour))
-	if v, _ := m.Get("msg:a"); v != "done" {
-		t.Fatalf("msg:a = %q after Complete; want \"done\"", v)
-	}
+	v, _ = m.Get("msg:a")
+	require.Equal(t, "done", v, "msg:a after Complete")
 
 	// A hand-written consumer's marks are honoured.
 	m.Set("msg:b", "done")
 	m.Set("msg:c", "processing")
 	m.SetTTL("msg:c", 300*time.Second)
 	for key, want := range map[string]store.Status{"b": store.Done, "c": store.Processing} {
-		if got, err := s.Claim(ctx, key, "tok", time.Minute); err != nil || got != want {
-			t.Fatalf("Claim(%s) = %v, %v; want %v", key, got, err, want)
-		}
+		require.Equal(t, want, claim(key), "Claim(%s)", key)
 	}
 	// Its claims cannot be stolen: no token of ours owns them, not even
 	// one spelt as the mark.
@@ -163,32 +153,24 @@ func TestLegacyLayout(t *testing.T) {
 	// It keeps its meaning to the end: processing until it expires, then
 	// absent, never abandoned (its consumer's crash is not ours to count).
 	m.FastForward(299 * time.Second)
-	if got, err := s.Claim(ctx, "c", "tok", time.Minute); err != nil || got != store.Processing {
-		t.Fatalf("Claim(c) near the end of its EXPIRE = %v, %v; want processing", got, err)
-	}
+	require.Equal(t, store.Processing, claim("c"), "Claim(c) near the end of its EXPIRE")
 	m.FastForward(2 * time.Second)
-	if got, err := s.Claim(ctx, "c", "tok", time.Minute); err != nil || got != store.Claimed {
-		t.Fatalf("Claim(c) after its EXPIRE = %v, %v; want claimed", got, err)
-	}
+	require.Equal(t, store.Claimed, claim("c"), "Claim(c) after its EXPIRE")
 
 	// SETNX without EXPIRE (a crash between the two) would block the
 	// message forever; Claim gives the orphan a lease instead.
 	m.Set("msg:d", "processing")
-	if got, err := s.Claim(ctx, "d", "tok", time.Minute); err != nil || got != store.Processing {
-		t.Fatalf("Claim(d) = %v, %v; want processing", got, err)
-	}
-	if ttl := m.TTL("msg:d"); ttl <= 0 || ttl > time.Minute {
-		t.Fatalf("TTL(msg:d) = %v after Claim; want the orphan to get the lease", ttl)
-	}
+	require.Equal(t, store.Processing, claim("d"), "Claim(d)")
+	ttl = m.TTL("msg:d")
+	require.True(t, ttl > 0 && ttl <= time.Minute, "TTL(msg:d) = %v after Claim; want the orphan to get the lease", ttl)
 
 	// Failure counts share retry:<id> with INCR-based counters.
 	m.Set("retry:e", "3")
-	if n, err := s.Fail(ctx, "e", time.Hour); err != nil || n != 4 {
-		t.Fatalf("Fail(e) = %d, %v; want 4", n, err)
-	}
-	if err := s.ResetFailures(ctx, "e"); err != nil || m.Exists("retry:e") {
-		t.Fatalf("ResetFailures(e) = %v, exists %v; want the key deleted", err, m.Exists("retry:e"))
-	}
+	n, err := s.Fail(ctx, "e", time.Hour)
+	require.NoError(t, err)
+	require.EqualValues(t, 4, n, "Fail(e)")
+	require.NoError(t, s.ResetFailures(ctx, "e"))
+	require.False(t, m.Exists("retry:e"), "retry:e after ResetFailures")
 }
 
 func TestPrefixes(t *testing.T) {
@@ -199,10 +181,7 @@ func TestPrefixes(t *testing.T) {
 	require.NoError(t, err)
 	_, err = s.Fail(ctx, "x", time.Minute)
 	require.NoError(t, err)
-	keys := strings.Join(m.Keys(), ",")
-	if keys != "billing:m/x,billing:r/x" {
-		t.Fatalf("keys = %s; want billing:m/x,billing:r/x", keys)
-	}
+	require.ElementsMatch(t, []string{"billing:m/x", "billing:r/x"}, m.Keys())
 }
 
 // Each state change is one round trip once Load has cached the scripts,
@@ -232,9 +211,7 @@ func TestRoundTrips(t *testing.T) {
 	} {
 		before := rt.Count()
 		require.NoError(t, tc.call(), "%s", tc.name)
-		if got := rt.Count() - before; got != tc.want {
-			t.Errorf("%s took %d round trips; want %d", tc.name, got, tc.want)
-		}
+		assert.Equal(t, tc.want, rt.Count()-before, "%s: round trips", tc.name)
 	}
 }
 
@@ -289,9 +266,7 @@ func TestAbandonedClaims(t *testing.T) {
 	}
 	m.FastForward(time.Minute)
 	require.ErrorIs(t, s.Extend(ctx, "a", "tok", time.Minute), store.ErrLostClaim, "Extend after the lease")
-	if !m.Exists("msg:a") {
-		t.Fatal("msg:a gone with the lease; want it kept for the abandoned retention")
-	}
+	require.True(t, m.Exists("msg:a"), "msg:a gone with the lease; want it kept for the abandoned retention")
 	for i, want := range []store.Status{store.Abandoned, store.Claimed} {
 		if got, err := s.Claim(ctx, "a", "tok2", time.Minute); err != nil || got != want {
 			t.Fatalf("Claim %d of a after its lease = %v, %v; want %v", i+1, got, err, want)
@@ -412,21 +387,16 @@ func TestClaimCommands(t *testing.T) {
 		if err != nil || got != tc.want {
 			t.Errorf("Claim(%s) of %s = %v, %v; want %v", tc.key, tc.name, got, err, tc.want)
 		}
-		if cmds := rec.take(); !slices.Equal(cmds, tc.cmds) {
-			t.Errorf("Claim(%s) of %s sent %v; want %v", tc.key, tc.name, cmds, tc.cmds)
-		}
+		assert.Equal(t, tc.cmds, rec.take(), "Claim(%s) of %s sent", tc.key, tc.name)
 	}
 	require.NoError(t, s.Complete(ctx, "a", "tok2", time.Hour))
 	rec.take()
 	if got, err := s.Claim(ctx, "a", "tok3", time.Minute); err != nil || got != store.Done {
 		t.Errorf("Claim(a) of done = %v, %v; want done", got, err)
 	}
-	if cmds := rec.take(); !slices.Equal(cmds, []string{"set"}) {
-		t.Errorf("Claim(a) of done sent %v; want [set]", cmds)
-	}
-	if v, _ := m.Get("msg:a"); v != "done" {
-		t.Errorf("msg:a = %q after a Claim of done; want \"done\" untouched", v)
-	}
+	assert.Equal(t, []string{"set"}, rec.take(), "Claim(a) of done sent")
+	v, _ := m.Get("msg:a")
+	assert.Equal(t, "done", v, "msg:a after a Claim of done, untouched")
 }
 
 // oldRedis is a Client whose SETs are answered as Redis 6.2 answers SET
@@ -463,9 +433,7 @@ func TestClaimBeforeRedis7(t *testing.T) {
 			t.Fatalf("Claim %d = %v, %v; want %v", i+1, got, err, want)
 		}
 	}
-	if n := old.sets.Load(); n != 1 {
-		t.Errorf("%d SETs tried; want 1, the one refused", n)
-	}
+	assert.EqualValues(t, 1, old.sets.Load(), "SETs tried: the one refused")
 	storetest.Run(t, func(t *testing.T) store.Store {
 		_, c := newMiniredis(t)
 		return redisstore.New(&oldRedis{Client: c}, redisstore.Options{})

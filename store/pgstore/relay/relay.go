@@ -50,7 +50,11 @@
 // Any number of relays may run on one outbox, in one process or many:
 // SKIP LOCKED makes each take rows the others do not hold, so in the steady
 // state no row is sent twice, and the relays share the load; a relay that
-// dies releases its rows with its connection, and the others send them. This
+// dies releases its rows with its connection, and the others send them,
+// and one that stalls holding them (a frozen process, a network that
+// stops answering) loses them to the others after PublishTimeout +
+// StopTimeout + 15 s, when PostgreSQL ends its idle transaction
+// ([pgstore.DispatchOptions].HoldFor). This
 // is chosen over one leader elected by an advisory lock, which would keep a
 // strict order but sends from one process alone, and leaves the outbox
 // idle from a leader's death until another takes over.
@@ -117,8 +121,8 @@ type Options struct {
 	// taking rows the others do not hold (SKIP LOCKED): while one waits
 	// for its confirms, another reads and records its rows. Default 2.
 	Senders int
-	// PollInterval is how often the relay looks for pending rows when no
-	// notification came. Default 1s.
+	// PollInterval is how often each of the relay's Senders looks for
+	// pending rows when no notification came. Default 1s.
 	PollInterval time.Duration
 	// NoListen turns the notifications off: the relay polls alone (for a
 	// connection pooler in transaction mode, which cannot LISTEN).
@@ -310,7 +314,11 @@ func (r *Relay) backoff(n int) time.Duration {
 // are on their way.
 func (r *Relay) dispatch(ctx context.Context) (pgstore.DispatchResult, error) {
 	var closed error
-	res, err := r.ob.Dispatch(ctx, r.batch, r.retention < 0, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+	// The rows are held past the longest send (PublishTimeout, then
+	// StopTimeout) and the recording's own bound, and no longer: a relay
+	// that stalls gives them up to the others.
+	hold := r.publishTimeout + r.stopAfter + 15*time.Second
+	res, err := r.ob.Dispatch(ctx, pgstore.DispatchOptions{Limit: r.batch, DeleteSent: r.retention < 0, HoldFor: hold}, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
 		pctx, cancel := context.WithTimeoutCause(context.WithoutCancel(ctx), r.publishTimeout, errors.New("relay: PublishTimeout passed before the confirm came"))
 		defer cancel()
 		stop := context.AfterFunc(ctx, func() {
