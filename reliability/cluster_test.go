@@ -26,7 +26,6 @@ package reliability_test
 import (
 	"context"
 	"fmt"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -48,16 +47,13 @@ type cluster struct {
 	urls  []string
 }
 
-// startCluster starts a cluster of nodes named prefix, the process id
-// and their number: names of their own, so that tests run at once (by
-// one engineer or several on one machine) do not collide.
-func startCluster(t *testing.T, prefix string) *cluster {
+func startCluster(t *testing.T) *cluster {
 	t.Helper()
 	began := time.Now()
 	dir := rabbitnode.Dir(t)
 	var cfgs []rabbitnode.Config
 	for i := 1; i <= 3; i++ {
-		cfgs = append(cfgs, rabbitnode.Config{Name: prefix + strconv.Itoa(os.Getpid()) + "n" + strconv.Itoa(i)})
+		cfgs = append(cfgs, rabbitnode.Config{Name: "rmwc" + strconv.Itoa(i)})
 	}
 	c := &cluster{nodes: rabbitnode.StartAll(t, dir, cfgs...)}
 	for _, n := range c.nodes[1:] {
@@ -279,7 +275,7 @@ type clusterScenario struct {
 // TestCluster runs the four scenarios on one cluster.
 func TestCluster(t *testing.T) {
 	requireCtl(t)
-	c := startCluster(t, "rmwc")
+	c := startCluster(t)
 	for _, sc := range []clusterScenario{
 		{"a", killConsumersNode, "from the SIGKILL"},
 		{"b", killLeader, "from the SIGKILL"},

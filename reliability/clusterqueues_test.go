@@ -26,7 +26,7 @@ import (
 // dead-letter and delay copies.
 func TestClusterSupportQueuesOutliveANode(t *testing.T) {
 	requireCtl(t)
-	c := startCluster(t, "rmwsq")
+	c := startCluster(t)
 	queue := "rmw-support-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	topo := broker.Topology{Quorum: true, QuorumSupport: true, Delays: []time.Duration{time.Second}}
 	qs, err := topo.Queues(queue)
