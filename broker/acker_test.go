@@ -11,6 +11,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // A modelChannel is an amqp.Acknowledger that settles deliveries 1 to n as
@@ -163,9 +165,7 @@ func TestAckerBookkeeping(t *testing.T) {
 						continue
 					}
 					tag, err := strconv.ParseUint(step[1:], 10, 64)
-					if err != nil {
-						t.Fatalf("step %q", step)
-					}
+					require.NoError(t, err, "step %q", step)
 					ch.mu.Lock()
 					if ch.settled[tag] == 0 {
 						ch.unacked[tag] = true
@@ -175,13 +175,13 @@ func TestAckerBookkeeping(t *testing.T) {
 					a.adopt(d)
 					switch step[0] {
 					case 'a':
-						noErr(t, "ackLater", ackLater(d))
+						require.NoError(t, ackLater(d), "ackLater")
 					case 'n':
-						noErr(t, "Nack", d.Nack(false, true))
+						require.NoError(t, d.Nack(false, true), "Nack")
 					case 'r':
-						noErr(t, "Reject", d.Reject(false))
+						require.NoError(t, d.Reject(false), "Reject")
 					case 'c':
-						noErr(t, "Ack", d.Ack(false))
+						require.NoError(t, d.Ack(false), "Ack")
 					}
 					frames = append(frames, ch.takeFrames()...)
 				}
@@ -223,36 +223,36 @@ func TestAckerGoroutine(t *testing.T) {
 			ds[tag] = &amqp.Delivery{Acknowledger: ch, DeliveryTag: uint64(tag)}
 			a.adopt(ds[tag])
 		}
-		noErr(t, "ackLater", ackLater(ds[1]))
-		noErr(t, "ackLater", ackLater(ds[2]))
+		require.NoError(t, ackLater(ds[1]), "ackLater")
+		require.NoError(t, ackLater(ds[2]), "ackLater")
 		start := time.Now()
 		synctest.Wait()
-		equal(t, "frames while the run is kept", ch.takeFrames(), []string(nil))
+		assert.Equal(t, []string(nil), ch.takeFrames(), "frames while the run is kept")
 		time.Sleep(maxHoldAck - time.Nanosecond)
 		synctest.Wait()
-		equal(t, "frames just before the bound", ch.takeFrames(), []string(nil))
+		assert.Equal(t, []string(nil), ch.takeFrames(), "frames just before the bound")
 		time.Sleep(time.Nanosecond)
 		synctest.Wait()
-		equal(t, "frames at the bound", ch.takeFrames(), []string{"ack 2 multiple"})
-		equal(t, "kept for", time.Since(start), maxHoldAck)
+		assert.Equal(t, []string{"ack 2 multiple"}, ch.takeFrames(), "frames at the bound")
+		assert.Equal(t, maxHoldAck, time.Since(start), "kept for")
 
-		noErr(t, "ackLater", ackLater(ds[4]))
+		require.NoError(t, ackLater(ds[4]), "ackLater")
 		synctest.Wait()
-		equal(t, "frames while 4 is held", ch.takeFrames(), []string(nil))
+		assert.Equal(t, []string(nil), ch.takeFrames(), "frames while 4 is held")
 		time.Sleep(maxHoldAck)
 		synctest.Wait()
-		equal(t, "frames at the bound", ch.takeFrames(), []string{"ack 4"})
+		assert.Equal(t, []string{"ack 4"}, ch.takeFrames(), "frames at the bound")
 
 		for tag := 3; tag <= n-1; tag++ {
 			if tag != 4 {
-				noErr(t, "ackLater", ackLater(ds[tag]))
+				require.NoError(t, ackLater(ds[tag]), "ackLater")
 			}
 		}
 		synctest.Wait()
-		equal(t, "frames with 15 acks kept", ch.takeFrames(), []string(nil))
-		noErr(t, "ackLater", ackLater(ds[n]))
+		assert.Equal(t, []string(nil), ch.takeFrames(), "frames with 15 acks kept")
+		require.NoError(t, ackLater(ds[n]), "ackLater")
 		synctest.Wait()
-		equal(t, "frames with 16 acks kept", ch.takeFrames(), []string{"ack 19 multiple"})
+		assert.Equal(t, []string{"ack 19 multiple"}, ch.takeFrames(), "frames with 16 acks kept")
 		ch.check(t, n)
 	})
 }
@@ -267,12 +267,12 @@ func TestAckerClose(t *testing.T) {
 			ds[tag] = &amqp.Delivery{Acknowledger: ch, DeliveryTag: uint64(tag)}
 			a.adopt(ds[tag])
 		}
-		noErr(t, "ackLater", ackLater(ds[2]))
+		require.NoError(t, ackLater(ds[2]), "ackLater")
 		a.close()
-		equal(t, "frames sent by close", ch.takeFrames(), []string{"ack 2"})
-		isErr(t, "ackLater after close", ackLater(ds[1]), amqp.ErrClosed)
+		assert.Equal(t, []string{"ack 2"}, ch.takeFrames(), "frames sent by close")
+		require.ErrorIs(t, ackLater(ds[1]), amqp.ErrClosed, "ackLater after close")
 		a.close()
-		equal(t, "frames after close", ch.takeFrames(), []string(nil))
+		assert.Equal(t, []string(nil), ch.takeFrames(), "frames after close")
 	})
 }
 
@@ -288,11 +288,11 @@ func TestAckerOtherChannel(t *testing.T) {
 	if d2.Acknowledger != amqp.Acknowledger(other) {
 		t.Fatalf("the delivery of another channel was adopted")
 	}
-	noErr(t, "ackLater", ackLater(d2))
-	equal(t, "frames on the other channel", other.takeFrames(), []string{"ack 1"})
-	noErr(t, "ackLater", ackLater(d1))
+	require.NoError(t, ackLater(d2), "ackLater")
+	assert.Equal(t, []string{"ack 1"}, other.takeFrames(), "frames on the other channel")
+	require.NoError(t, ackLater(d1), "ackLater")
 	a.flush(true)
-	equal(t, "frames on the acker's channel", ch.takeFrames(), []string{"ack 1"})
+	assert.Equal(t, []string{"ack 1"}, ch.takeFrames(), "frames on the acker's channel")
 }
 
 // Many workers settle 20,000 deliveries in a random order, some with a
@@ -320,9 +320,7 @@ func TestAckerConcurrent(t *testing.T) {
 				default:
 					err = ackLater(d)
 				}
-				if err != nil {
-					t.Errorf("settle %d: %v", tag, err)
-				}
+				assert.NoError(t, err, "settle %d", tag)
 			}
 		})
 	}
@@ -361,15 +359,15 @@ func TestAckerGapKeepsBoundedState(t *testing.T) {
 		} else {
 			err = ackLater(d)
 		}
-		noErr(t, "settle", err)
+		require.NoError(t, err, "settle")
 		a.flush(false) // at the count bound, the held acks go alone
 		most = max(most, a.kept())
 	}
 	if most > prefetch {
 		t.Errorf("entries kept behind the gap: at most %d for %d deliveries; want at most %d (the prefetch count)", most, n, prefetch)
 	}
-	noErr(t, "ackLater of the stuck delivery", ackLater(stuck))
+	require.NoError(t, ackLater(stuck), "ackLater of the stuck delivery")
 	a.flush(true)
 	ch.check(t, n+1)
-	equal(t, "entries kept once the gap is closed", a.kept(), 0)
+	assert.Equal(t, 0, a.kept(), "entries kept once the gap is closed")
 }

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
@@ -175,7 +177,7 @@ func TestShutdownWithAnAckBlocked(t *testing.T) {
 		}()
 		f.publish("m", nil, nil)
 		synctest.Wait()
-		equal(t, "unacked while its ack is kept", f.mem.Unacked(f.q), 1)
+		assert.Equal(t, 1, f.mem.Unacked(f.q), "unacked while its ack is kept")
 		st.stall(stallAcks)
 		cancel()
 		select {
@@ -185,8 +187,8 @@ func TestShutdownWithAnAckBlocked(t *testing.T) {
 			st.closeAll() // ends the blocked write, and the test
 			<-done
 		}
-		noErr(t, "Consume", err)
-		equal(t, "returned by the close", f.mem.Stats().RequeuedOnClose, 1)
+		require.NoError(t, err, "Consume")
+		assert.Equal(t, 1, f.mem.Stats().RequeuedOnClose, "returned by the close")
 	})
 }
 
@@ -217,7 +219,7 @@ func TestGivenUpSessionWithAnAckBlocked(t *testing.T) {
 		}()
 		time.Sleep(settleTimeout + time.Minute)
 		synctest.Wait()
-		equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 2)
+		assert.Equal(t, 2, f.logs.Count("broker: consuming"), "consumer sessions")
 		f.mem.SetConfirmDelay(0)
 		cancel()
 		select {
@@ -227,7 +229,7 @@ func TestGivenUpSessionWithAnAckBlocked(t *testing.T) {
 			st.closeAll() // ends the blocked writes, and the test
 			<-done
 		}
-		noErr(t, "Consume", err)
+		require.NoError(t, err, "Consume")
 	})
 }
 
@@ -304,7 +306,7 @@ func TestShutdownWithWritesBlocked(t *testing.T) {
 				synctest.Wait()
 				st.stall(tc.stall)
 				if tc.serverCancel {
-					noErr(t, "Delete", f.b.Delete(context.Background(), f.q, f.top))
+					require.NoError(t, f.b.Delete(context.Background(), f.q, f.top), "Delete")
 				} else {
 					cancel()
 				}
@@ -312,11 +314,11 @@ func TestShutdownWithWritesBlocked(t *testing.T) {
 				close(release)
 				err, took := wait(t, tc.name)
 				if tc.wantErr != nil {
-					isErr(t, "Consume", err, tc.wantErr)
+					require.ErrorIs(t, err, tc.wantErr, "Consume")
 					// Declare again for the cleanup's Delete.
-					noErr(t, "Declare", f.b.Declare(context.Background(), f.q, f.top))
+					require.NoError(t, f.b.Declare(context.Background(), f.q, f.top), "Declare")
 				} else {
-					noErr(t, "Consume", err)
+					require.NoError(t, err, "Consume")
 				}
 				if max := 2 * closeTimeout; took > max {
 					t.Errorf("Consume returned %v after the end; want at most %v", took, max)
@@ -324,10 +326,10 @@ func TestShutdownWithWritesBlocked(t *testing.T) {
 				// Nothing acked but a; b and c back in the queue (given
 				// back, or returned by the close; a worker may have given
 				// back b, and had it again).
-				equal(t, "acked (a, in flight)", f.mem.Stats().Acked, 1)
+				assert.Equal(t, 1, f.mem.Stats().Acked, "acked (a, in flight)")
 				if !tc.serverCancel {
-					equal(t, "ready (b, c)", f.length(f.q), 2)
-					equal(t, "unacked", f.mem.Unacked(f.q), 0)
+					assert.Equal(t, 2, f.length(f.q), "ready (b, c)")
+					assert.Equal(t, 0, f.mem.Unacked(f.q), "unacked")
 				}
 			})
 		})

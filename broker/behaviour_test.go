@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -109,16 +111,16 @@ func flow(t *testing.T, f *fixture, n int) {
 	for i := range n {
 		f.publish(fmt.Sprintf("m%d", i), []byte("body"), nil)
 	}
-	eventually(t, 30*time.Second, "not every message handled", func() bool { return j.effected() == n })
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.Eventually(t, func() bool { return j.effected() == n }, 30*time.Second, 10*time.Millisecond, "not every message handled")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	for i := range n {
 		if calls := j.callsOf(fmt.Sprintf("m%d", i)); len(calls) != 1 {
 			t.Errorf("message m%d handled %d times; want 1", i, len(calls))
 		}
 	}
 	f.assertSettled(t)
-	equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 1)
-	equal(t, "stop records", f.logs.Count("broker: consumer stopped"), 1)
+	assert.Equal(t, 1, f.logs.Count("broker: consuming"), "consumer sessions")
+	assert.Equal(t, 1, f.logs.Count("broker: consumer stopped"), "stop records")
 }
 
 // N messages through a handler: each handled and acked once, queue empty.
@@ -143,13 +145,13 @@ func testFlowQuorum(t *testing.T, be backend) {
 		return nil
 	}), ConsumeOptions{})
 	f.publish("q1", []byte("x"), nil)
-	eventually(t, 20*time.Second, "message not handled three times", func() bool { return len(j.callsOf("q1")) == 3 })
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.Eventually(t, func() bool { return len(j.callsOf("q1")) == 3 }, 20*time.Second, 10*time.Millisecond, "message not handled three times")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	calls := j.callsOf("q1")
 	for i, want := range []any{nil, int64(1), int64(1)} {
-		equal(t, fmt.Sprintf("x-delivery-count of delivery %d", i+1), calls[i].d.Headers["x-delivery-count"], want)
+		assert.Equal(t, want, calls[i].d.Headers["x-delivery-count"], "x-delivery-count of delivery %d", i+1)
 	}
-	equal(t, "Redelivered of the requeued delivery", calls[1].d.Redelivered, true)
+	assert.True(t, calls[1].d.Redelivered, "Redelivered of the requeued delivery")
 	if gap := calls[2].at.Sub(calls[1].at); gap < 50*time.Millisecond {
 		t.Errorf("retry came after %v; want >= 50ms", gap)
 	}
@@ -180,8 +182,8 @@ func testRetriesThenDeadLetter(t *testing.T, be backend) {
 	start := time.Now()
 	f.publish("retry", []byte("payload"), amqp.Table{"custom": "kept"})
 	f.publish("bad-json", []byte("{not json"), nil)
-	eventually(t, 30*time.Second, "dead-letter queue did not get 2 messages", func() bool { return f.length(f.q+".dlq") == 2 })
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 2 }, 30*time.Second, 10*time.Millisecond, "dead-letter queue did not get 2 messages")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 
 	calls := j.callsOf("retry")
 	if len(calls) != len(asked)+1 {
@@ -196,19 +198,19 @@ func testRetriesThenDeadLetter(t *testing.T, be backend) {
 			t.Errorf("attempt %d came %v after attempt %d; want about %v", i+1, gap, i, asked[i-1])
 		}
 		d := calls[i].d
-		equal(t, fmt.Sprintf("attempt %d: PriorAttempts", i+1), rabbitmw.PriorAttempts(&d), i)
+		assert.Equal(t, i, rabbitmw.PriorAttempts(&d), "attempt %d: PriorAttempts", i+1)
 		deaths, _ := d.Headers["x-death"].([]any)
 		if len(deaths) == 0 {
 			t.Fatalf("attempt %d: x-death = %v; want the delay queue's record", i+1, d.Headers["x-death"])
 		}
 		last, _ := deaths[0].(amqp.Table)
-		equal(t, fmt.Sprintf("attempt %d: x-death[0].queue", i+1), last["queue"], f.q+wantTier[i-1])
-		equal(t, "original exchange header", d.Headers[HeaderOriginalExchange], "")
-		equal(t, "original routing key header", d.Headers[HeaderOriginalRoutingKey], f.q)
-		equal(t, "custom header", d.Headers["custom"], "kept")
-		equal(t, "body", d.Body, []byte("payload"))
+		assert.Equal(t, f.q+wantTier[i-1], last["queue"], "attempt %d: x-death[0].queue", i+1)
+		assert.Equal(t, "", d.Headers[HeaderOriginalExchange], "original exchange header")
+		assert.Equal(t, f.q, d.Headers[HeaderOriginalRoutingKey], "original routing key header")
+		assert.Equal(t, "kept", d.Headers["custom"], "custom header")
+		assert.Equal(t, []byte("payload"), d.Body, "body")
 	}
-	equal(t, "handler calls of the unparseable message", len(j.callsOf("bad-json")), 1)
+	assert.Equal(t, 1, len(j.callsOf("bad-json")), "handler calls of the unparseable message")
 
 	dead := f.drain(f.q + ".dlq")
 	if len(dead) != 2 {
@@ -223,18 +225,18 @@ func testRetriesThenDeadLetter(t *testing.T, be backend) {
 	if d == nil {
 		t.Fatalf("dead-letter queue holds %q and %q; want the retried message", dead[0].MessageId, dead[1].MessageId)
 	}
-	equal(t, HeaderError, d.Headers[HeaderError], "boom")
-	equal(t, HeaderErrorType, d.Headers[HeaderErrorType], "error")
-	equal(t, rabbitmw.HeaderAttempts, d.Headers[rabbitmw.HeaderAttempts], int64(len(asked)+1))
-	equal(t, HeaderOriginalExchange, d.Headers[HeaderOriginalExchange], "")
-	equal(t, HeaderOriginalRoutingKey, d.Headers[HeaderOriginalRoutingKey], f.q)
-	equal(t, HeaderOriginalQueue, d.Headers[HeaderOriginalQueue], f.q)
-	equal(t, HeaderHost, d.Headers[HeaderHost], "test-host")
-	equal(t, HeaderProcess, d.Headers[HeaderProcess], f.process)
-	equal(t, "custom header", d.Headers["custom"], "kept")
-	equal(t, "body", d.Body, []byte("payload"))
-	equal(t, "ContentType", d.ContentType, "text/plain")
-	equal(t, "DeliveryMode", d.DeliveryMode, uint8(amqp.Persistent))
+	assert.Equal(t, "boom", d.Headers[HeaderError], HeaderError)
+	assert.Equal(t, "error", d.Headers[HeaderErrorType], HeaderErrorType)
+	assert.Equal(t, int64(len(asked)+1), d.Headers[rabbitmw.HeaderAttempts], rabbitmw.HeaderAttempts)
+	assert.Equal(t, "", d.Headers[HeaderOriginalExchange], HeaderOriginalExchange)
+	assert.Equal(t, f.q, d.Headers[HeaderOriginalRoutingKey], HeaderOriginalRoutingKey)
+	assert.Equal(t, f.q, d.Headers[HeaderOriginalQueue], HeaderOriginalQueue)
+	assert.Equal(t, "test-host", d.Headers[HeaderHost], HeaderHost)
+	assert.Equal(t, f.process, d.Headers[HeaderProcess], HeaderProcess)
+	assert.Equal(t, "kept", d.Headers["custom"], "custom header")
+	assert.Equal(t, []byte("payload"), d.Body, "body")
+	assert.Equal(t, "text/plain", d.ContentType, "ContentType")
+	assert.Equal(t, uint8(amqp.Persistent), d.DeliveryMode, "DeliveryMode")
 	if at, ok := d.Headers[HeaderFailedAt].(time.Time); !ok {
 		t.Errorf("%s = %#v; want a timestamp", HeaderFailedAt, d.Headers[HeaderFailedAt])
 	} else if at.Before(start.Truncate(time.Second)) || at.After(end) {
@@ -245,13 +247,13 @@ func testRetriesThenDeadLetter(t *testing.T, be backend) {
 		t.Fatal("unparseable message not in the dead-letter queue")
 	}
 	text, _ := p.Headers[HeaderError].(string)
-	contains(t, HeaderError, text, "decode order: invalid character")
-	equal(t, HeaderErrorType, p.Headers[HeaderErrorType], "*json.SyntaxError")
-	equal(t, rabbitmw.HeaderAttempts+" when no layer counted", p.Headers[rabbitmw.HeaderAttempts], int64(1))
-	equal(t, HeaderOriginalRoutingKey, p.Headers[HeaderOriginalRoutingKey], f.q)
+	assert.Contains(t, text, "decode order: invalid character", HeaderError)
+	assert.Equal(t, "*json.SyntaxError", p.Headers[HeaderErrorType], HeaderErrorType)
+	assert.Equal(t, int64(1), p.Headers[rabbitmw.HeaderAttempts], rabbitmw.HeaderAttempts+" when no layer counted")
+	assert.Equal(t, f.q, p.Headers[HeaderOriginalRoutingKey], HeaderOriginalRoutingKey)
 	f.assertSettled(t)
 	for _, tr := range f.top.Delays {
-		equal(t, "Len(delay queue "+tierName(tr)+")", f.length(f.q+".delay."+tierName(tr)), 0)
+		assert.Equal(t, 0, f.length(f.q+".delay."+tierName(tr)), "Len(delay queue "+tierName(tr)+")")
 	}
 }
 
@@ -268,8 +270,8 @@ func testDelayBeyondLongestTier(t *testing.T, be backend) {
 		return nil
 	}), ConsumeOptions{})
 	f.publish("late", []byte("x"), nil)
-	eventually(t, 20*time.Second, "delayed message not handled again", func() bool { return len(j.callsOf("late")) >= 2 })
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.Eventually(t, func() bool { return len(j.callsOf("late")) >= 2 }, 20*time.Second, 10*time.Millisecond, "delayed message not handled again")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	calls := j.callsOf("late")
 	if len(calls) != 2 {
 		t.Fatalf("handler calls = %d; want 2 (not run before due)", len(calls))
@@ -308,15 +310,15 @@ func testPanic(t *testing.T, be backend) {
 		return nil
 	}), ConsumeOptions{})
 	f.publish("poison", []byte("x"), nil)
-	eventually(t, 20*time.Second, "panicking message not dead-lettered", func() bool { return f.length(f.q+".dlq") == 1 })
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 1 }, 20*time.Second, 10*time.Millisecond, "panicking message not dead-lettered")
 	f.publish("after", []byte("x"), nil)
-	eventually(t, 20*time.Second, "consumer stopped after a panic", func() bool { return len(j.callsOf("after")) == 1 })
-	noErr(t, "Consume after cancel", r.stop(t))
-	equal(t, "handler calls of the panicking message", len(j.callsOf("poison")), 1)
+	require.Eventually(t, func() bool { return len(j.callsOf("after")) == 1 }, 20*time.Second, 10*time.Millisecond, "consumer stopped after a panic")
+	require.NoError(t, r.stop(t), "Consume after cancel")
+	assert.Equal(t, 1, len(j.callsOf("poison")), "handler calls of the panicking message")
 	dead := f.onlyDeadLetter()
-	equal(t, HeaderError, dead.Headers[HeaderError], "panic: boom")
-	equal(t, HeaderErrorType, dead.Headers[HeaderErrorType], "panic")
-	equal(t, "panic records at Error", f.logs.Count("ERROR", "panicked", "poison"), 1)
+	assert.Equal(t, "panic: boom", dead.Headers[HeaderError], HeaderError)
+	assert.Equal(t, "panic", dead.Headers[HeaderErrorType], HeaderErrorType)
+	assert.Equal(t, 1, f.logs.Count("ERROR", "panicked", "poison"), "panic records at Error")
 	f.assertSettled(t)
 }
 
@@ -329,10 +331,10 @@ func testCopyFailure(t *testing.T, be backend) {
 	top.Declare = DeclareNone
 	ctx := testContext(t, 20*time.Second)
 	support := top
-	noErr(t, "delete the support queues", f.b.do(ctx, "delete", func(s session) error {
+	require.NoError(t, f.b.do(ctx, "delete", func(s session) error {
 		tp, _ := support.resolve(f.q)
 		return s.Delete(ctx, tp.names()[1:])
-	}))
+	}), "delete the support queues")
 	f.top = top
 	j := newJournal()
 	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
@@ -346,18 +348,18 @@ func testCopyFailure(t *testing.T, be backend) {
 	}), ConsumeOptions{})
 	f.publish("delayed", []byte("x"), nil)
 	f.publish("dead", []byte("x"), nil)
-	eventually(t, 20*time.Second, "messages not handled twice", func() bool {
+	require.Eventually(t, func() bool {
 		return len(j.callsOf("delayed")) == 2 && len(j.callsOf("dead")) == 2
-	})
-	noErr(t, "Consume after cancel", r.stop(t))
+	}, 20*time.Second, 10*time.Millisecond, "messages not handled twice")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	for _, id := range []string{"delayed", "dead"} {
 		calls := j.callsOf(id)
 		if gap := calls[1].at.Sub(calls[0].at); gap < requeueBackoff {
 			t.Errorf("%s: handled again after %v; want >= %v (the pause before the requeue)", id, gap, requeueBackoff)
 		}
-		equal(t, id+": Redelivered", calls[1].d.Redelivered, true)
+		assert.True(t, calls[1].d.Redelivered, id+": Redelivered")
 	}
-	equal(t, "warnings about copies not published", f.logs.Count("WARN", "copy not published"), 2)
+	assert.Equal(t, 2, f.logs.Count("WARN", "copy not published"), "warnings about copies not published")
 	if n := f.length(f.q); n != 0 {
 		t.Errorf("Len(%q) = %d; want 0", f.q, n)
 	}
@@ -398,23 +400,23 @@ func testShutdownInFlight(t *testing.T, be backend) {
 	}
 	if f.mem != nil {
 		// All ten were delivered: three in flight, seven waiting.
-		eventually(t, 5*time.Second, "prefetch not filled", func() bool { return f.mem.Unacked(f.q) == total })
+		require.Eventually(t, func() bool { return f.mem.Unacked(f.q) == total }, 5*time.Second, 10*time.Millisecond, "prefetch not filled")
 	}
 	r.cancel()
 	// Release the handlers once the consumer stopped taking deliveries.
-	eventually(t, 20*time.Second, "no shutdown record", func() bool { return f.logs.Count("broker: shutting down") == 1 })
+	require.Eventually(t, func() bool { return f.logs.Count("broker: shutting down") == 1 }, 20*time.Second, 10*time.Millisecond, "no shutdown record")
 	close(release)
-	noErr(t, "Consume after a graceful shutdown", r.wait(t, 20*time.Second))
-	equal(t, "handlers that saw their context cancelled", ctxErrs.Load(), int32(0))
-	equal(t, "handlers started", j.totalCalls(), workers)
-	equal(t, "messages back in the queue", f.length(f.q), total-workers)
+	require.NoError(t, r.wait(t, 20*time.Second), "Consume after a graceful shutdown")
+	assert.Equal(t, int32(0), ctxErrs.Load(), "handlers that saw their context cancelled")
+	assert.Equal(t, workers, j.totalCalls(), "handlers started")
+	assert.Equal(t, total-workers, f.length(f.q), "messages back in the queue")
 	if f.mem != nil {
 		s := f.mem.Stats()
-		equal(t, "deliveries nacked with requeue", s.Nacked, total-workers)
-		equal(t, "deliveries left for the connection's close to requeue", s.RequeuedOnClose, 0)
+		assert.Equal(t, total-workers, s.Nacked, "deliveries nacked with requeue")
+		assert.Equal(t, 0, s.RequeuedOnClose, "deliveries left for the connection's close to requeue")
 	}
 	back := f.drain(f.q)
-	equal(t, "messages taken back", len(back), total-workers)
+	assert.Equal(t, total-workers, len(back), "messages taken back")
 	for _, d := range back {
 		if inFlight[d.MessageId] {
 			t.Errorf("message %s was handled and acked, yet is back", d.MessageId)
@@ -447,13 +449,13 @@ func testShutdownTimeout(t *testing.T, be backend) {
 	err := r.wait(t, 30*time.Second)
 	took := time.Since(begin)
 	close(release)
-	isErr(t, "Consume with a stuck handler", err, ErrShutdownTimeout)
-	contains(t, "error", err.Error(), "1 handlers did not return")
+	require.ErrorIs(t, err, ErrShutdownTimeout, "Consume with a stuck handler")
+	assert.Contains(t, err.Error(), "1 handlers did not return", "error")
 	if took < 200*time.Millisecond+shutdownGrace {
 		t.Errorf("Consume gave up after %v; want >= the deadline plus the grace", took)
 	}
-	eventually(t, 20*time.Second, "stuck message not back in the queue", func() bool { return f.length(f.q) == 1 })
-	eventually(t, 5*time.Second, "handler context not cancelled at the deadline", sawCancel.Load)
+	require.Eventually(t, func() bool { return f.polledLength(f.q) == 1 }, 20*time.Second, 10*time.Millisecond, "stuck message not back in the queue")
+	require.Eventually(t, sawCancel.Load, 5*time.Second, 10*time.Millisecond, "handler context not cancelled at the deadline")
 	back := f.drain(f.q)
 	if len(back) != 1 || !back[0].Redelivered {
 		t.Errorf("queue held %d messages (want 1, redelivered)", len(back))
@@ -485,20 +487,20 @@ func testConnectionLoss(t *testing.T, be backend) {
 		pubErr <- nil
 	}()
 	sessions := func() int { return f.logs.Count("broker: consuming") }
-	eventually(t, 30*time.Second, "first tenth not handled", func() bool { return j.effected() >= n/10 })
+	require.Eventually(t, func() bool { return j.effected() >= n/10 }, 30*time.Second, 10*time.Millisecond, "first tenth not handled")
 	for i := range 2 {
 		f.be.drop(t, f.mem, f.process)
 		t.Logf("connections closed after %d of %d messages handled", j.effected(), n)
-		eventually(t, 30*time.Second, "consumer did not reconnect", func() bool { return sessions() >= i+2 })
+		require.Eventually(t, func() bool { return sessions() >= i+2 }, 30*time.Second, 10*time.Millisecond, "consumer did not reconnect")
 	}
 	select {
 	case err := <-pubErr:
-		noErr(t, "publisher", err)
+		require.NoError(t, err, "publisher")
 	case <-time.After(90 * time.Second):
 		t.Fatal("publisher did not finish")
 	}
-	eventually(t, 60*time.Second, "not every message handled", func() bool { return j.effected() == n })
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.Eventually(t, func() bool { return j.effected() == n }, 60*time.Second, 10*time.Millisecond, "not every message handled")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	for i := range n {
 		if len(j.callsOf(fmt.Sprintf("c%d", i))) == 0 {
 			t.Errorf("message c%d lost", i)
@@ -522,18 +524,18 @@ func testQuorumDeliveryLimit(t *testing.T, be backend) {
 		return errBoom // plain error: requeue
 	}), ConsumeOptions{Workers: 1})
 	f.publish("loop", []byte("x"), nil)
-	eventually(t, 20*time.Second, "message not dead-lettered by the delivery limit", func() bool { return f.length(f.q+".dlq") == 1 })
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 1 }, 20*time.Second, 10*time.Millisecond, "message not dead-lettered by the delivery limit")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	calls := j.callsOf("loop")
-	equal(t, "deliveries (the first and two returns)", len(calls), 3)
+	assert.Equal(t, 3, len(calls), "deliveries (the first and two returns)")
 	for i, want := range []any{nil, int64(1), int64(2)} {
-		equal(t, fmt.Sprintf("x-delivery-count of delivery %d", i+1), calls[i].d.Headers["x-delivery-count"], want)
-		equal(t, fmt.Sprintf("Redelivered of delivery %d", i+1), calls[i].d.Redelivered, i > 0)
+		assert.Equal(t, want, calls[i].d.Headers["x-delivery-count"], "x-delivery-count of delivery %d", i+1)
+		assert.Equal(t, i > 0, calls[i].d.Redelivered, "Redelivered of delivery %d", i+1)
 	}
 	dead := f.onlyDeadLetter()
 	death := onlyDeath(t, dead)
-	equal(t, "x-death reason", death["reason"], "delivery_limit")
-	equal(t, "x-first-death-reason", dead.Headers["x-first-death-reason"], "delivery_limit")
+	assert.Equal(t, "delivery_limit", death["reason"], "x-death reason")
+	assert.Equal(t, "delivery_limit", dead.Headers["x-first-death-reason"], "x-first-death-reason")
 	if _, ok := dead.Headers[HeaderError]; ok {
 		t.Errorf("%s set; want none: the server dead-lettered it, not the broker", HeaderError)
 	}
@@ -546,20 +548,20 @@ func testReject(t *testing.T, be backend) {
 	f := setup(t, be, Topology{})
 	f.publish("r1", []byte("x"), nil)
 	d, ok, err := f.b.Get(testContext(t, 20*time.Second), f.q)
-	noErr(t, "Get", err)
+	require.NoError(t, err, "Get")
 	if !ok {
 		t.Fatal("Get found no message")
 	}
-	noErr(t, "Reject", d.Reject(false))
-	eventually(t, 10*time.Second, "rejected message not in the dead-letter queue", func() bool { return f.length(f.q+".dlq") == 1 })
+	require.NoError(t, d.Reject(false), "Reject")
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 1 }, 10*time.Second, 10*time.Millisecond, "rejected message not in the dead-letter queue")
 	dead := f.onlyDeadLetter()
 	death := onlyDeath(t, dead)
-	equal(t, "x-death reason", death["reason"], "rejected")
-	equal(t, "x-death queue", death["queue"], f.q)
-	equal(t, "x-death count", death["count"], int64(1))
-	equal(t, "x-death routing-keys", death["routing-keys"], []any{f.q})
-	equal(t, "x-first-death-queue", dead.Headers["x-first-death-queue"], f.q)
-	equal(t, "routing key", dead.RoutingKey, f.q+".dlq")
+	assert.Equal(t, "rejected", death["reason"], "x-death reason")
+	assert.Equal(t, f.q, death["queue"], "x-death queue")
+	assert.Equal(t, int64(1), death["count"], "x-death count")
+	assert.Equal(t, []any{f.q}, death["routing-keys"], "x-death routing-keys")
+	assert.Equal(t, f.q, dead.Headers["x-first-death-queue"], "x-first-death-queue")
+	assert.Equal(t, f.q+".dlq", dead.RoutingKey, "routing key")
 	f.assertSettled(t)
 }
 
@@ -577,8 +579,8 @@ func testHeaderTypes(t *testing.T, be backend) {
 	}), ConsumeOptions{})
 	sent := fixtures.AllTypes()
 	f.publish("types", []byte("x"), sent)
-	eventually(t, 20*time.Second, "message not dead-lettered", func() bool { return f.length(f.q+".dlq") == 1 })
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 1 }, 20*time.Second, 10*time.Millisecond, "message not dead-lettered")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	calls := j.callsOf("types")
 	if len(calls) != 2 {
 		t.Fatalf("handler calls = %d; want 2", len(calls))
@@ -586,15 +588,15 @@ func testHeaderTypes(t *testing.T, be backend) {
 	dead := f.onlyDeadLetter()
 	wire := rabbit.WireTable(sent) // what the wire makes of the values
 	for k := range sent {
-		equal(t, "header "+k+" as first delivered", calls[0].d.Headers[k], wire[k])
-		equal(t, "header "+k+" after the delay hop", calls[1].d.Headers[k], wire[k])
-		equal(t, "header "+k+" in the dead-letter queue", dead.Headers[k], wire[k])
+		assert.Equal(t, wire[k], calls[0].d.Headers[k], "header "+k+" as first delivered")
+		assert.Equal(t, wire[k], calls[1].d.Headers[k], "header "+k+" after the delay hop")
+		assert.Equal(t, wire[k], dead.Headers[k], "header "+k+" in the dead-letter queue")
 	}
 	if _, ok := calls[1].d.Headers["x-death"]; !ok {
 		t.Fatal("no x-death after the delay hop")
 	}
-	equal(t, "x-death in the dead-letter queue", dead.Headers["x-death"], calls[1].d.Headers["x-death"])
-	equal(t, "x-first-death-queue in the dead-letter queue", dead.Headers["x-first-death-queue"], calls[1].d.Headers["x-first-death-queue"])
+	assert.Equal(t, calls[1].d.Headers["x-death"], dead.Headers["x-death"], "x-death in the dead-letter queue")
+	assert.Equal(t, calls[1].d.Headers["x-first-death-queue"], dead.Headers["x-first-death-queue"], "x-first-death-queue in the dead-letter queue")
 	f.assertSettled(t)
 }
 
@@ -622,12 +624,12 @@ func testLargeBodies(t *testing.T, be backend) {
 	for id, b := range bodies {
 		f.publish(id, b, nil)
 	}
-	eventually(t, 60*time.Second, "large messages not handled twice", func() bool {
+	require.Eventually(t, func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(intact) == len(bodies)
-	})
-	noErr(t, "Consume after cancel", r.stop(t))
+	}, 60*time.Second, 10*time.Millisecond, "large messages not handled twice")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	for id := range bodies {
 		if !intact[id] {
 			t.Errorf("body of %s changed through a delay hop", id)
@@ -645,12 +647,12 @@ func testDeclareNoneMissing(t *testing.T, be backend) {
 		ctx := testContext(t, 20*time.Second)
 		top := Topology{Declare: mode, Delays: testTiers}
 		err := b.Consume(ctx, q, h, ConsumeOptions{Topology: top})
-		isErr(t, "Consume with "+mode.String(), err, ErrQueueNotFound)
-		contains(t, mode.String()+" error", err.Error(), q)
-		noErr(t, mode.String()+": context (Consume returned at once, not at the deadline)", ctx.Err())
+		require.ErrorIs(t, err, ErrQueueNotFound, "Consume with "+mode.String())
+		assert.Contains(t, err.Error(), q, mode.String()+" error")
+		require.NoError(t, ctx.Err(), mode.String()+": context (Consume returned at once, not at the deadline)")
 	}
 	_, err := b.Len(testContext(t, 20*time.Second), q)
-	isErr(t, "Len of a missing queue", err, ErrQueueNotFound)
+	require.ErrorIs(t, err, ErrQueueNotFound, "Len of a missing queue")
 }
 
 // A work queue that exists with other arguments: DeclareAll fails with a
@@ -664,17 +666,17 @@ func testOtherArguments(t *testing.T, be backend) {
 	// Declare the work queue as a user would, without a dead-letter
 	// exchange.
 	err := b.do(ctx, "declare", func(s session) error { return s.Declare(ctx, []queueSpec{{Name: q}}) })
-	noErr(t, "declare the user's queue", err)
+	require.NoError(t, err, "declare the user's queue")
 
 	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
 	err = b.Consume(ctx, q, h, ConsumeOptions{Topology: top})
-	isErr(t, "Consume with DeclareAll", err, ErrQueueArguments)
-	contains(t, "error", err.Error(), "DeclareSupport")
-	contains(t, "error", err.Error(), q)
+	require.ErrorIs(t, err, ErrQueueArguments, "Consume with DeclareAll")
+	assert.Contains(t, err.Error(), "DeclareSupport", "error")
+	assert.Contains(t, err.Error(), q, "error")
 
 	top.Declare = DeclareSupport
-	noErr(t, "Declare with DeclareSupport", b.Declare(ctx, q, top))
-	noErr(t, "Publish", b.Publish(ctx, "", q, amqp.Publishing{Body: []byte("x")}))
+	require.NoError(t, b.Declare(ctx, q, top), "Declare with DeclareSupport")
+	require.NoError(t, b.Publish(ctx, "", q, amqp.Publishing{Body: []byte("x")}), "Publish")
 	got := make(chan struct{}, 1)
 	cctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
@@ -690,10 +692,10 @@ func testOtherArguments(t *testing.T, be backend) {
 		t.Fatal("DeclareSupport consumer got nothing")
 	}
 	cancel()
-	noErr(t, "Consume after cancel", <-done)
+	require.NoError(t, <-done, "Consume after cancel")
 	n, err := b.Len(ctx, q+".dlq")
-	noErr(t, "Len(dlq)", err)
-	equal(t, "Len(dlq)", n, 1)
+	require.NoError(t, err, "Len(dlq)")
+	assert.Equal(t, 1, n, "Len(dlq)")
 }
 
 // A server that is down at start: Consume keeps trying, with backoff, and
@@ -719,7 +721,7 @@ func testServerDown(t *testing.T, be backend) {
 	defer cancel()
 	err := b.Consume(ctx, q, h, ConsumeOptions{})
 	took := time.Since(start)
-	noErr(t, "Consume when its context is done", err)
+	require.NoError(t, err, "Consume when its context is done")
 	if took < 700*time.Millisecond {
 		t.Errorf("Consume returned after %v; want >= 700ms (its context)", took)
 	}
@@ -738,8 +740,8 @@ func testServerDown(t *testing.T, be backend) {
 	pctx, pcancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer pcancel()
 	err = b.Publish(pctx, "", q, amqp.Publishing{})
-	isErr(t, "Publish to a server that is down", err, context.DeadlineExceeded)
-	isErr(t, "Publish to a server that is down", err, ErrUnreachable)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "Publish to a server that is down")
+	require.ErrorIs(t, err, ErrUnreachable, "Publish to a server that is down")
 
 	if mem == nil {
 		return
@@ -757,22 +759,22 @@ func testServerDown(t *testing.T, be backend) {
 	}()
 	// It tries while the server is down, then the server comes up.
 	dials := mem.Stats().Dials
-	eventually(t, 20*time.Second, "consumer did not try to connect while the server was down", func() bool {
+	require.Eventually(t, func() bool {
 		return mem.Stats().Dials >= dials+2
-	})
+	}, 20*time.Second, 10*time.Millisecond, "consumer did not try to connect while the server was down")
 	mem.SetDown(false)
-	eventually(t, 20*time.Second, "consumer did not declare its queue once the server was up", func() bool {
+	require.Eventually(t, func() bool {
 		_, err := b.Len(testContext(t, 5*time.Second), q)
 		return err == nil
-	})
-	noErr(t, "Publish once the server is up", b.Publish(testContext(t, 20*time.Second), "", q, amqp.Publishing{}))
+	}, 20*time.Second, 10*time.Millisecond, "consumer did not declare its queue once the server was up")
+	require.NoError(t, b.Publish(testContext(t, 20*time.Second), "", q, amqp.Publishing{}), "Publish once the server is up")
 	select {
 	case <-handled:
 	case <-time.After(20 * time.Second):
 		t.Fatal("consumer did not consume once the server was up")
 	}
 	ccancel()
-	noErr(t, "Consume after cancel", <-done)
+	require.NoError(t, <-done, "Consume after cancel")
 }
 
 // Deleting the queue cancels the consumer: Consume returns
@@ -785,13 +787,13 @@ func testConsumerCancelled(t *testing.T, be backend) {
 		return nil
 	}), ConsumeOptions{})
 	f.publish("c1", []byte("x"), nil)
-	eventually(t, 20*time.Second, "message not handled", func() bool { return j.effected() == 1 })
-	noErr(t, "Delete", f.b.Delete(testContext(t, 20*time.Second), f.q, f.top))
+	require.Eventually(t, func() bool { return j.effected() == 1 }, 20*time.Second, 10*time.Millisecond, "message not handled")
+	require.NoError(t, f.b.Delete(testContext(t, 20*time.Second), f.q, f.top), "Delete")
 	err := r.wait(t, 20*time.Second)
-	isErr(t, "Consume of a deleted queue", err, ErrConsumerCancelled)
-	contains(t, "error", err.Error(), f.q)
+	require.ErrorIs(t, err, ErrConsumerCancelled, "Consume of a deleted queue")
+	assert.Contains(t, err.Error(), f.q, "error")
 	// Declare again for the cleanup's Delete.
-	noErr(t, "Declare", f.b.Declare(testContext(t, 20*time.Second), f.q, f.top))
+	require.NoError(t, f.b.Declare(testContext(t, 20*time.Second), f.q, f.top), "Declare")
 }
 
 // Publish: confirmed, persistent by default, with a generated message id;
@@ -800,10 +802,10 @@ func testPublishConfirms(t *testing.T, be backend) {
 	f := setup(t, be, Topology{})
 	ctx := testContext(t, 20*time.Second)
 	msg := amqp.Publishing{Body: []byte("hello"), Headers: amqp.Table{"a": "b"}}
-	noErr(t, "Publish", f.b.Publish(ctx, "", f.q, msg))
-	equal(t, "caller's MessageId after Publish", msg.MessageId, "")
-	equal(t, "caller's DeliveryMode after Publish", msg.DeliveryMode, uint8(0))
-	equal(t, "Len after a confirmed publish", f.length(f.q), 1)
+	require.NoError(t, f.b.Publish(ctx, "", f.q, msg), "Publish")
+	assert.Equal(t, "", msg.MessageId, "caller's MessageId after Publish")
+	assert.Equal(t, uint8(0), msg.DeliveryMode, "caller's DeliveryMode after Publish")
+	assert.Equal(t, 1, f.length(f.q), "Len after a confirmed publish")
 	got := f.drain(f.q)
 	if len(got) != 1 {
 		t.Fatalf("queue held %d messages; want 1", len(got))
@@ -811,29 +813,29 @@ func testPublishConfirms(t *testing.T, be backend) {
 	if !hexID.MatchString(got[0].MessageId) {
 		t.Errorf("generated MessageId = %q; want 32 hex digits", got[0].MessageId)
 	}
-	equal(t, "DeliveryMode", got[0].DeliveryMode, uint8(amqp.Persistent))
-	equal(t, "body", got[0].Body, []byte("hello"))
-	equal(t, "header a", got[0].Headers["a"], "b")
+	assert.Equal(t, uint8(amqp.Persistent), got[0].DeliveryMode, "DeliveryMode")
+	assert.Equal(t, []byte("hello"), got[0].Body, "body")
+	assert.Equal(t, "b", got[0].Headers["a"], "header a")
 
-	noErr(t, "Publish", f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: "mine", DeliveryMode: amqp.Transient}))
+	require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: "mine", DeliveryMode: amqp.Transient}), "Publish")
 	got = f.drain(f.q)
 	if len(got) != 1 {
 		t.Fatalf("queue held %d messages; want 1", len(got))
 	}
-	equal(t, "MessageId", got[0].MessageId, "mine")
-	equal(t, "DeliveryMode", got[0].DeliveryMode, uint8(amqp.Transient))
+	assert.Equal(t, "mine", got[0].MessageId, "MessageId")
+	assert.Equal(t, uint8(amqp.Transient), got[0].DeliveryMode, "DeliveryMode")
 
 	err := f.b.Publish(ctx, "", f.q, amqp.Publishing{Headers: amqp.Table{"bad": struct{}{}}})
-	isErr(t, "Publish with a struct header", err, ErrInvalidMessage)
+	require.ErrorIs(t, err, ErrInvalidMessage, "Publish with a struct header")
 
 	b, _ := be.open(t, Options{})
-	noErr(t, "Declare", b.Declare(ctx, f.q, f.top))
-	noErr(t, "Publish", b.Publish(ctx, "", f.q, amqp.Publishing{}))
-	noErr(t, "Close", b.Close())
-	isErr(t, "Publish after Close", b.Publish(ctx, "", f.q, amqp.Publishing{}), ErrClosed)
+	require.NoError(t, b.Declare(ctx, f.q, f.top), "Declare")
+	require.NoError(t, b.Publish(ctx, "", f.q, amqp.Publishing{}), "Publish")
+	require.NoError(t, b.Close(), "Close")
+	require.ErrorIs(t, b.Publish(ctx, "", f.q, amqp.Publishing{}), ErrClosed, "Publish after Close")
 	_, err = b.Len(ctx, f.q)
-	isErr(t, "Len after Close", err, ErrClosed)
-	noErr(t, "second Close", b.Close())
+	require.ErrorIs(t, err, ErrClosed, "Len after Close")
+	require.NoError(t, b.Close(), "second Close")
 }
 
 var hexID = regexp.MustCompile("^[0-9a-f]{32}$")
@@ -844,12 +846,12 @@ func testPublishUnroutable(t *testing.T, be backend) {
 	f := setup(t, be, Topology{})
 	ctx := testContext(t, 20*time.Second)
 	err := f.b.Publish(ctx, "", f.q+"-no-such-queue", amqp.Publishing{Body: []byte("x")})
-	isErr(t, "Publish to a key with no queue", err, ErrUnroutable)
+	require.ErrorIs(t, err, ErrUnroutable, "Publish to a key with no queue")
 	err = f.b.Publish(ctx, "rabbitmw-no-such-exchange", f.q, amqp.Publishing{Body: []byte("x")})
-	isErr(t, "Publish to a missing exchange", err, ErrUnroutable)
-	contains(t, "error", err.Error(), "rabbitmw-no-such-exchange")
-	noErr(t, "Publish after unroutable ones", f.b.Publish(ctx, "", f.q, amqp.Publishing{Body: []byte("x")}))
-	equal(t, "Len", f.length(f.q), 1)
+	require.ErrorIs(t, err, ErrUnroutable, "Publish to a missing exchange")
+	assert.Contains(t, err.Error(), "rabbitmw-no-such-exchange", "error")
+	require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{Body: []byte("x")}), "Publish after unroutable ones")
+	assert.Equal(t, 1, f.length(f.q), "Len")
 	f.drain(f.q)
 }
 
@@ -879,7 +881,7 @@ func testPublishConcurrent(t *testing.T, be backend) {
 		}
 	}
 	got := f.drain(f.q)
-	equal(t, "messages in the queue", len(got), n/2)
+	assert.Equal(t, n/2, len(got), "messages in the queue")
 	for _, d := range got {
 		var i int
 		if _, err := fmt.Sscanf(d.MessageId, "p%d", &i); err != nil || i%2 != 0 {

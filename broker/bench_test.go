@@ -8,6 +8,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 )
@@ -20,9 +21,7 @@ func BenchmarkConsume(b *testing.B) {
 			br, q, top := benchQueue(b, be)
 			ctx := context.Background()
 			for i := range b.N {
-				if err := br.Publish(ctx, "", q, amqp.Publishing{MessageId: fmt.Sprint(i), Body: make([]byte, 128)}); err != nil {
-					b.Fatal(err)
-				}
+				require.NoError(b, br.Publish(ctx, "", q, amqp.Publishing{MessageId: fmt.Sprint(i), Body: make([]byte, 128)}))
 			}
 			var n atomic.Int64
 			cctx, cancel := context.WithCancel(ctx)
@@ -33,9 +32,7 @@ func BenchmarkConsume(b *testing.B) {
 				return nil
 			})
 			b.ResetTimer()
-			if err := br.Consume(cctx, q, h, ConsumeOptions{Topology: top}); err != nil {
-				b.Fatal(err)
-			}
+			require.NoError(b, br.Consume(cctx, q, h, ConsumeOptions{Topology: top}))
 			b.StopTimer()
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
 		})
@@ -71,9 +68,7 @@ func benchQueue(b *testing.B, be backend) (*Broker, string, Topology) {
 	br, _ := be.open(b, Options{})
 	q := fmt.Sprintf("rabbitmw-bench-%d", time.Now().UnixNano())
 	top := Topology{Delays: []time.Duration{time.Second}}
-	if err := br.Declare(context.Background(), q, top); err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, br.Declare(context.Background(), q, top))
 	b.Cleanup(func() { br.Delete(context.Background(), q, top) })
 	return br, q, top
 }

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 )
@@ -73,12 +75,12 @@ func testMultipleAckSemantics(t *testing.T, be backend) {
 
 	// Over a nacked tag: the tags below and at it are settled.
 	ds := get3()
-	noErr(t, "Nack(second)", ds[1].Nack(false, true))
-	noErr(t, "Ack(third, multiple)", ds[2].Ack(true))
-	eventually(t, 10*time.Second, "the nacked message not back in the queue", func() bool { return f.length(f.q) == 1 })
+	require.NoError(t, ds[1].Nack(false, true), "Nack(second)")
+	require.NoError(t, ds[2].Ack(true), "Ack(third, multiple)")
+	require.Eventually(t, func() bool { return f.polledLength(f.q) == 1 }, 10*time.Second, 10*time.Millisecond, "the nacked message not back in the queue")
 	if f.mem != nil {
-		equal(t, "unacked", f.mem.Unacked(f.q), 0)
-		equal(t, "unknown tags", f.mem.Stats().UnknownTags, 0)
+		assert.Equal(t, 0, f.mem.Unacked(f.q), "unacked")
+		assert.Equal(t, 0, f.mem.Stats().UnknownTags, "unknown tags")
 	}
 	for i := range 2 {
 		f.publish(fmt.Sprint("n", i), []byte("x"), nil)
@@ -86,18 +88,18 @@ func testMultipleAckSemantics(t *testing.T, be backend) {
 
 	// At a nacked tag: refused, the channel closes, the others return.
 	ds = get3()
-	noErr(t, "Nack(second)", ds[1].Nack(false, true))
+	require.NoError(t, ds[1].Nack(false, true), "Nack(second)")
 	_ = ds[1].Ack(true) // the server refuses it after the call returned
 	if f.mem != nil {
-		equal(t, "unknown tags", f.mem.Stats().UnknownTags, 1)
+		assert.Equal(t, 1, f.mem.Stats().UnknownTags, "unknown tags")
 	} else {
 		ch, ok := ds[0].Acknowledger.(*amqp.Channel)
 		if !ok {
 			t.Fatalf("Acknowledger %T; want *amqp.Channel", ds[0].Acknowledger)
 		}
-		eventually(t, 10*time.Second, "channel not closed by the multiple ack of a settled tag", ch.IsClosed)
+		require.Eventually(t, ch.IsClosed, 10*time.Second, 10*time.Millisecond, "channel not closed by the multiple ack of a settled tag")
 	}
-	eventually(t, 10*time.Second, "messages not back in the queue", func() bool { return f.length(f.q) == 3 })
+	require.Eventually(t, func() bool { return f.polledLength(f.q) == 3 }, 10*time.Second, 10*time.Millisecond, "messages not back in the queue")
 	f.drain(f.q)
 }
 
@@ -129,8 +131,8 @@ func testCoalescedAcks(t *testing.T, be backend) {
 		f.publish(fmt.Sprint("c", i), []byte("x"), nil)
 	}
 	// Once, twice for the requeued (n/10) and the delayed (n/25).
-	eventually(t, 60*time.Second, "not every message handled", func() bool { return j.totalCalls() == n+n/10+n/25 })
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.Eventually(t, func() bool { return j.totalCalls() == n+n/10+n/25 }, 60*time.Second, 10*time.Millisecond, "not every message handled")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 	for i := range n {
 		want := 1
 		switch {
@@ -138,17 +140,17 @@ func testCoalescedAcks(t *testing.T, be backend) {
 		case i%10 == 3, i%25 == 7:
 			want = 2
 		}
-		equal(t, fmt.Sprintf("handler calls of c%d", i), len(j.callsOf(fmt.Sprint("c", i))), want)
+		assert.Equal(t, want, len(j.callsOf(fmt.Sprint("c", i))), "handler calls of c%d", i)
 	}
 	f.assertSettled(t)
-	equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 1)
+	assert.Equal(t, 1, f.logs.Count("broker: consuming"), "consumer sessions")
 	frames, deliveries, failed := acks.counts()
-	equal(t, "acks that failed", failed, 0)
-	equal(t, "deliveries acked", deliveries, n+n/25) // once, and the original of each delay
+	assert.Equal(t, 0, failed, "acks that failed")
+	assert.Equal(t, n+n/25, deliveries, "deliveries acked") // once, and the original of each delay
 	if f.mem != nil {
 		s := f.mem.Stats()
-		equal(t, "ack frames the memory server took", s.AckFrames, frames)
-		equal(t, "deliveries it acked", s.Acked, deliveries)
+		assert.Equal(t, frames, s.AckFrames, "ack frames the memory server took")
+		assert.Equal(t, deliveries, s.Acked, "deliveries it acked")
 	}
 	t.Logf("%d deliveries acked in %d ack frames: %.2f per frame", deliveries, frames, float64(deliveries)/float64(frames))
 	if frames >= deliveries {
@@ -163,24 +165,24 @@ func TestHeldAcksAtTheTimeBound(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
 		r, slow, j := behindSlow(t, f, 3)
 		start := time.Now()
-		equal(t, "handled", j.effected(), 4)
-		equal(t, "unacked while the acks are held", f.mem.Unacked(f.q), 4)
+		assert.Equal(t, 4, j.effected(), "handled")
+		assert.Equal(t, 4, f.mem.Unacked(f.q), "unacked while the acks are held")
 		time.Sleep(maxHoldAck - time.Nanosecond)
 		synctest.Wait()
-		equal(t, "unacked just before the bound", f.mem.Unacked(f.q), 4)
+		assert.Equal(t, 4, f.mem.Unacked(f.q), "unacked just before the bound")
 		time.Sleep(time.Nanosecond)
 		synctest.Wait()
-		equal(t, "unacked at the bound", f.mem.Unacked(f.q), 1)
-		equal(t, "held for", time.Since(start), maxHoldAck)
+		assert.Equal(t, 1, f.mem.Unacked(f.q), "unacked at the bound")
+		assert.Equal(t, maxHoldAck, time.Since(start), "held for")
 		s := f.mem.Stats()
-		equal(t, "ack frames", s.AckFrames, 3)
+		assert.Equal(t, 3, s.AckFrames, "ack frames")
 		slow.open()
 		synctest.Wait()
 		time.Sleep(maxHoldAck) // its ack is kept as long
 		synctest.Wait()
-		equal(t, "unacked once the slow one is done", f.mem.Unacked(f.q), 0)
-		equal(t, "ack frames", f.mem.Stats().AckFrames, 4)
-		noErr(t, "Consume after cancel", r.stop(t))
+		assert.Equal(t, 0, f.mem.Unacked(f.q), "unacked once the slow one is done")
+		assert.Equal(t, 4, f.mem.Stats().AckFrames, "ack frames")
+		require.NoError(t, r.stop(t), "Consume after cancel")
 		f.assertSettled(t)
 	})
 }
@@ -191,13 +193,13 @@ func TestHeldAcksAtTheCountBound(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
 		r, slow, _ := behindSlow(t, f, 3)
-		equal(t, "unacked with 3 acks held", f.mem.Unacked(f.q), 4)
+		assert.Equal(t, 4, f.mem.Unacked(f.q), "unacked with 3 acks held")
 		f.publish("f3", nil, nil)
 		synctest.Wait()
-		equal(t, "unacked with 4 acks held", f.mem.Unacked(f.q), 1)
-		equal(t, "ack frames", f.mem.Stats().AckFrames, 4)
+		assert.Equal(t, 1, f.mem.Unacked(f.q), "unacked with 4 acks held")
+		assert.Equal(t, 4, f.mem.Stats().AckFrames, "ack frames")
 		slow.open()
-		noErr(t, "Consume after cancel", r.stop(t))
+		require.NoError(t, r.stop(t), "Consume after cancel")
 		f.assertSettled(t)
 	})
 }
@@ -209,15 +211,15 @@ func TestShutdownSendsHeldAcks(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
 		r, slow, j := behindSlow(t, f, 2)
-		equal(t, "unacked while the acks are held", f.mem.Unacked(f.q), 3)
+		assert.Equal(t, 3, f.mem.Unacked(f.q), "unacked while the acks are held")
 		r.cancel()
 		slow.open() // before the clock moves: the acks are still held
-		noErr(t, "Consume", r.wait(t, time.Minute))
+		require.NoError(t, r.wait(t, time.Minute), "Consume")
 		s := f.mem.Stats()
-		equal(t, "ack frames", s.AckFrames, 1)
-		equal(t, "deliveries acked", s.Acked, 3)
-		equal(t, "deliveries returned by the close", s.RequeuedOnClose, 0)
-		equal(t, "handled", j.totalCalls(), 3)
+		assert.Equal(t, 1, s.AckFrames, "ack frames")
+		assert.Equal(t, 3, s.Acked, "deliveries acked")
+		assert.Equal(t, 0, s.RequeuedOnClose, "deliveries returned by the close")
+		assert.Equal(t, 3, j.totalCalls(), "handled")
 		f.assertSettled(t)
 	})
 }
@@ -229,25 +231,25 @@ func TestConnectionLostWithHeldAcks(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
 		r, slow, j := behindSlow(t, f, 2)
-		equal(t, "unacked while the acks are held", f.mem.Unacked(f.q), 3)
+		assert.Equal(t, 3, f.mem.Unacked(f.q), "unacked while the acks are held")
 
 		f.mem.CloseConnections()
 		time.Sleep(time.Second) // past the reconnection backoff
 		synctest.Wait()
-		equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 2)
+		assert.Equal(t, 2, f.logs.Count("broker: consuming"), "consumer sessions")
 		for _, id := range []string{"slow", "f0", "f1"} {
 			calls := j.callsOf(id)
-			if equal(t, "handler calls of "+id, len(calls), 2) {
-				equal(t, "redelivered "+id, calls[1].d.Redelivered, true)
-				equal(t, "tag of the redelivery of "+id+" on the new channel below 4", calls[1].d.DeliveryTag < 4, true)
+			if assert.Equal(t, 2, len(calls), "handler calls of "+id) {
+				assert.True(t, calls[1].d.Redelivered, "redelivered "+id)
+				assert.True(t, calls[1].d.DeliveryTag < 4, "tag of the redelivery of "+id+" on the new channel below 4")
 			}
 		}
 		slow.open() // its result comes after its session: not settled
 		synctest.Wait()
-		noErr(t, "Consume after cancel", r.stop(t))
+		require.NoError(t, r.stop(t), "Consume after cancel")
 		s := f.mem.Stats()
-		equal(t, "deliveries acked", s.Acked, 3)
-		equal(t, "returned by the lost connection", s.RequeuedOnClose, 3)
+		assert.Equal(t, 3, s.Acked, "deliveries acked")
+		assert.Equal(t, 3, s.RequeuedOnClose, "returned by the lost connection")
 		f.assertSettled(t)
 	})
 }

@@ -50,13 +50,9 @@ func TestConsumeBadOptions(t *testing.T) {
 	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
 	ctx := testContext(t, 5*time.Second)
 	for _, o := range []ConsumeOptions{{Workers: -1}, {Prefetch: 70000}, {ShutdownTimeout: -1}, {Topology: Topology{Delays: []time.Duration{-1}}}, {Topology: Topology{Quorum: true, Declare: DeclareSupport}}} {
-		if err := b.Consume(ctx, "q", h, o); err == nil {
-			t.Errorf("Consume(%+v) = nil; want an error", o)
-		}
+		assert.Error(t, b.Consume(ctx, "q", h, o), "Consume(%+v) = nil; want an error", o)
 	}
-	if err := b.Consume(ctx, "", h, ConsumeOptions{}); err == nil {
-		t.Error("Consume of an empty queue name = nil; want an error")
-	}
+	assert.Error(t, b.Consume(ctx, "", h, ConsumeOptions{}), "Consume of an empty queue name = nil; want an error")
 	defer func() {
 		if r := recover(); r == nil {
 			t.Error("Consume with a nil handler did not panic")

@@ -12,6 +12,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker/internal/rabbit"
@@ -78,9 +79,7 @@ func FuzzFaultHeaders(f *testing.F) {
 	f.Add([]byte{255, 254, 9, 9, 9, 9, 9}, "\xff\xfe invalid utf-8", -3, "e", "k")
 	f.Fuzz(func(t *testing.T, seed []byte, text string, attempts int, exchange, key string) {
 		headers := tableFromSeed(seed)
-		if err := headers.Validate(); err != nil {
-			t.Fatalf("generated headers invalid: %v", err)
-		}
+		require.NoError(t, headers.Validate(), "generated headers invalid")
 		snapshot := rabbit.WireTable(headers)
 		d := &amqp.Delivery{Exchange: exchange, RoutingKey: key, Headers: headers}
 		err := errors.New(text)
@@ -88,9 +87,7 @@ func FuzzFaultHeaders(f *testing.F) {
 			err = rabbitmw.WithAttempts(err, attempts)
 		}
 		h := faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(err)), "q", time.Now(), "h", "p")
-		if err := h.Validate(); err != nil {
-			t.Fatalf("faultHeaders(...).Validate() = %v", err)
-		}
+		require.NoError(t, h.Validate(), "faultHeaders(...).Validate()")
 		if !equalTables(d.Headers, snapshot) {
 			t.Fatal("faultHeaders modified the delivery's headers")
 		}

@@ -69,7 +69,7 @@ func testDeadLetterCycleRule(t *testing.T, be backend) {
 	require.NoError(t, f.b.Publish(ctx, "", delay, amqp.Publishing{MessageId: "end"}), "Publish end")
 	got := map[string]*amqp.Delivery{}
 	require.Eventually(t, func() bool {
-		for _, d := range f.drain(f.q) {
+		for _, d := range f.polledDrain(f.q) {
 			got[d.MessageId] = d
 		}
 		return got["end"] != nil
@@ -109,7 +109,7 @@ func testDeadLetterCycleRule(t *testing.T, be backend) {
 		t.Fatal("Get found no message")
 	}
 	require.NoError(t, d.Reject(false), "Reject")
-	require.Eventually(t, func() bool { return f.length(f.q+".dlq") == 1 }, 10*time.Second, 10*time.Millisecond, "a rejected message whose x-death names the dead-letter queue was dropped")
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 1 }, 10*time.Second, 10*time.Millisecond, "a rejected message whose x-death names the dead-letter queue was dropped")
 	f.drain(f.q + ".dlq")
 	f.assertSettled(t)
 }
@@ -123,7 +123,7 @@ func testReplayExpired(t *testing.T, be backend) {
 	for _, id := range []string{"ok", "dead"} {
 		require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: id, Body: []byte(id), Expiration: "1"}), "Publish")
 	}
-	require.Eventually(t, func() bool { return f.length(f.q+".dlq") == 2 }, 20*time.Second, 10*time.Millisecond, "expired messages not dead-lettered")
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 2 }, 20*time.Second, 10*time.Millisecond, "expired messages not dead-lettered")
 	f.replay(t, "expired")
 }
 
@@ -143,7 +143,7 @@ func testReplayDeliveryLimit(t *testing.T, be backend) {
 		}
 		require.NoError(t, d.Nack(false, true), "Nack")
 	}
-	require.Eventually(t, func() bool { return f.length(f.q+".dlq") == 2 }, 20*time.Second, 10*time.Millisecond, "messages not dead-lettered by the delivery limit")
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 2 }, 20*time.Second, 10*time.Millisecond, "messages not dead-lettered by the delivery limit")
 	f.replay(t, "delivery_limit")
 }
 
@@ -175,7 +175,7 @@ func (f *fixture) replay(t *testing.T, reason string) {
 		return nil
 	}), ConsumeOptions{})
 	require.Eventually(t, func() bool {
-		return len(j.callsOf("ok")) == 2 && len(j.callsOf("dead")) == 2 && f.length(f.q+".dlq") == 1
+		return len(j.callsOf("ok")) == 2 && len(j.callsOf("dead")) == 2 && f.polledLength(f.q+".dlq") == 1
 	}, 20*time.Second, 10*time.Millisecond, "replayed messages not handled after their retry")
 	for _, id := range []string{"ok", "dead"} {
 		d := j.callsOf(id)[1].d
@@ -194,7 +194,7 @@ func (f *fixture) replay(t *testing.T, reason string) {
 	// Replayed again, it fails again: one more hop counted.
 	require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: dead.MessageId, Body: dead.Body, Headers: dead.Headers}), "replay")
 	require.Eventually(t, func() bool {
-		return len(j.callsOf("dead")) == 4 && f.length(f.q+".dlq") == 1
+		return len(j.callsOf("dead")) == 4 && f.polledLength(f.q+".dlq") == 1
 	}, 20*time.Second, 10*time.Millisecond, "message replayed twice not handled after its retry")
 	require.NoError(t, r.stop(t), "Consume after cancel")
 	dead = f.onlyDeadLetter()

@@ -44,7 +44,7 @@ func TestDelayHeadersAndRepublishing(t *testing.T) {
 	nb, ok := notBefore(amqp.Table{HeaderNotBefore: int64(1234567)})
 	assert.Equal(t, []any{int64(1234567), true}, []any{nb.UnixMilli(), ok}, "notBefore")
 	_, ok = notBefore(amqp.Table{HeaderNotBefore: "soon"})
-	assert.Equal(t, false, ok, "notBefore of a string")
+	assert.False(t, ok, "notBefore of a string")
 }
 
 // A copy sent to a delay queue carries x-death only in the form RabbitMQ

@@ -4,15 +4,15 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"log/slog"
-	"reflect"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
@@ -114,15 +114,11 @@ func setupWith(t *testing.T, be backend, top Topology, reconnectMax time.Duratio
 		f.top.Delays = testTiers
 	}
 	ctx := testContext(t, 20*time.Second)
-	if err := b.Declare(ctx, f.q, f.top); err != nil {
-		t.Fatalf("Declare(%q) = %v; want nil", f.q, err)
-	}
+	require.NoError(t, b.Declare(ctx, f.q, f.top), "Declare(%q)", f.q)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
-		if err := f.b.Delete(ctx, f.q, f.top); err != nil {
-			t.Errorf("Delete(%q) = %v", f.q, err)
-		}
+		assert.NoError(t, f.b.Delete(ctx, f.q, f.top), "Delete(%q)", f.q)
 	})
 	return f
 }
@@ -148,18 +144,14 @@ func (f *fixture) publish(id string, body []byte, headers amqp.Table) {
 	f.t.Helper()
 	ctx := testContext(f.t, 30*time.Second)
 	err := f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: id, Body: body, Headers: headers, ContentType: "text/plain"})
-	if err != nil {
-		f.t.Fatalf("Publish(%q) = %v; want nil", id, err)
-	}
+	require.NoError(f.t, err, "Publish(%q)", id)
 }
 
 // length returns the number of ready messages in queue.
 func (f *fixture) length(queue string) int {
 	f.t.Helper()
 	n, err := f.b.Len(testContext(f.t, 20*time.Second), queue)
-	if err != nil {
-		f.t.Fatalf("Len(%q) = %v", queue, err)
-	}
+	require.NoError(f.t, err, "Len(%q)", queue)
 	return n
 }
 
@@ -169,14 +161,38 @@ func (f *fixture) drain(queue string) []*amqp.Delivery {
 	var out []*amqp.Delivery
 	for {
 		d, ok, err := f.b.Get(testContext(f.t, 20*time.Second), queue)
-		if err != nil {
-			f.t.Fatalf("Get(%q) = %v", queue, err)
-		}
+		require.NoError(f.t, err, "Get(%q)", queue)
 		if !ok {
 			return out
 		}
-		if err := d.Ack(false); err != nil {
-			f.t.Fatalf("Ack = %v", err)
+		require.NoError(f.t, d.Ack(false), "Ack")
+		out = append(out, d)
+	}
+}
+
+// polledLength is length for a condition that require.Eventually polls:
+// it runs on a goroutine of its own, where a check must not stop the test
+// (FailNow belongs to the test's goroutine). A failed Len is reported and
+// reads as -1, which no condition waits for.
+func (f *fixture) polledLength(queue string) int {
+	n, err := f.b.Len(testContext(f.t, 20*time.Second), queue)
+	if !assert.NoError(f.t, err, "Len(%q)", queue) {
+		return -1
+	}
+	return n
+}
+
+// polledDrain is drain for a condition that require.Eventually polls: a
+// failed Get or Ack is reported and ends the drain.
+func (f *fixture) polledDrain(queue string) []*amqp.Delivery {
+	var out []*amqp.Delivery
+	for {
+		d, ok, err := f.b.Get(testContext(f.t, 20*time.Second), queue)
+		if !assert.NoError(f.t, err, "Get(%q)", queue) || !ok {
+			return out
+		}
+		if !assert.NoError(f.t, d.Ack(false), "Ack") {
+			return out
 		}
 		out = append(out, d)
 	}
@@ -256,18 +272,6 @@ func (r *run) wait(t *testing.T, d time.Duration) error {
 	}
 }
 
-// eventually polls cond every 10ms until it holds or d passes.
-func eventually(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("after %v: %s", d, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 // A journal is an idempotent recording handler's memory: for each message
 // id, the deliveries seen and whether its effect was applied. It applies
 // each message's effect once, however often the message comes.
@@ -318,38 +322,4 @@ func (j *journal) totalCalls() int {
 		n += len(c)
 	}
 	return n
-}
-
-// equal reports got != want (by reflect.DeepEqual) as an error.
-func equal(t *testing.T, what string, got, want any) bool {
-	t.Helper()
-	if !reflect.DeepEqual(got, want) {
-		t.Errorf("%s = %#v; want %#v", what, got, want)
-		return false
-	}
-	return true
-}
-
-// noErr stops the test if err is not nil.
-func noErr(t *testing.T, what string, err error) {
-	t.Helper()
-	if err != nil {
-		t.Fatalf("%s = %v; want nil", what, err)
-	}
-}
-
-// isErr stops the test unless err wraps target.
-func isErr(t *testing.T, what string, err, target error) {
-	t.Helper()
-	if !errors.Is(err, target) {
-		t.Fatalf("%s = %v; want an error wrapping %v", what, err, target)
-	}
-}
-
-// contains reports an error unless s contains sub.
-func contains(t *testing.T, what, s, sub string) {
-	t.Helper()
-	if !strings.Contains(s, sub) {
-		t.Errorf("%s = %q; want it to contain %q", what, s, sub)
-	}
 }

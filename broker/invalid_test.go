@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -45,12 +47,12 @@ func (f *fixture) checkFrameMax(t *testing.T) {
 		return
 	}
 	ctx := testContext(t, 20*time.Second)
-	noErr(t, "session", f.b.do(ctx, "frame size", func(s session) error {
+	require.NoError(t, f.b.do(ctx, "frame size", func(s session) error {
 		if n := s.(*amqpSession).conn.Config.FrameSize; n != frameMax {
 			t.Skipf("the server's frame_max is %d; the test expects %d", n, frameMax)
 		}
 		return nil
-	}))
+	}), "session")
 }
 
 // sharedSession returns the Broker's shared session (nil if none).
@@ -69,7 +71,7 @@ func testPublishInvalid(t *testing.T, be backend) {
 	f := setup(t, be, Topology{})
 	f.checkFrameMax(t)
 	ctx := testContext(t, 20*time.Second)
-	noErr(t, "Publish", f.b.Publish(ctx, "", f.q, amqp.Publishing{Body: []byte("before")}))
+	require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{Body: []byte("before")}), "Publish")
 	before := f.sharedSession()
 
 	long := strings.Repeat("v", 10<<10)
@@ -139,9 +141,9 @@ func testPublishInvalid(t *testing.T, be backend) {
 			case <-time.After(10 * time.Second):
 				t.Fatalf("Publish still running after 10s, under a context without deadline; want a refusal at once")
 			}
-			isErr(t, "Publish", err, ErrInvalidMessage)
+			require.ErrorIs(t, err, ErrInvalidMessage, "Publish")
 			for _, w := range c.want {
-				contains(t, "error", err.Error(), w)
+				assert.Contains(t, err.Error(), w, "error")
 			}
 			if n := len(err.Error()); n > 500 {
 				t.Errorf("error text is %d bytes; want the field named, not its value", n)
@@ -155,14 +157,14 @@ func testPublishInvalid(t *testing.T, be backend) {
 		{Headers: amqp.Table{"deep": nest(32), "wide": entries(8192)}},
 	}
 	for i, m := range atLimits {
-		noErr(t, "Publish at the limits "+strconv.Itoa(i), f.b.Publish(ctx, "", f.q, m))
+		require.NoError(t, f.b.Publish(ctx, "", f.q, m), "Publish at the limits "+strconv.Itoa(i))
 	}
 	// Nothing invalid was sent, and the shared connection is the same.
-	equal(t, "messages in the queue", f.length(f.q), 1+len(atLimits))
+	assert.Equal(t, 1+len(atLimits), f.length(f.q), "messages in the queue")
 	if f.sharedSession() != before {
 		t.Errorf("the shared session was replaced; want it untouched")
 	}
-	equal(t, "retry warnings", f.logs.Count("failed; retrying"), 0)
+	assert.Equal(t, 0, f.logs.Count("failed; retrying"), "retry warnings")
 	for _, r := range f.logs.All() {
 		if len(r) > 2000 {
 			t.Errorf("a log record of %d bytes: %.200s…; want no value printed whole", len(r), r)
@@ -185,11 +187,11 @@ func testPublishFrameBoundary(t *testing.T, be backend) {
 		return amqp.Publishing{MessageId: "b", DeliveryMode: amqp.Persistent, Headers: amqp.Table{"pad": strings.Repeat("p", pad)}}
 	}
 	err := f.b.do(ctx, "publish", func(s session) error { return s.Publish(ctx, "", f.q, msg(padFor("b", maxProps))) })
-	noErr(t, "session publish of a header frame that just fits", err)
+	require.NoError(t, err, "session publish of a header frame that just fits")
 	err = f.b.do(ctx, "publish", func(s session) error { return s.Publish(ctx, "", f.q, msg(padFor("b", maxProps)+1)) })
-	isErr(t, "session publish of a header frame one byte too big", err, ErrInvalidMessage)
-	equal(t, "messages in the queue", f.length(f.q), 1)
-	equal(t, "retry warnings", f.logs.Count("failed; retrying"), 0)
+	require.ErrorIs(t, err, ErrInvalidMessage, "session publish of a header frame one byte too big")
+	assert.Equal(t, 1, f.length(f.q), "messages in the queue")
+	assert.Equal(t, 0, f.logs.Count("failed; retrying"), "retry warnings")
 	f.drain(f.q)
 }
 
@@ -199,7 +201,7 @@ func (f *fixture) publishRaw(t *testing.T, msg amqp.Publishing) {
 	t.Helper()
 	ctx := testContext(t, 20*time.Second)
 	msg.DeliveryMode = amqp.Persistent
-	noErr(t, "session publish", f.b.do(ctx, "publish", func(s session) error { return s.Publish(ctx, "", f.q, msg) }))
+	require.NoError(t, f.b.do(ctx, "publish", func(s session) error { return s.Publish(ctx, "", f.q, msg) }), "session publish")
 }
 
 // A message whose dead-letter copy would not fit in a frame with its fault
@@ -216,20 +218,20 @@ func testDeadLetterCopyCutToFit(t *testing.T, be backend) {
 	}), ConsumeOptions{})
 	pad := padFor("cut", maxProps-2000)
 	f.publishRaw(t, amqp.Publishing{MessageId: "cut", Body: []byte("body"), Headers: amqp.Table{"pad": strings.Repeat("p", pad)}})
-	eventually(t, 20*time.Second, "nothing dead-lettered", func() bool { return f.length(f.q+".dlq") == 1 })
-	noErr(t, "Consume after cancel", r.stop(t))
-	equal(t, "handler calls", len(j.callsOf("cut")), 1)
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 1 }, 20*time.Second, 10*time.Millisecond, "nothing dead-lettered")
+	require.NoError(t, r.stop(t), "Consume after cancel")
+	assert.Equal(t, 1, len(j.callsOf("cut")), "handler calls")
 	dead := f.onlyDeadLetter()
-	equal(t, "body", dead.Body, []byte("body"))
+	assert.Equal(t, []byte("body"), dead.Body, "body")
 	kept, _ := dead.Headers["pad"].(string)
-	equal(t, "pad header kept", len(kept), pad)
+	assert.Equal(t, pad, len(kept), "pad header kept")
 	text, _ := dead.Headers[HeaderError].(string)
-	contains(t, HeaderError, text, "refused: eee")
-	contains(t, HeaderError, text, "cut")
+	assert.Contains(t, text, "refused: eee", HeaderError)
+	assert.Contains(t, text, "cut", HeaderError)
 	if len(text) > 600 {
 		t.Errorf("%s is %d bytes; want it cut short", HeaderError, len(text))
 	}
-	equal(t, "queue "+f.q, f.length(f.q), 0)
+	assert.Equal(t, 0, f.length(f.q), "queue "+f.q)
 }
 
 // A message whose delay copy would leave too little of a frame for what a
@@ -245,19 +247,19 @@ func testDelayCopyTooBigIsDeadLettered(t *testing.T, be backend) {
 	}), ConsumeOptions{})
 	pad := padFor("near", maxProps-4000)
 	f.publishRaw(t, amqp.Publishing{MessageId: "near", Body: []byte("body"), Headers: amqp.Table{"pad": strings.Repeat("p", pad)}})
-	eventually(t, 20*time.Second, "nothing dead-lettered", func() bool { return f.length(f.q+".dlq") == 1 })
-	noErr(t, "Consume after cancel", r.stop(t))
-	equal(t, "handler calls", len(j.callsOf("near")), 1)
-	equal(t, "records at Warn of the broker's dead-letter", f.logs.Count("WARN", "delay copy cannot be sent", `message_id="near"`), 1)
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 1 }, 20*time.Second, 10*time.Millisecond, "nothing dead-lettered")
+	require.NoError(t, r.stop(t), "Consume after cancel")
+	assert.Equal(t, 1, len(j.callsOf("near")), "handler calls")
+	assert.Equal(t, 1, f.logs.Count("WARN", "delay copy cannot be sent", `message_id="near"`), "records at Warn of the broker's dead-letter")
 	dead := f.onlyDeadLetter()
 	text, _ := dead.Headers[HeaderError].(string)
-	contains(t, HeaderError, text, "boom")
-	contains(t, HeaderError, text, "delay copy")
-	contains(t, HeaderError, text, "frame")
-	equal(t, HeaderErrorType, dead.Headers[HeaderErrorType], "error")
+	assert.Contains(t, text, "boom", HeaderError)
+	assert.Contains(t, text, "delay copy", HeaderError)
+	assert.Contains(t, text, "frame", HeaderError)
+	assert.Equal(t, "error", dead.Headers[HeaderErrorType], HeaderErrorType)
 	kept, _ := dead.Headers["pad"].(string)
-	equal(t, "pad header kept", len(kept), pad)
-	equal(t, "queue "+f.q, f.length(f.q), 0)
+	assert.Equal(t, pad, len(kept), "pad header kept")
+	assert.Equal(t, 0, f.length(f.q), "queue "+f.q)
 	for _, tr := range testTiers {
 		if n := f.length(f.q + ".delay." + tierName(tr)); n != 0 {
 			t.Errorf("delay queue %s holds %d; want 0", tierName(tr), n)
@@ -281,11 +283,11 @@ func testCopyThatCannotBeSentIsRejected(t *testing.T, be backend) {
 	// RabbitMQ adds x-death when it dead-letters the message, which then
 	// no longer fits in a frame: amqp091 cannot read it back, so the test
 	// only counts it.
-	eventually(t, 20*time.Second, "nothing in the dead-letter queue", func() bool { return f.length(f.q+".dlq") == 1 })
-	noErr(t, "Consume after cancel", r.stop(t))
-	equal(t, "handler calls", len(j.callsOf("full")), 1)
-	equal(t, "queue "+f.q, f.length(f.q), 0)
-	equal(t, "Error records about the rejected message", f.logs.Count("ERROR", "rejected", "full"), 1)
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 1 }, 20*time.Second, 10*time.Millisecond, "nothing in the dead-letter queue")
+	require.NoError(t, r.stop(t), "Consume after cancel")
+	assert.Equal(t, 1, len(j.callsOf("full")), "handler calls")
+	assert.Equal(t, 0, f.length(f.q), "queue "+f.q)
+	assert.Equal(t, 1, f.logs.Count("ERROR", "rejected", "full"), "Error records about the rejected message")
 }
 
 // checkPublishing counts the header frame exactly as amqp091 writes it:
@@ -306,10 +308,10 @@ func TestRabbitMQPropertiesSizeIsTheWireSize(t *testing.T) {
 	}
 	for i, msg := range msgs {
 		want, err := transport.CheckPublishing("", "nowhere", msg)
-		noErr(t, "checkPublishing", err)
+		require.NoError(t, err, "checkPublishing")
 		px.record()
 		// No queue has that name: the server returns it.
-		isErr(t, "publish", s.Publish(ctx, "", "nowhere", msg), ErrUnroutable)
+		require.ErrorIs(t, s.Publish(ctx, "", "nowhere", msg), ErrUnroutable, "publish")
 		if got := px.headerFrameSize(t); got != want {
 			t.Errorf("message %d: header frame of %d bytes on the wire; checkPublishing says %d", i, got, want)
 		}

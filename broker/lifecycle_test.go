@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
@@ -91,7 +93,7 @@ func TestSlowHandlerDoesNotStallReconnection(t *testing.T) {
 		r := f.consume(slowThenNext(&g, j, slow, next), ConsumeOptions{Workers: 2})
 		f.publish("slow", nil, nil)
 		synctest.Wait()
-		equal(t, "handler calls of slow", len(j.callsOf("slow")), 1)
+		assert.Equal(t, 1, len(j.callsOf("slow")), "handler calls of slow")
 
 		f.mem.CloseConnections()
 		time.Sleep(time.Second) // past the reconnection backoff
@@ -99,20 +101,20 @@ func TestSlowHandlerDoesNotStallReconnection(t *testing.T) {
 			f.publish(fmt.Sprint("next", i), nil, nil)
 		}
 		synctest.Wait()
-		equal(t, "consumer sessions while the slow handler runs", f.logs.Count("broker: consuming"), 2)
-		equal(t, "records of the lost connection", f.logs.Count("WARN broker: connection lost"), 1)
-		equal(t, "handler calls of slow (the first still running, its redelivery done)", len(j.callsOf("slow")), 2)
-		equal(t, "new deliveries started while the slow handler runs", j.started("next"), 1)
-		equal(t, "most handlers at once", g.most(), 2)
+		assert.Equal(t, 2, f.logs.Count("broker: consuming"), "consumer sessions while the slow handler runs")
+		assert.Equal(t, 1, f.logs.Count("WARN broker: connection lost"), "records of the lost connection")
+		assert.Equal(t, 2, len(j.callsOf("slow")), "handler calls of slow (the first still running, its redelivery done)")
+		assert.Equal(t, 1, j.started("next"), "new deliveries started while the slow handler runs")
+		assert.Equal(t, 2, g.most(), "most handlers at once")
 
 		slow.open() // its slot goes to the next delivery
 		synctest.Wait()
-		equal(t, "new deliveries started once the slow handler returned", j.started("next"), 2)
+		assert.Equal(t, 2, j.started("next"), "new deliveries started once the slow handler returned")
 		next.open()
 		synctest.Wait()
-		equal(t, "new deliveries handled", j.started("next"), 3)
-		equal(t, "most handlers at once", g.most(), 2)
-		noErr(t, "Consume after cancel", r.stop(t))
+		assert.Equal(t, 3, j.started("next"), "new deliveries handled")
+		assert.Equal(t, 2, g.most(), "most handlers at once")
+		require.NoError(t, r.stop(t), "Consume after cancel")
 		f.assertSettled(t)
 	})
 }
@@ -153,21 +155,21 @@ func TestShutdownWaitsForHandlersOfLostConnections(t *testing.T) {
 				f.mem.CloseConnections()
 				time.Sleep(time.Second)
 				synctest.Wait()
-				equal(t, "handler calls (the first still running, the redelivery done)", len(j.callsOf("slow")), 2)
+				assert.Equal(t, 2, len(j.callsOf("slow")), "handler calls (the first still running, the redelivery done)")
 
 				begin := time.Now()
 				r.cancel()
 				err := r.wait(t, time.Minute)
 				took := time.Since(begin)
 				if c.wantErr == nil {
-					noErr(t, "Consume", err)
+					require.NoError(t, err, "Consume")
 				} else {
-					isErr(t, "Consume", err, c.wantErr)
-					contains(t, "error", err.Error(), "1 handlers did not return")
-					equal(t, "reports of the handlers in the error", strings.Count(err.Error(), "did not return"), 1)
+					require.ErrorIs(t, err, c.wantErr, "Consume")
+					assert.Contains(t, err.Error(), "1 handlers did not return", "error")
+					assert.Equal(t, 1, strings.Count(err.Error(), "did not return"), "reports of the handlers in the error")
 				}
-				equal(t, "Consume returned after", took, c.wantTook)
-				equal(t, "the lost connection's handler returned before Consume", returned.Load(), c.honours)
+				assert.Equal(t, c.wantTook, took, "Consume returned after")
+				assert.Equal(t, c.honours, returned.Load(), "the lost connection's handler returned before Consume")
 			})
 		})
 	}
@@ -206,9 +208,9 @@ func TestReconnectionBackoffResetsOnceConsuming(t *testing.T) {
 		}
 		took := time.Since(begin)
 		cancel()
-		noErr(t, "Consume after cancel", <-done)
+		require.NoError(t, <-done, "Consume after cancel")
 		waits := retryWaits(t, logs)
-		equal(t, "reconnections", len(waits), cuts)
+		assert.Equal(t, cuts, len(waits), "reconnections")
 		for i, w := range waits {
 			if w > minimum {
 				t.Errorf("wait before reconnection %d = %v; want <= %v (ReconnectMin: the session before was consuming)", i+1, w, minimum)
@@ -235,7 +237,7 @@ func retryWaits(t *testing.T, logs *fixtures.LogRecorder) []time.Duration {
 			t.Fatalf("reconnection record without retry_in: %s", r)
 		}
 		d, err := time.ParseDuration(m[1])
-		noErr(t, "parse retry_in", err)
+		require.NoError(t, err, "parse retry_in")
 		waits = append(waits, d)
 	}
 	return waits
@@ -246,7 +248,7 @@ func retryWaits(t *testing.T, logs *fixtures.LogRecorder) []time.Duration {
 func (f *fixture) ids() map[string]int {
 	f.t.Helper()
 	top, err := f.top.resolve(f.q)
-	noErr(f.t, "resolve", err)
+	require.NoError(f.t, err, "resolve")
 	n := map[string]int{}
 	for _, q := range top.names() {
 		for _, d := range f.drain(q) {
@@ -307,12 +309,12 @@ func lateResults(t *testing.T, f *fixture, slowConfirms func()) {
 			t.Fatalf("handlers started = %d; want %d", len(inFlight), workers)
 		}
 	}
-	noErr(t, "Consume after a shutdown past its deadline", r.stop(t))
+	require.NoError(t, r.stop(t), "Consume after a shutdown past its deadline")
 	// The delayed copies come back to the work queue (RabbitMQ moves them
 	// out of the delay queue a moment before they are in the work queue).
-	eventually(t, 20*time.Second, "delayed copies not back", func() bool {
-		return f.length(f.q+".delay.50ms") == 0 && f.length(f.q)+f.length(f.q+".dlq") >= len(ids)
-	})
+	require.Eventually(t, func() bool {
+		return f.polledLength(f.q+".delay.50ms") == 0 && f.polledLength(f.q)+f.polledLength(f.q+".dlq") >= len(ids)
+	}, 20*time.Second, 10*time.Millisecond, "delayed copies not back")
 	copies := f.ids()
 	for _, id := range ids {
 		if n := copies[id]; n != 1 {
@@ -326,7 +328,7 @@ func lateResults(t *testing.T, f *fixture, slowConfirms func()) {
 		if strings.HasPrefix(id, "p") {
 			want = rabbitmw.DeadLetter.String() + " <nil>"
 		}
-		equal(t, "settlements of "+id, settled[id], []string{want})
+		assert.Equal(t, []string{want}, settled[id], "settlements of "+id)
 	}
 }
 
@@ -344,10 +346,10 @@ func TestSettlementInProgressAtTheEndOfTheGrace(t *testing.T) {
 		}), ConsumeOptions{ShutdownTimeout: time.Second})
 		synctest.Wait()
 		begin := time.Now()
-		noErr(t, "Consume", r.stop(t))
-		equal(t, "Consume returned after", time.Since(begin), time.Second+shutdownGrace/2+time.Second)
+		require.NoError(t, r.stop(t), "Consume")
+		assert.Equal(t, time.Second+shutdownGrace/2+time.Second, time.Since(begin), "Consume returned after")
 		f.mem.SetConfirmDelay(0)
-		equal(t, "copies", f.ids(), map[string]int{"x": 1})
+		assert.Equal(t, map[string]int{"x": 1}, f.ids(), "copies")
 	})
 }
 
@@ -367,11 +369,11 @@ func TestLateConfirmSettlesTheOriginal(t *testing.T) {
 		}), ConsumeOptions{})
 		time.Sleep(time.Minute)
 		synctest.Wait()
-		equal(t, "handler calls (the original, its delayed copy)", len(j.callsOf("x")), 2)
-		equal(t, "deliveries nacked with requeue", f.mem.Stats().Nacked, 0)
-		equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 1)
+		assert.Equal(t, 2, len(j.callsOf("x")), "handler calls (the original, its delayed copy)")
+		assert.Equal(t, 0, f.mem.Stats().Nacked, "deliveries nacked with requeue")
+		assert.Equal(t, 1, f.logs.Count("broker: consuming"), "consumer sessions")
 		f.mem.SetConfirmDelay(0)
-		noErr(t, "Consume after cancel", r.stop(t))
+		require.NoError(t, r.stop(t), "Consume after cancel")
 		f.assertSettled(t)
 	})
 }
@@ -395,13 +397,13 @@ func TestConfirmThatNeverComesGivesTheSessionUp(t *testing.T) {
 		time.Sleep(settleTimeout + time.Minute)
 		synctest.Wait()
 		s := f.mem.Stats()
-		equal(t, "deliveries nacked with requeue", s.Nacked, 0)
-		equal(t, "deliveries returned by the connection's close", s.RequeuedOnClose, 1)
-		equal(t, "consumer sessions", f.logs.Count("broker: consuming"), 2)
-		equal(t, "warnings about the copy", f.logs.Count("WARN", "not confirmed", `message_id="x"`), 1)
-		equal(t, "handler calls (the original, its copy, the original again)", len(j.callsOf("x")), 3)
+		assert.Equal(t, 0, s.Nacked, "deliveries nacked with requeue")
+		assert.Equal(t, 1, s.RequeuedOnClose, "deliveries returned by the connection's close")
+		assert.Equal(t, 2, f.logs.Count("broker: consuming"), "consumer sessions")
+		assert.Equal(t, 1, f.logs.Count("WARN", "not confirmed", `message_id="x"`), "warnings about the copy")
+		assert.Equal(t, 3, len(j.callsOf("x")), "handler calls (the original, its copy, the original again)")
 		f.mem.SetConfirmDelay(0)
-		noErr(t, "Consume after cancel", r.stop(t))
+		require.NoError(t, r.stop(t), "Consume after cancel")
 	})
 }
 
@@ -412,20 +414,20 @@ func testPublishWithDoneContext(t *testing.T, be backend) {
 	done, cancel := context.WithCancel(ctx)
 	cancel()
 	var late, barrier error
-	noErr(t, "session", f.b.do(ctx, "publish", func(s session) error {
+	require.NoError(t, f.b.do(ctx, "publish", func(s session) error {
 		late = s.Publish(done, "", f.q, amqp.Publishing{MessageId: "late", Body: []byte("x")})
 		// Confirmed after the first would be, on the same channel.
 		barrier = s.Publish(ctx, "", f.q, amqp.Publishing{MessageId: "barrier", Body: []byte("x")})
 		return nil
-	}))
-	isErr(t, "publish with a done context", late, context.Canceled)
-	noErr(t, "publish with a live context", barrier)
+	}), "session")
+	require.ErrorIs(t, late, context.Canceled, "publish with a done context")
+	require.NoError(t, barrier, "publish with a live context")
 	got := f.drain(f.q)
 	var sent []string
 	for _, d := range got {
 		sent = append(sent, d.MessageId)
 	}
-	equal(t, "messages in the queue", sent, []string{"barrier"})
+	assert.Equal(t, []string{"barrier"}, sent, "messages in the queue")
 }
 
 // testSlowHandlerReconnects is TestSlowHandlerDoesNotStallReconnection on
@@ -438,20 +440,20 @@ func testSlowHandlerReconnects(t *testing.T, be backend) {
 	j := newJournal()
 	r := f.consume(slowThenNext(&g, j, slow, next), ConsumeOptions{Workers: 2})
 	f.publish("slow", nil, nil)
-	eventually(t, 20*time.Second, "slow not started", func() bool { return len(j.callsOf("slow")) == 1 })
+	require.Eventually(t, func() bool { return len(j.callsOf("slow")) == 1 }, 20*time.Second, 10*time.Millisecond, "slow not started")
 	f.be.drop(t, f.mem, f.process)
 	for i := range 3 {
 		f.publish(fmt.Sprint("next", i), nil, nil)
 	}
-	eventually(t, 20*time.Second, "no new delivery handled while the lost connection's handler runs", func() bool {
+	require.Eventually(t, func() bool {
 		return j.started("next") >= 1
-	})
+	}, 20*time.Second, 10*time.Millisecond, "no new delivery handled while the lost connection's handler runs")
 	slow.open()
-	eventually(t, 20*time.Second, "second new delivery not started", func() bool { return j.started("next") >= 2 })
+	require.Eventually(t, func() bool { return j.started("next") >= 2 }, 20*time.Second, 10*time.Millisecond, "second new delivery not started")
 	next.open()
-	eventually(t, 20*time.Second, "new deliveries not handled", func() bool { return j.started("next") == 3 })
-	noErr(t, "Consume after cancel", r.stop(t))
-	equal(t, "most handlers at once (Workers)", g.most(), 2)
+	require.Eventually(t, func() bool { return j.started("next") == 3 }, 20*time.Second, 10*time.Millisecond, "new deliveries not handled")
+	require.NoError(t, r.stop(t), "Consume after cancel")
+	assert.Equal(t, 2, g.most(), "most handlers at once (Workers)")
 	f.assertSettled(t)
 	if f.mem != nil {
 		// Every goroutine of the Consume call ended with it, the lost
@@ -476,9 +478,9 @@ func TestReconnectsLeakNothing(t *testing.T) {
 		f.mem.SetDown(true)
 		f.mem.CloseConnections()
 		dials := f.mem.Stats().Dials
-		eventually(t, 10*time.Second, "no connection attempt while the server is down", func() bool {
+		require.Eventually(t, func() bool {
 			return f.mem.Stats().Dials > dials
-		})
+		}, 10*time.Second, 10*time.Millisecond, "no connection attempt while the server is down")
 	}
 	f.mem.SetDown(true)
 	j := newJournal()
@@ -491,19 +493,17 @@ func TestReconnectsLeakNothing(t *testing.T) {
 	f.mem.SetDown(false)
 
 	sessions := func() int { return f.logs.Count("broker: consuming") }
-	eventually(t, 10*time.Second, "not consuming", func() bool { return sessions() == 1 })
+	require.Eventually(t, func() bool { return sessions() == 1 }, 10*time.Second, 10*time.Millisecond, "not consuming")
 	for i := range 20 {
 		f.mem.CloseConnections()
-		eventually(t, 10*time.Second, "consumer did not reconnect", func() bool { return sessions() == i+2 })
+		require.Eventually(t, func() bool { return sessions() == i+2 }, 10*time.Second, 10*time.Millisecond, "consumer did not reconnect")
 		f.publish(fmt.Sprint("r", i), nil, nil)
 	}
-	eventually(t, 10*time.Second, "messages not handled", func() bool { return j.effected() == 20 })
+	require.Eventually(t, func() bool { return j.effected() == 20 }, 10*time.Second, 10*time.Millisecond, "messages not handled")
 	downAndRefused()
-	if err := goleak.Find(before); err != nil {
-		t.Errorf("goroutines left by 21 sessions while Consume runs: %v", err)
-	}
+	assert.NoError(t, goleak.Find(before), "goroutines left by 21 sessions while Consume runs")
 	f.mem.SetDown(false)
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.NoError(t, r.stop(t), "Consume after cancel")
 }
 
 // slowThenNext is the handler of the slow-handler reconnection tests: the

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/middleware"
@@ -25,8 +27,8 @@ func TestDeadLetterLoggedOnce(t *testing.T) {
 	})), ConsumeOptions{})
 	f.publish("poison", []byte("x"), nil)
 	f.publish("far", []byte("x"), amqp.Table{HeaderNotBefore: time.Now().Add(8 * 24 * time.Hour).UnixMilli()})
-	eventually(t, 20*time.Second, "messages not dead-lettered", func() bool { return f.length(f.q+".dlq") == 2 })
-	noErr(t, "Consume after cancel", r.stop(t))
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 2 }, 20*time.Second, 10*time.Millisecond, "messages not dead-lettered")
+	require.NoError(t, r.stop(t), "Consume after cancel")
 
 	for _, c := range []struct {
 		id, level, message string
@@ -39,7 +41,7 @@ func TestDeadLetterLoggedOnce(t *testing.T) {
 		if warned != 1 || f.logs.Count(c.level+" "+c.message, id) != 1 {
 			t.Errorf("message %s: %d records at Warn or above; want 1, at %s, %q:\n%q", c.id, warned, c.level, c.message, f.logs.All())
 		}
-		equal(t, "records at Debug of the copy of "+c.id, f.logs.Count("DEBUG broker: dead-letter copy confirmed", id), 1)
+		assert.Equal(t, 1, f.logs.Count("DEBUG broker: dead-letter copy confirmed", id), "records at Debug of the copy of "+c.id)
 	}
-	equal(t, "Len(work queue)", f.length(f.q), 0)
+	assert.Equal(t, 0, f.length(f.q), "Len(work queue)")
 }

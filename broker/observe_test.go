@@ -9,6 +9,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
@@ -91,29 +93,29 @@ func testObserver(t *testing.T, be backend) {
 	go func() { done <- b.Consume(ctx, f.q, h, ConsumeOptions{Topology: f.top, Workers: 1}) }()
 	defer func() {
 		cancel()
-		noErr(t, "Consume", <-done)
+		require.NoError(t, <-done, "Consume")
 	}()
 
 	headers := amqp.Table{"custom": "kept"}
-	noErr(t, "Publish", b.Publish(testContext(t, 30*time.Second), "", f.q, amqp.Publishing{MessageId: "m1", Headers: headers}))
-	equal(t, "caller's headers after Publish", len(headers), 1)
-	eventually(t, 30*time.Second, "no dead-letter", func() bool { return f.length(f.q+".dlq") == 1 })
+	require.NoError(t, b.Publish(testContext(t, 30*time.Second), "", f.q, amqp.Publishing{MessageId: "m1", Headers: headers}), "Publish")
+	assert.Equal(t, 1, len(headers), "caller's headers after Publish")
+	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 1 }, 30*time.Second, 10*time.Millisecond, "no dead-letter")
 	dead := f.onlyDeadLetter()
-	equal(t, "dead-letter's x-test-trace", dead.Headers["x-test-trace"], "trace-of-m1")
+	assert.Equal(t, "trace-of-m1", dead.Headers["x-test-trace"], "dead-letter's x-test-trace")
 
 	mu.Lock()
-	equal(t, "x-test-trace of each attempt", seen, []any{"trace-of-m1", "trace-of-m1"})
+	assert.Equal(t, []any{"trace-of-m1", "trace-of-m1"}, seen, "x-test-trace of each attempt")
 	mu.Unlock()
 	log.mu.Lock()
-	equal(t, "publish results", log.published, []error{nil})
-	equal(t, "republish events", log.republish, []RepublishEvent{
+	assert.Equal(t, []error{nil}, log.published, "publish results")
+	assert.Equal(t, []RepublishEvent{
 		{Outcome: rabbitmw.Delay, Queue: f.q, To: f.q + ".delay.50ms", Delay: 50 * time.Millisecond},
 		{Outcome: rabbitmw.DeadLetter, Queue: f.q, To: f.q + ".dlq", ErrorType: "error"},
-	})
+	}, log.republish, "republish events")
 	log.mu.Unlock()
 
 	f.be.drop(t, f.mem, f.process)
-	eventually(t, 30*time.Second, "no reconnect event", func() bool {
+	require.Eventually(t, func() bool {
 		log.mu.Lock()
 		defer log.mu.Unlock()
 		for _, e := range log.reconnects {
@@ -122,5 +124,5 @@ func testObserver(t *testing.T, be backend) {
 			}
 		}
 		return false
-	})
+	}, 30*time.Second, 10*time.Millisecond, "no reconnect event")
 }

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 )
@@ -35,18 +37,16 @@ func TestOnSettle(t *testing.T) {
 		return nil
 	})
 	f.consume(h, ConsumeOptions{OnSettle: func(d *amqp.Delivery, o rabbitmw.Outcome, err error) {
-		if err != nil {
-			t.Errorf("OnSettle(%s, %v) with error %v", d.MessageId, o, err)
-		}
+		assert.NoError(t, err, "OnSettle(%s, %v) with error", d.MessageId, o)
 		mu.Lock()
 		seen[d.MessageId] = append(seen[d.MessageId], o)
 		mu.Unlock()
 	}})
-	eventually(t, 10*time.Second, "every message settled for good", func() bool {
+	require.Eventually(t, func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(seen["ok"]) == 1 && len(seen["dead"]) == 1 && len(seen["later"]) == 2
-	})
+	}, 10*time.Second, 10*time.Millisecond, "every message settled for good")
 	mu.Lock()
 	defer mu.Unlock()
 	want := map[string][]rabbitmw.Outcome{
@@ -55,7 +55,7 @@ func TestOnSettle(t *testing.T) {
 		"later": {rabbitmw.Delay, rabbitmw.Ack},
 	}
 	for id, w := range want {
-		equal(t, "outcomes of "+id, seen[id], w)
+		assert.Equal(t, w, seen[id], "outcomes of "+id)
 	}
 }
 
@@ -75,11 +75,11 @@ func TestCorruptNotBeforeIsDeadLettered(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}), ConsumeOptions{})
-	eventually(t, 10*time.Second, "far not dead-lettered, soon not handled", func() bool {
+	require.Eventually(t, func() bool {
 		mu.Lock()
 		defer mu.Unlock()
-		return f.length(f.q+".dlq") == 1 && !handled["soon"].IsZero()
-	})
+		return f.polledLength(f.q+".dlq") == 1 && !handled["soon"].IsZero()
+	}, 10*time.Second, 10*time.Millisecond, "far not dead-lettered, soon not handled")
 	mu.Lock()
 	defer mu.Unlock()
 	if _, ok := handled["far"]; ok {
@@ -92,5 +92,5 @@ func TestCorruptNotBeforeIsDeadLettered(t *testing.T) {
 	if len(dead) != 1 || dead[0].MessageId != "far" {
 		t.Fatalf("dead-letter queue = %v; want far alone", dead)
 	}
-	contains(t, "reason", dead[0].Headers[HeaderError].(string), "beyond the 168h0m0s a delay may last")
+	assert.Contains(t, dead[0].Headers[HeaderError].(string), "beyond the 168h0m0s a delay may last", "reason")
 }

@@ -3,7 +3,6 @@ package broker
 import (
 	"context"
 	"encoding/binary"
-	"errors"
 	"net"
 	"strconv"
 	"sync"
@@ -12,6 +11,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
@@ -29,7 +30,7 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 	t.Cleanup(func() { b.Close() })
 	ctx := testContext(t, 2*time.Minute)
 	q, top := queueName(t), Topology{Delays: []time.Duration{time.Second}}
-	noErr(t, "Declare", b.Declare(ctx, q, top))
+	require.NoError(t, b.Declare(ctx, q, top), "Declare")
 	t.Cleanup(func() { b.Delete(context.Background(), q, top) })
 
 	tr := newAMQPTransport(url, Options{}.resolve())
@@ -42,7 +43,7 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 	tries, settled := 0, 0
 	for ; tries < maxTries && time.Since(began) < budget; tries++ {
 		s, err := tr.Dial(ctx, "rabbitmw test publish race")
-		noErr(t, "dial", err)
+		require.NoError(t, err, "dial")
 		var (
 			wg        sync.WaitGroup
 			confirmed atomic.Int64
@@ -84,7 +85,7 @@ func TestRabbitMQPublishesSettleWhenTheConnectionCloses(t *testing.T) {
 		settled += int(confirmed.Load())
 	}
 	t.Logf("%d tries in %v; %d publishes confirmed", tries, time.Since(began).Round(time.Millisecond), settled)
-	noErr(t, "Delete", b.Delete(ctx, q, top))
+	require.NoError(t, b.Delete(ctx, q, top), "Delete")
 }
 
 // A publish whose socket stops taking bytes (a server that stops reading,
@@ -96,7 +97,7 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 	ctx := testContext(t, time.Minute)
 	px, s := dialViaStallProxy(t, ctx, "rabbitmw test stalled publish")
 	// A round trip before the stall (no queue has the empty name).
-	isErr(t, "publish before the stall", s.Publish(ctx, "", "", amqp.Publishing{Body: []byte("x")}), ErrUnroutable)
+	require.ErrorIs(t, s.Publish(ctx, "", "", amqp.Publishing{Body: []byte("x")}), ErrUnroutable, "publish before the stall")
 
 	px.stall()
 	// Far more than the socket buffers hold: the write blocks.
@@ -107,9 +108,7 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 	go func() { done <- s.Publish(pctx, "", "", amqp.Publishing{Body: body}) }()
 	select {
 	case err := <-done:
-		if !errors.Is(err, context.DeadlineExceeded) {
-			t.Errorf("publish on a stalled socket = %v; want its context's deadline", err)
-		}
+		assert.ErrorIs(t, err, context.DeadlineExceeded, "publish on a stalled socket")
 	case <-time.After(10 * time.Second):
 		t.Fatal("publish on a stalled socket still blocked 10s after its 1s context ended")
 	}
@@ -120,9 +119,7 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 	go func() { done <- s.Publish(pctx2, "", "", amqp.Publishing{Body: []byte("y")}) }()
 	select {
 	case err := <-done:
-		if !errors.Is(err, context.DeadlineExceeded) {
-			t.Errorf("second publish on a stalled socket = %v; want its context's deadline", err)
-		}
+		assert.ErrorIs(t, err, context.DeadlineExceeded, "second publish on a stalled socket")
 	case <-time.After(10 * time.Second):
 		t.Fatal("second publish on a stalled socket still blocked 10s after its context ended")
 	}
@@ -190,18 +187,18 @@ func (p *stallProxy) headerFrameSize(t *testing.T) int {
 func dialViaStallProxy(t *testing.T, ctx context.Context, name string) (*stallProxy, session) {
 	t.Helper()
 	uri, err := amqp.ParseURI(testenv.RabbitMQURL(t))
-	noErr(t, "ParseURI", err)
+	require.NoError(t, err, "ParseURI")
 	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
 	uri.Host, uri.Port = "127.0.0.1", px.port()
 	s, err := newAMQPTransport(uri.String(), Options{}.resolve()).Dial(ctx, name)
-	noErr(t, "dial", err)
+	require.NoError(t, err, "dial")
 	return px, s
 }
 
 func startStallProxy(t *testing.T, target string) *stallProxy {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
-	noErr(t, "listen", err)
+	require.NoError(t, err, "listen")
 	p := &stallProxy{l: l, target: target, gate: make(chan struct{})}
 	close(p.gate)
 	p.wg.Add(1)

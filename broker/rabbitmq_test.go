@@ -12,6 +12,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
@@ -21,15 +23,15 @@ import (
 // for Publish; the password appears in no error.
 func TestRabbitMQWrongPassword(t *testing.T) {
 	u, err := url.Parse(testenv.RabbitMQURL(t))
-	noErr(t, "parse URL", err)
+	require.NoError(t, err, "parse URL")
 	u.User = url.UserPassword(u.User.Username(), "wrong-password-x")
 	b := New(u.String(), Options{ReconnectMin: 10 * time.Millisecond})
 	defer b.Close()
 	ctx := testContext(t, 20*time.Second)
 	start := time.Now()
 	err = b.Consume(ctx, queueName(t), rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }), ConsumeOptions{})
-	isErr(t, "Consume with a wrong password", err, ErrAccessRefused)
-	contains(t, "error", err.Error(), "password")
+	require.ErrorIs(t, err, ErrAccessRefused, "Consume with a wrong password")
+	assert.Contains(t, err.Error(), "password", "error")
 	if strings.Contains(err.Error(), "wrong-password-x") {
 		t.Errorf("error %q shows the password", err)
 	}
@@ -37,8 +39,8 @@ func TestRabbitMQWrongPassword(t *testing.T) {
 		t.Errorf("Consume took %v to fail; want a prompt fatal error", took)
 	}
 	err = b.Publish(ctx, "", "any", amqp.Publishing{})
-	isErr(t, "Publish with a wrong password", err, ErrAccessRefused)
-	noErr(t, "context (Publish gave up at once)", ctx.Err())
+	require.ErrorIs(t, err, ErrAccessRefused, "Publish with a wrong password")
+	require.NoError(t, ctx.Err(), "context (Publish gave up at once)")
 	var ae *amqp.Error
 	if !errors.As(err, &ae) || ae.Code != amqp.AccessRefused {
 		t.Errorf("Publish error %v does not wrap the 403 amqp.Error", err)
@@ -56,9 +58,7 @@ func TestRabbitMQSameIDPublishesKeepTheirResults(t *testing.T) {
 	t.Cleanup(func() { b.Close() })
 	ctx := testContext(t, time.Minute)
 	q, top := queueName(t), Topology{Delays: []time.Duration{time.Second}}
-	if err := b.Declare(ctx, q, top); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, b.Declare(ctx, q, top))
 	t.Cleanup(func() { b.Delete(context.Background(), q, top) })
 	var routedWrong, droppedSilently int
 	for range 100 {
@@ -93,7 +93,7 @@ func TestRabbitMQSameIDPublishesKeepTheirResults(t *testing.T) {
 func TestRabbitMQConsumeReturnsOnAStalledSocket(t *testing.T) {
 	f := setup(t, backends[1], Topology{})
 	uri, err := amqp.ParseURI(testenv.RabbitMQURL(t))
-	noErr(t, "ParseURI", err)
+	require.NoError(t, err, "ParseURI")
 	px := startStallProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
 	uri.Host, uri.Port = "127.0.0.1", px.port()
 	// A long heartbeat: the server does not end the connection itself.
@@ -120,7 +120,7 @@ func TestRabbitMQConsumeReturnsOnAStalledSocket(t *testing.T) {
 	<-started
 	f.publish("b", nil, nil)
 	f.publish("c", nil, nil)
-	eventually(t, 20*time.Second, "b and c not delivered", func() bool { return f.length(f.q) == 0 })
+	require.Eventually(t, func() bool { return f.polledLength(f.q) == 0 }, 20*time.Second, 10*time.Millisecond, "b and c not delivered")
 	px.stall()
 	began := time.Now()
 	cancel()
@@ -128,7 +128,7 @@ func TestRabbitMQConsumeReturnsOnAStalledSocket(t *testing.T) {
 	const bound = 20 * time.Second // closeTimeout twice, and room
 	select {
 	case err := <-done:
-		noErr(t, "Consume", err)
+		require.NoError(t, err, "Consume")
 		t.Logf("Consume returned %v after its cancellation", time.Since(began).Round(time.Millisecond))
 	case <-time.After(bound):
 		t.Errorf("Consume did not return within %v of its cancellation on a stalled socket", bound)
@@ -136,5 +136,5 @@ func TestRabbitMQConsumeReturnsOnAStalledSocket(t *testing.T) {
 		<-done
 	}
 	px.cut() // the server has not seen the connection close
-	eventually(t, 20*time.Second, "messages not requeued", func() bool { return f.length(f.q) == 3 })
+	require.Eventually(t, func() bool { return f.polledLength(f.q) == 3 }, 20*time.Second, 10*time.Millisecond, "messages not requeued")
 }

@@ -425,8 +425,22 @@ func atLeastASecond(deadline time.Time) time.Time {
 // writes (package broker does), waits for it until deadline before it
 // returns and lets its process exit. Its timer is made only if a store
 // call asks for Done; end releases it, and must be called.
-func settling(ctx context.Context, deadline time.Time) *lazyContext {
-	c := newLazyDeadline(context.WithoutCancel(ctx), deadline)
-	c.recording = recording.Begin(ctx, deadline)
-	return c
+func settling(ctx context.Context, deadline time.Time) *settlingContext {
+	return &settlingContext{
+		lazyContext: lazyContext{parent: context.WithoutCancel(ctx), deadline: deadline},
+		recording:   recording.Begin(ctx, deadline),
+	}
+}
+
+// A settlingContext is the context of [settling]: a lazyContext whose
+// store call is counted among the writes a stopping consumer waits for.
+type settlingContext struct {
+	lazyContext
+	recording *recording.Tracker
+}
+
+// end releases c, and ends the count of its write. It must be called once.
+func (c *settlingContext) end() {
+	c.lazyContext.end()
+	c.recording.End()
 }

@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"sync"
 	"time"
-
-	"github.com/rabbitmw/rabbitmw/internal/recording"
 )
 
 // A lazyContext is a context that can be cancelled, and may have a
@@ -50,10 +48,6 @@ type lazyContext struct {
 	// real's cancel function: stop with a deadline, else stopCause.
 	stop      context.CancelFunc
 	stopCause context.CancelCauseFunc
-
-	// recording, set by [settling], counts c's store call among the
-	// writes of results that a stopping consumer waits for; end ends it.
-	recording *recording.Tracker
 }
 
 // newLazyDeadline returns the lazyContext of [Timeout]: parent with a
@@ -168,9 +162,5 @@ func (c *lazyContext) cancel(cause error) {
 	}
 }
 
-// end is the CancelFunc of c: cancel with context.Canceled. It must be
-// called once.
-func (c *lazyContext) end() {
-	c.cancel(nil)
-	c.recording.End()
-}
+// end is the CancelFunc of c: cancel with context.Canceled.
+func (c *lazyContext) end() { c.cancel(nil) }

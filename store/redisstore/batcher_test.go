@@ -316,7 +316,11 @@ func TestBatcherNoGoroutine(t *testing.T) {
 	_, _, g, b := gated(t, redisstore.BatcherOptions{})
 	bg := context.Background()
 	var wg sync.WaitGroup
-	wg.Go(func() { b.Del(bg, "x") })
+	firstDone := make(chan struct{})
+	wg.Go(func() {
+		defer close(firstDone)
+		b.Del(bg, "x")
+	})
 	<-g.held
 	for i := range 4 {
 		wg.Go(func() { b.Del(bg, "k"+strconv.Itoa(i)) })
@@ -324,6 +328,13 @@ func TestBatcherNoGoroutine(t *testing.T) {
 	waitQueued(t, b, 4)
 	g.open <- struct{}{}
 	<-g.held // the second pipeline is in flight
+	// The first caller returns once it has handed the second pipeline on,
+	// without waiting for it; the stacks are read after it has.
+	select {
+	case <-firstDone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first caller waited for the second pipeline")
+	}
 	buf := make([]byte, 1<<20)
 	stacks := strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n")
 	g.open <- struct{}{}
