@@ -380,7 +380,7 @@ func TestQuorumSupport(t *testing.T) {
 			f := setup(t, be, Topology{Quorum: true, QuorumSupport: true})
 			ctx := testContext(t, 20*time.Second)
 			require.NoError(t, f.b.Publish(ctx, "", f.q+".delay.50ms", amqp.Publishing{MessageId: "m"}))
-			eventually(t, 10*time.Second, "the delay copy back in the work queue", func() bool { return f.length(f.q) == 1 })
+			require.Eventually(t, func() bool { return f.length(f.q) == 1 }, 10*time.Second, 10*time.Millisecond, "the delay copy back in the work queue")
 			require.NoError(t, f.b.Declare(ctx, f.q, Topology{Declare: DeclareSupport, QuorumSupport: true, Delays: testTiers}), "DeclareSupport over it")
 
 			err := f.b.Declare(ctx, f.q, Topology{Quorum: true, Delays: testTiers})
