@@ -18,10 +18,14 @@
 //	              x-dead-letter-exchange "" and x-dead-letter-routing-key
 //	              "Q.dlq", so that a plain reject and a quorum queue's
 //	              x-delivery-limit also land in the dead-letter queue
-//	Q.dlq         the dead-letter queue: classic, no arguments
+//	Q.dlq         the dead-letter queue: classic, no arguments; or quorum
+//	              (QuorumSupport: x-queue-type=quorum)
 //	Q.delay.<t>   one delay queue per tier t of the ladder (default 1s, 5s,
 //	              30s, 2m, 10m, 1h): classic, x-message-ttl = t in ms,
-//	              x-dead-letter-exchange "", x-dead-letter-routing-key "Q"
+//	              x-dead-letter-exchange "", x-dead-letter-routing-key "Q";
+//	              or quorum (QuorumSupport: also x-queue-type=quorum,
+//	              x-dead-letter-strategy=at-least-once,
+//	              x-overflow=reject-publish)
 //
 // A tier is named in its largest exact unit: "1s", "5s", "30s", "2m",
 // "10m", "1h", "1500ms". With DeclareAll (the default) Consume declares all

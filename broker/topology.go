@@ -65,10 +65,31 @@ type Topology struct {
 	Declare DeclareMode
 	// Quorum makes the work queue a quorum queue (x-queue-type=quorum).
 	// By default it is a classic durable queue. The dead-letter and delay
-	// queues are classic durable queues either way. It requires
+	// queues are classic unless QuorumSupport is set. It requires
 	// DeclareAll: a work queue declared elsewhere has the type it was
 	// declared with.
 	Quorum bool
+	// QuorumSupport makes the dead-letter queue and the delay queues
+	// quorum queues too, replicated on a majority of a cluster's nodes,
+	// as the work queue is with Quorum. Set it on a cluster: a classic
+	// queue lives on one node, and while that node is down every
+	// consumer's reconnect is refused its declare, so consumption stops
+	// on the whole cluster, and no dead-letter or delay copy can be
+	// stored (the settlement keeps the original and tries again), though
+	// the work queue has its majority.
+	//
+	// A delay queue is then declared with x-dead-letter-strategy
+	// at-least-once (and the x-overflow reject-publish it requires): an
+	// expired copy leaves it only once the work queue has confirmed it,
+	// even across a change of either queue's leader. It needs RabbitMQ
+	// 3.10 or later (message TTL on quorum queues).
+	//
+	// It is a setting of its own, off by default, because a queue's type
+	// cannot change: queues that exist as classic ones are refused
+	// (ErrQueueArguments, with the fix in the text) until they are
+	// emptied and deleted. It works with DeclareAll and DeclareSupport,
+	// which declare these queues; DeclareNone refuses it.
+	QuorumSupport bool
 	// Delays is the ladder of delay queues, one queue per delay. A delayed
 	// retry goes to the shortest delay not below the one asked for (see the
 	// package documentation). Each delay must be a positive whole number of
@@ -186,6 +207,7 @@ type tier struct {
 type topology struct {
 	mode      DeclareMode
 	quorum    bool
+	qsupport  bool // QuorumSupport
 	limit     int
 	single    bool
 	queue     string
@@ -208,6 +230,9 @@ func (t Topology) resolve(queue string) (topology, error) {
 	if t.SingleActiveConsumer && t.Declare != DeclareAll {
 		return topology{}, fmt.Errorf("broker: Topology.SingleActiveConsumer with Declare %v: it is a queue argument, which %v leaves to whoever declared the work queue (declare it with x-single-active-consumer there)", t.Declare, t.Declare)
 	}
+	if t.QuorumSupport && t.Declare == DeclareNone {
+		return topology{}, errors.New("broker: Topology.QuorumSupport with DeclareNone, which declares nothing: declare the dead-letter and delay queues as quorum queues yourself, or use DeclareSupport")
+	}
 	if t.Quorum && t.Declare != DeclareAll {
 		return topology{}, fmt.Errorf("broker: Topology.Quorum with Declare %v: Quorum and DeliveryLimit say how to declare the work queue, which %v leaves to whoever declared it (declare it a quorum queue there)", t.Declare, t.Declare)
 	}
@@ -228,13 +253,14 @@ func (t Topology) resolve(queue string) (topology, error) {
 	slices.Sort(ds)
 	ds = slices.Compact(ds)
 	top := topology{
-		mode:   t.Declare,
-		quorum: t.Quorum,
-		limit:  t.DeliveryLimit,
-		single: t.SingleActiveConsumer,
-		queue:  queue,
-		dlq:    queue + ".dlq",
-		tiers:  make([]tier, len(ds)),
+		mode:     t.Declare,
+		quorum:   t.Quorum,
+		qsupport: t.QuorumSupport,
+		limit:    t.DeliveryLimit,
+		single:   t.SingleActiveConsumer,
+		queue:    queue,
+		dlq:      queue + ".dlq",
+		tiers:    make([]tier, len(ds)),
 
 		exchanges: exchanges,
 		bindings:  bindings,
@@ -345,13 +371,26 @@ func (t *topology) specs() []queueSpec {
 		}
 		specs = append(specs, queueSpec{Name: t.queue, Args: args, Bindings: t.bindings})
 	}
-	specs = append(specs, queueSpec{Name: t.dlq})
+	var dlq amqp.Table
+	if t.qsupport {
+		dlq = amqp.Table{"x-queue-type": "quorum"}
+	}
+	specs = append(specs, queueSpec{Name: t.dlq, Args: dlq})
 	for _, tr := range t.tiers {
-		specs = append(specs, queueSpec{Name: tr.queue, Args: amqp.Table{
+		args := amqp.Table{
 			"x-message-ttl":             int64(tr.d / time.Millisecond),
 			"x-dead-letter-exchange":    "",
 			"x-dead-letter-routing-key": t.queue,
-		}})
+		}
+		if t.qsupport {
+			// At least once: the copy stays in the delay queue until the
+			// work queue confirms it. RabbitMQ falls back to at most once
+			// without reject-publish.
+			args["x-queue-type"] = "quorum"
+			args["x-dead-letter-strategy"] = "at-least-once"
+			args["x-overflow"] = "reject-publish"
+		}
+		specs = append(specs, queueSpec{Name: tr.queue, Args: args})
 	}
 	return specs
 }
@@ -391,6 +430,9 @@ func (t *topology) refusal(err error) error {
 		queue = qe.Queue
 	}
 	if nodeDown(ae) {
+		if queue != t.queue && !t.qsupport {
+			return fmt.Errorf("%w: queue %q is on a node that is down (%s); Topology.QuorumSupport makes it a quorum queue, which outlives a node", ErrUnreachable, queue, ae.Reason)
+		}
 		return fmt.Errorf("%w: queue %q is on a node that is down (%s)", ErrUnreachable, queue, ae.Reason)
 	}
 	switch ae.Code {
@@ -398,6 +440,10 @@ func (t *topology) refusal(err error) error {
 		if queue == t.queue {
 			return fmt.Errorf("%w: %q (%s): declare it yourself and use Topology{Declare: DeclareSupport}, or delete it so that it is declared again",
 				ErrQueueArguments, queue, ae.Reason)
+		}
+		if strings.Contains(ae.Reason, "'x-queue-type'") {
+			return fmt.Errorf("%w: %q (%s): Topology.QuorumSupport is %t, and the queue has the other type, which cannot change: set QuorumSupport as the queue was declared, or move its messages out (the dead-letter queue with replay or export), delete it, and let it be declared again",
+				ErrQueueArguments, queue, ae.Reason, t.qsupport)
 		}
 		return fmt.Errorf("%w: %q (%s): delete it so that it is declared again, or declare the queues yourself and use Topology{Declare: DeclareNone}",
 			ErrQueueArguments, queue, ae.Reason)

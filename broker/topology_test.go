@@ -222,6 +222,8 @@ func TestRefusalOfAQueueWhoseNodeIsDown(t *testing.T) {
 			assert.True(t, retryable(err), "%s: %s", what, reason)
 		}
 	}
+	down := &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - home node 'rabbit@b' of durable queue 'q.dlq' in vhost '/' is down or inaccessible", Server: true, Recover: true}
+	assert.Contains(t, top.refusal(&queueError{Queue: "q.dlq", Err: down}).Error(), "QuorumSupport", "the fix, for a classic support queue")
 	missing := &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no queue 'q' in vhost '/'", Server: true, Recover: true}
 	assert.ErrorIs(t, refusal("q", missing), ErrQueueNotFound)
 }
@@ -265,6 +267,15 @@ func TestTopologyResolve(t *testing.T) {
 	top, _ = Topology{Quorum: true, DeliveryLimit: 5}.resolve("q")
 	assert.Equal(t, amqp.Table{
 		"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "q.dlq", "x-queue-type": "quorum", "x-delivery-limit": int64(5)}, top.specs()[0].Args, "quorum work queue arguments")
+	for _, mode := range []DeclareMode{DeclareAll, DeclareSupport} {
+		top, err = Topology{Declare: mode, QuorumSupport: true, Delays: []time.Duration{time.Second}}.resolve("q")
+		require.NoError(t, err, "resolve(QuorumSupport, %v)", mode)
+		specs = top.specs()
+		assert.Equal(t, amqp.Table{"x-queue-type": "quorum"}, specs[1].Args, "dead-letter queue arguments with QuorumSupport, %v", mode)
+		assert.Equal(t, amqp.Table{"x-message-ttl": int64(1000), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "q",
+			"x-queue-type": "quorum", "x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}, specs[2].Args, "delay queue arguments with QuorumSupport, %v", mode)
+	}
+	assert.Equal(t, queueSpec{Name: "q", Passive: true}, specs[0], "work queue spec with DeclareSupport and QuorumSupport")
 	top, _ = Topology{Declare: DeclareNone}.resolve("q")
 	assert.Equal(t, 0, len(top.specs()), "specs with DeclareNone")
 	assert.Equal(t, 8, len(top.names()), "names with DeclareNone")
@@ -280,6 +291,7 @@ func TestTopologyResolve(t *testing.T) {
 		{Quorum: true, Declare: DeclareSupport},
 		{Quorum: true, DeliveryLimit: 3, Declare: DeclareSupport},
 		{Quorum: true, Declare: DeclareNone},
+		{QuorumSupport: true, Declare: DeclareNone},
 	} {
 		if _, err := bad.resolve("q"); err == nil {
 			t.Errorf("resolve(%+v) = nil error; want one", bad)
@@ -320,6 +332,13 @@ func TestRefusalText(t *testing.T) {
 	err = top.refusal(&queueError{Queue: "q.dlq", Err: e406})
 	require.ErrorIs(t, err, ErrQueueArguments, "refusal(406 on q.dlq)")
 	assert.Contains(t, err.Error(), `"q.dlq"`, "refusal(406 on q.dlq)")
+	for _, qs := range []bool{false, true} {
+		top, _ := Topology{QuorumSupport: qs}.resolve("q")
+		e406 := &amqp.Error{Code: amqp.PreconditionFailed, Reason: "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q.dlq' in vhost '/': received none but current is the value 'quorum' of type 'longstr'", Server: true, Recover: true}
+		err := top.refusal(&queueError{Queue: "q.dlq", Err: e406})
+		require.ErrorIs(t, err, ErrQueueArguments, "refusal(406 x-queue-type on q.dlq), QuorumSupport %t", qs)
+		assert.Contains(t, err.Error(), fmt.Sprintf("QuorumSupport is %t", qs), "refusal(406 x-queue-type on q.dlq)")
+	}
 	lost := lostError(&amqp.Error{Code: amqp.ConnectionForced, Server: true})
 	if got := top.refusal(lost); got != lost {
 		t.Errorf("refusal(lost) = %v; want it unchanged", got)
@@ -347,5 +366,33 @@ func TestTopologyQueues(t *testing.T) {
 	assert.Equal(t, []string{"orders.delay.1s", "orders.delay.5s", "orders.delay.30s", "orders.delay.2m", "orders.delay.10m", "orders.delay.1h"}, q.Delays, "default delay queues")
 	if _, err := (Topology{Delays: []time.Duration{-time.Second}}).Queues("orders"); err == nil {
 		t.Error("Queues of an invalid Topology = nil error; want an error")
+	}
+}
+
+// With QuorumSupport the dead-letter and delay queues are quorum queues:
+// the server takes their arguments, a delay copy comes back to the work
+// queue through an at-least-once tier, and DeclareSupport declares them
+// alike. Queues that exist with the other type are refused, for good,
+// with the fix in the text, in either direction.
+func TestQuorumSupport(t *testing.T) {
+	for _, be := range backends {
+		t.Run(be.name, func(t *testing.T) {
+			f := setup(t, be, Topology{Quorum: true, QuorumSupport: true})
+			ctx := testContext(t, 20*time.Second)
+			require.NoError(t, f.b.Publish(ctx, "", f.q+".delay.50ms", amqp.Publishing{MessageId: "m"}))
+			require.Eventually(t, func() bool { return f.length(f.q) == 1 }, 10*time.Second, 10*time.Millisecond, "the delay copy back in the work queue")
+			require.NoError(t, f.b.Declare(ctx, f.q, Topology{Declare: DeclareSupport, QuorumSupport: true, Delays: testTiers}), "DeclareSupport over it")
+
+			err := f.b.Declare(ctx, f.q, Topology{Quorum: true, Delays: testTiers})
+			require.ErrorIs(t, err, ErrQueueArguments, "the same queues without QuorumSupport")
+			assert.Contains(t, err.Error(), "QuorumSupport is false")
+
+			classic := setup(t, be, Topology{Quorum: true})
+			err = classic.b.Consume(ctx, classic.q, rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }),
+				ConsumeOptions{Topology: Topology{Quorum: true, QuorumSupport: true, Delays: testTiers}})
+			require.ErrorIs(t, err, ErrQueueArguments, "Consume with QuorumSupport over classic support queues")
+			assert.Contains(t, err.Error(), "QuorumSupport is true")
+			require.NoError(t, ctx.Err(), "a fatal error, not waited out")
+		})
 	}
 }

@@ -160,7 +160,7 @@ const (
 
 func startClusterLoad(t *testing.T, c *cluster, scenario, store string) *clusterLoad {
 	t.Helper()
-	topo := broker.Topology{Quorum: true, Delays: tiers}
+	topo := broker.Topology{Quorum: true, QuorumSupport: true, Delays: tiers}
 	l := &clusterLoad{run: newRunOn(t, scenario+store, topo, c.urls...), store: store,
 		pub: &tracker{failed: map[string]error{}}, pubDone: make(chan struct{})}
 	opts := consumerOpts{

@@ -80,6 +80,7 @@ type consumerOpts struct {
 	countDeliveries        bool
 	shutdownTimeout        time.Duration
 	quorum                 bool
+	quorumSupport          bool
 	deliveryLimit          int
 	reconnectMax           time.Duration
 }
@@ -126,6 +127,9 @@ func (o consumerOpts) args() []string {
 	if o.quorum {
 		a = append(a, "-quorum")
 	}
+	if o.quorumSupport {
+		a = append(a, "-quorum-support")
+	}
 	num("delivery-limit", o.deliveryLimit)
 	dur("reconnect-max", o.reconnectMax)
 	return a
@@ -147,6 +151,7 @@ func (r *run) startConsumer(name string, o consumerOpts) *proc {
 	if r.topo.Quorum && !o.quorum {
 		o.quorum, o.deliveryLimit = true, r.topo.DeliveryLimit
 	}
+	o.quorumSupport = o.quorumSupport || r.topo.QuorumSupport
 	args := append([]string{
 		"-amqp", r.amqpURL,
 		"-queue", r.queue,

@@ -217,7 +217,7 @@ func (c *memConn) Declare(_ context.Context, specs []transport.QueueSpec) error 
 }
 
 // queueArgs are the arguments compared when a queue is declared again.
-var queueArgs = []string{"x-queue-type", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key", "x-delivery-limit", "x-single-active-consumer"}
+var queueArgs = []string{"x-queue-type", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key", "x-delivery-limit", "x-single-active-consumer", "x-dead-letter-strategy", "x-overflow"}
 
 func newMemQueue(name string, args amqp.Table) (*memQueue, error) {
 	q := &memQueue{name: name, args: rabbit.WireTable(args)}
@@ -265,6 +265,16 @@ func newMemQueue(name string, args amqp.Table) (*memQueue, error) {
 				return nil, bad(k)
 			}
 			q.limit = int(n)
+		case "x-dead-letter-strategy":
+			// The Server loses no dead-lettered message either way.
+			if v != "at-most-once" && v != "at-least-once" {
+				return nil, bad(k)
+			}
+		case "x-overflow":
+			// The Server has no length limit, so no overflow.
+			if v != "drop-head" && v != "reject-publish" && v != "reject-publish-dlx" {
+				return nil, bad(k)
+			}
 		}
 	}
 	return q, nil

@@ -22,9 +22,11 @@
 //   - publisher confirms, at once or after a delay (Server.SetConfirmDelay);
 //   - durable queues with the arguments x-queue-type ("quorum" or
 //     "classic"), x-message-ttl, x-dead-letter-exchange (the default
-//     exchange ""), x-dead-letter-routing-key, x-delivery-limit and
+//     exchange ""), x-dead-letter-routing-key, x-delivery-limit,
 //     x-single-active-consumer (the longest registered consumer gets
-//     every message);
+//     every message), x-dead-letter-strategy and x-overflow (accepted
+//     and compared; with no length limit and no node to lose, every
+//     value behaves alike);
 //     redeclaring with other arguments fails with 406 PRECONDITION_FAILED,
 //     a passive declare of a missing queue with 404 NOT_FOUND;
 //   - dead-lettering on expiry at the head of a queue (by its TTL or the

@@ -84,6 +84,7 @@ type config struct {
 	unavailable     time.Duration
 	delays          []time.Duration
 	quorum          bool
+	quorumSupport   bool
 	deliveryLimit   int
 	timeout         time.Duration
 	maxAttempts     int
@@ -116,6 +117,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.unavailable, "unavailable", 0, "Dedup unavailable delay (0: the default)")
 	fs.StringVar(&delays, "delays", "", "delay tiers, comma-separated (empty: the broker's default)")
 	fs.BoolVar(&c.quorum, "quorum", false, "the work queue is a quorum queue (Topology.Quorum)")
+	fs.BoolVar(&c.quorumSupport, "quorum-support", false, "the dead-letter and delay queues are quorum queues (Topology.QuorumSupport)")
 	fs.IntVar(&c.deliveryLimit, "delivery-limit", 0, "the quorum queue's delivery limit (Topology.DeliveryLimit)")
 	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "Timeout layer: the handler's deadline")
 	fs.IntVar(&c.maxAttempts, "max-attempts", 0, "Retry attempts (0: the default, 5)")
@@ -289,7 +291,7 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 	err := b.Consume(ctx, cfg.queue, h, broker.ConsumeOptions{
 		Workers:         cfg.workers,
 		Prefetch:        cfg.prefetch,
-		Topology:        broker.Topology{Delays: cfg.delays, Quorum: cfg.quorum, DeliveryLimit: cfg.deliveryLimit},
+		Topology:        broker.Topology{Delays: cfg.delays, Quorum: cfg.quorum, QuorumSupport: cfg.quorumSupport, DeliveryLimit: cfg.deliveryLimit},
 		ShutdownTimeout: cfg.shutdownTimeout,
 		OnSettle: func(_ *amqp.Delivery, _ rabbitmw.Outcome, err error) {
 			if err != nil {
