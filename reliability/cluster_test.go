@@ -327,10 +327,10 @@ func recovered(t *testing.T, ctx context.Context, loads []*clusterLoad, m []int6
 }
 
 // recoveredOrRestarted waits up to 15 s for each load's first effect
-// after the SIGKILL or stop of n, then restarts n. A load whose consumers wait
-// for n (a queue of its topology, the dead-letter or a delay queue, is a
-// classic queue that lives on n) has its first effect after the restart:
-// its time counts from the kill all the same.
+// after the SIGKILL or stop of n, then restarts n. A load that had none
+// by then (its consumers waited for n: see RELIABILITY.md, scenario 18)
+// has its first effect after the restart, and its time counts from the
+// fault all the same.
 func recoveredOrRestarted(t *testing.T, ctx context.Context, loads []*clusterLoad, m []int64, killed time.Time, n *rabbitnode.Node) []time.Duration {
 	t.Helper()
 	wctx, cancel := context.WithTimeout(ctx, 15*time.Second)
