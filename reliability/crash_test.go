@@ -57,13 +57,15 @@ func crash(t *testing.T, scenario, pgURL string) (*load, ending, []string) {
 	// kills equal stretches of the run, so that every kill hits a consumer
 	// at work; then a random few milliseconds more.
 	var killed []string
+	var since int64 // messages done when p started
 	lo, hi := len(r.ids)/20, len(r.ids)*9/10
 	for i := range crashKills {
-		require.NoError(t, r.waitRandom(ctx, lo+(hi-lo)*i/crashKills, (hi-lo)/crashKills), "before kill %d", i+1)
+		require.NoError(t, r.waitAtWork(ctx, since, lo+(hi-lo)*i/crashKills, (hi-lo)/crashKills), "before kill %d", i+1)
 		time.Sleep(time.Duration(r.rng.IntN(5000)) * time.Microsecond)
 		p.kill()
 		killed = append(killed, p.name)
 		t.Logf("kill %d: SIGKILL %s at %d messages done", i+1, p.name, r.count(ctx, "distinct"))
+		since = r.count(ctx, "distinct")
 		p = r.startConsumer(fmt.Sprintf("%s-%d", scenario, i+2), r.opts)
 	}
 	return r, r.wrapUp(ctx, 3*time.Second, p), killed

@@ -69,6 +69,16 @@ func (r *load) waitRandom(ctx context.Context, from, width int) error {
 	return r.waitCount(ctx, "distinct", int64(from+r.rng.IntN(width)))
 }
 
+// waitAtWork is waitRandom for a consumer started when since messages were
+// done: it also waits until that consumer has done one of its own. A stop
+// or kill then finds it at work, never still starting: the in-flight
+// handlers of the process before it can carry the count past the next
+// stop's point, and a SIGTERM that came before the new process installed
+// its handler would end it without a graceful stop.
+func (r *load) waitAtWork(ctx context.Context, since int64, from, width int) error {
+	return r.waitCount(ctx, "distinct", max(int64(from+r.rng.IntN(width)), since+1))
+}
+
 // wantUnfinished fails the test if every message is done already, before
 // event: the scenario's fault found no consumer at work.
 func (r *load) wantUnfinished(ctx context.Context, event string) {

@@ -68,15 +68,17 @@ func gracefulStops(t *testing.T, scenario, pgURL string, messages int, lag time.
 
 	p := r.startConsumer(scenario+"-1", r.opts)
 	var cancelled, settleErrors int64
+	var since int64 // messages done when p started
 	lo, hi := len(r.ids)/10, len(r.ids)*8/10
 	for i := range stopRounds {
-		require.NoError(t, r.waitRandom(ctx, lo+(hi-lo)*i/stopRounds, (hi-lo)/stopRounds), "before stop %d", i+1)
+		require.NoError(t, r.waitAtWork(ctx, since, lo+(hi-lo)*i/stopRounds, (hi-lo)/stopRounds), "before stop %d", i+1)
 		at := r.count(ctx, "distinct")
 		st, err := p.stop(30 * time.Second)
 		require.NoError(t, err, "stop %d", i+1)
 		cancelled += int64(p.logCount("context canceled"))
 		settleErrors += st.SettleErrors
 		t.Logf("stop %d at %d messages done: %+v", i+1, at, st)
+		since = r.count(ctx, "distinct")
 		p = r.startConsumer(fmt.Sprintf("%s-%d", scenario, i+2), r.opts)
 	}
 	e := r.wrapUp(ctx, 3*time.Second, p)
