@@ -112,7 +112,7 @@ func printTargets(w io.Writer, ts []target) {
 func (sc *stackCost) print(w io.Writer) {
 	fmt.Fprintln(w, "the stack in process, per delivery (testing.Benchmark, median of 3):")
 	for _, c := range sc.Cases {
-		fmt.Fprintf(w, "  %-50s %9s  %2d allocs  %5d B\n", c.Name, fmtNanos(c.Ns), c.Allocs, c.Bytes)
+		fmt.Fprintf(w, "  %-56s %9s  %2d allocs  %5d B\n", c.Name, fmtNanos(c.Ns), c.Allocs, c.Bytes)
 	}
 	fmt.Fprintln(w)
 }

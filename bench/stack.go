@@ -24,14 +24,16 @@ type stackCase struct {
 // e2e, run with testing.Benchmark three times each. The target judges the
 // new message over the memory store in front of a handler that waits on
 // its context, as any handler doing I/O does (stackWaitsNew); the others
-// say where the time goes: a handler that never looks at its context, a
-// duplicate, a store that does nothing.
+// say where the time goes: the same handler under a context like a
+// consumer's of package broker, a handler that never looks at its
+// context, a duplicate, a store that does nothing.
 type stackCost struct {
 	Cases []stackCase `json:"cases"`
 }
 
 const (
 	stackWaitsNew  = "memory, new message, handler waits on its context"
+	stackConsumer  = "memory, new message, waits, under a consumer's context"
 	stackNew       = "memory, new message, handler ignores its context"
 	stackDuplicate = "memory, duplicate"
 	stackNopNew    = "no-op store, new message, handler waits on its context"
@@ -44,6 +46,7 @@ func measureStack() stackCost {
 		run   func(*testing.B, rabbitmw.Middleware)
 	}{
 		{stackWaitsNew, memoryStore, benchstack.RunWaiting},
+		{stackConsumer, memoryStore, benchstack.RunWaitingInConsumer},
 		{stackNew, memoryStore, func(b *testing.B, m rabbitmw.Middleware) { benchstack.Run(b, m, false) }},
 		{stackDuplicate, memoryStore, func(b *testing.B, m rabbitmw.Middleware) { benchstack.Run(b, m, true) }},
 		{stackNopNew, nopStore, benchstack.RunWaiting},
