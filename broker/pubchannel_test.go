@@ -293,3 +293,38 @@ func (p *nackProxy) serverFrame(frame []byte) {
 		p.counts.acked += n
 	}
 }
+
+// A queue that nacks every publish for a reason of its own (here: at its
+// length limit, with overflow reject-publish) costs at most one new
+// publish channel per replaceInterval, whatever the rate of publishes;
+// each publish is nacked, and the session goes on.
+func TestRabbitMQReplacementsAreBoundedOnALegitimateNack(t *testing.T) {
+	ctx := testContext(t, time.Minute)
+	logs := fixtures.NewLogRecorder(t)
+	tr := newAMQPTransport(testenv.RabbitMQURL(t), Options{Logger: slog.New(logs)}.resolve())
+	s, err := tr.Dial(ctx, "rabbitmw test bounded replacements")
+	require.NoError(t, err, "dial")
+	defer s.Close()
+	q := queueName(t)
+	require.NoError(t, s.Declare(ctx, []queueSpec{{Name: q, Args: amqp.Table{"x-max-length": int32(0), "x-overflow": "reject-publish"}}}), "declare")
+	defer func() { assert.NoError(t, s.Delete(context.Background(), []string{q}), "delete") }()
+
+	const span = 3 * replaceInterval
+	began := time.Now()
+	publishes := 0
+	for time.Since(began) < span {
+		err := s.Publish(ctx, "", q, amqp.Publishing{Body: []byte("x")})
+		require.ErrorIs(t, err, ErrNacked, "publish %d to a full queue", publishes+1)
+		publishes++
+	}
+	took := time.Since(began)
+	replaced := logs.Count("publish channel replaced")
+	t.Logf("%d publishes nacked in %v; publish channel replaced %d times", publishes, took.Round(time.Millisecond), replaced)
+	assert.GreaterOrEqual(t, replaced, 1, "replacements")
+	assert.LessOrEqual(t, replaced, int(took/replaceInterval)+1, "replacements in %v, at most one per %v", took, replaceInterval)
+	select {
+	case <-s.Closed():
+		t.Fatalf("the session closed: %v", s.Reason())
+	default:
+	}
+}
