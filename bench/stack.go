@@ -11,8 +11,12 @@ import (
 
 // A stackCase is one in-process measurement of a stack's cost per delivery.
 type stackCase struct {
-	Name    string    `json:"name"`
-	Ns      float64   `json:"ns_per_op"` // median of the runs
+	Name string  `json:"name"`
+	Ns   float64 `json:"ns_per_op"` // median of the runs
+	// CPUNs is the CPU time of the benchmark's thread per delivery, in
+	// the run of the median: unlike Ns, it leaves out the time spent
+	// waiting for a core, and the garbage collector's background work.
+	CPUNs   float64   `json:"cpu_ns_per_op"`
 	Allocs  int64     `json:"allocs_per_op"`
 	Bytes   int64     `json:"bytes_per_op"`
 	Samples []float64 `json:"samples_ns"`
@@ -70,6 +74,7 @@ func measureStack() stackCost {
 		}
 		m := rs[len(rs)/2]
 		sample.Ns, sample.Allocs, sample.Bytes = nsPerOp(m), m.AllocsPerOp(), m.AllocedBytesPerOp()
+		sample.CPUNs = m.Extra["cpu-ns/op"]
 		sc.Cases = append(sc.Cases, sample)
 	}
 	return sc
