@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"strconv"
 	"strings"
@@ -34,11 +35,12 @@ type amqpTransport struct {
 	heartbeat time.Duration
 	tls       *tls.Config // nil: amqp091's default
 	external  bool
+	log       *slog.Logger
 }
 
 func newAMQPTransport(url string, cfg config) *amqpTransport {
 	uri, err := amqp.ParseURI(url)
-	return &amqpTransport{url: url, uri: uri, parseErr: err, heartbeat: cfg.heartbeat, tls: cfg.tls, external: cfg.external}
+	return &amqpTransport{url: url, uri: uri, parseErr: err, heartbeat: cfg.heartbeat, tls: cfg.tls, external: cfg.external, log: cfg.log}
 }
 
 // String returns host:port/vhost, without credentials.
@@ -130,7 +132,7 @@ func (t *amqpTransport) dialOnce(ctx context.Context, name string) (session, err
 	mu.Lock()
 	socket := raw
 	mu.Unlock()
-	s, err := newAMQPSession(conn, socket, t.String())
+	s, err := newAMQPSession(conn, socket, t.String(), name, t.log)
 	if err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("%w: %s: open channels: %w", ErrUnreachable, t, err)
@@ -172,16 +174,26 @@ func (t *amqpTransport) dialError(err error) error {
 }
 
 // amqpSession is a session on an amqp091 connection: a consume channel
-// (con), a confirm-mode publish channel (pub), and a channel for basic.get
-// (getCh) opened when first needed; declare, length and delete use a
-// short-lived channel each, so that the server's refusals (which close the
-// channel they occur on) do not end the session.
+// (con), a confirm-mode publish channel (pub, see pubChannel), and a
+// channel for basic.get (getCh) opened when first needed; declare, length
+// and delete use a short-lived channel each, so that the server's
+// refusals (which close the channel they occur on) do not end the
+// session.
 //
-// It runs three goroutines, all ended when the connection closes: watch,
-// which closes done when the connection or con or pub closes; confirms,
-// which resolves publishes; both end when amqp091 closes the notify
-// channels they read; and publisher, the only caller of pub.Publish, which
-// ends when done is closed.
+// The publish channel is replaced, the session going on, when the server
+// nacks a publish on it (see replaceInterval): RabbitMQ 3.10 can go on
+// nacking every publish of a channel that published to a quorum queue
+// whose leader died, for 30 s and more after a new leader is elected,
+// while a new channel's publishes are confirmed at once. The consume
+// channel, and its deliveries, are not touched.
+//
+// Its goroutines all end when the connection closes: watch, which ends
+// the session (closes done) when the connection or con closes; one per
+// publish channel (pubChannel.run), which resolves that channel's
+// publishes, ends the session if the channel closes unasked, and ends
+// when amqp091 closes its notify channels; and publisher, the only
+// caller of Publish on a publish channel and the only one to replace it,
+// which ends when done is closed.
 //
 // amqp091's Publish can block for long: on the channel's mutex, which it
 // holds while it writes (behind another publish) and which the channel's
@@ -195,11 +207,18 @@ type amqpSession struct {
 	conn     *amqp.Connection
 	raw      net.Conn // the socket under conn
 	node     string   // host:port/vhost
-	maxProps int      // see transport.Session.MaxProperties
-	pub      *amqp.Channel
+	name     string   // the connection's name, for logs
+	log      *slog.Logger
+	maxProps int // see transport.Session.MaxProperties
 	con      *amqp.Channel
 
+	// pub is the publish channel in use, and retired the one it replaced,
+	// if any, which is closed once its publishes are resolved. Both are
+	// the publisher goroutine's own, after newAMQPSession.
+	pub, retired *pubChannel
+
 	done    chan struct{}
+	endOnce sync.Once
 	err     error // why done was closed; written before
 	cancels chan string
 	wg      sync.WaitGroup
@@ -209,88 +228,39 @@ type amqpSession struct {
 	// given up.
 	requests chan *pendingPublish
 
-	// pendMu guards pending, returned, byID, unconfirmed and the settled
-	// flag of each publish, and is only ever held briefly: never across a
-	// call of amqp091 that may wait for its reader, which may be blocked
-	// handing a confirm to the confirms goroutine.
-	pendMu   sync.Mutex
-	pending  map[uint64]*pendingPublish
-	returned map[string]int // message id -> basic.returns not yet matched
+	// pendMu guards byID, the settled flag of each publish, and the
+	// publishes and state of each publish channel (see pubChannel), and
+	// is only ever held briefly: never across a call of amqp091 that may
+	// wait for its reader, which may be blocked handing a confirm to the
+	// goroutine of a publish channel.
+	pendMu sync.Mutex
 	// byID holds the publish in flight for each message id. A basic.return
 	// names its message only by its properties, so two publishes of one id
 	// in flight at once could not be told apart: a publish waits until the
 	// one before it with its id is resolved.
 	byID map[string]*pendingPublish
-	// unconfirmed is set when the confirms goroutine has ended: no confirm
-	// will come for a publish sent after that.
-	unconfirmed bool
 
 	getMu sync.Mutex
 	getCh *amqp.Channel
 }
 
-// A pendingPublish is one call of publish: the message, and its result.
-// It is resolved exactly once, by whichever comes first of its confirm (or
-// return), the close of its channel, a failure to send it, or its caller
-// giving up before it was sent; done then receives the result (nil,
-// ErrUnroutable, ErrNacked, errChannelClosed, a *sendError, or the
-// caller's context error) and resolved is closed.
-type pendingPublish struct {
-	exchange, key string
-	msg           amqp.Publishing
-	// abandoned is the caller's ctx.Done(): once it is closed, a publish
-	// not yet sent is not sent.
-	abandoned <-chan struct{}
-
-	done     chan error // buffered: resolve never blocks
-	resolved chan struct{}
-	settled  bool
-}
-
-// resolve settles p with res, unless it is settled already (the first
-// result stands), and lets the next publish of p's id go. s.pendMu must be
-// held.
-func (s *amqpSession) resolve(p *pendingPublish, res error) {
-	if p.settled {
-		return
-	}
-	p.settled = true
-	p.done <- res
-	close(p.resolved)
-	if s.byID[p.msg.MessageId] == p {
-		delete(s.byID, p.msg.MessageId)
-	}
-}
-
-// errChannelClosed tells a waiting publish that its channel closed before the
-// confirm; the session's reason says why.
-var errChannelClosed = errors.New("publish channel closed")
-
-// A sendError is amqp091's failure to send a publish.
-type sendError struct{ err error }
-
-func (e *sendError) Error() string { return e.err.Error() }
-
-func newAMQPSession(conn *amqp.Connection, raw net.Conn, node string) (*amqpSession, error) {
+func newAMQPSession(conn *amqp.Connection, raw net.Conn, node, name string, log *slog.Logger) (*amqpSession, error) {
 	s := &amqpSession{
 		conn:     conn,
 		raw:      raw,
 		node:     node,
+		name:     name,
+		log:      log,
 		done:     make(chan struct{}),
 		cancels:  make(chan string, 1),
 		requests: make(chan *pendingPublish),
-		pending:  make(map[uint64]*pendingPublish),
-		returned: make(map[string]int),
 		byID:     make(map[string]*pendingPublish),
 	}
 	if n := conn.Config.FrameSize; n > 0 { // negotiated by now
 		s.maxProps = n - transport.FrameOverhead
 	}
 	var err error
-	if s.pub, err = conn.Channel(); err != nil {
-		return nil, err
-	}
-	if err = s.pub.Confirm(false); err != nil {
+	if s.pub, err = s.openPub(); err != nil {
 		return nil, err
 	}
 	if s.con, err = conn.Channel(); err != nil {
@@ -299,250 +269,39 @@ func newAMQPSession(conn *amqp.Connection, raw net.Conn, node string) (*amqpSess
 	// amqp091 sends to the NotifyClose channels without blocking (they hold
 	// one value each), and closes them all when the connection closes.
 	connClosed := conn.NotifyClose(make(chan *amqp.Error, 1))
-	pubClosed := s.pub.NotifyClose(make(chan *amqp.Error, 1))
 	conClosed := s.con.NotifyClose(make(chan *amqp.Error, 1))
 	s.con.NotifyCancel(s.cancels)
-	// Unbuffered on purpose: amqp091's reader blocks handing over a return
-	// until the confirms goroutine takes it, and the server sends a
-	// message's basic.return before its basic.ack; so the return is
-	// recorded before the ack can be received.
-	returns := s.pub.NotifyReturn(make(chan amqp.Return))
-	confirms := s.pub.NotifyPublish(make(chan amqp.Confirmation))
-	s.wg.Add(3)
-	go s.watch(connClosed, pubClosed, conClosed)
-	go s.confirms(confirms, returns)
+	s.wg.Add(2)
+	go s.watch(connClosed, conClosed)
 	go s.publisher()
+	s.pub.start()
 	return s, nil
 }
 
-// watch closes done when the connection or either channel closes. It ends
-// then.
-func (s *amqpSession) watch(connClosed, pubClosed, conClosed chan *amqp.Error) {
+// watch ends the session when the connection or the consume channel
+// closes. It ends then.
+func (s *amqpSession) watch(connClosed, conClosed chan *amqp.Error) {
 	defer s.wg.Done()
-	var what string
-	var e *amqp.Error
 	select {
-	case e = <-connClosed:
-		what = "connection"
-	case e = <-pubClosed:
-		what = "publish channel"
-	case e = <-conClosed:
-		what = "consume channel"
+	case e := <-connClosed:
+		s.end("connection", e)
+	case e := <-conClosed:
+		s.end("consume channel", e)
 	}
-	if e == nil {
-		s.err = fmt.Errorf("%w: %s closed", ErrConnectionLost, what)
-	} else {
-		s.err = fmt.Errorf("%w: %s closed: %w", ErrConnectionLost, what, e)
-	}
-	close(s.done)
 }
 
-// confirms resolves waiting publishes from the publish channel's returns
-// and confirms, until the channel closes; it then fails the publishes still
-// waiting and ends.
-func (s *amqpSession) confirms(confirms <-chan amqp.Confirmation, returns <-chan amqp.Return) {
-	defer s.wg.Done()
-	for {
-		select {
-		case r, ok := <-returns:
-			if !ok {
-				returns = nil
-				continue
-			}
-			s.pendMu.Lock()
-			s.returned[r.MessageId]++
-			s.pendMu.Unlock()
-		case c, ok := <-confirms:
-			if !ok {
-				s.pendMu.Lock()
-				for seq, p := range s.pending {
-					s.resolve(p, errChannelClosed)
-					delete(s.pending, seq)
-				}
-				s.unconfirmed = true
-				s.pendMu.Unlock()
-				return
-			}
-			s.pendMu.Lock()
-			p := s.pending[c.DeliveryTag]
-			delete(s.pending, c.DeliveryTag)
-			if p != nil {
-				var res error
-				if n := s.returned[p.msg.MessageId]; n > 0 {
-					if n == 1 {
-						delete(s.returned, p.msg.MessageId)
-					} else {
-						s.returned[p.msg.MessageId] = n - 1
-					}
-					res = ErrUnroutable
-				} else if !c.Ack {
-					res = ErrNacked
-				}
-				s.resolve(p, res)
-			}
-			s.pendMu.Unlock()
+// end ends the session, the first time it is called: what (the
+// connection, or one of its channels) closed, for reason e (nil: closed
+// without an error).
+func (s *amqpSession) end(what string, e *amqp.Error) {
+	s.endOnce.Do(func() {
+		if e == nil {
+			s.err = fmt.Errorf("%w: %s closed", ErrConnectionLost, what)
+		} else {
+			s.err = fmt.Errorf("%w: %s closed: %w", ErrConnectionLost, what, e)
 		}
-	}
-}
-
-// publisher sends the publishes handed to it, one at a time, until done is
-// closed; it ends then. Being the only caller of pub.Publish, it knows the
-// sequence number of each publish without holding a lock across the call.
-func (s *amqpSession) publisher() {
-	defer s.wg.Done()
-	for {
-		select {
-		case p := <-s.requests:
-			s.send(p)
-		case <-s.done:
-			return
-		}
-	}
-}
-
-// send publishes p on pub and records it as pending its confirm.
-func (s *amqpSession) send(p *pendingPublish) {
-	select {
-	case <-p.abandoned:
-		// Its caller gave up before it was sent: it is not sent.
-		s.pendMu.Lock()
-		s.resolve(p, errAbandoned)
-		s.pendMu.Unlock()
-		return
-	default:
-	}
-	// Outside pendMu: amqp091 takes its confirms' lock here, which its
-	// reader holds while it hands a confirm to the confirms goroutine.
-	seq := s.pub.GetNextPublishSeqNo()
-	s.pendMu.Lock()
-	if s.unconfirmed {
-		// The channel closed, and its confirms with it.
-		s.resolve(p, errChannelClosed)
-		s.pendMu.Unlock()
-		return
-	}
-	s.pending[seq] = p
-	s.pendMu.Unlock()
-	if err := s.pub.Publish(p.exchange, p.key, true, false, p.msg); err != nil {
-		// The confirms goroutine may have failed p already, if the channel
-		// closed meanwhile: the first result stands.
-		s.pendMu.Lock()
-		if s.pending[seq] == p {
-			delete(s.pending, seq)
-		}
-		s.resolve(p, &sendError{err: err})
-		s.pendMu.Unlock()
-	}
-}
-
-// errAbandoned resolves a publish whose caller gave up before it was sent;
-// nobody reads it.
-var errAbandoned = errors.New("publish abandoned")
-
-func (s *amqpSession) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
-	// amqp091 would refuse an invalid message as it writes it, closing the
-	// connection; RabbitMQ, or a consumer's amqp091, would close theirs.
-	size, err := transport.CheckPublishing(exchange, key, msg)
-	if err == nil {
-		err = transport.FitFrame(size, s.maxProps, 0)
-	}
-	if err != nil {
-		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return err // nothing sent
-	}
-	p := &pendingPublish{
-		exchange:  exchange,
-		key:       key,
-		msg:       msg,
-		abandoned: ctx.Done(),
-		done:      make(chan error, 1),
-		resolved:  make(chan struct{}),
-	}
-	if err := s.awaitTurn(ctx, p); err != nil {
-		return err
-	}
-	if err := s.handOver(ctx, p); err != nil {
-		return err
-	}
-	select {
-	case res := <-p.done:
-		return s.publishResult(res, exchange, key)
-	case <-ctx.Done():
-		// The publish stays pending: the confirms goroutine removes it,
-		// and matches its return, if any.
-		return ctx.Err()
-	}
-}
-
-// awaitTurn waits until no other publish of p's message id is in flight
-// (see byID), and records p as the one in flight. It returns ctx's error
-// or the session's reason, without recording p, if either comes first.
-func (s *amqpSession) awaitTurn(ctx context.Context, p *pendingPublish) error {
-	for {
-		s.pendMu.Lock()
-		prev := s.byID[p.msg.MessageId]
-		if prev == nil {
-			s.byID[p.msg.MessageId] = p
-			s.pendMu.Unlock()
-			return nil
-		}
-		s.pendMu.Unlock()
-		select {
-		case <-prev.resolved:
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-s.done:
-			return s.err
-		}
-	}
-}
-
-// handOver hands p to the publisher goroutine, which resolves it from
-// then on. If ctx is done or the session closes first, p is not handed
-// over: handOver resolves it with that error and returns it.
-func (s *amqpSession) handOver(ctx context.Context, p *pendingPublish) error {
-	var res error
-	select {
-	case s.requests <- p:
-		return nil
-	case <-ctx.Done():
-		res = ctx.Err()
-	case <-s.done:
-		res = s.err
-	}
-	s.pendMu.Lock()
-	s.resolve(p, res)
-	s.pendMu.Unlock()
-	return res
-}
-
-// publishResult translates res, the result of a publish handed over (see
-// pendingPublish), into the error Publish returns.
-func (s *amqpSession) publishResult(res error, exchange, key string) error {
-	var se *sendError
-	switch {
-	case res == nil:
-		return nil
-	case errors.As(res, &se):
-		return s.translate(se.err)
-	case errors.Is(res, errChannelClosed):
-		<-s.done // closed by watch, if not already: pub is closed
-		var ae *amqp.Error
-		if errors.As(s.err, &ae) && ae.Server && ae.Recover {
-			// The server closed the channel for a publish it refused.
-			if ae.Code == amqp.NotFound && exchange != "" && strings.Contains(ae.Reason, "'"+exchange+"'") {
-				return fmt.Errorf("%w: exchange %q does not exist (%s)", ErrUnroutable, exchange, ae.Reason)
-			}
-			if ae.Code != amqp.NotFound {
-				return fmt.Errorf("broker: publish refused by the server: %w", ae)
-			}
-		}
-		return s.err
-	default:
-		return fmt.Errorf("%w: exchange %q, routing key %q", res, exchange, key)
-	}
+		close(s.done)
+	})
 }
 
 // translate classifies an error of an amqp091 call: a server's refusal

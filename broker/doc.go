@@ -217,6 +217,22 @@
 // send or read back, headers too big for a frame) is refused at once with
 // ErrInvalidMessage, and the connection is left alone.
 //
+// A nack is returned to its caller, and the connection goes on; the
+// channel that was nacked does not. RabbitMQ 3.10 can nack every publish
+// of a channel that published to a quorum queue whose leader died, for
+// 30 s and more after a new leader is elected, while a new channel's
+// publishes are confirmed at once. So a connection replaces its publish
+// channel with a new one, before its next publish, once the server
+// nacked a publish on it: at most once a second, and only after the
+// channel replaced before has received the confirms of all its publishes
+// (their results are their own: no nacked publish is reported
+// confirmed). The log says so, at Info ("publish channel replaced"). A
+// queue that refuses publishes for a reason of its own (at its length
+// limit with overflow reject-publish) thus costs a new channel a second
+// at most. The consume channel, and the deliveries it holds, are never
+// touched; the delay and dead-letter copies of a consumer go through the
+// same publish channel, and are replaced with it.
+//
 // # The dead-letter queue
 //
 // Package [github.com/rabbitmw/rabbitmw/broker/deadletter] works on Q.dlq:

@@ -11,7 +11,9 @@ package reliability_test
 // with confirms throughout, through the faults:
 //
 //	a. SIGKILL the node a consumer is connected to, mid-stream; restart it
-//	b. SIGKILL the node that leads the quorum queue; restart it
+//	b. SIGKILL the node that leads the quorum queue; restart it once
+//	   each load has consumed, and had a publish sent after the SIGKILL
+//	   confirmed, which must come within 15 s, the node down
 //	c. a rolling restart of the three nodes, one after another
 //	d. stop two of the three nodes (the queue loses its majority), start
 //	   them again: consumption stops and resumes by itself
@@ -134,6 +136,9 @@ type clusterLoad struct {
 	pub     *tracker
 	stopPub context.CancelFunc
 	pubDone chan struct{}
+	// republished is, when measured (scenario b), how long after the
+	// fault the first publish sent after it was confirmed.
+	republished time.Duration
 }
 
 // A tracker records the fate of every publish.
@@ -141,16 +146,35 @@ type tracker struct {
 	mu        sync.Mutex
 	confirmed []string
 	failed    map[string]error
+	// sent has, for each confirmed publish in confirmed's order, when it
+	// was sent; at, when its confirm came.
+	sent, at []time.Time
 }
 
-func (tr *tracker) result(id string, err error) {
+// result records the result err of publish id, sent at sent.
+func (tr *tracker) result(id string, sent time.Time, err error) {
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
 	if err == nil {
 		tr.confirmed = append(tr.confirmed, id)
+		tr.sent = append(tr.sent, sent)
+		tr.at = append(tr.at, time.Now())
 	} else {
 		tr.failed[id] = err
 	}
+}
+
+// confirmedSince reports how long after since the first confirmed
+// publish sent after since was confirmed, if one was.
+func (tr *tracker) confirmedSince(since time.Time) (time.Duration, bool) {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	for i, sent := range tr.sent {
+		if !sent.Before(since) {
+			return tr.at[i].Sub(since), true
+		}
+	}
+	return 0, false
 }
 
 const (
@@ -200,9 +224,10 @@ func startClusterLoad(t *testing.T, c *cluster, scenario, store string) *cluster
 				id := fmt.Sprintf("m-%06d", seq)
 				next.Unlock()
 				pctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+				sent := time.Now()
 				err := l.b.Publish(pctx, "", l.queue, amqp.Publishing{MessageId: id, Body: []byte(id)})
 				cancel()
-				l.pub.result(id, err)
+				l.pub.result(id, sent, err)
 			}
 		}()
 	}
@@ -253,12 +278,16 @@ func (l *clusterLoad) finish(t *testing.T, ctx context.Context, scenario, faults
 	if l.store == "pg" {
 		store = "PostgreSQL inbox"
 	}
+	note := fmt.Sprintf("%d publishes confirmed, %d returned as errors; %s to the first effect after it: %s (worst %v)",
+		len(confirmed), failed, measuredFrom, strings.Join(rs, ", "), worst.Round(10*time.Millisecond))
+	if l.republished > 0 {
+		note += fmt.Sprintf("; to the first confirm of a publish sent after it: %v", l.republished.Round(10*time.Millisecond))
+	}
 	record(t, e.v.counted(row{
 		Scenario: "18" + scenario + " cluster, " + store,
 		Messages: len(confirmed) + failed,
 		Faults:   faults,
-		Note: fmt.Sprintf("%d publishes confirmed, %d returned as errors; %s to the first effect after it: %s (worst %v)",
-			len(confirmed), failed, measuredFrom, strings.Join(rs, ", "), worst.Round(10*time.Millisecond)),
+		Note:     note,
 	}))
 }
 
@@ -376,17 +405,44 @@ func killConsumersNode(t *testing.T, ctx context.Context, c *cluster, loads []*c
 	return "SIGKILL of a consumer's node mid-stream, restart", ds
 }
 
-// b: SIGKILL the node that leads the quorum queue, then restart it.
+// b: SIGKILL the node that leads the quorum queue. It stays down until
+// each load has had an effect and a confirm of a publish sent after the
+// SIGKILL, which must come within leaderlessWindow; then it is restarted.
 func killLeader(t *testing.T, ctx context.Context, c *cluster, loads []*clusterLoad) (string, []time.Duration) {
 	n := c.leaderOf(t, loads[0].queue)
+	for _, l := range loads[1:] {
+		t.Logf("%s: its queue's leader is %s", l.store, c.leaderOf(t, l.queue).Name)
+	}
 	m := marks(ctx, loads)
 	killed := time.Now()
 	n.Kill()
 	t.Logf("SIGKILL %s (leader of %s)", n.Name, loads[0].queue)
-	ds := recoveredOrRestarted(t, ctx, loads, m, killed, n)
+	wctx, cancel := context.WithTimeout(ctx, leaderlessWindow)
+	defer cancel()
+	ds := recovered(t, wctx, loads, m, killed)
+	for _, l := range loads {
+		for {
+			d, ok := l.pub.confirmedSince(killed)
+			if ok {
+				l.republished = d
+				break
+			}
+			if wctx.Err() != nil {
+				t.Fatalf("%s: no publish sent after the SIGKILL of %s confirmed within %v of it", l.store, n.Name, leaderlessWindow)
+			}
+			time.Sleep(10 * time.Millisecond) // the publishers, on the cluster
+		}
+	}
 	t.Logf("new leader %s", c.leaderOf(t, loads[0].queue).Name)
-	return "SIGKILL of the quorum queue's leader, restart", ds
+	rabbitnode.RestartAll(n)
+	t.Logf("%s restarted %v after the fault", n.Name, time.Since(killed).Round(time.Millisecond))
+	return "SIGKILL of the quorum queue's leader (restarted once both loads consumed and published again)", ds
 }
+
+// leaderlessWindow is how long after the SIGKILL of a quorum queue's
+// leader scenario b waits, its node down, for each load to have an effect
+// and a publish confirmed.
+const leaderlessWindow = 15 * time.Second
 
 // c: stop and start each node in turn.
 func rollingRestart(t *testing.T, ctx context.Context, c *cluster, loads []*clusterLoad) (string, []time.Duration) {

@@ -45,9 +45,9 @@ func TestClusterSupportQueuesOutliveANode(t *testing.T) {
 	// and a delayed retry, as a settlement publishes them, are each
 	// stored, and the delayed one reaches the work queue. (A classic queue
 	// keeps its dead home.) The delay tier was declared on the same
-	// connection, so its leader may have died too; a first publish to a
-	// queue whose leader is dead can leave the channel nacked for long
-	// (see RELIABILITY.md, scenario 18).
+	// connection, so its leader may have died too; a publish to a queue
+	// whose leader is dead can leave the channel nacked until the session
+	// replaces it (see RELIABILITY.md, scenario 18).
 	for _, q := range []string{qs.DeadLetter, qs.Delays[0]} {
 		assert.Eventually(t, func() bool {
 			home, err := c.tryHomeOf(q)
