@@ -60,12 +60,9 @@ func TestRabbitMQHandshakeCut(t *testing.T) {
 // first connection it closes both sides instead of forwarding the client's
 // frame of the given connection method (class 10).
 type handshakeCutter struct {
-	l      net.Listener
-	target string
+	px     *tcpProxy
 	method uint16
-	wg     sync.WaitGroup
 	mu     sync.Mutex
-	conns  []net.Conn
 	first  bool
 	cut    int // handshakes cut
 }
@@ -78,58 +75,26 @@ func (p *handshakeCutter) cuts() int {
 
 func startHandshakeCutter(t *testing.T, target string, method uint16) *handshakeCutter {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	p := &handshakeCutter{l: l, target: target, method: method, first: true}
-	p.wg.Add(1)
-	go p.accept() // ends when l is closed
-	t.Cleanup(func() {
-		l.Close()
-		p.mu.Lock()
-		for _, c := range p.conns {
-			c.Close()
-		}
-		p.mu.Unlock()
-		p.wg.Wait()
+	p := &handshakeCutter{method: method, first: true}
+	p.px = startTCPProxy(t, target, p.clientToServer, func(c, up net.Conn) {
+		defer c.Close()
+		io.Copy(c, up)
 	})
 	return p
 }
 
-func (p *handshakeCutter) port() int { return p.l.Addr().(*net.TCPAddr).Port }
+func (p *handshakeCutter) port() int { return p.px.port() }
 
-func (p *handshakeCutter) accept() {
-	defer p.wg.Done()
-	for {
-		c, err := p.l.Accept()
-		if err != nil {
-			return
-		}
-		up, err := net.Dial("tcp", p.target)
-		if err != nil {
-			c.Close()
-			continue
-		}
-		p.mu.Lock()
-		p.conns = append(p.conns, c, up)
-		cut := p.first
-		p.first = false
-		p.mu.Unlock()
-		p.wg.Add(2)
-		go p.clientToServer(up, c, cut)
-		go func() { // server to client; ends when either side closes
-			defer p.wg.Done()
-			defer c.Close()
-			io.Copy(c, up)
-		}()
-	}
-}
-
-// clientToServer copies the protocol header, then frame by frame; when cut
-// is set, the frame of p.method closes both sides instead.
-func (p *handshakeCutter) clientToServer(up, c net.Conn, cut bool) {
-	defer p.wg.Done()
+// clientToServer copies the protocol header, then frame by frame; on
+// the proxy's first connection, the frame of p.method closes both sides
+// instead.
+func (p *handshakeCutter) clientToServer(up, c net.Conn) {
 	defer up.Close()
 	defer c.Close()
+	p.mu.Lock()
+	cut := p.first
+	p.first = false
+	p.mu.Unlock()
 	header := make([]byte, 8)
 	if _, err := io.ReadFull(c, header); err != nil {
 		return

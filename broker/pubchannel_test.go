@@ -132,12 +132,9 @@ func dialViaNackProxy(t *testing.T, ctx context.Context, name string, opts Optio
 // the first time after stick is confirmed as the server confirms it. It
 // closes its connections, and ends its goroutines, when the test ends.
 type nackProxy struct {
-	l      net.Listener
-	target string
-	wg     sync.WaitGroup
+	*tcpProxy
 
 	mu     sync.Mutex
-	conns  []net.Conn
 	stuck  map[uint16]bool               // channels whose acks turn to nacks; nil before stick
 	unconf map[uint16]map[uint64]bool    // per channel, the tags published and not yet confirmed
 	seq    map[uint16]uint64             // per channel, the tag of its last publish
@@ -146,24 +143,12 @@ type nackProxy struct {
 
 func startNackProxy(t *testing.T, target string) *nackProxy {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err, "listen")
-	p := &nackProxy{l: l, target: target, unconf: map[uint16]map[uint64]bool{}, seq: map[uint16]uint64{}}
-	p.wg.Add(1)
-	go p.accept() // ends when l is closed
-	t.Cleanup(func() {
-		l.Close()
-		p.mu.Lock()
-		for _, c := range p.conns {
-			c.Close()
-		}
-		p.mu.Unlock()
-		p.wg.Wait()
-	})
+	p := &nackProxy{unconf: map[uint16]map[uint64]bool{}, seq: map[uint16]uint64{}}
+	p.tcpProxy = startTCPProxy(t, target,
+		func(up, c net.Conn) { p.pump(up, c, true, p.clientFrame) },
+		func(c, up net.Conn) { p.pump(c, up, false, p.serverFrame) })
 	return p
 }
-
-func (p *nackProxy) port() int { return p.l.Addr().(*net.TCPAddr).Port }
 
 // stick turns the acks of every channel that has published so far into
 // nacks.
@@ -184,31 +169,9 @@ func (p *nackProxy) tally() (nacked, acked int64) {
 	return p.counts.nacked, p.counts.acked
 }
 
-func (p *nackProxy) accept() {
-	defer p.wg.Done()
-	for {
-		c, err := p.l.Accept()
-		if err != nil {
-			return
-		}
-		up, err := net.Dial("tcp", p.target)
-		if err != nil {
-			c.Close()
-			continue
-		}
-		p.mu.Lock()
-		p.conns = append(p.conns, c, up)
-		p.mu.Unlock()
-		p.wg.Add(2)
-		go p.pump(up, c, true, p.clientFrame)
-		go p.pump(c, up, false, p.serverFrame)
-	}
-}
-
 // pump copies src to dst frame by frame (after the protocol header, when
 // header is set), passing each frame through f, until either side fails.
 func (p *nackProxy) pump(dst, src net.Conn, header bool, f func(frame []byte)) {
-	defer p.wg.Done()
 	defer dst.Close()
 	defer src.Close()
 	if header {

@@ -135,18 +135,15 @@ func TestRabbitMQPublishHonoursItsContextOnAStalledSocket(t *testing.T) {
 // A stallProxy forwards TCP connections to target until stall is called:
 // from then on it forwards nothing more from its clients, and reads at
 // most one more chunk of each (their writes block once the socket buffers
-// are full), and still forwards what the server sends. It closes every connection, and ends its goroutines, when the
-// test ends.
+// are full), and still forwards what the server sends. It closes every
+// connection, and ends its goroutines, when the test ends.
 type stallProxy struct {
-	l      net.Listener
-	target string
+	*tcpProxy
 
-	mu    sync.Mutex
-	gate  chan struct{} // closed while client bytes flow
-	conns []net.Conn
-	wg    sync.WaitGroup
-	sent  []byte // what clients sent since record, if recording
-	rec   bool
+	mu   sync.Mutex
+	gate chan struct{} // closed while client bytes flow
+	sent []byte        // what clients sent since record, if recording
+	rec  bool
 }
 
 // record starts keeping what clients send, forgetting what was kept.
@@ -197,39 +194,21 @@ func dialViaStallProxy(t *testing.T, ctx context.Context, name string) (*stallPr
 
 func startStallProxy(t *testing.T, target string) *stallProxy {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err, "listen")
-	p := &stallProxy{l: l, target: target, gate: make(chan struct{})}
+	p := &stallProxy{gate: make(chan struct{})}
 	close(p.gate)
-	p.wg.Add(1)
-	go p.accept() // ends when l is closed
-	t.Cleanup(func() {
-		l.Close()
+	p.tcpProxy = startTCPProxy(t, target,
+		func(up, c net.Conn) { p.pump(up, c, true) },
+		func(c, up net.Conn) { p.pump(c, up, false) })
+	t.Cleanup(func() { // before the proxy's: its pumps wait for the gate
 		p.mu.Lock()
+		defer p.mu.Unlock()
 		select {
 		case <-p.gate:
 		default:
 			close(p.gate)
 		}
-		for _, c := range p.conns {
-			c.Close()
-		}
-		p.mu.Unlock()
-		p.wg.Wait()
 	})
 	return p
-}
-
-func (p *stallProxy) port() int { return p.l.Addr().(*net.TCPAddr).Port }
-
-// cut closes every connection the proxy holds, as a network that drops
-// them would: the server and the clients see them closed.
-func (p *stallProxy) cut() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, c := range p.conns {
-		c.Close()
-	}
 }
 
 func (p *stallProxy) stall() {
@@ -238,31 +217,9 @@ func (p *stallProxy) stall() {
 	p.gate = make(chan struct{})
 }
 
-func (p *stallProxy) accept() {
-	defer p.wg.Done()
-	for {
-		c, err := p.l.Accept()
-		if err != nil {
-			return
-		}
-		up, err := net.Dial("tcp", p.target)
-		if err != nil {
-			c.Close()
-			continue
-		}
-		p.mu.Lock()
-		p.conns = append(p.conns, c, up)
-		p.mu.Unlock()
-		p.wg.Add(2)
-		go p.pump(up, c, true) // client to server
-		go p.pump(c, up, false)
-	}
-}
-
 // pump copies src to dst until either fails; a gated pump waits for the
 // gate before each read.
 func (p *stallProxy) pump(dst, src net.Conn, gated bool) {
-	defer p.wg.Done()
 	defer dst.Close()
 	defer src.Close()
 	buf := make([]byte, 32<<10)
