@@ -74,8 +74,8 @@ type HandlerOptions struct {
 // It runs beneath middleware.Dedup over the same Store s (the recommended
 // stack, with Handler as the business handler), and for each delivery:
 //
-//  1. begins a transaction on s's pool;
-//  2. calls fn with it;
+//  1. takes a connection of s's pool, for a transaction;
+//  2. calls fn with the transaction;
 //  3. if fn returned nil, marks the key of Dedup's claim done in the same
 //     transaction, with a conditional UPDATE that matches only if the
 //     claim's token still owns the key and its lease has not ended;
@@ -83,8 +83,12 @@ type HandlerOptions struct {
 //     (middleware.Claim.MarkedDone) that the mark is written, so that
 //     Dedup writes none.
 //
-// Steps 3 and 4 travel in one round trip: the mark fails when it matches
-// nothing, and the server then skips the COMMIT.
+// The BEGIN costs no round trip of its own: it is sent with fn's first
+// Exec or QueryRow (fn's other ways to the connection send it first, on
+// its own; none runs a statement outside the transaction), or with the
+// mark if fn sent nothing. Steps 3 and 4 travel in one round trip: the
+// mark fails when it matches nothing, and the server then skips the
+// COMMIT.
 //
 // Results:
 //
@@ -123,12 +127,7 @@ func Handler(s *Store, fn TxFunc, opts HandlerOptions) rabbitmw.Handler {
 			if err != nil {
 				return nil, err
 			}
-			tx, err := conn.BeginTx(ctx, opts.TxOptions)
-			if err != nil {
-				conn.Release()
-				return nil, err
-			}
-			return &pgxTxn{s: s, conn: conn, tx: tx}, nil
+			return &pgxTxn{s: s, conn: conn, tx: &inboxTx{conn: conn.Conn(), opts: opts.TxOptions}}, nil
 		}, func(ctx context.Context, t txn) error {
 			return fn(ctx, t.(*pgxTxn).tx, d)
 		})
@@ -195,11 +194,12 @@ type txn interface {
 }
 
 // A pgxTxn is Handler's transaction: tx, on conn, a connection of s's
-// pool that it holds until the commit or the rollback.
+// pool that it holds until the commit or the rollback. tx may not have
+// begun yet (see inboxTx).
 type pgxTxn struct {
 	s    *Store
 	conn *pgxpool.Conn
-	tx   pgx.Tx
+	tx   *inboxTx
 }
 
 func (t *pgxTxn) broken() bool { return t.conn.Conn().IsClosed() }
@@ -212,13 +212,20 @@ func (t *pgxTxn) broken() bool { return t.conn.Conn().IsClosed() }
 // reads which of 0 and -1 a failed mark meant, after the rollback.
 func (t *pgxTxn) markAndCommit(ctx context.Context, key, token []byte, retention time.Duration) (int, error, error) {
 	pc := t.conn.Conn().PgConn()
-	if pc.TxStatus() == 'I' {
+	if t.tx.settled || t.tx.began && pc.TxStatus() == 'I' {
 		// fn committed or rolled back tx itself.
 		return 0, pgx.ErrTxClosed, nil
 	}
 	args := [][]byte{key, token, binary.BigEndian.AppendUint64(nil, uint64(retention.Microseconds()))}
 	binary3 := []int16{1, 1, 1}
 	var b pgconn.Batch
+	first := 0 // the mark's result
+	if !t.tx.began {
+		// fn sent nothing: the BEGIN goes with the mark.
+		t.tx.began = true
+		b.ExecParams(beginSQL(t.tx.opts), nil, nil, nil, nil)
+		first = 1
+	}
 	if t.s.prepareMark {
 		// Prepared once per connection; then only Bind and Execute are
 		// sent.
@@ -238,7 +245,7 @@ func (t *pgxTxn) markAndCommit(ctx context.Context, key, token []byte, retention
 	switch {
 	case err == nil:
 		return 1, nil, nil
-	case len(results) > 0 && results[0].Err == nil && errors.As(err, &pe):
+	case len(results) > first && results[first].Err == nil && errors.As(err, &pe):
 		// The mark marked: the COMMIT failed, and the server ended the
 		// transaction.
 		return 1, nil, err

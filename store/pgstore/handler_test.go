@@ -695,3 +695,23 @@ func TestHandlerCancelledAsFnReturns(t *testing.T) {
 		})
 	}
 }
+
+// The done mark that Handler commits lasts for Dedup's Retention, and not
+// for as long as the claim's row is remembered (its lease and
+// AbandonedRetention): once the retention ends, the key is absent.
+func TestHandlerMarkRetention(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	const retention = 200 * time.Millisecond
+	h := f.stack(pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}), middleware.DedupOptions{Retention: retention})
+	require.NoError(t, h.Handle(ctx, delivery("m1")))
+	got, err := f.st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.Equal(t, store.Done, got.Status)
+	assert.LessOrEqual(t, got.TTL, retention, "the done mark's TTL")
+	time.Sleep(2 * retention) // waits for the database's clock
+	got, err = f.st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.Equal(t, store.KeyState{}.Status, got.Status, "Inspect after the retention: want absent")
+	assert.Equal(t, store.Claimed, f.status(t, "m1"), "a claim after the retention")
+}

@@ -70,11 +70,13 @@ func (n names) schemaSQL() string {
 	return `-- Claims and done marks of message keys, one row per key.
 --   token       the owner's token while the key is processing; NULL once done
 --   lease_until the end of the owner's lease, or of the done mark's retention
---   forget_at   when the row is forgotten (as if absent) and may be deleted:
---               lease_until for a done mark; lease_until plus the abandoned
---               retention for a claim, so that a claim whose lease ran out is
---               reported abandoned until then; -infinity once a claim found it
---               abandoned (token NULL, lease_until -infinity too)
+--   forget_at   when the row may be deleted, and, for a claim, is forgotten
+--               (as if absent): lease_until plus the abandoned retention, so
+--               that a claim whose lease ran out is reported abandoned until
+--               then; -infinity once a claim found it abandoned (token NULL,
+--               lease_until -infinity too). A done mark is forgotten at its
+--               lease_until, and keeps its claim's forget_at unless that is
+--               earlier, so that the mark is a HOT update
 -- Keys and tokens are bytea: a message key may hold any bytes, NUL included.
 CREATE TABLE IF NOT EXISTS ` + n.claims + ` (
     key         bytea       PRIMARY KEY,

@@ -72,12 +72,17 @@ type Options struct {
 // [Options].DurableClaims: a delivery through [Handler] then waits for one
 // flush, its transaction's, instead of two.
 //
-// Rows are not deleted when they expire. A row is forgotten, as if absent,
-// at its forget_at: the end of a done mark's retention, AbandonedRetention
-// after the end of a claim's lease, or at once when Claim found the claim
-// abandoned; an expired failure counter at its expires_at. Every
+// Rows are not deleted when they expire. A claim's row is forgotten, as if
+// absent, AbandonedRetention after the end of its lease (its forget_at),
+// or at once when Claim found the claim abandoned; a done mark at the end
+// of its retention; an expired failure counter at its expires_at. Every
 // PruneEvery-th Claim runs [Store.Prune], which deletes a bounded batch of
-// forgotten rows through an index on forget_at. See Prune for the cost.
+// rows through an index on forget_at. A done mark keeps its claim's
+// forget_at unless its retention ends later, so that marking a key done
+// rewrites its row in place, with no new index entries (a HOT update):
+// Prune may then delete a done mark up to the lease and
+// AbandonedRetention after the end of its retention. See Prune for the
+// cost.
 //
 // Extend runs on connections of its own, a second pool of at most two
 // connections made from pool's configuration: a lease is renewed even when
@@ -163,8 +168,7 @@ func (s *Store) prepare() {
 	c, f := s.n.claims, s.n.failures
 	// A claim returns a store.Status's number (1 claimed, 2 processing,
 	// 3 done, 4 abandoned). It takes the row (claimed) if it is absent or
-	// forgotten: its
-	// forget_at has passed. It turns an abandoned claim (a token whose
+	// forgotten. It turns an abandoned claim (a token whose
 	// lease has ended, its forget_at not yet passed) into a forgotten row
 	// (token NULL, lease_until and forget_at -infinity) and takes nothing
 	// (abandoned). ON CONFLICT waits for a concurrent claim of the row and
@@ -179,6 +183,10 @@ func (s *Store) prepare() {
 	// Unless DurableClaims, set_config makes the statement's own
 	// transaction commit asynchronously: the setting is read at commit,
 	// and ends with the transaction.
+	// A row is forgotten once its forget_at has passed, and a done mark
+	// (token NULL) once its retention (lease_until) has: a done mark's
+	// forget_at may be later (see completeSQL).
+	forgotten := "(c.forget_at <= statement_timestamp() OR (c.token IS NULL AND c.lease_until <= statement_timestamp()))"
 	commitMode := "\nFROM (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode"
 	if s.durableClaims {
 		commitMode = ""
@@ -187,10 +195,10 @@ func (s *Store) prepare() {
   INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
   VALUES ($1, $2, statement_timestamp() + $3::interval, statement_timestamp() + $3::interval + $4::interval)
   ON CONFLICT (key) DO UPDATE SET
-    token = CASE WHEN c.forget_at <= statement_timestamp() THEN excluded.token END,
-    lease_until = CASE WHEN c.forget_at <= statement_timestamp() THEN excluded.lease_until ELSE '-infinity' END,
-    forget_at = CASE WHEN c.forget_at <= statement_timestamp() THEN excluded.forget_at ELSE '-infinity' END
-  WHERE c.forget_at <= statement_timestamp() OR (c.token IS NOT NULL AND c.lease_until <= statement_timestamp())
+    token = CASE WHEN ` + forgotten + ` THEN excluded.token END,
+    lease_until = CASE WHEN ` + forgotten + ` THEN excluded.lease_until ELSE '-infinity' END,
+    forget_at = CASE WHEN ` + forgotten + ` THEN excluded.forget_at ELSE '-infinity' END
+  WHERE ` + forgotten + ` OR (c.token IS NOT NULL AND c.lease_until <= statement_timestamp())
   RETURNING c.token IS NOT NULL AS claimed
 )
 SELECT COALESCE(
@@ -199,8 +207,13 @@ SELECT COALESCE(
 	s.extendSQL = `UPDATE ` + c + `
 SET lease_until = statement_timestamp() + $3::interval, forget_at = statement_timestamp() + $3::interval + $4::interval
 WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
+	// A done mark keeps the claim's forget_at unless its retention ends
+	// later: the row is forgotten at the end of the retention all the
+	// same, and an UPDATE that leaves every indexed column as it was
+	// rewrites the row in its page (a HOT update) without new entries in
+	// the two indexes. Prune deletes the row at its forget_at.
 	s.completeSQL = `UPDATE ` + c + `
-SET token = NULL, lease_until = statement_timestamp() + $3::interval, forget_at = statement_timestamp() + $3::interval
+SET token = NULL, lease_until = statement_timestamp() + $3::interval, forget_at = GREATEST(forget_at, statement_timestamp() + $3::interval)
 WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 	// The done mark of Handler: Complete, in the handler's transaction.
 	// clock_timestamp: the transaction may have waited on a row lock. It
@@ -209,7 +222,7 @@ WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 	// the row up only when the mark missed.
 	s.markSQL = `WITH marked AS (
   UPDATE ` + c + `
-  SET token = NULL, lease_until = clock_timestamp() + $3::interval, forget_at = clock_timestamp() + $3::interval
+  SET token = NULL, lease_until = clock_timestamp() + $3::interval, forget_at = GREATEST(forget_at, clock_timestamp() + $3::interval)
   WHERE key = $1 AND token = $2 AND lease_until > clock_timestamp()
   RETURNING 1
 )
@@ -221,7 +234,7 @@ SELECT CASE WHEN EXISTS (SELECT FROM marked) THEN 1 WHEN EXISTS (SELECT FROM ` +
 	// retention in microseconds.
 	s.markCommitSQL = `WITH marked AS (
   UPDATE ` + c + `
-  SET token = NULL, lease_until = clock_timestamp() + $3::bigint * interval '1 microsecond', forget_at = clock_timestamp() + $3::bigint * interval '1 microsecond'
+  SET token = NULL, lease_until = clock_timestamp() + $3::bigint * interval '1 microsecond', forget_at = GREATEST(forget_at, clock_timestamp() + $3::bigint * interval '1 microsecond')
   WHERE key = $1 AND token = $2 AND lease_until > clock_timestamp()
   RETURNING 1
 )
@@ -356,7 +369,7 @@ func (s *Store) ResetFailures(ctx context.Context, key string) error {
 }
 
 // Prune deletes up to limit forgotten rows from each of the store's tables
-// (done marks past their retention, lapsed claims past AbandonedRetention,
+// (done marks past their forget_at, lapsed claims past AbandonedRetention,
 // expired failure counters) and returns how many it deleted. Claim calls
 // it every PruneEvery claims; call it yourself on a schedule if you set
 // PruneEvery negative.
@@ -366,8 +379,9 @@ func (s *Store) ResetFailures(ctx context.Context, key string) error {
 // statement holds locked, and deletes at most limit rows, so it holds row
 // locks on those rows only and for one statement. Deleted rows leave dead
 // tuples for autovacuum, as any DELETE does; the two indexes on forget_at
-// and expires_at cost one more index entry per write (these updates are
-// not HOT, since forget_at changes with every claim and renewal).
+// and expires_at cost one more index entry per write (claims and renewals
+// are not HOT updates, since they change forget_at; done marks mostly
+// are).
 func (s *Store) Prune(ctx context.Context, limit int) (int64, error) {
 	var total int64
 	for _, sql := range []string{s.pruneClaimsSQL, s.pruneFailsSQL} {

@@ -1,0 +1,202 @@
+package pgstore
+
+import (
+	"context"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// An inboxTx is the pgx.Tx that [Handler] gives its function: a
+// transaction on conn whose BEGIN costs no round trip of its own. The
+// BEGIN travels in one pipeline with the function's first Exec or
+// QueryRow ([pgx.Batch.BeginTx]), or, if the function sent nothing, with
+// the done mark and the COMMIT. Every other way to the connection (Query,
+// SendBatch, CopyFrom, Prepare, Begin, LargeObjects, Conn) begins the
+// transaction first, in a round trip of its own, so that no statement of
+// the function ever runs outside it.
+//
+// An inboxTx is used by one goroutine at a time, as any pgx.Tx.
+type inboxTx struct {
+	conn    *pgx.Conn
+	opts    pgx.TxOptions
+	began   bool   // BEGIN was sent
+	settled bool   // the function called Commit or Rollback
+	tx      pgx.Tx // pgx's transaction, once BEGIN was sent by pgx
+}
+
+// beginSQL is the BEGIN of opts, as pgx writes it.
+func beginSQL(opts pgx.TxOptions) string {
+	if opts.BeginQuery != "" {
+		return opts.BeginQuery
+	}
+	var b strings.Builder
+	b.WriteString("begin")
+	if opts.IsoLevel != "" {
+		b.WriteString(" isolation level " + string(opts.IsoLevel))
+	}
+	if opts.AccessMode != "" {
+		b.WriteString(" " + string(opts.AccessMode))
+	}
+	if opts.DeferrableMode != "" {
+		b.WriteString(" " + string(opts.DeferrableMode))
+	}
+	return b.String()
+}
+
+// begin begins the transaction in a round trip of its own, unless it
+// began already.
+func (t *inboxTx) begin(ctx context.Context) error {
+	if t.began {
+		return nil
+	}
+	tx, err := t.conn.BeginTx(ctx, t.opts)
+	if err != nil {
+		return err
+	}
+	t.began, t.tx = true, tx
+	return nil
+}
+
+// pipeline sends sql with the BEGIN, in one batch, and returns the batch
+// after reading the BEGIN's result. The caller reads the statement's, and
+// closes the batch.
+func (t *inboxTx) pipeline(ctx context.Context, sql string, args []any) (pgx.BatchResults, error) {
+	t.began = true
+	var b pgx.Batch
+	b.BeginTx(t.opts)
+	b.Queue(sql, args...)
+	br := t.conn.SendBatch(ctx, &b)
+	t.tx = br.Tx()
+	if _, err := br.Exec(); err != nil {
+		br.Close()
+		// No transaction, unless the connection cannot tell.
+		t.began = t.conn.PgConn().TxStatus() != 'I'
+		return nil, err
+	}
+	return br, nil
+}
+
+func (t *inboxTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if t.began {
+		return t.tx.Exec(ctx, sql, args...)
+	}
+	br, err := t.pipeline(ctx, sql, args)
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	tag, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return tag, err
+}
+
+func (t *inboxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if t.began {
+		return t.tx.QueryRow(ctx, sql, args...)
+	}
+	return &beginRow{t: t, ctx: ctx, sql: sql, args: args}
+}
+
+// A beginRow is the row of a QueryRow that may be the transaction's first
+// statement: Scan sends it with the BEGIN, unless the transaction began
+// since.
+type beginRow struct {
+	t    *inboxTx
+	ctx  context.Context
+	sql  string
+	args []any
+}
+
+func (r *beginRow) Scan(dest ...any) error {
+	if r.t.began {
+		return r.t.tx.QueryRow(r.ctx, r.sql, r.args...).Scan(dest...)
+	}
+	br, err := r.t.pipeline(r.ctx, r.sql, r.args)
+	if err != nil {
+		return err
+	}
+	err = br.QueryRow().Scan(dest...)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+func (t *inboxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if err := t.begin(ctx); err != nil {
+		return nil, err
+	}
+	return t.tx.Query(ctx, sql, args...)
+}
+
+func (t *inboxTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if err := t.begin(ctx); err != nil {
+		return pgx.FailedBatchResults(b, err)
+	}
+	return t.tx.SendBatch(ctx, b)
+}
+
+func (t *inboxTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, rows pgx.CopyFromSource) (int64, error) {
+	if err := t.begin(ctx); err != nil {
+		return 0, err
+	}
+	return t.tx.CopyFrom(ctx, table, columns, rows)
+}
+
+func (t *inboxTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if err := t.begin(ctx); err != nil {
+		return nil, err
+	}
+	return t.tx.Prepare(ctx, name, sql)
+}
+
+// Begin starts a pseudo nested transaction (a savepoint), as pgx's does.
+func (t *inboxTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if err := t.begin(ctx); err != nil {
+		return nil, err
+	}
+	return t.tx.Begin(ctx)
+}
+
+// LargeObjects takes no context: the BEGIN it may send runs without one.
+// If it fails, so do the large objects' methods.
+func (t *inboxTx) LargeObjects() pgx.LargeObjects {
+	if err := t.begin(context.Background()); err != nil {
+		var b pgx.Batch
+		b.BeginTx(t.opts)
+		return pgx.FailedBatchResults(&b, err).Tx().LargeObjects()
+	}
+	return t.tx.LargeObjects()
+}
+
+// Conn takes no context: the BEGIN it may send runs without one. If it
+// fails, Conn closes the connection, so that no statement runs on it
+// outside the transaction.
+func (t *inboxTx) Conn() *pgx.Conn {
+	if err := t.begin(context.Background()); err != nil {
+		t.conn.Close(context.Background())
+	}
+	return t.conn
+}
+
+func (t *inboxTx) Commit(ctx context.Context) error { return t.settle(ctx, pgx.Tx.Commit) }
+
+func (t *inboxTx) Rollback(ctx context.Context) error { return t.settle(ctx, pgx.Tx.Rollback) }
+
+// settle commits or rolls back (end) for the function, once. A transaction
+// that never began has nothing to send.
+func (t *inboxTx) settle(ctx context.Context, end func(pgx.Tx, context.Context) error) error {
+	if t.settled {
+		return pgx.ErrTxClosed
+	}
+	t.settled = true
+	if !t.began {
+		return nil
+	}
+	return end(t.tx, ctx)
+}
+
+var _ pgx.Tx = (*inboxTx)(nil)

@@ -1,0 +1,146 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
+)
+
+// The transaction that Handler gives fn begins with fn's first statement,
+// whichever way fn sends it: every way runs inside the transaction, so an
+// effect commits with the done mark, and rolls back with fn's error.
+func TestHandlerTxEveryWayRunsInTheTransaction(t *testing.T) {
+	ways := []struct {
+		name   string
+		effect func(ctx context.Context, tx pgx.Tx, insert, id string) error
+	}{
+		{"Exec", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			_, err := tx.Exec(ctx, insert, id)
+			return err
+		}},
+		{"QueryRow", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			var seq int
+			return tx.QueryRow(ctx, insert+` RETURNING seq`, id).Scan(&seq)
+		}},
+		{"Query", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			rows, err := tx.Query(ctx, insert+` RETURNING seq`, id)
+			if err != nil {
+				return err
+			}
+			rows.Close()
+			return rows.Err()
+		}},
+		{"SendBatch", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			var b pgx.Batch
+			b.Queue(insert, id)
+			return tx.SendBatch(ctx, &b).Close()
+		}},
+		{"CopyFrom", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			table := insert[len("INSERT INTO ") : len(insert)-len(" (id) VALUES ($1)")]
+			_, err := tx.CopyFrom(ctx, pgx.Identifier{table}, []string{"id"}, pgx.CopyFromRows([][]any{{id}}))
+			return err
+		}},
+		{"Prepare", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			if _, err := tx.Prepare(ctx, "effect", insert); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, "effect", id)
+			return err
+		}},
+		{"Conn", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			_, err := tx.Conn().Exec(ctx, insert, id)
+			return err
+		}},
+		{"Begin", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			sp, err := tx.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			if _, err := sp.Exec(ctx, insert, id); err != nil {
+				return err
+			}
+			return sp.Commit(ctx)
+		}},
+		{"QueryRow after Exec", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			if _, err := tx.Exec(ctx, `SELECT 1`); err != nil {
+				return err
+			}
+			var seq int
+			return tx.QueryRow(ctx, insert+` RETURNING seq`, id).Scan(&seq)
+		}},
+	}
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	insert := `INSERT INTO ` + f.effects + ` (id) VALUES ($1)`
+	boom := errors.New("boom")
+	for _, w := range ways {
+		t.Run(w.name, func(t *testing.T) {
+			fail := true
+			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if err := w.effect(ctx, tx, insert, d.MessageId); err != nil {
+					return err
+				}
+				if fail {
+					return boom
+				}
+				return nil
+			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			id := "m-" + w.name
+			require.ErrorIs(t, h.Handle(ctx, delivery(id)), boom)
+			assert.Equal(t, 0, f.count(t, id), "effects after fn failed: the statement ran outside the transaction")
+			fail = false
+			require.NoError(t, h.Handle(ctx, delivery(id)))
+			assert.Equal(t, 1, f.count(t, id), "effects after fn succeeded")
+			assert.Equal(t, store.Done, f.status(t, id))
+		})
+	}
+}
+
+// A function that sends nothing still gets its key marked done: the BEGIN
+// travels with the mark.
+func TestHandlerTxUnused(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	h := f.stack(pgstore.Handler(f.st, func(context.Context, pgx.Tx, *amqp.Delivery) error { return nil }, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	require.NoError(t, h.Handle(ctx, delivery("m1")))
+	assert.Equal(t, store.Done, f.status(t, "m1"))
+}
+
+// The BEGIN sent with the first statement carries HandlerOptions.TxOptions,
+// and a QueryRow that finds no row reports pgx.ErrNoRows, as pgx's does.
+func TestHandlerTxFirstStatement(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	var iso string
+	var noRows error
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := tx.QueryRow(ctx, `SHOW transaction_isolation`).Scan(&iso); err != nil {
+			return err
+		}
+		var seq int
+		noRows = tx.QueryRow(ctx, `SELECT seq FROM `+f.effects+` WHERE false`).Scan(&seq)
+		return nil
+	}, pgstore.HandlerOptions{TxOptions: pgx.TxOptions{IsoLevel: pgx.Serializable}}), middleware.DedupOptions{})
+	require.NoError(t, h.Handle(ctx, delivery("m1")))
+	assert.Equal(t, "serializable", iso)
+	assert.ErrorIs(t, noRows, pgx.ErrNoRows)
+
+	// The same, when the first statement is the one that finds no row.
+	h = f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		var seq int
+		noRows = tx.QueryRow(ctx, `SELECT seq FROM `+f.effects+` WHERE false`).Scan(&seq)
+		return nil
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	require.NoError(t, h.Handle(ctx, delivery("m2")))
+	assert.ErrorIs(t, noRows, pgx.ErrNoRows)
+	assert.Equal(t, store.Done, f.status(t, "m2"))
+}
