@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 )
@@ -58,7 +59,7 @@ type cancelContext struct {
 	ended      context.Context // the standard library's context for the ended state, once asked for
 
 	// Guarded by watcher.mu: c's place among the contexts it watches for.
-	linked       bool
+	watchedBy    *watchedParent
 	wprev, wnext *cancelContext
 }
 
@@ -334,17 +335,27 @@ func (c *cancelContext) finish(e ending) {
 }
 
 // A parentWatcher watches, for the contexts that one layer makes, the end
-// of the context they are made under, which is nearly always the same
-// (a consumer's): one registration with it (context.AfterFunc) serves
-// them all, where each context would otherwise make one of its own (and
-// three allocations with it). The contexts it watches for are a list,
-// entered by [cancelContext.Done] and left at their end. The registration
-// stays while the parent lives, for the next context; a context made
-// under another parent while some are watched for watches for itself.
-// Its zero value is ready to use; a nil *parentWatcher watches nothing.
+// of the contexts they are made under, which are few (a consumer's, one
+// per consumer that runs the layer) and live long: one registration with
+// each (context.AfterFunc) serves all the contexts made under it, where
+// each would otherwise make one of its own (and three allocations with
+// it). The contexts it watches for are a list per parent, entered by
+// [cancelContext.Done] and left at their end. A registration stays while
+// its parent lives, for the next context, up to maxWatchedParents of
+// them; a context made under yet another parent, while each of those
+// watches for some context, watches for itself. Its zero value is ready
+// to use; a nil *parentWatcher watches nothing.
 type parentWatcher struct {
-	mu     sync.Mutex
-	parent context.Context // the parent watched, if any
+	mu      sync.Mutex
+	parents []*watchedParent
+}
+
+// maxWatchedParents bounds the registrations of a parentWatcher.
+const maxWatchedParents = 8
+
+// A watchedParent is a parent that a parentWatcher watches.
+type watchedParent struct {
+	parent context.Context
 	done   <-chan struct{} // parent.Done()
 	stop   func() bool     // ends the registration
 	head   *cancelContext  // the contexts watched for
@@ -359,22 +370,49 @@ func (w *parentWatcher) add(c *cancelContext) bool {
 	done := c.parent.Done()
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.done != done {
-		if w.head != nil {
-			return false // watching another parent for others
+	p := w.find(done)
+	if p == nil {
+		if p = w.idle(); p == nil {
+			return false // busy watching others
 		}
-		if w.stop != nil {
-			w.stop()
-		}
-		w.parent, w.done = c.parent, done
-		w.stop = context.AfterFunc(c.parent, func() { w.fire(done) })
+		p.parent, p.done = c.parent, done
+		p.stop = context.AfterFunc(c.parent, func() { w.fire(p, done) })
 	}
-	c.linked, c.wprev, c.wnext = true, nil, w.head
-	if w.head != nil {
-		w.head.wprev = c
+	c.watchedBy, c.wprev, c.wnext = p, nil, p.head
+	if p.head != nil {
+		p.head.wprev = c
 	}
-	w.head = c
+	p.head = c
 	return true
+}
+
+// find returns the parent watched whose Done channel is done, or nil.
+// w.mu must be held.
+func (w *parentWatcher) find(done <-chan struct{}) *watchedParent {
+	for _, p := range w.parents {
+		if p.done == done {
+			return p
+		}
+	}
+	return nil
+}
+
+// idle returns a watchedParent to watch a new parent with: a new one, if
+// there is room, else one that watches for no context, its registration
+// ended; nil if there is none. w.mu must be held.
+func (w *parentWatcher) idle() *watchedParent {
+	if len(w.parents) < maxWatchedParents {
+		p := new(watchedParent)
+		w.parents = append(w.parents, p)
+		return p
+	}
+	for _, p := range w.parents {
+		if p.head == nil {
+			p.stop()
+			return p
+		}
+	}
+	return nil
 }
 
 // remove stops watching for c, if w does.
@@ -384,38 +422,38 @@ func (w *parentWatcher) remove(c *cancelContext) {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if !c.linked {
+	p := c.watchedBy
+	if p == nil {
 		return
 	}
 	if c.wprev != nil {
 		c.wprev.wnext = c.wnext
 	} else {
-		w.head = c.wnext
+		p.head = c.wnext
 	}
 	if c.wnext != nil {
 		c.wnext.wprev = c.wprev
 	}
-	c.linked, c.wprev, c.wnext = false, nil, nil
+	c.watchedBy, c.wprev, c.wnext = nil, nil, nil
 }
 
-// fire ends the contexts watched for, as their parent, whose Done is
-// done, has ended, unless w no longer watches it. The next context made
-// under another parent registers anew.
-func (w *parentWatcher) fire(done <-chan struct{}) {
+// fire ends the contexts watched for under p, whose parent (with Done
+// channel done) has ended, unless p has been given another parent since.
+func (w *parentWatcher) fire(p *watchedParent, done <-chan struct{}) {
 	w.mu.Lock()
-	if w.done != done {
+	if p.done != done {
 		w.mu.Unlock()
 		return // a registration replaced, stopped too late
 	}
-	parent := w.parent
+	parent := p.parent
 	var ended []*cancelContext
-	for c := w.head; c != nil; {
+	for c := p.head; c != nil; {
 		next := c.wnext
-		c.linked, c.wprev, c.wnext = false, nil, nil
+		c.watchedBy, c.wprev, c.wnext = nil, nil, nil
 		ended = append(ended, c)
 		c = next
 	}
-	w.head, w.parent, w.done, w.stop = nil, nil, nil, nil
+	w.parents = slices.DeleteFunc(w.parents, func(q *watchedParent) bool { return q == p })
 	w.mu.Unlock()
 	err, cause := parent.Err(), context.Cause(parent)
 	for _, c := range ended {

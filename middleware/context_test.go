@@ -486,9 +486,9 @@ func TestCancelContextAfterFuncStop(t *testing.T) {
 }
 
 // The contexts of one parentWatcher end with their parent, whether the
-// watcher watches it for them or, made under another parent while it
-// watches the first, they watch theirs themselves; each leaves the
-// watcher's list at its end.
+// watcher watches it for them (one registration per parent, up to
+// maxWatchedParents) or they watch theirs themselves; each leaves the
+// watcher's lists at its end.
 func TestParentWatcher(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var w parentWatcher
@@ -497,15 +497,46 @@ func TestParentWatcher(t *testing.T) {
 			_ = c.Done()
 			return c
 		}
+		watched := func(c *cancelContext) *watchedParent {
+			w.mu.Lock()
+			defer w.mu.Unlock()
+			return c.watchedBy
+		}
 		p1, cancel1 := context.WithCancelCause(valued())
-		p2, cancel2 := context.WithCancelCause(valued())
-		a, b := mk(p1), mk(context.WithValue(p1, ctxKey{}, "same Done")) // one registration
-		other := mk(p2)                                                  // watches p2 itself
+		a, b := mk(p1), mk(context.WithValue(p1, ctxKey{}, "same Done"))
 		early := mk(p1)
 		early.end()
-		w.mu.Lock()
-		assert.True(t, a.linked && b.linked && !other.linked && !early.linked, "linked: a %v, b %v, other %v, early %v", a.linked, b.linked, other.linked, early.linked)
-		w.mu.Unlock()
+		assert.NotNil(t, watched(a))
+		assert.Same(t, watched(a), watched(b), "one registration for one parent")
+		assert.Nil(t, watched(early), "an ended context")
+
+		// Up to maxWatchedParents parents are watched; a context under
+		// one more, while each watches for a context, watches for itself.
+		var others []*cancelContext
+		var cancels []context.CancelCauseFunc
+		for range maxWatchedParents {
+			p, cancel := context.WithCancelCause(valued())
+			others = append(others, mk(p))
+			cancels = append(cancels, cancel)
+		}
+		for i, c := range others[:maxWatchedParents-1] {
+			assert.NotNil(t, watched(c), "parent %d", i+2)
+		}
+		last := others[maxWatchedParents-1]
+		assert.Nil(t, watched(last), "a context under one parent too many")
+
+		// A parent whose contexts have all ended gives its place to a new
+		// one; its registration is stopped.
+		others[0].end()
+		q, cancelQ := context.WithCancelCause(valued())
+		reused := mk(q)
+		assert.NotNil(t, watched(reused), "a context under a new parent, in the place of one that watches for none")
+		cancels[0](errParentCause)
+		cancelQ(errOwnCause)
+		synctest.Wait()
+		assert.Equal(t, errOwnCause, context.Cause(reused))
+		others = others[1:]
+		cancels = cancels[1:]
 
 		cancel1(errParentCause)
 		synctest.Wait()
@@ -517,17 +548,25 @@ func TestParentWatcher(t *testing.T) {
 			}
 			assert.Equal(t, context.Canceled, c.Err(), name)
 			assert.Equal(t, errParentCause, context.Cause(c), name)
+			assert.Nil(t, watched(c), name)
 		}
-		assert.NoError(t, other.Err(), "a context under another parent")
-		w.mu.Lock()
-		assert.Nil(t, w.head, "contexts left watched for")
-		w.mu.Unlock()
-
-		// The next context under p2 registers with p2, and ends with it.
-		next := mk(p2)
-		cancel2(errOwnCause)
+		for i, c := range others {
+			assert.NoError(t, c.Err(), "a context under parent %d", i+3)
+		}
+		// p1's place is free: the next new parent takes it.
+		p, cancel := context.WithCancelCause(valued())
+		next := mk(p)
+		assert.NotNil(t, watched(next))
+		cancel(errOwnCause)
+		for _, cancel := range cancels {
+			cancel(errOwnCause)
+		}
 		synctest.Wait()
-		assert.Equal(t, errOwnCause, context.Cause(next))
-		assert.Equal(t, errOwnCause, context.Cause(other))
+		for i, c := range append(others, next) {
+			assert.Equal(t, errOwnCause, context.Cause(c), "context %d", i)
+		}
+		w.mu.Lock()
+		assert.Empty(t, w.parents, "parents left watched")
+		w.mu.Unlock()
 	})
 }
