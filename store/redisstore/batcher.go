@@ -3,6 +3,7 @@ package redisstore
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"slices"
 	"sync"
 	"time"
@@ -39,15 +40,20 @@ type PipelineClient interface {
 // Client it does not know as it is.
 //
 // Batching has no timer and no goroutine of its own: callers send the
-// pipelines. A call is sent at once, alone, in the caller's goroutine and
-// under its context, when no pipeline of this batcher is in flight; a
-// call made while one is in flight waits. When a pipeline's results are
-// in, its sender wakes the oldest waiting caller, which sends the next
-// pipeline, carrying every call that queued meanwhile, at most MaxBatch of
-// them (the rest wait for the one after), and does the same when its
-// results are in. So at light load nothing waits and every call is its
-// own round trip, under load the batches grow with the concurrency, and
-// a caller never sends a pipeline that does not carry its own command.
+// pipelines. A call made when no pipeline of this batcher is in flight is
+// sent in the caller's goroutine and under its context, at once but for
+// one thing: the caller first yields its processor (runtime.Gosched), and
+// again while a yield brings new calls, so that the goroutines ready to
+// run join its pipeline. A call made while a pipeline is in flight waits.
+// When a pipeline's results are in, its sender wakes the oldest waiting
+// caller, which sends the next pipeline, carrying every call that queued
+// meanwhile, at most MaxBatch of them (the rest wait for the one after),
+// and does the same when its results are in. So at light load a call
+// waits for nothing but its turn at the processor, and is its own round
+// trip; under load the batches grow with the concurrency (the callers of
+// a pipeline just done, woken together, share the next one rather than
+// the first of them going alone); and a caller never sends a pipeline
+// that does not carry its own command.
 //
 // Each call gets its own command and result, as on the wrapped client: one
 // command's error (a script's NOSCRIPT, which makes [redis.Script.Run]
@@ -195,16 +201,23 @@ func (b *Batcher) script(ctx context.Context, op batchOp, script string, keys []
 	return c.cmd
 }
 
-// do runs c, alone at once if nothing is in flight, else in a later
-// pipeline. It returns a non-nil error only when c's context ended before
-// c's result came; c's own result is then not to be read.
+// do runs c, in a pipeline that c's caller sends if nothing is in
+// flight, else in a later one. It returns a non-nil error only when c's
+// context ended before c's result came; c's own result is then not to be
+// read.
 func (b *Batcher) do(c *batchCall) error {
 	b.mu.Lock()
 	if !b.busy {
+		// c sends the next pipeline, with the calls that gather finds.
 		b.busy = true
+		b.queue = append(b.queue, c)
+		b.gather()
+		batch := b.take()
 		b.mu.Unlock()
-		b.send(c.ctx, []*batchCall{c})
-		b.done(nil)
+		ctx, cancel := batchContext(batch)
+		b.send(ctx, batch)
+		cancel()
+		b.done(batch[1:])
 		return nil
 	}
 	c.wake = make(chan struct{})
@@ -245,6 +258,21 @@ func (b *Batcher) do(c *batchCall) error {
 	cancel()
 	b.done(batch[1:])
 	return nil
+}
+
+// gather, with b.mu held by the caller that found b idle, alone in the
+// queue, yields the processor while other callers join the queue, until a
+// yield brings none or the queue holds MaxBatch calls. The callers of the
+// pipeline just done are ready to run, and about to call again: without
+// it, the first of them would send its call alone and the others would
+// wait for it, every other pipeline carrying one command.
+func (b *Batcher) gather() {
+	for n := 0; n < len(b.queue) && len(b.queue) < b.max; {
+		n = len(b.queue)
+		b.mu.Unlock()
+		runtime.Gosched()
+		b.mu.Lock()
+	}
 }
 
 // take, with b.mu held, takes the next pipeline's calls off the queue, at

@@ -126,6 +126,48 @@ func TestBatcherCoalesces(t *testing.T) {
 	}
 }
 
+// The calls of goroutines that are ready to run when a call finds the
+// batcher idle share its pipeline: that call yields its processor before
+// it sends, until a yield brings no new call, and they queue meanwhile,
+// rather than the first going alone and the others after it. With one
+// processor the goroutines started together run in turn, so the pipeline
+// carries every one, unless the runtime resumed the yielding goroutine
+// before the others (its scheduler takes a goroutine from the global run
+// queue, where a yield puts it, first once in 61 turns): the test tries
+// three times. Without the yield it fails every time (sizes [1 1 7]).
+func TestBatcherIdleCallYieldsToReadyCallers(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	const n = 8
+	var sizes [][]int
+	for range 3 {
+		_, c := newMiniredis(t)
+		g := newGate()
+		c.AddHook(g)
+		b := redisstore.NewBatcher(c, redisstore.BatcherOptions{})
+		require.NoError(t, b.Del(context.Background(), "warm").Err()) // the connection's handshake
+
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		errs := make([]error, n)
+		for i := range n {
+			wg.Go(func() {
+				<-start
+				errs[i] = b.SetArgs(context.Background(), "k"+strconv.Itoa(i), "v", redis.SetArgs{}).Err()
+			})
+		}
+		close(start)
+		wg.Wait()
+		for i, err := range errs {
+			require.NoError(t, err, "call %d", i)
+		}
+		if s := g.Sizes(); slices.Equal(s, []int{1, n}) {
+			return
+		}
+		sizes = append(sizes, g.Sizes())
+	}
+	t.Errorf("pipeline sizes %v; want [1 %d] (the warm-up alone, then every ready caller in one)", sizes, n)
+}
+
 // MaxBatch caps a pipeline; the calls beyond it go in the next one.
 func TestBatcherMaxBatch(t *testing.T) {
 	_, _, g, b := gated(t, redisstore.BatcherOptions{MaxBatch: 3})

@@ -52,7 +52,8 @@ type Options struct {
 // single server, a Sentinel-managed primary, or a Cluster. By default the
 // commands of concurrent calls share pipelines (see [Options.NoBatching]
 // and [Batcher]); a call made while no pipeline is in flight is sent at
-// once, alone, so batching adds no wait at light load.
+// once, after one yield of the processor that lets the goroutines ready to
+// run join it, so batching adds no timed wait at light load.
 //
 // Key layout, with the default options, for message key K:
 //
