@@ -178,6 +178,17 @@ func TestHandlerTxArgumentRefused(t *testing.T) {
 	assert.ErrorContains(t, err, "greater than maximum value for int4")
 	assert.Equal(t, 1, rabbitmw.Decide(err).Attempts, "attempts counted")
 	assert.Equal(t, 0, f.count(t, "m1"))
+
+	// The error leaves the transaction as it was: fn may go on.
+	var refused error
+	h = f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		_, refused = tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
+		return f.insert(ctx, tx, d)
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	require.NoError(t, h.Handle(ctx, delivery("m2")))
+	assert.Error(t, refused)
+	assert.Equal(t, 1, f.count(t, "m2"))
+	assert.Equal(t, store.Done, f.status(t, "m2"))
 }
 
 // Once fn committed or rolled back the transaction, its statements fail
