@@ -570,3 +570,63 @@ func TestParentWatcher(t *testing.T) {
 		w.mu.Unlock()
 	})
 }
+
+// Contexts whose parent ends, whose deadline passes and which are ended,
+// all at once, while contexts are derived from them and callbacks
+// registered and stopped, all end once, with one of those errors, and
+// take their children with them (run with -race).
+func TestCancelContextConcurrentEnds(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var w parentWatcher
+		parent, pcancel := context.WithCancelCause(context.Background())
+		var wg sync.WaitGroup
+		ctxs := make([]*cancelContext, 64)
+		for i := range ctxs {
+			// Deadlines from 15 ms to 960 ms; the parent ends at 500 ms.
+			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), watcher: &w}
+			ctxs[i] = c
+			wg.Go(func() { <-c.Done() })
+			wg.Go(func() {
+				child, cancel := context.WithTimeout(c, time.Hour)
+				defer cancel()
+				<-child.Done()
+			})
+			wg.Go(func() {
+				stop := context.AfterFunc(c, func() {})
+				if i%2 == 0 {
+					stop()
+				}
+			})
+			switch i % 3 {
+			case 0:
+				wg.Go(func() { c.cancel(errOwnCause) })
+			case 1:
+				wg.Go(func() { time.Sleep(time.Second) })
+			}
+		}
+		wg.Go(func() { time.Sleep(time.Second / 2); pcancel(errParentCause) })
+		wg.Wait()
+		for i, c := range ctxs {
+			cause := context.Cause(c)
+			switch want := errParentCause; {
+			case i%3 == 0:
+				if cause != errOwnCause {
+					t.Errorf("context %d, cancelled at once: cause %v", i, cause)
+				}
+			case (i+1)*15 < 500:
+				want = context.DeadlineExceeded
+				fallthrough
+			default:
+				if cause != want {
+					t.Errorf("context %d: cause %v; want %v", i, cause, want)
+				}
+			}
+			if err := c.Err(); err == nil {
+				t.Errorf("context %d: live at the end", i)
+			}
+		}
+		w.mu.Lock()
+		assert.Empty(t, w.parents, "parents left watched")
+		w.mu.Unlock()
+	})
+}
