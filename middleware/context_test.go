@@ -22,6 +22,10 @@ var deadlineImpls = map[string]withDeadline{
 		c := &cancelContext{parent: parent, deadline: d}
 		return c, c.end
 	},
+	"own, its deadline served by a deadlineQueue": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
+		c := &cancelContext{parent: parent, deadline: d, deadlines: newDeadlineQueue()}
+		return c, c.end
+	},
 }
 
 type ctxKey struct{}
@@ -240,11 +244,11 @@ type withCancel func(parent context.Context) (context.Context, context.CancelCau
 var cancelImpls = map[string]withCancel{
 	"stdlib": context.WithCancelCause,
 	"own": func(parent context.Context) (context.Context, context.CancelCauseFunc) {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
 		return c, c.cancel
 	},
 	"own, its parent watched by a parentWatcher": func(parent context.Context) (context.Context, context.CancelCauseFunc) {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, new(parentWatcher))
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, new(parentWatcher))
 		return c, c.cancel
 	},
 }
@@ -379,7 +383,7 @@ func TestClaimContextAsStdlib(t *testing.T) { asStdlib(t, cancelImpls, cancelSce
 // The Claim is found through the handler's context, and through contexts
 // derived from it, live or ended.
 func TestClaimContextValue(t *testing.T) {
-	c := newClaimContext(valued(), "k", "t", time.Hour, time.Time{}, nil)
+	c := newClaimContext(valued(), "k", "t", time.Hour, time.Time{}, nil, nil)
 	child, cancel := context.WithTimeout(context.WithValue(c, ctxKey{}, "child"), time.Hour)
 	defer cancel()
 	for _, ended := range []bool{false, true} {
@@ -403,7 +407,7 @@ func TestClaimContextValue(t *testing.T) {
 func TestClaimContextChildWithoutGoroutine(t *testing.T) {
 	parent, pcancel := context.WithCancel(context.Background())
 	defer pcancel()
-	c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
+	c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
 	defer c.end()
 	tctx := &cancelContext{parent: c, deadline: time.Now().Add(time.Hour)}
 	defer tctx.end()
@@ -421,7 +425,7 @@ func TestClaimContextChildWithoutGoroutine(t *testing.T) {
 // channel, closed with the cause (run with -race).
 func TestClaimContextConcurrentCancel(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		c := newClaimContext(context.Background(), "k", "t", time.Hour, time.Time{}, nil)
+		c := newClaimContext(context.Background(), "k", "t", time.Hour, time.Time{}, nil, nil)
 		chans := make([]<-chan struct{}, 8)
 		var wg sync.WaitGroup
 		for i := range chans {
@@ -448,7 +452,7 @@ func TestClaimContextConcurrentCancel(t *testing.T) {
 func TestClaimContextAllocs(t *testing.T) {
 	parent := context.Background()
 	n := testing.AllocsPerRun(100, func() {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
 		_ = c.Err()
 		_, _ = c.Deadline()
 		_, _ = ClaimFrom(c)
@@ -578,12 +582,17 @@ func TestParentWatcher(t *testing.T) {
 func TestCancelContextConcurrentEnds(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var w parentWatcher
+		q := newDeadlineQueue()
 		parent, pcancel := context.WithCancelCause(context.Background())
 		var wg sync.WaitGroup
 		ctxs := make([]*cancelContext, 64)
 		for i := range ctxs {
 			// Deadlines from 15 ms to 960 ms; the parent ends at 500 ms.
+			// Half of them are served by one deadlineQueue.
 			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), watcher: &w}
+			if i%4 < 2 {
+				c.deadlines = q
+			}
 			ctxs[i] = c
 			wg.Go(func() { <-c.Done() })
 			wg.Go(func() {
@@ -628,5 +637,8 @@ func TestCancelContextConcurrentEnds(t *testing.T) {
 		w.mu.Lock()
 		assert.Empty(t, w.parents, "parents left watched")
 		w.mu.Unlock()
+		q.mu.Lock()
+		assert.Nil(t, q.list.head, "deadlines left queued")
+		q.mu.Unlock()
 	})
 }
