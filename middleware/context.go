@@ -12,9 +12,10 @@ import (
 // A cancelContext is the context that [Dedup] and [Timeout] give the
 // layers and handler beneath them. It behaves as
 // context.WithCancelCause(parent) would, or, with a deadline, as
-// context.WithDeadline(parent, deadline) would (TestCancelContextAsStdlib
-// holds it to that), at a lower cost: it is one allocation, which Dedup
-// shares with its other state of a delivery, until someone waits for it.
+// context.WithDeadline(parent, deadline) would (TestClaimContextAsStdlib
+// and TestDeadlineContextAsStdlib hold it to that), at a lower cost: it is
+// one allocation, which Dedup shares with its other state of a delivery,
+// and, once someone waits for it, a done channel.
 //
 // Until then (an unwatched context), nothing tells it that its parent
 // ended or its deadline passed: Err, and Value, read both when they are
@@ -22,8 +23,10 @@ import (
 // changes. The first call of Done (or of AfterFunc, through which the
 // context package attaches a context derived from it, and
 // context.AfterFunc its callbacks) watches it: it makes the done channel,
-// arms a timer for the deadline, and asks the parent to tell it of its
-// end (context.AfterFunc, or the parent's AfterFunc method). Err goes on
+// arms a timer for the deadline (or queues it in a [deadlineQueue] that
+// it shares with its siblings), and asks the parent to tell it of its
+// end (through a [parentWatcher] that it shares with its siblings,
+// context.AfterFunc, or the parent's AfterFunc method). Err goes on
 // reading the parent's error, so that it reports the parent's end at once
 // even though that news, from a parent of the standard library, comes
 // through a goroutine; the contexts derived from it learn of that end a
