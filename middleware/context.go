@@ -119,7 +119,8 @@ func (c *cancelContext) check() (err, cause error) {
 	if err, cause := c.parentEnded(); err != nil {
 		return err, cause
 	}
-	if !c.watched && !c.deadline.IsZero() && !time.Now().Before(c.deadline) {
+	// time.Until reads the monotonic clock alone, time.Now both clocks.
+	if !c.watched && !c.deadline.IsZero() && time.Until(c.deadline) <= 0 {
 		return context.DeadlineExceeded, context.DeadlineExceeded
 	}
 	return nil, nil

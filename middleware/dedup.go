@@ -432,8 +432,8 @@ func (h *dedup) persist(ctx context.Context, sctx *settlingContext, deadline tim
 
 // atLeastASecond returns deadline, or a second from now if that is later.
 func atLeastASecond(deadline time.Time) time.Time {
-	if soon := time.Now().Add(time.Second); deadline.Before(soon) {
-		return soon
+	if time.Until(deadline) < time.Second { // the monotonic clock alone, on the common path
+		return time.Now().Add(time.Second)
 	}
 	return deadline
 }
