@@ -135,17 +135,19 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 	if err != nil {
 		return res, o.unreachable("dispatch", err)
 	}
+	// The rollback gives the connection back to the pool on every return
+	// from here on; after the commit, it is a no-op.
+	defer func() {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		tx.Rollback(rctx)
+		cancel()
+	}()
 	if opts.HoldFor > 0 {
 		ms := strconv.FormatInt(max(1, opts.HoldFor.Milliseconds()), 10)
 		if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`, ms); err != nil {
 			return res, o.unreachable("dispatch", err)
 		}
 	}
-	defer func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		tx.Rollback(rctx) // after the commit, a no-op
-		cancel()
-	}()
 	rows, err := tx.Query(ctx, o.takeSQL(), limit)
 	if err != nil {
 		return res, o.unreachable("dispatch", err)

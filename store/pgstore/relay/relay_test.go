@@ -55,10 +55,12 @@ func newFixture(t *testing.T) *fixture {
 	pool, err := pgxpool.New(context.Background(), url)
 	require.NoError(t, err)
 	// pool.Close waits for every connection to come back. It hung once in
-	// about twenty runs of this package, under a load average of 25, with
-	// no goroutine left holding a connection (cause not found): a bounded
-	// wait turns that into a failure that says what the pool held, rather
-	// than a test binary that hangs until its timeout.
+	// about twenty runs of this package, with no goroutine left holding a
+	// connection: a relay stopped while its dispatch set HoldFor leaked
+	// the dispatch's connection (fixed; see pgstore's
+	// TestOutboxDispatchThatFailsReleasesItsConnection). A bounded wait
+	// turns such a leak into a failure that says what the pool held,
+	// rather than a test binary that hangs until its timeout.
 	t.Cleanup(func() {
 		closed := make(chan struct{})
 		go func() { pool.Close(); close(closed) }()
