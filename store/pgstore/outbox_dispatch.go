@@ -38,13 +38,14 @@ type OutboxResult struct {
 	// deleted).
 	Sent bool
 	// Park, if not nil, is why RabbitMQ will not take the message as it
-	// is: it was returned (no queue is bound for it) or refused. The row
-	// is parked with this reason, out of the relay's way, until an
-	// operator retries it.
+	// is: it was returned (no queue is bound for it), or refused in a way
+	// that sending it again cannot mend. The row is parked with this
+	// reason, out of the relay's way, until an operator retries it.
 	Park error
 	// Failed, if not nil and the row is neither sent nor parked, is why
-	// the send ended without a confirm: it is counted in the row's
-	// attempts and kept as its last error.
+	// the send ended without a confirm (a nack, a lost connection, a
+	// timeout): it is counted in the row's attempts and kept as its last
+	// error, and the row stays pending.
 	Failed error
 }
 

@@ -325,32 +325,42 @@ func TestRelaysShareTheOutbox(t *testing.T) {
 	assert.Zero(t, left, "no copy")
 }
 
-// A message that RabbitMQ refuses (a nack: here a queue at its length
-// limit that rejects publishes) is parked with the reason, as one it
-// returns is; the others are sent.
-func TestRelayParksRefusedMessages(t *testing.T) {
-	f := newFixture(t)
-	full := unique("rmwtest.outbox.full.")
-	conn, err := amqp.Dial(testenv.RabbitMQURL(t))
-	require.NoError(t, err)
-	defer conn.Close()
-	ch, err := conn.Channel()
-	require.NoError(t, err)
-	_, err = ch.QueueDeclare(full, false, true, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"})
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		f.b.Delete(ctx, full, broker.Topology{Declare: broker.DeclareNone})
-	})
-	f.write(full, 3, false)
-	f.run(relay.New(f.ob, f.b, relay.Options{PollInterval: 50 * time.Millisecond, Senders: 1}))
-	require.Eventually(t, func() bool { s := f.stats(); return s.Sent+s.Parked == 3 }, 10*time.Second, 20*time.Millisecond)
-	assert.Equal(t, pgstore.OutboxStats{Sent: 1, Parked: 2}, f.stats(), "one fits the queue")
-	rows, err := f.ob.List(context.Background(), pgstore.OutboxFilter{State: "parked"})
-	require.NoError(t, err)
-	for _, r := range rows {
-		assert.Contains(t, r.Error, "nack")
+// refusing is a publisher that returns err for every message.
+type refusing struct{ err error }
+
+func (p refusing) Publish(context.Context, string, string, amqp.Publishing) error { return p.err }
+
+// What the relay does with a row whose publish failed, by the error: it
+// parks only what sending again cannot mend, and keeps the others pending,
+// to be sent again after its backoff.
+func TestRelayParksOnlyWhatCannotSucceed(t *testing.T) {
+	for _, tc := range []struct {
+		name, state string
+		err         error
+	}{
+		{"returned", "parked", broker.ErrUnroutable},
+		{"invalid", "parked", fmt.Errorf("%w: header too big", broker.ErrInvalidMessage)},
+		{"refused, channel closed", "parked", &amqp.Error{Code: amqp.AccessRefused, Reason: "ACCESS_REFUSED", Server: true, Recover: true}},
+		{"nacked", "pending", broker.ErrNacked},
+		{"no confirm", "pending", broker.ErrConnectionLost},
+		{"connection closed by the server", "pending", &amqp.Error{Code: amqp.ConnectionForced, Reason: "CONNECTION_FORCED", Server: true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			f.write(f.queue, 1, false)
+			f.run(relay.New(f.ob, refusing{tc.err}, relay.Options{Senders: 1, PollInterval: 20 * time.Millisecond, BackoffMin: time.Millisecond, BackoffMax: 10 * time.Millisecond}))
+			var row pgstore.OutboxRow
+			require.Eventually(t, func() bool {
+				rows, err := f.ob.List(context.Background(), pgstore.OutboxFilter{})
+				if err != nil || len(rows) != 1 {
+					return false
+				}
+				row = rows[0]
+				return row.State == "parked" || row.Attempts >= 3
+			}, 10*time.Second, 10*time.Millisecond)
+			assert.Equal(t, tc.state, row.State)
+			assert.Equal(t, tc.err.Error(), row.Error)
+		})
 	}
 }
 
