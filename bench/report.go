@@ -112,7 +112,7 @@ func printTargets(w io.Writer, ts []target) {
 func (sc *stackCost) print(w io.Writer) {
 	fmt.Fprintln(w, "the stack in process, per delivery (testing.Benchmark, median of 3):")
 	for _, c := range sc.Cases {
-		fmt.Fprintf(w, "  %-50s %9s  %2d allocs  %5d B\n", c.Name, fmtNanos(c.Ns), c.Allocs, c.Bytes)
+		fmt.Fprintf(w, "  %-56s %9s (%9s CPU)  %2d allocs  %5d B\n", c.Name, fmtNanos(c.Ns), fmtNanos(c.CPUNs), c.Allocs, c.Bytes)
 	}
 	fmt.Fprintln(w)
 }
@@ -236,7 +236,7 @@ func stackTarget(name string, c *stackCase, ns float64, allocs int64) target {
 		return t
 	}
 	t.Status = verdict(c.Ns <= ns && c.Allocs <= allocs)
-	t.Detail = fmt.Sprintf("%s, %d allocs (load %s)", fmtNanos(c.Ns), c.Allocs, c.Load)
+	t.Detail = fmt.Sprintf("%s (%s of the thread's CPU), %d allocs (load %s)", fmtNanos(c.Ns), fmtNanos(c.CPUNs), c.Allocs, c.Load)
 	return t
 }
 

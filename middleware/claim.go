@@ -52,27 +52,31 @@ func ClaimFrom(ctx context.Context) (*Claim, bool) {
 	return c, ok
 }
 
-// claimContext is the handler's context: its parent, cancelled when the
-// handler returns or the claim is lost, with its Claim. It is one
-// allocation for both, rather than a Claim, a context.WithValue and
-// context.WithCancelCause's two, since the lazyContext builds the
-// cancellable context only if the handler calls Done. It also carries
-// the key that Dedup hands down, if its ctx does not (see [Keying]).
+// claimContext is Dedup's state of one delivery whose key it claimed, in
+// one allocation: the handler's context, cancelled when the handler
+// returns, the claim is lost or, when Dedup runs a [Timeout] layer's
+// handler itself, its deadline passes; the Claim it carries; the key that
+// Dedup hands down, if its ctx does not (see [Keying]); and the context
+// of the store call that records the attempt once the handler returned.
 type claimContext struct {
-	lazyContext
-	claim Claim
-	keyed keyed
+	cancelContext
+	claim  Claim
+	keyed  keyed
+	settle settlingContext
 }
 
-func newClaimContext(parent context.Context, key, token string, retention time.Duration) *claimContext {
+// newClaimContext returns the claim context of key by token under parent,
+// with a deadline unless it is zero, which q serves if not nil, and whose
+// parent w watches if not nil.
+func newClaimContext(parent context.Context, key, token string, retention time.Duration, deadline time.Time, q *deadlineQueue, w *parentWatcher) *claimContext {
 	return &claimContext{
-		lazyContext: lazyContext{parent: parent},
-		claim:       Claim{key: key, token: token, retention: retention},
+		cancelContext: cancelContext{parent: parent, deadline: deadline, deadlines: q, watcher: w},
+		claim:         Claim{key: key, token: token, retention: retention},
 	}
 }
 
 // Value implements context.Context: the Claim for [ClaimFrom], the
-// lazyContext's values otherwise.
+// cancelContext's values otherwise.
 func (c *claimContext) Value(key any) any {
 	switch {
 	case key == (claimKey{}):
@@ -80,5 +84,5 @@ func (c *claimContext) Value(key any) any {
 	case key == (keyedKey{}) && c.keyed.by != nil:
 		return &c.keyed
 	}
-	return c.lazyContext.Value(key)
+	return c.cancelContext.Value(key)
 }

@@ -148,9 +148,13 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	}
 	cfg.renewer = newRenewer(s, cfg.lease)
 	cfg.orphans = new(orphans)
+	cfg.parents = new(parentWatcher)
+	cfg.deadlines = newDeadlineQueue()
 	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
-		return &dedup{dedupConfig: cfg, next: next}
+		h := &dedup{dedupConfig: cfg, next: next}
+		h.timed, _ = next.(*timeout)
+		return h
 	}
 }
 
@@ -167,12 +171,20 @@ type dedupConfig struct {
 	failOpen    bool
 	observe     func(context.Context, DedupEvent)
 	renewer     *renewer
-	orphans     *orphans // shared by the handlers this Dedup wraps
+	orphans     *orphans       // shared by the handlers this Dedup wraps
+	parents     *parentWatcher // of the handlers' contexts; shared, too
+	deadlines   *deadlineQueue // of the handlers' contexts, given a Timeout's deadline
 }
 
 type dedup struct {
 	dedupConfig
 	next rabbitmw.Handler
+	// timed is next if next is a Timeout layer's handler, which run calls
+	// through: it runs the handler beneath it under the claim's context,
+	// given the deadline, rather than under a context of Timeout's own
+	// beneath it, with the same result (the stack's layers share one
+	// context per delivery).
+	timed *timeout
 }
 
 func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
@@ -262,6 +274,9 @@ type attempt struct {
 	cause      error     // why the handler's context ended, if it did
 	lost       error     // why the lease was lost while it ran, if it was
 	validUntil time.Time // until when the claim is known to be held
+	// settle is the context of the store call that records the attempt,
+	// to be begun (see [settlingContext.begin]).
+	settle *settlingContext
 }
 
 // run calls the handler under the claim of key by token, taken at start,
@@ -270,7 +285,11 @@ type attempt struct {
 // (see [keying.resolve]). If the handler panics, run releases the claim
 // and lets the panic go on.
 func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, start time.Time, down keyed) attempt {
-	cc := newClaimContext(ctx, key, token, h.retention)
+	var deadline time.Time
+	if h.timed != nil {
+		deadline = time.Now().Add(h.timed.d)
+	}
+	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.deadlines, h.parents)
 	cc.keyed = down
 	defer cc.end()
 	l := h.renewer.start(ctx, key, token, start, cc)
@@ -284,8 +303,12 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 			rctx.end()
 		}
 	}()
-	var a attempt
-	a.err = h.next.Handle(cc, d)
+	a := attempt{settle: &cc.settle}
+	if h.timed != nil {
+		a.err = h.timed.result(ctx, cc, h.timed.next.Handle(cc, d))
+	} else {
+		a.err = h.next.Handle(cc, d)
+	}
 	finished = true
 	// Why the handler's context ended, if it did, before anything later
 	// can cancel it.
@@ -311,7 +334,7 @@ func (h *dedup) record(ctx context.Context, key, token string, a attempt) error 
 	case a.err != nil:
 		return h.release(ctx, key, token, a)
 	}
-	return h.complete(ctx, key, token, a.validUntil)
+	return h.complete(ctx, key, token, a)
 }
 
 // release releases the claim of key by token after the handler failed (the
@@ -325,7 +348,7 @@ func (h *dedup) release(ctx context.Context, key, token string, a attempt) error
 	if a.validUntil.Before(deadline) {
 		deadline = a.validUntil
 	}
-	if _, rerr := h.persist(ctx, deadline, func(ctx context.Context) error {
+	if _, rerr := h.persist(ctx, a.settle, deadline, func(ctx context.Context) error {
 		return h.store.Release(ctx, key, token)
 	}); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
 		err = errors.Join(err, fmt.Errorf("middleware: dedup: release %q: %w", key, rerr))
@@ -338,11 +361,11 @@ func (h *dedup) release(ctx context.Context, key, token string, a attempt) error
 	return err
 }
 
-// complete marks key done under token after the handler succeeded, while
-// the claim is held (until validUntil), and returns the delivery's result:
+// complete marks key done under token after the handler succeeded (the
+// attempt a), while the claim is held, and returns the delivery's result:
 // nil, or the reason the message must be tried again.
-func (h *dedup) complete(ctx context.Context, key, token string, validUntil time.Time) error {
-	retried, err := h.persist(ctx, validUntil, func(ctx context.Context) error {
+func (h *dedup) complete(ctx context.Context, key, token string, a attempt) error {
+	retried, err := h.persist(ctx, a.settle, a.validUntil, func(ctx context.Context) error {
 		return h.store.Complete(ctx, key, token, h.retention)
 	})
 	switch {
@@ -377,15 +400,15 @@ func (e *keyError) Unwrap() error { return e.err }
 
 // persist runs op, a store call that must not be lost after the handler
 // ran, and retries it while the store cannot be reached, until deadline.
-// op runs under a context of [settling]: the cancellation of ctx does not
-// end it, so that a consumer that stops (and cancels its handlers'
-// context at its shutdown deadline) still records a handler that has
-// returned. The first try has at least a second even if deadline is
+// op runs under sctx, begun as a context of [settling]: the cancellation
+// of ctx does not end it, so that a consumer that stops (and cancels its
+// handlers' context at its shutdown deadline) still records a handler
+// that has returned. The first try has at least a second even if deadline is
 // sooner: the store checks the claim's owner on its own clock. persist
 // reports whether op was tried more than once, and returns op's last
 // error.
-func (h *dedup) persist(ctx context.Context, deadline time.Time, op func(context.Context) error) (retried bool, err error) {
-	sctx := settling(ctx, atLeastASecond(deadline))
+func (h *dedup) persist(ctx context.Context, sctx *settlingContext, deadline time.Time, op func(context.Context) error) (retried bool, err error) {
+	sctx.begin(ctx, atLeastASecond(deadline))
 	defer sctx.end()
 	err = op(sctx)
 	if err == nil || errors.Is(err, store.ErrLostClaim) {
@@ -409,8 +432,8 @@ func (h *dedup) persist(ctx context.Context, deadline time.Time, op func(context
 
 // atLeastASecond returns deadline, or a second from now if that is later.
 func atLeastASecond(deadline time.Time) time.Time {
-	if soon := time.Now().Add(time.Second); deadline.Before(soon) {
-		return soon
+	if time.Until(deadline) < time.Second { // the monotonic clock alone, on the common path
+		return time.Now().Add(time.Second)
 	}
 	return deadline
 }
@@ -426,21 +449,27 @@ func atLeastASecond(deadline time.Time) time.Time {
 // returns and lets its process exit. Its timer is made only if a store
 // call asks for Done; end releases it, and must be called.
 func settling(ctx context.Context, deadline time.Time) *settlingContext {
-	return &settlingContext{
-		lazyContext: lazyContext{parent: context.WithoutCancel(ctx), deadline: deadline},
-		recording:   recording.Begin(ctx, deadline),
-	}
+	c := new(settlingContext)
+	c.begin(ctx, deadline)
+	return c
 }
 
-// A settlingContext is the context of [settling]: a lazyContext whose
-// store call is counted among the writes a stopping consumer waits for.
+// A settlingContext is the context of [settling]: a detached cancelContext
+// whose store call is counted among the writes a stopping consumer waits
+// for.
 type settlingContext struct {
-	lazyContext
+	cancelContext
 	recording *recording.Tracker
+}
+
+// begin makes c, unused, the context of [settling](ctx, deadline).
+func (c *settlingContext) begin(ctx context.Context, deadline time.Time) {
+	c.parent, c.detached, c.deadline = ctx, true, deadline
+	c.recording = recording.Begin(ctx, deadline)
 }
 
 // end releases c, and ends the count of its write. It must be called once.
 func (c *settlingContext) end() {
-	c.lazyContext.end()
+	c.cancelContext.end()
 	c.recording.End()
 }

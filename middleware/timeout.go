@@ -33,18 +33,34 @@ func Timeout(d time.Duration) rabbitmw.Middleware {
 	if d <= 0 {
 		panic(fmt.Sprintf("middleware: Timeout: non-positive duration %v", d))
 	}
-	return func(next rabbitmw.Handler) rabbitmw.Handler {
-		return rabbitmw.HandlerFunc(func(ctx context.Context, dv *amqp.Delivery) error {
-			if ctx == nil {
-				ctx = context.Background()
-			}
-			tctx := newLazyDeadline(ctx, time.Now().Add(d))
-			defer tctx.end()
-			err := next.Handle(tctx, dv)
-			if err != nil && errors.Is(tctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil {
-				return fmt.Errorf("%w after %v: %w", ErrTimeout, d, err)
-			}
-			return err
-		})
+	return func(next rabbitmw.Handler) rabbitmw.Handler { return &timeout{d: d, next: next} }
+}
+
+// timeout is the handler of a Timeout layer. A [Dedup] directly above it
+// runs next itself, under a context with the deadline (see
+// [dedup.handleKeyed]), rather than give it a context of its own beneath
+// Dedup's.
+type timeout struct {
+	d    time.Duration
+	next rabbitmw.Handler
+}
+
+func (t *timeout) Handle(ctx context.Context, dv *amqp.Delivery) error {
+	if ctx == nil {
+		ctx = context.Background()
 	}
+	tctx := &cancelContext{parent: ctx, deadline: time.Now().Add(t.d)}
+	defer tctx.end()
+	err := t.next.Handle(tctx, dv)
+	return t.result(ctx, tctx, err)
+}
+
+// result is the result of a handler that returned err under tctx, which
+// has the layer's deadline, beneath ctx: err wrapped with ErrTimeout if
+// the deadline passed (and not ctx's own), else err.
+func (t *timeout) result(ctx, tctx context.Context, err error) error {
+	if err != nil && errors.Is(tctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil {
+		return fmt.Errorf("%w after %v: %w", ErrTimeout, t.d, err)
+	}
+	return err
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
 )
 
 func TestTimeout(t *testing.T) {
@@ -63,35 +64,45 @@ func TestTimeout(t *testing.T) {
 			wantIs: context.DeadlineExceeded,
 		},
 	}
+	// Beneath Dedup, Timeout's handler runs under Dedup's context, given
+	// the deadline: the result must be the same.
+	layouts := map[string]func(rabbitmw.Handler) rabbitmw.Handler{
+		"alone": middleware.Timeout(limit),
+		"beneath Dedup": func(h rabbitmw.Handler) rabbitmw.Handler {
+			return middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(middleware.Timeout(limit)(h))
+		},
+	}
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			synctest.Test(t, func(t *testing.T) {
-				ctx, cancel := context.Background(), context.CancelFunc(func() {})
-				if tt.parent != nil {
-					ctx, cancel = tt.parent()
-				}
-				defer cancel()
-				var deadline, entry time.Time
-				h := middleware.Timeout(limit)(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
-					entry = time.Now()
-					deadline, _ = ctx.Deadline()
-					return tt.handler(ctx)
-				}))
-				d, _ := deliverytest.New("m1", "")
-				err := h.Handle(ctx, d)
-				if deadline.IsZero() || deadline.Sub(entry) > limit {
-					t.Errorf("handler deadline %v after it started; want at most %v", deadline.Sub(entry), limit)
-				}
-				if tt.wantNil != (err == nil) {
-					t.Fatalf("Timeout result = %v; want nil: %v", err, tt.wantNil)
-				}
-				if got := errors.Is(err, middleware.ErrTimeout); got != tt.wantTimeout {
-					t.Errorf("result %v wraps ErrTimeout: %v; want %v", err, got, tt.wantTimeout)
-				}
-				if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
-					t.Errorf("result %v does not wrap %v", err, tt.wantIs)
-				}
+		for layout, wrap := range layouts {
+			t.Run(tt.name+"/"+layout, func(t *testing.T) {
+				synctest.Test(t, func(t *testing.T) {
+					ctx, cancel := context.Background(), context.CancelFunc(func() {})
+					if tt.parent != nil {
+						ctx, cancel = tt.parent()
+					}
+					defer cancel()
+					var deadline, entry time.Time
+					h := wrap(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+						entry = time.Now()
+						deadline, _ = ctx.Deadline()
+						return tt.handler(ctx)
+					}))
+					d, _ := deliverytest.New("m1", "")
+					err := h.Handle(ctx, d)
+					if deadline.IsZero() || deadline.Sub(entry) > limit {
+						t.Errorf("handler deadline %v after it started; want at most %v", deadline.Sub(entry), limit)
+					}
+					if tt.wantNil != (err == nil) {
+						t.Fatalf("Timeout result = %v; want nil: %v", err, tt.wantNil)
+					}
+					if got := errors.Is(err, middleware.ErrTimeout); got != tt.wantTimeout {
+						t.Errorf("result %v wraps ErrTimeout: %v; want %v", err, got, tt.wantTimeout)
+					}
+					if tt.wantIs != nil && !errors.Is(err, tt.wantIs) {
+						t.Errorf("result %v does not wrap %v", err, tt.wantIs)
+					}
+				})
 			})
-		})
+		}
 	}
 }

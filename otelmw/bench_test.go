@@ -2,7 +2,6 @@ package otelmw_test
 
 import (
 	"context"
-	"runtime"
 	"testing"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -54,13 +53,13 @@ func BenchmarkChain(b *testing.B) {
 		dup  bool
 	}{{"new", false}, {"duplicate", true}} {
 		b.Run("off/"+kind.name, func(b *testing.B) {
-			onCPU(b, func() { benchstack.Run(b, benchstack.Recommended(store.NewMemory()), kind.dup) })
+			benchstack.Run(b, benchstack.Recommended(store.NewMemory()), kind.dup)
 		})
 		for _, tm := range telemetries {
 			b.Run(tm.name+"/"+kind.name, func(b *testing.B) {
 				tel := otelmw.New(tm.opts(b))
 				stack := rabbitmw.Chain(tel.Middleware(), benchstack.Recommended(store.NewMemory()))
-				onCPU(b, func() { benchstack.Run(b, stack, kind.dup) })
+				benchstack.Run(b, stack, kind.dup)
 			})
 		}
 	}
@@ -93,25 +92,12 @@ func BenchmarkLayer(b *testing.B) {
 				d := &amqp.Delivery{MessageId: "m", Headers: hdr.headers, RoutingKey: "q"}
 				ctx := context.Background()
 				b.ReportAllocs()
-				onCPU(b, func() {
+				benchstack.OnCPU(b, func() {
 					for b.Loop() {
 						h.Handle(ctx, d)
 					}
 				})
 			})
 		}
-	}
-}
-
-// onCPU runs f on one thread and reports the thread's CPU time per
-// operation as cpu-ns/op: on a shared machine, ns/op also counts the time
-// the benchmark waited for a core.
-func onCPU(b *testing.B, f func()) {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	start := threadCPU()
-	f()
-	if end := threadCPU(); start >= 0 && end >= 0 && b.N > 0 {
-		b.ReportMetric(float64(end-start)/float64(b.N), "cpu-ns/op")
 	}
 }

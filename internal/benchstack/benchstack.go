@@ -7,6 +7,7 @@ package benchstack
 import (
 	"context"
 	"log/slog"
+	"runtime"
 	"strconv"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/recording"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 )
@@ -41,33 +43,50 @@ func WithoutTimeout(st store.Store) rabbitmw.Middleware {
 
 var discard = slog.New(slog.DiscardHandler)
 
-// Run hands b.N deliveries to stack in front of a handler that does
-// nothing. With dup false each has a new message id (claim, handler,
-// complete); with dup true each repeats one id, done before the timer
-// starts (claim only). It fails b if a delivery does not end as acked, or
-// as a duplicate, respectively.
+// Run hands b.N deliveries, under context.Background(), to stack in front
+// of a handler that does nothing. With dup false each has a new message
+// id (claim, handler, complete); with dup true each repeats one id, done
+// before the timer starts (claim only). It fails b if a delivery does not
+// end as acked, or as a duplicate, respectively.
 func Run(b *testing.B, stack rabbitmw.Middleware, dup bool) {
-	run(b, stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })), dup)
+	run(b, context.Background(), stack(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })), dup)
 }
 
-// RunWaiting is [Run] of new messages in front of a handler that calls
-// ctx.Done once and does nothing else, as a handler that does any I/O
-// (which watches its context) does at least: the contexts that the layers
-// build lazily are built then.
+// RunWaiting is [Run] of new messages in front of the realistic handler:
+// one that waits on its context, as any handler doing I/O does. It calls
+// ctx.Done once and does nothing else, the least such a handler does: the
+// layers' contexts are then watched, with what that costs (a done
+// channel, a timer for the deadline).
 func RunWaiting(b *testing.B, stack rabbitmw.Middleware) {
-	run(b, stack(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		default:
-			return nil
-		}
-	})), false)
+	run(b, context.Background(), stack(waiting), false)
 }
 
-func run(b *testing.B, h rabbitmw.Handler, dup bool) {
+// RunWaitingInConsumer is [RunWaiting] under a context like the one that
+// package broker gives its handlers: cancellable (the layers' contexts
+// must then also watch it) and counting the writes that record a finished
+// attempt (see internal/recording).
+func RunWaitingInConsumer(b *testing.B, stack rabbitmw.Middleware) {
+	var tracker recording.Tracker
+	ctx, cancel := context.WithCancel(recording.With(context.Background(), &tracker))
+	defer cancel()
+	run(b, ctx, stack(waiting), false)
+	if n, _ := tracker.Pending(); n != 0 {
+		b.Fatalf("%d writes still counted in progress after the run", n)
+	}
+}
+
+// waiting is the handler of [RunWaiting].
+var waiting = rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	default:
+		return nil
+	}
+})
+
+func run(b *testing.B, ctx context.Context, h rabbitmw.Handler, dup bool) {
 	d := &amqp.Delivery{MessageId: "dup", Body: []byte(`{"order":42}`)}
-	ctx := context.Background()
 	want := rabbitmw.Ack
 	var ids []string
 	if dup {
@@ -83,13 +102,29 @@ func run(b *testing.B, h rabbitmw.Handler, dup bool) {
 	}
 	b.ReportAllocs()
 	b.ResetTimer()
-	for i := range b.N {
-		if !dup {
-			d.MessageId = ids[i]
+	OnCPU(b, func() {
+		for i := range b.N {
+			if !dup {
+				d.MessageId = ids[i]
+			}
+			if err := h.Handle(ctx, d); rabbitmw.Decide(err).Outcome != want {
+				b.Fatalf("delivery %d: %v decides %v; want %v", i, err, rabbitmw.Decide(err).Outcome, want)
+			}
 		}
-		if err := h.Handle(ctx, d); rabbitmw.Decide(err).Outcome != want {
-			b.Fatalf("delivery %d: %v decides %v; want %v", i, err, rabbitmw.Decide(err).Outcome, want)
-		}
+	})
+}
+
+// OnCPU runs f on one thread and reports the thread's CPU time per
+// operation as cpu-ns/op: on a shared machine, ns/op also counts the time
+// the benchmark waited for a core. It leaves out what other threads do
+// for f: the garbage collector's background work, mostly.
+func OnCPU(b *testing.B, f func()) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	start := threadCPU()
+	f()
+	if end := threadCPU(); start >= 0 && end >= 0 && b.N > 0 {
+		b.ReportMetric(float64(end-start)/float64(b.N), "cpu-ns/op")
 	}
 }
 

@@ -63,7 +63,11 @@ type Options struct {
 // Every state change is one SQL statement, one round trip: a claim is an
 // INSERT … ON CONFLICT … DO UPDATE that takes the row only where it has
 // been forgotten, makes an abandoned claim forgotten, and reads the status
-// of a row it did not change in the same statement; Extend, Complete and
+// of a row it did not change in the same statement. Claims that arrive
+// while another is in flight wait for it, and are then sent together, in
+// one such statement of many rows, with one commit: a Store has at most
+// one statement of claims in flight, and a claim waits at most for the
+// one before its own. Extend, Complete and
 // Release are an UPDATE or DELETE
 // that checks the token and the lease in its WHERE clause; Fail is an
 // upsert that returns the count. Leases, retention and counter expiry are
@@ -100,6 +104,8 @@ type Store struct {
 	durableClaims  bool
 	claims         atomic.Uint64
 	claimSQL       string
+	claimManySQL   string
+	queue          claimQueue
 	extendSQL      string
 	completeSQL    string
 	releaseSQL     string
@@ -191,19 +197,42 @@ func (s *Store) prepare() {
 	if s.durableClaims {
 		commitMode = ""
 	}
-	s.claimSQL = `WITH taken AS (
-  INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
-  VALUES ($1, $2, statement_timestamp() + $3::interval, statement_timestamp() + $3::interval + $4::interval)
+	onConflict := `
   ON CONFLICT (key) DO UPDATE SET
     token = CASE WHEN ` + forgotten + ` THEN excluded.token END,
     lease_until = CASE WHEN ` + forgotten + ` THEN excluded.lease_until ELSE '-infinity' END,
     forget_at = CASE WHEN ` + forgotten + ` THEN excluded.forget_at ELSE '-infinity' END
-  WHERE ` + forgotten + ` OR (c.token IS NOT NULL AND c.lease_until <= statement_timestamp())
+  WHERE ` + forgotten + ` OR (c.token IS NOT NULL AND c.lease_until <= statement_timestamp())`
+	s.claimSQL = `WITH taken AS (
+  INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
+  VALUES ($1, $2, statement_timestamp() + $3::interval, statement_timestamp() + $3::interval + $4::interval)` + onConflict + `
   RETURNING c.token IS NOT NULL AS claimed
 )
 SELECT COALESCE(
   (SELECT CASE WHEN claimed THEN 1 ELSE 4 END FROM taken),
   CASE WHEN EXISTS (SELECT FROM ` + c + ` WHERE key = $1 AND token IS NULL AND lease_until > statement_timestamp()) THEN 3 ELSE 2 END)` + commitMode
+	// The claims of several keys (claimMany), each as claimSQL: $1 the
+	// keys, all different, $2 the tokens, $3 the leases in microseconds,
+	// $4 the abandoned retention. It answers the statuses in the order of
+	// the keys. The rows are inserted in the order of their keys, so that
+	// two statements that claim some of the same keys lock their rows in
+	// the same order, and do not deadlock.
+	if commitMode != "" {
+		commitMode = ",\n  (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode"
+	}
+	s.claimManySQL = `WITH req AS (
+  SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bigint[]) WITH ORDINALITY AS r (key, token, lease_us, i)
+), taken AS (
+  INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
+  SELECT key, token, statement_timestamp() + lease_us * interval '1 microsecond', statement_timestamp() + lease_us * interval '1 microsecond' + $4::interval
+  FROM req ORDER BY key` + onConflict + `
+  RETURNING c.key, c.token IS NOT NULL AS claimed
+)
+SELECT COALESCE(
+  (SELECT CASE WHEN claimed THEN 1 ELSE 4 END FROM taken WHERE taken.key = req.key),
+  CASE WHEN EXISTS (SELECT FROM ` + c + ` AS d WHERE d.key = req.key AND d.token IS NULL AND d.lease_until > statement_timestamp()) THEN 3 ELSE 2 END)
+FROM req` + commitMode + `
+ORDER BY req.i`
 	s.extendSQL = `UPDATE ` + c + `
 SET lease_until = statement_timestamp() + $3::interval, forget_at = statement_timestamp() + $3::interval + $4::interval
 WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
@@ -309,16 +338,66 @@ func (s *Store) fail(op, key string, err error) error {
 	return fmt.Errorf("pgstore: %s %q: %w", op, key, err)
 }
 
-// Claim implements [store.Store].
+// Claim implements [store.Store]. Claims that arrive while another is in
+// flight are sent together, in one statement.
 func (s *Store) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
-	var n int
-	if err := s.pool.QueryRow(ctx, s.claimSQL, []byte(key), []byte(token), lease, s.abandoned).Scan(&n); err != nil {
-		return 0, s.fail("claim", key, err)
+	st, err := s.claim(ctx, key, token, lease)
+	if err != nil {
+		return 0, err
 	}
 	if s.pruneEvery > 0 && s.claims.Add(1)%uint64(s.pruneEvery) == 0 {
 		// Errors are dropped: the next prune tries again.
 		s.Prune(ctx, 2*s.pruneEvery)
 	}
+	return st, nil
+}
+
+// claimOne claims key alone.
+func (s *Store) claimOne(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	var n int
+	if err := s.pool.QueryRow(ctx, s.claimSQL, []byte(key), []byte(token), lease, s.abandoned).Scan(&n); err != nil {
+		return 0, s.fail("claim", key, err)
+	}
+	return s.status(key, n)
+}
+
+// claimMany claims the keys of batch, all different, in one statement,
+// and sets each one's answer.
+func (s *Store) claimMany(ctx context.Context, batch []*claimReq) {
+	keys, tokens, leases := make([][]byte, len(batch)), make([][]byte, len(batch)), make([]int64, len(batch))
+	for i, r := range batch {
+		keys[i], tokens[i], leases[i] = []byte(r.key), []byte(r.token), r.lease.Microseconds()
+	}
+	rows, err := s.pool.Query(ctx, s.claimManySQL, keys, tokens, leases, s.abandoned)
+	i := 0
+	if err == nil {
+		for rows.Next() && i < len(batch) {
+			var n int
+			if err = rows.Scan(&n); err != nil {
+				break
+			}
+			r := batch[i]
+			r.status, r.err = s.status(r.key, n)
+			i++
+		}
+		rows.Close()
+		if err == nil {
+			err = rows.Err()
+		}
+		if err == nil && i < len(batch) {
+			err = fmt.Errorf("%d answers to %d claims", i, len(batch))
+		}
+	}
+	if err != nil {
+		// The statement's outcome is unknown: none of its answers count.
+		for _, r := range batch {
+			r.status, r.err = 0, s.fail("claim", r.key, err)
+		}
+	}
+}
+
+// status converts a claim statement's answer n for key.
+func (s *Store) status(key string, n int) (store.Status, error) {
 	if st := store.Status(n); st.Valid() {
 		return st, nil
 	}

@@ -1,4 +1,4 @@
-package otelmw_test
+package benchstack
 
 import (
 	"syscall"

@@ -1,6 +1,6 @@
 //go:build !linux
 
-package otelmw_test
+package benchstack
 
 import "time"
 

@@ -1,0 +1,644 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"go.uber.org/goleak"
+)
+
+// withDeadline makes a context with a deadline and its cancel function:
+// the standard library's, or Timeout's cancelContext.
+type withDeadline func(parent context.Context, d time.Time) (context.Context, context.CancelFunc)
+
+var deadlineImpls = map[string]withDeadline{
+	"stdlib": context.WithDeadline,
+	"own": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
+		c := &cancelContext{parent: parent, deadline: d}
+		return c, c.end
+	},
+	"own, its deadline served by a deadlineQueue": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
+		c := &cancelContext{parent: parent, deadline: d, deadlines: newDeadlineQueue()}
+		return c, c.end
+	},
+}
+
+type ctxKey struct{}
+
+var errParentCause = errors.New("the parent's cause")
+
+// observed is what a scenario saw of a context, at its end.
+type observed struct {
+	err, cause error
+	deadline   time.Time
+	done       bool // Done was closed
+	value      any
+	afterFunc  bool // an AfterFunc registered on it ran
+	child      error
+	// The error and cause of a context derived from it, read as soon as
+	// the scenario ended it: nil if the derived context is told through a
+	// goroutine rather than at once.
+	syncChild, syncChildCause error
+}
+
+// The scenarios, each run on both implementations inside a synctest
+// bubble, whose clock starts at the same instant: the cancelContext must be
+// seen exactly as the standard library's context.
+var deadlineScenarios = []scenario[withDeadline]{
+	{"deadline passes, Done never called", func(mk withDeadline) observed {
+		ctx, cancel := mk(valued(), time.Now().Add(time.Second))
+		defer cancel()
+		time.Sleep(2 * time.Second)
+		return observe(ctx, false)
+	}},
+	{"deadline passes while Done is watched", func(mk withDeadline) observed {
+		ctx, cancel := mk(valued(), time.Now().Add(time.Second))
+		defer cancel()
+		<-ctx.Done()
+		return observe(ctx, false)
+	}},
+	{"not yet due", func(mk withDeadline) observed {
+		ctx, cancel := mk(valued(), time.Now().Add(time.Second))
+		defer cancel()
+		return observe(ctx, false)
+	}},
+	{"cancelled by its CancelFunc", func(mk withDeadline) observed {
+		ctx, cancel := mk(valued(), time.Now().Add(time.Second))
+		cancel()
+		return observe(ctx, false)
+	}},
+	{"cancelled after its deadline passed", func(mk withDeadline) observed {
+		ctx, cancel := mk(valued(), time.Now().Add(time.Second))
+		time.Sleep(2 * time.Second)
+		cancel()
+		return observe(ctx, false)
+	}},
+	{"the parent cancelled with a cause", func(mk withDeadline) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		ctx, cancel := mk(parent, time.Now().Add(time.Second))
+		defer cancel()
+		pcancel(errParentCause)
+		return observe(ctx, false)
+	}},
+	{"the parent cancelled while Done is watched", func(mk withDeadline) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		ctx, cancel := mk(parent, time.Now().Add(time.Second))
+		defer cancel()
+		go func() { time.Sleep(time.Millisecond); pcancel(errParentCause) }()
+		<-ctx.Done()
+		return observe(ctx, false)
+	}},
+	{"the parent already done", func(mk withDeadline) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		pcancel(errParentCause)
+		ctx, cancel := mk(parent, time.Now().Add(time.Second))
+		defer cancel()
+		return observe(ctx, false)
+	}},
+	{"the parent's earlier deadline", func(mk withDeadline) observed {
+		parent, pcancel := context.WithTimeout(valued(), time.Second)
+		defer pcancel()
+		ctx, cancel := mk(parent, time.Now().Add(time.Hour))
+		defer cancel()
+		time.Sleep(2 * time.Second)
+		return observe(ctx, false)
+	}},
+	{"the deadline already past", func(mk withDeadline) observed {
+		ctx, cancel := mk(valued(), time.Now().Add(-time.Second))
+		defer cancel()
+		return observe(ctx, false)
+	}},
+	{"AfterFunc and a child, at the deadline", func(mk withDeadline) observed {
+		ctx, cancel := mk(valued(), time.Now().Add(time.Second))
+		defer cancel()
+		return observe(ctx, true)
+	}},
+	{"AfterFunc and a child, at the parent's cancellation", func(mk withDeadline) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		ctx, cancel := mk(parent, time.Now().Add(time.Hour))
+		defer cancel()
+		go func() { time.Sleep(time.Second); pcancel(errParentCause) }()
+		return observe(ctx, true)
+	}},
+	{"the error stays once seen", func(mk withDeadline) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		ctx, cancel := mk(parent, time.Now().Add(time.Second))
+		defer cancel()
+		time.Sleep(2 * time.Second)
+		_ = ctx.Err()
+		pcancel(errParentCause)
+		return observe(ctx, false)
+	}},
+}
+
+func valued() context.Context { return context.WithValue(context.Background(), ctxKey{}, "v") }
+
+// observe reads ctx; with watch, it first registers an AfterFunc and
+// derives a child, and waits for both to see ctx end.
+func observe(ctx context.Context, watch bool) observed {
+	var o observed
+	if watch {
+		ran := make(chan struct{})
+		context.AfterFunc(ctx, func() { close(ran) })
+		child, cancel := context.WithCancel(ctx)
+		defer cancel()
+		<-child.Done()
+		<-ran
+		o.afterFunc, o.child = true, child.Err()
+	}
+	o.err, o.cause = ctx.Err(), context.Cause(ctx)
+	o.deadline, _ = ctx.Deadline()
+	o.value = ctx.Value(ctxKey{})
+	select {
+	case <-ctx.Done():
+		o.done = true
+	default:
+	}
+	// What was seen stays.
+	if err := ctx.Err(); err != o.err {
+		o.err = errors.New("Err changed")
+	}
+	return o
+}
+
+func TestDeadlineContextAsStdlib(t *testing.T) { asStdlib(t, deadlineImpls, deadlineScenarios) }
+
+// A scenario does something to a context made by mk, and says what it saw.
+type scenario[M any] struct {
+	name string
+	run  func(mk M) observed
+}
+
+// asStdlib runs each scenario on both implementations, each in a synctest
+// bubble whose clock starts at the same instant, and fails where our own
+// one is not seen exactly as the standard library's.
+func asStdlib[M any](t *testing.T, impls map[string]M, scenarios []scenario[M]) {
+	for _, sc := range scenarios {
+		t.Run(sc.name, func(t *testing.T) {
+			got := map[string]observed{}
+			for name, mk := range impls {
+				synctest.Test(t, func(t *testing.T) {
+					got[name] = sc.run(mk)
+				})
+			}
+			for name, o := range got {
+				if o != got["stdlib"] {
+					t.Errorf("%s: %+v\nwant as stdlib: %+v", name, o, got["stdlib"])
+				}
+			}
+		})
+	}
+}
+
+// Many goroutines asking for Done at once get one channel, closed at the
+// deadline (run with -race).
+func TestDeadlineContextConcurrentDone(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		c := &cancelContext{parent: context.Background(), deadline: time.Now().Add(time.Second)}
+		defer c.end()
+		chans := make([]<-chan struct{}, 8)
+		var wg sync.WaitGroup
+		for i := range chans {
+			wg.Go(func() {
+				_ = c.Err()
+				chans[i] = c.Done()
+				<-chans[i]
+			})
+		}
+		wg.Wait()
+		for _, ch := range chans[1:] {
+			if ch != chans[0] {
+				t.Fatal("concurrent Done calls returned different channels")
+			}
+		}
+		if err := c.Err(); err != context.DeadlineExceeded {
+			t.Errorf("Err = %v; want DeadlineExceeded", err)
+		}
+	})
+}
+
+// Unwatched, the context allocates nothing beyond itself.
+func TestDeadlineContextAllocs(t *testing.T) {
+	parent := context.Background()
+	d := time.Now().Add(time.Hour)
+	n := testing.AllocsPerRun(100, func() {
+		c := &cancelContext{parent: parent, deadline: d}
+		_ = c.Err()
+		_, _ = c.Deadline()
+		c.end()
+	})
+	if n > 1 {
+		t.Errorf("%v allocations per unwatched context; want 1", n)
+	}
+}
+
+// withCancel makes a cancellable context and its cancel function: the
+// standard library's, or the claimContext that Dedup gives the handler.
+type withCancel func(parent context.Context) (context.Context, context.CancelCauseFunc)
+
+var cancelImpls = map[string]withCancel{
+	"stdlib": context.WithCancelCause,
+	"own": func(parent context.Context) (context.Context, context.CancelCauseFunc) {
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
+		return c, c.cancel
+	},
+	"own, its parent watched by a parentWatcher": func(parent context.Context) (context.Context, context.CancelCauseFunc) {
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, new(parentWatcher))
+		return c, c.cancel
+	},
+}
+
+var errOwnCause = errors.New("the context's own cause")
+
+// The scenarios, each run on both implementations inside a synctest
+// bubble: claimContext must be seen exactly as context.WithCancelCause.
+var cancelScenarios = []scenario[withCancel]{
+	{"live", func(mk withCancel) observed {
+		ctx, cancel := mk(valued())
+		defer cancel(nil)
+		return observe(ctx, false)
+	}},
+	{"cancelled with a cause, Done never called", func(mk withCancel) observed {
+		ctx, cancel := mk(valued())
+		cancel(errOwnCause)
+		return observe(ctx, false)
+	}},
+	{"cancelled without a cause", func(mk withCancel) observed {
+		ctx, cancel := mk(valued())
+		cancel(nil)
+		return observe(ctx, false)
+	}},
+	{"cancelled twice: the first cause stays", func(mk withCancel) observed {
+		ctx, cancel := mk(valued())
+		cancel(errOwnCause)
+		cancel(errParentCause)
+		return observe(ctx, false)
+	}},
+	{"cancelled after Done was called", func(mk withCancel) observed {
+		ctx, cancel := mk(valued())
+		_ = ctx.Done()
+		cancel(errOwnCause)
+		return observe(ctx, false)
+	}},
+	{"cancelled while Done is watched", func(mk withCancel) observed {
+		ctx, cancel := mk(valued())
+		go func() { time.Sleep(time.Second); cancel(errOwnCause) }()
+		<-ctx.Done()
+		return observe(ctx, false)
+	}},
+	{"the parent cancelled with a cause, Done never called", func(mk withCancel) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		ctx, cancel := mk(parent)
+		defer cancel(nil)
+		pcancel(errParentCause)
+		return observe(ctx, false)
+	}},
+	{"the parent cancelled while Done is watched", func(mk withCancel) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		ctx, cancel := mk(parent)
+		defer cancel(nil)
+		go func() { time.Sleep(time.Second); pcancel(errParentCause) }()
+		<-ctx.Done()
+		return observe(ctx, false)
+	}},
+	{"the parent already done", func(mk withCancel) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		pcancel(errParentCause)
+		ctx, cancel := mk(parent)
+		defer cancel(nil)
+		return observe(ctx, false)
+	}},
+	{"the parent's deadline passes", func(mk withCancel) observed {
+		parent, pcancel := context.WithTimeout(valued(), time.Second)
+		defer pcancel()
+		ctx, cancel := mk(parent)
+		defer cancel(nil)
+		time.Sleep(2 * time.Second)
+		return observe(ctx, false)
+	}},
+	{"cancelled, then the parent: its own cause stays", func(mk withCancel) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		ctx, cancel := mk(parent)
+		cancel(errOwnCause)
+		pcancel(errParentCause)
+		return observe(ctx, false)
+	}},
+	{"the parent's cause stays once seen", func(mk withCancel) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		ctx, cancel := mk(parent)
+		pcancel(errParentCause)
+		_ = ctx.Err()
+		cancel(errOwnCause)
+		return observe(ctx, false)
+	}},
+	{"AfterFunc and a child, at its cancellation", func(mk withCancel) observed {
+		ctx, cancel := mk(valued())
+		go func() { time.Sleep(time.Second); cancel(errOwnCause) }()
+		return observe(ctx, true)
+	}},
+	{"AfterFunc and a child, at the parent's cancellation", func(mk withCancel) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		ctx, cancel := mk(parent)
+		defer cancel(nil)
+		go func() { time.Sleep(time.Second); pcancel(errParentCause) }()
+		return observe(ctx, true)
+	}},
+	{"a child WithTimeout, at its cancellation", func(mk withCancel) observed {
+		ctx, cancel := mk(valued())
+		child, ccancel := context.WithTimeout(ctx, time.Hour)
+		defer ccancel()
+		cancel(errOwnCause)
+		o := observed{syncChild: child.Err(), syncChildCause: context.Cause(child)}
+		return merge(o, observe(ctx, false))
+	}},
+	{"a child WithTimeout, at the parent's cancellation", func(mk withCancel) observed {
+		parent, pcancel := context.WithCancelCause(valued())
+		ctx, cancel := mk(parent)
+		defer cancel(nil)
+		child, ccancel := context.WithTimeout(ctx, time.Hour)
+		defer ccancel()
+		pcancel(errParentCause)
+		// The end of a parent of the standard library reaches our own
+		// context through context.AfterFunc, on a goroutine, and so its
+		// children a moment later.
+		synctest.Wait()
+		o := observed{syncChild: child.Err(), syncChildCause: context.Cause(child)}
+		return merge(o, observe(ctx, false))
+	}},
+}
+
+// merge returns o with what observe saw.
+func merge(o, seen observed) observed {
+	seen.syncChild, seen.syncChildCause = o.syncChild, o.syncChildCause
+	return seen
+}
+
+func TestClaimContextAsStdlib(t *testing.T) { asStdlib(t, cancelImpls, cancelScenarios) }
+
+// The Claim is found through the handler's context, and through contexts
+// derived from it, live or ended.
+func TestClaimContextValue(t *testing.T) {
+	c := newClaimContext(valued(), "k", "t", time.Hour, time.Time{}, nil, nil)
+	child, cancel := context.WithTimeout(context.WithValue(c, ctxKey{}, "child"), time.Hour)
+	defer cancel()
+	for _, ended := range []bool{false, true} {
+		if ended {
+			c.cancel(errOwnCause)
+		}
+		for name, ctx := range map[string]context.Context{"the handler's": c, "a derived": child} {
+			if got, ok := ClaimFrom(ctx); !ok || got != &c.claim {
+				t.Errorf("ended %v: ClaimFrom(%s context) = %p, %v; want %p, true", ended, name, got, ok, &c.claim)
+			}
+		}
+		if got := c.Value(ctxKey{}); got != "v" {
+			t.Errorf("ended %v: Value(ctxKey) = %v; want the parent's v", ended, got)
+		}
+	}
+}
+
+// A context derived from the handler's context (through Timeout's, as
+// in the stack) joins the built context's children: no goroutine watches
+// it.
+func TestClaimContextChildWithoutGoroutine(t *testing.T) {
+	parent, pcancel := context.WithCancel(context.Background())
+	defer pcancel()
+	c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
+	defer c.end()
+	tctx := &cancelContext{parent: c, deadline: time.Now().Add(time.Hour)}
+	defer tctx.end()
+	before := goleak.IgnoreCurrent()
+	child, cancel := context.WithTimeout(tctx, time.Minute)
+	defer cancel()
+	assert.NoError(t, goleak.Find(before), "context.WithTimeout(the handler's context) started a goroutine")
+	c.cancel(errOwnCause)
+	if err := context.Cause(child); err != errOwnCause {
+		t.Errorf("Cause(child) at once after the cancellation = %v; want %v", err, errOwnCause)
+	}
+}
+
+// Many goroutines asking for Done while the context is cancelled get one
+// channel, closed with the cause (run with -race).
+func TestClaimContextConcurrentCancel(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		c := newClaimContext(context.Background(), "k", "t", time.Hour, time.Time{}, nil, nil)
+		chans := make([]<-chan struct{}, 8)
+		var wg sync.WaitGroup
+		for i := range chans {
+			wg.Go(func() {
+				_ = c.Err()
+				chans[i] = c.Done()
+				<-chans[i]
+			})
+		}
+		wg.Go(func() { c.cancel(errOwnCause) })
+		wg.Wait()
+		for _, ch := range chans[1:] {
+			if ch != chans[0] {
+				t.Fatal("concurrent Done calls returned different channels")
+			}
+		}
+		if err := context.Cause(c); err != errOwnCause {
+			t.Errorf("Cause = %v; want %v", err, errOwnCause)
+		}
+	})
+}
+
+// Unwatched, the handler's context allocates nothing beyond itself.
+func TestClaimContextAllocs(t *testing.T) {
+	parent := context.Background()
+	n := testing.AllocsPerRun(100, func() {
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
+		_ = c.Err()
+		_, _ = c.Deadline()
+		_, _ = ClaimFrom(c)
+		_ = context.Cause(c)
+		c.end()
+	})
+	if n > 1 {
+		t.Errorf("%v allocations per unwatched context; want 1", n)
+	}
+}
+
+// A callback that context.AfterFunc registers on our own context runs at
+// its end unless stopped first, as on the standard library's.
+func TestCancelContextAfterFuncStop(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		c := &cancelContext{parent: context.Background()}
+		ran := make(chan string, 2)
+		stopKept := context.AfterFunc(c, func() { ran <- "kept" })
+		stopStopped := context.AfterFunc(c, func() { ran <- "stopped" })
+		assert.True(t, stopStopped(), "stop before the end")
+		c.cancel(errOwnCause)
+		synctest.Wait()
+		assert.False(t, stopKept(), "stop after the end")
+		close(ran)
+		var got []string
+		for r := range ran {
+			got = append(got, r)
+		}
+		assert.Equal(t, []string{"kept"}, got)
+		// Registered once it has ended: it runs at once.
+		late := make(chan struct{})
+		context.AfterFunc(c, func() { close(late) })
+		<-late
+	})
+}
+
+// The contexts of one parentWatcher end with their parent, whether the
+// watcher watches it for them (one registration per parent, up to
+// maxWatchedParents) or they watch theirs themselves; each leaves the
+// watcher's lists at its end.
+func TestParentWatcher(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var w parentWatcher
+		mk := func(parent context.Context) *cancelContext {
+			c := &cancelContext{parent: parent, watcher: &w}
+			_ = c.Done()
+			return c
+		}
+		watched := func(c *cancelContext) *watchedParent {
+			w.mu.Lock()
+			defer w.mu.Unlock()
+			return c.watchedBy
+		}
+		p1, cancel1 := context.WithCancelCause(valued())
+		a, b := mk(p1), mk(context.WithValue(p1, ctxKey{}, "same Done"))
+		early := mk(p1)
+		early.end()
+		assert.NotNil(t, watched(a))
+		assert.Same(t, watched(a), watched(b), "one registration for one parent")
+		assert.Nil(t, watched(early), "an ended context")
+
+		// Up to maxWatchedParents parents are watched; a context under
+		// one more, while each watches for a context, watches for itself.
+		var others []*cancelContext
+		var cancels []context.CancelCauseFunc
+		for range maxWatchedParents {
+			p, cancel := context.WithCancelCause(valued())
+			others = append(others, mk(p))
+			cancels = append(cancels, cancel)
+		}
+		for i, c := range others[:maxWatchedParents-1] {
+			assert.NotNil(t, watched(c), "parent %d", i+2)
+		}
+		last := others[maxWatchedParents-1]
+		assert.Nil(t, watched(last), "a context under one parent too many")
+
+		// A parent whose contexts have all ended gives its place to a new
+		// one; its registration is stopped.
+		others[0].end()
+		q, cancelQ := context.WithCancelCause(valued())
+		reused := mk(q)
+		assert.NotNil(t, watched(reused), "a context under a new parent, in the place of one that watches for none")
+		cancels[0](errParentCause)
+		cancelQ(errOwnCause)
+		synctest.Wait()
+		assert.Equal(t, errOwnCause, context.Cause(reused))
+		others = others[1:]
+		cancels = cancels[1:]
+
+		cancel1(errParentCause)
+		synctest.Wait()
+		for name, c := range map[string]*cancelContext{"a": a, "b": b} {
+			select {
+			case <-c.Done():
+			default:
+				t.Errorf("%s: Done open after the parent's cancellation", name)
+			}
+			assert.Equal(t, context.Canceled, c.Err(), name)
+			assert.Equal(t, errParentCause, context.Cause(c), name)
+			assert.Nil(t, watched(c), name)
+		}
+		for i, c := range others {
+			assert.NoError(t, c.Err(), "a context under parent %d", i+3)
+		}
+		// p1's place is free: the next new parent takes it.
+		p, cancel := context.WithCancelCause(valued())
+		next := mk(p)
+		assert.NotNil(t, watched(next))
+		cancel(errOwnCause)
+		for _, cancel := range cancels {
+			cancel(errOwnCause)
+		}
+		synctest.Wait()
+		for i, c := range append(others, next) {
+			assert.Equal(t, errOwnCause, context.Cause(c), "context %d", i)
+		}
+		w.mu.Lock()
+		assert.Empty(t, w.parents, "parents left watched")
+		w.mu.Unlock()
+	})
+}
+
+// Contexts whose parent ends, whose deadline passes and which are ended,
+// all at once, while contexts are derived from them and callbacks
+// registered and stopped, all end once, with one of those errors, and
+// take their children with them (run with -race).
+func TestCancelContextConcurrentEnds(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var w parentWatcher
+		q := newDeadlineQueue()
+		parent, pcancel := context.WithCancelCause(context.Background())
+		var wg sync.WaitGroup
+		ctxs := make([]*cancelContext, 64)
+		for i := range ctxs {
+			// Deadlines from 15 ms to 960 ms; the parent ends at 500 ms.
+			// Half of them are served by one deadlineQueue.
+			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), watcher: &w}
+			if i%4 < 2 {
+				c.deadlines = q
+			}
+			ctxs[i] = c
+			wg.Go(func() { <-c.Done() })
+			wg.Go(func() {
+				child, cancel := context.WithTimeout(c, time.Hour)
+				defer cancel()
+				<-child.Done()
+			})
+			wg.Go(func() {
+				stop := context.AfterFunc(c, func() {})
+				if i%2 == 0 {
+					stop()
+				}
+			})
+			switch i % 3 {
+			case 0:
+				wg.Go(func() { c.cancel(errOwnCause) })
+			case 1:
+				wg.Go(func() { time.Sleep(time.Second) })
+			}
+		}
+		wg.Go(func() { time.Sleep(time.Second / 2); pcancel(errParentCause) })
+		wg.Wait()
+		for i, c := range ctxs {
+			cause := context.Cause(c)
+			switch want := errParentCause; {
+			case i%3 == 0:
+				if cause != errOwnCause {
+					t.Errorf("context %d, cancelled at once: cause %v", i, cause)
+				}
+			case (i+1)*15 < 500:
+				want = context.DeadlineExceeded
+				fallthrough
+			default:
+				if cause != want {
+					t.Errorf("context %d: cause %v; want %v", i, cause, want)
+				}
+			}
+			if err := c.Err(); err == nil {
+				t.Errorf("context %d: live at the end", i)
+			}
+		}
+		w.mu.Lock()
+		assert.Empty(t, w.parents, "parents left watched")
+		w.mu.Unlock()
+		q.mu.Lock()
+		assert.Nil(t, q.list.head, "deadlines left queued")
+		q.mu.Unlock()
+	})
+}
