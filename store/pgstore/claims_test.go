@@ -2,11 +2,13 @@ package pgstore_test
 
 import (
 	"context"
+	"crypto/rand"
 	"fmt"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -99,4 +101,72 @@ func TestClaimsWaitingCancelled(t *testing.T) {
 	st, err := s.Claim(ctx, "x", "t2", time.Minute)
 	require.NoError(t, err)
 	assert.Equal(t, store.Claimed, st, "x, after the claim that gave up")
+}
+
+// holdClaims makes the claims of s wait: a transaction holds an
+// uncommitted row of key "blocker", and a claim of it is the Store's
+// statement in flight until the returned function rolls the transaction
+// back; the claim of blocker is then answered on the returned channel.
+func holdClaims(t *testing.T, pool *pgxpool.Pool, table string, s *pgstore.Store) (release func(), blocked <-chan store.Status) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { tx.Rollback(ctx) })
+	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('blocker', 'tx', now() + interval '1 minute', now() + interval '1 hour')`)
+	require.NoError(t, err)
+	ch := make(chan store.Status, 1)
+	go func() {
+		st, _ := s.Claim(ctx, "blocker", "t1", time.Minute)
+		ch <- st
+	}()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+table+`%')`).Scan(&waiting)
+		return waiting
+	}, 10*time.Second, 10*time.Millisecond, "the claim of blocker never waited")
+	return func() { require.NoError(t, tx.Rollback(ctx)) }, ch
+}
+
+// A claim that the database refuses (a key too long for the primary key's
+// index) fails alone: the claims sent in the same statement get their own
+// answers, and nothing is claimed for the refused one.
+func TestClaimsTogetherOneRefused(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	s := newStore(t, pool, pgstore.Options{Table: table})
+	release, blocked := holdClaims(t, pool, table, s)
+
+	long := make([]byte, 10<<10)
+	rand.Read(long) // incompressible: too long for a btree entry
+	keys := []string{"a", string(long), "b\x00c", "d"}
+	type answer struct {
+		st  store.Status
+		err error
+	}
+	answers := make([]answer, len(keys))
+	var wg sync.WaitGroup
+	for i, k := range keys {
+		wg.Go(func() {
+			st, err := s.Claim(ctx, k, "t1", time.Minute)
+			answers[i] = answer{st, err}
+		})
+	}
+	require.Eventually(t, func() bool { return pgstore.Queued(s) == len(keys) }, 10*time.Second, time.Millisecond)
+	release()
+	wg.Wait()
+	assert.Equal(t, store.Claimed, <-blocked)
+	for i, k := range keys {
+		if i == 1 {
+			assert.Error(t, answers[i].err, "the claim of the long key")
+			continue
+		}
+		if assert.NoError(t, answers[i].err, "claim of %q, sent with a refused one", k) {
+			assert.Equal(t, store.Claimed, answers[i].st, "claim of %q", k)
+		}
+		got, err := s.Inspect(ctx, k)
+		require.NoError(t, err)
+		assert.Equal(t, store.Processing, got.Status, "Inspect(%q)", k)
+	}
 }

@@ -67,7 +67,9 @@ type Options struct {
 // while another is in flight wait for it, and are then sent together, in
 // one such statement of many rows, with one commit: a Store has at most
 // one statement of claims in flight, and a claim waits at most for the
-// one before its own. Extend, Complete and
+// one before its own. If the server refuses such a statement, its claims
+// are sent again one by one, so that a claim it refuses (a key too long
+// for the primary key's index) fails alone. Extend, Complete and
 // Release are an UPDATE or DELETE
 // that checks the token and the lease in its WHERE clause; Fail is an
 // upsert that returns the count. Leases, retention and counter expiry are
@@ -362,7 +364,9 @@ func (s *Store) claimOne(ctx context.Context, key, token string, lease time.Dura
 }
 
 // claimMany claims the keys of batch, all different, in one statement,
-// and sets each one's answer.
+// and sets each one's answer. If the server refuses the statement, each
+// claim is sent again alone, so that a claim the server refuses fails
+// alone.
 func (s *Store) claimMany(ctx context.Context, batch []*claimReq) {
 	keys, tokens, leases := make([][]byte, len(batch)), make([][]byte, len(batch)), make([]int64, len(batch))
 	for i, r := range batch {
@@ -387,6 +391,15 @@ func (s *Store) claimMany(ctx context.Context, batch []*claimReq) {
 		if err == nil && i < len(batch) {
 			err = fmt.Errorf("%d answers to %d claims", i, len(batch))
 		}
+	}
+	if err != nil && isPgError(err) && ctx.Err() == nil {
+		// The server refused the statement, which committed nothing. One
+		// claim may be the cause (a key too long for the index, say):
+		// each is sent alone, for an answer of its own.
+		for _, r := range batch {
+			r.status, r.err = s.claimOne(ctx, r.key, r.token, r.lease)
+		}
+		return
 	}
 	if err != nil {
 		// The statement's outcome is unknown: none of its answers count.
