@@ -170,3 +170,54 @@ func TestClaimsTogetherOneRefused(t *testing.T) {
 		assert.Equal(t, store.Processing, got.Status, "Inspect(%q)", k)
 	}
 }
+
+// A statement of claims whose connection ends while it runs (its backend
+// terminated as it waits for a row lock) answers each of its claims with
+// an error, and is not sent again: whether a statement that ended with
+// its connection committed is unknown in general. Here it did not: none
+// of its keys is claimed, and the Store's next claims take them.
+func TestClaimsTogetherConnectionEnds(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	s := newStore(t, pool, pgstore.Options{Table: table})
+	// A second transaction holds "x", so that the statement of x, y and z
+	// waits.
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('x', 'tx', now() + interval '1 minute', now() + interval '1 hour')`)
+	require.NoError(t, err)
+	release, blocked := holdClaims(t, pool, table, s)
+
+	keys := []string{"x", "y", "z"}
+	errs := make([]error, len(keys))
+	var wg sync.WaitGroup
+	for i, k := range keys {
+		wg.Go(func() { _, errs[i] = s.Claim(ctx, k, "t1", time.Minute) })
+	}
+	require.Eventually(t, func() bool { return pgstore.Queued(s) == len(keys) }, 10*time.Second, time.Millisecond)
+	release()
+	assert.Equal(t, store.Claimed, <-blocked)
+	var pid int
+	require.Eventually(t, func() bool {
+		err := pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND query LIKE '%`+table+`%'`).Scan(&pid)
+		return err == nil
+	}, 10*time.Second, 10*time.Millisecond, "the statement of x, y and z never waited")
+	_, err = pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
+	require.NoError(t, err)
+	wg.Wait()
+	for i, k := range keys {
+		assert.Error(t, errs[i], "claim of %q, whose statement's connection ended", k)
+		got, err := s.Inspect(ctx, k)
+		require.NoError(t, err)
+		assert.NotEqual(t, "t1", got.Token, "%q claimed by the statement whose connection ended", k)
+	}
+
+	require.NoError(t, tx.Rollback(ctx))
+	for _, k := range keys {
+		st, err := s.Claim(ctx, k, "t2", time.Minute)
+		require.NoError(t, err)
+		assert.Equal(t, store.Claimed, st, "claim of %q afterwards", k)
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -219,4 +220,24 @@ func TestHandlerTxClosedOnceSettled(t *testing.T) {
 			assert.Equal(t, 0, f.count(t, "m1"), "effects")
 		})
 	}
+}
+
+// A function that sends nothing, whose claim is lost before the mark:
+// the mark, which carries the BEGIN, marks nothing, and the transaction
+// is rolled back, as when fn sent something.
+func TestHandlerTxUnusedClaimLost(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		c, _ := middleware.ClaimFrom(ctx)
+		require.NoError(t, f.st.Release(ctx, c.Key(), c.Token()))
+		_, err := f.st.Claim(ctx, c.Key(), "thief", time.Minute)
+		require.NoError(t, err)
+		return nil
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	assert.ErrorIs(t, h.Handle(ctx, delivery("m1")), middleware.ErrLeaseLost)
+	got, err := f.st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.Equal(t, store.Processing, got.Status, "m1, claimed by the thief")
+	assert.Equal(t, "thief", got.Token)
 }

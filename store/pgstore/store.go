@@ -5,10 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rabbitmw/rabbitmw/store"
@@ -392,7 +394,7 @@ func (s *Store) claimMany(ctx context.Context, batch []*claimReq) {
 			err = fmt.Errorf("%d answers to %d claims", i, len(batch))
 		}
 	}
-	if err != nil && isPgError(err) && ctx.Err() == nil {
+	if err != nil && refused(err) && ctx.Err() == nil {
 		// The server refused the statement, which committed nothing. One
 		// claim may be the cause (a key too long for the index, say):
 		// each is sent alone, for an answer of its own.
@@ -487,6 +489,15 @@ func (s *Store) Prune(ctx context.Context, limit int) (int64, error) {
 }
 
 var _ store.Store = (*Store)(nil)
+
+// refused reports whether err is an error of the server that ended the
+// statement's transaction uncommitted: any but the errors of a connection
+// that ends (class 08, 57P, a server shutting down, a terminated backend),
+// which may come after the commit.
+func refused(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && !strings.HasPrefix(pe.Code, "08") && !strings.HasPrefix(pe.Code, "57P")
+}
 
 // isPgError reports whether err is an error that PostgreSQL sent, as
 // opposed to one of the connection or the client.
