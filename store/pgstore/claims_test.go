@@ -309,3 +309,56 @@ func TestClaimsTogetherTwoStores(t *testing.T) {
 		assert.Equal(t, 1, claimed[fmt.Sprintf("k%d", k)], "claims won of k%d", k)
 	}
 }
+
+// A claim sent alone whose context ends while its statement waits for a
+// row lock returns with its context's error and claims nothing; the
+// claims queued behind it are sent at once, without waiting for the lock.
+func TestClaimsSenderCancelled(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	s := newStore(t, pool, pgstore.Options{Table: table})
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('blocker', 'tx', now() + interval '1 minute', now() + interval '1 hour')`)
+	require.NoError(t, err)
+
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	sent := make(chan error, 1)
+	go func() {
+		_, err := s.Claim(sctx, "blocker", "t1", time.Minute)
+		sent <- err
+	}()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+table+`%')`).Scan(&waiting)
+		return waiting
+	}, 10*time.Second, 10*time.Millisecond, "the claim of blocker never waited")
+	keys := []string{"a", "b"}
+	statuses := make([]store.Status, len(keys))
+	var wg sync.WaitGroup
+	for i, k := range keys {
+		wg.Go(func() {
+			st, err := s.Claim(ctx, k, "t1", time.Minute)
+			assert.NoError(t, err, "claim of %q", k)
+			statuses[i] = st
+		})
+	}
+	require.Eventually(t, func() bool { return pgstore.Queued(s) == len(keys) }, 10*time.Second, time.Millisecond)
+	cancel()
+	select {
+	case err := <-sent:
+		assert.ErrorIs(t, err, context.Canceled, "the cancelled claim of blocker")
+	case <-time.After(5 * time.Second):
+		t.Fatal("the claim of blocker still waits 5 s after its context ended")
+	}
+	wg.Wait() // the transaction still holds blocker
+	assert.Equal(t, []store.Status{store.Claimed, store.Claimed}, statuses)
+
+	require.NoError(t, tx.Rollback(ctx))
+	got, err := s.Inspect(ctx, "blocker")
+	require.NoError(t, err)
+	assert.Equal(t, store.KeyState{}.Status, got.Status, "blocker after the cancelled claim and the rollback: want absent")
+}
