@@ -362,3 +362,38 @@ func TestClaimsSenderCancelled(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, store.KeyState{}.Status, got.Status, "blocker after the cancelled claim and the rollback: want absent")
 }
+
+// Claims whose contexts end at random moments (before they queue, while
+// they wait, while their statement is in flight) each return: a claim
+// answered without an error has a valid status, an error is its
+// context's, and the Store's claims go on working.
+func TestClaimsCancelledAtRandom(t *testing.T) {
+	ctx := context.Background()
+	s := newStore(t, newPool(t), pgstore.Options{})
+	const workers, claims = 16, 40
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for i := range claims {
+				cctx, cancel := context.WithTimeout(ctx, time.Duration(mathrand.IntN(3000))*time.Microsecond)
+				st, err := s.Claim(cctx, fmt.Sprintf("k%d", mathrand.IntN(8)), fmt.Sprintf("w%d-%d", w, i), time.Minute)
+				if err != nil {
+					assert.Error(t, cctx.Err(), "claim failed before its context ended: %v", err)
+				} else {
+					assert.True(t, st.Valid(), "status %v", st)
+				}
+				cancel()
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatal("claims still running after 60 s")
+	}
+	st, err := s.Claim(ctx, "after", "t1", time.Minute)
+	require.NoError(t, err)
+	assert.Equal(t, store.Claimed, st)
+}
