@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -267,4 +268,32 @@ func TestHandlerTxArgumentRefusedPoolOfOne(t *testing.T) {
 	assert.Less(t, time.Since(start), 3*time.Second, "Handle's time")
 	assert.Error(t, refused)
 	assert.Equal(t, 1, f.count(t, "m1"))
+}
+
+// If the pool gives no connection to replace the one pgx closed over an
+// argument it could not encode, the delivery fails as when the database
+// cannot be reached, and nothing is committed.
+func TestHandlerTxArgumentRefusedNoConnection(t *testing.T) {
+	ctx := context.Background()
+	cfg := newPool(t).Config()
+	var refuse atomic.Bool
+	cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+		if refuse.Load() {
+			return false, errors.New("no connection for you")
+		}
+		return true, nil
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	f := newInbox(t, pool)
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		refuse.Store(true)
+		defer refuse.Store(false)
+		_, err := tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
+		assert.Error(t, err)
+		return f.insert(ctx, tx, d) // goes on regardless
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	assert.ErrorIs(t, h.Handle(ctx, delivery("m1")), middleware.ErrStoreUnavailable)
+	assert.Equal(t, 0, f.count(t, "m1"))
 }
