@@ -4,10 +4,12 @@ import (
 	"context"
 	"crypto/rand"
 	"fmt"
+	mathrand "math/rand/v2"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -219,5 +221,91 @@ func TestClaimsTogetherConnectionEnds(t *testing.T) {
 		st, err := s.Claim(ctx, k, "t2", time.Minute)
 		require.NoError(t, err)
 		assert.Equal(t, store.Claimed, st, "claim of %q afterwards", k)
+	}
+}
+
+// Claims sent together take any bytes as keys and tokens, in every mode
+// in which a pool may send its statements: each gets its own key's
+// answer.
+func TestClaimsTogetherInEveryExecMode(t *testing.T) {
+	keys := []string{"", "a,b", "{c}", `d"e`, `f\g`, "h\x00i", "NULL", "\xff\xfe", "j k"}
+	for _, mode := range []pgx.QueryExecMode{
+		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+	} {
+		t.Run(mode.String(), func(t *testing.T) {
+			ctx := context.Background()
+			cfg := newPool(t).Config()
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			table := uniqueTable(t, pool)
+			s := newStore(t, pool, pgstore.Options{Table: table})
+			_, err = s.Claim(ctx, "a,b", "earlier", time.Minute)
+			require.NoError(t, err)
+			release, blocked := holdClaims(t, pool, table, s)
+			statuses := make([]store.Status, len(keys))
+			var wg sync.WaitGroup
+			for i, k := range keys {
+				wg.Go(func() {
+					st, err := s.Claim(ctx, k, "t\x00"+k, time.Minute)
+					assert.NoError(t, err, "claim of %q", k)
+					statuses[i] = st
+				})
+			}
+			require.Eventually(t, func() bool { return pgstore.Queued(s) == len(keys) }, 10*time.Second, time.Millisecond)
+			release()
+			wg.Wait()
+			assert.Equal(t, store.Claimed, <-blocked)
+			for i, k := range keys {
+				want, token := store.Claimed, "t\x00"+k
+				if k == "a,b" {
+					want, token = store.Processing, "earlier"
+				}
+				assert.Equal(t, want, statuses[i], "claim of %q", k)
+				got, err := s.Inspect(ctx, k)
+				require.NoError(t, err)
+				assert.Equal(t, token, got.Token, "Inspect(%q)", k)
+			}
+		})
+	}
+}
+
+// Two Stores over one table (two consumers) whose claims of the same keys
+// arrive in different orders, in statements of many claims: each key is
+// claimed once, every other claim of it finds it processing, and none
+// fails.
+func TestClaimsTogetherTwoStores(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	stores := []*pgstore.Store{newStore(t, pool, pgstore.Options{Table: table}), newStore(t, pool, pgstore.Options{Table: table})}
+	const keys, workers = 16, 16
+	var mu sync.Mutex
+	claimed := make(map[string]int)
+	var wg sync.WaitGroup
+	for si, s := range stores {
+		for w := range workers {
+			wg.Go(func() {
+				for _, k := range mathrand.Perm(keys) {
+					key := fmt.Sprintf("k%d", k)
+					st, err := s.Claim(ctx, key, fmt.Sprintf("s%d-w%d", si, w), time.Minute)
+					if !assert.NoError(t, err, "claim of %s", key) {
+						continue
+					}
+					assert.Contains(t, []store.Status{store.Claimed, store.Processing}, st, "claim of %s", key)
+					if st == store.Claimed {
+						mu.Lock()
+						claimed[key]++
+						mu.Unlock()
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	for k := range keys {
+		assert.Equal(t, 1, claimed[fmt.Sprintf("k%d", k)], "claims won of k%d", k)
 	}
 }

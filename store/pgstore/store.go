@@ -69,7 +69,14 @@ type Options struct {
 // while another is in flight wait for it, and are then sent together, in
 // one such statement of many rows, with one commit: a Store has at most
 // one statement of claims in flight, and a claim waits at most for the
-// one before its own. If the server refuses such a statement, its claims
+// one before its own. That one may wait in turn, and every claim queued
+// behind it with it: for a row of its keys that another transaction holds
+// locked (another consumer's claim or done mark, until it commits; the
+// transaction of [SQLHandler] holds its key's row for a round trip
+// between the mark and the commit, longer if its consumer stops
+// answering). A statement sent for others waits 10 seconds at most, then
+// fails each of its claims; a claim sent alone waits as long as its
+// context lets it. If the server refuses such a statement, its claims
 // are sent again one by one, so that a claim it refuses (a key too long
 // for the primary key's index) fails alone. Extend, Complete and
 // Release are an UPDATE or DELETE
