@@ -309,3 +309,91 @@ func TestClaimsTogetherTwoStores(t *testing.T) {
 		assert.Equal(t, 1, claimed[fmt.Sprintf("k%d", k)], "claims won of k%d", k)
 	}
 }
+
+// A claim sent alone whose context ends while its statement waits for a
+// row lock returns with its context's error and claims nothing; the
+// claims queued behind it are sent at once, without waiting for the lock.
+func TestClaimsSenderCancelled(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	s := newStore(t, pool, pgstore.Options{Table: table})
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('blocker', 'tx', now() + interval '1 minute', now() + interval '1 hour')`)
+	require.NoError(t, err)
+
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	sent := make(chan error, 1)
+	go func() {
+		_, err := s.Claim(sctx, "blocker", "t1", time.Minute)
+		sent <- err
+	}()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+table+`%')`).Scan(&waiting)
+		return waiting
+	}, 10*time.Second, 10*time.Millisecond, "the claim of blocker never waited")
+	keys := []string{"a", "b"}
+	statuses := make([]store.Status, len(keys))
+	var wg sync.WaitGroup
+	for i, k := range keys {
+		wg.Go(func() {
+			st, err := s.Claim(ctx, k, "t1", time.Minute)
+			assert.NoError(t, err, "claim of %q", k)
+			statuses[i] = st
+		})
+	}
+	require.Eventually(t, func() bool { return pgstore.Queued(s) == len(keys) }, 10*time.Second, time.Millisecond)
+	cancel()
+	select {
+	case err := <-sent:
+		assert.ErrorIs(t, err, context.Canceled, "the cancelled claim of blocker")
+	case <-time.After(5 * time.Second):
+		t.Fatal("the claim of blocker still waits 5 s after its context ended")
+	}
+	wg.Wait() // the transaction still holds blocker
+	assert.Equal(t, []store.Status{store.Claimed, store.Claimed}, statuses)
+
+	require.NoError(t, tx.Rollback(ctx))
+	got, err := s.Inspect(ctx, "blocker")
+	require.NoError(t, err)
+	assert.Equal(t, store.KeyState{}.Status, got.Status, "blocker after the cancelled claim and the rollback: want absent")
+}
+
+// Claims whose contexts end at random moments (before they queue, while
+// they wait, while their statement is in flight) each return: a claim
+// answered without an error has a valid status, an error is its
+// context's, and the Store's claims go on working.
+func TestClaimsCancelledAtRandom(t *testing.T) {
+	ctx := context.Background()
+	s := newStore(t, newPool(t), pgstore.Options{})
+	const workers, claims = 16, 40
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for i := range claims {
+				cctx, cancel := context.WithTimeout(ctx, time.Duration(mathrand.IntN(3000))*time.Microsecond)
+				st, err := s.Claim(cctx, fmt.Sprintf("k%d", mathrand.IntN(8)), fmt.Sprintf("w%d-%d", w, i), time.Minute)
+				if err != nil {
+					assert.Error(t, cctx.Err(), "claim failed before its context ended: %v", err)
+				} else {
+					assert.True(t, st.Valid(), "status %v", st)
+				}
+				cancel()
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatal("claims still running after 60 s")
+	}
+	st, err := s.Claim(ctx, "after", "t1", time.Minute)
+	require.NoError(t, err)
+	assert.Equal(t, store.Claimed, st)
+}
