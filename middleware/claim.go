@@ -66,10 +66,11 @@ type claimContext struct {
 }
 
 // newClaimContext returns the claim context of key by token under parent,
-// with a deadline unless it is zero, whose parent w watches if not nil.
-func newClaimContext(parent context.Context, key, token string, retention time.Duration, deadline time.Time, w *parentWatcher) *claimContext {
+// with a deadline unless it is zero, which q serves if not nil, and whose
+// parent w watches if not nil.
+func newClaimContext(parent context.Context, key, token string, retention time.Duration, deadline time.Time, q *deadlineQueue, w *parentWatcher) *claimContext {
 	return &claimContext{
-		cancelContext: cancelContext{parent: parent, deadline: deadline, watcher: w},
+		cancelContext: cancelContext{parent: parent, deadline: deadline, deadlines: q, watcher: w},
 		claim:         Claim{key: key, token: token, retention: retention},
 	}
 }

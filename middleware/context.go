@@ -12,9 +12,10 @@ import (
 // A cancelContext is the context that [Dedup] and [Timeout] give the
 // layers and handler beneath them. It behaves as
 // context.WithCancelCause(parent) would, or, with a deadline, as
-// context.WithDeadline(parent, deadline) would (TestCancelContextAsStdlib
-// holds it to that), at a lower cost: it is one allocation, which Dedup
-// shares with its other state of a delivery, until someone waits for it.
+// context.WithDeadline(parent, deadline) would (TestClaimContextAsStdlib
+// and TestDeadlineContextAsStdlib hold it to that), at a lower cost: it is
+// one allocation, which Dedup shares with its other state of a delivery,
+// and, once someone waits for it, a done channel.
 //
 // Until then (an unwatched context), nothing tells it that its parent
 // ended or its deadline passed: Err, and Value, read both when they are
@@ -22,8 +23,10 @@ import (
 // changes. The first call of Done (or of AfterFunc, through which the
 // context package attaches a context derived from it, and
 // context.AfterFunc its callbacks) watches it: it makes the done channel,
-// arms a timer for the deadline, and asks the parent to tell it of its
-// end (context.AfterFunc, or the parent's AfterFunc method). Err goes on
+// arms a timer for the deadline (or queues it in a [deadlineQueue] that
+// it shares with its siblings), and asks the parent to tell it of its
+// end (through a [parentWatcher] that it shares with its siblings,
+// context.AfterFunc, or the parent's AfterFunc method). Err goes on
 // reading the parent's error, so that it reports the parent's end at once
 // even though that news, from a parent of the standard library, comes
 // through a goroutine; the contexts derived from it learn of that end a
@@ -46,6 +49,9 @@ type cancelContext struct {
 	detached bool      // the parent gives its values only
 	// watcher, if set, watches the parent for it, and for its siblings.
 	watcher *parentWatcher
+	// deadlines, if set, ends it at its deadline, and its siblings at
+	// theirs; else a timer of its own does.
+	deadlines *deadlineQueue
 
 	mu      sync.Mutex
 	err     error // nil while live
@@ -61,7 +67,11 @@ type cancelContext struct {
 	// Guarded by watcher.mu: c's place among the contexts it watches for.
 	watchedBy    *watchedParent
 	wprev, wnext *cancelContext
+	// Guarded by deadlines.mu: its place among the deadlines.
+	deadlineLinks timerLinks[cancelContext]
 }
+
+func (c *cancelContext) links() *timerLinks[cancelContext] { return &c.deadlineLinks }
 
 // A ctxFunc is a callback registered by [cancelContext.AfterFunc].
 type ctxFunc struct {
@@ -109,7 +119,8 @@ func (c *cancelContext) check() (err, cause error) {
 	if err, cause := c.parentEnded(); err != nil {
 		return err, cause
 	}
-	if !c.watched && !c.deadline.IsZero() && !time.Now().Before(c.deadline) {
+	// time.Until reads the monotonic clock alone, time.Now both clocks.
+	if !c.watched && !c.deadline.IsZero() && time.Until(c.deadline) <= 0 {
 		return context.DeadlineExceeded, context.DeadlineExceeded
 	}
 	return nil, nil
@@ -209,7 +220,11 @@ func (c *cancelContext) finishWatch() {
 			c.stopParent = context.AfterFunc(parent, onEnd)
 		}
 	}
-	if !c.deadline.IsZero() {
+	switch {
+	case c.deadline.IsZero():
+	case c.deadlines != nil:
+		c.deadlines.add(c)
+	default:
 		c.timer = time.AfterFunc(left, c.expire)
 	}
 	c.mu.Unlock()
@@ -295,6 +310,7 @@ func (c *cancelContext) stop(err, cause error) {
 // released.
 type ending struct {
 	watcher    *parentWatcher
+	deadlines  *deadlineQueue
 	stopParent func() bool
 	timer      *time.Timer
 	funcs      *ctxFunc
@@ -309,7 +325,7 @@ func (c *cancelContext) endLocked(err, cause error) ending {
 	}
 	e := ending{stopParent: c.stopParent, timer: c.timer, funcs: c.funcs}
 	if c.watched {
-		e.watcher = c.watcher
+		e.watcher, e.deadlines = c.watcher, c.deadlines
 	}
 	c.stopParent, c.timer, c.funcs = nil, nil, nil
 	for n := e.funcs; n != nil; n = n.next {
@@ -329,6 +345,7 @@ func (c *cancelContext) finish(e ending) {
 		e.stopParent()
 	}
 	e.watcher.remove(c)
+	e.deadlines.remove(c)
 	for n := e.funcs; n != nil; n = n.next {
 		n.f()
 	}
@@ -458,5 +475,58 @@ func (w *parentWatcher) fire(p *watchedParent, done <-chan struct{}) {
 	err, cause := parent.Err(), context.Cause(parent)
 	for _, c := range ended {
 		c.stop(err, cause)
+	}
+}
+
+// A deadlineQueue ends the watched contexts of one layer at their
+// deadlines, which the layer sets a fixed time after each delivery's
+// start: one timer serves them all (see [timerList]), where each would
+// otherwise arm one of its own (two allocations, and two updates of the
+// runtime's timers). A nil *deadlineQueue queues nothing.
+type deadlineQueue struct {
+	mu   sync.Mutex
+	list timerList[cancelContext, *cancelContext]
+}
+
+func newDeadlineQueue() *deadlineQueue {
+	q := new(deadlineQueue)
+	q.list.fire = q.fire
+	return q
+}
+
+// add queues c, watched, until its deadline.
+func (q *deadlineQueue) add(c *cancelContext) {
+	q.mu.Lock()
+	q.list.push(c, c.deadline)
+	q.mu.Unlock()
+}
+
+// remove takes c out of the queue, if it is there.
+func (q *deadlineQueue) remove(c *cancelContext) {
+	if q == nil {
+		return
+	}
+	q.mu.Lock()
+	if c.deadlineLinks.queued {
+		q.list.unlink(c)
+	}
+	q.mu.Unlock()
+}
+
+// fire ends the contexts whose deadlines have passed, and arms the timer
+// for the next.
+func (q *deadlineQueue) fire() {
+	q.mu.Lock()
+	q.list.disarm()
+	now := time.Now()
+	var due []*cancelContext
+	for c := q.list.due(now); c != nil; c = q.list.due(now) {
+		q.list.unlink(c)
+		due = append(due, c)
+	}
+	q.list.rearm()
+	q.mu.Unlock()
+	for _, c := range due {
+		c.expire()
 	}
 }

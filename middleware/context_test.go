@@ -22,6 +22,10 @@ var deadlineImpls = map[string]withDeadline{
 		c := &cancelContext{parent: parent, deadline: d}
 		return c, c.end
 	},
+	"own, its deadline served by a deadlineQueue": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
+		c := &cancelContext{parent: parent, deadline: d, deadlines: newDeadlineQueue()}
+		return c, c.end
+	},
 }
 
 type ctxKey struct{}
@@ -240,11 +244,11 @@ type withCancel func(parent context.Context) (context.Context, context.CancelCau
 var cancelImpls = map[string]withCancel{
 	"stdlib": context.WithCancelCause,
 	"own": func(parent context.Context) (context.Context, context.CancelCauseFunc) {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
 		return c, c.cancel
 	},
 	"own, its parent watched by a parentWatcher": func(parent context.Context) (context.Context, context.CancelCauseFunc) {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, new(parentWatcher))
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, new(parentWatcher))
 		return c, c.cancel
 	},
 }
@@ -379,7 +383,7 @@ func TestClaimContextAsStdlib(t *testing.T) { asStdlib(t, cancelImpls, cancelSce
 // The Claim is found through the handler's context, and through contexts
 // derived from it, live or ended.
 func TestClaimContextValue(t *testing.T) {
-	c := newClaimContext(valued(), "k", "t", time.Hour, time.Time{}, nil)
+	c := newClaimContext(valued(), "k", "t", time.Hour, time.Time{}, nil, nil)
 	child, cancel := context.WithTimeout(context.WithValue(c, ctxKey{}, "child"), time.Hour)
 	defer cancel()
 	for _, ended := range []bool{false, true} {
@@ -403,7 +407,7 @@ func TestClaimContextValue(t *testing.T) {
 func TestClaimContextChildWithoutGoroutine(t *testing.T) {
 	parent, pcancel := context.WithCancel(context.Background())
 	defer pcancel()
-	c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
+	c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
 	defer c.end()
 	tctx := &cancelContext{parent: c, deadline: time.Now().Add(time.Hour)}
 	defer tctx.end()
@@ -421,7 +425,7 @@ func TestClaimContextChildWithoutGoroutine(t *testing.T) {
 // channel, closed with the cause (run with -race).
 func TestClaimContextConcurrentCancel(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		c := newClaimContext(context.Background(), "k", "t", time.Hour, time.Time{}, nil)
+		c := newClaimContext(context.Background(), "k", "t", time.Hour, time.Time{}, nil, nil)
 		chans := make([]<-chan struct{}, 8)
 		var wg sync.WaitGroup
 		for i := range chans {
@@ -448,7 +452,7 @@ func TestClaimContextConcurrentCancel(t *testing.T) {
 func TestClaimContextAllocs(t *testing.T) {
 	parent := context.Background()
 	n := testing.AllocsPerRun(100, func() {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
 		_ = c.Err()
 		_, _ = c.Deadline()
 		_, _ = ClaimFrom(c)
@@ -568,5 +572,73 @@ func TestParentWatcher(t *testing.T) {
 		w.mu.Lock()
 		assert.Empty(t, w.parents, "parents left watched")
 		w.mu.Unlock()
+	})
+}
+
+// Contexts whose parent ends, whose deadline passes and which are ended,
+// all at once, while contexts are derived from them and callbacks
+// registered and stopped, all end once, with one of those errors, and
+// take their children with them (run with -race).
+func TestCancelContextConcurrentEnds(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var w parentWatcher
+		q := newDeadlineQueue()
+		parent, pcancel := context.WithCancelCause(context.Background())
+		var wg sync.WaitGroup
+		ctxs := make([]*cancelContext, 64)
+		for i := range ctxs {
+			// Deadlines from 15 ms to 960 ms; the parent ends at 500 ms.
+			// Half of them are served by one deadlineQueue.
+			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), watcher: &w}
+			if i%4 < 2 {
+				c.deadlines = q
+			}
+			ctxs[i] = c
+			wg.Go(func() { <-c.Done() })
+			wg.Go(func() {
+				child, cancel := context.WithTimeout(c, time.Hour)
+				defer cancel()
+				<-child.Done()
+			})
+			wg.Go(func() {
+				stop := context.AfterFunc(c, func() {})
+				if i%2 == 0 {
+					stop()
+				}
+			})
+			switch i % 3 {
+			case 0:
+				wg.Go(func() { c.cancel(errOwnCause) })
+			case 1:
+				wg.Go(func() { time.Sleep(time.Second) })
+			}
+		}
+		wg.Go(func() { time.Sleep(time.Second / 2); pcancel(errParentCause) })
+		wg.Wait()
+		for i, c := range ctxs {
+			cause := context.Cause(c)
+			switch want := errParentCause; {
+			case i%3 == 0:
+				if cause != errOwnCause {
+					t.Errorf("context %d, cancelled at once: cause %v", i, cause)
+				}
+			case (i+1)*15 < 500:
+				want = context.DeadlineExceeded
+				fallthrough
+			default:
+				if cause != want {
+					t.Errorf("context %d: cause %v; want %v", i, cause, want)
+				}
+			}
+			if err := c.Err(); err == nil {
+				t.Errorf("context %d: live at the end", i)
+			}
+		}
+		w.mu.Lock()
+		assert.Empty(t, w.parents, "parents left watched")
+		w.mu.Unlock()
+		q.mu.Lock()
+		assert.Nil(t, q.list.head, "deadlines left queued")
+		q.mu.Unlock()
 	})
 }

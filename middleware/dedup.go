@@ -149,6 +149,7 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	cfg.renewer = newRenewer(s, cfg.lease)
 	cfg.orphans = new(orphans)
 	cfg.parents = new(parentWatcher)
+	cfg.deadlines = newDeadlineQueue()
 	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		h := &dedup{dedupConfig: cfg, next: next}
@@ -172,6 +173,7 @@ type dedupConfig struct {
 	renewer     *renewer
 	orphans     *orphans       // shared by the handlers this Dedup wraps
 	parents     *parentWatcher // of the handlers' contexts; shared, too
+	deadlines   *deadlineQueue // of the handlers' contexts, given a Timeout's deadline
 }
 
 type dedup struct {
@@ -287,7 +289,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	if h.timed != nil {
 		deadline = time.Now().Add(h.timed.d)
 	}
-	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.parents)
+	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.deadlines, h.parents)
 	cc.keyed = down
 	defer cc.end()
 	l := h.renewer.start(ctx, key, token, start, cc)
@@ -430,8 +432,8 @@ func (h *dedup) persist(ctx context.Context, sctx *settlingContext, deadline tim
 
 // atLeastASecond returns deadline, or a second from now if that is later.
 func atLeastASecond(deadline time.Time) time.Time {
-	if soon := time.Now().Add(time.Second); deadline.Before(soon) {
-		return soon
+	if time.Until(deadline) < time.Second { // the monotonic clock alone, on the common path
+		return time.Now().Add(time.Second)
 	}
 	return deadline
 }

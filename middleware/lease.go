@@ -36,10 +36,8 @@ type renewer struct {
 	pool         sync.Pool // of *claimLease
 	observe      func(context.Context, DedupEvent)
 
-	mu         sync.Mutex
-	head, tail *claimLease // queued claims, in order of due time
-	timer      *time.Timer
-	armed      time.Time // when timer fires; zero when it is not armed
+	mu     sync.Mutex
+	claims timerList[claimLease, *claimLease] // queued for renewal, in order of due time
 }
 
 // A claimLease is the renewal state of one claim.
@@ -52,18 +50,19 @@ type claimLease struct {
 	handler *claimContext // the handler's context, cancelled if the claim is lost
 
 	// Guarded by renewer.mu.
-	prev, next *claimLease
-	queued     bool
-	stopped    bool      // the delivery has ended
-	renewing   bool      // a renewal is in flight; it owns l once stopped
-	due        time.Time // the next renewal, while queued
-	lost       error     // set when the store said the claim is gone
-	validUntil time.Time // the end of the lease as of the last renewal
+	timerLinks[claimLease]           // due: the next renewal
+	stopped                bool      // the delivery has ended
+	renewing               bool      // a renewal is in flight; it owns l once stopped
+	lost                   error     // set when the store said the claim is gone
+	validUntil             time.Time // the end of the lease as of the last renewal
 }
+
+func (l *claimLease) links() *timerLinks[claimLease] { return &l.timerLinks }
 
 func newRenewer(s store.Store, lease time.Duration) *renewer {
 	r := &renewer{store: s, lease: lease, every: lease / 3}
 	r.pool.New = func() any { return new(claimLease) }
+	r.claims.fire = r.fire
 	return r
 }
 
@@ -79,7 +78,7 @@ func (r *renewer) start(ctx context.Context, key, token string, claimedAt time.T
 	r.mu.Lock()
 	l.stopped, l.renewing, l.lost = false, false, nil
 	l.validUntil = claimedAt.Add(r.lease)
-	r.push(l, claimedAt.Add(r.every))
+	r.claims.push(l, claimedAt.Add(r.every))
 	r.mu.Unlock()
 	return l
 }
@@ -92,11 +91,7 @@ func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time) {
 	r.mu.Lock()
 	l.stopped = true
 	if l.queued {
-		// The timer stays armed even if the queue is now empty: stopping
-		// it here and arming it again at the next claim cost two timer
-		// updates per delivery, while letting it fire on an empty queue
-		// costs one wake-up per renewal interval.
-		r.unlink(l)
+		r.claims.unlink(l)
 	}
 	lost, validUntil = l.lost, l.validUntil
 	recycle := !l.renewing // else the renewal in flight recycles l
@@ -114,100 +109,34 @@ func (r *renewer) recycle(l *claimLease) {
 	r.pool.Put(l)
 }
 
-// push queues l, due at the given time, and arms the timer if l becomes the
-// head. Claims arrive nearly in order of due time (all intervals are equal),
-// so the search for l's place from the tail is short. r.mu must be held.
-func (r *renewer) push(l *claimLease, due time.Time) {
-	l.due = due
-	l.queued = true
-	after := r.tail
-	for after != nil && after.due.After(due) {
-		after = after.prev
-	}
-	l.prev = after
-	if after != nil {
-		l.next = after.next
-		after.next = l
-	} else {
-		l.next = r.head
-		r.head = l
-	}
-	if l.next != nil {
-		l.next.prev = l
-	} else {
-		r.tail = l
-	}
-	if r.head == l {
-		r.arm()
-	}
-}
-
-// unlink removes l from the queue. r.mu must be held.
-func (r *renewer) unlink(l *claimLease) {
-	if l.prev != nil {
-		l.prev.next = l.next
-	} else {
-		r.head = l.next
-	}
-	if l.next != nil {
-		l.next.prev = l.prev
-	} else {
-		r.tail = l.prev
-	}
-	l.prev, l.next, l.queued = nil, nil, false
-}
-
-// arm makes the timer fire no later than the head's due time. A timer
-// already armed for that time or earlier is left alone: when it fires,
-// fire arms it again for the head of the queue then. As every claim is due
-// one interval after it was taken, a new head is nearly always due after
-// the time the timer is armed for, so the timer is set about once per
-// interval, not once per claim. r.mu must be held and the queue not empty.
-func (r *renewer) arm() {
-	due := r.head.due
-	if !r.armed.IsZero() && !r.armed.After(due) {
-		return
-	}
-	r.armed = due
-	d := time.Until(due)
-	if r.timer == nil {
-		r.timer = time.AfterFunc(d, r.fire)
-		return
-	}
-	r.timer.Reset(d)
-}
-
 // fire starts the renewals that are due, cancels the handlers whose
 // lease may end before a renewal in flight returns, and re-arms the timer
 // for the rest.
 func (r *renewer) fire() {
 	r.mu.Lock()
-	r.armed = time.Time{}
+	r.claims.disarm()
 	now := time.Now()
 	type expiry struct {
 		key     string
 		handler *claimContext
 	}
 	var expired []expiry
-	for r.head != nil && !r.head.due.After(now) {
-		l := r.head
-		r.unlink(l)
+	for l := r.claims.due(now); l != nil; l = r.claims.due(now) {
+		r.claims.unlink(l)
 		switch {
 		case !l.renewing:
 			l.renewing = true
 			go r.renew(l)
-			r.push(l, now.Add(r.every))
+			r.claims.push(l, now.Add(r.every))
 		case r.mayEnd(l, now):
 			// The renewal started an interval ago has not returned, and
 			// may not before the lease ends. l is not queued again.
 			expired = append(expired, expiry{l.key, l.handler})
 		default:
-			r.push(l, now.Add(r.every))
+			r.claims.push(l, now.Add(r.every))
 		}
 	}
-	if r.head != nil {
-		r.arm()
-	}
+	r.claims.rearm()
 	r.mu.Unlock()
 	for _, e := range expired {
 		e.handler.cancel(fmt.Errorf("%w: the lease on %q could not be renewed before it ends: the store has not answered for %v", ErrStoreUnavailable, e.key, r.every))
@@ -244,7 +173,7 @@ func (r *renewer) renew(l *claimLease) {
 			// fire gave up on this renewal and cancelled the handler; the
 			// renewal came back after all. Go on renewing: a handler that
 			// is slow to stop keeps its claim for as long as it runs.
-			r.push(l, time.Now().Add(r.every))
+			r.claims.push(l, time.Now().Add(r.every))
 		}
 	case errors.Is(err, store.ErrLostClaim):
 		l.lost = fmt.Errorf("%w: %q was taken over or deleted while the handler ran: %w", ErrLeaseLost, l.key, err)
@@ -253,7 +182,7 @@ func (r *renewer) renew(l *claimLease) {
 		cause = fmt.Errorf("%w: the lease on %q could not be renewed before it ends: %w", ErrStoreUnavailable, l.key, err)
 	}
 	if cause != nil && l.queued {
-		r.unlink(l)
+		r.claims.unlink(l)
 	}
 	handler, ctx, key := l.handler, l.ctx, l.key
 	r.mu.Unlock()

@@ -47,9 +47,9 @@ type Outbox struct {
 //
 //   - rabbitmw.outbox.sent ({message}): rows the relays sent (confirmed);
 //   - rabbitmw.outbox.parked ({message}): rows the relays parked (returned
-//     or refused by RabbitMQ);
+//     by RabbitMQ, refused by closing the channel, or invalid);
 //   - rabbitmw.outbox.send.failures ({message}): sends that ended without
-//     a confirm, the row left pending;
+//     a confirm (nacked, or none came), the row left pending;
 //   - rabbitmw.outbox.pending and rabbitmw.outbox.parked.rows ({row}),
 //     rabbitmw.outbox.oldest.age (s): gauges of the rows waiting, the rows
 //     parked and the age of the oldest waiting row, from [Outbox.Watch].
@@ -59,9 +59,9 @@ func (t *Telemetry) Outbox(table string) *Outbox {
 	o.sent, errs[0] = t.meter.Int64Counter("rabbitmw.outbox.sent",
 		metric.WithUnit("{message}"), metric.WithDescription("Outbox rows sent by the relays, confirmed by the broker."))
 	o.parked, errs[1] = t.meter.Int64Counter("rabbitmw.outbox.parked",
-		metric.WithUnit("{message}"), metric.WithDescription("Outbox rows parked by the relays: returned or refused by the broker."))
+		metric.WithUnit("{message}"), metric.WithDescription("Outbox rows parked by the relays: returned, invalid, or refused by closing the channel."))
 	o.failed, errs[2] = t.meter.Int64Counter("rabbitmw.outbox.send.failures",
-		metric.WithUnit("{message}"), metric.WithDescription("Outbox sends that ended without a confirm; the row stays pending."))
+		metric.WithUnit("{message}"), metric.WithDescription("Outbox sends that ended without a confirm (nacked, or none came); the row stays pending."))
 	o.pending, errs[3] = t.meter.Int64ObservableGauge("rabbitmw.outbox.pending",
 		metric.WithUnit("{row}"), metric.WithDescription("Outbox rows waiting to be sent."))
 	o.parkedRows, errs[4] = t.meter.Int64ObservableGauge("rabbitmw.outbox.parked.rows",

@@ -84,7 +84,8 @@ type HandlerOptions struct {
 //     Dedup writes none.
 //
 // The BEGIN costs no round trip of its own: it is sent with fn's first
-// Exec or QueryRow (fn's other ways to the connection send it first, on
+// Exec or QueryRow (fn's other ways to the connection, and an Exec
+// without arguments or a statement with query options, send it first, on
 // its own; none runs a statement outside the transaction), or with the
 // mark if fn sent nothing. Steps 3 and 4 travel in one round trip: the
 // mark fails when it matches nothing, and the server then skips the
@@ -127,7 +128,9 @@ func Handler(s *Store, fn TxFunc, opts HandlerOptions) rabbitmw.Handler {
 			if err != nil {
 				return nil, err
 			}
-			return &pgxTxn{s: s, conn: conn, tx: &inboxTx{conn: conn.Conn(), opts: opts.TxOptions}}, nil
+			t := &pgxTxn{s: s, conn: conn}
+			t.tx = &inboxTx{conn: conn.Conn(), opts: opts.TxOptions, renew: t.renew}
+			return t, nil
 		}, func(ctx context.Context, t txn) error {
 			return fn(ctx, t.(*pgxTxn).tx, d)
 		})
@@ -203,6 +206,18 @@ type pgxTxn struct {
 }
 
 func (t *pgxTxn) broken() bool { return t.conn.Conn().IsClosed() }
+
+// renew replaces conn, which pgx closed before tx began on it, by another
+// connection of the pool (see inboxTx.pipeline).
+func (t *pgxTxn) renew(ctx context.Context) (*pgx.Conn, error) {
+	conn, err := t.s.pool.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	t.conn.Release()
+	t.conn = conn
+	return conn.Conn(), nil
+}
 
 // markAndCommit sends the mark and the COMMIT together, in one round trip
 // (a pipeline of the prepared mark and COMMIT, with one Sync): the mark

@@ -3,13 +3,16 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
@@ -69,6 +72,20 @@ func TestHandlerTxEveryWayRunsInTheTransaction(t *testing.T) {
 				return err
 			}
 			return sp.Commit(ctx)
+		}},
+		{"Exec of two statements", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			// No arguments: pgx sends it in the simple protocol, which
+			// takes several statements.
+			_, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '10s'; `+strings.Replace(insert, "$1", "'"+id+"'", 1))
+			return err
+		}},
+		{"Exec in a mode of its own", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			_, err := tx.Exec(ctx, insert, pgx.QueryExecModeSimpleProtocol, id)
+			return err
+		}},
+		{"QueryRow in formats of its own", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
+			var seq string
+			return tx.QueryRow(ctx, insert+` RETURNING seq`, pgx.QueryResultFormats{pgx.TextFormatCode}, id).Scan(&seq)
 		}},
 		{"QueryRow after Exec", func(ctx context.Context, tx pgx.Tx, insert, id string) error {
 			if _, err := tx.Exec(ctx, `SELECT 1`); err != nil {
@@ -143,4 +160,84 @@ func TestHandlerTxFirstStatement(t *testing.T) {
 	require.NoError(t, h.Handle(ctx, delivery("m2")))
 	assert.ErrorIs(t, noRows, pgx.ErrNoRows)
 	assert.Equal(t, store.Done, f.status(t, "m2"))
+}
+
+// An argument of fn's first statement that cannot be encoded is fn's
+// failure, as with a transaction of pgx: counted towards the poison
+// limit, not taken for an unreachable database (which is retried without
+// end and never counted).
+func TestHandlerTxArgumentRefused(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
+		return err
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	err := h.Handle(ctx, delivery("m1"))
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
+	assert.ErrorContains(t, err, "greater than maximum value for int4")
+	assert.Equal(t, 1, rabbitmw.Decide(err).Attempts, "attempts counted")
+	assert.Equal(t, 0, f.count(t, "m1"))
+
+	// The error leaves the transaction as it was: fn may go on.
+	var refused error
+	h = f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		_, refused = tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
+		return f.insert(ctx, tx, d)
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	require.NoError(t, h.Handle(ctx, delivery("m2")))
+	assert.Error(t, refused)
+	assert.Equal(t, 1, f.count(t, "m2"))
+	assert.Equal(t, store.Done, f.status(t, "m2"))
+}
+
+// Once fn committed or rolled back the transaction, its statements fail
+// with pgx.ErrTxClosed, as on a transaction of pgx, and run nowhere: not
+// in a transaction of their own either.
+func TestHandlerTxClosedOnceSettled(t *testing.T) {
+	for _, how := range []string{"commit", "rollback"} {
+		t.Run(how, func(t *testing.T) {
+			ctx := context.Background()
+			f := newInbox(t, newPool(t))
+			var execErr, rowErr error
+			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				settle := tx.Commit
+				if how == "rollback" {
+					settle = tx.Rollback
+				}
+				if err := settle(ctx); err != nil {
+					return err
+				}
+				_, execErr = tx.Exec(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId)
+				var seq int
+				rowErr = tx.QueryRow(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1) RETURNING seq`, d.MessageId).Scan(&seq)
+				return nil
+			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			require.ErrorIs(t, h.Handle(ctx, delivery("m1")), pgstore.ErrTxSettled)
+			assert.ErrorIs(t, execErr, pgx.ErrTxClosed, "Exec after %s", how)
+			assert.ErrorIs(t, rowErr, pgx.ErrTxClosed, "QueryRow after %s", how)
+			assert.Equal(t, 0, f.count(t, "m1"), "effects")
+		})
+	}
+}
+
+// A function that sends nothing, whose claim is lost before the mark:
+// the mark, which carries the BEGIN, marks nothing, and the transaction
+// is rolled back, as when fn sent something.
+func TestHandlerTxUnusedClaimLost(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		c, _ := middleware.ClaimFrom(ctx)
+		require.NoError(t, f.st.Release(ctx, c.Key(), c.Token()))
+		_, err := f.st.Claim(ctx, c.Key(), "thief", time.Minute)
+		require.NoError(t, err)
+		return nil
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	assert.ErrorIs(t, h.Handle(ctx, delivery("m1")), middleware.ErrLeaseLost)
+	got, err := f.st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.Equal(t, store.Processing, got.Status, "m1, claimed by the thief")
+	assert.Equal(t, "thief", got.Token)
 }

@@ -52,11 +52,13 @@ type OutboxOptions struct {
 //
 // Each row is in one of three states:
 //
-//	pending  written, not yet confirmed by RabbitMQ
+//	pending  written, not yet confirmed by RabbitMQ (a row that RabbitMQ
+//	         nacked, or did not confirm, stays pending and is sent again)
 //	sent     confirmed; deleted once the relay's retention has passed
-//	parked   RabbitMQ returned it (no queue bound for it) or refused it;
-//	         kept, with the reason, until an operator sends it back to
-//	         pending (Retry, or rabbitmw outbox retry)
+//	parked   RabbitMQ returned it (no queue bound for it), or refused it
+//	         in a way that sending again cannot mend; kept, with the
+//	         reason, until an operator sends it back to pending (Retry,
+//	         or rabbitmw outbox retry)
 //
 // The message's MessageId is fixed when it is written, so every send of
 // a row, after a relay's crash or a lost confirm, carries the same id:
@@ -155,8 +157,8 @@ func (n outboxNames) schemaSQL() string {
 --   message_id  the message's AMQP message-id, fixed when it was written
 --   properties  the other AMQP properties and the headers, as JSON (typed header values)
 --   trace       the writer's trace context (W3C traceparent, tracestate), or NULL
---   state       pending, sent (confirmed) or parked (returned or refused)
---   attempts    sends that ended without a confirm or with a refusal
+--   state       pending, sent (confirmed) or parked (returned, or refused for good)
+--   attempts    sends that ended without a confirm (nacked, or none came) or with a refusal
 --   error       why the row is parked, or the last failed send
 CREATE TABLE IF NOT EXISTS ` + n.qualified + ` (
     id          bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

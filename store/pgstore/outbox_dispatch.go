@@ -38,13 +38,14 @@ type OutboxResult struct {
 	// deleted).
 	Sent bool
 	// Park, if not nil, is why RabbitMQ will not take the message as it
-	// is: it was returned (no queue is bound for it) or refused. The row
-	// is parked with this reason, out of the relay's way, until an
-	// operator retries it.
+	// is: it was returned (no queue is bound for it), or refused in a way
+	// that sending it again cannot mend. The row is parked with this
+	// reason, out of the relay's way, until an operator retries it.
 	Park error
 	// Failed, if not nil and the row is neither sent nor parked, is why
-	// the send ended without a confirm: it is counted in the row's
-	// attempts and kept as its last error.
+	// the send ended without a confirm (a nack, a lost connection, a
+	// timeout): it is counted in the row's attempts and kept as its last
+	// error, and the row stays pending.
 	Failed error
 }
 
@@ -135,17 +136,19 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 	if err != nil {
 		return res, o.unreachable("dispatch", err)
 	}
+	// The rollback gives the connection back to the pool on every return
+	// from here on; after the commit, it is a no-op.
+	defer func() {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		tx.Rollback(rctx)
+		cancel()
+	}()
 	if opts.HoldFor > 0 {
 		ms := strconv.FormatInt(max(1, opts.HoldFor.Milliseconds()), 10)
 		if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`, ms); err != nil {
 			return res, o.unreachable("dispatch", err)
 		}
 	}
-	defer func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		tx.Rollback(rctx) // after the commit, a no-op
-		cancel()
-	}()
 	rows, err := tx.Query(ctx, o.takeSQL(), limit)
 	if err != nil {
 		return res, o.unreachable("dispatch", err)

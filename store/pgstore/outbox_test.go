@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 )
 
@@ -347,4 +348,57 @@ func TestOutboxStalledDispatchReleasesItsRows(t *testing.T) {
 	s, err := ob.Stats(context.Background())
 	require.NoError(t, err)
 	assert.Equal(t, pgstore.OutboxStats{Sent: 1}, s)
+}
+
+// failing is a pgx tracer that fails the statements whose SQL contains
+// match, by handing them a context already cancelled.
+type failing struct {
+	match string
+}
+
+func (f failing) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(data.SQL, f.match) {
+		ctx, cancel := context.WithCancel(ctx)
+		cancel()
+		return ctx
+	}
+	return ctx
+}
+
+func (failing) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// A dispatch that fails between its begin and its take (here the setting
+// of HoldFor; in a relay, a stop at that moment) gives its connection back
+// to the pool: with a pool of one connection, the next dispatch gets it.
+func TestOutboxDispatchThatFailsReleasesItsConnection(t *testing.T) {
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	cfg.ConnConfig.Tracer = failing{match: "idle_in_transaction_session_timeout"}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { // pool.Close waits for a leaked connection for ever
+		closed := make(chan struct{})
+		go func() { pool.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(10 * time.Second):
+			t.Errorf("pool.Close blocked 10 s: %d connection(s) acquired", pool.Stat().AcquiredConns())
+		}
+	})
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: "m"})
+
+	_, err = ob.Dispatch(context.Background(), pgstore.DispatchOptions{HoldFor: time.Minute}, func(context.Context, []pgstore.OutboxMessage, []pgstore.OutboxResult) {
+		t.Error("send called after the dispatch failed")
+	})
+	require.ErrorIs(t, err, context.Canceled)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	res, err := ob.Dispatch(ctx, pgstore.DispatchOptions{}, func(_ context.Context, _ []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+		results[0].Sent = true
+	})
+	require.NoError(t, err, "the failed dispatch's connection is back in the pool")
+	assert.Equal(t, pgstore.DispatchResult{Taken: 1, Sent: 1}, res)
 }

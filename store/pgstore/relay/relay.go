@@ -28,17 +28,29 @@
 //
 //   - confirmed: the row is marked sent (deleted once Retention has
 //     passed), only after its confirm;
-//   - returned (no queue is bound for it), nacked, refused by the server,
-//     or a message the broker cannot send: the row is parked, with the
-//     reason, never dropped; `rabbitmw outbox retry` (or
-//     [pgstore.Outbox.Retry]) sends it back to pending. A refusal that
-//     closes the channel (a missing write permission, a body over the
-//     server's limit) does not say which publish it refused, so the rows
-//     whose publishes were in flight on that channel are parked with it;
-//     retry them once the cause is fixed;
+//   - returned (no queue is bound for it), refused by the server in a way
+//     that closes the channel, or a message the broker cannot send: the
+//     row is parked, with the reason, never dropped, since sending it
+//     again cannot help until an operator acts; `rabbitmw outbox retry`
+//     (or [pgstore.Outbox.Retry]) sends it back to pending. A refusal
+//     that closes the channel (a missing write permission, a body over
+//     the server's limit) does not say which publish it refused, so the
+//     rows whose publishes were in flight on that channel are parked
+//     with it; retry them once the cause is fixed;
+//   - nacked: RabbitMQ could not take the message now (a quorum queue
+//     electing its leader, a queue at its length limit with overflow
+//     reject-publish), and did not take responsibility for it. The row
+//     stays pending, with the nack as its last error, and is sent again
+//     after the relay's backoff, as one without a confirm is: a leader
+//     election costs a few retries, not an operator's ticket, and a queue
+//     that stays full keeps its rows pending (their count and the oldest's
+//     age grow: alert on those) until it has room;
 //   - no confirm (RabbitMQ down, the connection lost, PublishTimeout
 //     passed): the row stays pending, and the relay backs off before it
 //     tries again.
+//
+// A dispatch that left rows pending so is logged at Warn, once per
+// backoff, with the number of rows and the first one's reason.
 //
 // It wakes when a transaction that wrote a row commits (LISTEN on the
 // outbox's channel, which [pgstore.Outbox.Write] notifies), and polls every
@@ -99,9 +111,10 @@ import (
 
 // A Publisher publishes a message and returns once RabbitMQ confirmed it,
 // as [broker.Broker.Publish] does, with its errors: ErrUnroutable for a
-// message returned, ErrNacked for one refused, ErrInvalidMessage for one
-// that cannot be sent, ErrConnectionLost or the context's error for one
-// whose confirm did not come.
+// message returned, ErrInvalidMessage for one that cannot be sent (both
+// parked), ErrNacked for one that RabbitMQ could not take now,
+// ErrConnectionLost or the context's error for one whose confirm did not
+// come (these stay pending).
 type Publisher interface {
 	Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
 }
@@ -110,9 +123,9 @@ var _ Publisher = (*broker.Broker)(nil)
 
 // Options configures a [Relay]. The zero value selects the defaults.
 type Options struct {
-	// Logger receives the relay's records: rows parked at Warn, a
-	// database or RabbitMQ that cannot be reached at Warn. Nil discards
-	// them.
+	// Logger receives the relay's records, at Warn: each row parked; a
+	// dispatch whose rows were nacked or not confirmed, once per backoff;
+	// a database that cannot be reached. Nil discards them.
 	Logger *slog.Logger
 	// BatchSize is the most rows taken, and published at once, by one
 	// dispatch. Default 100.
@@ -139,8 +152,9 @@ type Options struct {
 	// and not sent again by the next relay. Default 5s.
 	StopTimeout time.Duration
 	// BackoffMin and BackoffMax bound the wait after a dispatch that
-	// could not reach the database or RabbitMQ: the n-th wait is drawn
-	// from [0, min(BackoffMax, BackoffMin·2ⁿ)]. Defaults 100ms and 10s.
+	// could not reach the database, or whose rows RabbitMQ nacked or did
+	// not confirm: the n-th wait is drawn from
+	// [0, min(BackoffMax, BackoffMin·2ⁿ)]. Defaults 100ms and 10s.
 	BackoffMin, BackoffMax time.Duration
 	// Observer receives the relay's events.
 	Observer Observer
@@ -156,7 +170,7 @@ type Observer struct {
 	Extract func(ctx context.Context, trace map[string]string) context.Context
 	// Dispatched is called after each dispatch that took rows, with the
 	// numbers sent (confirmed), parked, and left pending after a failed
-	// send.
+	// send (nacked, or no confirm).
 	Dispatched func(ctx context.Context, sent, parked, failed int)
 }
 
@@ -265,7 +279,7 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 	var failures int // consecutive dispatches that failed
 	nextPrune := time.Now()
 	for ctx.Err() == nil {
-		res, err := r.dispatch(ctx)
+		res, why, err := r.dispatch(ctx)
 		switch {
 		case errors.Is(err, broker.ErrClosed):
 			return err
@@ -278,10 +292,16 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 				slog.String("error", err.Error()), slog.Duration("retry_in", d))
 			clock.Sleep(ctx, d)
 			continue
+		case res.Failed > 0 && ctx.Err() != nil:
+			return nil // stopped: the rows stay pending
 		case res.Failed > 0:
-			// RabbitMQ could not be reached, or did not confirm in time.
+			// RabbitMQ nacked rows, could not be reached, or did not
+			// confirm in time: they stay pending.
 			failures++
-			clock.Sleep(ctx, r.backoff(failures))
+			d := r.backoff(failures)
+			r.log.LogAttrs(ctx, slog.LevelWarn, "relay: messages not confirmed; they stay pending, retrying",
+				slog.Int("rows", res.Failed), slog.Any("error", why), slog.Duration("retry_in", d))
+			clock.Sleep(ctx, d)
 			continue
 		}
 		failures = 0
@@ -309,16 +329,17 @@ func (r *Relay) backoff(n int) time.Duration {
 	return rand.N(backoff.Doubled(r.bmin, n-1, r.bmax) + 1)
 }
 
-// dispatch takes and sends one batch. Its publishes outlive ctx by
-// StopTimeout at most, so that a stop does not throw away confirms that
-// are on their way.
-func (r *Relay) dispatch(ctx context.Context) (pgstore.DispatchResult, error) {
+// dispatch takes and sends one batch, and returns its counts and, when
+// rows failed (res.Failed > 0), the first one's reason. Its publishes
+// outlive ctx by StopTimeout at most, so that a stop does not throw away
+// confirms that are on their way.
+func (r *Relay) dispatch(ctx context.Context) (res pgstore.DispatchResult, why, err error) {
 	var closed error
 	// The rows are held past the longest send (PublishTimeout, then
 	// StopTimeout) and the recording's own bound, and no longer: a relay
 	// that stalls gives them up to the others.
 	hold := r.publishTimeout + r.stopAfter + 15*time.Second
-	res, err := r.ob.Dispatch(ctx, pgstore.DispatchOptions{Limit: r.batch, DeleteSent: r.retention < 0, HoldFor: hold}, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+	res, err = r.ob.Dispatch(ctx, pgstore.DispatchOptions{Limit: r.batch, DeleteSent: r.retention < 0, HoldFor: hold}, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
 		pctx, cancel := context.WithTimeoutCause(context.WithoutCancel(ctx), r.publishTimeout, errors.New("relay: PublishTimeout passed before the confirm came"))
 		defer cancel()
 		stop := context.AfterFunc(ctx, func() {
@@ -341,6 +362,12 @@ func (r *Relay) dispatch(ctx context.Context) (pgstore.DispatchResult, error) {
 			}()
 		}
 		wg.Wait()
+		for _, x := range results {
+			if !x.Sent && x.Park == nil && x.Failed != nil {
+				why = x.Failed
+				break
+			}
+		}
 	})
 	if res.Taken > 0 && r.obs.Dispatched != nil {
 		r.obs.Dispatched(ctx, res.Sent, res.Parked, res.Failed)
@@ -348,7 +375,7 @@ func (r *Relay) dispatch(ctx context.Context) (pgstore.DispatchResult, error) {
 	if err == nil {
 		err = closed
 	}
-	return res, err
+	return res, why, err
 }
 
 // send publishes one message and classifies the result.
@@ -375,8 +402,10 @@ func (r *Relay) send(ctx context.Context, m *pgstore.OutboxMessage) pgstore.Outb
 
 // parks reports whether err says that RabbitMQ will not take the message
 // as it is, so that sending it again cannot help until an operator acts.
+// A nack (broker.ErrNacked) does not: RabbitMQ could not take the message
+// now (a quorum queue without a leader, a full queue), and may later.
 func parks(err error) bool {
-	if errors.Is(err, broker.ErrUnroutable) || errors.Is(err, broker.ErrNacked) || errors.Is(err, broker.ErrInvalidMessage) {
+	if errors.Is(err, broker.ErrUnroutable) || errors.Is(err, broker.ErrInvalidMessage) {
 		return true
 	}
 	// A publish the server refused by closing the channel (a missing

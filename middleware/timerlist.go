@@ -1,0 +1,114 @@
+package middleware
+
+import "time"
+
+// A timerList holds items in order of due time, with one timer armed for
+// the head that serves them all: the renewals of a Dedup layer's claims
+// ([renewer]) and the deadlines of the contexts it gives its handlers
+// ([deadlineQueue]). Their items all wait the same interval, so they
+// arrive nearly in order of due time: the search for an item's place
+// from the tail is short, and the timer is set about once per interval,
+// not once per item. An item embeds timerLinks; the list's owner guards
+// it with a mutex of its own.
+type timerList[T any, P timerItem[T]] struct {
+	head, tail *T
+	timer      *time.Timer
+	armed      time.Time // when timer fires; zero when it is not armed
+	fire       func()    // the timer's callback, which must call disarm
+}
+
+// timerLinks are an item's place in a timerList.
+type timerLinks[T any] struct {
+	prev, next *T
+	queued     bool
+	due        time.Time // while queued
+}
+
+// timerItem is a pointer to an item of a timerList.
+type timerItem[T any] interface {
+	*T
+	links() *timerLinks[T]
+}
+
+// push queues x, due at the given time, and arms the timer if x becomes
+// the head.
+func (q *timerList[T, P]) push(x *T, due time.Time) {
+	l := P(x).links()
+	l.due, l.queued = due, true
+	after := q.tail
+	for after != nil && P(after).links().due.After(due) {
+		after = P(after).links().prev
+	}
+	l.prev = after
+	if after != nil {
+		l.next = P(after).links().next
+		P(after).links().next = x
+	} else {
+		l.next = q.head
+		q.head = x
+	}
+	if l.next != nil {
+		P(l.next).links().prev = x
+	} else {
+		q.tail = x
+	}
+	if q.head == x {
+		q.arm()
+	}
+}
+
+// unlink removes x, queued, from the list. The timer stays armed even if
+// the list is now empty: stopping it here and arming it again at the next
+// push would cost two timer updates per item, while letting it fire on an
+// empty list costs one wake-up per interval.
+func (q *timerList[T, P]) unlink(x *T) {
+	l := P(x).links()
+	if l.prev != nil {
+		P(l.prev).links().next = l.next
+	} else {
+		q.head = l.next
+	}
+	if l.next != nil {
+		P(l.next).links().prev = l.prev
+	} else {
+		q.tail = l.prev
+	}
+	l.prev, l.next, l.queued = nil, nil, false
+}
+
+// due returns the head if it is due at now, else nil.
+func (q *timerList[T, P]) due(now time.Time) *T {
+	if q.head != nil && !P(q.head).links().due.After(now) {
+		return q.head
+	}
+	return nil
+}
+
+// arm makes the timer fire no later than the head's due time. A timer
+// already armed for that time or earlier is left alone: when it fires,
+// its callback arms it again (rearm) for the head of the list then. The
+// list must not be empty.
+func (q *timerList[T, P]) arm() {
+	due := P(q.head).links().due
+	if !q.armed.IsZero() && !q.armed.After(due) {
+		return
+	}
+	q.armed = due
+	d := time.Until(due)
+	if q.timer == nil {
+		q.timer = time.AfterFunc(d, q.fire)
+		return
+	}
+	q.timer.Reset(d)
+}
+
+// disarm records that the timer has fired: the callback calls it first.
+func (q *timerList[T, P]) disarm() { q.armed = time.Time{} }
+
+// rearm arms the timer for the head, if there is one: the callback calls
+// it once it has taken the items due.
+func (q *timerList[T, P]) rearm() {
+	if q.head != nil {
+		q.arm()
+	}
+}
