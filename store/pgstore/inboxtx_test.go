@@ -250,12 +250,7 @@ func TestHandlerTxUnusedClaimLost(t *testing.T) {
 // on at once.
 func TestHandlerTxArgumentRefusedPoolOfOne(t *testing.T) {
 	ctx := context.Background()
-	cfg := newPool(t).Config()
-	cfg.MaxConns = 1
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	f := newInbox(t, pool)
+	f := newInbox(t, newPoolWith(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 }))
 	var refused error
 	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		_, refused = tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
@@ -275,18 +270,15 @@ func TestHandlerTxArgumentRefusedPoolOfOne(t *testing.T) {
 // cannot be reached, and nothing is committed.
 func TestHandlerTxArgumentRefusedNoConnection(t *testing.T) {
 	ctx := context.Background()
-	cfg := newPool(t).Config()
 	var refuse atomic.Bool
-	cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
-		if refuse.Load() {
-			return false, errors.New("no connection for you")
+	f := newInbox(t, newPoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+			if refuse.Load() {
+				return false, errors.New("no connection for you")
+			}
+			return true, nil
 		}
-		return true, nil
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	f := newInbox(t, pool)
+	}))
 	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		refuse.Store(true)
 		defer refuse.Store(false)
