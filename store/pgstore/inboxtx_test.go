@@ -289,3 +289,44 @@ func TestHandlerTxArgumentRefusedNoConnection(t *testing.T) {
 	assert.ErrorIs(t, h.Handle(ctx, delivery("m1")), middleware.ErrStoreUnavailable)
 	assert.Equal(t, 0, f.count(t, "m1"))
 }
+
+// Savepoints nest in Handler's transaction as in pgx's: a statement that
+// fails in an inner one, rolled back to, leaves the transaction going, and
+// what the outer ones hold commits with the done mark.
+func TestHandlerTxNestedSavepoints(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	insert := `INSERT INTO ` + f.effects + ` (id) VALUES ($1)`
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		outer, err := tx.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if _, err := outer.Exec(ctx, insert, d.MessageId+"-outer"); err != nil {
+			return err
+		}
+		inner, err := outer.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if _, err := inner.Exec(ctx, insert, d.MessageId+"-inner"); err != nil {
+			return err
+		}
+		if _, err := inner.Exec(ctx, `SELECT 1/0`); err == nil {
+			return errors.New("division by zero succeeded")
+		}
+		if err := inner.Rollback(ctx); err != nil {
+			return err
+		}
+		if err := outer.Commit(ctx); err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, insert, d.MessageId)
+		return err
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	require.NoError(t, h.Handle(ctx, delivery("m1")))
+	assert.Equal(t, 1, f.count(t, "m1-outer"))
+	assert.Equal(t, 0, f.count(t, "m1-inner"), "effects rolled back to the inner savepoint")
+	assert.Equal(t, 1, f.count(t, "m1"))
+	assert.Equal(t, store.Done, f.status(t, "m1"))
+}
