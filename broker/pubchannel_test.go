@@ -308,7 +308,7 @@ func TestRabbitMQNackBeforeAMultipleAckStaysANack(t *testing.T) {
 	s, err := tr.Dial(ctx, "rabbitmw test nack before a multiple ack")
 	require.NoError(t, err, "dial")
 	defer s.Close()
-	// Transient queues: their acks come fast, as the order needs.
+	// Transient queues, as in the runs that first showed it.
 	conn, err := amqp.Dial(testenv.RabbitMQURL(t))
 	require.NoError(t, err)
 	defer conn.Close()
