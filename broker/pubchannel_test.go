@@ -1,12 +1,15 @@
 package broker
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -16,6 +19,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw/broker/internal/fixtures"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
@@ -111,25 +115,14 @@ func receive(t *testing.T, ds <-chan amqp.Delivery) amqp.Delivery {
 	}
 }
 
-// dialViaNackProxy dials a session named name of the RabbitMQ server for
-// tests through a nack proxy of t's own, and returns both. The caller
-// closes the session.
-func dialViaNackProxy(t *testing.T, ctx context.Context, name string, opts Options) (*nackProxy, session) {
-	t.Helper()
-	uri, err := amqp.ParseURI(testenv.RabbitMQURL(t))
-	require.NoError(t, err, "ParseURI")
-	px := startNackProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
-	uri.Host, uri.Port = "127.0.0.1", px.port()
-	s, err := newAMQPTransport(uri.String(), opts.resolve()).Dial(ctx, name)
-	require.NoError(t, err, "dial")
-	return px, s
-}
-
 // A nackProxy forwards one AMQP connection to target frame by frame.
 // Once stick is called, it models RabbitMQ's sticky nacks: every
 // basic.ack that the server sends on a channel that had published before
 // stick reaches the client as a basic.nack. A channel that publishes for
 // the first time after stick is confirmed as the server confirms it. It
+// can also hold confirms back (hold), act on the opening of a channel
+// (setOnOpen), have confirm mode refused (refuseConfirms) and lower
+// channel_max (channelMax); it keeps track of the channels open. It
 // closes its connections, and ends its goroutines, when the test ends.
 type nackProxy struct {
 	*tcpProxy
@@ -139,15 +132,131 @@ type nackProxy struct {
 	unconf map[uint16]map[uint64]bool    // per channel, the tags published and not yet confirmed
 	seq    map[uint16]uint64             // per channel, the tag of its last publish
 	counts struct{ nacked, acked int64 } // publishes confirmed after stick, as the client sees them
+
+	// The faults the tests put in, and the channels open.
+	holding  map[uint16]bool // the channels whose confirms are held back
+	held     [][]byte        // nacks of stuck channels held back, one tag each, in the order of their tags
+	client   net.Conn        // the client's side of the connection, for release
+	onOpen   func() ([][]byte, bool)
+	txSelect map[uint16]bool // the channels sent a tx.select; nil: none will be
+	chanMax  uint16
+	open     map[uint16]bool // channels open, as the frames in both directions show
+	maxOpen  int             // the most channels open at once since resetMaxOpen
+
+	wmu sync.Mutex // held while a frame is written, in either direction
+}
+
+// dialViaNackProxy dials a session named name of the RabbitMQ server for
+// tests through a nack proxy of t's own, and returns both; setup, if
+// given, sets the proxy's faults before the session is dialled. The
+// caller closes the session.
+func dialViaNackProxy(t *testing.T, ctx context.Context, name string, opts Options, setup ...func(*nackProxy)) (*nackProxy, session) {
+	t.Helper()
+	uri, err := amqp.ParseURI(testenv.RabbitMQURL(t))
+	require.NoError(t, err, "ParseURI")
+	px := startNackProxy(t, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+	for _, f := range setup {
+		f(px)
+	}
+	uri.Host, uri.Port = "127.0.0.1", px.port()
+	s, err := newAMQPTransport(uri.String(), opts.resolve()).Dial(ctx, name)
+	require.NoError(t, err, "dial")
+	return px, s
 }
 
 func startNackProxy(t *testing.T, target string) *nackProxy {
 	t.Helper()
-	p := &nackProxy{unconf: map[uint16]map[uint64]bool{}, seq: map[uint16]uint64{}}
+	p := &nackProxy{unconf: map[uint16]map[uint64]bool{}, seq: map[uint16]uint64{}, open: map[uint16]bool{}}
 	p.tcpProxy = startTCPProxy(t, target,
 		func(up, c net.Conn) { p.pump(up, c, true, p.clientFrame) },
-		func(c, up net.Conn) { p.pump(c, up, false, p.serverFrame) })
+		func(c, up net.Conn) {
+			p.mu.Lock()
+			p.client = c
+			p.mu.Unlock()
+			p.pump(c, up, false, p.serverFrame)
+		})
 	return p
+}
+
+// hold holds back, from now on, the confirms of the channels stuck now
+// (see stick), as nacks of one tag each, until release.
+func (p *nackProxy) hold() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.holding = maps.Clone(p.stuck)
+}
+
+// heldCount returns how many confirms are held back.
+func (p *nackProxy) heldCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.held)
+}
+
+// release sends the client the first n confirms held back (all of them if
+// n < 0), and stops holding more if it sent them all.
+func (p *nackProxy) release(t *testing.T, n int) {
+	t.Helper()
+	p.mu.Lock()
+	if n < 0 || n > len(p.held) {
+		n = len(p.held)
+		p.holding = nil
+	}
+	out := p.held[:n]
+	p.held = p.held[n:]
+	p.counts.nacked += int64(n)
+	c := p.client
+	p.mu.Unlock()
+	p.wmu.Lock()
+	defer p.wmu.Unlock()
+	for _, f := range out {
+		_, err := c.Write(f)
+		require.NoError(t, err, "release of a held nack")
+	}
+}
+
+// setOnOpen makes f be called when the client opens a channel after
+// stick: the frames f returns are sent to the server before the
+// channel.open, which is dropped if f returns false.
+func (p *nackProxy) setOnOpen(f func() (before [][]byte, forward bool)) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.onOpen = f
+}
+
+// refuseConfirms makes the server refuse to put the channels opened
+// after stick in confirm mode: a tx.select is sent to the server before
+// their confirm.select (its tx.select-ok does not reach the client), so
+// that the server closes the channel with 406 PRECONDITION_FAILED.
+func (p *nackProxy) refuseConfirms() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.txSelect = map[uint16]bool{}
+}
+
+// channelMax makes the server seem to offer n channels at most.
+func (p *nackProxy) channelMax(n uint16) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.chanMax = n
+}
+
+// openChannels returns the channels open now, and the most open at once
+// since the last resetMaxOpen.
+func (p *nackProxy) openChannels() (open []uint16, most int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for ch := range p.open {
+		open = append(open, ch)
+	}
+	slices.Sort(open)
+	return open, p.maxOpen
+}
+
+func (p *nackProxy) resetMaxOpen() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.maxOpen = len(p.open)
 }
 
 // stick turns the acks of every channel that has published so far into
@@ -170,8 +279,9 @@ func (p *nackProxy) tally() (nacked, acked int64) {
 }
 
 // pump copies src to dst frame by frame (after the protocol header, when
-// header is set), passing each frame through f, until either side fails.
-func (p *nackProxy) pump(dst, src net.Conn, header bool, f func(frame []byte)) {
+// header is set), passing each frame through f and writing what it
+// returns in its place, until either side fails.
+func (p *nackProxy) pump(dst, src net.Conn, header bool, f func(frame []byte) [][]byte) {
 	defer dst.Close()
 	defer src.Close()
 	if header {
@@ -193,9 +303,13 @@ func (p *nackProxy) pump(dst, src net.Conn, header bool, f func(frame []byte)) {
 		if _, err := io.ReadFull(src, frame[7:]); err != nil {
 			return
 		}
-		f(frame)
-		if _, err := dst.Write(frame); err != nil {
-			return
+		for _, out := range f(frame) {
+			p.wmu.Lock()
+			_, err := dst.Write(out)
+			p.wmu.Unlock()
+			if err != nil {
+				return
+			}
 		}
 	}
 }
@@ -208,53 +322,119 @@ func method(frame []byte) (ch, class, id uint16, ok bool) {
 	return binary.BigEndian.Uint16(frame[1:]), binary.BigEndian.Uint16(frame[7:]), binary.BigEndian.Uint16(frame[9:]), true
 }
 
+// methodFrame returns a method frame on channel ch with args.
+func methodFrame(ch, class, id uint16, args []byte) []byte {
+	f := binary.BigEndian.AppendUint16([]byte{1}, ch)
+	f = binary.BigEndian.AppendUint32(f, uint32(4+len(args)))
+	f = binary.BigEndian.AppendUint16(f, class)
+	f = binary.BigEndian.AppendUint16(f, id)
+	return append(append(f, args...), 0xce)
+}
+
 // clientFrame numbers the client's publishes, per channel, as the server
-// does in confirm mode.
-func (p *nackProxy) clientFrame(frame []byte) {
+// does in confirm mode, and keeps track of the channels it opens.
+func (p *nackProxy) clientFrame(frame []byte) [][]byte {
 	ch, class, id, ok := method(frame)
-	if !ok || class != 60 || id != 40 { // basic.publish
-		return
+	pass := [][]byte{frame}
+	if !ok {
+		return pass
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.seq[ch]++
-	if p.unconf[ch] == nil {
-		p.unconf[ch] = map[uint64]bool{}
+	switch {
+	case class == 20 && id == 10: // channel.open
+		if f := p.onOpen; p.stuck != nil && f != nil {
+			p.mu.Unlock()
+			before, forward := f()
+			p.mu.Lock()
+			if !forward {
+				return before
+			}
+			pass = append(before, frame)
+		}
+		p.open[ch] = true
+		p.maxOpen = max(p.maxOpen, len(p.open))
+	case class == 85 && id == 10: // confirm.select
+		if p.txSelect != nil && p.stuck != nil && !p.stuck[ch] {
+			p.txSelect[ch] = true
+			pass = [][]byte{methodFrame(ch, 90, 10, nil), frame}
+		}
+	case class == 20 && id == 41: // channel.close-ok, to a close by the server
+		delete(p.open, ch)
+	case class == 60 && id == 40: // basic.publish
+		p.seq[ch]++
+		if p.unconf[ch] == nil {
+			p.unconf[ch] = map[uint64]bool{}
+		}
+		p.unconf[ch][p.seq[ch]] = true
 	}
-	p.unconf[ch][p.seq[ch]] = true
+	return pass
 }
 
 // serverFrame turns a basic.ack on a stuck channel into a basic.nack,
 // which has the same arguments (a delivery tag and a byte of bits), and
-// counts the publishes it confirms.
-func (p *nackProxy) serverFrame(frame []byte) {
+// counts the publishes it confirms; it holds them back if told to (hold).
+// It also lowers the channel_max of connection.tune (channelMax), and
+// keeps track of the channels closed.
+func (p *nackProxy) serverFrame(frame []byte) [][]byte {
 	ch, class, id, ok := method(frame)
-	if !ok || class != 60 || (id != 80 && id != 120) { // basic.ack, basic.nack
-		return
+	pass := [][]byte{frame}
+	if !ok {
+		return pass
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case class == 10 && id == 30: // connection.tune: channel-max first
+		if m := binary.BigEndian.Uint16(frame[11:]); p.chanMax > 0 && (m == 0 || m > p.chanMax) {
+			binary.BigEndian.PutUint16(frame[11:], p.chanMax)
+		}
+		return pass
+	case class == 20 && id == 41: // channel.close-ok, to a close by the client
+		delete(p.open, ch)
+		return pass
+	case class == 90 && id == 11 && p.txSelect[ch]: // tx.select-ok
+		return nil
+	case class != 60 || (id != 80 && id != 120): // not basic.ack, basic.nack
+		return pass
 	}
 	tag := binary.BigEndian.Uint64(frame[11:])
 	multiple := frame[19]&1 != 0
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	n := int64(0)
+	var tags []uint64
 	for t := range p.unconf[ch] {
 		if t == tag || multiple && t < tag {
 			delete(p.unconf[ch], t)
-			n++
+			tags = append(tags, t)
 		}
 	}
+	n := int64(len(tags))
 	if p.stuck == nil {
-		return
+		return pass
 	}
 	if id == 80 && p.stuck[ch] {
 		binary.BigEndian.PutUint16(frame[9:], 120)
 		id = 120
+	}
+	if p.holding[ch] {
+		slices.Sort(tags)
+		for _, t := range tags {
+			f := slices.Clone(frame)
+			binary.BigEndian.PutUint64(f[11:], t)
+			f[19] &^= 1 // not multiple
+			p.held = append(p.held, f)
+		}
+		// In the order of their tags, which the client's library keeps.
+		slices.SortFunc(p.held, func(a, b []byte) int {
+			return cmp.Compare(binary.BigEndian.Uint64(a[11:]), binary.BigEndian.Uint64(b[11:]))
+		})
+		return nil
 	}
 	if id == 120 {
 		p.counts.nacked += n
 	} else {
 		p.counts.acked += n
 	}
+	return pass
 }
 
 // A queue that nacks every publish for a reason of its own (here: at its
@@ -352,4 +532,428 @@ func TestRabbitMQNackBeforeAMultipleAckStaysANack(t *testing.T) {
 	}
 	assert.Zero(t, confirmed.Load(), "publishes to the full queue reported confirmed, of %d", rounds)
 	ch.QueuePurge(open, false)
+}
+
+// A pubResult is the result of one publish of a test.
+type pubResult struct {
+	id, key string
+	err     error
+}
+
+// publishAsync publishes a message of id to key on s, in a goroutine of
+// its own, and sends its result to results.
+func publishAsync(ctx context.Context, s session, id, key string, results chan<- pubResult) {
+	go func() {
+		err := s.Publish(ctx, "", key, amqp.Publishing{MessageId: id, Body: []byte(id)})
+		results <- pubResult{id: id, key: key, err: err}
+	}()
+}
+
+// next returns the next result, failing t if none comes within 10 s.
+func next(t *testing.T, results <-chan pubResult) pubResult {
+	t.Helper()
+	select {
+	case r := <-results:
+		return r
+	case <-time.After(10 * time.Second):
+		t.Fatal("no publish returned within 10s")
+		return pubResult{}
+	}
+}
+
+// stuckSession dials a session through a nack proxy, declares a queue of
+// t's own, publishes one message on the publish channel (channel 1), and
+// waits until the channel may be replaced (replaceInterval): from then
+// on, px.stick makes the channel's first nack replace it at the next
+// publish.
+func stuckSession(t *testing.T, ctx context.Context, name string, logs *fixtures.LogRecorder, setup ...func(*nackProxy)) (*nackProxy, session, string) {
+	t.Helper()
+	px, s := dialViaNackProxy(t, ctx, name, Options{Logger: slog.New(logs)}, setup...)
+	t.Cleanup(func() { s.Close() })
+	q := queueName(t)
+	require.NoError(t, s.Declare(ctx, []queueSpec{{Name: q}}), "declare")
+	t.Cleanup(func() {
+		// On a session of its own: the test's may have ended.
+		s, err := newAMQPTransport(testenv.RabbitMQURL(t), Options{}.resolve()).Dial(context.Background(), "rabbitmw test cleanup")
+		if assert.NoError(t, err, "dial for the cleanup") {
+			assert.NoError(t, s.Delete(context.Background(), []string{q}), "delete")
+			s.Close()
+		}
+	})
+	require.NoError(t, s.Publish(ctx, "", q, amqp.Publishing{MessageId: "before", Body: []byte("before")}), "publish before")
+	open, _ := px.openChannels()
+	require.Equal(t, []uint16{1, 2}, open, "channels open: the publish and consume channels")
+	time.Sleep(replaceInterval)
+	return px, s, q
+}
+
+// nackWithOneWaiting turns the publish channel of a stuckSession to
+// nacks, and publishes a1, nacked, and a2, whose confirm is held back:
+// the next publish replaces the channel, with a2 waiting on it. It
+// returns the channel a2's result comes to.
+func nackWithOneWaiting(t *testing.T, ctx context.Context, px *nackProxy, s session, q string) chan pubResult {
+	t.Helper()
+	px.stick()
+	px.hold()
+	results := make(chan pubResult, 8)
+	publishAsync(ctx, s, "a1", q, results)
+	require.Eventually(t, func() bool { return px.heldCount() == 1 }, 10*time.Second, 5*time.Millisecond, "confirm of a1 held back")
+	publishAsync(ctx, s, "a2", q, results)
+	require.Eventually(t, func() bool { return px.heldCount() == 2 }, 10*time.Second, 5*time.Millisecond, "confirm of a2 held back")
+	px.release(t, 1)
+	r := next(t, results)
+	require.Equal(t, "a1", r.id)
+	require.ErrorIs(t, r.err, ErrNacked, "a1")
+	return results
+}
+
+// The publishes that wait on a channel when it is replaced get their
+// results from it, as they come after the swap: a nack stays ErrNacked, a
+// return ErrUnroutable, and a publish of the same message id on the new
+// channel waits until the one on the old channel has its result. The old
+// channel is closed once nothing waits on it, and not before.
+func TestRabbitMQConfirmsOfTheOldChannelComeAfterTheSwap(t *testing.T) {
+	ctx := testContext(t, time.Minute)
+	logs := fixtures.NewLogRecorder(t)
+	px, s, q := stuckSession(t, ctx, "rabbitmw test old channel confirms", logs)
+	px.stick()
+	px.hold()
+	nowhere := q + "-nowhere"
+	results := make(chan pubResult, 8)
+	// a1 first: the first confirm released is a1's.
+	publishAsync(ctx, s, "a1", q, results)
+	require.Eventually(t, func() bool { return px.heldCount() == 1 }, 10*time.Second, 5*time.Millisecond, "confirm of a1 held back")
+	for _, id := range []string{"a2", "a3"} {
+		publishAsync(ctx, s, id, q, results)
+	}
+	publishAsync(ctx, s, "x", nowhere, results) // returned, then confirmed
+	require.Eventually(t, func() bool { return px.heldCount() == 4 }, 10*time.Second, 5*time.Millisecond, "confirms held back")
+	got := map[string]error{}
+	px.release(t, 1)
+	r := next(t, results)
+	require.Equal(t, "a1", r.id)
+	require.ErrorIs(t, r.err, ErrNacked, "a1")
+
+	// The next publish replaces the channel; the old one still has three
+	// publishes waiting.
+	require.NoError(t, s.Publish(ctx, "", q, amqp.Publishing{MessageId: "b", Body: []byte("b")}), "publish on the new channel")
+	assert.Equal(t, 1, logs.Count("publish channel replaced"), "replacements")
+	open, _ := px.openChannels()
+	assert.Contains(t, open, uint16(1), "the old channel, while publishes wait on it")
+	publishAsync(ctx, s, "x", q, results) // waits for the x on the old channel
+	select {
+	case r := <-results:
+		t.Fatalf("publish %s to %s returned %v while the old channel's confirms were held back", r.id, r.key, r.err)
+	case <-time.After(300 * time.Millisecond):
+	}
+
+	px.release(t, -1)
+	for range 4 {
+		r := next(t, results)
+		got[r.id+"@"+r.key] = r.err
+	}
+	for _, id := range []string{"a2", "a3"} {
+		assert.ErrorIs(t, got[id+"@"+q], ErrNacked, "publish %s on the old channel", id)
+	}
+	assert.ErrorIs(t, got["x@"+nowhere], ErrUnroutable, "the unroutable x, on the old channel")
+	assert.NoError(t, got["x@"+q], "the routable x, on the new channel")
+	require.Eventually(t, func() bool {
+		open, _ := px.openChannels()
+		return !slices.Contains(open, 1)
+	}, 10*time.Second, 5*time.Millisecond, "the old channel closed once no publish waits on it")
+	nacked, acked := px.tally()
+	assert.Equal(t, int64(4), nacked, "nacks sent to the client")
+	assert.Equal(t, int64(2), acked, "acks sent to the client")
+	select {
+	case <-s.Closed():
+		t.Fatalf("the session closed: %v", s.Reason())
+	default:
+	}
+}
+
+// sessionGoroutines returns a check that every goroutine started since
+// the call, but the proxies' (which end with the test), has ended.
+func sessionGoroutines(t *testing.T) func() {
+	before := goleak.IgnoreCurrent()
+	return func() {
+		t.Helper()
+		goleak.VerifyNone(t, before, goleak.IgnoreAnyFunction("github.com/rabbitmw/rabbitmw/broker.(*tcpProxy).accept"),
+			goleak.IgnoreAnyFunction("github.com/rabbitmw/rabbitmw/broker.(*nackProxy).pump"))
+	}
+}
+
+// closeWithin closes s, failing t if Close does not return within d.
+func closeWithin(t *testing.T, s session, d time.Duration) {
+	t.Helper()
+	closed := make(chan error, 1)
+	go func() { closed <- s.Close() }()
+	select {
+	case <-closed:
+	case <-time.After(d):
+		t.Fatalf("Close did not return within %v", d)
+	}
+}
+
+// The connection lost while the publish channel is replaced (here: at
+// its channel.open) ends the session: the publish that was to go on the
+// new channel fails, and so do the publishes that wait on the old one;
+// none is reported confirmed, and Close ends every goroutine.
+func TestRabbitMQConnectionLostWhileThePublishChannelIsReplaced(t *testing.T) {
+	ctx := testContext(t, time.Minute)
+	leaks := sessionGoroutines(t)
+	logs := fixtures.NewLogRecorder(t)
+	px, s, q := stuckSession(t, ctx, "rabbitmw test cut at replacement", logs)
+	results := nackWithOneWaiting(t, ctx, px, s, q)
+
+	px.setOnOpen(func() ([][]byte, bool) {
+		px.cut()
+		return nil, false
+	})
+	err := s.Publish(ctx, "", q, amqp.Publishing{MessageId: "b", Body: []byte("b")})
+	assert.ErrorIs(t, err, ErrConnectionLost, "the publish that replaced the channel")
+	r := next(t, results)
+	assert.ErrorIs(t, r.err, ErrConnectionLost, "a2, on the old channel")
+	select {
+	case <-s.Closed():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the session did not end within 10s")
+	}
+	assert.ErrorIs(t, s.Publish(ctx, "", q, amqp.Publishing{MessageId: "c", Body: []byte("c")}), ErrConnectionLost, "a publish after the end")
+	closeWithin(t, s, 10*time.Second)
+	leaks()
+}
+
+// Close while the new publish channel is being opened (the server does
+// not answer its channel.open) returns, fails the publishes in flight,
+// and ends every goroutine.
+func TestRabbitMQCloseWhileThePublishChannelIsReplaced(t *testing.T) {
+	ctx := testContext(t, time.Minute)
+	leaks := sessionGoroutines(t)
+	logs := fixtures.NewLogRecorder(t)
+	px, s, q := stuckSession(t, ctx, "rabbitmw test close at replacement", logs)
+	results := nackWithOneWaiting(t, ctx, px, s, q)
+
+	opening := make(chan struct{})
+	px.setOnOpen(func() ([][]byte, bool) {
+		close(opening)
+		return nil, false // the channel.open is lost
+	})
+	publishAsync(ctx, s, "b", q, results)
+	// A publish given up while the channel is being replaced.
+	abandoned, cancel := context.WithCancel(ctx)
+	publishAsync(abandoned, s, "c", q, results)
+	select {
+	case <-opening:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no channel.open within 10s")
+	}
+	cancel()
+	r := next(t, results)
+	assert.Equal(t, "c", r.id, "the publish given up returns first")
+	assert.ErrorIs(t, r.err, context.Canceled, "the publish given up")
+	closeWithin(t, s, 10*time.Second)
+	for range 2 {
+		r := next(t, results)
+		assert.Error(t, r.err, "publish %s in flight at Close", r.id)
+	}
+	leaks()
+}
+
+// A new publish channel that cannot be had (the connection's channels
+// are all in use: channel_max; or the server refuses to put the new one
+// in confirm mode) leaves the nacked one in use: each publish on it has
+// its own result (a nack stays ErrNacked), the session goes on, a new
+// channel is tried once a replaceInterval at most, and one refused is not
+// left open.
+func TestRabbitMQNoNewPublishChannel(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		setup  func(px *nackProxy)
+		before func(t *testing.T, ctx context.Context, px *nackProxy, s session, q string)
+		log    string   // in the records of a replacement tried
+		open   []uint16 // the channels open in the end
+	}{
+		{
+			name:  "channel_max",
+			setup: func(px *nackProxy) { px.channelMax(3) },
+			before: func(t *testing.T, ctx context.Context, px *nackProxy, s session, q string) {
+				// The third channel, for basic.get, stays open.
+				_, ok, err := s.Get(ctx, q)
+				require.NoError(t, err, "get")
+				require.True(t, ok, "get of the message published before")
+			},
+			log:  "channel id space exhausted",
+			open: []uint16{1, 2, 3},
+		},
+		{
+			name:   "confirm mode refused",
+			setup:  func(*nackProxy) {},
+			before: func(_ *testing.T, _ context.Context, px *nackProxy, _ session, _ string) { px.refuseConfirms() },
+			log:    "PRECONDITION_FAILED",
+			open:   []uint16{1, 2},
+		},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx := testContext(t, time.Minute)
+			logs := fixtures.NewLogRecorder(t)
+			px, s, q := stuckSession(t, ctx, "rabbitmw test no new publish channel", logs, c.setup)
+			c.before(t, ctx, px, s, q)
+			px.stick()
+
+			const span = 3 * replaceInterval
+			began := time.Now()
+			publishes := 0
+			for time.Since(began) < span {
+				err := s.Publish(ctx, "", q, amqp.Publishing{MessageId: "m" + strconv.Itoa(publishes), Body: []byte("m")})
+				require.ErrorIs(t, err, ErrNacked, "publish %d", publishes+1)
+				publishes++
+			}
+			took := time.Since(began)
+			tries := logs.Count("a new one cannot be opened", c.log)
+			t.Logf("%d publishes nacked in %v; %d replacements tried", publishes, took.Round(time.Millisecond), tries)
+			assert.GreaterOrEqual(t, tries, 1, "replacements tried")
+			assert.LessOrEqual(t, tries, int(took/replaceInterval)+1, "replacements tried in %v, at most one per %v", took, replaceInterval)
+			assert.Zero(t, logs.Count("publish channel replaced"), "replacements")
+			nacked, acked := px.tally()
+			assert.Equal(t, int64(publishes), nacked, "nacks sent to the client")
+			assert.Zero(t, acked, "acks sent to the client")
+			require.Eventually(t, func() bool {
+				open, _ := px.openChannels()
+				return slices.Equal(open, c.open)
+			}, 10*time.Second, 5*time.Millisecond, "channels open")
+			select {
+			case <-s.Closed():
+				t.Fatalf("the session closed: %v", s.Reason())
+			default:
+			}
+		})
+	}
+}
+
+// Many publishers to a queue that refuses every publish (at its length
+// limit with overflow reject-publish): the session never has more than two
+// publish channels open (the one in use and the one it replaced), and
+// closes the ones it replaced.
+func TestRabbitMQReplacedChannelsAreClosed(t *testing.T) {
+	ctx := testContext(t, time.Minute)
+	logs := fixtures.NewLogRecorder(t)
+	px, s := dialViaNackProxy(t, ctx, "rabbitmw test replaced channels closed", Options{Logger: slog.New(logs)})
+	defer s.Close()
+	q := queueName(t)
+	require.NoError(t, s.Declare(ctx, []queueSpec{{Name: q, Args: amqp.Table{"x-max-length": int32(0), "x-overflow": "reject-publish"}}}), "declare")
+	defer func() { assert.NoError(t, s.Delete(context.Background(), []string{q}), "delete") }()
+	px.resetMaxOpen()
+
+	const (
+		publishers = 8
+		span       = 3 * replaceInterval
+	)
+	began := time.Now()
+	var wg sync.WaitGroup
+	var publishes atomic.Int64
+	for i := range publishers {
+		wg.Go(func() {
+			for n := 0; time.Since(began) < span; n++ {
+				id := "p" + strconv.Itoa(i) + "-" + strconv.Itoa(n)
+				err := s.Publish(ctx, "", q, amqp.Publishing{MessageId: id, Body: []byte(id)})
+				if !assert.ErrorIs(t, err, ErrNacked, "publish %s", id) {
+					return
+				}
+				publishes.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	replaced := logs.Count("publish channel replaced")
+	open, most := px.openChannels()
+	t.Logf("%d publishes nacked by %d publishers in %v; %d replacements; channels open: %v, at most %d at once",
+		publishes.Load(), publishers, time.Since(began).Round(time.Millisecond), replaced, open, most)
+	assert.GreaterOrEqual(t, replaced, 2, "replacements")
+	assert.LessOrEqual(t, most, 3, "channels open at once: consume, publish, and the publish channel replaced")
+	require.Eventually(t, func() bool {
+		open, _ := px.openChannels()
+		return len(open) == 2
+	}, 10*time.Second, 5*time.Millisecond, "channels open once the replaced one has its confirms")
+}
+
+// The server closing the old publish channel (here: for a passive declare
+// of a missing queue, sent on it by the proxy) while the new one is being
+// opened ends the session: the publishes that wait on the old channel
+// fail, none is reported confirmed that the server did not confirm, and
+// Close ends every goroutine.
+func TestRabbitMQOldChannelClosedByTheServerWhileReplaced(t *testing.T) {
+	ctx := testContext(t, time.Minute)
+	leaks := sessionGoroutines(t)
+	logs := fixtures.NewLogRecorder(t)
+	px, s, q := stuckSession(t, ctx, "rabbitmw test old channel closed at replacement", logs)
+	results := nackWithOneWaiting(t, ctx, px, s, q)
+
+	missing := q + "-missing"
+	declare := binary.BigEndian.AppendUint16(nil, 0) // reserved
+	declare = append(declare, byte(len(missing)))
+	declare = append(declare, missing...)
+	declare = append(declare, 1)          // passive
+	declare = append(declare, 0, 0, 0, 0) // no arguments
+	px.setOnOpen(func() ([][]byte, bool) {
+		return [][]byte{methodFrame(1, 50, 10, declare)}, true
+	})
+	err := s.Publish(ctx, "", q, amqp.Publishing{MessageId: "b", Body: []byte("b")})
+	_, acked := px.tally()
+	if err == nil {
+		assert.Equal(t, int64(1), acked, "b returned confirmed: the acks the client received")
+	}
+	r := next(t, results)
+	assert.ErrorIs(t, r.err, ErrConnectionLost, "a2, on the old channel")
+	select {
+	case <-s.Closed():
+		assert.ErrorContains(t, s.Reason(), "NOT_FOUND", "the session's reason")
+	case <-time.After(10 * time.Second):
+		t.Fatal("the session did not end within 10s")
+	}
+	closeWithin(t, s, 10*time.Second)
+	leaks()
+}
+
+// A publish channel is not replaced while the one it replaced still has
+// publishes waiting for their confirms (at most two publish channels are
+// open): the nacked one stays in use, each of its publishes nacked, until
+// the one before has its confirms, and is replaced then.
+func TestRabbitMQReplacementWaitsForTheReplacedChannel(t *testing.T) {
+	ctx := testContext(t, time.Minute)
+	logs := fixtures.NewLogRecorder(t)
+	px, s, q := stuckSession(t, ctx, "rabbitmw test replacement waits", logs)
+	results := nackWithOneWaiting(t, ctx, px, s, q)
+	require.NoError(t, s.Publish(ctx, "", q, amqp.Publishing{MessageId: "b", Body: []byte("b")}), "publish on the second channel")
+	require.Equal(t, 1, logs.Count("publish channel replaced"), "replacements")
+	open, _ := px.openChannels()
+	require.Len(t, open, 3, "channels open: the first publish channel, the consume channel, the second publish channel")
+	second := open[2]
+
+	// The second channel turns to nacks too; it is not replaced while a2
+	// waits on the first.
+	px.stick()
+	time.Sleep(replaceInterval)
+	began := time.Now()
+	for n := 0; time.Since(began) < replaceInterval; n++ {
+		err := s.Publish(ctx, "", q, amqp.Publishing{MessageId: "c" + strconv.Itoa(n), Body: []byte("c")})
+		require.ErrorIs(t, err, ErrNacked, "publish c%d on the second channel", n)
+	}
+	assert.Equal(t, 1, logs.Count("publish channel replaced"), "replacements while a2 waits on the first channel")
+	open, _ = px.openChannels()
+	assert.Len(t, open, 3, "channels open while a2 waits on the first channel")
+
+	px.release(t, -1)
+	r := next(t, results)
+	require.Equal(t, "a2", r.id)
+	require.ErrorIs(t, r.err, ErrNacked, "a2")
+	require.Eventually(t, func() bool {
+		open, _ := px.openChannels()
+		return !slices.Contains(open, 1)
+	}, 10*time.Second, 5*time.Millisecond, "the first channel closed once a2 had its nack")
+	require.NoError(t, s.Publish(ctx, "", q, amqp.Publishing{MessageId: "d", Body: []byte("d")}), "publish on the third channel")
+	assert.Equal(t, 2, logs.Count("publish channel replaced"), "replacements")
+	require.Eventually(t, func() bool {
+		open, _ := px.openChannels()
+		return len(open) == 2 && !slices.Contains(open, second)
+	}, 10*time.Second, 5*time.Millisecond, "the second channel closed once replaced")
 }

@@ -10,22 +10,22 @@ func (m *Memory) Inspect(ctx context.Context, key string) (KeyState, error) {
 	if err := ctx.Err(); err != nil {
 		return KeyState{}, err
 	}
-	now := time.Now()
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	now := m.now()
 	var k KeyState
 	if c, ok := m.claims[key]; ok {
 		switch {
-		case now.Before(c.expires) && c.token == "":
-			k.Status, k.TTL = Done, c.expires.Sub(now)
-		case now.Before(c.expires):
-			k.Status, k.Token, k.TTL = Processing, c.token, c.expires.Sub(now)
-		case now.Before(c.forget):
-			k.Status, k.Token, k.TTL = Abandoned, c.token, c.forget.Sub(now)
+		case now < c.expires && c.token == "":
+			k.Status, k.TTL = Done, time.Duration(c.expires-now)
+		case now < c.expires:
+			k.Status, k.Token, k.TTL = Processing, c.token, time.Duration(c.expires-now)
+		case now < c.forget:
+			k.Status, k.Token, k.TTL = Abandoned, c.token, time.Duration(c.forget-now)
 		}
 	}
-	if c, ok := m.fails[key]; ok && now.Before(c.expires) {
-		k.Failures, k.FailuresTTL = c.n, c.expires.Sub(now)
+	if c, ok := m.fails[key]; ok && now < c.expires {
+		k.Failures, k.FailuresTTL = c.n, time.Duration(c.expires-now)
 	}
 	return k, nil
 }

@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"fmt"
+	"math"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -84,5 +85,36 @@ func TestMemoryAbandonedRetention(t *testing.T) {
 			time.Sleep(time.Second)
 			claim("b", store.Claimed)
 		}
+	})
+}
+
+// Durations too long for the store's clock to add keep their entries for
+// good, rather than wrap around into the past.
+func TestMemoryLongestDurations(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := store.NewMemory()
+		ctx := context.Background()
+		const forever = time.Duration(math.MaxInt64)
+		_, err := m.Claim(ctx, "first", "t", time.Minute) // starts the store's clock
+		require.NoError(t, err)
+		time.Sleep(time.Hour)
+		_, err = m.Claim(ctx, "done", "t", forever)
+		require.NoError(t, err)
+		require.NoError(t, m.Complete(ctx, "done", "t", forever))
+		_, err = m.Claim(ctx, "held", "t", forever)
+		require.NoError(t, err)
+		n, err := m.Fail(ctx, "failed", forever)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, n)
+		time.Sleep(24 * time.Hour)
+		got, err := m.Claim(ctx, "done", "t2", time.Minute)
+		require.NoError(t, err)
+		require.Equal(t, store.Done, got)
+		got, err = m.Claim(ctx, "held", "t2", time.Minute)
+		require.NoError(t, err)
+		require.Equal(t, store.Processing, got)
+		n, err = m.Fail(ctx, "failed", time.Minute)
+		require.NoError(t, err)
+		require.EqualValues(t, 2, n)
 	})
 }

@@ -4,10 +4,12 @@ import (
 	"context"
 	"crypto/rand"
 	"fmt"
+	mathrand "math/rand/v2"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -169,4 +171,229 @@ func TestClaimsTogetherOneRefused(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, store.Processing, got.Status, "Inspect(%q)", k)
 	}
+}
+
+// A statement of claims whose connection ends while it runs (its backend
+// terminated as it waits for a row lock) answers each of its claims with
+// an error, and is not sent again: whether a statement that ended with
+// its connection committed is unknown in general. Here it did not: none
+// of its keys is claimed, and the Store's next claims take them.
+func TestClaimsTogetherConnectionEnds(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	s := newStore(t, pool, pgstore.Options{Table: table})
+	// A second transaction holds "x", so that the statement of x, y and z
+	// waits.
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('x', 'tx', now() + interval '1 minute', now() + interval '1 hour')`)
+	require.NoError(t, err)
+	release, blocked := holdClaims(t, pool, table, s)
+
+	keys := []string{"x", "y", "z"}
+	errs := make([]error, len(keys))
+	var wg sync.WaitGroup
+	for i, k := range keys {
+		wg.Go(func() { _, errs[i] = s.Claim(ctx, k, "t1", time.Minute) })
+	}
+	require.Eventually(t, func() bool { return pgstore.Queued(s) == len(keys) }, 10*time.Second, time.Millisecond)
+	release()
+	assert.Equal(t, store.Claimed, <-blocked)
+	var pid int
+	require.Eventually(t, func() bool {
+		err := pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND query LIKE '%`+table+`%'`).Scan(&pid)
+		return err == nil
+	}, 10*time.Second, 10*time.Millisecond, "the statement of x, y and z never waited")
+	_, err = pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
+	require.NoError(t, err)
+	wg.Wait()
+	for i, k := range keys {
+		assert.Error(t, errs[i], "claim of %q, whose statement's connection ended", k)
+		got, err := s.Inspect(ctx, k)
+		require.NoError(t, err)
+		assert.NotEqual(t, "t1", got.Token, "%q claimed by the statement whose connection ended", k)
+	}
+
+	require.NoError(t, tx.Rollback(ctx))
+	for _, k := range keys {
+		st, err := s.Claim(ctx, k, "t2", time.Minute)
+		require.NoError(t, err)
+		assert.Equal(t, store.Claimed, st, "claim of %q afterwards", k)
+	}
+}
+
+// Claims sent together take any bytes as keys and tokens, in every mode
+// in which a pool may send its statements: each gets its own key's
+// answer.
+func TestClaimsTogetherInEveryExecMode(t *testing.T) {
+	keys := []string{"", "a,b", "{c}", `d"e`, `f\g`, "h\x00i", "NULL", "\xff\xfe", "j k"}
+	for _, mode := range []pgx.QueryExecMode{
+		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+	} {
+		t.Run(mode.String(), func(t *testing.T) {
+			ctx := context.Background()
+			cfg := newPool(t).Config()
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			table := uniqueTable(t, pool)
+			s := newStore(t, pool, pgstore.Options{Table: table})
+			_, err = s.Claim(ctx, "a,b", "earlier", time.Minute)
+			require.NoError(t, err)
+			release, blocked := holdClaims(t, pool, table, s)
+			statuses := make([]store.Status, len(keys))
+			var wg sync.WaitGroup
+			for i, k := range keys {
+				wg.Go(func() {
+					st, err := s.Claim(ctx, k, "t\x00"+k, time.Minute)
+					assert.NoError(t, err, "claim of %q", k)
+					statuses[i] = st
+				})
+			}
+			require.Eventually(t, func() bool { return pgstore.Queued(s) == len(keys) }, 10*time.Second, time.Millisecond)
+			release()
+			wg.Wait()
+			assert.Equal(t, store.Claimed, <-blocked)
+			for i, k := range keys {
+				want, token := store.Claimed, "t\x00"+k
+				if k == "a,b" {
+					want, token = store.Processing, "earlier"
+				}
+				assert.Equal(t, want, statuses[i], "claim of %q", k)
+				got, err := s.Inspect(ctx, k)
+				require.NoError(t, err)
+				assert.Equal(t, token, got.Token, "Inspect(%q)", k)
+			}
+		})
+	}
+}
+
+// Two Stores over one table (two consumers) whose claims of the same keys
+// arrive in different orders, in statements of many claims: each key is
+// claimed once, every other claim of it finds it processing, and none
+// fails.
+func TestClaimsTogetherTwoStores(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	stores := []*pgstore.Store{newStore(t, pool, pgstore.Options{Table: table}), newStore(t, pool, pgstore.Options{Table: table})}
+	const keys, workers = 16, 16
+	var mu sync.Mutex
+	claimed := make(map[string]int)
+	var wg sync.WaitGroup
+	for si, s := range stores {
+		for w := range workers {
+			wg.Go(func() {
+				for _, k := range mathrand.Perm(keys) {
+					key := fmt.Sprintf("k%d", k)
+					st, err := s.Claim(ctx, key, fmt.Sprintf("s%d-w%d", si, w), time.Minute)
+					if !assert.NoError(t, err, "claim of %s", key) {
+						continue
+					}
+					assert.Contains(t, []store.Status{store.Claimed, store.Processing}, st, "claim of %s", key)
+					if st == store.Claimed {
+						mu.Lock()
+						claimed[key]++
+						mu.Unlock()
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	for k := range keys {
+		assert.Equal(t, 1, claimed[fmt.Sprintf("k%d", k)], "claims won of k%d", k)
+	}
+}
+
+// A claim sent alone whose context ends while its statement waits for a
+// row lock returns with its context's error and claims nothing; the
+// claims queued behind it are sent at once, without waiting for the lock.
+func TestClaimsSenderCancelled(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	s := newStore(t, pool, pgstore.Options{Table: table})
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('blocker', 'tx', now() + interval '1 minute', now() + interval '1 hour')`)
+	require.NoError(t, err)
+
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	sent := make(chan error, 1)
+	go func() {
+		_, err := s.Claim(sctx, "blocker", "t1", time.Minute)
+		sent <- err
+	}()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+table+`%')`).Scan(&waiting)
+		return waiting
+	}, 10*time.Second, 10*time.Millisecond, "the claim of blocker never waited")
+	keys := []string{"a", "b"}
+	statuses := make([]store.Status, len(keys))
+	var wg sync.WaitGroup
+	for i, k := range keys {
+		wg.Go(func() {
+			st, err := s.Claim(ctx, k, "t1", time.Minute)
+			assert.NoError(t, err, "claim of %q", k)
+			statuses[i] = st
+		})
+	}
+	require.Eventually(t, func() bool { return pgstore.Queued(s) == len(keys) }, 10*time.Second, time.Millisecond)
+	cancel()
+	select {
+	case err := <-sent:
+		assert.ErrorIs(t, err, context.Canceled, "the cancelled claim of blocker")
+	case <-time.After(5 * time.Second):
+		t.Fatal("the claim of blocker still waits 5 s after its context ended")
+	}
+	wg.Wait() // the transaction still holds blocker
+	assert.Equal(t, []store.Status{store.Claimed, store.Claimed}, statuses)
+
+	require.NoError(t, tx.Rollback(ctx))
+	got, err := s.Inspect(ctx, "blocker")
+	require.NoError(t, err)
+	assert.Equal(t, store.KeyState{}.Status, got.Status, "blocker after the cancelled claim and the rollback: want absent")
+}
+
+// Claims whose contexts end at random moments (before they queue, while
+// they wait, while their statement is in flight) each return: a claim
+// answered without an error has a valid status, an error is its
+// context's, and the Store's claims go on working.
+func TestClaimsCancelledAtRandom(t *testing.T) {
+	ctx := context.Background()
+	s := newStore(t, newPool(t), pgstore.Options{})
+	const workers, claims = 16, 40
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for i := range claims {
+				cctx, cancel := context.WithTimeout(ctx, time.Duration(mathrand.IntN(3000))*time.Microsecond)
+				st, err := s.Claim(cctx, fmt.Sprintf("k%d", mathrand.IntN(8)), fmt.Sprintf("w%d-%d", w, i), time.Minute)
+				if err != nil {
+					assert.Error(t, cctx.Err(), "claim failed before its context ended: %v", err)
+				} else {
+					assert.True(t, st.Valid(), "status %v", st)
+				}
+				cancel()
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatal("claims still running after 60 s")
+	}
+	st, err := s.Claim(ctx, "after", "t1", time.Minute)
+	require.NoError(t, err)
+	assert.Equal(t, store.Claimed, st)
 }

@@ -205,19 +205,26 @@ type pgxTxn struct {
 	tx   *inboxTx
 }
 
-func (t *pgxTxn) broken() bool { return t.conn.Conn().IsClosed() }
+// broken reports whether the transaction's connection is gone: closed,
+// or not replaced (see renew).
+func (t *pgxTxn) broken() bool { return t.conn == nil || t.conn.Conn().IsClosed() }
 
 // renew replaces conn, which pgx closed before tx began on it, by another
-// connection of the pool (see inboxTx.pipeline).
+// connection of the pool (see inboxTx.pipeline). The closed one goes back
+// first: it may be the pool's last. If the pool gives none, conn is nil.
 func (t *pgxTxn) renew(ctx context.Context) (*pgx.Conn, error) {
+	t.conn.Release()
+	t.conn = nil
 	conn, err := t.s.pool.Acquire(ctx)
 	if err != nil {
 		return nil, err
 	}
-	t.conn.Release()
 	t.conn = conn
 	return conn.Conn(), nil
 }
+
+// errNoConn: the pool gave no connection to replace the one pgx closed.
+var errNoConn = errors.New("pgstore: the transaction's connection was closed, and the pool gave no other")
 
 // markAndCommit sends the mark and the COMMIT together, in one round trip
 // (a pipeline of the prepared mark and COMMIT, with one Sync): the mark
@@ -226,6 +233,9 @@ func (t *pgxTxn) renew(ctx context.Context) (*pgx.Conn, error) {
 // transaction commits only if the key was marked. Then markAndCommit
 // reads which of 0 and -1 a failed mark meant, after the rollback.
 func (t *pgxTxn) markAndCommit(ctx context.Context, key, token []byte, retention time.Duration) (int, error, error) {
+	if t.conn == nil {
+		return 0, errNoConn, nil
+	}
 	pc := t.conn.Conn().PgConn()
 	if t.tx.settled || t.tx.began && pc.TxStatus() == 'I' {
 		// fn committed or rolled back tx itself.
@@ -287,6 +297,9 @@ func (t *pgxTxn) markAndCommit(ctx context.Context, key, token []byte, retention
 // rollback rolls tx back, unless it is over, and gives conn back to the
 // pool (which closes it if it is still in a transaction).
 func (t *pgxTxn) rollback(ctx context.Context) error {
+	if t.conn == nil {
+		return nil
+	}
 	defer t.conn.Release()
 	if t.conn.Conn().PgConn().TxStatus() == 'I' {
 		return nil
@@ -299,7 +312,11 @@ func (t *pgxTxn) rollback(ctx context.Context) error {
 const divisionByZero = "22012"
 
 // release gives conn back to the pool after the commit.
-func (t *pgxTxn) release() { t.conn.Release() }
+func (t *pgxTxn) release() {
+	if t.conn != nil {
+		t.conn.Release()
+	}
+}
 
 // An sqlTxn is a transaction of database/sql, whose Commit and Rollback
 // take no context: pgx's driver runs them under the context the

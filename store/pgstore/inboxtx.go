@@ -257,19 +257,27 @@ func (t *inboxTx) Conn() *pgx.Conn {
 	return t.conn
 }
 
-func (t *inboxTx) Commit(ctx context.Context) error { return t.settle(ctx, pgx.Tx.Commit) }
+func (t *inboxTx) Commit(ctx context.Context) error { return t.settle(ctx, "COMMIT", pgx.Tx.Commit) }
 
-func (t *inboxTx) Rollback(ctx context.Context) error { return t.settle(ctx, pgx.Tx.Rollback) }
+func (t *inboxTx) Rollback(ctx context.Context) error {
+	return t.settle(ctx, "ROLLBACK", pgx.Tx.Rollback)
+}
 
-// settle commits or rolls back (end) for the function, once. A transaction
-// that never began has nothing to send.
-func (t *inboxTx) settle(ctx context.Context, end func(pgx.Tx, context.Context) error) error {
+// settle commits or rolls back (end, or the statement sql), once. A
+// transaction that never began has nothing to send; one whose BEGIN went
+// with the done mark (see pgxTxn.markAndCommit) has no transaction of pgx
+// to end: sql ends it.
+func (t *inboxTx) settle(ctx context.Context, sql string, end func(pgx.Tx, context.Context) error) error {
 	if t.settled {
 		return pgx.ErrTxClosed
 	}
 	t.settled = true
-	if !t.began {
+	switch {
+	case !t.began:
 		return nil
+	case t.tx == nil:
+		_, err := t.conn.Exec(ctx, sql)
+		return err
 	}
 	return end(t.tx, ctx)
 }

@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -219,4 +222,78 @@ func TestHandlerTxClosedOnceSettled(t *testing.T) {
 			assert.Equal(t, 0, f.count(t, "m1"), "effects")
 		})
 	}
+}
+
+// A function that sends nothing, whose claim is lost before the mark:
+// the mark, which carries the BEGIN, marks nothing, and the transaction
+// is rolled back, as when fn sent something.
+func TestHandlerTxUnusedClaimLost(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		c, _ := middleware.ClaimFrom(ctx)
+		require.NoError(t, f.st.Release(ctx, c.Key(), c.Token()))
+		_, err := f.st.Claim(ctx, c.Key(), "thief", time.Minute)
+		require.NoError(t, err)
+		return nil
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	assert.ErrorIs(t, h.Handle(ctx, delivery("m1")), middleware.ErrLeaseLost)
+	got, err := f.st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.Equal(t, store.Processing, got.Status, "m1, claimed by the thief")
+	assert.Equal(t, "thief", got.Token)
+}
+
+// The connection that replaces the one pgx closed over an argument it
+// could not encode comes from the pool even when the closed one was its
+// last: a pool of one connection serves Handler, whose function then goes
+// on at once.
+func TestHandlerTxArgumentRefusedPoolOfOne(t *testing.T) {
+	ctx := context.Background()
+	cfg := newPool(t).Config()
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	f := newInbox(t, pool)
+	var refused error
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		_, refused = tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
+		return f.insert(ctx, tx, d)
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	hctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	require.NoError(t, h.Handle(hctx, delivery("m1")))
+	assert.Less(t, time.Since(start), 3*time.Second, "Handle's time")
+	assert.Error(t, refused)
+	assert.Equal(t, 1, f.count(t, "m1"))
+}
+
+// If the pool gives no connection to replace the one pgx closed over an
+// argument it could not encode, the delivery fails as when the database
+// cannot be reached, and nothing is committed.
+func TestHandlerTxArgumentRefusedNoConnection(t *testing.T) {
+	ctx := context.Background()
+	cfg := newPool(t).Config()
+	var refuse atomic.Bool
+	cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+		if refuse.Load() {
+			return false, errors.New("no connection for you")
+		}
+		return true, nil
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	f := newInbox(t, pool)
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		refuse.Store(true)
+		defer refuse.Store(false)
+		_, err := tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
+		assert.Error(t, err)
+		return f.insert(ctx, tx, d) // goes on regardless
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	assert.ErrorIs(t, h.Handle(ctx, delivery("m1")), middleware.ErrStoreUnavailable)
+	assert.Equal(t, 0, f.count(t, "m1"))
 }

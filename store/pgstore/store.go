@@ -5,10 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rabbitmw/rabbitmw/store"
@@ -67,7 +69,14 @@ type Options struct {
 // while another is in flight wait for it, and are then sent together, in
 // one such statement of many rows, with one commit: a Store has at most
 // one statement of claims in flight, and a claim waits at most for the
-// one before its own. If the server refuses such a statement, its claims
+// one before its own. That one may wait in turn, and every claim queued
+// behind it with it: for a row of its keys that another transaction holds
+// locked (another consumer's claim or done mark, until it commits; the
+// transaction of [SQLHandler] holds its key's row for a round trip
+// between the mark and the commit, longer if its consumer stops
+// answering). A statement sent for others waits 10 seconds at most, then
+// fails each of its claims; a claim sent alone waits as long as its
+// context lets it. If the server refuses such a statement, its claims
 // are sent again one by one, so that a claim it refuses (a key too long
 // for the primary key's index) fails alone. Extend, Complete and
 // Release are an UPDATE or DELETE
@@ -392,7 +401,7 @@ func (s *Store) claimMany(ctx context.Context, batch []*claimReq) {
 			err = fmt.Errorf("%d answers to %d claims", i, len(batch))
 		}
 	}
-	if err != nil && isPgError(err) && ctx.Err() == nil {
+	if err != nil && refused(err) && ctx.Err() == nil {
 		// The server refused the statement, which committed nothing. One
 		// claim may be the cause (a key too long for the index, say):
 		// each is sent alone, for an answer of its own.
@@ -487,6 +496,15 @@ func (s *Store) Prune(ctx context.Context, limit int) (int64, error) {
 }
 
 var _ store.Store = (*Store)(nil)
+
+// refused reports whether err is an error of the server that ended the
+// statement's transaction uncommitted: any but the errors of a connection
+// that ends (class 08, 57P, a server shutting down, a terminated backend),
+// which may come after the commit.
+func refused(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && !strings.HasPrefix(pe.Code, "08") && !strings.HasPrefix(pe.Code, "57P")
+}
 
 // isPgError reports whether err is an error that PostgreSQL sent, as
 // opposed to one of the connection or the client.

@@ -262,3 +262,44 @@ func TestClaimCommitMode(t *testing.T) {
 		assert.Equal(t, "on", mode)
 	}
 }
+
+// A done mark keeps its claim's forget_at unless its retention ends later
+// (so that the mark is a HOT update): it lasts for its retention, whether
+// that ends before or after the claim's row would have been forgotten,
+// and Prune, which deletes by forget_at, deletes neither it nor the claim
+// that takes its key once it is forgotten.
+func TestDoneMarkRetention(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	s := newStore(t, pool, pgstore.Options{AbandonedRetention: time.Millisecond, PruneEvery: -1})
+	const short = 300 * time.Millisecond
+
+	// The mark outlives its claim's lease and AbandonedRetention.
+	claim(t, s, "outlives", "t1", short, store.Claimed)
+	require.NoError(t, s.Complete(ctx, "outlives", "t1", time.Hour))
+	// The mark ends before its claim's row would have been forgotten.
+	claim(t, s, "ends first", "t1", time.Hour, store.Claimed)
+	require.NoError(t, s.Complete(ctx, "ends first", "t1", short))
+	claim(t, s, "ends first", "t2", time.Hour, store.Done)
+
+	time.Sleep(2 * short) // waits for the database's clock
+	_, err := s.Prune(ctx, 1000)
+	require.NoError(t, err)
+	claim(t, s, "outlives", "t2", time.Hour, store.Done)
+	got, err := s.Inspect(ctx, "outlives")
+	require.NoError(t, err)
+	assert.Equal(t, store.Done, got.Status)
+	assert.Greater(t, got.TTL, 50*time.Minute, "the mark's TTL")
+
+	claim(t, s, "ends first", "t3", time.Hour, store.Claimed)
+	_, err = s.Prune(ctx, 1000)
+	require.NoError(t, err)
+	claim(t, s, "ends first", "t4", time.Hour, store.Processing)
+}
+
+func claim(t *testing.T, s *pgstore.Store, key, token string, lease time.Duration, want store.Status) {
+	t.Helper()
+	st, err := s.Claim(context.Background(), key, token, lease)
+	require.NoError(t, err, "Claim(%q, %q)", key, token)
+	require.Equal(t, want, st, "Claim(%q, %q)", key, token)
+}
