@@ -352,7 +352,7 @@ func (s *amqpSession) send(p *pendingPublish) {
 }
 
 // errAbandoned resolves a publish whose caller gave up before it was sent;
-// nobody reads it.
+// Publish returns its context's error in its place.
 var errAbandoned = errors.New("publish abandoned")
 
 func (s *amqpSession) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
@@ -384,6 +384,10 @@ func (s *amqpSession) Publish(ctx context.Context, exchange, key string, msg amq
 	}
 	select {
 	case res := <-p.done:
+		if res == errAbandoned {
+			// Not sent, ctx being done: both were ready at once.
+			return ctx.Err()
+		}
 		return s.publishResult(res, exchange, key)
 	case <-ctx.Done():
 		// The publish stays pending: its channel's goroutine removes it,

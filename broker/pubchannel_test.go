@@ -270,6 +270,26 @@ func (p *nackProxy) stick() {
 	}
 }
 
+// unconfirmed returns how many publishes the client sent that the server
+// has not confirmed yet.
+func (p *nackProxy) unconfirmed() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, tags := range p.unconf {
+		n += len(tags)
+	}
+	return n
+}
+
+// unstick lets the acks through as they are again; tally goes on
+// counting.
+func (p *nackProxy) unstick() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.stuck = map[uint16]bool{}
+}
+
 // tally returns how many publishes reached the client as nacked, and how
 // many as acked, since stick.
 func (p *nackProxy) tally() (nacked, acked int64) {
@@ -956,4 +976,132 @@ func TestRabbitMQReplacementWaitsForTheReplacedChannel(t *testing.T) {
 		open, _ := px.openChannels()
 		return len(open) == 2 && !slices.Contains(open, second)
 	}, 10*time.Second, 5*time.Millisecond, "the second channel closed once replaced")
+}
+
+// Many publishers, some of which give up on their publishes, while the
+// server's acks turn to nacks and back, on the channels in use each time:
+// a publish is reported confirmed only as often as the client received
+// an ack, and nacked only as often as it received a nack; the session
+// goes on, with three channels open at most.
+func TestRabbitMQPublishersWhileNacksComeAndGo(t *testing.T) {
+	ctx := testContext(t, time.Minute)
+	logs := fixtures.NewLogRecorder(t)
+	px, s, q := stuckSession(t, ctx, "rabbitmw test nacks come and go", logs)
+	px.unstick()
+	px.resetMaxOpen()
+
+	const (
+		publishers = 16
+		span       = 4 * time.Second
+	)
+	var confirmed, nacked, gaveUp atomic.Int64
+	began := time.Now()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-time.After(time.Duration(150+i%4*100) * time.Millisecond):
+			}
+			if i%2 == 0 {
+				px.stick()
+			} else {
+				px.unstick()
+			}
+		}
+	})
+	var pubs sync.WaitGroup
+	for i := range publishers {
+		pubs.Go(func() {
+			for n := 0; time.Since(began) < span; n++ {
+				id := "p" + strconv.Itoa(i) + "-" + strconv.Itoa(n)
+				pctx, cancel := ctx, context.CancelFunc(func() {})
+				if (i+n)%5 == 0 {
+					// Gives up at about the time of its confirm.
+					pctx, cancel = context.WithTimeout(ctx, time.Duration(n%3)*time.Millisecond)
+				}
+				err := s.Publish(pctx, "", q, amqp.Publishing{MessageId: id, Body: []byte(id)})
+				cancel()
+				switch {
+				case err == nil:
+					confirmed.Add(1)
+				case errors.Is(err, ErrNacked):
+					nacked.Add(1)
+				case errors.Is(err, context.DeadlineExceeded):
+					gaveUp.Add(1)
+				default:
+					t.Errorf("publish %s: %v; want a confirm, ErrNacked or the context's error", id, err)
+					return
+				}
+			}
+		})
+	}
+	pubs.Wait()
+	close(stop)
+	wg.Wait()
+	// The publishes given up get their confirms too.
+	require.Eventually(t, func() bool { return px.unconfirmed() == 0 }, 10*time.Second, 5*time.Millisecond, "confirms of every publish sent")
+	sentNacked, sentAcked := px.tally()
+	open, most := px.openChannels()
+	t.Logf("%d publishes confirmed, %d nacked, %d given up; the client received %d acks, %d nacks; %d replacements; channels open %v, at most %d at once",
+		confirmed.Load(), nacked.Load(), gaveUp.Load(), sentAcked, sentNacked, logs.Count("publish channel replaced"), open, most)
+	assert.GreaterOrEqual(t, logs.Count("publish channel replaced"), 1, "replacements")
+	assert.GreaterOrEqual(t, nacked.Load(), int64(1), "publishes nacked")
+	assert.LessOrEqual(t, confirmed.Load(), sentAcked, "publishes reported confirmed; the acks are")
+	assert.LessOrEqual(t, nacked.Load(), sentNacked, "publishes reported nacked; the nacks are")
+	assert.GreaterOrEqual(t, confirmed.Load()+gaveUp.Load(), sentAcked, "publishes confirmed or given up; the acks are")
+	assert.GreaterOrEqual(t, nacked.Load()+gaveUp.Load(), sentNacked, "publishes nacked or given up; the nacks are")
+	assert.LessOrEqual(t, most, 3, "channels open at once")
+	select {
+	case <-s.Closed():
+		t.Fatalf("the session closed: %v", s.Reason())
+	default:
+	}
+}
+
+// A publish whose caller gives up as it is handed over returns the
+// context's error, or its result if it was sent; never the session's
+// internal errAbandoned (of a publish not sent because its caller gave
+// up), which reached the caller when both were ready at once.
+func TestRabbitMQPublishGivenUpReturnsTheContextsError(t *testing.T) {
+	ctx := testContext(t, time.Minute)
+	s, err := newAMQPTransport(testenv.RabbitMQURL(t), Options{}.resolve()).Dial(ctx, "rabbitmw test publish given up")
+	require.NoError(t, err, "dial")
+	defer s.Close()
+	q := queueName(t)
+	require.NoError(t, s.Declare(ctx, []queueSpec{{Name: q}}), "declare")
+	defer func() { assert.NoError(t, s.Delete(context.Background(), []string{q}), "delete") }()
+
+	const (
+		publishers = 8
+		each       = 400
+	)
+	var sent, gaveUp atomic.Int64
+	var wg sync.WaitGroup
+	for i := range publishers {
+		wg.Go(func() {
+			for n := range each {
+				id := "p" + strconv.Itoa(i) + "-" + strconv.Itoa(n)
+				pctx, cancel := context.WithCancel(ctx)
+				// About as the publish is handed over, or sent.
+				stop := time.AfterFunc(time.Duration(n%20)*10*time.Microsecond, cancel)
+				err := s.Publish(pctx, "", q, amqp.Publishing{MessageId: id, Body: []byte(id)})
+				stop.Stop()
+				cancel()
+				switch {
+				case err == nil:
+					sent.Add(1)
+				case errors.Is(err, context.Canceled):
+					gaveUp.Add(1)
+				default:
+					t.Errorf("publish %s: %v; want nil or context.Canceled", id, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d publishes confirmed, %d given up", sent.Load(), gaveUp.Load())
 }

@@ -69,26 +69,18 @@ func TestClaimsWaitingCancelled(t *testing.T) {
 	s := newStore(t, pool, pgstore.Options{Table: table})
 	// A transaction holds an uncommitted claim of "blocker": a claim of it
 	// waits for the transaction, and holds the Store's statement in flight.
-	tx, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx)
-	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('blocker', 'tx', now() + interval '1 minute', now() + interval '1 hour')`)
-	require.NoError(t, err)
+	tx := lockRow(t, pool, table, "blocker")
 	blocked := make(chan store.Status)
 	go func() {
 		st, _ := s.Claim(ctx, "blocker", "t1", time.Minute)
 		blocked <- st
 	}()
-	require.Eventually(t, func() bool {
-		var waiting bool
-		pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+table+`%')`).Scan(&waiting)
-		return waiting
-	}, 10*time.Second, 10*time.Millisecond, "the claim of blocker never waited")
+	waitForLock(t, pool, table)
 
 	cctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	_, err = s.Claim(cctx, "x", "gave-up", time.Minute)
+	_, err := s.Claim(cctx, "x", "gave-up", time.Minute)
 	assert.Error(t, err, "a claim whose context ended while it waited")
 	assert.Less(t, time.Since(start), 5*time.Second, "the cancelled claim waited for the statement in flight")
 	behind := make(chan store.Status)
@@ -105,6 +97,29 @@ func TestClaimsWaitingCancelled(t *testing.T) {
 	assert.Equal(t, store.Claimed, st, "x, after the claim that gave up")
 }
 
+// lockRow makes a claim of key wait: a transaction, rolled back when t
+// ends if not before, holds an uncommitted row of key in table.
+func lockRow(t *testing.T, pool *pgxpool.Pool, table, key string) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { tx.Rollback(ctx) })
+	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ($1, 'tx', now() + interval '1 minute', now() + interval '1 hour')`, []byte(key))
+	require.NoError(t, err)
+	return tx
+}
+
+// waitForLock waits until a statement on table waits for a lock.
+func waitForLock(t *testing.T, pool *pgxpool.Pool, table string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+table+`%')`).Scan(&waiting)
+		return waiting
+	}, 10*time.Second, 10*time.Millisecond, "no statement on %s waits for a lock", table)
+}
+
 // holdClaims makes the claims of s wait: a transaction holds an
 // uncommitted row of key "blocker", and a claim of it is the Store's
 // statement in flight until the returned function rolls the transaction
@@ -112,21 +127,13 @@ func TestClaimsWaitingCancelled(t *testing.T) {
 func holdClaims(t *testing.T, pool *pgxpool.Pool, table string, s *pgstore.Store) (release func(), blocked <-chan store.Status) {
 	t.Helper()
 	ctx := context.Background()
-	tx, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { tx.Rollback(ctx) })
-	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('blocker', 'tx', now() + interval '1 minute', now() + interval '1 hour')`)
-	require.NoError(t, err)
+	tx := lockRow(t, pool, table, "blocker")
 	ch := make(chan store.Status, 1)
 	go func() {
 		st, _ := s.Claim(ctx, "blocker", "t1", time.Minute)
 		ch <- st
 	}()
-	require.Eventually(t, func() bool {
-		var waiting bool
-		pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+table+`%')`).Scan(&waiting)
-		return waiting
-	}, 10*time.Second, 10*time.Millisecond, "the claim of blocker never waited")
+	waitForLock(t, pool, table)
 	return func() { require.NoError(t, tx.Rollback(ctx)) }, ch
 }
 
@@ -185,11 +192,7 @@ func TestClaimsTogetherConnectionEnds(t *testing.T) {
 	s := newStore(t, pool, pgstore.Options{Table: table})
 	// A second transaction holds "x", so that the statement of x, y and z
 	// waits.
-	tx, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx)
-	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('x', 'tx', now() + interval '1 minute', now() + interval '1 hour')`)
-	require.NoError(t, err)
+	tx := lockRow(t, pool, table, "x")
 	release, blocked := holdClaims(t, pool, table, s)
 
 	keys := []string{"x", "y", "z"}
@@ -206,7 +209,7 @@ func TestClaimsTogetherConnectionEnds(t *testing.T) {
 		err := pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND query LIKE '%`+table+`%'`).Scan(&pid)
 		return err == nil
 	}, 10*time.Second, 10*time.Millisecond, "the statement of x, y and z never waited")
-	_, err = pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
+	_, err := pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
 	require.NoError(t, err)
 	wg.Wait()
 	for i, k := range keys {
@@ -229,20 +232,13 @@ func TestClaimsTogetherConnectionEnds(t *testing.T) {
 // answer.
 func TestClaimsTogetherInEveryExecMode(t *testing.T) {
 	keys := []string{"", "a,b", "{c}", `d"e`, `f\g`, "h\x00i", "NULL", "\xff\xfe", "j k"}
-	for _, mode := range []pgx.QueryExecMode{
-		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
-	} {
+	for _, mode := range execModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			ctx := context.Background()
-			cfg := newPool(t).Config()
-			cfg.ConnConfig.DefaultQueryExecMode = mode
-			pool, err := pgxpool.NewWithConfig(ctx, cfg)
-			require.NoError(t, err)
-			t.Cleanup(pool.Close)
+			pool := newPoolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode })
 			table := uniqueTable(t, pool)
 			s := newStore(t, pool, pgstore.Options{Table: table})
-			_, err = s.Claim(ctx, "a,b", "earlier", time.Minute)
+			_, err := s.Claim(ctx, "a,b", "earlier", time.Minute)
 			require.NoError(t, err)
 			release, blocked := holdClaims(t, pool, table, s)
 			statuses := make([]store.Status, len(keys))
@@ -318,11 +314,7 @@ func TestClaimsSenderCancelled(t *testing.T) {
 	pool := newPool(t)
 	table := uniqueTable(t, pool)
 	s := newStore(t, pool, pgstore.Options{Table: table})
-	tx, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx)
-	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('blocker', 'tx', now() + interval '1 minute', now() + interval '1 hour')`)
-	require.NoError(t, err)
+	tx := lockRow(t, pool, table, "blocker")
 
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -331,11 +323,7 @@ func TestClaimsSenderCancelled(t *testing.T) {
 		_, err := s.Claim(sctx, "blocker", "t1", time.Minute)
 		sent <- err
 	}()
-	require.Eventually(t, func() bool {
-		var waiting bool
-		pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+table+`%')`).Scan(&waiting)
-		return waiting
-	}, 10*time.Second, 10*time.Millisecond, "the claim of blocker never waited")
+	waitForLock(t, pool, table)
 	keys := []string{"a", "b"}
 	statuses := make([]store.Status, len(keys))
 	var wg sync.WaitGroup

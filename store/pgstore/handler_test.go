@@ -587,17 +587,10 @@ func TestStackAbandonedAttempt(t *testing.T) {
 // statements): in every mode the effect and the mark commit together, and
 // a mark that finds the claim lost commits nothing.
 func TestHandlerInEveryExecMode(t *testing.T) {
-	for _, mode := range []pgx.QueryExecMode{
-		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
-	} {
+	for _, mode := range execModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			ctx := context.Background()
-			cfg := newPool(t).Config()
-			cfg.ConnConfig.DefaultQueryExecMode = mode
-			pool, err := pgxpool.NewWithConfig(ctx, cfg)
-			require.NoError(t, err)
-			t.Cleanup(pool.Close)
+			pool := newPoolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode })
 			f := newInbox(t, pool)
 			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 				if d.MessageId == "lost" {
@@ -618,7 +611,7 @@ func TestHandlerInEveryExecMode(t *testing.T) {
 				_, err = pool.Exec(ctx, `TRUNCATE `+strings.TrimSuffix(f.effects, "_effects"))
 				require.NoError(t, err)
 			}
-			err = h.Handle(ctx, delivery("lost"))
+			err := h.Handle(ctx, delivery("lost"))
 			assert.ErrorIs(t, err, middleware.ErrLeaseLost)
 			assert.Equal(t, 0, f.count(t, "lost"), "effects of a lost claim")
 		})

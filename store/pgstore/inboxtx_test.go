@@ -250,12 +250,7 @@ func TestHandlerTxUnusedClaimLost(t *testing.T) {
 // on at once.
 func TestHandlerTxArgumentRefusedPoolOfOne(t *testing.T) {
 	ctx := context.Background()
-	cfg := newPool(t).Config()
-	cfg.MaxConns = 1
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	f := newInbox(t, pool)
+	f := newInbox(t, newPoolWith(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 }))
 	var refused error
 	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		_, refused = tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
@@ -275,18 +270,15 @@ func TestHandlerTxArgumentRefusedPoolOfOne(t *testing.T) {
 // cannot be reached, and nothing is committed.
 func TestHandlerTxArgumentRefusedNoConnection(t *testing.T) {
 	ctx := context.Background()
-	cfg := newPool(t).Config()
 	var refuse atomic.Bool
-	cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
-		if refuse.Load() {
-			return false, errors.New("no connection for you")
+	f := newInbox(t, newPoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+			if refuse.Load() {
+				return false, errors.New("no connection for you")
+			}
+			return true, nil
 		}
-		return true, nil
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	f := newInbox(t, pool)
+	}))
 	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		refuse.Store(true)
 		defer refuse.Store(false)
@@ -296,4 +288,45 @@ func TestHandlerTxArgumentRefusedNoConnection(t *testing.T) {
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	assert.ErrorIs(t, h.Handle(ctx, delivery("m1")), middleware.ErrStoreUnavailable)
 	assert.Equal(t, 0, f.count(t, "m1"))
+}
+
+// Savepoints nest in Handler's transaction as in pgx's: a statement that
+// fails in an inner one, rolled back to, leaves the transaction going, and
+// what the outer ones hold commits with the done mark.
+func TestHandlerTxNestedSavepoints(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	insert := `INSERT INTO ` + f.effects + ` (id) VALUES ($1)`
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		outer, err := tx.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if _, err := outer.Exec(ctx, insert, d.MessageId+"-outer"); err != nil {
+			return err
+		}
+		inner, err := outer.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if _, err := inner.Exec(ctx, insert, d.MessageId+"-inner"); err != nil {
+			return err
+		}
+		if _, err := inner.Exec(ctx, `SELECT 1/0`); err == nil {
+			return errors.New("division by zero succeeded")
+		}
+		if err := inner.Rollback(ctx); err != nil {
+			return err
+		}
+		if err := outer.Commit(ctx); err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, insert, d.MessageId)
+		return err
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	require.NoError(t, h.Handle(ctx, delivery("m1")))
+	assert.Equal(t, 1, f.count(t, "m1-outer"))
+	assert.Equal(t, 0, f.count(t, "m1-inner"), "effects rolled back to the inner savepoint")
+	assert.Equal(t, 1, f.count(t, "m1"))
+	assert.Equal(t, store.Done, f.status(t, "m1"))
 }

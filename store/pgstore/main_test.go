@@ -61,6 +61,24 @@ func newPool(t testing.TB) *pgxpool.Pool {
 	return pool
 }
 
+// newPoolWith returns a pool on the test database, with the
+// configuration that configure changed, closed when t ends.
+func newPoolWith(t testing.TB, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg := newPool(t).Config()
+	configure(cfg)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// execModes are the modes in which a pool may send its statements.
+var execModes = []pgx.QueryExecMode{
+	pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+	pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+}
+
 // uniqueTable returns a table name of its own for t, whose tables are
 // dropped when t ends: other tests, of other people too, may share the
 // database.

@@ -272,7 +272,7 @@ func TestDoneMarkRetention(t *testing.T) {
 	ctx := context.Background()
 	pool := newPool(t)
 	s := newStore(t, pool, pgstore.Options{AbandonedRetention: time.Millisecond, PruneEvery: -1})
-	const short = 300 * time.Millisecond
+	const short = time.Second
 
 	// The mark outlives its claim's lease and AbandonedRetention.
 	claim(t, s, "outlives", "t1", short, store.Claimed)

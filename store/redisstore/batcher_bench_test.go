@@ -21,8 +21,11 @@ import (
 // (NoBatching), the batcher (New's default) and go-redis's autopipeliner. Read it with -benchtime and the
 // CPU figures of BENCHMARKS.md: wall time on a shared machine says little.
 // It reports the CPU the Redis server spent per pair (redis-µs/op, from
-// INFO cpu: exact only on a Redis that serves nothing else, REDIS_ADDR)
-// and the requests sent per pair (trips/op).
+// INFO cpu: exact only on a Redis that serves nothing else, REDIS_ADDR),
+// the CPU of this process per pair (client-µs/op, from getrusage, on
+// Linux: the store's, the batcher's and go-redis's share of a consumer's
+// CPU) and
+// the requests sent per pair (trips/op).
 func BenchmarkClaimComplete(b *testing.B) {
 	addr := testenv.RedisAddr(b)
 	c := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true, PoolSize: 32})
@@ -49,7 +52,7 @@ func BenchmarkClaimComplete(b *testing.B) {
 			ctx := context.Background()
 			require.NoError(b, s.Load(ctx))
 			b.SetParallelism(8) // 16 goroutines on 2 cores, as the consumer's workers
-			cpu, trips := redisCPU(b, c), rt.Count()
+			cpu, trips, self := redisCPU(b, c), rt.Count(), selfCPU()
 			b.ResetTimer()
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
@@ -65,6 +68,9 @@ func BenchmarkClaimComplete(b *testing.B) {
 				}
 			})
 			b.StopTimer()
+			if self >= 0 {
+				b.ReportMetric(float64(selfCPU()-self)/float64(time.Microsecond)/float64(b.N), "client-µs/op")
+			}
 			trips = rt.Count() - trips
 			b.ReportMetric(float64(redisCPU(b, c)-cpu)/float64(time.Microsecond)/float64(b.N), "redis-µs/op")
 			b.ReportMetric(float64(trips)/float64(b.N), "trips/op")
