@@ -168,9 +168,8 @@ func (pc *pubChannel) run() {
 // it. RabbitMQ may nack a publish (a full queue's reject-publish) before
 // it acks the earlier ones with one multiple ack whose range spans the
 // nacked tag, and amqp091's NotifyPublish then reports the nacked tag as
-// acked
-// (confirms.Multiple, v1.16.0); its DeferredConfirmation keeps the nack.
-// So a publish is acked only if both say so. s.pendMu must be held.
+// acked (confirms.Multiple, v1.16.0); its DeferredConfirmation keeps the
+// nack. So a publish is acked only if both say so. s.pendMu must be held.
 func (pc *pubChannel) result(p *pendingPublish, ack bool) error {
 	if p.dc != nil {
 		select {
