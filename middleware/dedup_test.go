@@ -699,3 +699,57 @@ func TestDedupDerivedContextsEnd(t *testing.T) {
 		}
 	}
 }
+
+// Handlers under more consumers' contexts than a Dedup watches at once
+// each end with their own consumer's cancellation, and only with it;
+// their derived contexts still carry their claim and their consumer's
+// values once ended.
+func TestDedupManyConsumers(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const consumers, each = 20, 3
+		type valueKey struct{}
+		h := rabbitmw.Chain(middleware.Dedup(store.NewMemory(), middleware.DedupOptions{}), middleware.Timeout(time.Hour))(
+			rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+				ctx, cancel := context.WithCancel(ctx)
+				defer cancel()
+				<-ctx.Done()
+				c, ok := middleware.ClaimFrom(ctx)
+				switch {
+				case !ok || c.Key() != d.MessageId:
+					return fmt.Errorf("ClaimFrom = %v, %v; want the claim of %q", c, ok, d.MessageId)
+				case ctx.Value(valueKey{}) != d.ConsumerTag:
+					return fmt.Errorf("value %v; want %q", ctx.Value(valueKey{}), d.ConsumerTag)
+				}
+				return context.Cause(ctx)
+			}))
+		stops := make([]context.CancelCauseFunc, consumers)
+		results := make([][each]error, consumers)
+		var wg sync.WaitGroup
+		for i := range consumers {
+			tag := fmt.Sprintf("consumer-%d", i)
+			var ctx context.Context
+			ctx, stops[i] = context.WithCancelCause(context.WithValue(context.Background(), valueKey{}, tag))
+			for j := range each {
+				d, _ := deliverytest.New(fmt.Sprintf("m%d-%d", i, j), "")
+				d.ConsumerTag = tag
+				wg.Go(func() { results[i][j] = h.Handle(ctx, d) })
+			}
+		}
+		synctest.Wait()
+		for i := range consumers {
+			stops[i](fmt.Errorf("stop %d", i))
+			synctest.Wait()
+			for k := range consumers {
+				for j := range each {
+					switch {
+					case k <= i:
+						assert.EqualError(t, results[k][j], fmt.Sprintf("stop %d", k), "handler %d of consumer %d after consumer %d stopped", j, k, i)
+					default:
+						assert.NoError(t, results[k][j], "handler %d of consumer %d, running, after consumer %d stopped", j, k, i)
+					}
+				}
+			}
+		}
+		wg.Wait()
+	})
+}
