@@ -33,8 +33,12 @@ import (
 // the delivery but must not modify it, nor keep it after Handle returns.
 //
 // Handle must honour the cancellation of ctx: when ctx is done the work
-// should stop and Handle return. A Handler may be called concurrently from
-// several goroutines, with different deliveries.
+// should stop and Handle return. A client that reads only ctx's deadline
+// and not its cancellation (go-redis v9, whose blocking commands end at
+// the deadline with ContextTimeoutEnabled, and never without) does not
+// stop when a lost lease cancels ctx: give such a call a deadline of its
+// own, below the lease. A Handler may be called concurrently from several
+// goroutines, with different deliveries.
 //
 // If Handle panics, the panic is the caller's: the [middleware.Recover]
 // layer turns it into an error that counts as a failed attempt, and the
