@@ -34,8 +34,8 @@ import (
 //
 // Handle must honour the cancellation of ctx: when ctx is done the work
 // should stop and Handle return. A client that reads only ctx's deadline
-// and not its cancellation (go-redis v9, whose blocking commands end at
-// the deadline with ContextTimeoutEnabled, and never without) does not
+// and not its cancellation (go-redis v9: a blocking command ends at ctx's
+// deadline with ContextTimeoutEnabled, else at its own timeout) does not
 // stop when a lost lease cancels ctx: give such a call a deadline of its
 // own, below the lease. A Handler may be called concurrently from several
 // goroutines, with different deliveries.
