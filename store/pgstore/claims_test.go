@@ -386,14 +386,33 @@ func TestClaimsCancelledAtRandom(t *testing.T) {
 	assert.Equal(t, store.Claimed, st)
 }
 
-// holdRow makes key's row in table busy: a transaction, rolled back when
-// t ends if not before, holds the committed row of key locked, as
-// SQLHandler's transaction holds its key's row between the done mark and
-// the commit. The key's row is first a done mark whose retention has
-// ended, so that a claim takes it once the transaction ends.
-func holdRow(t *testing.T, pool *pgxpool.Pool, s *pgstore.Store, table, key string) pgx.Tx {
+// The ways a transaction holds a row locked: with SELECT … FOR UPDATE,
+// and with an uncommitted UPDATE, as SQLHandler's transaction holds its
+// key's row between the done mark and the commit.
+var rowLockers = map[string]string{
+	"for update":         `SELECT FROM %s WHERE key = $1 FOR UPDATE`,
+	"uncommitted update": `UPDATE %s SET lease_until = statement_timestamp() + interval '1 hour' WHERE key = $1`,
+}
+
+// busyRow is a Store on a table of its own, one of whose rows another
+// transaction holds locked.
+type busyRow struct {
+	pool  *pgxpool.Pool
+	table string
+	s     *pgstore.Store
+	tx    pgx.Tx // holds the row locked
+}
+
+// holdRow returns a busyRow whose key's row is held locked with locker,
+// one of rowLockers, by a transaction rolled back when t ends if not
+// before. The key's row is first a done mark whose retention has ended,
+// so that a claim takes it once the transaction ends.
+func holdRow(t *testing.T, key, locker string) busyRow {
 	t.Helper()
 	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	s := newStore(t, pool, pgstore.Options{Table: table})
 	st, err := s.Claim(ctx, key, "earlier", time.Minute)
 	require.NoError(t, err)
 	require.Equal(t, store.Claimed, st, "the first claim of %q", key)
@@ -401,10 +420,10 @@ func holdRow(t *testing.T, pool *pgxpool.Pool, s *pgstore.Store, table, key stri
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	t.Cleanup(func() { tx.Rollback(ctx) })
-	tag, err := tx.Exec(ctx, `SELECT FROM `+table+` WHERE key = $1 FOR UPDATE`, []byte(key))
+	tag, err := tx.Exec(ctx, fmt.Sprintf(locker, table), []byte(key))
 	require.NoError(t, err)
 	require.EqualValues(t, 1, tag.RowsAffected(), "rows of %q locked", key)
-	return tx
+	return busyRow{pool, table, s, tx}
 }
 
 // busyBound is how long a claim may take when its row, or another row of
@@ -437,32 +456,34 @@ func claimAsync(s *pgstore.Store, key, token string) <-chan claimAnswer {
 // behind it are sent at once. Once the transaction ends, the key can be
 // claimed.
 func TestClaimLockedRowAlone(t *testing.T) {
-	ctx := context.Background()
-	pool := newPool(t)
-	table := uniqueTable(t, pool)
-	s := newStore(t, pool, pgstore.Options{Table: table})
-	tx := holdRow(t, pool, s, table, "a")
+	for name, locker := range rowLockers {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			row := holdRow(t, "a", locker)
+			s := row.s
 
-	start := time.Now()
-	a := claimAsync(s, "a", "t1")
-	require.Eventually(t, func() bool { return pgstore.InFlight(s) || len(a) > 0 }, 10*time.Second, time.Millisecond)
-	b, c := claimAsync(s, "b", "t1"), claimAsync(s, "c", "t1")
-	for _, w := range []struct {
-		key  string
-		ch   <-chan claimAnswer
-		want store.Status
-	}{{"a", a, store.Processing}, {"b", b, store.Claimed}, {"c", c, store.Claimed}} {
-		got := <-w.ch
-		if assert.NoError(t, got.err, "claim of %q", w.key) {
-			assert.Equal(t, w.want, got.st, "claim of %q", w.key)
-		}
-		assert.Less(t, got.at.Sub(start), busyBound, "claim of %q answered after", w.key)
+			start := time.Now()
+			a := claimAsync(s, "a", "t1")
+			require.Eventually(t, func() bool { return pgstore.InFlight(s) || len(a) > 0 }, 10*time.Second, time.Millisecond)
+			b, c := claimAsync(s, "b", "t1"), claimAsync(s, "c", "t1")
+			for _, w := range []struct {
+				key  string
+				ch   <-chan claimAnswer
+				want store.Status
+			}{{"a", a, store.Processing}, {"b", b, store.Claimed}, {"c", c, store.Claimed}} {
+				got := <-w.ch
+				if assert.NoError(t, got.err, "claim of %q", w.key) {
+					assert.Equal(t, w.want, got.st, "claim of %q", w.key)
+				}
+				assert.Less(t, got.at.Sub(start), busyBound, "claim of %q answered after", w.key)
+			}
+
+			require.NoError(t, row.tx.Rollback(ctx))
+			st, err := s.Claim(ctx, "a", "t2", time.Minute)
+			require.NoError(t, err)
+			assert.Equal(t, store.Claimed, st, "claim of a once the transaction ended")
+		})
 	}
-
-	require.NoError(t, tx.Rollback(ctx))
-	st, err := s.Claim(ctx, "a", "t2", time.Minute)
-	require.NoError(t, err)
-	assert.Equal(t, store.Claimed, st, "claim of a once the transaction ended")
 }
 
 // Claims sent together, one of whose rows another transaction holds
@@ -470,36 +491,38 @@ func TestClaimLockedRowAlone(t *testing.T) {
 // others get their own answers at once. Once the transaction ends, the
 // key can be claimed.
 func TestClaimsTogetherLockedRow(t *testing.T) {
-	ctx := context.Background()
-	pool := newPool(t)
-	table := uniqueTable(t, pool)
-	s := newStore(t, pool, pgstore.Options{Table: table})
-	tx := holdRow(t, pool, s, table, "a")
-	release, blocked := holdClaims(t, pool, table, s)
+	for name, locker := range rowLockers {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			row := holdRow(t, "a", locker)
+			s := row.s
+			release, blocked := holdClaims(t, row.pool, row.table, s)
 
-	keys := []string{"a", "b", "c", "d"}
-	answers := make([]<-chan claimAnswer, len(keys))
-	for i, k := range keys {
-		answers[i] = claimAsync(s, k, "t1")
-	}
-	require.Eventually(t, func() bool { return pgstore.Queued(s) == len(keys) }, 10*time.Second, time.Millisecond)
-	start := time.Now()
-	release()
-	assert.Equal(t, store.Claimed, <-blocked)
-	for i, k := range keys {
-		want := store.Claimed
-		if k == "a" {
-			want = store.Processing
-		}
-		got := <-answers[i]
-		if assert.NoError(t, got.err, "claim of %q", k) {
-			assert.Equal(t, want, got.st, "claim of %q", k)
-		}
-		assert.Less(t, got.at.Sub(start), busyBound, "claim of %q answered after", k)
-	}
+			keys := []string{"a", "b", "c", "d"}
+			answers := make([]<-chan claimAnswer, len(keys))
+			for i, k := range keys {
+				answers[i] = claimAsync(s, k, "t1")
+			}
+			require.Eventually(t, func() bool { return pgstore.Queued(s) == len(keys) }, 10*time.Second, time.Millisecond)
+			start := time.Now()
+			release()
+			assert.Equal(t, store.Claimed, <-blocked)
+			for i, k := range keys {
+				want := store.Claimed
+				if k == "a" {
+					want = store.Processing
+				}
+				got := <-answers[i]
+				if assert.NoError(t, got.err, "claim of %q", k) {
+					assert.Equal(t, want, got.st, "claim of %q", k)
+				}
+				assert.Less(t, got.at.Sub(start), busyBound, "claim of %q answered after", k)
+			}
 
-	require.NoError(t, tx.Rollback(ctx))
-	st, err := s.Claim(ctx, "a", "t2", time.Minute)
-	require.NoError(t, err)
-	assert.Equal(t, store.Claimed, st, "claim of a once the transaction ended")
+			require.NoError(t, row.tx.Rollback(ctx))
+			st, err := s.Claim(ctx, "a", "t2", time.Minute)
+			require.NoError(t, err)
+			assert.Equal(t, store.Claimed, st, "claim of a once the transaction ended")
+		})
+	}
 }
