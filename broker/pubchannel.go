@@ -143,22 +143,17 @@ func (pc *pubChannel) run() {
 			s.pendMu.Lock()
 			p := pc.pending[c.DeliveryTag]
 			delete(pc.pending, c.DeliveryTag)
-			if !c.Ack {
-				pc.nacks++
-			}
-			if p != nil {
-				var res error
-				if n := pc.returned[p.msg.MessageId]; n > 0 {
-					if n == 1 {
-						delete(pc.returned, p.msg.MessageId)
-					} else {
-						pc.returned[p.msg.MessageId] = n - 1
-					}
-					res = ErrUnroutable
-				} else if !c.Ack {
-					res = ErrNacked
+			switch {
+			case p == nil:
+				if !c.Ack {
+					pc.nacks++
 				}
-				s.resolve(p, res)
+			case !p.written:
+				// The confirm came before send got p's deferred
+				// confirmation back: send resolves p.
+				p.confirmed, p.ack = true, c.Ack
+			default:
+				s.resolve(p, pc.result(p, c.Ack))
 			}
 			s.pendMu.Unlock()
 			if retire == nil {
@@ -166,6 +161,38 @@ func (pc *pubChannel) run() {
 			}
 		}
 	}
+}
+
+// result is the result of p, whose confirm came with ack: ErrUnroutable
+// if the server returned it, ErrNacked if it nacked it, nil if it acked
+// it. RabbitMQ may nack a publish (a full queue's reject-publish) before
+// it acks the earlier ones with one multiple ack whose range spans the
+// nacked tag, and amqp091's NotifyPublish then reports the nacked tag as
+// acked (confirms.Multiple, v1.16.0); its DeferredConfirmation keeps the
+// nack. So a publish is acked only if both say so. s.pendMu must be held.
+func (pc *pubChannel) result(p *pendingPublish, ack bool) error {
+	if p.dc != nil {
+		select {
+		case <-p.dc.Done(): // settled before the confirm was handed over
+			ack = ack && p.dc.Acked()
+		default:
+		}
+	}
+	if !ack {
+		pc.nacks++
+	}
+	if n := pc.returned[p.msg.MessageId]; n > 0 {
+		if n == 1 {
+			delete(pc.returned, p.msg.MessageId)
+		} else {
+			pc.returned[p.msg.MessageId] = n - 1
+		}
+		return ErrUnroutable
+	}
+	if !ack {
+		return ErrNacked
+	}
+	return nil
 }
 
 // A pendingPublish is one call of publish: the message, and its result.
@@ -184,6 +211,14 @@ type pendingPublish struct {
 	done     chan error // buffered: resolve never blocks
 	resolved chan struct{}
 	settled  bool
+
+	// written is set by send once the publish is written, with dc,
+	// amqp091's record of its confirm (see result). confirmed and ack
+	// hold a confirm that came before, for send to resolve p with.
+	written   bool
+	dc        *amqp.DeferredConfirmation
+	confirmed bool
+	ack       bool
 }
 
 // resolve settles p with res, unless it is settled already (the first
@@ -297,15 +332,21 @@ func (s *amqpSession) send(p *pendingPublish) {
 	}
 	pc.pending[seq] = p
 	s.pendMu.Unlock()
-	if err := pc.ch.Publish(p.exchange, p.key, true, false, p.msg); err != nil {
+	dc, err := pc.ch.PublishWithDeferredConfirm(p.exchange, p.key, true, false, p.msg)
+	s.pendMu.Lock()
+	defer s.pendMu.Unlock()
+	if err != nil {
 		// The channel's goroutine may have failed p already, if the
 		// channel closed meanwhile: the first result stands.
-		s.pendMu.Lock()
 		if pc.pending[seq] == p {
 			delete(pc.pending, seq)
 		}
 		s.resolve(p, &sendError{err: err})
-		s.pendMu.Unlock()
+		return
+	}
+	p.written, p.dc = true, dc
+	if p.confirmed {
+		s.resolve(p, pc.result(p, p.ack))
 	}
 }
 

@@ -517,8 +517,11 @@ func (q *deadlineQueue) remove(c *cancelContext) {
 // for the next.
 func (q *deadlineQueue) fire() {
 	q.mu.Lock()
-	q.list.disarm()
-	now := time.Now()
+	now, ok := q.list.fired()
+	if !ok {
+		q.mu.Unlock()
+		return
+	}
 	var due []*cancelContext
 	for c := q.list.due(now); c != nil; c = q.list.due(now) {
 		q.list.unlink(c)

@@ -114,8 +114,11 @@ func (r *renewer) recycle(l *claimLease) {
 // for the rest.
 func (r *renewer) fire() {
 	r.mu.Lock()
-	r.claims.disarm()
-	now := time.Now()
+	now, ok := r.claims.fired()
+	if !ok {
+		r.mu.Unlock()
+		return
+	}
 	type expiry struct {
 		key     string
 		handler *claimContext

@@ -10,11 +10,20 @@ import "time"
 // from the tail is short, and the timer is set about once per interval,
 // not once per item. An item embeds timerLinks; the list's owner guards
 // it with a mutex of its own.
+//
+// A list may serve deliveries in testing/synctest bubbles, one after
+// another, and outside them (a stack built once for a package's tests):
+// a timer made in a bubble must not be touched outside it, and the one
+// a bubble armed last never fires once the bubble has ended. So, inside a
+// bubble, and on leaving one, each arming makes a timer of its own, and
+// the callback of a timer made on the other side of a bubble's edge than
+// the current one does nothing (see [timerList.fired]).
 type timerList[T any, P timerItem[T]] struct {
 	head, tail *T
 	timer      *time.Timer
 	armed      time.Time // when timer fires; zero when it is not armed
-	fire       func()    // the timer's callback, which must call disarm
+	bubbled    bool      // timer was made inside a synctest bubble
+	fire       func()    // the timer's callback, which must call fired first
 }
 
 // timerLinks are an item's place in a timerList.
@@ -90,11 +99,19 @@ func (q *timerList[T, P]) due(now time.Time) *T {
 // list must not be empty.
 func (q *timerList[T, P]) arm() {
 	due := P(q.head).links().due
+	now := time.Now()
+	if bubbled := inBubble(now); bubbled || q.bubbled {
+		// The timer armed may be another bubble's, ended, or one that
+		// this goroutine must not touch: a new one, whatever is armed.
+		q.armed, q.bubbled = due, bubbled
+		q.timer = time.AfterFunc(due.Sub(now), q.fire)
+		return
+	}
 	if !q.armed.IsZero() && !q.armed.After(due) {
 		return
 	}
 	q.armed = due
-	d := time.Until(due)
+	d := due.Sub(now)
 	if q.timer == nil {
 		q.timer = time.AfterFunc(d, q.fire)
 		return
@@ -102,8 +119,25 @@ func (q *timerList[T, P]) arm() {
 	q.timer.Reset(d)
 }
 
-// disarm records that the timer has fired: the callback calls it first.
-func (q *timerList[T, P]) disarm() { q.armed = time.Time{} }
+// fired records that the timer has fired, and returns the time to take
+// the items due at: the callback calls it first. It reports false,
+// recording nothing, to the callback of a timer made on the other side
+// of a synctest bubble's edge than the one armed last, which serves the
+// list: its clock is not the items' clock. (Timers of two bubbles that
+// run at once are not told apart: a list serves one bubble at a time.)
+func (q *timerList[T, P]) fired() (now time.Time, ok bool) {
+	now = time.Now()
+	if inBubble(now) != q.bubbled {
+		return now, false
+	}
+	q.armed = time.Time{}
+	return now, true
+}
+
+// inBubble reports whether now, just read by time.Now, was read inside a
+// testing/synctest bubble, where time.Now gives no monotonic clock
+// reading (and == compares it: Round(0) strips it).
+func inBubble(now time.Time) bool { return now == now.Round(0) }
 
 // rearm arms the timer for the head, if there is one: the callback calls
 // it once it has taken the items due.

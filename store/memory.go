@@ -37,9 +37,14 @@ type Memory struct {
 // millions of them.
 type moment int64
 
-// after returns the moment d after t, d not negative, or the last moment
-// if that is beyond it.
+// after returns the moment d after t, or the last moment if that is
+// beyond it. A d that is not positive, outside Store's contract, gives t:
+// the entry ends at once, as it did when it ended at a time in the past,
+// rather than wrap around to the last moment and stay for good.
 func (t moment) after(d time.Duration) moment {
+	if d <= 0 {
+		return t
+	}
 	if u := t + moment(d); u >= t {
 		return u
 	}

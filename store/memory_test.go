@@ -10,6 +10,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/storetest"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
@@ -117,4 +118,40 @@ func TestMemoryLongestDurations(t *testing.T) {
 		require.NoError(t, err)
 		require.EqualValues(t, 2, n)
 	})
+}
+
+// Durations that are not positive, outside Store's contract, end their
+// entries at once, as a time that has passed: a negative retention must
+// not pin a key done for good, nor a negative lease hold it.
+func TestMemoryNonPositiveDurations(t *testing.T) {
+	for _, d := range []time.Duration{0, -time.Nanosecond, -time.Hour, math.MinInt64} {
+		t.Run(d.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				m := store.NewMemory()
+				ctx := context.Background()
+				_, err := m.Claim(ctx, "first", "t", time.Minute) // starts the store's clock
+				require.NoError(t, err)
+				time.Sleep(time.Hour)
+
+				_, err = m.Claim(ctx, "held", "t", d)
+				require.NoError(t, err)
+				got, err := m.Claim(ctx, "held", "t2", time.Minute)
+				require.NoError(t, err)
+				assert.Equal(t, store.Abandoned, got, "Claim after a claim with lease %v", d)
+
+				_, err = m.Claim(ctx, "done", "t", time.Minute)
+				require.NoError(t, err)
+				require.NoError(t, m.Complete(ctx, "done", "t", d))
+				got, err = m.Claim(ctx, "done", "t2", time.Minute)
+				require.NoError(t, err)
+				assert.Equal(t, store.Claimed, got, "Claim after Complete with retention %v", d)
+
+				_, err = m.Fail(ctx, "failed", d)
+				require.NoError(t, err)
+				n, err := m.Fail(ctx, "failed", time.Minute)
+				require.NoError(t, err)
+				assert.EqualValues(t, 1, n, "Fail after a Fail with ttl %v", d)
+			})
+		})
+	}
 }
