@@ -48,19 +48,17 @@ func unique(prefix string) string {
 	return prefix + hex.EncodeToString(b)
 }
 
-func newFixture(t *testing.T) *fixture {
-	t.Helper()
-	url := testenv.PostgresURL(t)
-	amqpURL := testenv.RabbitMQURL(t)
-	pool, err := pgxpool.New(context.Background(), url)
-	require.NoError(t, err)
-	// pool.Close waits for every connection to come back. It hung once in
-	// about twenty runs of this package, with no goroutine left holding a
-	// connection: a relay stopped while its dispatch set HoldFor leaked
-	// the dispatch's connection (fixed; see pgstore's
-	// TestOutboxDispatchThatFailsReleasesItsConnection). A bounded wait
-	// turns such a leak into a failure that says what the pool held,
-	// rather than a test binary that hangs until its timeout.
+// closeWhenDone closes pool when the test ends. pool.Close waits for every
+// connection to come back. It hung now and then, with no goroutine left
+// holding a connection: a relay stopped while its dispatch set HoldFor
+// leaked the dispatch's connection (fixed; see pgstore's
+// TestOutboxDispatchThatFailsReleasesItsConnection), and a relay stopped
+// while a statement was in flight left its connection to be closed in
+// the background (fixed; see
+// TestRelayStopGivesBackTheConnectionOfAStatementInFlight). A bounded
+// wait turns such a leak into a failure that says what the pool held,
+// rather than a test binary that hangs until its timeout.
+func closeWhenDone(t *testing.T, pool *pgxpool.Pool) {
 	t.Cleanup(func() {
 		closed := make(chan struct{})
 		go func() { pool.Close(); close(closed) }()
@@ -71,6 +69,15 @@ func newFixture(t *testing.T) *fixture {
 			t.Errorf("pool.Close blocked 15 s: acquired %d, constructing %d, idle %d, total %d", st.AcquiredConns(), st.ConstructingConns(), st.IdleConns(), st.TotalConns())
 		}
 	})
+}
+
+func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	url := testenv.PostgresURL(t)
+	amqpURL := testenv.RabbitMQURL(t)
+	pool, err := pgxpool.New(context.Background(), url)
+	require.NoError(t, err)
+	closeWhenDone(t, pool)
 	table := unique("rmwtest_outbox_")
 	t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+table) })
 	ob := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: table})
@@ -543,7 +550,7 @@ func TestRelayStopGivesBackTheConnectionOfAStatementInFlight(t *testing.T) {
 	cfg.BeforeClose = func(*pgx.Conn) { closed.Add(1) }
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
-	defer pool.Close()
+	closeWhenDone(t, pool)
 	ob := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: f.ob.Table()})
 	f.write(f.queue, 1, false)
 
