@@ -589,3 +589,167 @@ func TestDedupReleasesClaimsWhoseAnswerWasLost(t *testing.T) {
 		})
 	}
 }
+
+// A context that the handler derives from its own ends when the lease may
+// be lost, before the lease ends, so that no other consumer can claim the
+// message while the handler's work under it goes on; and when the
+// consumer's context is cancelled. Whatever layers lie between Dedup and
+// the handler, and however the context is derived.
+func TestDedupDerivedContextsEnd(t *testing.T) {
+	const lease = 300 * time.Millisecond
+	derivations := []struct {
+		name   string
+		derive func(context.Context) (context.Context, func())
+	}{
+		{"WithCancel", func(ctx context.Context) (context.Context, func()) {
+			return context.WithCancel(ctx)
+		}},
+		{"WithTimeout", func(ctx context.Context) (context.Context, func()) {
+			return context.WithTimeout(ctx, time.Hour)
+		}},
+		{"WithValue", func(ctx context.Context) (context.Context, func()) {
+			return context.WithValue(ctx, errBoom, 1), func() {}
+		}},
+		{"WithCancelCause twice", func(ctx context.Context) (context.Context, func()) {
+			ctx, cancel1 := context.WithCancelCause(ctx)
+			ctx, cancel2 := context.WithCancelCause(ctx)
+			return ctx, func() { cancel2(nil); cancel1(nil) }
+		}},
+		{"AfterFunc", func(ctx context.Context) (context.Context, func()) {
+			// A context ended by context.AfterFunc's callback, as a
+			// handler that hands the news to a client does.
+			ended, cancel := context.WithCancelCause(context.Background())
+			stop := context.AfterFunc(ctx, func() { cancel(context.Cause(ctx)) })
+			return ended, func() { stop(); cancel(nil) }
+		}},
+	}
+	stacks := []struct {
+		name  string
+		stack func(store.Store) rabbitmw.Middleware
+	}{
+		{"Dedup", func(s store.Store) rabbitmw.Middleware {
+			return middleware.Dedup(s, middleware.DedupOptions{Lease: lease})
+		}},
+		{"Dedup Timeout", func(s store.Store) rabbitmw.Middleware {
+			return rabbitmw.Chain(middleware.Dedup(s, middleware.DedupOptions{Lease: lease}), middleware.Timeout(time.Hour))
+		}},
+		{"Dedup Recover Timeout", func(s store.Store) rabbitmw.Middleware {
+			return rabbitmw.Chain(middleware.Dedup(s, middleware.DedupOptions{Lease: lease}), middleware.Recover(), middleware.Timeout(time.Hour))
+		}},
+		{"Dedup Dedup Timeout", func(s store.Store) rabbitmw.Middleware {
+			// The outer Dedup's claim is the one whose renewal hangs.
+			return rabbitmw.Chain(middleware.Dedup(s, middleware.DedupOptions{Lease: lease}),
+				middleware.Dedup(store.NewMemory(), middleware.DedupOptions{Lease: time.Hour}), middleware.Timeout(time.Hour))
+		}},
+	}
+	for _, st := range stacks {
+		for _, dv := range derivations {
+			t.Run(st.name+"/"+dv.name+"/lease", func(t *testing.T) {
+				synctest.Test(t, func(t *testing.T) {
+					s := newHangingStore()
+					defer s.unblock()
+					var (
+						ended, start time.Time
+						during       store.Status
+						cause        error
+					)
+					h := st.stack(s)(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+						ctx, cancel := dv.derive(ctx)
+						defer cancel()
+						select {
+						case <-ctx.Done():
+						case <-time.After(10 * lease):
+							return errors.New("the derived context did not end")
+						}
+						ended, cause = time.Now(), context.Cause(ctx)
+						during, _ = s.Store.Claim(context.Background(), "m1", "other", lease)
+						return ctx.Err()
+					}))
+					d, _ := deliverytest.New("m1", "")
+					start = time.Now()
+					err := h.Handle(context.Background(), d)
+					require.False(t, ended.IsZero(), "the handler's derived context did not end: %v", err)
+					assert.Less(t, ended.Sub(start), lease, "the derived context ended after the lease")
+					assert.Equal(t, store.Processing, during, "another consumer's Claim when the derived context ended")
+					assert.ErrorIs(t, cause, middleware.ErrStoreUnavailable, "the derived context's cause")
+				})
+			})
+			t.Run(st.name+"/"+dv.name+"/consumer", func(t *testing.T) {
+				synctest.Test(t, func(t *testing.T) {
+					consumer, stop := context.WithCancelCause(context.Background())
+					stopped := errors.New("consumer stopped")
+					var cause error
+					h := st.stack(store.NewMemory())(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+						ctx, cancel := dv.derive(ctx)
+						defer cancel()
+						time.AfterFunc(time.Second, func() { stop(stopped) })
+						select {
+						case <-ctx.Done():
+						case <-time.After(time.Hour):
+							return errors.New("the derived context did not end")
+						}
+						cause = context.Cause(ctx)
+						return ctx.Err()
+					}))
+					d, _ := deliverytest.New("m1", "")
+					h.Handle(consumer, d)
+					assert.ErrorIs(t, cause, stopped, "the derived context's cause")
+				})
+			})
+		}
+	}
+}
+
+// Handlers under more consumers' contexts than a Dedup watches at once
+// each end with their own consumer's cancellation, and only with it;
+// their derived contexts still carry their claim and their consumer's
+// values once ended.
+func TestDedupManyConsumers(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const consumers, each = 20, 3
+		type valueKey struct{}
+		h := rabbitmw.Chain(middleware.Dedup(store.NewMemory(), middleware.DedupOptions{}), middleware.Timeout(time.Hour))(
+			rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+				ctx, cancel := context.WithCancel(ctx)
+				defer cancel()
+				<-ctx.Done()
+				c, ok := middleware.ClaimFrom(ctx)
+				switch {
+				case !ok || c.Key() != d.MessageId:
+					return fmt.Errorf("ClaimFrom = %v, %v; want the claim of %q", c, ok, d.MessageId)
+				case ctx.Value(valueKey{}) != d.ConsumerTag:
+					return fmt.Errorf("value %v; want %q", ctx.Value(valueKey{}), d.ConsumerTag)
+				}
+				return context.Cause(ctx)
+			}))
+		stops := make([]context.CancelCauseFunc, consumers)
+		results := make([][each]error, consumers)
+		var wg sync.WaitGroup
+		for i := range consumers {
+			tag := fmt.Sprintf("consumer-%d", i)
+			var ctx context.Context
+			ctx, stops[i] = context.WithCancelCause(context.WithValue(context.Background(), valueKey{}, tag))
+			for j := range each {
+				d, _ := deliverytest.New(fmt.Sprintf("m%d-%d", i, j), "")
+				d.ConsumerTag = tag
+				wg.Go(func() { results[i][j] = h.Handle(ctx, d) })
+			}
+		}
+		synctest.Wait()
+		for i := range consumers {
+			stops[i](fmt.Errorf("stop %d", i))
+			synctest.Wait()
+			for k := range consumers {
+				for j := range each {
+					switch {
+					case k <= i:
+						assert.EqualError(t, results[k][j], fmt.Sprintf("stop %d", k), "handler %d of consumer %d after consumer %d stopped", j, k, i)
+					default:
+						assert.NoError(t, results[k][j], "handler %d of consumer %d, running, after consumer %d stopped", j, k, i)
+					}
+				}
+			}
+		}
+		wg.Wait()
+	})
+}
