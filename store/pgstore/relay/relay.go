@@ -41,16 +41,23 @@
 //     electing its leader, a queue at its length limit with overflow
 //     reject-publish), and did not take responsibility for it. The row
 //     stays pending, with the nack as its last error, and is sent again
-//     after the relay's backoff, as one without a confirm is: a leader
-//     election costs a few retries, not an operator's ticket, and a queue
-//     that stays full keeps its rows pending (their count and the oldest's
-//     age grow: alert on those) until it has room;
+//     (below), as one without a confirm is: a leader election costs a
+//     few retries, not an operator's ticket, and a queue that stays full
+//     keeps its rows pending (their count and the oldest's age grow:
+//     alert on those) until it has room;
 //   - no confirm (RabbitMQ down, the connection lost, PublishTimeout
 //     passed): the row stays pending, and the relay backs off before it
 //     tries again.
 //
-// A dispatch that left rows pending so is logged at Warn, once per
-// backoff, with the number of rows and the first one's reason.
+// A dispatch none of whose rows was confirmed makes the relay back off;
+// one that had some confirmed does not (RabbitMQ is there; the others'
+// queues could not take them). Either way the next dispatch takes the
+// rows past this batch's, while there are any, before it starts from
+// the first pending row again: rows that keep failing (a queue that
+// stays full) are sent again once per such pass, and do not hold back
+// the rows written after them. Rows left pending are logged at Warn,
+// with their number and the first one's reason: at each backoff, and at
+// most once per BackoffMax otherwise.
 //
 // It wakes when a transaction that wrote a row commits (LISTEN on the
 // outbox's channel, which [pgstore.Outbox.Write] notifies), and polls every
@@ -123,9 +130,10 @@ var _ Publisher = (*broker.Broker)(nil)
 
 // Options configures a [Relay]. The zero value selects the defaults.
 type Options struct {
-	// Logger receives the relay's records, at Warn: each row parked; a
-	// dispatch whose rows were nacked or not confirmed, once per backoff;
-	// a database that cannot be reached. Nil discards them.
+	// Logger receives the relay's records, at Warn: each row parked;
+	// rows left pending, nacked or not confirmed (at each backoff, and at
+	// most once per BackoffMax otherwise); a database that cannot be
+	// reached. Nil discards them.
 	Logger *slog.Logger
 	// BatchSize is the most rows taken, and published at once, by one
 	// dispatch. Default 100.
@@ -154,8 +162,8 @@ type Options struct {
 	// Default 5s.
 	StopTimeout time.Duration
 	// BackoffMin and BackoffMax bound the wait after a dispatch that
-	// could not reach the database, or whose rows RabbitMQ nacked or did
-	// not confirm: the n-th wait is drawn from
+	// could not reach the database, or none of whose rows RabbitMQ
+	// confirmed (nacked, or no confirm): the n-th wait is drawn from
 	// [0, min(BackoffMax, BackoffMin·2ⁿ)]. Defaults 100ms and 10s.
 	BackoffMin, BackoffMax time.Duration
 	// Observer receives the relay's events.
@@ -284,8 +292,30 @@ func (r *Relay) Run(ctx context.Context) error {
 func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool) error {
 	var failures int // consecutive dispatches that failed
 	nextPrune := time.Now()
+	var after int64 // the next dispatch takes the rows past this id
+	// Rows left pending since the last record of them, and when it was.
+	var unsent int
+	var warned time.Time
+	warn := func(why error, retryIn time.Duration) {
+		attrs := []slog.Attr{slog.Int("rows", unsent), slog.Any("error", why)}
+		if retryIn > 0 {
+			attrs = append(attrs, slog.Duration("retry_in", retryIn))
+		}
+		r.log.LogAttrs(ctx, slog.LevelWarn, "relay: messages not confirmed; they stay pending, retrying", attrs...)
+		unsent, warned = 0, time.Now()
+	}
 	for ctx.Err() == nil {
-		res, why, err := r.dispatch(ctx)
+		from := after
+		res, why, last, err := r.dispatch(ctx, from)
+		if err == nil {
+			// Past this batch while rows may remain beyond it; from the
+			// first again once the pass reached the end.
+			after = 0
+			if res.Taken >= r.batch {
+				after = last
+			}
+		}
+		unsent += res.Failed
 		switch {
 		case errors.Is(err, broker.ErrClosed):
 			return err
@@ -300,15 +330,16 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 			continue
 		case res.Failed > 0 && ctx.Err() != nil:
 			return nil // stopped: the rows stay pending
-		case res.Failed > 0:
-			// RabbitMQ nacked rows, could not be reached, or did not
+		case res.Failed > 0 && res.Sent == 0:
+			// RabbitMQ nacked them all, could not be reached, or did not
 			// confirm in time: they stay pending.
 			failures++
 			d := r.backoff(failures)
-			r.log.LogAttrs(ctx, slog.LevelWarn, "relay: messages not confirmed; they stay pending, retrying",
-				slog.Int("rows", res.Failed), slog.Any("error", why), slog.Duration("retry_in", d))
+			warn(why, d)
 			clock.Sleep(ctx, d)
 			continue
+		case res.Failed > 0 && time.Since(warned) >= r.bmax:
+			warn(why, 0)
 		}
 		failures = 0
 		if prunes && r.retention > 0 && !time.Now().Before(nextPrune) {
@@ -319,8 +350,8 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 			cancel()
 			nextPrune = time.Now().Add(time.Minute)
 		}
-		if res.Taken >= r.batch {
-			continue // more are waiting
+		if res.Taken >= r.batch || res.Taken == 0 && from > 0 {
+			continue // more are waiting, or the pass starts again
 		}
 		t := time.NewTimer(r.poll)
 		select {
@@ -356,13 +387,14 @@ func (r *Relay) lingering(ctx context.Context) (context.Context, context.CancelF
 	}
 }
 
-// dispatch takes and sends one batch, and returns its counts and, when
-// rows failed (res.Failed > 0), the first one's reason. Its statements
-// and publishes outlive ctx by StopTimeout at most (see lingering), so
-// that a stop does not throw away confirms that are on their way, nor
-// the connection of a statement in flight; a batch taken after the stop
-// is not sent, and its rows stay pending.
-func (r *Relay) dispatch(ctx context.Context) (res pgstore.DispatchResult, why, err error) {
+// dispatch takes and sends one batch of the rows past after, and returns
+// its counts, the first failed row's reason (when res.Failed > 0) and the
+// highest id it sent. Its statements and publishes outlive ctx by
+// StopTimeout at most (see lingering), so that a stop does not throw away
+// confirms that are on their way, nor the connection of a statement in
+// flight; a batch taken after the stop is not sent, and its rows stay
+// pending.
+func (r *Relay) dispatch(ctx context.Context, after int64) (res pgstore.DispatchResult, why error, last int64, err error) {
 	var closed error
 	// The rows are held past the longest send (PublishTimeout, then
 	// StopTimeout) and the recording's own bound, and no longer: a relay
@@ -370,7 +402,8 @@ func (r *Relay) dispatch(ctx context.Context) (res pgstore.DispatchResult, why, 
 	hold := r.publishTimeout + r.stopAfter + 15*time.Second
 	dctx, cancelDispatch := r.lingering(ctx)
 	defer cancelDispatch()
-	res, err = r.ob.Dispatch(dctx, pgstore.DispatchOptions{Limit: r.batch, DeleteSent: r.retention < 0, HoldFor: hold}, func(dctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+	res, err = r.ob.Dispatch(dctx, pgstore.DispatchOptions{Limit: r.batch, After: after, DeleteSent: r.retention < 0, HoldFor: hold}, func(dctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+		last = msgs[len(msgs)-1].ID // taken in id order
 		if ctx.Err() != nil {
 			return // stopped: the rows stay pending
 		}
@@ -404,7 +437,7 @@ func (r *Relay) dispatch(ctx context.Context) (res pgstore.DispatchResult, why, 
 	if err == nil {
 		err = closed
 	}
-	return res, why, err
+	return res, why, last, err
 }
 
 // send publishes one message and classifies the result.

@@ -379,22 +379,7 @@ func TestRelayParksOnlyWhatCannotSucceed(t *testing.T) {
 // not once per row.
 func TestRelayKeepsNackedRowsPending(t *testing.T) {
 	f := newFixture(t)
-	full := unique("rmwtest.outbox.full.")
-	conn, err := amqp.Dial(testenv.RabbitMQURL(t))
-	require.NoError(t, err)
-	defer conn.Close()
-	ch, err := conn.Channel()
-	require.NoError(t, err)
-	_, err = ch.QueueDeclare(full, false, false, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"})
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		f.b.Delete(ctx, full, broker.Topology{Declare: broker.DeclareNone})
-	})
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	require.NoError(t, f.b.Publish(ctx, "", full, amqp.Publishing{MessageId: "blocker", Body: []byte("blocker")}))
+	full := f.declareFull()
 
 	const n = 3
 	ids := f.write(full, n, false)
@@ -455,6 +440,59 @@ func TestRelayKeepsNackedRowsPending(t *testing.T) {
 	warns := logs.find(slog.LevelWarn, "nack")
 	require.NotEmpty(t, warns)
 	assert.LessOrEqual(t, int64(len(warns)), failedDispatches.Load())
+}
+
+// declareFull declares a queue of its own that holds one message at most
+// and nacks what is published beyond (overflow reject-publish), deleted
+// when the test ends, publishes the message "blocker" into it, and
+// returns its name.
+func (f *fixture) declareFull() string {
+	f.t.Helper()
+	full := unique("rmwtest.outbox.full.")
+	conn, err := amqp.Dial(testenv.RabbitMQURL(f.t))
+	require.NoError(f.t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(f.t, err)
+	_, err = ch.QueueDeclare(full, false, false, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"})
+	require.NoError(f.t, err)
+	f.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		f.b.Delete(ctx, full, broker.Topology{Declare: broker.DeclareNone})
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(f.t, f.b.Publish(ctx, "", full, amqp.Publishing{MessageId: "blocker", Body: []byte("blocker")}))
+	return full
+}
+
+// Rows that RabbitMQ keeps nacking (a queue that stays full) do not hold
+// back the rows written after them for other queues: neither when they
+// fill a batch, nor when one of them comes in each batch, with the
+// default backoff.
+func TestRelayNackedRowsDoNotHoldBackTheOthers(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		stuck, others int
+		batch         int
+	}{
+		{"a batch of them", 5, 20, 5},
+		{"one in each batch", 1, 300, 10},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			full := f.declareFull()
+			f.write(full, tc.stuck, false)
+			ids := f.write(f.queue, tc.others, false)
+			f.run(relay.New(f.ob, f.b, relay.Options{BatchSize: tc.batch, Senders: 1, PollInterval: 50 * time.Millisecond}))
+			assert.Equal(t, once(ids), f.drain(tc.others))
+			require.Eventually(t, func() bool { return f.stats().Sent == int64(tc.others) }, 10*time.Second, 20*time.Millisecond)
+			s := f.stats()
+			assert.Equal(t, int64(tc.stuck), s.Pending, "the nacked rows stay pending")
+			assert.Zero(t, s.Parked)
+		})
+	}
 }
 
 // A recorder is a slog.Handler that keeps its records.
