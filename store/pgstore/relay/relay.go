@@ -157,7 +157,9 @@ type Options struct {
 	PublishTimeout time.Duration
 	// StopTimeout is how long Run, once its context is done, still waits
 	// for the confirms of the batch in flight, so that they are recorded
-	// and not sent again by the next relay. Default 5s.
+	// and not sent again by the next relay, and for its statements in
+	// flight, so that their connections go back to the pool open.
+	// Default 5s.
 	StopTimeout time.Duration
 	// BackoffMin and BackoffMax bound the wait after a dispatch that
 	// could not reach the database, or none of whose rows RabbitMQ
@@ -243,8 +245,12 @@ func New(ob *pgstore.Outbox, pub Publisher, opts Options) *Relay {
 // returns nil. It returns an error earlier only if the publisher is closed
 // (broker.ErrClosed). A database or RabbitMQ that cannot be reached is
 // not an error: Run logs it, backs off and tries again. Every goroutine
-// Run starts has ended when it returns. Run may be called by several
-// goroutines, and processes, at once: see the package's documentation.
+// Run starts has ended when it returns, and the connections it used are
+// back in the outbox's pool, open (but the listening one, which it took
+// out of the pool and closed, and one whose statement outlived
+// StopTimeout, which pgx closes and the pool drops meanwhile). Run may be
+// called by several goroutines, and processes, at once: see the
+// package's documentation.
 func (r *Relay) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -337,9 +343,11 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 		}
 		failures = 0
 		if prunes && r.retention > 0 && !time.Now().Before(nextPrune) {
-			if _, err := r.ob.DeleteSent(ctx, r.retention, 10*r.batch); err != nil && ctx.Err() == nil {
+			dctx, cancel := r.lingering(ctx)
+			if _, err := r.ob.DeleteSent(dctx, r.retention, 10*r.batch); err != nil && ctx.Err() == nil {
 				r.log.LogAttrs(ctx, slog.LevelWarn, "relay: delete sent rows", slog.String("error", err.Error()))
 			}
+			cancel()
 			nextPrune = time.Now().Add(time.Minute)
 		}
 		if res.Taken >= r.batch || res.Taken == 0 && from > 0 {
@@ -360,25 +368,47 @@ func (r *Relay) backoff(n int) time.Duration {
 	return rand.N(backoff.Doubled(r.bmin, n-1, r.bmax) + 1)
 }
 
+// lingering returns a context that ends StopTimeout after ctx does, or
+// when cancel is called. The relay's statements and publishes run under
+// it, so that a stop lets them end rather than cut them. A statement cut
+// in flight costs its connection: pgx closes it in the background (a
+// cancel request, then a wait of up to 15 s for the server), and the
+// pool holds it as acquired until then, so that Run would return, and
+// the pool's Close wait, with the connection still out.
+func (r *Relay) lingering(ctx context.Context) (context.Context, context.CancelFunc) {
+	lctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	stop := context.AfterFunc(ctx, func() {
+		t := time.AfterFunc(r.stopAfter, cancel)
+		context.AfterFunc(lctx, func() { t.Stop() })
+	})
+	return lctx, func() {
+		stop()
+		cancel()
+	}
+}
+
 // dispatch takes and sends one batch of the rows past after, and returns
 // its counts, the first failed row's reason (when res.Failed > 0) and the
-// highest id it sent. Its publishes outlive ctx by StopTimeout at most,
-// so that a stop does not throw away confirms that are on their way.
+// highest id it sent. Its statements and publishes outlive ctx by
+// StopTimeout at most (see lingering), so that a stop does not throw away
+// confirms that are on their way, nor the connection of a statement in
+// flight; a batch taken after the stop is not sent, and its rows stay
+// pending.
 func (r *Relay) dispatch(ctx context.Context, after int64) (res pgstore.DispatchResult, why error, last int64, err error) {
 	var closed error
 	// The rows are held past the longest send (PublishTimeout, then
 	// StopTimeout) and the recording's own bound, and no longer: a relay
 	// that stalls gives them up to the others.
 	hold := r.publishTimeout + r.stopAfter + 15*time.Second
-	res, err = r.ob.Dispatch(ctx, pgstore.DispatchOptions{Limit: r.batch, After: after, DeleteSent: r.retention < 0, HoldFor: hold}, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+	dctx, cancelDispatch := r.lingering(ctx)
+	defer cancelDispatch()
+	res, err = r.ob.Dispatch(dctx, pgstore.DispatchOptions{Limit: r.batch, After: after, DeleteSent: r.retention < 0, HoldFor: hold}, func(dctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
 		last = msgs[len(msgs)-1].ID // taken in id order
-		pctx, cancel := context.WithTimeoutCause(context.WithoutCancel(ctx), r.publishTimeout, errors.New("relay: PublishTimeout passed before the confirm came"))
+		if ctx.Err() != nil {
+			return // stopped: the rows stay pending
+		}
+		pctx, cancel := context.WithTimeoutCause(dctx, r.publishTimeout, errors.New("relay: PublishTimeout passed before the confirm came"))
 		defer cancel()
-		stop := context.AfterFunc(ctx, func() {
-			t := time.AfterFunc(r.stopAfter, func() { cancel() })
-			context.AfterFunc(pctx, func() { t.Stop() })
-		})
-		defer stop()
 		var wg sync.WaitGroup
 		var mu sync.Mutex
 		for i := range msgs {
@@ -477,9 +507,15 @@ func (r *Relay) listenLoop(ctx context.Context, wakes []chan struct{}) {
 }
 
 func (r *Relay) listenOnce(ctx context.Context, pool *pgxpool.Pool, signal func()) error {
-	conn, err := pool.Acquire(ctx)
+	actx, cancel := r.lingering(ctx) // a ping cut by the stop would keep the connection out of the pool
+	conn, err := pool.Acquire(actx)
+	cancel()
 	if err != nil {
 		return err
+	}
+	if ctx.Err() != nil {
+		conn.Release()
+		return ctx.Err()
 	}
 	// The connection is LISTENing: it goes back to no pool, since its
 	// session holds the listen.
