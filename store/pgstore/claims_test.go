@@ -345,10 +345,18 @@ func TestClaimsSenderCancelled(t *testing.T) {
 	wg.Wait() // the transaction still holds blocker
 	assert.Equal(t, []store.Status{store.Claimed, store.Claimed}, statuses)
 
+	// A claim that returned an error may or may not have taken effect
+	// (the Store contract): pgx gives up on the connection when the
+	// context ends, and the server, still waiting for the row, may carry
+	// the statement out once the lock is gone. Either way it is the
+	// cancelled claim's own token, and nothing else.
 	require.NoError(t, tx.Rollback(ctx))
 	got, err := s.Inspect(ctx, "blocker")
 	require.NoError(t, err)
-	assert.Equal(t, store.KeyState{}.Status, got.Status, "blocker after the cancelled claim and the rollback: want absent")
+	if got.Status != 0 {
+		assert.Equal(t, store.Processing, got.Status, "blocker after the cancelled claim and the rollback: absent, or claimed by it")
+		assert.Equal(t, "t1", got.Token, "blocker after the cancelled claim and the rollback")
+	}
 }
 
 // Claims whose contexts end at random moments (before they queue, while
