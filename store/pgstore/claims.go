@@ -17,8 +17,10 @@ import (
 // still waiting in it, which sends the queue as the next statement. So a
 // Store has at most one statement of claims in flight, a claim waits at
 // most for the one before its own, and no goroutine runs but the
-// callers'. The statement in flight holds up the queue for as long as it
-// waits for a row lock of another transaction (see Store).
+// callers'. A statement does not wait for a row that another transaction
+// holds locked: its claim is answered processing (see Store), so that a
+// locked row holds up neither the queue nor the other claims of its
+// statement.
 
 // A claimReq is a Claim waiting in the queue.
 type claimReq struct {

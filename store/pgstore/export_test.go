@@ -11,3 +11,10 @@ func Queued(s *Store) int {
 	defer s.queue.mu.Unlock()
 	return len(s.queue.queue)
 }
+
+// InFlight reports whether s has a statement of claims in flight.
+func InFlight(s *Store) bool {
+	s.queue.mu.Lock()
+	defer s.queue.mu.Unlock()
+	return s.queue.inFlight
+}

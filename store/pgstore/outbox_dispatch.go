@@ -54,6 +54,10 @@ type OutboxResult struct {
 type DispatchOptions struct {
 	// Limit is the most rows taken. Default 100.
 	Limit int
+	// After, if positive, takes only the rows whose id is greater: a
+	// relay walks on past rows that failed, so that they do not hold
+	// back the rows written after them.
+	After int64
 	// DeleteSent deletes the rows sent instead of marking them.
 	DeleteSent bool
 	// HoldFor, if positive, bounds how long the dispatch may hold its rows
@@ -85,7 +89,7 @@ var ErrCorruptRow = errors.New("pgstore: outbox row cannot be read")
 func (o *Outbox) takeSQL() string {
 	return `SELECT id, message_id, exchange, routing_key, properties, body, trace, created_at, attempts
 FROM ` + o.n.qualified + `
-WHERE state = 'pending'
+WHERE state = 'pending' AND id > $2
 ORDER BY id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
@@ -103,7 +107,8 @@ func (o *Outbox) markSQL(state string) string {
 FROM unnest($1::bigint[], $2::text[]) AS x (id, error) WHERE t.id = x.id`
 }
 
-// Dispatch takes up to opts.Limit pending rows in id order, skipping those
+// Dispatch takes up to opts.Limit pending rows in id order (past
+// opts.After), skipping those
 // that another Dispatch holds, calls send with them and a results slice of
 // the same length, and records the results: rows sent are marked sent (or
 // deleted, with DeleteSent), rows parked are parked, the others stay
@@ -149,7 +154,7 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 			return res, o.unreachable("dispatch", err)
 		}
 	}
-	rows, err := tx.Query(ctx, o.takeSQL(), limit)
+	rows, err := tx.Query(ctx, o.takeSQL(), limit, opts.After)
 	if err != nil {
 		return res, o.unreachable("dispatch", err)
 	}

@@ -402,3 +402,27 @@ func TestOutboxDispatchThatFailsReleasesItsConnection(t *testing.T) {
 	require.NoError(t, err, "the failed dispatch's connection is back in the pool")
 	assert.Equal(t, pgstore.DispatchResult{Taken: 1, Sent: 1}, res)
 }
+
+// After takes only the rows past it, in id order.
+func TestOutboxDispatchAfter(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	for _, id := range []string{"a", "b", "c"} {
+		write(t, pool, ob, "q", amqp.Publishing{MessageId: id})
+	}
+	first, _ := collect(t, ob, 1, func(pgstore.OutboxMessage) pgstore.OutboxResult { return pgstore.OutboxResult{} })
+	require.Len(t, first, 1)
+	var got []string
+	res, err := ob.Dispatch(context.Background(), pgstore.DispatchOptions{After: first[0].ID}, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+		for i, m := range msgs {
+			got = append(got, m.Publishing.MessageId)
+			results[i].Sent = true
+		}
+	})
+	require.NoError(t, err)
+	assert.Equal(t, []string{"b", "c"}, got)
+	assert.Equal(t, pgstore.DispatchResult{Taken: 2, Sent: 2}, res)
+	s, err := ob.Stats(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), s.Pending, "a, before After, is left pending")
+}

@@ -69,14 +69,24 @@ type Options struct {
 // while another is in flight wait for it, and are then sent together, in
 // one such statement of many rows, with one commit: a Store has at most
 // one statement of claims in flight, and a claim waits at most for the
-// one before its own. That one may wait in turn, and every claim queued
-// behind it with it: for a row of its keys that another transaction holds
-// locked (another consumer's claim or done mark, until it commits; the
-// transaction of [SQLHandler] holds its key's row for a round trip
-// between the mark and the commit, longer if its consumer stops
-// answering). A statement sent for others waits 10 seconds at most, then
-// fails each of its claims; a claim sent alone waits as long as its
-// context lets it. If the server refuses such a statement, its claims
+// one before its own. A statement does not wait for a row of its keys
+// that another transaction holds locked (another consumer's claim or
+// done mark, until it commits; the transaction of [SQLHandler] holds its
+// key's row between the mark and the commit, longer if its consumer stops
+// answering): it locks its existing rows with SKIP LOCKED first, and a
+// claim whose row it could not lock takes nothing and is answered from
+// the row as the statement found it, processing (done if it was an
+// unexpired done mark); Dedup retries a processing key later. So a locked
+// row holds up neither the statement nor the claims queued behind it, and
+// the statement holds the locks it takes only for as long as it runs. Where
+// consumers claim the same key at the same moment, one of them may thus
+// find it processing rather than abandoned or claimable, and its retry
+// gives the answer. A statement still waits for a row that another
+// transaction inserted and has not committed: claims insert in statements
+// of their own, which commit at once. A statement sent for others waits
+// 10 seconds at most, then fails each of its claims; a claim sent alone
+// waits as long as its context lets it. If the server refuses such a
+// statement, its claims
 // are sent again one by one, so that a claim it refuses (a key too long
 // for the primary key's index) fails alone. Extend, Complete and
 // Release are an UPDATE or DELETE
@@ -184,7 +194,13 @@ func (s *Store) Close() { s.leases.Close() }
 func (s *Store) prepare() {
 	c, f := s.n.claims, s.n.failures
 	// A claim returns a store.Status's number (1 claimed, 2 processing,
-	// 3 done, 4 abandoned). It takes the row (claimed) if it is absent or
+	// 3 done, 4 abandoned). It first locks the key's existing row, skipping
+	// it if another transaction holds it locked: then the row is busy, the
+	// INSERT (which depends on busy, so runs after the lock) inserts
+	// nothing and so never waits for the lock, and the answer is read from
+	// the statement's snapshot below (processing, or done). Otherwise the
+	// statement holds the row, and ON CONFLICT does not wait for it.
+	// It takes the row (claimed) if it is absent or
 	// forgotten. It turns an abandoned claim (a token whose
 	// lease has ended, its forget_at not yet passed) into a forgotten row
 	// (token NULL, lease_until and forget_at -infinity) and takes nothing
@@ -214,9 +230,14 @@ func (s *Store) prepare() {
     lease_until = CASE WHEN ` + forgotten + ` THEN excluded.lease_until ELSE '-infinity' END,
     forget_at = CASE WHEN ` + forgotten + ` THEN excluded.forget_at ELSE '-infinity' END
   WHERE ` + forgotten + ` OR (c.token IS NOT NULL AND c.lease_until <= statement_timestamp())`
-	s.claimSQL = `WITH taken AS (
+	s.claimSQL = `WITH locked AS (
+  SELECT key FROM ` + c + ` WHERE key = $1::bytea FOR UPDATE SKIP LOCKED
+), busy AS (
+  SELECT EXISTS (SELECT FROM ` + c + ` WHERE key = $1::bytea) AND NOT EXISTS (SELECT FROM locked) AS busy
+), taken AS (
   INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
-  VALUES ($1, $2, statement_timestamp() + $3::interval, statement_timestamp() + $3::interval + $4::interval)` + onConflict + `
+  SELECT $1::bytea, $2::bytea, statement_timestamp() + $3::interval, statement_timestamp() + $3::interval + $4::interval
+  WHERE NOT (SELECT busy FROM busy)` + onConflict + `
   RETURNING c.token IS NOT NULL AS claimed
 )
 SELECT COALESCE(
@@ -225,18 +246,27 @@ SELECT COALESCE(
 	// The claims of several keys (claimMany), each as claimSQL: $1 the
 	// keys, all different, $2 the tokens, $3 the leases in microseconds,
 	// $4 the abandoned retention. It answers the statuses in the order of
-	// the keys. The rows are inserted in the order of their keys, so that
-	// two statements that claim some of the same keys lock their rows in
-	// the same order, and do not deadlock.
+	// the keys. As claimSQL, it first locks the existing rows of its keys
+	// with SKIP LOCKED; the keys of rows held by other transactions (busy,
+	// an array evaluated once, before the INSERT's first row) are left out
+	// of the INSERT and answered from the snapshot, so that a locked row
+	// holds up neither the statement nor the other claims in it. The rows
+	// are locked and inserted in the order of their keys, so that two
+	// statements that claim some of the same keys lock their rows in the
+	// same order, and do not deadlock.
 	if commitMode != "" {
 		commitMode = ",\n  (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode"
 	}
 	s.claimManySQL = `WITH req AS (
   SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bigint[]) WITH ORDINALITY AS r (key, token, lease_us, i)
+), locked AS (
+  SELECT key FROM ` + c + ` WHERE key = ANY($1::bytea[]) ORDER BY key FOR UPDATE SKIP LOCKED
+), busy AS (
+  SELECT COALESCE(array_agg(key), '{}') AS keys FROM ` + c + ` WHERE key = ANY($1::bytea[]) AND key NOT IN (SELECT key FROM locked)
 ), taken AS (
   INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
   SELECT key, token, statement_timestamp() + lease_us * interval '1 microsecond', statement_timestamp() + lease_us * interval '1 microsecond' + $4::interval
-  FROM req ORDER BY key` + onConflict + `
+  FROM req WHERE key <> ALL ((SELECT keys FROM busy)::bytea[]) ORDER BY key` + onConflict + `
   RETURNING c.key, c.token IS NOT NULL AS claimed
 )
 SELECT COALESCE(

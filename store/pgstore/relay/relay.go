@@ -41,16 +41,23 @@
 //     electing its leader, a queue at its length limit with overflow
 //     reject-publish), and did not take responsibility for it. The row
 //     stays pending, with the nack as its last error, and is sent again
-//     after the relay's backoff, as one without a confirm is: a leader
-//     election costs a few retries, not an operator's ticket, and a queue
-//     that stays full keeps its rows pending (their count and the oldest's
-//     age grow: alert on those) until it has room;
+//     (below), as one without a confirm is: a leader election costs a
+//     few retries, not an operator's ticket, and a queue that stays full
+//     keeps its rows pending (their count and the oldest's age grow:
+//     alert on those) until it has room;
 //   - no confirm (RabbitMQ down, the connection lost, PublishTimeout
 //     passed): the row stays pending, and the relay backs off before it
 //     tries again.
 //
-// A dispatch that left rows pending so is logged at Warn, once per
-// backoff, with the number of rows and the first one's reason.
+// A dispatch none of whose rows was confirmed makes the relay back off;
+// one that had some confirmed does not (RabbitMQ is there; the others'
+// queues could not take them). Either way the next dispatch takes the
+// rows past this batch's, while there are any, before it starts from
+// the first pending row again: rows that keep failing (a queue that
+// stays full) are sent again once per such pass, and do not hold back
+// the rows written after them. Rows left pending are logged at Warn,
+// with their number and the first one's reason: at each backoff, and at
+// most once per BackoffMax otherwise.
 //
 // It wakes when a transaction that wrote a row commits (LISTEN on the
 // outbox's channel, which [pgstore.Outbox.Write] notifies), and polls every
@@ -123,9 +130,10 @@ var _ Publisher = (*broker.Broker)(nil)
 
 // Options configures a [Relay]. The zero value selects the defaults.
 type Options struct {
-	// Logger receives the relay's records, at Warn: each row parked; a
-	// dispatch whose rows were nacked or not confirmed, once per backoff;
-	// a database that cannot be reached. Nil discards them.
+	// Logger receives the relay's records, at Warn: each row parked;
+	// rows left pending, nacked or not confirmed (at each backoff, and at
+	// most once per BackoffMax otherwise); a database that cannot be
+	// reached. Nil discards them.
 	Logger *slog.Logger
 	// BatchSize is the most rows taken, and published at once, by one
 	// dispatch. Default 100.
@@ -149,11 +157,13 @@ type Options struct {
 	PublishTimeout time.Duration
 	// StopTimeout is how long Run, once its context is done, still waits
 	// for the confirms of the batch in flight, so that they are recorded
-	// and not sent again by the next relay. Default 5s.
+	// and not sent again by the next relay, and for its statements in
+	// flight, so that their connections go back to the pool open.
+	// Default 5s.
 	StopTimeout time.Duration
 	// BackoffMin and BackoffMax bound the wait after a dispatch that
-	// could not reach the database, or whose rows RabbitMQ nacked or did
-	// not confirm: the n-th wait is drawn from
+	// could not reach the database, or none of whose rows RabbitMQ
+	// confirmed (nacked, or no confirm): the n-th wait is drawn from
 	// [0, min(BackoffMax, BackoffMin·2ⁿ)]. Defaults 100ms and 10s.
 	BackoffMin, BackoffMax time.Duration
 	// Observer receives the relay's events.
@@ -235,8 +245,12 @@ func New(ob *pgstore.Outbox, pub Publisher, opts Options) *Relay {
 // returns nil. It returns an error earlier only if the publisher is closed
 // (broker.ErrClosed). A database or RabbitMQ that cannot be reached is
 // not an error: Run logs it, backs off and tries again. Every goroutine
-// Run starts has ended when it returns. Run may be called by several
-// goroutines, and processes, at once: see the package's documentation.
+// Run starts has ended when it returns, and the connections it used are
+// back in the outbox's pool, open (but the listening one, which it took
+// out of the pool and closed, and one whose statement outlived
+// StopTimeout, which pgx closes and the pool drops meanwhile). Run may be
+// called by several goroutines, and processes, at once: see the
+// package's documentation.
 func (r *Relay) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -278,8 +292,30 @@ func (r *Relay) Run(ctx context.Context) error {
 func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool) error {
 	var failures int // consecutive dispatches that failed
 	nextPrune := time.Now()
+	var after int64 // the next dispatch takes the rows past this id
+	// Rows left pending since the last record of them, and when it was.
+	var unsent int
+	var warned time.Time
+	warn := func(why error, retryIn time.Duration) {
+		attrs := []slog.Attr{slog.Int("rows", unsent), slog.Any("error", why)}
+		if retryIn > 0 {
+			attrs = append(attrs, slog.Duration("retry_in", retryIn))
+		}
+		r.log.LogAttrs(ctx, slog.LevelWarn, "relay: messages not confirmed; they stay pending, retrying", attrs...)
+		unsent, warned = 0, time.Now()
+	}
 	for ctx.Err() == nil {
-		res, why, err := r.dispatch(ctx)
+		from := after
+		res, why, last, err := r.dispatch(ctx, from)
+		if err == nil {
+			// Past this batch while rows may remain beyond it; from the
+			// first again once the pass reached the end.
+			after = 0
+			if res.Taken >= r.batch {
+				after = last
+			}
+		}
+		unsent += res.Failed
 		switch {
 		case errors.Is(err, broker.ErrClosed):
 			return err
@@ -294,25 +330,28 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 			continue
 		case res.Failed > 0 && ctx.Err() != nil:
 			return nil // stopped: the rows stay pending
-		case res.Failed > 0:
-			// RabbitMQ nacked rows, could not be reached, or did not
+		case res.Failed > 0 && res.Sent == 0:
+			// RabbitMQ nacked them all, could not be reached, or did not
 			// confirm in time: they stay pending.
 			failures++
 			d := r.backoff(failures)
-			r.log.LogAttrs(ctx, slog.LevelWarn, "relay: messages not confirmed; they stay pending, retrying",
-				slog.Int("rows", res.Failed), slog.Any("error", why), slog.Duration("retry_in", d))
+			warn(why, d)
 			clock.Sleep(ctx, d)
 			continue
+		case res.Failed > 0 && time.Since(warned) >= r.bmax:
+			warn(why, 0)
 		}
 		failures = 0
 		if prunes && r.retention > 0 && !time.Now().Before(nextPrune) {
-			if _, err := r.ob.DeleteSent(ctx, r.retention, 10*r.batch); err != nil && ctx.Err() == nil {
+			dctx, cancel := r.lingering(ctx)
+			if _, err := r.ob.DeleteSent(dctx, r.retention, 10*r.batch); err != nil && ctx.Err() == nil {
 				r.log.LogAttrs(ctx, slog.LevelWarn, "relay: delete sent rows", slog.String("error", err.Error()))
 			}
+			cancel()
 			nextPrune = time.Now().Add(time.Minute)
 		}
-		if res.Taken >= r.batch {
-			continue // more are waiting
+		if res.Taken >= r.batch || res.Taken == 0 && from > 0 {
+			continue // more are waiting, or the pass starts again
 		}
 		t := time.NewTimer(r.poll)
 		select {
@@ -329,24 +368,47 @@ func (r *Relay) backoff(n int) time.Duration {
 	return rand.N(backoff.Doubled(r.bmin, n-1, r.bmax) + 1)
 }
 
-// dispatch takes and sends one batch, and returns its counts and, when
-// rows failed (res.Failed > 0), the first one's reason. Its publishes
-// outlive ctx by StopTimeout at most, so that a stop does not throw away
-// confirms that are on their way.
-func (r *Relay) dispatch(ctx context.Context) (res pgstore.DispatchResult, why, err error) {
+// lingering returns a context that ends StopTimeout after ctx does, or
+// when cancel is called. The relay's statements and publishes run under
+// it, so that a stop lets them end rather than cut them. A statement cut
+// in flight costs its connection: pgx closes it in the background (a
+// cancel request, then a wait of up to 15 s for the server), and the
+// pool holds it as acquired until then, so that Run would return, and
+// the pool's Close wait, with the connection still out.
+func (r *Relay) lingering(ctx context.Context) (context.Context, context.CancelFunc) {
+	lctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	stop := context.AfterFunc(ctx, func() {
+		t := time.AfterFunc(r.stopAfter, cancel)
+		context.AfterFunc(lctx, func() { t.Stop() })
+	})
+	return lctx, func() {
+		stop()
+		cancel()
+	}
+}
+
+// dispatch takes and sends one batch of the rows past after, and returns
+// its counts, the first failed row's reason (when res.Failed > 0) and the
+// highest id it sent. Its statements and publishes outlive ctx by
+// StopTimeout at most (see lingering), so that a stop does not throw away
+// confirms that are on their way, nor the connection of a statement in
+// flight; a batch taken after the stop is not sent, and its rows stay
+// pending.
+func (r *Relay) dispatch(ctx context.Context, after int64) (res pgstore.DispatchResult, why error, last int64, err error) {
 	var closed error
 	// The rows are held past the longest send (PublishTimeout, then
 	// StopTimeout) and the recording's own bound, and no longer: a relay
 	// that stalls gives them up to the others.
 	hold := r.publishTimeout + r.stopAfter + 15*time.Second
-	res, err = r.ob.Dispatch(ctx, pgstore.DispatchOptions{Limit: r.batch, DeleteSent: r.retention < 0, HoldFor: hold}, func(ctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
-		pctx, cancel := context.WithTimeoutCause(context.WithoutCancel(ctx), r.publishTimeout, errors.New("relay: PublishTimeout passed before the confirm came"))
+	dctx, cancelDispatch := r.lingering(ctx)
+	defer cancelDispatch()
+	res, err = r.ob.Dispatch(dctx, pgstore.DispatchOptions{Limit: r.batch, After: after, DeleteSent: r.retention < 0, HoldFor: hold}, func(dctx context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+		last = msgs[len(msgs)-1].ID // taken in id order
+		if ctx.Err() != nil {
+			return // stopped: the rows stay pending
+		}
+		pctx, cancel := context.WithTimeoutCause(dctx, r.publishTimeout, errors.New("relay: PublishTimeout passed before the confirm came"))
 		defer cancel()
-		stop := context.AfterFunc(ctx, func() {
-			t := time.AfterFunc(r.stopAfter, func() { cancel() })
-			context.AfterFunc(pctx, func() { t.Stop() })
-		})
-		defer stop()
 		var wg sync.WaitGroup
 		var mu sync.Mutex
 		for i := range msgs {
@@ -375,7 +437,7 @@ func (r *Relay) dispatch(ctx context.Context) (res pgstore.DispatchResult, why, 
 	if err == nil {
 		err = closed
 	}
-	return res, why, err
+	return res, why, last, err
 }
 
 // send publishes one message and classifies the result.
@@ -445,9 +507,15 @@ func (r *Relay) listenLoop(ctx context.Context, wakes []chan struct{}) {
 }
 
 func (r *Relay) listenOnce(ctx context.Context, pool *pgxpool.Pool, signal func()) error {
-	conn, err := pool.Acquire(ctx)
+	actx, cancel := r.lingering(ctx) // a ping cut by the stop would keep the connection out of the pool
+	conn, err := pool.Acquire(actx)
+	cancel()
 	if err != nil {
 		return err
+	}
+	if ctx.Err() != nil {
+		conn.Release()
+		return ctx.Err()
 	}
 	// The connection is LISTENing: it goes back to no pool, since its
 	// session holds the listen.

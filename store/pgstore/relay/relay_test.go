@@ -48,19 +48,17 @@ func unique(prefix string) string {
 	return prefix + hex.EncodeToString(b)
 }
 
-func newFixture(t *testing.T) *fixture {
-	t.Helper()
-	url := testenv.PostgresURL(t)
-	amqpURL := testenv.RabbitMQURL(t)
-	pool, err := pgxpool.New(context.Background(), url)
-	require.NoError(t, err)
-	// pool.Close waits for every connection to come back. It hung once in
-	// about twenty runs of this package, with no goroutine left holding a
-	// connection: a relay stopped while its dispatch set HoldFor leaked
-	// the dispatch's connection (fixed; see pgstore's
-	// TestOutboxDispatchThatFailsReleasesItsConnection). A bounded wait
-	// turns such a leak into a failure that says what the pool held,
-	// rather than a test binary that hangs until its timeout.
+// closeWhenDone closes pool when the test ends. pool.Close waits for every
+// connection to come back. It hung now and then, with no goroutine left
+// holding a connection: a relay stopped while its dispatch set HoldFor
+// leaked the dispatch's connection (fixed; see pgstore's
+// TestOutboxDispatchThatFailsReleasesItsConnection), and a relay stopped
+// while a statement was in flight left its connection to be closed in
+// the background (fixed; see
+// TestRelayStopGivesBackTheConnectionOfAStatementInFlight). A bounded
+// wait turns such a leak into a failure that says what the pool held,
+// rather than a test binary that hangs until its timeout.
+func closeWhenDone(t *testing.T, pool *pgxpool.Pool) {
 	t.Cleanup(func() {
 		closed := make(chan struct{})
 		go func() { pool.Close(); close(closed) }()
@@ -71,6 +69,15 @@ func newFixture(t *testing.T) *fixture {
 			t.Errorf("pool.Close blocked 15 s: acquired %d, constructing %d, idle %d, total %d", st.AcquiredConns(), st.ConstructingConns(), st.IdleConns(), st.TotalConns())
 		}
 	})
+}
+
+func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	url := testenv.PostgresURL(t)
+	amqpURL := testenv.RabbitMQURL(t)
+	pool, err := pgxpool.New(context.Background(), url)
+	require.NoError(t, err)
+	closeWhenDone(t, pool)
 	table := unique("rmwtest_outbox_")
 	t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+table) })
 	ob := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: table})
@@ -372,22 +379,7 @@ func TestRelayParksOnlyWhatCannotSucceed(t *testing.T) {
 // not once per row.
 func TestRelayKeepsNackedRowsPending(t *testing.T) {
 	f := newFixture(t)
-	full := unique("rmwtest.outbox.full.")
-	conn, err := amqp.Dial(testenv.RabbitMQURL(t))
-	require.NoError(t, err)
-	defer conn.Close()
-	ch, err := conn.Channel()
-	require.NoError(t, err)
-	_, err = ch.QueueDeclare(full, false, false, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"})
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		f.b.Delete(ctx, full, broker.Topology{Declare: broker.DeclareNone})
-	})
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	require.NoError(t, f.b.Publish(ctx, "", full, amqp.Publishing{MessageId: "blocker", Body: []byte("blocker")}))
+	full := f.declareFull()
 
 	const n = 3
 	ids := f.write(full, n, false)
@@ -448,6 +440,59 @@ func TestRelayKeepsNackedRowsPending(t *testing.T) {
 	warns := logs.find(slog.LevelWarn, "nack")
 	require.NotEmpty(t, warns)
 	assert.LessOrEqual(t, int64(len(warns)), failedDispatches.Load())
+}
+
+// declareFull declares a queue of its own that holds one message at most
+// and nacks what is published beyond (overflow reject-publish), deleted
+// when the test ends, publishes the message "blocker" into it, and
+// returns its name.
+func (f *fixture) declareFull() string {
+	f.t.Helper()
+	full := unique("rmwtest.outbox.full.")
+	conn, err := amqp.Dial(testenv.RabbitMQURL(f.t))
+	require.NoError(f.t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(f.t, err)
+	_, err = ch.QueueDeclare(full, false, false, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"})
+	require.NoError(f.t, err)
+	f.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		f.b.Delete(ctx, full, broker.Topology{Declare: broker.DeclareNone})
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(f.t, f.b.Publish(ctx, "", full, amqp.Publishing{MessageId: "blocker", Body: []byte("blocker")}))
+	return full
+}
+
+// Rows that RabbitMQ keeps nacking (a queue that stays full) do not hold
+// back the rows written after them for other queues: neither when they
+// fill a batch, nor when one of them comes in each batch, with the
+// default backoff.
+func TestRelayNackedRowsDoNotHoldBackTheOthers(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		stuck, others int
+		batch         int
+	}{
+		{"a batch of them", 5, 20, 5},
+		{"one in each batch", 1, 300, 10},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			full := f.declareFull()
+			f.write(full, tc.stuck, false)
+			ids := f.write(f.queue, tc.others, false)
+			f.run(relay.New(f.ob, f.b, relay.Options{BatchSize: tc.batch, Senders: 1, PollInterval: 50 * time.Millisecond}))
+			assert.Equal(t, once(ids), f.drain(tc.others))
+			require.Eventually(t, func() bool { return f.stats().Sent == int64(tc.others) }, 10*time.Second, 20*time.Millisecond)
+			s := f.stats()
+			assert.Equal(t, int64(tc.stuck), s.Pending, "the nacked rows stay pending")
+			assert.Zero(t, s.Parked)
+		})
+	}
 }
 
 // A recorder is a slog.Handler that keeps its records.
@@ -526,4 +571,64 @@ func TestRelayContinuesTheWritersTrace(t *testing.T) {
 	assert.Equal(t, writer.SpanContext().TraceID(), send.SpanContext().TraceID())
 	assert.Equal(t, writer.SpanContext().SpanID(), send.Parent().SpanID(), "the send's parent is the writer's span")
 	assert.Contains(t, d.Headers["traceparent"], send.SpanContext().SpanID().String(), "the message carries the send's context")
+}
+
+// A relay stopped while a statement of its dispatch waits on the database
+// lets the statement end, and gives the connection back to the pool, open,
+// before Run returns. A statement cut by the stop costs its connection:
+// pgx closes it in the background (a cancel request, then up to 15 s),
+// and the pool holds it as acquired until then, so that a pool.Close right
+// after Run waited for it. Here the take waits for a lock that the test
+// holds on the outbox's table, and the test lets it go once the stop had
+// time to cut it.
+func TestRelayStopGivesBackTheConnectionOfAStatementInFlight(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.pool.Config()
+	var closed atomic.Int64
+	cfg.BeforeClose = func(*pgx.Conn) { closed.Add(1) }
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	closeWhenDone(t, pool)
+	ob := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: f.ob.Table()})
+	f.write(f.queue, 1, false)
+
+	ctx := context.Background()
+	lock, err := f.pool.Begin(ctx)
+	require.NoError(t, err)
+	release := sync.OnceValue(func() error { return lock.Rollback(ctx) })
+	defer release()
+	table := pgx.Identifier{f.ob.Table()}.Sanitize()
+	_, err = lock.Exec(ctx, `LOCK TABLE `+table+` IN EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	rctx, stop := context.WithCancel(ctx)
+	defer stop()
+	done := make(chan error, 1)
+	go func() {
+		done <- relay.New(ob, f.b, relay.Options{Senders: 1, NoListen: true, PollInterval: 20 * time.Millisecond, StopTimeout: 10 * time.Second}).Run(rctx)
+	}()
+	require.Eventually(t, func() bool { // the take waits for the lock
+		var waiting int
+		err := f.pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE relation = $1::regclass AND NOT granted`, table).Scan(&waiting)
+		return err == nil && waiting > 0
+	}, 10*time.Second, 10*time.Millisecond)
+
+	stop()
+	select {
+	case err = <-done: // the take was cut
+	case <-time.After(500 * time.Millisecond): // it still waits
+		require.NoError(t, release())
+		select {
+		case err = <-done:
+		case <-time.After(20 * time.Second):
+			t.Fatal("Run did not return 20 s after its stop")
+		}
+	}
+	require.NoError(t, err)
+	acquired := pool.Stat().AcquiredConns()
+	require.Eventually(t, func() bool { return pool.Stat().AcquiredConns() == 0 }, 20*time.Second, 10*time.Millisecond)
+	assert.Zero(t, acquired, "connections out of the pool when Run returned")
+	assert.Zero(t, closed.Load(), "connections closed by the stop")
+	require.NoError(t, release())
+	assert.Equal(t, int64(1), f.stats().Pending, "the row stays pending, for the next relay")
 }
