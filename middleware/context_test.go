@@ -642,3 +642,67 @@ func TestCancelContextConcurrentEnds(t *testing.T) {
 		q.mu.Unlock()
 	})
 }
+
+// Thousands of watched contexts with deadlines, under parents that never
+// end, some shared and some each their own, leave nothing queued or
+// listed once they have ended before their deadlines, whatever the order
+// of their ends.
+func TestWatchedContextsLeaveNothing(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const n = 5000
+		var w parentWatcher
+		q := newDeadlineQueue()
+		// The parents are cancelled only once the test is over.
+		var cancels []context.CancelFunc
+		defer func() {
+			for _, cancel := range cancels {
+				cancel()
+			}
+		}()
+		live := func(parent context.Context) context.Context {
+			ctx, cancel := context.WithCancel(parent)
+			cancels = append(cancels, cancel)
+			return ctx
+		}
+		shared := make([]context.Context, 3)
+		for i := range shared {
+			shared[i] = live(context.WithValue(context.Background(), ctxKey{}, i))
+		}
+		cs := make([]*cancelContext, n)
+		for i := range cs {
+			parent := shared[i%len(shared)]
+			if i%5 == 0 {
+				parent = live(context.Background())
+			}
+			cs[i] = &cancelContext{parent: parent, deadline: time.Now().Add(time.Hour), deadlines: q, watcher: &w}
+			_ = cs[i].Done()
+			if i%7 == 0 {
+				time.Sleep(time.Millisecond) // deadlines apart, in order
+			}
+		}
+		// End them in an order unlike their deadlines': odd ones first,
+		// from the last, then the even ones.
+		for i := n - 1; i >= 0; i-- {
+			if i%2 == 1 {
+				cs[i].end()
+			}
+		}
+		for i := 0; i < n; i += 2 {
+			cs[i].end()
+		}
+		q.mu.Lock()
+		assert.Nil(t, q.list.head, "the deadline queue's head")
+		assert.Nil(t, q.list.tail, "the deadline queue's tail")
+		q.mu.Unlock()
+		w.mu.Lock()
+		assert.LessOrEqual(t, len(w.parents), maxWatchedParents, "parents watched")
+		for _, p := range w.parents {
+			assert.Nil(t, p.head, "contexts listed under a parent")
+		}
+		w.mu.Unlock()
+		for _, c := range cs {
+			assert.ErrorIs(t, c.Err(), context.Canceled)
+			assert.False(t, c.deadlineLinks.queued || c.watchedBy != nil, "a context still queued or listed")
+		}
+	})
+}
