@@ -1,0 +1,62 @@
+package middleware
+
+import (
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+)
+
+// A testItem is an item of a timerList in tests.
+type testItem struct{ timerLinks[testItem] }
+
+func (x *testItem) links() *timerLinks[testItem] { return &x.timerLinks }
+
+// In a synctest bubble, where each arming makes a timer, the list keeps
+// one armed, not one more for each time it went from empty to not: a
+// list that serves many short deliveries, then a long one renewed every
+// interval, fires once per interval.
+func TestTimerListOneTimerInABubble(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const every = 10 * time.Second
+		var (
+			q     timerList[testItem, *testItem]
+			fires int
+			mu    = make(chan struct{}, 1) // the owner's mutex
+		)
+		lock, unlock := func() { mu <- struct{}{} }, func() { <-mu }
+		q.fire = func() {
+			lock()
+			defer unlock()
+			now, ok := q.fired()
+			if !ok {
+				return
+			}
+			fires++
+			for x := q.due(now); x != nil; x = q.due(now) {
+				q.unlink(x)
+				q.push(x, now.Add(every)) // renewed
+			}
+			q.rearm()
+		}
+		for range 100 { // short deliveries: queued, then gone
+			var x testItem
+			lock()
+			q.push(&x, time.Now().Add(every))
+			q.unlink(&x)
+			unlock()
+			time.Sleep(time.Millisecond)
+		}
+		var long testItem
+		lock()
+		q.push(&long, time.Now().Add(every))
+		unlock()
+		time.Sleep(6*every + every/2)
+		lock()
+		q.unlink(&long)
+		got := fires
+		unlock()
+		assert.LessOrEqual(t, got, 8, "timer callbacks in 6 intervals")
+	})
+}
