@@ -103,6 +103,11 @@ func (q *timerList[T, P]) arm() {
 	if bubbled := inBubble(now); bubbled || q.bubbled {
 		// The timer armed may be another bubble's, ended, or one that
 		// this goroutine must not touch: a new one, whatever is armed.
+		// The old one is stopped if it was a bubble's and this is one,
+		// lest each arming leave one more timer that arms another.
+		if q.timer != nil && q.bubbled && bubbled {
+			q.timer.Stop()
+		}
 		q.armed, q.bubbled = due, bubbled
 		q.timer = time.AfterFunc(due.Sub(now), q.fire)
 		return
