@@ -753,3 +753,28 @@ func TestDedupManyConsumers(t *testing.T) {
 		wg.Wait()
 	})
 }
+
+// A handler that panics with contexts derived from its own, and
+// goroutines waiting on them, leaves nothing running: its context ends as
+// the panic goes through Dedup, and its claim is released.
+func TestDedupPanicEndsDerivedContexts(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := store.NewMemory()
+		var waiters sync.WaitGroup
+		h := rabbitmw.Chain(middleware.Recover(), middleware.Dedup(s, middleware.DedupOptions{}), middleware.Timeout(time.Hour))(
+			rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+				derived, cancel := context.WithTimeout(context.WithValue(ctx, errBoom, 1), time.Hour)
+				_ = cancel // not called: the panic comes first
+				waiters.Go(func() { <-derived.Done() })
+				context.AfterFunc(ctx, func() {})
+				panic("kaboom")
+			}))
+		d, _ := deliverytest.New("m1", "")
+		err := h.Handle(context.Background(), d)
+		var pe *rabbitmw.PanicError
+		require.ErrorAs(t, err, &pe)
+		waiters.Wait() // the derived context ended
+		got, _ := s.Claim(context.Background(), "m1", "next", time.Minute)
+		assert.Equal(t, store.Claimed, got, "Claim after the panic (released)")
+	})
+}
