@@ -412,7 +412,10 @@ func TestHandlerLongTransactionShortLease(t *testing.T) {
 	t.Cleanup(pool.Close) // after the tables are dropped (cleanups run last first)
 	f := newInbox(t, pool)
 	counting := &countingStore{Store: f.st}
-	const lease, hold = 900 * time.Millisecond, 3 * time.Second
+	// Each renewal has a third of the lease to answer, its first one on a
+	// connection it dials: 800 ms, where 300 ms were once too few in a
+	// CI run of every package at once under the race detector.
+	const lease, hold = 2400 * time.Millisecond, 4 * time.Second
 	h := rabbitmw.Chain(
 		middleware.Retry(f.st, middleware.RetryOptions{}),
 		middleware.Recover(),
