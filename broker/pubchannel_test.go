@@ -87,11 +87,7 @@ func TestRabbitMQStickyNacksReplaceThePublishChannel(t *testing.T) {
 	assert.Equal(t, sentNacked, nacked.Load(), "publishes returned as nacked; want as many as the nacks the client received")
 	assert.Equal(t, sentAcked, confirmed.Load(), "publishes returned as confirmed; want as many as the acks the client received")
 
-	select {
-	case <-s.Closed():
-		t.Fatalf("the session closed: %v", s.Reason())
-	default:
-	}
+	requireOpen(t, s)
 	assert.GreaterOrEqual(t, logs.Count("publish channel replaced"), 1, "log records of a replaced channel")
 	// The consume channel still holds its delivery: settling it lets the
 	// next one come (prefetch 1).
@@ -485,11 +481,7 @@ func TestRabbitMQReplacementsAreBoundedOnALegitimateNack(t *testing.T) {
 	t.Logf("%d publishes nacked in %v; publish channel replaced %d times", publishes, took.Round(time.Millisecond), replaced)
 	assert.GreaterOrEqual(t, replaced, 1, "replacements")
 	assert.LessOrEqual(t, replaced, int(took/replaceInterval)+1, "replacements in %v, at most one per %v", took, replaceInterval)
-	select {
-	case <-s.Closed():
-		t.Fatalf("the session closed: %v", s.Reason())
-	default:
-	}
+	requireOpen(t, s)
 }
 
 // RabbitMQ may nack a publish (here: to a queue at its length limit,
@@ -684,11 +676,7 @@ func TestRabbitMQConfirmsOfTheOldChannelComeAfterTheSwap(t *testing.T) {
 	nacked, acked := px.tally()
 	assert.Equal(t, int64(4), nacked, "nacks sent to the client")
 	assert.Equal(t, int64(2), acked, "acks sent to the client")
-	select {
-	case <-s.Closed():
-		t.Fatalf("the session closed: %v", s.Reason())
-	default:
-	}
+	requireOpen(t, s)
 }
 
 // sessionGoroutines returns a check that every goroutine started since
@@ -841,11 +829,7 @@ func TestRabbitMQNoNewPublishChannel(t *testing.T) {
 				open, _ := px.openChannels()
 				return slices.Equal(open, c.open)
 			}, 10*time.Second, 5*time.Millisecond, "channels open")
-			select {
-			case <-s.Closed():
-				t.Fatalf("the session closed: %v", s.Reason())
-			default:
-			}
+			requireOpen(t, s)
 		})
 	}
 }
@@ -1054,11 +1038,7 @@ func TestRabbitMQPublishersWhileNacksComeAndGo(t *testing.T) {
 	assert.GreaterOrEqual(t, confirmed.Load()+gaveUp.Load(), sentAcked, "publishes confirmed or given up; the acks are")
 	assert.GreaterOrEqual(t, nacked.Load()+gaveUp.Load(), sentNacked, "publishes nacked or given up; the nacks are")
 	assert.LessOrEqual(t, most, 3, "channels open at once")
-	select {
-	case <-s.Closed():
-		t.Fatalf("the session closed: %v", s.Reason())
-	default:
-	}
+	requireOpen(t, s)
 }
 
 // A publish whose caller gives up as it is handed over returns the
@@ -1104,4 +1084,14 @@ func TestRabbitMQPublishGivenUpReturnsTheContextsError(t *testing.T) {
 	}
 	wg.Wait()
 	t.Logf("%d publishes confirmed, %d given up", sent.Load(), gaveUp.Load())
+}
+
+// requireOpen stops the test if s has closed.
+func requireOpen(t *testing.T, s session) {
+	t.Helper()
+	select {
+	case <-s.Closed():
+		t.Fatalf("the session closed: %v", s.Reason())
+	default:
+	}
 }
