@@ -4,6 +4,11 @@ import (
 	"context"
 	"sync/atomic"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/store"
 )
 
 // A Claim is the claim that [Dedup] holds on a delivery's key while the
@@ -40,6 +45,39 @@ func (c *Claim) Retention() time.Duration { return c.retention }
 // key done if the commit took effect. It is safe to call from any
 // goroutine.
 func (c *Claim) MarkedDone() { c.marked.Store(true) }
+
+// A ClaimingHandler is a handler that can claim a delivery's key itself,
+// in the transaction that applies its effect, where [Dedup] would claim it
+// in a store call of its own: one transaction, and one commit, per message
+// instead of two. Package pgstore's transactional handler is one.
+//
+// Dedup finds it only as the handler directly beneath it, or beneath the
+// [Timeout] layer directly beneath it; any other layer in between hides
+// it, and Dedup then claims as it does for any handler. Before its own
+// claim, Dedup calls HandleClaiming with its store s, the delivery's key
+// in s and the done mark's retention ([DedupOptions].Retention), under
+// the context it would give the handler (with the Timeout's deadline),
+// which carries no [Claim]. The handler claims only in s, and only if s
+// is the store it writes its done marks in. The answers:
+//
+//   - ran true: the handler claimed the key and ran, and err is its
+//     result, all recorded by the handler: nil means the key is marked
+//     done and the mark is durable; an error, that the attempt left
+//     nothing in the store, no claim to release. Dedup returns err as it
+//     is (with [ErrTimeout] if the deadline passed).
+//   - ran false, with an error that wraps [ErrBusy]: another transaction
+//     holds the key. Dedup answers busy, as if its claim had found the key
+//     processing.
+//   - ran false, any other error or none: the handler did not run and left
+//     nothing (s is not its store; the key was in s already: done,
+//     claimed, released or abandoned; or it could not try). Dedup claims
+//     the key as usual, and calls Handle under the claim.
+//
+// A panic goes on through Dedup, which has nothing to release.
+type ClaimingHandler interface {
+	rabbitmw.Handler
+	HandleClaiming(ctx context.Context, d *amqp.Delivery, s store.Store, key string, retention time.Duration) (ran bool, err error)
+}
 
 type claimKey struct{}
 
@@ -79,7 +117,8 @@ func newClaimContext(parent context.Context, key, token string, retention time.D
 // cancelContext's values otherwise.
 func (c *claimContext) Value(key any) any {
 	switch {
-	case key == (claimKey{}):
+	case key == (claimKey{}) && c.claim.token != "":
+		// Not when a ClaimingHandler claims the key itself.
 		return &c.claim
 	case key == (keyedKey{}) && c.keyed.by != nil:
 		return &c.keyed

@@ -2,6 +2,8 @@ package middleware_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -68,4 +70,105 @@ func TestClaimFromWithoutDedup(t *testing.T) {
 	c, ok := middleware.ClaimFrom(context.Background())
 	assert.False(t, ok)
 	assert.Nil(t, c)
+}
+
+// claimingHandler is a middleware.ClaimingHandler that answers as told,
+// and records how it was called.
+type claimingHandler struct {
+	ran    bool
+	err    error // HandleClaiming's
+	result error // Handle's
+
+	claims, handles int
+	store           store.Store
+	key             string
+	retention       time.Duration
+	hadClaim        bool // HandleClaiming's context carried a Claim
+	hadDeadline     bool
+	handleClaim     bool // Handle's context carried a Claim
+}
+
+func (h *claimingHandler) Handle(ctx context.Context, d *amqp.Delivery) error {
+	h.handles++
+	_, h.handleClaim = middleware.ClaimFrom(ctx)
+	return h.result
+}
+
+func (h *claimingHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, s store.Store, key string, retention time.Duration) (bool, error) {
+	h.claims++
+	h.store, h.key, h.retention = s, key, retention
+	_, h.hadClaim = middleware.ClaimFrom(ctx)
+	_, h.hadDeadline = ctx.Deadline()
+	return h.ran, h.err
+}
+
+// Dedup offers a delivery to a ClaimingHandler directly beneath it, or
+// beneath its Timeout, before it claims; and claims as usual when the
+// handler declines, says busy, or is hidden by a layer in between.
+func TestDedupClaimingHandler(t *testing.T) {
+	ctx := context.Background()
+	boom := errors.New("boom")
+	busy := fmt.Errorf("held: %w", middleware.ErrBusy)
+	tests := []struct {
+		name      string
+		ran       bool
+		err       error
+		wrap      func(rabbitmw.Handler) rabbitmw.Handler
+		timeout   bool
+		wantClaim int // HandleClaiming calls
+		wantRuns  int // Handle calls
+		wantIs    error
+		wantOut   rabbitmw.Outcome
+		wantState store.Status // in the store afterwards
+	}{
+		{name: "ran", ran: true, wantClaim: 1, wantOut: rabbitmw.Ack},
+		{name: "ran beneath Timeout", ran: true, timeout: true, wantClaim: 1, wantOut: rabbitmw.Ack},
+		{name: "ran and failed", ran: true, err: boom, wantClaim: 1, wantIs: boom, wantOut: rabbitmw.Requeue},
+		{name: "declined", wantClaim: 1, wantRuns: 1, wantOut: rabbitmw.Ack, wantState: store.Done},
+		{name: "declined with an error", err: boom, wantClaim: 1, wantRuns: 1, wantOut: rabbitmw.Ack, wantState: store.Done},
+		{name: "busy", err: busy, wantClaim: 1, wantIs: middleware.ErrBusy, wantOut: rabbitmw.Delay},
+		{name: "hidden by a layer", ran: true, wrap: func(h rabbitmw.Handler) rabbitmw.Handler { return rabbitmw.HandlerFunc(h.Handle) },
+			wantRuns: 1, wantOut: rabbitmw.Ack, wantState: store.Done},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := store.NewMemory()
+			ch := &claimingHandler{ran: tt.ran, err: tt.err}
+			var h rabbitmw.Handler = ch
+			if tt.wrap != nil {
+				h = tt.wrap(h)
+			}
+			if tt.timeout {
+				h = middleware.Timeout(time.Minute)(h)
+			}
+			h = middleware.Dedup(s, middleware.DedupOptions{Retention: time.Hour, BusyDelay: 3 * time.Second})(h)
+			d, _ := deliverytest.New("m1", "")
+			err := h.Handle(ctx, d)
+			if tt.wantIs != nil {
+				assert.ErrorIs(t, err, tt.wantIs)
+			} else {
+				assert.NoError(t, err)
+			}
+			dec := rabbitmw.Decide(err)
+			assert.Equal(t, tt.wantOut, dec.Outcome, "Decide(%v)", err)
+			if tt.wantOut == rabbitmw.Delay {
+				assert.Equal(t, 3*time.Second, dec.Delay, "the busy delay")
+			}
+			assert.Equal(t, tt.wantClaim, ch.claims, "HandleClaiming calls")
+			assert.Equal(t, tt.wantRuns, ch.handles, "Handle calls")
+			if ch.claims > 0 {
+				assert.Same(t, s, ch.store, "the store given to HandleClaiming")
+				assert.Equal(t, "m1", ch.key)
+				assert.Equal(t, time.Hour, ch.retention)
+				assert.False(t, ch.hadClaim, "HandleClaiming's context carries a Claim")
+				assert.Equal(t, tt.timeout, ch.hadDeadline, "HandleClaiming's context has a deadline")
+			}
+			if ch.handles > 0 {
+				assert.True(t, ch.handleClaim, "Handle ran without a claim")
+			}
+			got, err := s.Inspect(ctx, "m1")
+			require.NoError(t, err)
+			assert.Equal(t, tt.wantState, got.Status, "the key in the store: %s", got.State())
+		})
+	}
 }

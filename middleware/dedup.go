@@ -92,6 +92,10 @@ type DedupOptions struct {
 //     another attempt can claim it, and returns the error (or lets the
 //     panic go on).
 //
+// If the handler directly beneath Dedup (or beneath its [Timeout]) is a
+// [ClaimingHandler], Dedup first lets it claim the key itself, in the
+// transaction of its effect, and claims as above only if it does not.
+//
 // If the lease is lost while the handler runs (the key was taken over or
 // deleted, or renewal failed for so long that the lease may have ended),
 // Dedup cancels the handler's context with the cause, and does not mark the
@@ -154,6 +158,11 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		h := &dedup{dedupConfig: cfg, next: next}
 		h.timed, _ = next.(*timeout)
+		if h.timed != nil {
+			h.claiming, _ = h.timed.next.(ClaimingHandler)
+		} else {
+			h.claiming, _ = next.(ClaimingHandler)
+		}
 		return h
 	}
 }
@@ -185,6 +194,9 @@ type dedup struct {
 	// beneath it, with the same result (the stack's layers share one
 	// context per delivery).
 	timed *timeout
+	// claiming is the handler directly beneath, or beneath timed, if it
+	// claims keys in its own transaction.
+	claiming ClaimingHandler
 }
 
 func (h *dedup) Handle(ctx context.Context, d *amqp.Delivery) error {
@@ -206,6 +218,16 @@ func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) 
 	}
 	if err != nil {
 		return rabbitmw.Permanent(fmt.Errorf("middleware: dedup: no idempotency key: %w", err))
+	}
+	if h.claiming != nil {
+		ran, err := h.runClaiming(ctx, d, key, down)
+		switch {
+		case ran:
+			return err
+		case errors.Is(err, ErrBusy):
+			notify(h.observe, ctx, DedupBusy, key, nil)
+			return rabbitmw.RetryAfter(&keyError{key: key, err: ErrBusy}, h.busy)
+		}
 	}
 	token := newToken()
 	start := time.Now()
@@ -265,6 +287,27 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 	}
 	notify(h.observe, ctx, DedupClaimed, key, nil)
 	return true, nil
+}
+
+// runClaiming offers the delivery d of key to the handler beneath, which
+// claims key in its own transaction if it can (see [ClaimingHandler]),
+// under the context that run would give it, and reports whether it ran.
+func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, down keyed) (ran bool, err error) {
+	var deadline time.Time
+	if h.timed != nil {
+		deadline = time.Now().Add(h.timed.d)
+	}
+	cc := newClaimContext(ctx, key, "", h.retention, deadline, h.deadlines, h.parents)
+	cc.keyed = down
+	defer cc.end()
+	if ran, err = h.claiming.HandleClaiming(cc, d, h.store, key, h.retention); !ran {
+		return false, err
+	}
+	notify(h.observe, ctx, DedupClaimed, key, nil)
+	if h.timed != nil {
+		err = h.timed.result(ctx, cc, err)
+	}
+	return true, err
 }
 
 // An attempt is what running the handler under a claim leaves for record.
