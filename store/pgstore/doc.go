@@ -26,35 +26,62 @@
 //		return err
 //	}, pgstore.HandlerOptions{}))
 //
-// How the two cooperate: Dedup claims the key (a row, with the claim's
-// token and lease) and renews the lease while the handler runs, as over
-// any store; it passes the claim to the handler in the context
-// (middleware.ClaimFrom). Handler begins a transaction, runs the function,
-// and writes the done mark as the transaction's last statement: an UPDATE
-// of the claim's row that matches only while the claim's token owns it.
-// Then it commits, and tells Dedup (middleware.Claim.MarkedDone) that the
-// mark is written, so Dedup does not write a second one. Hence:
+// How the two cooperate. A message that was never delivered before is
+// claimed in the transaction of its effect: Dedup finds that Handler can
+// (middleware.ClaimingHandler) and lets it. Handler inserts the key's row
+// as a done mark, with the BEGIN, in one round trip; runs the function;
+// and commits. One transaction writes the row, once, and the effect. If
+// the key has a row already (done, claimed, abandoned, or left by an
+// earlier copy of the message), Handler rolls back and Dedup claims as
+// over any store. So does a message that was delivered before
+// (Redelivered): its earlier attempt may have died with its consumer,
+// and only a claim committed before the function runs leaves a trace of
+// such a death.
 //
-//   - a crash before the commit leaves neither effect nor mark: once the
-//     lease ends, the claim is abandoned; the redelivery that finds it
-//     counts a failed attempt, and the next one processes the message;
+// Under Dedup's claim, Dedup claims the key (a row, with the claim's
+// token and lease) and renews the lease while the handler runs; it passes
+// the claim to the handler in the context (middleware.ClaimFrom). Handler
+// begins a transaction, runs the function, and writes the done mark as
+// the transaction's last statement: an UPDATE of the claim's row that
+// matches only while the claim's token owns it. Then it commits, and
+// tells Dedup (middleware.Claim.MarkedDone) that the mark is written, so
+// Dedup does not write a second one. Hence, on either path:
+//
+//   - a crash before the commit leaves neither effect nor mark. A claim
+//     made in the transaction leaves nothing at all: the redelivery is
+//     claimed by Dedup, and, finding no row, counts the attempt that left
+//     none as a failed one. A claim of Dedup's is abandoned once its lease
+//     ends: the redelivery that finds it counts a failed attempt, and the
+//     next one processes the message. Either way a message that kills
+//     every consumer is dead-lettered after its attempts;
 //   - a crash after it leaves both: the redelivery is a duplicate;
-//   - a claim that was lost (its lease ended, and perhaps another consumer
-//     took the message) matches no row: the transaction is rolled back. Of two
-//     consumers running the same message, only the owner's commits. The
-//     row lock that the UPDATE takes also orders the commit against a
-//     takeover: a claim of the row waits for the commit, then finds it
-//     done;
+//   - two consumers never commit the same message: a claim made in the
+//     transaction holds the key's row, uncommitted, until the commit, and
+//     any other claim of the key waits for it a second at most, then is
+//     answered busy (or finds it done); a claim of Dedup's that was lost
+//     (its lease ended, and perhaps another consumer took the message)
+//     matches no row at the done mark, and the transaction is rolled
+//     back. The row lock that the mark takes also orders the commit
+//     against a takeover: a claim of the row waits for the commit, then
+//     finds it done;
 //   - a commit whose answer was lost is not counted as a failure and not
 //     marked by Dedup; the redelivery finds the key done if the commit took
 //     effect, and runs the function again if it did not;
-//   - renewals never wait for the transaction: it locks the claim's row
-//     only from the done mark to the commit, and renewals run on
-//     connections of their own, so they are not starved by handlers that
-//     hold every connection of the pool in a transaction.
+//   - Dedup's renewals never wait for the transaction: it locks the
+//     claim's row only from the done mark to the commit, and renewals run
+//     on connections of their own, so they are not starved by handlers
+//     that hold every connection of the pool in a transaction. A claim
+//     made in the transaction needs none. It holds the key for as long as
+//     its connection lives: a consumer cut off from the database in the
+//     middle of the transaction holds it until PostgreSQL finds the
+//     connection gone (its TCP keepalives, or
+//     idle_in_transaction_session_timeout, say when), where a claim of
+//     Dedup's is abandoned at the end of its lease; meanwhile the message
+//     is answered busy.
 //
 // [SQLHandler] is the same on database/sql, through pgx's stdlib driver,
-// for code written against *sql.Tx (sqlc, sqlx, GORM).
+// for code written against *sql.Tx (sqlc, sqlx, GORM), always under
+// Dedup's claim.
 //
 // # Where the guarantee ends
 //

@@ -72,7 +72,22 @@ type HandlerOptions struct {
 // effect of each delivery and marks the delivery's key done in one
 // transaction, so that no effect is ever committed twice, whatever crashes.
 // It runs beneath middleware.Dedup over the same Store s (the recommended
-// stack, with Handler as the business handler), and for each delivery:
+// stack, with Handler as the business handler).
+//
+// A delivery that was never delivered before is claimed in the
+// transaction (Handler is a middleware.ClaimingHandler, which Dedup finds
+// directly beneath it or beneath its Timeout): Handler begins the
+// transaction with an INSERT of the key's row as a done mark, in the round
+// trip of the BEGIN, calls fn, and commits. The row, uncommitted, holds
+// the key meanwhile: another claim of the key waits for it a second at
+// most, then is answered busy, and no lease is renewed. If the key has a
+// row, the transaction is rolled back, and Dedup claims as below. The
+// results are those listed below, without the ones of a lost claim.
+//
+// A redelivered delivery is claimed by Dedup, in a transaction of its
+// own: its attempt before may have killed its consumer, leaving nothing
+// if its claim was in the transaction (see the package documentation).
+// For each delivery that Dedup claimed, Handler:
 //
 //  1. takes a connection of s's pool, for a transaction;
 //  2. calls fn with the transaction;
@@ -121,28 +136,16 @@ func Handler(s *Store, fn TxFunc, opts HandlerOptions) rabbitmw.Handler {
 	if s == nil || fn == nil {
 		panic("pgstore: Handler: nil store or function")
 	}
-	h := newInbox(s, opts)
-	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-		return h.handle(ctx, func(ctx context.Context) (txn, error) {
-			conn, err := s.pool.Acquire(ctx)
-			if err != nil {
-				return nil, err
-			}
-			t := &pgxTxn{s: s, conn: conn}
-			t.tx = &inboxTx{conn: conn.Conn(), opts: opts.TxOptions, renew: t.renew}
-			return t, nil
-		}, func(ctx context.Context, t txn) error {
-			return fn(ctx, t.(*pgxTxn).tx, d)
-		})
-	})
+	return &txHandler{in: newInbox(s, opts), fn: fn, opts: opts.TxOptions}
 }
 
 // SQLHandler is [Handler] on database/sql, for code written against
 // *sql.Tx (sqlc, sqlx, GORM): fn gets a transaction of db, which must be
 // the database of s, opened through pgx's driver, for example with
 // stdlib.OpenDBFromPool(pool) (package github.com/jackc/pgx/v5/stdlib).
-// Everything Handler says holds for it. SQLHandler panics if s, db or fn
-// is nil.
+// Everything Handler says of a delivery under Dedup's claim holds for it;
+// it claims no key in its transaction, so Dedup claims every delivery.
+// SQLHandler panics if s, db or fn is nil.
 func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitmw.Handler {
 	if s == nil || db == nil || fn == nil {
 		panic("pgstore: SQLHandler: nil store, database or function")
@@ -390,6 +393,22 @@ func (h *inbox) unavailable(err error) error {
 	return rabbitmw.RetryAfter(fmt.Errorf("%w: %w", middleware.ErrStoreUnavailable, err), h.retry)
 }
 
+// failed returns the result of a delivery whose function returned err in
+// t: err, unless the database could not be reached, which is not the
+// message's failure (the database is the store).
+func (h *inbox) failed(ctx context.Context, t txn, key string, err error) error {
+	if ctx.Err() == nil && lost(t, err) {
+		return h.unavailable(fmt.Errorf("pgstore: the transaction of %q: %w", key, err))
+	}
+	return err
+}
+
+// errTxSettled is the result of a delivery of key whose function
+// committed or rolled back the transaction itself.
+func errTxSettled(key string) error {
+	return rabbitmw.Permanent(fmt.Errorf("%w: key %q", ErrTxSettled, key))
+}
+
 // handle runs one delivery's transaction: begin, call, mark, commit.
 func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, error), call func(context.Context, txn) error) error {
 	c, ok := middleware.ClaimFrom(ctx)
@@ -411,11 +430,7 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		}
 	}()
 	if err := call(ctx, t); err != nil {
-		if ctx.Err() == nil && lost(t, err) {
-			// Not the message's failure: the database is the store.
-			return h.unavailable(fmt.Errorf("pgstore: the transaction of %q: %w", key, err))
-		}
-		return err
+		return h.failed(ctx, t, key, err)
 	}
 	// fn has returned: its effect is in the transaction. The mark and the
 	// commit run even if ctx is cancelled from now on (a consumer's
@@ -436,7 +451,7 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		// which is not fn's doing.
 		return fmt.Errorf("pgstore: mark %q done: %w (%w)", key, err, context.Cause(ctx))
 	case settled(err):
-		return rabbitmw.Permanent(fmt.Errorf("%w: key %q", ErrTxSettled, key))
+		return errTxSettled(key)
 	case err != nil && !lost(t, err) && isPgError(err):
 		// The server refused: a serialisation failure, or a statement of
 		// fn that failed with its error dropped (the transaction is

@@ -73,6 +73,24 @@ func (f *inboxFixture) stack(h rabbitmw.Handler, dedup middleware.DedupOptions) 
 	return middleware.Stack(f.st, middleware.StackOptions{Dedup: dedup})(h)
 }
 
+// stackUnderClaim is stack, with h hidden from Dedup by a layer in
+// between: Dedup claims the key in the store, and h runs under its claim,
+// as for a redelivered message (see pgstore.Handler).
+func (f *inboxFixture) stackUnderClaim(h rabbitmw.Handler, dedup middleware.DedupOptions) rabbitmw.Handler {
+	return f.stack(rabbitmw.HandlerFunc(h.Handle), dedup)
+}
+
+// A path is a way for Handler to run under Dedup: claiming the key in its
+// transaction, or under Dedup's claim.
+type path struct {
+	name  string
+	stack func(rabbitmw.Handler, middleware.DedupOptions) rabbitmw.Handler
+}
+
+func (f *inboxFixture) paths() []path {
+	return []path{{"claim in the transaction", f.stack}, {"claim of Dedup", f.stackUnderClaim}}
+}
+
 func delivery(id string) *amqp.Delivery {
 	return rabbitmwtest.NewRecorder().Deliver(amqp.Publishing{MessageId: id, Body: []byte(id)})
 }
@@ -117,7 +135,7 @@ func TestHandlerFailureRollsBack(t *testing.T) {
 func TestHandlerLostClaimRollsBack(t *testing.T) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
-	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	h := f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		c, _ := middleware.ClaimFrom(ctx)
 		// The lease ends and another consumer claims the key.
 		assert.NoError(t, f.st.Release(ctx, c.Key(), c.Token()), "Release")
@@ -217,21 +235,26 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(pool.Close) // after the tables are dropped (cleanups run last first)
 	f := newInbox(t, pool)
-	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-		armed.Store(true)
-		return f.insert(ctx, tx, d)
-	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
-	err = h.Handle(ctx, delivery("m1"))
-	require.ErrorIs(t, err, middleware.ErrStoreUnavailable)
-	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
-	require.False(t, armed.Load(), "the commit was never cut")
-	require.Equal(t, 1, f.count(t, "m1"), "effects: the commit took effect")
-	// The retry finds the message done: no second effect, no second mark.
-	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "redelivery")
-	assert.Equal(t, 1, f.count(t, "m1"), "effects after the redelivery")
-	// Nor is the lost answer counted as a failure of the message.
-	if n, err := f.st.Fail(ctx, "m1", time.Minute); err != nil || n != 1 {
-		t.Errorf("failure count = %d, %v; want 0 before this Fail", n-1, err)
+	for _, p := range f.paths() {
+		t.Run(p.name, func(t *testing.T) {
+			h := p.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				armed.Store(true)
+				return f.insert(ctx, tx, d)
+			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			id := "m-" + p.name
+			err = h.Handle(ctx, delivery(id))
+			require.ErrorIs(t, err, middleware.ErrStoreUnavailable)
+			require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+			require.False(t, armed.Load(), "the commit was never cut")
+			require.Equal(t, 1, f.count(t, id), "effects: the commit took effect")
+			// The retry finds the message done: no second effect, no second mark.
+			require.ErrorIs(t, h.Handle(ctx, delivery(id)), rabbitmw.ErrDuplicate, "redelivery")
+			assert.Equal(t, 1, f.count(t, id), "effects after the redelivery")
+			// Nor is the lost answer counted as a failure of the message.
+			if n, err := f.st.Fail(ctx, id, time.Minute); err != nil || n != 1 {
+				t.Errorf("failure count = %d, %v; want 0 before this Fail", n-1, err)
+			}
+		})
 	}
 }
 
@@ -293,6 +316,10 @@ func TestHandlerCommitTimeoutBoundsTheCommit(t *testing.T) {
 			armed.Store(true)
 			return f.insert(ctx, tx, d)
 		}, opts)},
+		{"Handler under Dedup's claim", rabbitmw.HandlerFunc(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+			armed.Store(true)
+			return f.insert(ctx, tx, d)
+		}, opts).Handle)},
 		{"SQLHandler", pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
 			armed.Store(true)
 			_, err := tx.ExecContext(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId)
@@ -340,7 +367,7 @@ func TestHandlerSelfSettledTx(t *testing.T) {
 		t.Run(how, func(t *testing.T) {
 			ctx := context.Background()
 			f := newInbox(t, newPool(t))
-			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+			h := f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 				if err := f.insert(ctx, tx, d); err != nil {
 					return err
 				}
@@ -595,7 +622,7 @@ func TestHandlerInEveryExecMode(t *testing.T) {
 			ctx := context.Background()
 			pool := newPoolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode })
 			f := newInbox(t, pool)
-			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+			fn := func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 				if d.MessageId == "lost" {
 					c, _ := middleware.ClaimFrom(ctx)
 					require.NoError(t, f.st.Release(ctx, c.Key(), c.Token()))
@@ -603,8 +630,16 @@ func TestHandlerInEveryExecMode(t *testing.T) {
 					require.NoError(t, err)
 				}
 				return f.insert(ctx, tx, d)
-			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
-			for range 3 { // a connection's first mark prepares it; the next ones do not
+			}
+			inTx := f.stack(pgstore.Handler(f.st, fn, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			h := f.stackUnderClaim(pgstore.Handler(f.st, fn, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			// A connection's first claim or mark prepares it; the next ones
+			// do not.
+			for i := range 6 {
+				h := h
+				if i%2 == 0 {
+					h = inTx
+				}
 				require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
 				require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
 				assert.Equal(t, 1, f.count(t, "m1"))

@@ -102,25 +102,27 @@ func TestHandlerTxEveryWayRunsInTheTransaction(t *testing.T) {
 	insert := `INSERT INTO ` + f.effects + ` (id) VALUES ($1)`
 	boom := errors.New("boom")
 	for _, w := range ways {
-		t.Run(w.name, func(t *testing.T) {
-			fail := true
-			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-				if err := w.effect(ctx, tx, insert, d.MessageId); err != nil {
-					return err
-				}
-				if fail {
-					return boom
-				}
-				return nil
-			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
-			id := "m-" + w.name
-			require.ErrorIs(t, h.Handle(ctx, delivery(id)), boom)
-			assert.Equal(t, 0, f.count(t, id), "effects after fn failed: the statement ran outside the transaction")
-			fail = false
-			require.NoError(t, h.Handle(ctx, delivery(id)))
-			assert.Equal(t, 1, f.count(t, id), "effects after fn succeeded")
-			assert.Equal(t, store.Done, f.status(t, id))
-		})
+		for _, p := range f.paths() {
+			t.Run(w.name+"/"+p.name, func(t *testing.T) {
+				fail := true
+				h := p.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+					if err := w.effect(ctx, tx, insert, d.MessageId); err != nil {
+						return err
+					}
+					if fail {
+						return boom
+					}
+					return nil
+				}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+				id := "m-" + w.name + "-" + p.name
+				require.ErrorIs(t, h.Handle(ctx, delivery(id)), boom)
+				assert.Equal(t, 0, f.count(t, id), "effects after fn failed: the statement ran outside the transaction")
+				fail = false
+				require.NoError(t, h.Handle(ctx, delivery(id)))
+				assert.Equal(t, 1, f.count(t, id), "effects after fn succeeded")
+				assert.Equal(t, store.Done, f.status(t, id))
+			})
+		}
 	}
 }
 
@@ -129,7 +131,7 @@ func TestHandlerTxEveryWayRunsInTheTransaction(t *testing.T) {
 func TestHandlerTxUnused(t *testing.T) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
-	h := f.stack(pgstore.Handler(f.st, func(context.Context, pgx.Tx, *amqp.Delivery) error { return nil }, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	h := f.stackUnderClaim(pgstore.Handler(f.st, func(context.Context, pgx.Tx, *amqp.Delivery) error { return nil }, pgstore.HandlerOptions{}), middleware.DedupOptions{})
 	require.NoError(t, h.Handle(ctx, delivery("m1")))
 	assert.Equal(t, store.Done, f.status(t, "m1"))
 }
@@ -141,7 +143,7 @@ func TestHandlerTxFirstStatement(t *testing.T) {
 	f := newInbox(t, newPool(t))
 	var iso string
 	var noRows error
-	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	h := f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		if err := tx.QueryRow(ctx, `SHOW transaction_isolation`).Scan(&iso); err != nil {
 			return err
 		}
@@ -154,7 +156,7 @@ func TestHandlerTxFirstStatement(t *testing.T) {
 	assert.ErrorIs(t, noRows, pgx.ErrNoRows)
 
 	// The same, when the first statement is the one that finds no row.
-	h = f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	h = f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		var seq int
 		noRows = tx.QueryRow(ctx, `SELECT seq FROM `+f.effects+` WHERE false`).Scan(&seq)
 		return nil
@@ -171,7 +173,7 @@ func TestHandlerTxFirstStatement(t *testing.T) {
 func TestHandlerTxArgumentRefused(t *testing.T) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
-	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	h := f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		_, err := tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
 		return err
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
@@ -184,7 +186,7 @@ func TestHandlerTxArgumentRefused(t *testing.T) {
 
 	// The error leaves the transaction as it was: fn may go on.
 	var refused error
-	h = f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	h = f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		_, refused = tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
 		return f.insert(ctx, tx, d)
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
@@ -203,7 +205,7 @@ func TestHandlerTxClosedOnceSettled(t *testing.T) {
 			ctx := context.Background()
 			f := newInbox(t, newPool(t))
 			var execErr, rowErr error
-			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+			h := f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 				settle := tx.Commit
 				if how == "rollback" {
 					settle = tx.Rollback
@@ -230,7 +232,7 @@ func TestHandlerTxClosedOnceSettled(t *testing.T) {
 func TestHandlerTxUnusedClaimLost(t *testing.T) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
-	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	h := f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		c, _ := middleware.ClaimFrom(ctx)
 		require.NoError(t, f.st.Release(ctx, c.Key(), c.Token()))
 		_, err := f.st.Claim(ctx, c.Key(), "thief", time.Minute)
@@ -252,7 +254,7 @@ func TestHandlerTxArgumentRefusedPoolOfOne(t *testing.T) {
 	ctx := context.Background()
 	f := newInbox(t, newPoolWith(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 }))
 	var refused error
-	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	h := f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		_, refused = tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
 		return f.insert(ctx, tx, d)
 	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
@@ -279,7 +281,7 @@ func TestHandlerTxArgumentRefusedNoConnection(t *testing.T) {
 			return true, nil
 		}
 	}))
-	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	h := f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		refuse.Store(true)
 		defer refuse.Store(false)
 		_, err := tx.Exec(ctx, `INSERT INTO `+f.effects+` (seq, id) VALUES ($1, $2)`, int64(1)<<40, d.MessageId)
@@ -297,7 +299,7 @@ func TestHandlerTxNestedSavepoints(t *testing.T) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	insert := `INSERT INTO ` + f.effects + ` (id) VALUES ($1)`
-	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	h := f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		outer, err := tx.Begin(ctx)
 		if err != nil {
 			return err

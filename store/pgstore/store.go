@@ -82,18 +82,20 @@ type Options struct {
 // consumers claim the same key at the same moment, one of them may thus
 // find it processing rather than abandoned or claimable, and its retry
 // gives the answer. A statement still waits for a row that another
-// transaction inserted and has not committed: claims insert in statements
-// of their own, which commit at once. A statement sent for others waits
-// 10 seconds at most, then fails each of its claims; a claim sent alone
-// waits as long as its context lets it. If the server refuses such a
-// statement, its claims
+// transaction inserted and has not committed (a claim in another
+// statement, which commits at once; the claim that [Handler] makes in
+// its transaction, which holds its row while the function runs), a
+// second at most: then the statement fails, and its claims are sent again
+// one by one, the claim of that row to be answered processing after
+// another second. A statement sent for others waits 10 seconds at most,
+// then fails each of its claims; a claim sent alone waits as long as its
+// context lets it. If the server refuses such a statement, its claims
 // are sent again one by one, so that a claim it refuses (a key too long
-// for the primary key's index) fails alone. Extend, Complete and
-// Release are an UPDATE or DELETE
-// that checks the token and the lease in its WHERE clause; Fail is an
-// upsert that returns the count. Leases, retention and counter expiry are
-// measured by the database's clock (statement_timestamp), never the
-// consumer's. A claim commits without waiting for its flush to disk unless
+// for the primary key's index) fails alone. Extend, Complete and Release
+// are an UPDATE or DELETE that checks the token and the lease in its
+// WHERE clause; Fail is an upsert that returns the count. Leases,
+// retention and counter expiry are measured by the database's clock
+// (statement_timestamp), never the consumer's. A claim commits without waiting for its flush to disk unless
 // [Options].DurableClaims: a delivery through [Handler] then waits for one
 // flush, its transaction's, instead of two.
 //
@@ -140,6 +142,10 @@ type Store struct {
 	prepareMark    bool
 	rowExistsSQL   string
 	inspectSQL     string
+	// The claim of Handler in its transaction, and the count of a
+	// redelivered message's unrecorded attempt (see claimintx.go).
+	claimInTxSQL       string
+	countUnrecordedSQL string
 }
 
 // New returns a Store that keeps its state in pool, which the caller keeps
@@ -224,6 +230,15 @@ func (s *Store) prepare() {
 	if s.durableClaims {
 		commitMode = ""
 	}
+	// The INSERT of a claim waits for a row of its key that another
+	// transaction inserted and has not committed (or locked after the
+	// statement's SKIP LOCKED) lockWait at most: then the statement fails,
+	// lock_not_available, and the claim answers processing. The
+	// transaction of Handler holds its row, uncommitted, while its
+	// function runs. The setting is
+	// made in the condition of the INSERT's rows, so before the first row
+	// is inserted, and ends with the statement's transaction.
+	lockWaitSQL := `set_config('lock_timeout', '` + lockWaitSetting + `', true) IS NOT NULL`
 	onConflict := `
   ON CONFLICT (key) DO UPDATE SET
     token = CASE WHEN ` + forgotten + ` THEN excluded.token END,
@@ -237,7 +252,7 @@ func (s *Store) prepare() {
 ), taken AS (
   INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
   SELECT $1::bytea, $2::bytea, statement_timestamp() + $3::interval, statement_timestamp() + $3::interval + $4::interval
-  WHERE NOT (SELECT busy FROM busy)` + onConflict + `
+  WHERE NOT (SELECT busy FROM busy) AND ` + lockWaitSQL + onConflict + `
   RETURNING c.token IS NOT NULL AS claimed
 )
 SELECT COALESCE(
@@ -266,7 +281,7 @@ SELECT COALESCE(
 ), taken AS (
   INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
   SELECT key, token, statement_timestamp() + lease_us * interval '1 microsecond', statement_timestamp() + lease_us * interval '1 microsecond' + $4::interval
-  FROM req WHERE key <> ALL ((SELECT keys FROM busy)::bytea[]) ORDER BY key` + onConflict + `
+  FROM req WHERE key <> ALL ((SELECT keys FROM busy)::bytea[]) AND ` + lockWaitSQL + ` ORDER BY key` + onConflict + `
   RETURNING c.key, c.token IS NOT NULL AS claimed
 )
 SELECT COALESCE(
@@ -316,6 +331,29 @@ SELECT 1 / (SELECT count(*)::int FROM marked)`
 	case pgx.QueryExecModeCacheStatement:
 		s.prepareMark = true
 	}
+	// The claim of Handler in its own transaction, its first statement
+	// (see txHandler.HandleClaiming): the key's row, inserted as a done
+	// mark of retention $2 (microseconds), unless the key has a row; it
+	// affects one row if it claimed the key. As the Store's claims, it
+	// waits lockWait at most for a row that another transaction holds:
+	// it saves the transaction's lock_timeout, sets lockWait (in the CASE,
+	// in that order, before the row is inserted), and, once the row is
+	// inserted, sets the saved one back for the rest of the transaction.
+	// If it inserts nothing, the transaction is rolled back.
+	s.claimInTxSQL = `INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
+SELECT $1::bytea, NULL, statement_timestamp() + $2::bigint * interval '1 microsecond', statement_timestamp() + $2::bigint * interval '1 microsecond'
+WHERE CASE WHEN set_config('rabbitmw.saved_lock_timeout', current_setting('lock_timeout'), true) IS NULL THEN false
+  ELSE set_config('lock_timeout', '` + lockWaitSetting + `', true) IS NOT NULL END
+ON CONFLICT (key) DO NOTHING
+RETURNING set_config('lock_timeout', current_setting('rabbitmw.saved_lock_timeout'), true)`
+	// A redelivered message whose key has no row: its earlier attempt,
+	// claimed in its transaction, left nothing; count it as Fail does,
+	// keeping a later expiry if the counter has one.
+	s.countUnrecordedSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at)
+SELECT $1, 1, statement_timestamp() + $2::interval
+WHERE NOT EXISTS (SELECT FROM ` + c + ` WHERE key = $1)
+ON CONFLICT (key) DO UPDATE
+  SET count = CASE WHEN f.expires_at > statement_timestamp() THEN f.count + 1 ELSE 1 END, expires_at = GREATEST(f.expires_at, excluded.expires_at)`
 	s.rowExistsSQL = `SELECT EXISTS (SELECT FROM ` + c + ` WHERE key = $1)`
 	s.releaseSQL = `DELETE FROM ` + c + ` WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 	s.failSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at) VALUES ($1, 1, statement_timestamp() + $2::interval)
@@ -397,6 +435,11 @@ func (s *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 func (s *Store) claimOne(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
 	var n int
 	if err := s.pool.QueryRow(ctx, s.claimSQL, []byte(key), []byte(token), lease, s.abandoned).Scan(&n); err != nil {
+		if lockTimedOut(err) {
+			// Another transaction held the key's row for lockWait: the
+			// key is processing.
+			return store.Processing, nil
+		}
 		return 0, s.fail("claim", key, err)
 	}
 	return s.status(key, n)

@@ -1,0 +1,235 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
+)
+
+// A delivery never delivered before is claimed in the transaction of its
+// effect: one transaction writes the key's row, once, as a done mark, and
+// the effect. Under Dedup's claim, the row would be written by the claim's
+// transaction, then rewritten by the done mark (a second version).
+// The transaction keeps the session's lock_timeout for fn's statements.
+func TestHandlerClaimsInItsTransaction(t *testing.T) {
+	ctx := context.Background()
+	pool := newPoolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["lock_timeout"] = "7s" })
+	f := newInbox(t, pool)
+	var lockTimeout string
+	var claimed bool
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		_, claimed = middleware.ClaimFrom(ctx)
+		if err := tx.QueryRow(ctx, `SELECT current_setting('lock_timeout')`).Scan(&lockTimeout); err != nil {
+			return err
+		}
+		return f.insert(ctx, tx, d)
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	require.NoError(t, h.Handle(ctx, delivery("m1")))
+	assert.False(t, claimed, "fn ran under a claim of Dedup's")
+	assert.Equal(t, "7s", lockTimeout, "lock_timeout in fn's transaction")
+
+	var sameTx, firstVersion, done bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT c.xmin::text = e.xmin::text, c.ctid = '(0,1)'::tid, c.token IS NULL
+FROM `+strings.TrimSuffix(f.effects, "_effects")+` c, `+f.effects+` e WHERE c.key = 'm1' AND e.id = 'm1'`).Scan(&sameTx, &firstVersion, &done))
+	assert.True(t, sameTx, "the key's row and the effect were written by different transactions")
+	assert.True(t, firstVersion, "the key's row was written more than once")
+	assert.True(t, done, "the key's row is no done mark")
+
+	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "second delivery")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
+// A consumer that dies before the commit leaves nothing: no effect, no
+// row. The redelivery is claimed by Dedup, its row committed before fn
+// runs, and the attempt that left nothing is counted as a failed one, so
+// that a message that kills its consumers is dead-lettered after as many
+// deaths as it has attempts.
+func TestHandlerClaimInTxCrashLeavesNothing(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	f := newInbox(t, pool)
+	fn := func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		if !d.Redelivered {
+			// The consumer dies: its connection goes, and the server
+			// rolls the transaction back.
+			var pid int
+			require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+			_, err := pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
+			require.NoError(t, err)
+			return errors.New("dead")
+		}
+		c, ok := middleware.ClaimFrom(ctx)
+		require.True(t, ok, "the redelivery runs without a claim of Dedup's")
+		got, err := f.st.Inspect(ctx, c.Key())
+		require.NoError(t, err)
+		assert.Equal(t, int64(1), got.Failures, "failures counted before the redelivery ran")
+		return nil
+	}
+	h := pgstore.Handler(f.st, fn, pgstore.HandlerOptions{})
+	// Dedup, without the Retry that would count fn's error: the consumer
+	// is dead, and nothing records its attempt.
+	ran, _ := h.(middleware.ClaimingHandler).HandleClaiming(ctx, delivery("m1"), f.st, "m1", time.Hour)
+	require.True(t, ran, "the handler did not claim in its transaction")
+	got, err := f.st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.Equal(t, store.Status(0), got.Status, "the key's state after the crash: %s", got.State())
+	assert.Zero(t, got.Failures, "failures after the crash")
+	assert.Equal(t, 0, f.count(t, "m1"), "effects after the crash")
+
+	d := delivery("m1")
+	d.Redelivered = true
+	require.NoError(t, f.stack(h, middleware.DedupOptions{}).Handle(ctx, d), "the redelivery")
+	got, err = f.st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.Equal(t, store.Done, got.Status, "the key after the redelivery")
+	assert.Zero(t, got.Failures, "failures after the redelivery succeeded")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
+// A redelivery that finds the key's row counts nothing more: the claim
+// that was abandoned is counted by Retry, once, and Retry's retry of it,
+// in the same delivery, finds the row that Dedup's store left.
+func TestHandlerRedeliveryOfAnAbandonedClaimCountsOnce(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	st, err := f.st.Claim(ctx, "m1", "dead consumer", time.Millisecond)
+	require.NoError(t, err)
+	require.Equal(t, store.Claimed, st)
+	time.Sleep(20 * time.Millisecond) // the lease ends on the server's clock
+	var failures int64 = -1
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		got, err := f.st.Inspect(ctx, "m1")
+		if err != nil {
+			return err
+		}
+		failures = got.Failures
+		return f.insert(ctx, tx, d)
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	d := delivery("m1")
+	d.Redelivered = true
+	require.NoError(t, h.Handle(ctx, d))
+	assert.Equal(t, int64(1), failures, "failures counted when fn ran: the abandoned attempt")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
+// Two copies of a message at once (a publisher's duplicate): the second's
+// claim waits for the first's uncommitted row, a second at most, and is
+// answered busy; so is the store's claim of the key, and the claims sent
+// with it in one statement are not held up. Once the first commits, the
+// second is a duplicate.
+func TestHandlerClaimInTxHeldByAnother(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	f := newInbox(t, pool)
+	release, running := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		once.Do(func() {
+			close(running)
+			select {
+			case <-release:
+			case <-time.After(20 * time.Second):
+			}
+		})
+		return nil
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	first := make(chan error, 1)
+	go func() { first <- h.Handle(ctx, delivery("m1")) }()
+	<-running
+
+	start := time.Now()
+	err := h.Handle(ctx, delivery("m1"))
+	require.ErrorIs(t, err, middleware.ErrBusy, "the second copy")
+	assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Less(t, time.Since(start), 5*time.Second, "the second copy's wait")
+
+	// Claims of the store, the held key among others, sent at once: they
+	// go in statements of several keys.
+	start = time.Now()
+	var wg sync.WaitGroup
+	statuses := make([]store.Status, 12)
+	errs := make([]error, len(statuses))
+	for i := range statuses {
+		key := fmt.Sprintf("other-%d", i)
+		if i == 5 {
+			key = "m1"
+		}
+		wg.Go(func() { statuses[i], errs[i] = f.st.Claim(ctx, key, "another", time.Minute) })
+	}
+	wg.Wait()
+	assert.Less(t, time.Since(start), 8*time.Second, "the claims' time, with the key held for 20 s")
+	for i, st := range statuses {
+		require.NoError(t, errs[i], "claim %d", i)
+		want := store.Claimed
+		if i == 5 {
+			want = store.Processing
+		}
+		assert.Equal(t, want, st, "claim %d", i)
+	}
+
+	close(release)
+	require.NoError(t, <-first, "the first copy")
+	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), rabbitmw.ErrDuplicate, "the second copy again")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
+// The deadline of the stack's Timeout ends the transaction claimed in it:
+// the timeout is a failed attempt, and leaves nothing.
+func TestHandlerClaimInTxTimeout(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	h := middleware.Stack(f.st, middleware.StackOptions{Timeout: 200 * time.Millisecond})(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `SELECT pg_sleep(10)`)
+		return err
+	}, pgstore.HandlerOptions{}))
+	err := h.Handle(ctx, delivery("m1"))
+	require.ErrorIs(t, err, middleware.ErrTimeout)
+	assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	got, err := f.st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.Equal(t, store.Status(0), got.Status, "the key's state: %s", got.State())
+	assert.Equal(t, int64(1), got.Failures, "failures")
+	assert.Equal(t, 0, f.count(t, "m1"), "effects")
+}
+
+// Claims made in the transaction count towards Options.PruneEvery, as the
+// store's do: forgotten rows are deleted.
+func TestHandlerClaimInTxPrunes(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	st := newStore(t, pool, pgstore.Options{Table: table, PruneEvery: 2})
+	_, err := pool.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('old', NULL, '-infinity', '-infinity')`)
+	require.NoError(t, err)
+	h := middleware.Stack(st, middleware.StackOptions{})(pgstore.Handler(st, func(context.Context, pgx.Tx, *amqp.Delivery) error { return nil }, pgstore.HandlerOptions{}))
+	for i := range 2 {
+		require.NoError(t, h.Handle(ctx, delivery(fmt.Sprint("m", i))))
+	}
+	var n int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE key = 'old'`).Scan(&n))
+	assert.Zero(t, n, "forgotten rows left after PruneEvery claims in the transaction")
+}
