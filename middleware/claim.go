@@ -55,10 +55,12 @@ func (c *Claim) MarkedDone() { c.marked.Store(true) }
 // [Timeout] layer directly beneath it; any other layer in between hides
 // it, and Dedup then claims as it does for any handler. Before its own
 // claim, Dedup calls HandleClaiming with its store s, the delivery's key
-// in s and the done mark's retention ([DedupOptions].Retention), under
-// the context it would give the handler (with the Timeout's deadline),
-// which carries no [Claim]. The handler claims only in s, and only if s
-// is the store it writes its done marks in. The answers:
+// in s, the lease and the done mark's retention ([DedupOptions].Lease and
+// Retention), under the context it would give the handler (with the
+// Timeout's deadline), which carries no [Claim]. The handler claims only
+// in s, and only if s is the store it writes its done marks in; its claim
+// must end, as a lease does, if its consumer stops making progress for
+// the lease. The answers:
 //
 //   - ran true: the handler claimed the key and ran, and err is its
 //     result, all recorded by the handler: nil means the key is marked
@@ -76,7 +78,7 @@ func (c *Claim) MarkedDone() { c.marked.Store(true) }
 // A panic goes on through Dedup, which has nothing to release.
 type ClaimingHandler interface {
 	rabbitmw.Handler
-	HandleClaiming(ctx context.Context, d *amqp.Delivery, s store.Store, key string, retention time.Duration) (ran bool, err error)
+	HandleClaiming(ctx context.Context, d *amqp.Delivery, s store.Store, key string, lease, retention time.Duration) (ran bool, err error)
 }
 
 type claimKey struct{}

@@ -82,6 +82,7 @@ type claimingHandler struct {
 	claims, handles int
 	store           store.Store
 	key             string
+	lease           time.Duration
 	retention       time.Duration
 	hadClaim        bool // HandleClaiming's context carried a Claim
 	hadDeadline     bool
@@ -94,9 +95,9 @@ func (h *claimingHandler) Handle(ctx context.Context, d *amqp.Delivery) error {
 	return h.result
 }
 
-func (h *claimingHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, s store.Store, key string, retention time.Duration) (bool, error) {
+func (h *claimingHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, s store.Store, key string, lease, retention time.Duration) (bool, error) {
 	h.claims++
-	h.store, h.key, h.retention = s, key, retention
+	h.store, h.key, h.lease, h.retention = s, key, lease, retention
 	_, h.hadClaim = middleware.ClaimFrom(ctx)
 	_, h.hadDeadline = ctx.Deadline()
 	return h.ran, h.err
@@ -141,7 +142,7 @@ func TestDedupClaimingHandler(t *testing.T) {
 			if tt.timeout {
 				h = middleware.Timeout(time.Minute)(h)
 			}
-			h = middleware.Dedup(s, middleware.DedupOptions{Retention: time.Hour, BusyDelay: 3 * time.Second})(h)
+			h = middleware.Dedup(s, middleware.DedupOptions{Lease: 2 * time.Minute, Retention: time.Hour, BusyDelay: 3 * time.Second})(h)
 			d, _ := deliverytest.New("m1", "")
 			err := h.Handle(ctx, d)
 			if tt.wantIs != nil {
@@ -159,6 +160,7 @@ func TestDedupClaimingHandler(t *testing.T) {
 			if ch.claims > 0 {
 				assert.Same(t, s, ch.store, "the store given to HandleClaiming")
 				assert.Equal(t, "m1", ch.key)
+				assert.Equal(t, 2*time.Minute, ch.lease)
 				assert.Equal(t, time.Hour, ch.retention)
 				assert.False(t, ch.hadClaim, "HandleClaiming's context carries a Claim")
 				assert.Equal(t, tt.timeout, ch.hadDeadline, "HandleClaiming's context has a deadline")

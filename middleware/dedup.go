@@ -300,7 +300,7 @@ func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, d
 	cc := newClaimContext(ctx, key, "", h.retention, deadline, h.deadlines, h.parents)
 	cc.keyed = down
 	defer cc.end()
-	if ran, err = h.claiming.HandleClaiming(cc, d, h.store, key, h.retention); !ran {
+	if ran, err = h.claiming.HandleClaiming(cc, d, h.store, key, h.lease, h.retention); !ran {
 		return false, err
 	}
 	notify(h.observe, ctx, DedupClaimed, key, nil)

@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/recording"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
@@ -79,7 +81,7 @@ func (h *txHandler) begin(ctx context.Context) (txn, error) {
 // the key has no row, that earlier attempt left none, so it is counted
 // now, as one failed attempt, in the key's failure counter (which Retry
 // reads); the counter is kept for retention at least.
-func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st store.Store, key string, retention time.Duration) (bool, error) {
+func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st store.Store, key string, lease, retention time.Duration) (bool, error) {
 	s := h.in.s
 	switch {
 	case st != store.Store(s):
@@ -97,7 +99,7 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 		return false, nil // Dedup's claim reports it
 	}
 	t := t0.(*pgxTxn)
-	claimed, err := t.claim(ctx, key, retention)
+	claimed, err := t.claim(ctx, key, lease, retention)
 	if err != nil || !claimed {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.in.commitTimeout)
 		t.rollback(rctx)
@@ -119,10 +121,10 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 // claim begins the transaction with the claim of key, in one round trip,
 // and reports whether it inserted the key's row. If it did not, or failed,
 // the caller rolls back.
-func (t *pgxTxn) claim(ctx context.Context, key string, retention time.Duration) (bool, error) {
+func (t *pgxTxn) claim(ctx context.Context, key string, lease, retention time.Duration) (bool, error) {
 	var b pgx.Batch
 	b.BeginTx(t.tx.opts)
-	b.Queue(t.s.claimInTxSQL, []byte(key), retention.Microseconds())
+	b.Queue(t.s.claimInTxSQL, []byte(key), retention.Microseconds(), strconv.FormatInt(max(lease.Milliseconds(), 1), 10))
 	br := t.conn.Conn().SendBatch(ctx, &b)
 	t.tx.tx = br.Tx()
 	_, err := br.Exec() // the BEGIN's
@@ -154,6 +156,9 @@ func (h *inbox) finishClaimed(ctx context.Context, key string, t *pgxTxn, call f
 		}
 	}()
 	if err := call(ctx); err != nil {
+		if idleTimedOut(err) {
+			return h.claimEnded(ctx, key, err)
+		}
 		return h.failed(ctx, t, key, err)
 	}
 	if t.tx.settled || t.conn.Conn().PgConn().TxStatus() == 'I' {
@@ -173,6 +178,8 @@ func (h *inbox) finishClaimed(ctx context.Context, key string, t *pgxTxn, call f
 	switch {
 	case err == nil:
 		return nil
+	case idleTimedOut(err):
+		return h.claimEnded(ctx, key, err)
 	case errors.Is(err, pgx.ErrTxCommitRollback):
 		// A statement of fn failed, and fn dropped its error: the server
 		// rolled the transaction back. fn's attempt failed.
@@ -182,6 +189,28 @@ func (h *inbox) finishClaimed(ctx context.Context, key string, t *pgxTxn, call f
 		return fmt.Errorf("pgstore: commit the transaction of %q: %w", key, err)
 	}
 	return h.unavailable(fmt.Errorf("pgstore: commit the transaction of %q: its answer was lost, so whether it took effect is unknown (if it did, the redelivery finds the message done): %w", key, err))
+}
+
+// idleTimedOut reports whether err is the server's
+// idle_in_transaction_session_timeout: it ended the session of a claim
+// made in the transaction, which its consumer left idle for the lease.
+func idleTimedOut(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "25P03"
+}
+
+// claimEnded returns the result of a delivery of key whose claim, made in
+// its transaction, ended with its lease (err says so): rolled back,
+// nothing committed, as a lost claim of Dedup's. The function waited
+// longer than the lease between two statements, or its consumer stalled:
+// the next delivery of key goes to Dedup's claim, whose lease is renewed
+// while the function runs, through a forgotten row of key (unless the key
+// has a row already: another consumer's claim, or its done mark).
+func (h *inbox) claimEnded(ctx context.Context, key string, err error) error {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
+	h.s.pool.Exec(rctx, h.s.forgottenSQL, []byte(key))
+	cancel()
+	return rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: the transaction that claimed %q was idle for longer than the lease, and the server ended it: rolled back: %w", middleware.ErrLeaseLost, key, err), h.retry)
 }
 
 var _ middleware.ClaimingHandler = (*txHandler)(nil)

@@ -86,7 +86,7 @@ func TestHandlerClaimInTxCrashLeavesNothing(t *testing.T) {
 	h := pgstore.Handler(f.st, fn, pgstore.HandlerOptions{})
 	// Dedup, without the Retry that would count fn's error: the consumer
 	// is dead, and nothing records its attempt.
-	ran, _ := h.(middleware.ClaimingHandler).HandleClaiming(ctx, delivery("m1"), f.st, "m1", time.Hour)
+	ran, _ := h.(middleware.ClaimingHandler).HandleClaiming(ctx, delivery("m1"), f.st, "m1", time.Minute, time.Hour)
 	require.True(t, ran, "the handler did not claim in its transaction")
 	got, err := f.st.Inspect(ctx, "m1")
 	require.NoError(t, err)
@@ -232,4 +232,35 @@ func TestHandlerClaimInTxPrunes(t *testing.T) {
 	var n int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE key = 'old'`).Scan(&n))
 	assert.Zero(t, n, "forgotten rows left after PruneEvery claims in the transaction")
+}
+
+// A claim made in the transaction lasts while its consumer makes
+// progress: a transaction left idle for longer than the lease (a stalled
+// consumer, or a function that waits that long between two statements)
+// is ended by the server, its claim lost and nothing committed, so that
+// another consumer can take the message. The next delivery is claimed by
+// Dedup, whose lease is renewed while the function waits.
+func TestHandlerClaimInTxEndsWithTheLease(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	const lease, wait = 300 * time.Millisecond, time.Second
+	var underClaim []bool
+	h := rabbitmw.Chain(
+		middleware.Retry(f.st, middleware.RetryOptions{}),
+		middleware.Recover(),
+		middleware.Dedup(f.st, middleware.DedupOptions{Lease: lease}),
+	)(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		_, ok := middleware.ClaimFrom(ctx)
+		underClaim = append(underClaim, ok)
+		time.Sleep(wait) // idle in the transaction, ignoring ctx
+		return f.insert(context.WithoutCancel(ctx), tx, d)
+	}, pgstore.HandlerOptions{}))
+	err := h.Handle(ctx, delivery("m1"))
+	require.ErrorIs(t, err, middleware.ErrLeaseLost, "the first delivery")
+	assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects after the claim ended")
+	require.NoError(t, h.Handle(ctx, delivery("m1")), "the next delivery")
+	assert.Equal(t, []bool{false, true}, underClaim, "the deliveries ran under a claim of Dedup's")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+	assert.Equal(t, store.Done, f.status(t, "m1"))
 }

@@ -50,7 +50,10 @@
 //   - a crash before the commit leaves neither effect nor mark. A claim
 //     made in the transaction leaves nothing at all: the redelivery is
 //     claimed by Dedup, and, finding no row, counts the attempt that left
-//     none as a failed one. A claim of Dedup's is abandoned once its lease
+//     none as a failed one (so does the redelivery of a message whose
+//     attempt left nothing otherwise: one that never ran, prefetched by
+//     a consumer that stopped, or was cut short by its shutdown; the
+//     count is cleared when the message succeeds). A claim of Dedup's is abandoned once its lease
 //     ends: the redelivery that finds it counts a failed attempt, and the
 //     next one processes the message. Either way a message that kills
 //     every consumer is dead-lettered after its attempts;
@@ -71,13 +74,14 @@
 //     claim's row only from the done mark to the commit, and renewals run
 //     on connections of their own, so they are not starved by handlers
 //     that hold every connection of the pool in a transaction. A claim
-//     made in the transaction needs none. It holds the key for as long as
-//     its connection lives: a consumer cut off from the database in the
-//     middle of the transaction holds it until PostgreSQL finds the
-//     connection gone (its TCP keepalives, or
-//     idle_in_transaction_session_timeout, say when), where a claim of
-//     Dedup's is abandoned at the end of its lease; meanwhile the message
-//     is answered busy.
+//     made in the transaction needs none: it lasts while its transaction
+//     does, and the transaction sets idle_in_transaction_session_timeout
+//     to the lease, so that the server ends it, and its claim, when its
+//     consumer leaves it idle for that long (it stalled, or lost the
+//     database, or the function waited that long between two
+//     statements). The function's transaction is then rolled back, as
+//     for a lost claim, and the message's next delivery is claimed by
+//     Dedup, whose renewals let the function take its time.
 //
 // [SQLHandler] is the same on database/sql, through pgx's stdlib driver,
 // for code written against *sql.Tx (sqlc, sqlx, GORM), always under

@@ -80,9 +80,10 @@ type HandlerOptions struct {
 // transaction with an INSERT of the key's row as a done mark, in the round
 // trip of the BEGIN, calls fn, and commits. The row, uncommitted, holds
 // the key meanwhile: another claim of the key waits for it a second at
-// most, then is answered busy, and no lease is renewed. If the key has a
-// row, the transaction is rolled back, and Dedup claims as below. The
-// results are those listed below, without the ones of a lost claim.
+// most, then is answered busy. No lease is renewed: the claim ends, as a
+// lost one, if the transaction is left idle for the lease (see the
+// package documentation). If the key has a row, the transaction is rolled
+// back, and Dedup claims as below. The results are those listed below.
 //
 // A redelivered delivery is claimed by Dedup, in a transaction of its
 // own: its attempt before may have killed its consumer, leaving nothing

@@ -146,6 +146,7 @@ type Store struct {
 	// redelivered message's unrecorded attempt (see claimintx.go).
 	claimInTxSQL       string
 	countUnrecordedSQL string
+	forgottenSQL       string
 }
 
 // New returns a Store that keeps its state in pool, which the caller keeps
@@ -334,15 +335,19 @@ SELECT 1 / (SELECT count(*)::int FROM marked)`
 	// The claim of Handler in its own transaction, its first statement
 	// (see txHandler.HandleClaiming): the key's row, inserted as a done
 	// mark of retention $2 (microseconds), unless the key has a row; it
-	// affects one row if it claimed the key. As the Store's claims, it
-	// waits lockWait at most for a row that another transaction holds:
-	// it saves the transaction's lock_timeout, sets lockWait (in the CASE,
-	// in that order, before the row is inserted), and, once the row is
-	// inserted, sets the saved one back for the rest of the transaction.
-	// If it inserts nothing, the transaction is rolled back.
+	// affects one row if it claimed the key. The claim lasts while the
+	// transaction does, which idle_in_transaction_session_timeout ends
+	// when the consumer leaves it idle for the lease $3 (milliseconds): the
+	// server then ends the session. As the Store's claims, it waits
+	// lockWait at most for a row that another transaction holds: it saves
+	// the transaction's lock_timeout, sets lockWait (in the CASE, in that
+	// order, before the row is inserted), and, once the row is inserted,
+	// sets the saved one back for the rest of the transaction. If it
+	// inserts nothing, the transaction is rolled back.
 	s.claimInTxSQL = `INSERT INTO ` + c + ` AS c (key, token, lease_until, forget_at)
 SELECT $1::bytea, NULL, statement_timestamp() + $2::bigint * interval '1 microsecond', statement_timestamp() + $2::bigint * interval '1 microsecond'
 WHERE CASE WHEN set_config('rabbitmw.saved_lock_timeout', current_setting('lock_timeout'), true) IS NULL THEN false
+  WHEN set_config('idle_in_transaction_session_timeout', $3::text, true) IS NULL THEN false
   ELSE set_config('lock_timeout', '` + lockWaitSetting + `', true) IS NOT NULL END
 ON CONFLICT (key) DO NOTHING
 RETURNING set_config('lock_timeout', current_setting('rabbitmw.saved_lock_timeout'), true)`
@@ -354,6 +359,10 @@ SELECT $1, 1, statement_timestamp() + $2::interval
 WHERE NOT EXISTS (SELECT FROM ` + c + ` WHERE key = $1)
 ON CONFLICT (key) DO UPDATE
   SET count = CASE WHEN f.expires_at > statement_timestamp() THEN f.count + 1 ELSE 1 END, expires_at = GREATEST(f.expires_at, excluded.expires_at)`
+	// The row that sends a key's next delivery to Dedup's claim, after a
+	// claim in the transaction ended with its lease: a forgotten one,
+	// which the next claim takes.
+	s.forgottenSQL = `INSERT INTO ` + c + ` (key, token, lease_until, forget_at) VALUES ($1, NULL, '-infinity', '-infinity') ON CONFLICT DO NOTHING`
 	s.rowExistsSQL = `SELECT EXISTS (SELECT FROM ` + c + ` WHERE key = $1)`
 	s.releaseSQL = `DELETE FROM ` + c + ` WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 	s.failSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at) VALUES ($1, 1, statement_timestamp() + $2::interval)
