@@ -66,14 +66,15 @@ func (h *txHandler) begin(ctx context.Context) (txn, error) {
 
 // HandleClaiming implements middleware.ClaimingHandler: for a delivery
 // that was never delivered before, under a Dedup over the handler's own
-// Store, it claims key as the first statement
-// of the transaction, sent with the BEGIN: the key's row, inserted as a
-// done mark of retention, unless the key has a row. Then it calls fn, and
-// commits. One transaction, one row written, one commit. If the key has a
-// row, it rolls back and leaves the delivery to Dedup's claim; if another
+// Store, it claims key as the first statement of the transaction, sent
+// with the BEGIN: the key's row, inserted as a done mark of retention,
+// unless the key has a row. Then it calls fn, and commits. One
+// transaction, one row written, one commit. If the key has a row, it
+// rolls back and leaves the delivery to Dedup's claim; if another
 // transaction holds the key's row (an uncommitted claim of this kind, a
 // copy of the message running on another consumer), it answers busy after
-// lockWait.
+// lockWait. The claim ends with the transaction, which the server ends if
+// it is left idle for the lease (see claimEnded).
 //
 // A redelivered delivery is left to Dedup's claim, whose row is committed
 // before fn runs: its earlier attempt may have killed its consumer, and a

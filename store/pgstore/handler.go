@@ -124,7 +124,8 @@ type HandlerOptions struct {
 //     wrapping middleware.ErrStoreUnavailable, not counted. If the commit
 //     took effect, the key is done and the redelivery is a duplicate; if
 //     not, nothing was committed and the redelivery runs fn again.
-//   - fn committed or rolled back tx: [ErrTxSettled], dead-lettered.
+//   - fn committed or rolled back tx: [ErrTxSettled], dead-lettered (a
+//     claim made in tx committed with it: the key is then done).
 //   - no Dedup in front, or a Dedup over another store: [ErrNoClaim],
 //     dead-lettered.
 //

@@ -363,11 +363,19 @@ func TestHandlerPanic(t *testing.T) {
 }
 
 func TestHandlerSelfSettledTx(t *testing.T) {
-	for _, how := range []string{"commit", "rollback"} {
-		t.Run(how, func(t *testing.T) {
+	for _, tc := range []struct{ how, path string }{
+		{"commit", "claim of Dedup"}, {"rollback", "claim of Dedup"},
+		{"commit", "claim in the transaction"}, {"rollback", "claim in the transaction"},
+	} {
+		how := tc.how
+		t.Run(how+"/"+tc.path, func(t *testing.T) {
 			ctx := context.Background()
 			f := newInbox(t, newPool(t))
-			h := f.stackUnderClaim(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+			stack := f.stackUnderClaim
+			if tc.path == "claim in the transaction" {
+				stack = f.stack
+			}
+			h := stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 				if err := f.insert(ctx, tx, d); err != nil {
 					return err
 				}
@@ -379,6 +387,11 @@ func TestHandlerSelfSettledTx(t *testing.T) {
 			err := h.Handle(ctx, delivery("m1"))
 			require.ErrorIs(t, err, pgstore.ErrTxSettled)
 			require.Equal(t, rabbitmw.DeadLetter, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+			if how == "commit" && tc.path == "claim in the transaction" {
+				// The claim committed with the effect.
+				assert.Equal(t, store.Done, f.status(t, "m1"), "key")
+				return
+			}
 			assert.NotEqual(t, store.Done, f.status(t, "m1"), "key is done; want not marked")
 		})
 	}
