@@ -39,9 +39,11 @@ func newStallTransport(tr transport.Transport) *stallTransport {
 type stallOps uint8
 
 const (
-	stallAcks   stallOps = 1 << iota // basic.ack
-	stallNacks                       // basic.nack and basic.reject
-	stallCancel                      // basic.cancel
+	stallAcks    stallOps = 1 << iota // basic.ack
+	stallNacks                        // basic.nack and basic.reject
+	stallCancel                       // basic.cancel
+	stallDeclare                      // queue.declare and its bindings
+	stallConsume                      // basic.qos and basic.consume
 )
 
 // stall makes the writes of ops block from now on. Only the first call
@@ -97,7 +99,13 @@ type stallSession struct {
 	ack     *stallAck // the Acknowledger of every delivery of the session
 }
 
+func (s *stallSession) Declare(ctx context.Context, specs []queueSpec) error {
+	s.blocks(stallDeclare) // once it returns true, s is closed: the call fails as on a closed session
+	return s.session.Declare(ctx, specs)
+}
+
 func (s *stallSession) Consume(queue, tag string, prefetch int) (<-chan amqp.Delivery, error) {
+	s.blocks(stallConsume)
 	in, err := s.session.Consume(queue, tag, prefetch)
 	if err != nil {
 		return nil, err
@@ -330,6 +338,40 @@ func TestShutdownWithWritesBlocked(t *testing.T) {
 				if !tc.serverCancel {
 					assert.Equal(t, 2, f.length(f.q), "ready (b, c)")
 					assert.Equal(t, 0, f.mem.Unacked(f.q), "unacked")
+				}
+			})
+		})
+	}
+}
+
+// A consumer whose set-up the server does not answer (a quorum queue that
+// lost its majority holds basic.consume, and queue.declare, until its
+// members elect a leader) stops when its context is cancelled: the calls
+// that do not watch the context are ended by closing the session.
+func TestShutdownWithTheSetUpBlocked(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		stall stallOps
+	}{
+		{"queue.declare", stallDeclare},
+		{"basic.consume", stallConsume},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				f := setup(t, backends[0], Topology{})
+				st := newStallTransport(f.b.tr)
+				st.stall(tc.stall)
+				ctx, cancel := context.WithCancel(context.Background())
+				wait := consumeStalled(ctx, f, st, func(context.Context, *amqp.Delivery) error { return nil },
+					ConsumeOptions{Workers: 1, Prefetch: 1})
+				time.Sleep(time.Minute) // the server holds the call, for as long as it takes
+				synctest.Wait()
+				assert.Equal(t, 0, f.logs.Count("broker: consuming"), "consumer sessions")
+				cancel()
+				err, took := wait(t, tc.name+" blocked")
+				require.NoError(t, err, "Consume")
+				if max := 2 * closeTimeout; took > max {
+					t.Errorf("Consume returned %v after its cancellation; want at most %v", took, max)
 				}
 			})
 		})

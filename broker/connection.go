@@ -87,12 +87,25 @@ func (c *consumer) run(ctx context.Context) error {
 // the consumer is started. serve closes s before it returns.
 func (c *consumer) serve(ctx, hctx context.Context, s session, consuming func()) error {
 	defer s.Close()
-	if err := c.top.declare(ctx, s); err != nil {
-		return err
+	// The set-up's calls wait for the server's answer, whatever ctx says,
+	// and a server can hold them for long: a quorum queue without a
+	// majority answers neither queue.declare nor basic.consume until its
+	// members elect a leader. A stop then closes s, which ends them.
+	closedOnStop := make(chan struct{})
+	closeOnStop := context.AfterFunc(ctx, func() {
+		defer close(closedOnStop)
+		s.Close()
+	})
+	deliveries, err := c.setUp(ctx, s)
+	if !closeOnStop() {
+		<-closedOnStop
+		return nil // stopped: nothing was handled on s
 	}
-	deliveries, err := s.Consume(c.top.queue, c.tag, c.prefetch)
+	if ctx.Err() != nil {
+		return nil
+	}
 	if err != nil {
-		return c.top.refusal(err)
+		return err
 	}
 	consuming()
 	a := newAcker(c.top.queue, c.prefetch, &c.b.cfg.obs, c.log)
@@ -132,6 +145,18 @@ func (c *consumer) serve(ctx, hctx context.Context, s session, consuming func())
 			return cn.deliveriesClosed(ctx, cancelled)
 		}
 	}
+}
+
+// setUp declares the topology on s and starts the consumer.
+func (c *consumer) setUp(ctx context.Context, s session) (<-chan amqp.Delivery, error) {
+	if err := c.top.declare(ctx, s); err != nil {
+		return nil, err
+	}
+	deliveries, err := s.Consume(c.top.queue, c.tag, c.prefetch)
+	if err != nil {
+		return nil, c.top.refusal(err)
+	}
+	return deliveries, nil
 }
 
 // A conn is the state of one session of a consumer, from the start of its

@@ -198,8 +198,13 @@ func (p *proc) stop(timeout time.Duration) (stats.Consumer, error) {
 	p.ours.Store(true)
 	p.cmd.Process.Signal(syscall.SIGTERM)
 	if !p.wait(timeout) {
-		p.child.kill()
-		return stats.Consumer{}, fmt.Errorf("consumer %s did not exit within %v of SIGTERM; killed", p.name, timeout)
+		// SIGQUIT makes the Go runtime write every goroutine's stack to the
+		// log before it exits: what the stop was waiting for.
+		p.cmd.Process.Signal(syscall.SIGQUIT)
+		if !p.wait(5 * time.Second) {
+			p.child.kill()
+		}
+		return stats.Consumer{}, fmt.Errorf("consumer %s did not exit within %v of SIGTERM; its log, ending with its goroutines:\n%s", p.name, timeout, p.tail(600))
 	}
 	var st stats.Consumer
 	line := strings.TrimSpace(p.stdout.String())
