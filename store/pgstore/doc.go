@@ -53,10 +53,11 @@
 //     none as a failed one (so does the redelivery of a message whose
 //     attempt left nothing otherwise: one that never ran, prefetched by
 //     a consumer that stopped, or was cut short by its shutdown; the
-//     count is cleared when the message succeeds). A claim of Dedup's is abandoned once its lease
-//     ends: the redelivery that finds it counts a failed attempt, and the
-//     next one processes the message. Either way a message that kills
-//     every consumer is dead-lettered after its attempts;
+//     count is cleared when the message succeeds). A claim of Dedup's is
+//     abandoned once its lease ends: the redelivery that finds it counts
+//     a failed attempt, and the next one processes the message. Either
+//     way a message that kills every consumer is dead-lettered after its
+//     attempts;
 //   - a crash after it leaves both: the redelivery is a duplicate;
 //   - two consumers never commit the same message: a claim made in the
 //     transaction holds the key's row, uncommitted, until the commit, and

@@ -95,9 +95,11 @@ type Options struct {
 // are an UPDATE or DELETE that checks the token and the lease in its
 // WHERE clause; Fail is an upsert that returns the count. Leases,
 // retention and counter expiry are measured by the database's clock
-// (statement_timestamp), never the consumer's. A claim commits without waiting for its flush to disk unless
-// [Options].DurableClaims: a delivery through [Handler] then waits for one
-// flush, its transaction's, instead of two.
+// (statement_timestamp), never the consumer's. A claim commits without
+// waiting for its flush to disk unless [Options].DurableClaims: a
+// delivery that Handler runs under Dedup's claim then waits for one
+// flush, its transaction's, instead of two (a claim that Handler makes in
+// its transaction is that flush).
 //
 // Rows are not deleted when they expire. A claim's row is forgotten, as if
 // absent, AbandonedRetention after the end of its lease (its forget_at),
