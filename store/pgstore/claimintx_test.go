@@ -264,3 +264,34 @@ func TestHandlerClaimInTxEndsWithTheLease(t *testing.T) {
 	assert.Equal(t, 1, f.count(t, "m1"), "effects")
 	assert.Equal(t, store.Done, f.status(t, "m1"))
 }
+
+// The done mark of a delivery claimed in its transaction lasts for Dedup's
+// Retention after the success, as on the path of Dedup's claim, however
+// long the function ran: a copy that arrives within the retention after
+// the commit is a duplicate, not run again.
+func TestHandlerClaimInTxRetentionFromSuccess(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	const retention = time.Second
+	for _, p := range f.paths() {
+		t.Run(p.name, func(t *testing.T) {
+			id := strings.ReplaceAll(p.name, " ", "-")
+			h := p.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if err := f.insert(ctx, tx, d); err != nil {
+					return err
+				}
+				// Longer than the retention, and busy: the transaction is
+				// not idle.
+				_, err := tx.Exec(ctx, `SELECT pg_sleep(1.3)`)
+				return err
+			}, pgstore.HandlerOptions{}), middleware.DedupOptions{Retention: retention})
+			require.NoError(t, h.Handle(ctx, delivery(id)), "first delivery")
+			start := time.Now()
+			err := h.Handle(ctx, delivery(id))
+			took := time.Since(start)
+			require.ErrorIs(t, err, rabbitmw.ErrDuplicate, "a copy delivered just after the success")
+			assert.Equal(t, 1, f.count(t, id), "effects")
+			assert.Less(t, took, retention/2, "the copy was not handled soon after the success")
+		})
+	}
+}
