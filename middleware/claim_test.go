@@ -174,3 +174,36 @@ func TestDedupClaimingHandler(t *testing.T) {
 		})
 	}
 }
+
+// A delivery that a ClaimingHandler ran reports the events of a delivery
+// run under Dedup's claim: claimed, and, if its claim ended before its
+// success was recorded (its result wraps ErrLeaseLost), lease_lost with
+// the handler's error, which otelmw counts as a lost lease.
+func TestDedupClaimingHandlerEvents(t *testing.T) {
+	ctx := context.Background()
+	lost := fmt.Errorf("%w: the transaction that claimed it was ended", middleware.ErrLeaseLost)
+	tests := []struct {
+		name string
+		ran  bool
+		err  error
+		want []middleware.DedupEvent
+	}{
+		{name: "ran", ran: true, want: []middleware.DedupEvent{{Kind: middleware.DedupClaimed, Key: "m1"}}},
+		{name: "ran and failed", ran: true, err: errBoom, want: []middleware.DedupEvent{{Kind: middleware.DedupClaimed, Key: "m1"}}},
+		{name: "ran and lost its claim", ran: true, err: lost, want: []middleware.DedupEvent{
+			{Kind: middleware.DedupClaimed, Key: "m1"}, {Kind: middleware.DedupLeaseLost, Key: "m1", Err: lost},
+		}},
+		{name: "busy", err: fmt.Errorf("held: %w", middleware.ErrBusy), want: []middleware.DedupEvent{{Kind: middleware.DedupBusy, Key: "m1"}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var got []middleware.DedupEvent
+			h := middleware.Dedup(store.NewMemory(), middleware.DedupOptions{
+				Observe: func(_ context.Context, e middleware.DedupEvent) { got = append(got, e) },
+			})(&claimingHandler{ran: tt.ran, err: tt.err})
+			d, _ := deliverytest.New("m1", "")
+			h.Handle(ctx, d)
+			assert.Equal(t, tt.want, got, "Dedup's events")
+		})
+	}
+}
