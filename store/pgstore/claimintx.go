@@ -95,6 +95,7 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 		s.pool.Exec(ctx, s.countUnrecordedSQL, []byte(key), retention)
 		return false, nil
 	}
+	start := time.Now()
 	t0, err := h.begin(ctx)
 	if err != nil {
 		return false, nil // Dedup's claim reports it
@@ -110,7 +111,7 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 		}
 		return false, nil
 	}
-	err = h.in.finishClaimed(ctx, key, t, func(ctx context.Context) error { return h.fn(ctx, t.tx, d) })
+	err = h.in.finishClaimed(ctx, key, retention, start, t, func(ctx context.Context) error { return h.fn(ctx, t.tx, d) })
 	if s.pruneEvery > 0 && s.claims.Add(1)%uint64(s.pruneEvery) == 0 {
 		// As Store.Claim does, for the claims made here. Errors are
 		// dropped: the next prune tries again.
@@ -143,10 +144,22 @@ func (t *pgxTxn) claim(ctx context.Context, key string, lease, retention time.Du
 	return tag.RowsAffected() == 1, nil
 }
 
-// finishClaimed runs call in t, whose first statement claimed key, and
-// commits if call returned nil: as handle, with no done mark to write
-// (the claim is one) and no claim of Dedup's to tell.
-func (h *inbox) finishClaimed(ctx context.Context, key string, t *pgxTxn, call func(context.Context) error) error {
+// markAgainAfter is how long the function of a claim made in the
+// transaction may run, for a done mark of retention, before its mark is
+// written again at the commit (see finishClaimed).
+func markAgainAfter(retention time.Duration) time.Duration {
+	return min(retention/100, time.Second)
+}
+
+// finishClaimed runs call in t, whose first statement, sent at start,
+// claimed key as a done mark of retention, and commits if call returned
+// nil: as handle, with no done mark to write (the claim is one) and no
+// claim of Dedup's to tell. The claim's mark lasts retention from the
+// claim, not from the success, as Dedup's Retention says: if call ran for
+// longer than markAgainAfter(retention), its retention starts again
+// before the commit, in a statement of its own, so that a copy that
+// arrives within the retention after the success is a duplicate.
+func (h *inbox) finishClaimed(ctx context.Context, key string, retention time.Duration, start time.Time, t *pgxTxn, call func(context.Context) error) error {
 	open := true
 	defer func() {
 		// On every path but the commit, including a panic in call.
@@ -173,6 +186,19 @@ func (h *inbox) finishClaimed(ctx context.Context, key string, t *pgxTxn, call f
 	defer cancel()
 	rec := recording.Begin(ctx, time.Now().Add(h.commitTimeout))
 	defer rec.End()
+	if time.Since(start) > markAgainAfter(retention) {
+		_, err := t.tx.Exec(sctx, h.s.markAgainSQL, []byte(key), retention.Microseconds())
+		switch {
+		case err == nil:
+		case idleTimedOut(err):
+			return h.claimEnded(ctx, key, err)
+		case lost(t, err):
+			return h.unavailable(fmt.Errorf("pgstore: mark %q done again: %w", key, err))
+		default:
+			// Rolled back: nothing committed.
+			return fmt.Errorf("pgstore: mark %q done again: %w", key, err)
+		}
+	}
 	err := t.tx.Commit(sctx)
 	open = false
 	defer t.release()

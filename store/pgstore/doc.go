@@ -30,7 +30,10 @@
 // claimed in the transaction of its effect: Dedup finds that Handler can
 // (middleware.ClaimingHandler) and lets it. Handler inserts the key's row
 // as a done mark, with the BEGIN, in one round trip; runs the function;
-// and commits. One transaction writes the row, once, and the effect. If
+// and commits. One transaction writes the row, once, and the effect (twice
+// if the function ran for longer than a second, or a hundredth of Dedup's
+// Retention: the mark is written again before the commit, so that its
+// retention starts at the success, as on the other path). If
 // the key has a row already (done, claimed, abandoned, or left by an
 // earlier copy of the message), Handler rolls back and Dedup claims as
 // over any store. So does a message that was delivered before

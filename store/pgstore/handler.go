@@ -78,7 +78,9 @@ type HandlerOptions struct {
 // transaction (Handler is a middleware.ClaimingHandler, which Dedup finds
 // directly beneath it or beneath its Timeout): Handler begins the
 // transaction with an INSERT of the key's row as a done mark, in the round
-// trip of the BEGIN, calls fn, and commits. The row, uncommitted, holds
+// trip of the BEGIN, calls fn, and commits (writing the mark again first
+// if fn ran for longer than a second, or a hundredth of the retention, so
+// that the retention starts at the success). The row, uncommitted, holds
 // the key meanwhile: another claim of the key waits for it a second at
 // most, then is answered busy. No lease is renewed: the claim ends, as a
 // lost one, if the transaction is left idle for the lease (see the

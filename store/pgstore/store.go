@@ -149,6 +149,7 @@ type Store struct {
 	claimInTxSQL       string
 	countUnrecordedSQL string
 	forgottenSQL       string
+	markAgainSQL       string
 }
 
 // New returns a Store that keeps its state in pool, which the caller keeps
@@ -353,6 +354,13 @@ WHERE CASE WHEN set_config('rabbitmw.saved_lock_timeout', current_setting('lock_
   ELSE set_config('lock_timeout', '` + lockWaitSetting + `', true) IS NOT NULL END
 ON CONFLICT (key) DO NOTHING
 RETURNING set_config('lock_timeout', current_setting('rabbitmw.saved_lock_timeout'), true)`
+	// The done mark of a claim made in the transaction, written again
+	// before the commit of a function that ran long: its retention $2
+	// (microseconds) starts now. clock_timestamp: the statement comes late
+	// in a transaction that may have waited.
+	s.markAgainSQL = `UPDATE ` + c + `
+SET lease_until = clock_timestamp() + $2::bigint * interval '1 microsecond', forget_at = clock_timestamp() + $2::bigint * interval '1 microsecond'
+WHERE key = $1`
 	// A redelivered message whose key has no row: its earlier attempt,
 	// claimed in its transaction, left nothing; count it as Fail does,
 	// keeping a later expiry if the counter has one.
