@@ -66,7 +66,9 @@ func (c *Claim) MarkedDone() { c.marked.Store(true) }
 //     result, all recorded by the handler: nil means the key is marked
 //     done and the mark is durable; an error, that the attempt left
 //     nothing in the store, no claim to release. Dedup returns err as it
-//     is (with [ErrTimeout] if the deadline passed).
+//     is (with [ErrTimeout] if the deadline passed). An err that wraps
+//     [ErrLeaseLost] says that the handler's claim ended before its
+//     success was recorded: Dedup reports it as [DedupLeaseLost].
 //   - ran false, with an error that wraps [ErrBusy]: another transaction
 //     holds the key. Dedup answers busy, as if its claim had found the key
 //     processing.

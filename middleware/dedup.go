@@ -304,6 +304,10 @@ func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, d
 		return false, err
 	}
 	notify(h.observe, ctx, DedupClaimed, key, nil)
+	if errors.Is(err, ErrLeaseLost) {
+		// The handler's claim ended before its success was recorded.
+		notify(h.observe, ctx, DedupLeaseLost, key, err)
+	}
 	if h.timed != nil {
 		err = h.timed.result(ctx, cc, err)
 	}
