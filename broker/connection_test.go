@@ -1,0 +1,84 @@
+package broker
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
+)
+
+// A hookTransport makes sessions that call afterDeclare or afterConsume,
+// if set, when their Declare or Consume has returned and before the
+// consumer sees the result: a stop that comes just as the server answers
+// the consumer's set-up.
+type hookTransport struct {
+	transport.Transport
+	afterDeclare, afterConsume func()
+}
+
+func (t *hookTransport) Dial(ctx context.Context, name string) (session, error) {
+	s, err := t.Transport.Dial(ctx, name)
+	if err != nil {
+		return nil, err
+	}
+	return &hookSession{session: s, t: t}, nil
+}
+
+type hookSession struct {
+	session
+	t *hookTransport
+}
+
+func (s *hookSession) Declare(ctx context.Context, specs []queueSpec) error {
+	err := s.session.Declare(ctx, specs)
+	if s.t.afterDeclare != nil {
+		s.t.afterDeclare()
+	}
+	return err
+}
+
+func (s *hookSession) Consume(queue, tag string, prefetch int) (<-chan amqp.Delivery, error) {
+	d, err := s.session.Consume(queue, tag, prefetch)
+	if s.t.afterConsume != nil {
+		s.t.afterConsume()
+	}
+	return d, err
+}
+
+// A stop that comes as basic.consume is answered, the server having
+// already pushed deliveries, ends the consumer before it consumes: no
+// delivery is handled or acked, the close returns them all to the queue,
+// and Consume returns nil, logging its stop once.
+func TestShutdownAsTheSetUpEnds(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		for _, id := range []string{"a", "b", "c"} {
+			f.publish(id, nil, nil)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		b := newBroker(&hookTransport{Transport: f.b.tr, afterConsume: cancel}, f.b.cfg)
+		var handled atomic.Int32
+		err := b.Consume(ctx, f.q, rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+			handled.Add(1)
+			return nil
+		}), ConsumeOptions{Workers: 4, Prefetch: 16, Topology: f.top})
+		require.NoError(t, err, "Consume")
+		assert.Zero(t, handled.Load(), "deliveries handled")
+		st := f.mem.Stats()
+		assert.Zero(t, st.Acked, "acked")
+		assert.Equal(t, 3, st.RequeuedOnClose, "returned to the queue by the close")
+		assert.Equal(t, 3, f.length(f.q), "ready")
+		assert.Zero(t, f.mem.Unacked(f.q), "unacked")
+		assert.Zero(t, f.logs.Count("broker: consuming"), "consumer sessions")
+		assert.Equal(t, 1, f.logs.Count("INFO broker: consumer stopped"), "stops logged")
+		assert.Zero(t, f.logs.Count("fatal"), "fatal errors logged")
+	})
+}
