@@ -82,3 +82,28 @@ func TestShutdownAsTheSetUpEnds(t *testing.T) {
 		assert.Zero(t, f.logs.Count("fatal"), "fatal errors logged")
 	})
 }
+
+// A server's refusal of the consumer's set-up that comes as Consume's
+// context is cancelled is a fatal error all the same: the stop closes the
+// session, but did not cause the refusal, and a queue with other
+// arguments must not pass for a clean stop.
+func TestShutdownAsTheSetUpIsRefused(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		// The user's queue, declared without a dead-letter exchange.
+		q := f.q + "-user"
+		top := Topology{Delays: testTiers}
+		t.Cleanup(func() { _ = f.b.Delete(context.Background(), q, top) })
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		err := f.b.do(ctx, "declare", func(s session) error { return s.Declare(ctx, []queueSpec{{Name: q}}) })
+		require.NoError(t, err, "declare the user's queue")
+
+		b := newBroker(&hookTransport{Transport: f.b.tr, afterDeclare: cancel}, f.b.cfg)
+		err = b.Consume(ctx, q, rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }),
+			ConsumeOptions{Workers: 1, Topology: top})
+		require.ErrorIs(t, err, ErrQueueArguments, "Consume")
+		assert.Equal(t, 1, f.logs.Count("broker: consumer stopped by a fatal error"), "fatal errors logged")
+		assert.Zero(t, f.logs.Count("INFO broker: consumer stopped"), "clean stops logged")
+	})
+}
