@@ -99,13 +99,15 @@ func (c *consumer) serve(ctx, hctx context.Context, s session, consuming func())
 	deliveries, err := c.setUp(ctx, s)
 	if !closeOnStop() {
 		<-closedOnStop
-		return nil // stopped: nothing was handled on s
-	}
-	if ctx.Err() != nil {
-		return nil
 	}
 	if err != nil {
+		// A call ended by the stop's close failed as on a lost
+		// connection, which run takes for the stop it is; a refusal the
+		// server sent first is fatal all the same.
 		return err
+	}
+	if ctx.Err() != nil {
+		return nil // stopped: nothing was handled on s
 	}
 	consuming()
 	a := newAcker(c.top.queue, c.prefetch, &c.b.cfg.obs, c.log)
