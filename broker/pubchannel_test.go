@@ -954,7 +954,18 @@ func TestRabbitMQReplacementWaitsForTheReplacedChannel(t *testing.T) {
 		open, _ := px.openChannels()
 		return !slices.Contains(open, 1)
 	}, 10*time.Second, 5*time.Millisecond, "the first channel closed once a2 had its nack")
-	require.NoError(t, s.Publish(ctx, "", q, amqp.Publishing{MessageId: "d", Body: []byte("d")}), "publish on the third channel")
+	// The first channel's goroutine ends just after the proxy sees the
+	// channel closed: a publish sent in between still goes on the second
+	// channel, and is nacked. The next one after it goes on a third.
+	deadline := time.Now().Add(replaceInterval)
+	for n := 0; ; n++ {
+		err := s.Publish(ctx, "", q, amqp.Publishing{MessageId: "d" + strconv.Itoa(n), Body: []byte("d")})
+		if err == nil {
+			break
+		}
+		require.ErrorIs(t, err, ErrNacked, "publish d%d", n)
+		require.True(t, time.Now().Before(deadline), "no publish confirmed on a third channel within %v of the first channel's close", replaceInterval)
+	}
 	assert.Equal(t, 2, logs.Count("publish channel replaced"), "replacements")
 	require.Eventually(t, func() bool {
 		open, _ := px.openChannels()
