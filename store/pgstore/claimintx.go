@@ -103,9 +103,7 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 	t := t0.(*pgxTxn)
 	claimed, err := t.claim(ctx, key, lease, retention)
 	if err != nil || !claimed {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.in.commitTimeout)
-		t.rollback(rctx)
-		cancel()
+		h.in.rollback(ctx, t)
 		if lockTimedOut(err) {
 			return false, fmt.Errorf("pgstore: claim %q in the transaction: another transaction holds it: %w", key, middleware.ErrBusy)
 		}
@@ -161,14 +159,7 @@ func markAgainAfter(retention time.Duration) time.Duration {
 // arrives within the retention after the success is a duplicate.
 func (h *inbox) finishClaimed(ctx context.Context, key string, retention time.Duration, start time.Time, t *pgxTxn, call func(context.Context) error) error {
 	open := true
-	defer func() {
-		// On every path but the commit, including a panic in call.
-		if open {
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
-			t.rollback(rctx)
-			cancel()
-		}
-	}()
+	defer h.rollbackIfOpen(ctx, t, &open)
 	if err := call(ctx); err != nil {
 		if idleTimedOut(err) {
 			return h.claimEnded(ctx, key, err)

@@ -397,6 +397,23 @@ func (h *inbox) unavailable(err error) error {
 	return rabbitmw.RetryAfter(fmt.Errorf("%w: %w", middleware.ErrStoreUnavailable, err), h.retry)
 }
 
+// rollback rolls t back within commitTimeout, even if ctx is done: the
+// transaction ends whatever ended the delivery.
+func (h *inbox) rollback(ctx context.Context, t txn) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
+	defer cancel()
+	t.rollback(rctx)
+}
+
+// rollbackIfOpen rolls t back if *open, which the caller clears when it
+// commits: deferred, it ends t on every other path, a panic in the
+// delivery's function included.
+func (h *inbox) rollbackIfOpen(ctx context.Context, t txn, open *bool) {
+	if *open {
+		h.rollback(ctx, t)
+	}
+}
+
 // failed returns the result of a delivery whose function returned err in
 // t: err, unless the database could not be reached, which is not the
 // message's failure (the database is the store).
@@ -425,14 +442,7 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		return h.unavailable(fmt.Errorf("pgstore: begin the transaction of %q: %w", key, err))
 	}
 	open := true
-	defer func() {
-		// On every path but the commit, including a panic in call.
-		if open {
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
-			t.rollback(rctx)
-			cancel()
-		}
-	}()
+	defer h.rollbackIfOpen(ctx, t, &open)
 	if err := call(ctx, t); err != nil {
 		return h.failed(ctx, t, key, err)
 	}
