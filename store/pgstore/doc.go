@@ -91,6 +91,61 @@
 // for code written against *sql.Tx (sqlc, sqlx, GORM), always under
 // Dedup's claim.
 //
+// # Group commit
+//
+// With [HandlerOptions].GroupCommit, deliveries claimed in the
+// transaction share transactions: a group is one transaction, on one
+// connection of the pool, whose members run one after the other, each
+// in its own goroutine (the one that called the handler), and one
+// commit. A delivery that arrives while a member of a group runs joins
+// the group, unless it holds GroupCommit members already; a group commits
+// as soon as none of its members runs or waits to, so a consumer with
+// nothing else to do commits each delivery at once, alone. Groups form
+// when deliveries outnumber the groups that may be open at once: a
+// quarter of the pool's connections, one at least; a delivery that finds
+// them all full waits for one to end, or for its context.
+//
+// Each member keeps its guarantee. It begins with a savepoint, sent with
+// its claim, and its function runs within it: a failure or a panic of the
+// function rolls the transaction back to it, and the member fails alone,
+// with the result it would have had alone; so does a function that
+// drops a failed statement's error, or commits or rolls back tx (tx's
+// Commit and Rollback send nothing: the member is rolled back and fails
+// with [ErrTxSettled], nothing of it committed). A key that has a row
+// goes to Dedup's claim, and a key that another transaction holds is
+// busy, as alone. A member whose function succeeded returns once the
+// commit answered: nil if it committed; if it did not, the error of the
+// commit, which every member of the group gets (wrapping
+// middleware.ErrStoreUnavailable if its answer was lost, as for a
+// transaction of one). A member whose context ends while it waits to
+// join a group returns the context's error, having run nothing.
+// Redelivered deliveries are not grouped.
+//
+// What it costs:
+//
+//   - latency: a member's result waits for the members of its group
+//     after it, and for the commit. A member whose function succeeded
+//     waits for the commit whatever its context, as a transaction of one
+//     does; if its context ends meanwhile, the group takes no more
+//     members;
+//   - the functions of a group run one after another, on its connection,
+//     so a slow function holds its group-mates, queued or done, for as
+//     long as its context (the stack's Timeout) or the lease (the
+//     transaction's idle timeout) lets it; a function whose context ends
+//     during one of its statements makes pgx close the connection, which
+//     fails the whole group (not counted: the store is unavailable), as
+//     does a stalled consumer whose transaction the server ends;
+//   - a commit that fails fails every member: all are tried again;
+//   - each member is a subtransaction (a savepoint, in the round trip of
+//     its claim; the server's cache of a transaction's subtransactions
+//     holds 64, hence at most 32 members, leaving room for a savepoint of
+//     each function); a serialisable or repeatable-read group shares one
+//     snapshot, and conflicts as one transaction.
+//
+// What it saves: the BEGIN and COMMIT of all but one member (two
+// statements, one round trip, and one durable flush each), and the
+// connections and server processes of concurrent transactions.
+//
 // # Where the guarantee ends
 //
 // Only what the function writes in tx is once. An effect outside the

@@ -443,11 +443,17 @@ func (s *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 	if err != nil {
 		return 0, err
 	}
+	s.counted(ctx)
+	return st, nil
+}
+
+// counted counts a claim, of Claim or of [Handler] in its transaction:
+// every PruneEvery-th runs Prune. Its errors are dropped: the next prune
+// tries again.
+func (s *Store) counted(ctx context.Context) {
 	if s.pruneEvery > 0 && s.claims.Add(1)%uint64(s.pruneEvery) == 0 {
-		// Errors are dropped: the next prune tries again.
 		s.Prune(ctx, 2*s.pruneEvery)
 	}
-	return st, nil
 }
 
 // claimOne claims key alone.
