@@ -3,6 +3,8 @@ package pgstore_test
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"database/sql"
 	"errors"
 	"fmt"
@@ -758,4 +760,39 @@ func TestHandlerMarkRetention(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, store.KeyState{}.Status, got.Status, "Inspect after the retention: want absent")
 	assert.Equal(t, store.Claimed, f.status(t, "m1"), "a claim after the retention")
+}
+
+// A key too long for the claims table's index (made by a Keying that
+// names messages by something long) is the message's fault, not the
+// database's: the message is dead-lettered with that reason, on either
+// path, rather than retried as "store unavailable" forever. Nothing is
+// written for it, and the handler does not run.
+func TestStackKeyTooLongForTheIndex(t *testing.T) {
+	f := newInbox(t, newPool(t))
+	// Random bytes, in hex: the server cannot compress them to fit.
+	raw := make([]byte, 1500)
+	_, err := rand.Read(raw)
+	require.NoError(t, err)
+	long := hex.EncodeToString(raw)
+	keying := middleware.Keying{Key: func(d *amqp.Delivery) (string, error) { return long + d.MessageId, nil }}
+	for _, redelivered := range []bool{false, true} {
+		t.Run(fmt.Sprintf("redelivered=%v", redelivered), func(t *testing.T) {
+			var ran atomic.Int32
+			h := middleware.Stack(f.st, middleware.StackOptions{Keying: keying})(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				ran.Add(1)
+				return f.insert(ctx, tx, d)
+			}, pgstore.HandlerOptions{}))
+			d := delivery(fmt.Sprint("long-", redelivered))
+			d.Redelivered = redelivered
+			err := h.Handle(context.Background(), d)
+			require.Error(t, err)
+			dec := rabbitmw.Decide(err)
+			assert.Equal(t, rabbitmw.DeadLetter, dec.Outcome, "settlement of %v", err)
+			assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
+			assert.Contains(t, err.Error(), "3006 bytes")
+			assert.Less(t, len(err.Error()), 500, "the reason quotes the key, not all of it")
+			assert.Zero(t, ran.Load(), "the handler ran")
+			assert.Zero(t, f.count(t, d.MessageId))
+		})
+	}
 }
