@@ -4,8 +4,8 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
-	"encoding/hex"
 	"database/sql"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -789,8 +789,10 @@ func TestStackKeyTooLongForTheIndex(t *testing.T) {
 			dec := rabbitmw.Decide(err)
 			assert.Equal(t, rabbitmw.DeadLetter, dec.Outcome, "settlement of %v", err)
 			assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
-			assert.Contains(t, err.Error(), "3006 bytes")
-			assert.Less(t, len(err.Error()), 500, "the reason quotes the key, not all of it")
+			assert.ErrorIs(t, err, store.ErrKeyRejected)
+			assert.Equal(t, "key_rejected", rabbitmw.ErrorType(err))
+			assert.Contains(t, err.Error(), fmt.Sprintf("(%d bytes)", len(long+d.MessageId)))
+			assert.Less(t, len(err.Error()), 600, "the reason quotes the key, not all of it: %v", err)
 			assert.Zero(t, ran.Load(), "the handler ran")
 			assert.Zero(t, f.count(t, d.MessageId))
 		})
