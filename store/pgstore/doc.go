@@ -156,6 +156,14 @@
 // own (the message's key is a good one), or, for a message, write it into
 // the outbox in tx (below).
 //
+// A key is the primary key of its row, and PostgreSQL indexes at most
+// about 2,700 bytes of it, after compression. A message id cannot come
+// near that (AMQP carries at most 255 bytes), but a key made by a Keying
+// of one's own may: the store refuses such a key with an error wrapping
+// store.ErrKeyRejected, and Dedup dead-letters its message with that
+// reason (error type "key_rejected") instead of retrying it; nothing is
+// written for it. Hash a long key (its SHA-256, say) in the Keying.
+//
 // # The outbox
 //
 // [Outbox] is the other half: a table of messages written in the caller's

@@ -3,7 +3,9 @@ package pgstore_test
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"database/sql"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -804,5 +806,44 @@ var handlerModes = []struct {
 func inEveryMode(t *testing.T, test func(*testing.T, pgstore.HandlerOptions)) {
 	for _, m := range handlerModes {
 		t.Run(m.name, func(t *testing.T) { test(t, m.opts) })
+	}
+}
+
+// A key too long for the claims table's index (made by a Keying that
+// names messages by something long) is the message's fault, not the
+// database's: the message is dead-lettered with that reason, on either
+// path, rather than retried as "store unavailable" forever. Nothing is
+// written for it, and the handler does not run.
+func TestStackKeyTooLongForTheIndex(t *testing.T) { inEveryMode(t, testStackKeyTooLongForTheIndex) }
+
+func testStackKeyTooLongForTheIndex(t *testing.T, opts pgstore.HandlerOptions) {
+	f := newInbox(t, newPool(t))
+	// Random bytes, in hex: the server cannot compress them to fit.
+	raw := make([]byte, 1500)
+	_, err := rand.Read(raw)
+	require.NoError(t, err)
+	long := hex.EncodeToString(raw)
+	keying := middleware.Keying{Key: func(d *amqp.Delivery) (string, error) { return long + d.MessageId, nil }}
+	for _, redelivered := range []bool{false, true} {
+		t.Run(fmt.Sprintf("redelivered=%v", redelivered), func(t *testing.T) {
+			var ran atomic.Int32
+			h := middleware.Stack(f.st, middleware.StackOptions{Keying: keying})(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				ran.Add(1)
+				return f.insert(ctx, tx, d)
+			}, opts))
+			d := delivery(fmt.Sprint("long-", redelivered))
+			d.Redelivered = redelivered
+			err := h.Handle(context.Background(), d)
+			require.Error(t, err)
+			dec := rabbitmw.Decide(err)
+			assert.Equal(t, rabbitmw.DeadLetter, dec.Outcome, "settlement of %v", err)
+			assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
+			assert.ErrorIs(t, err, store.ErrKeyRejected)
+			assert.Equal(t, "key_rejected", rabbitmw.ErrorType(err))
+			assert.Contains(t, err.Error(), fmt.Sprintf("(%d bytes)", len(long+d.MessageId)))
+			assert.Less(t, len(err.Error()), 600, "the reason quotes the key, not all of it: %v", err)
+			assert.Zero(t, ran.Load(), "the handler ran")
+			assert.Zero(t, f.count(t, d.MessageId))
+		})
 	}
 }

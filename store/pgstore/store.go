@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/rabbitmw/rabbitmw/internal/text"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -433,7 +434,18 @@ func (s *Store) unreachable(op string, err error) error {
 }
 
 func (s *Store) fail(op, key string, err error) error {
-	return fmt.Errorf("pgstore: %s %q: %w", op, key, err)
+	if tooLong(err) {
+		return fmt.Errorf("pgstore: %s %s: %w: %w", op, text.QuoteKey(key), store.ErrKeyRejected, err)
+	}
+	return fmt.Errorf("pgstore: %s %s: %w", op, text.QuoteKey(key), err)
+}
+
+// tooLong reports whether err is PostgreSQL's program_limit_exceeded: in
+// the store's statements, a key too long for the index of its table's
+// primary key, after compression (about 2,700 bytes at most).
+func tooLong(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "54000"
 }
 
 // Claim implements [store.Store]. Claims that arrive while another is in
