@@ -36,8 +36,8 @@ const (
 //
 // A delivery joins an open group that takes members (not sealed, not
 // full), the one with the fewest; if there is none, it opens a group of
-// its own, unless groups are open already; then it waits for a group to
-// open or end. A group's first member holds its connection from the
+// its own, unless as many groups as may be are open already; then it
+// waits for a group to open or end. A group's first member holds its connection from the
 // start; when a member is done, it passes the connection to the next
 // member queued, or, if none is, seals the group and ends its transaction
 // itself. So a group commits as soon as no member of it runs or waits,
