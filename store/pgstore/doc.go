@@ -131,10 +131,12 @@
 //   - the functions of a group run one after another, on its connection,
 //     so a slow function holds its group-mates, queued or done, for as
 //     long as its context (the stack's Timeout) or the lease (the
-//     transaction's idle timeout) lets it; a function whose context ends
-//     during one of its statements makes pgx close the connection, which
-//     fails the whole group (not counted: the store is unavailable), as
-//     does a stalled consumer whose transaction the server ends;
+//     transaction's idle timeout) lets it, and a member whose key another
+//     transaction holds, for the second its claim waits; a function
+//     whose context ends during one of its statements makes pgx close the
+//     connection, which fails the whole group (not counted: the store is
+//     unavailable), as does a stalled consumer whose transaction the
+//     server ends;
 //   - a commit that fails fails every member: all are tried again;
 //   - each member is a subtransaction (a savepoint, in the round trip of
 //     its claim; the server's cache of a transaction's subtransactions
