@@ -97,13 +97,15 @@
 // transaction share transactions: a group is one transaction, on one
 // connection of the pool, whose members run one after the other, each
 // in its own goroutine (the one that called the handler), and one
-// commit. A delivery that arrives while a member of a group runs joins
-// the group, unless it holds GroupCommit members already; a group commits
-// as soon as none of its members runs or waits to, so a consumer with
-// nothing else to do commits each delivery at once, alone. Groups form
-// when deliveries outnumber the groups that may be open at once: a
-// quarter of the pool's connections, one at least; a delivery that finds
-// them all full waits for one to end, or for its context.
+// commit. Up to an eighth of the pool's connections (one at least) serve
+// groups at once, side by side: few groups, so that they fill. A
+// delivery opens a group of its own if fewer are open; else it joins the
+// open group with the fewest members, unless each holds GroupCommit
+// members already or is committing, and then waits for a group to end,
+// or for its context. A group commits as soon as none of its members
+// runs or waits to, so a consumer with nothing else to do commits each
+// delivery at once, alone: groups form when deliveries outnumber the
+// groups.
 //
 // Each member keeps its guarantee. It begins with a savepoint, sent with
 // its claim, and its function runs within it: a failure or a panic of the
@@ -118,7 +120,9 @@
 // commit, which every member of the group gets (wrapping
 // middleware.ErrStoreUnavailable if its answer was lost, as for a
 // transaction of one). A member whose context ends while it waits to
-// join a group returns the context's error, having run nothing.
+// join a group returns the context's error, having run nothing, marked
+// not counted (rabbitmw.NotCounted) and tried again after RetryDelay: the
+// wait was the consumer's congestion, not the message's failure.
 // Redelivered deliveries are not grouped.
 //
 // What it costs:

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/recording"
 )
 
@@ -34,10 +35,11 @@ const (
 // connection, which its members use one after the other, each in the
 // goroutine that called HandleClaiming, and one commit.
 //
-// A delivery joins an open group that takes members (not sealed, not
-// full), the one with the fewest; if there is none, it opens a group of
-// its own, unless as many groups as may be are open already; then it
-// waits for a group to open or end. A group's first member holds its connection from the
+// A delivery opens a group of its own, unless as many groups as may be
+// are open already: then it joins the open group that takes members (not
+// sealed, not full) with the fewest; if none does, it waits for a group
+// to open or end. So the groups run side by side, on as many connections,
+// and deliveries queue in them only when they outnumber the groups. A group's first member holds its connection from the
 // start; when a member is done, it passes the connection to the next
 // member queued, or, if none is, seals the group and ends its transaction
 // itself. So a group commits as soon as no member of it runs or waits,
@@ -54,15 +56,18 @@ type grouper struct {
 }
 
 // newGrouper returns the grouper of h, whose groups have up to size
-// members. A quarter of the pool's connections, one at least, serve
-// groups: the rest serve Dedup's claims of the deliveries that are not
-// grouped (redelivered, or whose key has a row), and the function's own
-// use of the pool, if any.
+// members. An eighth of the pool's connections, one at least, serve
+// groups: the fewer groups, the fuller, and the fewer commits and busy
+// server processes, as long as they keep the server's cores busy (a pool
+// sized for a consumer's workers, 16 or so, gives two); the rest of the
+// pool serves Dedup's claims of the deliveries that are not grouped
+// (redelivered, or whose key has a row), and the function's own use of
+// the pool, if any.
 func newGrouper(h *txHandler, size int) *grouper {
 	return &grouper{
 		h:       h,
 		size:    size,
-		groups:  max(1, int(h.in.s.pool.Config().MaxConns)/4),
+		groups:  max(1, int(h.in.s.pool.Config().MaxConns)/8),
 		changed: make(chan struct{}),
 	}
 }
@@ -112,8 +117,9 @@ func (gr *grouper) handle(ctx context.Context, d *amqp.Delivery, key string, lea
 	g, err := gr.join(ctx, m)
 	switch {
 	case err != nil:
-		// Nothing ran: the attempt leaves nothing, and is the context's.
-		return true, fmt.Errorf("pgstore: %q waited for a group's transaction: %w", key, err)
+		// Nothing ran: the attempt leaves nothing. The wait was the
+		// consumer's congestion, not the message's failure: not counted.
+		return true, rabbitmw.NotCounted(rabbitmw.RetryAfter(fmt.Errorf("pgstore: %q waited for a group's transaction until its context ended: %w", key, err), gr.h.in.retry))
 	case g == nil:
 		return false, nil // no connection: Dedup's claim reports it
 	}
@@ -130,6 +136,11 @@ func (gr *grouper) handle(ctx context.Context, d *amqp.Delivery, key string, lea
 func (gr *grouper) join(ctx context.Context, m *member) (*group, error) {
 	for {
 		gr.mu.Lock()
+		if len(gr.open)+gr.opening < gr.groups {
+			gr.opening++
+			gr.mu.Unlock()
+			return gr.start(ctx)
+		}
 		var g *group
 		for _, o := range gr.open {
 			if !o.sealed && o.members < gr.size && (g == nil || o.members < g.members) {
@@ -142,11 +153,6 @@ func (gr *grouper) join(ctx context.Context, m *member) (*group, error) {
 			g.queue = append(g.queue, m)
 			gr.mu.Unlock()
 			return g, gr.wait(ctx, g, m)
-		}
-		if len(gr.open)+gr.opening < gr.groups {
-			gr.opening++
-			gr.mu.Unlock()
-			return gr.start(ctx)
 		}
 		changed := gr.changed
 		gr.mu.Unlock()

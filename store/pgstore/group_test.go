@@ -310,7 +310,8 @@ func TestGroupCommitConnectionTerminated(t *testing.T) {
 }
 
 // A delivery whose context ends while it waits, queued in a group or for
-// a group to open, returns the context's error, without having run; the
+// a group to open, returns the context's error, without having run, and
+// not counted as the message's failure (its wait was the consumer's); the
 // group goes on.
 func TestGroupCommitContextEndsWhileWaiting(t *testing.T) {
 	f := newGroupFixture(t, 4, pgstore.HandlerOptions{GroupCommit: 2}, middleware.StackOptions{})
@@ -332,12 +333,23 @@ func TestGroupCommitContextEndsWhileWaiting(t *testing.T) {
 	waiting, cancelWaiting := context.WithCancel(context.Background())
 	cancelWaiting()
 	errC := f.h.Handle(waiting, delivery("c"))
+	// d waits for a group until the deadline of its stack's Timeout: not
+	// the message's failure, not counted.
+	timed := middleware.Stack(f.st, middleware.StackOptions{Timeout: 300 * time.Millisecond})(f.inner)
+	errD := timed.Handle(context.Background(), delivery("d"))
+	assert.ErrorIs(t, errD, middleware.ErrTimeout, "d")
+	assert.True(t, rabbitmw.IsNotCounted(errD), "d's timeout counted: %v", errD)
+	assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(errD).Outcome, "Decide(%v)", errD)
+	got, err := f.st.Inspect(context.Background(), "d")
+	require.NoError(t, err)
+	assert.Zero(t, got.Failures, "d's failures")
 	cancelQueued()
 	errB := <-results
 	close(g.release)
 	require.NoError(t, <-results, "a")
-	for id, err := range map[string]error{"b": errB, "c": errC} {
-		assert.ErrorIs(t, err, context.Canceled, "%s", id)
+	assert.ErrorIs(t, errB, context.Canceled, "b")
+	assert.ErrorIs(t, errC, context.Canceled, "c")
+	for _, id := range []string{"b", "c", "d"} {
 		_, calls := f.ran(id)
 		assert.Zero(t, calls, "calls of %s's function", id)
 		assert.Equal(t, 0, f.count(t, id), "effects of %s", id)
