@@ -29,7 +29,8 @@ const postgresName = "rabbitmw-postgres"
 
 // postgresGroupName is rabbitmw-postgres with group commit
 // (pgstore.HandlerOptions.GroupCommit at its most, 32): deliveries that
-// arrive while another's transaction runs share it, and its commit.
+// outnumber the groups (an eighth of the pool's connections) share their
+// transactions, and commits.
 const postgresGroupName = "rabbitmw-postgres-group"
 
 // pgStoreName is the PostgreSQL store alone, as rabbitmw-redis is the Redis

@@ -28,8 +28,8 @@ const (
 )
 
 // crash runs scenario 1 as scenario, over the PostgreSQL inbox at pgURL
-// unless it is "", and returns the run, how it ended, and the consumers
-// killed.
+// (with HandlerOptions.GroupCommit groupCommit) unless it is "", and
+// returns the run, how it ended, and the consumers killed.
 func crash(t *testing.T, scenario, pgURL string, groupCommit int) (*load, ending, []string) {
 	t.Helper()
 	ctx, r := startLoad(t, loadSpec{
