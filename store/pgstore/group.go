@@ -38,10 +38,11 @@ const (
 // A delivery opens a group of its own, unless as many groups as may be
 // are open already: then it joins the open group that takes members (not
 // sealed, not full) with the fewest; if none does, it waits for a group
-// to open or end. So the groups run side by side, on as many connections,
-// and deliveries queue in them only when they outnumber the groups. A group's first member holds its connection from the
-// start; when a member is done, it passes the connection to the next
-// member queued, or, if none is, seals the group and ends its transaction
+// to open or end. So the groups run side by side, on as many
+// connections, and deliveries queue in them only when they outnumber the
+// groups. A group's first member holds its connection from the start;
+// when a member is done, it passes the connection to the next member
+// queued, or, if none is, seals the group and ends its transaction
 // itself. So a group commits as soon as no member of it runs or waits,
 // and only its queued members wait for the connection.
 type grouper struct {
