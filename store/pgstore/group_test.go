@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -391,4 +392,120 @@ func TestGroupCommitOutOfRange(t *testing.T) {
 		assert.Panics(t, func() { pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{GroupCommit: n}) }, "GroupCommit %d", n)
 	}
 	assert.NotPanics(t, func() { pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{GroupCommit: 32}) })
+}
+
+// A member's function that makes a savepoint of its own, whatever its
+// name, and then fails, fails alone: its claim and its effect are rolled
+// back with it, and the key stays free, as in a transaction of its own.
+func TestGroupCommitFunctionSavepointThenFailure(t *testing.T) {
+	for _, name := range []string{"rabbitmw_member", "mine"} {
+		t.Run(name, func(t *testing.T) {
+			f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+			g := newGate()
+			boom := errors.New("boom")
+			f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if err := g.hold(ctx); err != nil {
+					return err
+				}
+				return f.insert(ctx, tx, d)
+			})
+			f.set("b", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if err := f.insert(ctx, tx, d); err != nil {
+					return err
+				}
+				if _, err := tx.Exec(ctx, `SAVEPOINT `+name); err != nil {
+					return err
+				}
+				if err := f.insert(ctx, tx, d); err != nil {
+					return err
+				}
+				return boom
+			})
+			errs := f.group(t, g, nil, delivery("a"), delivery("b"), delivery("c"))
+			require.NoError(t, errs[0], "a")
+			require.ErrorIs(t, errs[1], boom, "b")
+			require.NoError(t, errs[2], "c")
+			assert.Equal(t, f.txid("a"), f.txid("b"), "a and b ran in one transaction")
+			assert.Equal(t, 0, f.count(t, "b"), "effects of b")
+			assert.Equal(t, store.Claimed, f.status(t, "b"), "the key b, claimed by a stranger afterwards")
+			for _, id := range []string{"a", "c"} {
+				assert.Equal(t, 1, f.count(t, id), "effects of %s", id)
+				assert.Equal(t, store.Done, f.status(t, id), "%s", id)
+			}
+		})
+	}
+}
+
+// A lateContext ends when end is called, without waking what waits on
+// its Done channel until then (it has none): it stands for a context that
+// ends in the instant after its member was handed the group's connection,
+// before the member's claim is sent.
+type lateContext struct {
+	context.Context
+	ended atomic.Bool
+}
+
+var closedDone = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+func (c *lateContext) end() { c.ended.Store(true) }
+
+func (c *lateContext) Done() <-chan struct{} {
+	if c.ended.Load() {
+		return closedDone
+	}
+	return nil
+}
+
+func (c *lateContext) Err() error {
+	if c.ended.Load() {
+		return context.Canceled
+	}
+	return nil
+}
+
+// A member whose context ends as it is handed the connection, so that
+// its claim is never sent, leaves the member before it as it was: that
+// member's effect commits, and its success is true.
+func TestGroupCommitContextEndsAsTheConnectionComes(t *testing.T) {
+	ctx := context.Background()
+	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+	g := newGate()
+	late := &lateContext{Context: ctx}
+	f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := g.hold(ctx); err != nil {
+			return err
+		}
+		return f.insert(ctx, tx, d)
+	})
+	f.set("b", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		late.end() // c is queued behind b
+		return f.insert(ctx, tx, d)
+	})
+	results := make(chan error, 2)
+	go func() { results <- f.h.Handle(ctx, delivery("a")) }()
+	<-g.held
+	go func() { results <- f.h.Handle(ctx, delivery("b")) }()
+	require.Eventually(t, func() bool { return pgstore.GroupQueued(f.inner) == 1 }, 10*time.Second, time.Millisecond)
+	type answer struct {
+		ran bool
+		err error
+	}
+	answers := make(chan answer, 1)
+	go func() {
+		ran, err := f.inner.(middleware.ClaimingHandler).HandleClaiming(late, delivery("c"), f.st, "c", time.Minute, time.Hour)
+		answers <- answer{ran, err}
+	}()
+	require.Eventually(t, func() bool { return pgstore.GroupQueued(f.inner) == 2 }, 10*time.Second, time.Millisecond)
+	close(g.release)
+	require.NoError(t, <-results)
+	require.NoError(t, <-results)
+	c := <-answers
+	assert.False(t, c.ran && c.err == nil, "c succeeded, without running")
+	for _, id := range []string{"a", "b"} {
+		assert.Equal(t, 1, f.count(t, id), "effects of %s", id)
+		assert.Equal(t, store.Done, f.status(t, id), "%s", id)
+	}
+	_, calls := f.ran("c")
+	assert.Zero(t, calls, "calls of c's function")
+	assert.Equal(t, store.Claimed, f.status(t, "c"), "the key c, claimed by a stranger afterwards")
 }
