@@ -105,7 +105,7 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 		return false, nil // Dedup's claim reports it
 	}
 	t := t0.(*pgxTxn)
-	claimed, err := t.claim(ctx, c, lease, false)
+	claimed, err := t.claim(ctx, c, lease, "")
 	if err != nil || !claimed {
 		h.in.rollback(ctx, t)
 		return false, claimBusy(key, err)
@@ -135,17 +135,17 @@ type txClaim struct {
 
 // claim sends the claim c, with the lease, in one round trip, and reports
 // whether it inserted the key's row: first the BEGIN, unless the
-// transaction began already, then, if savepoint, a savepoint (see
-// savepointSQL), then the claim. If it did not insert, or failed, the
-// caller rolls back (to the savepoint).
-func (t *pgxTxn) claim(ctx context.Context, c *txClaim, lease time.Duration, savepoint bool) (bool, error) {
+// transaction began already, then the savepoint of that name, unless it
+// is "" (see savepointName), then the claim. If it did not insert, or
+// failed, the caller rolls back (to the savepoint).
+func (t *pgxTxn) claim(ctx context.Context, c *txClaim, lease time.Duration, savepoint string) (bool, error) {
 	var b pgx.Batch
 	begin := !t.tx.began
 	if begin {
 		b.BeginTx(t.tx.opts)
 	}
-	if savepoint {
-		b.Queue(savepointSQL)
+	if savepoint != "" {
+		b.Queue("SAVEPOINT " + savepoint)
 	}
 	b.Queue(t.s.claimInTxSQL, []byte(c.key), c.retention.Microseconds(), strconv.FormatInt(max(lease.Milliseconds(), 1), 10))
 	br := t.conn.Conn().SendBatch(ctx, &b)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 
@@ -21,14 +22,16 @@ import (
 // a savepoint of each member's function.
 const maxGroupCommit = 32
 
-// The savepoint that each member of a group begins with, sent with its
-// claim, and to which its failure rolls the group's transaction back. The
-// members run one after the other: each one's savepoint is the newest of
-// the name while it runs.
-const (
-	savepointSQL           = "SAVEPOINT rabbitmw_member"
-	rollbackToSavepointSQL = "ROLLBACK TO SAVEPOINT rabbitmw_member"
-)
+// savepointName returns the name of the savepoint of a group's n-th
+// member, which it begins with, sent with its claim, and to which its
+// failure rolls the group's transaction back. Each member's is its own: a
+// ROLLBACK TO a name that the member's function used for a savepoint of
+// its own, or that the member before it used while the member's own was
+// never made (its claim was not sent), would roll back to that savepoint,
+// leaving part of the member in the transaction, or taking the member
+// before it out; a name of its own, if it was never made, fails the
+// ROLLBACK TO, and the group does not commit.
+func savepointName(n int) string { return "rabbitmw_member_" + strconv.Itoa(n) }
 
 // A grouper runs the deliveries that a [Handler] with GroupCommit claims
 // in its transaction in groups: a group is one transaction, on one
@@ -86,6 +89,7 @@ type group struct {
 	// commits, which holds it last:
 	broken  error     // why the transaction cannot commit, if it cannot
 	pending []*member // the members whose function succeeded
+	claims  int       // the members that sent their claim, or tried to
 
 	done chan struct{} // closed once the pending members' results are set
 }
@@ -93,8 +97,9 @@ type group struct {
 // A member is one delivery of a group.
 type member struct {
 	txClaim
-	turn   chan struct{} // closed when the member holds the connection
-	result error         // a pending member's, once its group is done
+	turn      chan struct{} // closed when the member holds the connection
+	savepoint string        // its savepoint's name, once it holds the connection
+	result    error         // a pending member's, once its group is done
 }
 
 // A memberTx is the pgx.Tx that a member's function gets: the group's
@@ -133,8 +138,20 @@ func (gr *grouper) handle(ctx context.Context, d *amqp.Delivery, key string, lea
 
 // join admits m to a group, and returns it once m holds its connection;
 // or nil if the pool gave no connection for a group of m's own. It
-// returns the cause of ctx if ctx ends first.
+// returns the cause of ctx if ctx ends first, or as the connection comes
+// to m: m would send nothing on it (pgx sends no statement under a
+// context that ended), and passes it on.
 func (gr *grouper) join(ctx context.Context, m *member) (*group, error) {
+	g, err := gr.admit(ctx, m)
+	if g != nil && err == nil && ctx.Err() != nil {
+		gr.pass(ctx, g)
+		return nil, context.Cause(ctx)
+	}
+	return g, err
+}
+
+// admit is join, but for a ctx that ends as the connection comes to m.
+func (gr *grouper) admit(ctx context.Context, m *member) (*group, error) {
 	for {
 		gr.mu.Lock()
 		if len(gr.open)+gr.opening < gr.groups {
@@ -224,9 +241,11 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 		return false, nil
 	}
 	m.start = time.Now()
-	claimed, err := g.t.claim(ctx, &m.txClaim, lease, true)
+	g.claims++
+	m.savepoint = savepointName(g.claims)
+	claimed, err := g.t.claim(ctx, &m.txClaim, lease, m.savepoint)
 	if err != nil || !claimed {
-		gr.undo(ctx, g)
+		gr.undo(ctx, g, m)
 		gr.pass(ctx, g)
 		return false, claimBusy(m.key, err)
 	}
@@ -234,7 +253,7 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 	returned := false
 	defer func() {
 		if !returned { // the function panicked: the panic goes on
-			gr.undo(ctx, g)
+			gr.undo(ctx, g, m)
 			gr.pass(ctx, g)
 		}
 	}()
@@ -247,16 +266,16 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 			g.broken = err
 			err = in.claimEnded(ctx, m.key, err)
 		} else {
-			gr.undo(ctx, g)
+			gr.undo(ctx, g, m)
 			err = in.failed(ctx, g.t, m.key, err)
 		}
 	case tx.settled:
-		gr.undo(ctx, g)
+		gr.undo(ctx, g, m)
 		err = errTxSettled(m.key)
 	case status == 'E':
 		// A statement of the function failed, and it dropped the error:
 		// its part of the transaction is aborted.
-		gr.undo(ctx, g)
+		gr.undo(ctx, g, m)
 		err = fmt.Errorf("pgstore: the transaction of %q: a statement in it failed: %w", m.key, pgx.ErrTxCommitRollback)
 	case status == 'I':
 		// The function ended the group's transaction itself, through its
@@ -275,16 +294,16 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 	return true, err
 }
 
-// undo rolls g's transaction back to the savepoint of the member that
-// holds its connection, within commitTimeout even if ctx is done; if it
-// cannot, the transaction is broken.
-func (gr *grouper) undo(ctx context.Context, g *group) {
+// undo rolls g's transaction back to the savepoint of m, which holds its
+// connection, within commitTimeout even if ctx is done; if it cannot, the
+// transaction is broken.
+func (gr *grouper) undo(ctx context.Context, g *group, m *member) {
 	if g.broken != nil {
 		return
 	}
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), gr.h.in.commitTimeout)
 	defer cancel()
-	if _, err := g.t.conn.Exec(rctx, rollbackToSavepointSQL); err != nil {
+	if _, err := g.t.conn.Exec(rctx, "ROLLBACK TO SAVEPOINT "+m.savepoint); err != nil {
 		g.broken = err
 	}
 }
