@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -87,6 +88,10 @@ type claimingHandler struct {
 	hadClaim        bool // HandleClaiming's context carried a Claim
 	hadDeadline     bool
 	handleClaim     bool // Handle's context carried a Claim
+	// waits: HandleClaiming waits for its context to end, then answers
+	// ran false and the context's cause, as a handler that waited to
+	// claim, for a transaction it shares, does.
+	waits bool
 }
 
 func (h *claimingHandler) Handle(ctx context.Context, d *amqp.Delivery) error {
@@ -100,6 +105,10 @@ func (h *claimingHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, 
 	h.store, h.key, h.lease, h.retention = s, key, lease, retention
 	_, h.hadClaim = middleware.ClaimFrom(ctx)
 	_, h.hadDeadline = ctx.Deadline()
+	if h.waits {
+		<-ctx.Done()
+		return false, fmt.Errorf("waited to claim: %w", context.Cause(ctx))
+	}
 	return h.ran, h.err
 }
 
@@ -204,6 +213,51 @@ func TestDedupClaimingHandlerEvents(t *testing.T) {
 			d, _ := deliverytest.New("m1", "")
 			h.Handle(ctx, d)
 			assert.Equal(t, tt.want, got, "Dedup's events")
+		})
+	}
+}
+
+// A ClaimingHandler whose context ends while it waits to claim answers
+// ran false with the context's cause: Dedup returns that (with ErrTimeout
+// if the Timeout's deadline ended it), neither claims nor runs the
+// handler, and reports no event: the delivery got no answer.
+func TestDedupClaimingHandlerContextEnded(t *testing.T) {
+	tests := []struct {
+		name    string
+		timeout bool // the Timeout's deadline ends the wait, not the delivery's context
+		wantIs  error
+	}{
+		{name: "cancelled", wantIs: context.Canceled},
+		{name: "Timeout's deadline", timeout: true, wantIs: middleware.ErrTimeout},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				s := store.NewMemory()
+				ch := &claimingHandler{waits: true}
+				var h rabbitmw.Handler = ch
+				if tt.timeout {
+					h = middleware.Timeout(time.Minute)(h)
+				}
+				var got []middleware.DedupEvent
+				h = middleware.Dedup(s, middleware.DedupOptions{
+					Observe: func(_ context.Context, e middleware.DedupEvent) { got = append(got, e) },
+				})(h)
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				if !tt.timeout {
+					time.AfterFunc(time.Second, cancel)
+				}
+				d, _ := deliverytest.New("m1", "")
+				err := h.Handle(ctx, d)
+				assert.ErrorIs(t, err, tt.wantIs)
+				assert.Empty(t, got, "Dedup's events")
+				assert.Equal(t, 1, ch.claims, "HandleClaiming calls")
+				assert.Zero(t, ch.handles, "Handle calls")
+				st, err := s.Inspect(context.Background(), "m1")
+				require.NoError(t, err)
+				assert.Zero(t, st.Status, "the key in the store: %s", st.State())
+			})
 		})
 	}
 }

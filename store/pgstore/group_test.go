@@ -313,9 +313,16 @@ func TestGroupCommitConnectionTerminated(t *testing.T) {
 // A delivery whose context ends while it waits, queued in a group or for
 // a group to open, returns the context's error, without having run, and
 // not counted as the message's failure (its wait was the consumer's); the
-// group goes on.
+// group goes on. Dedup reports no answer for it: it got none.
 func TestGroupCommitContextEndsWhileWaiting(t *testing.T) {
-	f := newGroupFixture(t, 4, pgstore.HandlerOptions{GroupCommit: 2}, middleware.StackOptions{})
+	var mu sync.Mutex
+	events := map[string][]middleware.DedupEventKind{}
+	dedup := middleware.DedupOptions{Observe: func(_ context.Context, e middleware.DedupEvent) {
+		mu.Lock()
+		defer mu.Unlock()
+		events[e.Key] = append(events[e.Key], e.Kind)
+	}}
+	f := newGroupFixture(t, 4, pgstore.HandlerOptions{GroupCommit: 2}, middleware.StackOptions{Dedup: dedup})
 	g := newGate()
 	f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		if err := g.hold(ctx); err != nil {
@@ -336,7 +343,7 @@ func TestGroupCommitContextEndsWhileWaiting(t *testing.T) {
 	errC := f.h.Handle(waiting, delivery("c"))
 	// d waits for a group until the deadline of its stack's Timeout: not
 	// the message's failure, not counted.
-	timed := middleware.Stack(f.st, middleware.StackOptions{Timeout: 300 * time.Millisecond})(f.inner)
+	timed := middleware.Stack(f.st, middleware.StackOptions{Dedup: dedup, Timeout: 300 * time.Millisecond})(f.inner)
 	errD := timed.Handle(context.Background(), delivery("d"))
 	assert.ErrorIs(t, errD, middleware.ErrTimeout, "d")
 	assert.True(t, rabbitmw.IsNotCounted(errD), "d's timeout counted: %v", errD)
@@ -350,6 +357,12 @@ func TestGroupCommitContextEndsWhileWaiting(t *testing.T) {
 	require.NoError(t, <-results, "a")
 	assert.ErrorIs(t, errB, context.Canceled, "b")
 	assert.ErrorIs(t, errC, context.Canceled, "c")
+	mu.Lock()
+	assert.Equal(t, []middleware.DedupEventKind{middleware.DedupClaimed}, events["a"], "Dedup's events of a")
+	for _, id := range []string{"b", "c", "d"} {
+		assert.Empty(t, events[id], "Dedup's events of %s", id)
+	}
+	mu.Unlock()
 	for _, id := range []string{"b", "c", "d"} {
 		_, calls := f.ran(id)
 		assert.Zero(t, calls, "calls of %s's function", id)
