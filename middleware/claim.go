@@ -72,6 +72,12 @@ func (c *Claim) MarkedDone() { c.marked.Store(true) }
 //   - ran false, with an error that wraps [ErrBusy]: another transaction
 //     holds the key. Dedup answers busy, as if its claim had found the key
 //     processing.
+//   - ran false, with another error, once ctx has ended: the handler did
+//     not claim, nor run, and left nothing, since its context ended while
+//     it waited to (for a transaction that it shares with other
+//     deliveries, say). Dedup returns err as it is (with [ErrTimeout] if
+//     the deadline passed), and reports no event: the delivery got no
+//     answer.
 //   - ran false, any other error or none: the handler did not run and left
 //     nothing (s is not its store; the key was in s already: done,
 //     claimed, released or abandoned; or it could not try). Dedup claims

@@ -220,9 +220,9 @@ func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) 
 		return rabbitmw.Permanent(fmt.Errorf("middleware: dedup: no idempotency key: %w", err))
 	}
 	if h.claiming != nil {
-		ran, err := h.runClaiming(ctx, d, key, down)
+		done, err := h.runClaiming(ctx, d, key, down)
 		switch {
-		case ran:
+		case done:
 			return err
 		case errors.Is(err, ErrBusy):
 			notify(h.observe, ctx, DedupBusy, key, nil)
@@ -297,8 +297,10 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 
 // runClaiming offers the delivery d of key to the handler beneath, which
 // claims key in its own transaction if it can (see [ClaimingHandler]),
-// under the context that run would give it, and reports whether it ran.
-func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, down keyed) (ran bool, err error) {
+// under the context that run would give it, and reports whether err is
+// the delivery's result: the handler ran, or its context ended while it
+// waited to claim.
+func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, down keyed) (done bool, err error) {
 	var deadline time.Time
 	if h.timed != nil {
 		deadline = time.Now().Add(h.timed.d)
@@ -306,14 +308,19 @@ func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, d
 	cc := newClaimContext(ctx, key, "", h.retention, deadline, h.deadlines, h.parents)
 	cc.keyed = down
 	defer cc.end()
-	if ran, err = h.claiming.HandleClaiming(cc, d, h.store, key, h.lease, h.retention); !ran {
+	ran, err := h.claiming.HandleClaiming(cc, d, h.store, key, h.lease, h.retention)
+	switch {
+	case ran:
+		notify(h.observe, ctx, DedupClaimed, key, nil)
+		if errors.Is(err, ErrLeaseLost) {
+			// The handler's claim ended before its success was recorded.
+			notify(h.observe, ctx, DedupLeaseLost, key, err)
+		}
+	case err == nil || errors.Is(err, ErrBusy) || cc.Err() == nil:
 		return false, err
 	}
-	notify(h.observe, ctx, DedupClaimed, key, nil)
-	if errors.Is(err, ErrLeaseLost) {
-		// The handler's claim ended before its success was recorded.
-		notify(h.observe, ctx, DedupLeaseLost, key, err)
-	}
+	// It ran, or its context ended before it claimed: then the delivery
+	// got no answer, and Dedup reports none.
 	if h.timed != nil {
 		err = h.timed.result(ctx, cc, err)
 	}

@@ -9,8 +9,10 @@ import (
 type DedupEventKind int
 
 // The kinds of Dedup's events. Claimed, Duplicate, Busy, Unavailable,
-// Abandoned and Rejected are its answer for a delivery, one per delivery; LeaseRenewed and
-// LeaseLost happen to a claim while its handler runs.
+// Abandoned and Rejected are its answer for a delivery, one per delivery
+// (but none for one whose context ended while a [ClaimingHandler] waited
+// to claim it); LeaseRenewed and LeaseLost happen to a claim while its
+// handler runs.
 const (
 	// DedupClaimed: the claim was won and the handler runs.
 	DedupClaimed DedupEventKind = iota + 1

@@ -123,9 +123,10 @@ func (gr *grouper) handle(ctx context.Context, d *amqp.Delivery, key string, lea
 	g, err := gr.join(ctx, m)
 	switch {
 	case err != nil:
-		// Nothing ran: the attempt leaves nothing. The wait was the
+		// Nothing ran: the attempt leaves nothing, and Dedup reports no
+		// answer (see middleware.ClaimingHandler). The wait was the
 		// consumer's congestion, not the message's failure: not counted.
-		return true, rabbitmw.NotCounted(rabbitmw.RetryAfter(fmt.Errorf("pgstore: %q waited for a group's transaction until its context ended: %w", key, err), gr.h.in.retry))
+		return false, rabbitmw.NotCounted(rabbitmw.RetryAfter(fmt.Errorf("pgstore: %q waited for a group's transaction until its context ended: %w", key, err), gr.h.in.retry))
 	case g == nil:
 		return false, nil // no connection: Dedup's claim reports it
 	}
