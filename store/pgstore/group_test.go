@@ -522,3 +522,31 @@ func TestGroupCommitContextEndsAsTheConnectionComes(t *testing.T) {
 	assert.Zero(t, calls, "calls of c's function")
 	assert.Equal(t, store.Claimed, f.status(t, "c"), "the key c, claimed by a stranger afterwards")
 }
+
+// Two copies of a message in one group: the second finds the first's
+// claim in the transaction, leaves the group for Dedup's claim, which
+// waits for the group's commit, and is a duplicate (or busy, if the
+// commit took longer than a claim waits). The effect is applied once.
+func TestGroupCommitTwoCopiesInOneGroup(t *testing.T) {
+	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+	g := newGate()
+	f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := g.hold(ctx); err != nil {
+			return err
+		}
+		return f.insert(ctx, tx, d)
+	})
+	errs := f.group(t, g, nil, delivery("a"), delivery("k"), delivery("k"), delivery("b"))
+	require.NoError(t, errs[0], "a")
+	require.NoError(t, errs[1], "the first copy of k")
+	if !errors.Is(errs[2], rabbitmw.ErrDuplicate) {
+		require.ErrorIs(t, errs[2], middleware.ErrBusy, "the second copy of k")
+	}
+	require.NoError(t, errs[3], "b")
+	_, calls := f.ran("k")
+	assert.Equal(t, 1, calls, "calls of k's function")
+	for _, id := range []string{"a", "k", "b"} {
+		assert.Equal(t, 1, f.count(t, id), "effects of %s", id)
+		assert.Equal(t, store.Done, f.status(t, id), "%s", id)
+	}
+}
