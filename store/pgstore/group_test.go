@@ -550,3 +550,44 @@ func TestGroupCommitTwoCopiesInOneGroup(t *testing.T) {
 		assert.Equal(t, store.Done, f.status(t, id), "%s", id)
 	}
 }
+
+// A member whose effect breaks a deferred constraint makes the group's
+// COMMIT fail: nothing of the group committed, and each member is run
+// again in a transaction of its own, so that it gets the result it would
+// have had alone: the others succeed, and only that member fails, and is
+// counted.
+func TestGroupCommitRefusedCommitRunsEachMemberAlone(t *testing.T) {
+	ctx := context.Background()
+	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+	deferred := uniqueTable(t, f.pool)
+	_, err := f.pool.Exec(ctx, `CREATE TABLE `+deferred+` (id int, CONSTRAINT `+deferred+`_unique UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)`)
+	require.NoError(t, err)
+	g := newGate()
+	var held sync.Once
+	f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		var err error
+		held.Do(func() { err = g.hold(ctx) }) // the first run only
+		if err != nil {
+			return err
+		}
+		return f.insert(ctx, tx, d)
+	})
+	f.set("poison", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO `+deferred+` (id) VALUES (1), (1)`)
+		return err
+	})
+	errs := f.group(t, g, nil, delivery("a"), delivery("poison"), delivery("b"))
+	require.NoError(t, errs[0], "a")
+	require.Error(t, errs[1], "poison")
+	assert.False(t, rabbitmw.IsNotCounted(errs[1]), "poison's failure not counted: %v", errs[1])
+	require.NoError(t, errs[2], "b")
+	for _, id := range []string{"a", "b"} {
+		assert.Equal(t, 1, f.count(t, id), "effects of %s", id)
+		assert.Equal(t, store.Done, f.status(t, id), "%s", id)
+	}
+	assert.Equal(t, 0, f.count(t, "poison"), "effects of poison")
+	assert.Equal(t, store.Claimed, f.status(t, "poison"), "the key poison, claimed by a stranger afterwards")
+}
