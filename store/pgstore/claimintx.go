@@ -99,6 +99,16 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 	if h.groups != nil {
 		return h.groups.handle(ctx, d, key, lease, retention)
 	}
+	ran, err := h.handleAlone(ctx, d, key, lease, retention)
+	if ran {
+		s.counted(ctx) // as Store.Claim does, for the claims made here
+	}
+	return ran, err
+}
+
+// handleAlone is HandleClaiming for a delivery of key that may be claimed
+// in a transaction, in a transaction of its own.
+func (h *txHandler) handleAlone(ctx context.Context, d *amqp.Delivery, key string, lease, retention time.Duration) (bool, error) {
 	c := &txClaim{key: key, start: time.Now(), retention: retention}
 	t0, err := h.begin(ctx)
 	if err != nil {
@@ -110,9 +120,7 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 		h.in.rollback(ctx, t)
 		return false, claimBusy(key, err)
 	}
-	err = h.in.finishClaimed(ctx, c, t, func(ctx context.Context) error { return h.fn(ctx, t.tx, d) })
-	s.counted(ctx) // as Store.Claim does, for the claims made here
-	return true, err
+	return true, h.in.finishClaimed(ctx, c, t, func(ctx context.Context) error { return h.fn(ctx, t.tx, d) })
 }
 
 // claimBusy returns HandleClaiming's error for a claim of key in a

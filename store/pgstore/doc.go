@@ -116,10 +116,13 @@
 // with [ErrTxSettled], nothing of it committed). A key that has a row
 // goes to Dedup's claim, and a key that another transaction holds is
 // busy, as alone. A member whose function succeeded returns once the
-// commit answered: nil if it committed; if it did not, the error of the
-// commit, which every member of the group gets (wrapping
-// middleware.ErrStoreUnavailable if its answer was lost, as for a
-// transaction of one). A member whose context ends while it waits to
+// commit answered: nil if it committed. If the server refused the commit
+// (a deferred constraint, a serialisation failure), nothing of the group
+// committed, and any member may be the cause: each runs again, alone, in
+// a transaction of its own, and gets that one's result. Otherwise each
+// gets the commit's error (wrapping middleware.ErrStoreUnavailable if
+// its answer was lost, as for a transaction of one). A member whose
+// context ends while it waits to
 // join a group returns the context's error, having run nothing, marked
 // not counted (rabbitmw.NotCounted) and tried again after RetryDelay: the
 // wait was the consumer's congestion, not the message's failure.
@@ -141,7 +144,9 @@
 //     connection, which fails the whole group (not counted: the store is
 //     unavailable), as does a stalled consumer whose transaction the
 //     server ends;
-//   - a commit that fails fails every member: all are tried again;
+//   - a commit that the server refuses runs every member of the group
+//     again, one transaction each; one whose answer is lost fails every
+//     member, which are tried again;
 //   - each member is a subtransaction (a savepoint, in the round trip of
 //     its claim; the server's cache of a transaction's subtransactions
 //     holds 64, hence at most 32 members, leaving room for a savepoint of

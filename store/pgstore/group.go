@@ -2,6 +2,7 @@ package pgstore
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -100,6 +101,11 @@ type member struct {
 	turn      chan struct{} // closed when the member holds the connection
 	savepoint string        // its savepoint's name, once it holds the connection
 	result    error         // a pending member's, once its group is done
+	// alone: the server refused its group's commit, which held other
+	// members' effects too: the member runs again, in a transaction of its
+	// own, for a result of its own, unless its context ended (then result
+	// is the commit's error).
+	alone bool
 }
 
 // A memberTx is the pgx.Tx that a member's function gets: the group's
@@ -286,9 +292,12 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 	default:
 		g.pending = append(g.pending, m)
 		rec := recording.Begin(ctx, time.Now().Add(in.commitTimeout))
-		defer rec.End()
 		gr.pass(ctx, g)
 		gr.await(ctx, g)
+		rec.End()
+		if m.alone && ctx.Err() == nil {
+			return gr.h.handleAlone(ctx, d, m.key, lease, m.retention)
+		}
 		return true, m.result
 	}
 	gr.pass(ctx, g)
@@ -331,7 +340,10 @@ func (gr *grouper) pass(ctx context.Context, g *group) {
 
 // commit ends g's transaction: it commits, if a member's function
 // succeeded and the transaction is not broken, or rolls back; and it sets
-// each pending member's result.
+// each pending member's result. If the server refused the commit of
+// several members (a deferred constraint, a serialisation failure),
+// nothing committed, and the cause may be any one of them: each is to run
+// again alone.
 func (gr *grouper) commit(ctx context.Context, g *group) {
 	in := gr.h.in
 	defer close(g.done)
@@ -344,7 +356,9 @@ func (gr *grouper) commit(ctx context.Context, g *group) {
 		}
 		sent, err = in.commitClaims(ctx, g.t, cs...)
 	}
+	refused := sent && len(g.pending) > 1 && err != nil && (errors.Is(err, pgx.ErrTxCommitRollback) || isPgError(err) && !lost(g.t, err) && !idleTimedOut(err))
 	for _, m := range g.pending {
+		m.alone = refused
 		switch {
 		case g.broken == nil:
 			m.result = in.claimResult(ctx, g.t, m.key, sent, err)

@@ -77,9 +77,9 @@ type HandlerOptions struct {
 	// at all, and its handler returns nil only once the group's commit
 	// succeeded. The price: a delivery's result waits for the members of
 	// its group after it, and its commit; the members' functions run one
-	// after another, on one connection; a failed commit fails, and tries
-	// again, every member; a member that stalls holds its group-mates, as
-	// long as its context or the lease lets it.
+	// after another, on one connection; a commit that the server refuses
+	// runs every member again, alone; a member that stalls holds its
+	// group-mates, as long as its context or the lease lets it.
 	GroupCommit int
 }
 
