@@ -110,6 +110,17 @@ func (g *gate) hold(ctx context.Context) error {
 	}
 }
 
+// holds sets id's function to hold gate g, then apply the effect: the
+// first member of a group, which runs while the others queue.
+func (f *groupFixture) holds(id string, g *gate) {
+	f.set(id, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := g.hold(ctx); err != nil {
+			return err
+		}
+		return f.insert(ctx, tx, d)
+	})
+}
+
 // group handles ds through f.h, each under its context ctxs[i] (or a
 // background one), so that they form one group in their order: ds[0],
 // whose function must hold gate g, runs first; each of the others is
@@ -185,12 +196,7 @@ func TestGroupCommitMembersFailAlone(t *testing.T) {
 	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{Timeout: 3 * time.Second})
 	g := newGate()
 	boom := errors.New("boom")
-	f.set("first", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-		if err := g.hold(ctx); err != nil {
-			return err
-		}
-		return f.insert(ctx, tx, d)
-	})
+	f.holds("first", g)
 	insertThen := func(then func(context.Context, pgx.Tx) error) func(context.Context, pgx.Tx, *amqp.Delivery) error {
 		return func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 			if err := f.insert(ctx, tx, d); err != nil {
@@ -324,12 +330,7 @@ func TestGroupCommitContextEndsWhileWaiting(t *testing.T) {
 	}}
 	f := newGroupFixture(t, 4, pgstore.HandlerOptions{GroupCommit: 2}, middleware.StackOptions{Dedup: dedup})
 	g := newGate()
-	f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-		if err := g.hold(ctx); err != nil {
-			return err
-		}
-		return f.insert(ctx, tx, d)
-	})
+	f.holds("a", g)
 	queued, cancelQueued := context.WithCancel(context.Background())
 	defer cancelQueued()
 	results := make(chan error, 2)
@@ -416,12 +417,7 @@ func TestGroupCommitFunctionSavepointThenFailure(t *testing.T) {
 			f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
 			g := newGate()
 			boom := errors.New("boom")
-			f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-				if err := g.hold(ctx); err != nil {
-					return err
-				}
-				return f.insert(ctx, tx, d)
-			})
+			f.holds("a", g)
 			f.set("b", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 				if err := f.insert(ctx, tx, d); err != nil {
 					return err
@@ -484,12 +480,7 @@ func TestGroupCommitContextEndsAsTheConnectionComes(t *testing.T) {
 	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
 	g := newGate()
 	late := &lateContext{Context: ctx}
-	f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-		if err := g.hold(ctx); err != nil {
-			return err
-		}
-		return f.insert(ctx, tx, d)
-	})
+	f.holds("a", g)
 	f.set("b", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		late.end() // c is queued behind b
 		return f.insert(ctx, tx, d)
@@ -530,12 +521,7 @@ func TestGroupCommitContextEndsAsTheConnectionComes(t *testing.T) {
 func TestGroupCommitTwoCopiesInOneGroup(t *testing.T) {
 	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
 	g := newGate()
-	f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-		if err := g.hold(ctx); err != nil {
-			return err
-		}
-		return f.insert(ctx, tx, d)
-	})
+	f.holds("a", g)
 	errs := f.group(t, g, nil, delivery("a"), delivery("k"), delivery("k"), delivery("b"))
 	require.NoError(t, errs[0], "a")
 	require.NoError(t, errs[1], "the first copy of k")
