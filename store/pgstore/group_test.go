@@ -577,3 +577,61 @@ func TestGroupCommitRefusedCommitRunsEachMemberAlone(t *testing.T) {
 	assert.Equal(t, 0, f.count(t, "poison"), "effects of poison")
 	assert.Equal(t, store.Claimed, f.status(t, "poison"), "the key poison, claimed by a stranger afterwards")
 }
+
+// A member's function may nest transactions (pgx's savepoints) in tx, as
+// alone: what it rolls back of them is rolled back, and a failure after
+// them rolls back the member whole; the group-mates commit.
+func TestGroupCommitNestedTransactions(t *testing.T) {
+	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+	g := newGate()
+	boom := errors.New("boom")
+	f.holds("a", g)
+	nested := func(commit bool, then error) func(context.Context, pgx.Tx, *amqp.Delivery) error {
+		return func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+			if err := f.insert(ctx, tx, d); err != nil {
+				return err
+			}
+			inner, err := tx.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			if err := f.insert(ctx, inner, d); err != nil {
+				return err
+			}
+			if commit {
+				err = inner.Commit(ctx)
+			} else {
+				err = inner.Rollback(ctx)
+			}
+			if err != nil {
+				return err
+			}
+			return then
+		}
+	}
+	f.set("inner-committed", nested(true, nil))
+	f.set("inner-rolled-back", nested(false, nil))
+	f.set("inner-committed-then-failed", nested(true, boom))
+	ids := []string{"a", "inner-committed", "inner-rolled-back", "inner-committed-then-failed", "b"}
+	var ds []*amqp.Delivery
+	for _, id := range ids {
+		ds = append(ds, delivery(id))
+	}
+	errs := f.group(t, g, nil, ds...)
+	for i, id := range ids {
+		want, status := 1, store.Done
+		switch id {
+		case "inner-committed":
+			want = 2
+		case "inner-committed-then-failed":
+			require.ErrorIs(t, errs[i], boom, "%s", id)
+			want, status = 0, store.Claimed
+		}
+		if status == store.Done {
+			require.NoError(t, errs[i], "%s", id)
+		}
+		assert.Equal(t, f.txid("a"), f.txid(id), "a and %s ran in one transaction", id)
+		assert.Equal(t, want, f.count(t, id), "effects of %s", id)
+		assert.Equal(t, status, f.status(t, id), "the key %s, claimed by a stranger afterwards", id)
+	}
+}
