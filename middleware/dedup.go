@@ -319,8 +319,8 @@ func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, d
 	case err == nil || errors.Is(err, ErrBusy) || cc.Err() == nil:
 		return false, err
 	}
-	// It ran, or its context ended before it claimed: then the delivery
-	// got no answer, and Dedup reports none.
+	// The handler ran; or its context ended before it claimed, and the
+	// delivery, which got no answer, gets no event.
 	if h.timed != nil {
 		err = h.timed.result(ctx, cc, err)
 	}

@@ -122,10 +122,10 @@
 // a transaction of its own, and gets that one's result. Otherwise each
 // gets the commit's error (wrapping middleware.ErrStoreUnavailable if
 // its answer was lost, as for a transaction of one). A member whose
-// context ends while it waits to
-// join a group returns the context's error, having run nothing, marked
-// not counted (rabbitmw.NotCounted) and tried again after RetryDelay: the
-// wait was the consumer's congestion, not the message's failure.
+// context ends while it waits to join a group returns the context's
+// error, having run nothing, marked not counted (rabbitmw.NotCounted)
+// and tried again after RetryDelay: the wait was the consumer's
+// congestion, not the message's failure.
 // Redelivered deliveries are not grouped.
 //
 // What it costs:
