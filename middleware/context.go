@@ -200,9 +200,13 @@ func (c *cancelContext) finishWatch() {
 		return
 	}
 	err, cause := c.parentEnded()
-	var left time.Duration // until the deadline
+	var (
+		now  time.Time     // read once, for the deadline's timer too
+		left time.Duration // until the deadline
+	)
 	if err == nil && !c.deadline.IsZero() {
-		if left = time.Until(c.deadline); left <= 0 {
+		now = time.Now()
+		if left = c.deadline.Sub(now); left <= 0 {
 			err, cause = context.DeadlineExceeded, context.DeadlineExceeded
 		}
 	}
@@ -223,7 +227,7 @@ func (c *cancelContext) finishWatch() {
 	switch {
 	case c.deadline.IsZero():
 	case c.deadlines != nil:
-		c.deadlines.add(c)
+		c.deadlines.add(c, now)
 	default:
 		c.timer = time.AfterFunc(left, c.expire)
 	}
@@ -494,10 +498,10 @@ func newDeadlineQueue() *deadlineQueue {
 	return q
 }
 
-// add queues c, watched, until its deadline.
-func (q *deadlineQueue) add(c *cancelContext) {
+// add queues c, watched, until its deadline; now is the current time.
+func (q *deadlineQueue) add(c *cancelContext, now time.Time) {
 	q.mu.Lock()
-	q.list.push(c, c.deadline)
+	q.list.push(c, c.deadline, now)
 	q.mu.Unlock()
 }
 
@@ -527,7 +531,7 @@ func (q *deadlineQueue) fire() {
 		q.list.unlink(c)
 		due = append(due, c)
 	}
-	q.list.rearm()
+	q.list.rearm(now)
 	q.mu.Unlock()
 	for _, c := range due {
 		c.expire()

@@ -332,14 +332,15 @@ type attempt struct {
 // (see [keying.resolve]). If the handler panics, run releases the claim
 // and lets the panic go on.
 func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, start time.Time, down keyed) attempt {
+	now := time.Now() // the claim is won: the handler starts
 	var deadline time.Time
 	if h.timed != nil {
-		deadline = time.Now().Add(h.timed.d)
+		deadline = now.Add(h.timed.d)
 	}
 	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.deadlines, h.parents)
 	cc.keyed = down
 	defer cc.end()
-	l := h.renewer.start(ctx, key, token, start, cc)
+	l := h.renewer.start(ctx, key, token, start, now, cc)
 
 	finished := false
 	defer func() {
