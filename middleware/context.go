@@ -41,28 +41,41 @@ import (
 // built for the ended state, so that context.Cause (which looks for the
 // context package's own value) finds its cause, and not the parent's.
 //
-// Its zero value is not usable: set parent, and deadline and detached as
-// needed, before its first use.
+// Its zero value is not usable: set parent, and deadline, detached and
+// shared as needed, before its first use.
 type cancelContext struct {
 	parent   context.Context
 	deadline time.Time // its own deadline; zero if it has none
-	detached bool      // the parent gives its values only
-	// watcher, if set, watches the parent for it, and for its siblings.
-	watcher *parentWatcher
-	// deadlines, if set, ends it at its deadline, and its siblings at
-	// theirs; else a timer of its own does.
-	deadlines *deadlineQueue
+	// shared, if set, is how it is watched along with its siblings; else
+	// it watches for itself.
+	shared *sharedWatch
 
-	mu      sync.Mutex
-	err     error // nil while live
-	cause   error // with err
-	done    chan struct{}
-	watched bool // the parent's end and the deadline are being watched
+	mu    sync.Mutex
+	err   error // nil while live
+	cause error // with err
+	done  chan struct{}
 	// What the watch holds, released at the end.
 	stopParent func() bool
 	timer      *time.Timer
 	funcs      *ctxFunc        // the callbacks of AfterFunc, a list
 	ended      context.Context // the standard library's context for the ended state, once asked for
+
+	detached bool // the parent gives its values only
+	watched  bool // the parent's end and the deadline are being watched
+}
+
+// A sharedWatch is what a cancelContext needs to be watched with its
+// siblings, by a [parentWatcher] and a [deadlineQueue] that they share.
+// Only the contexts that Dedup gives its handlers have one, in the same
+// allocation ([claimContext]); the others (a Timeout layer's own, the
+// contexts of the store calls that record an attempt) watch for
+// themselves, and are the smaller for it.
+type sharedWatch struct {
+	// watcher, if set, watches the parent for it, and for its siblings.
+	watcher *parentWatcher
+	// deadlines, if set, ends it at its deadline, and its siblings at
+	// theirs; else a timer of its own does.
+	deadlines *deadlineQueue
 
 	// Guarded by watcher.mu: c's place among the contexts it watches for.
 	watchedBy    *watchedParent
@@ -71,7 +84,24 @@ type cancelContext struct {
 	deadlineLinks timerLinks[cancelContext]
 }
 
-func (c *cancelContext) links() *timerLinks[cancelContext] { return &c.deadlineLinks }
+// links implements timerItem, for a c with a shared watch.
+func (c *cancelContext) links() *timerLinks[cancelContext] { return &c.shared.deadlineLinks }
+
+// watcher returns the parentWatcher that watches c's parent for c, or nil.
+func (c *cancelContext) watcher() *parentWatcher {
+	if c.shared == nil {
+		return nil
+	}
+	return c.shared.watcher
+}
+
+// deadlines returns the deadlineQueue that ends c at its deadline, or nil.
+func (c *cancelContext) deadlines() *deadlineQueue {
+	if c.shared == nil {
+		return nil
+	}
+	return c.shared.deadlines
+}
 
 // A ctxFunc is a callback registered by [cancelContext.AfterFunc].
 type ctxFunc struct {
@@ -215,7 +245,7 @@ func (c *cancelContext) finishWatch() {
 		return
 	}
 	c.watched = true
-	if !c.detached && c.parent.Done() != nil && !c.watcher.add(c) {
+	if !c.detached && c.parent.Done() != nil && !c.watcher().add(c) {
 		parent := c.parent
 		onEnd := func() { c.stop(parent.Err(), context.Cause(parent)) }
 		if p, ok := parent.(interface{ AfterFunc(func()) func() bool }); ok {
@@ -226,8 +256,8 @@ func (c *cancelContext) finishWatch() {
 	}
 	switch {
 	case c.deadline.IsZero():
-	case c.deadlines != nil:
-		c.deadlines.add(c, now)
+	case c.deadlines() != nil:
+		c.deadlines().add(c, now)
 	default:
 		c.timer = time.AfterFunc(left, c.expire)
 	}
@@ -329,7 +359,7 @@ func (c *cancelContext) endLocked(err, cause error) ending {
 	}
 	e := ending{stopParent: c.stopParent, timer: c.timer, funcs: c.funcs}
 	if c.watched {
-		e.watcher, e.deadlines = c.watcher, c.deadlines
+		e.watcher, e.deadlines = c.watcher(), c.deadlines()
 	}
 	c.stopParent, c.timer, c.funcs = nil, nil, nil
 	for n := e.funcs; n != nil; n = n.next {
@@ -399,9 +429,10 @@ func (w *parentWatcher) add(c *cancelContext) bool {
 		p.parent, p.done = c.parent, done
 		p.stop = context.AfterFunc(c.parent, func() { w.fire(p, done) })
 	}
-	c.watchedBy, c.wprev, c.wnext = p, nil, p.head
+	s := c.shared
+	s.watchedBy, s.wprev, s.wnext = p, nil, p.head
 	if p.head != nil {
-		p.head.wprev = c
+		p.head.shared.wprev = c
 	}
 	p.head = c
 	return true
@@ -443,19 +474,20 @@ func (w *parentWatcher) remove(c *cancelContext) {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	p := c.watchedBy
+	s := c.shared
+	p := s.watchedBy
 	if p == nil {
 		return
 	}
-	if c.wprev != nil {
-		c.wprev.wnext = c.wnext
+	if s.wprev != nil {
+		s.wprev.shared.wnext = s.wnext
 	} else {
-		p.head = c.wnext
+		p.head = s.wnext
 	}
-	if c.wnext != nil {
-		c.wnext.wprev = c.wprev
+	if s.wnext != nil {
+		s.wnext.shared.wprev = s.wprev
 	}
-	c.watchedBy, c.wprev, c.wnext = nil, nil, nil
+	s.watchedBy, s.wprev, s.wnext = nil, nil, nil
 }
 
 // fire ends the contexts watched for under p, whose parent (with Done
@@ -469,8 +501,9 @@ func (w *parentWatcher) fire(p *watchedParent, done <-chan struct{}) {
 	parent := p.parent
 	var ended []*cancelContext
 	for c := p.head; c != nil; {
-		next := c.wnext
-		c.watchedBy, c.wprev, c.wnext = nil, nil, nil
+		s := c.shared
+		next := s.wnext
+		s.watchedBy, s.wprev, s.wnext = nil, nil, nil
 		ended = append(ended, c)
 		c = next
 	}
@@ -511,7 +544,7 @@ func (q *deadlineQueue) remove(c *cancelContext) {
 		return
 	}
 	q.mu.Lock()
-	if c.deadlineLinks.queued {
+	if c.shared.deadlineLinks.queued {
 		q.list.unlink(c)
 	}
 	q.mu.Unlock()

@@ -23,7 +23,7 @@ var deadlineImpls = map[string]withDeadline{
 		return c, c.end
 	},
 	"own, its deadline served by a deadlineQueue": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
-		c := &cancelContext{parent: parent, deadline: d, deadlines: newDeadlineQueue()}
+		c := &cancelContext{parent: parent, deadline: d, shared: &sharedWatch{deadlines: newDeadlineQueue()}}
 		return c, c.end
 	},
 }
@@ -497,14 +497,14 @@ func TestParentWatcher(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var w parentWatcher
 		mk := func(parent context.Context) *cancelContext {
-			c := &cancelContext{parent: parent, watcher: &w}
+			c := &cancelContext{parent: parent, shared: &sharedWatch{watcher: &w}}
 			_ = c.Done()
 			return c
 		}
 		watched := func(c *cancelContext) *watchedParent {
 			w.mu.Lock()
 			defer w.mu.Unlock()
-			return c.watchedBy
+			return c.shared.watchedBy
 		}
 		p1, cancel1 := context.WithCancelCause(valued())
 		a, b := mk(p1), mk(context.WithValue(p1, ctxKey{}, "same Done"))
@@ -589,9 +589,9 @@ func TestCancelContextConcurrentEnds(t *testing.T) {
 		for i := range ctxs {
 			// Deadlines from 15 ms to 960 ms; the parent ends at 500 ms.
 			// Half of them are served by one deadlineQueue.
-			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), watcher: &w}
+			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), shared: &sharedWatch{watcher: &w}}
 			if i%4 < 2 {
-				c.deadlines = q
+				c.shared.deadlines = q
 			}
 			ctxs[i] = c
 			wg.Go(func() { <-c.Done() })
@@ -674,7 +674,7 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 			if i%5 == 0 {
 				parent = live(context.Background())
 			}
-			cs[i] = &cancelContext{parent: parent, deadline: time.Now().Add(time.Hour), deadlines: q, watcher: &w}
+			cs[i] = &cancelContext{parent: parent, deadline: time.Now().Add(time.Hour), shared: &sharedWatch{watcher: &w, deadlines: q}}
 			_ = cs[i].Done()
 			if i%7 == 0 {
 				time.Sleep(time.Millisecond) // deadlines apart, in order
@@ -702,7 +702,7 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 		w.mu.Unlock()
 		for _, c := range cs {
 			assert.ErrorIs(t, c.Err(), context.Canceled)
-			assert.False(t, c.deadlineLinks.queued || c.watchedBy != nil, "a context still queued or listed")
+			assert.False(t, c.shared.deadlineLinks.queued || c.shared.watchedBy != nil, "a context still queued or listed")
 		}
 	})
 }
