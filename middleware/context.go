@@ -140,6 +140,25 @@ func (c *cancelContext) Err() error {
 	return err
 }
 
+// causeNow returns what context.Cause(c) returns now: the cause of c's
+// end, or nil if c is live. It takes c.mu once, where context.Cause
+// reads c's Value (which asks c's parents) and then its Err.
+func (c *cancelContext) causeNow() error {
+	c.mu.Lock()
+	if c.err == nil {
+		err, cause := c.check()
+		if err == nil {
+			c.mu.Unlock()
+			return nil
+		}
+		c.finish(c.endLocked(err, cause))
+		c.mu.Lock()
+	}
+	cause := c.cause
+	c.mu.Unlock()
+	return cause
+}
+
 // check returns the error and cause with which c must end now, or nil if
 // it is live, for a live c. An unwatched c reads the parent's error and
 // the clock; a watched one only the parent's error, which the standard

@@ -421,6 +421,39 @@ func TestClaimContextChildWithoutGoroutine(t *testing.T) {
 	}
 }
 
+// causeNow, which Dedup reads instead of context.Cause, answers as
+// context.Cause does, whether the context is live, cancelled with a cause,
+// ended by its parent or past its deadline unseen.
+func TestCancelContextCauseNow(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		for _, tc := range []struct {
+			name string
+			end  func(c *claimContext, pcancel context.CancelCauseFunc)
+			want error
+		}{
+			{"live", func(*claimContext, context.CancelCauseFunc) {}, nil},
+			{"cancelled", func(c *claimContext, _ context.CancelCauseFunc) { c.cancel(errOwnCause) }, errOwnCause},
+			{"the parent cancelled", func(_ *claimContext, pcancel context.CancelCauseFunc) { pcancel(errParentCause) }, errParentCause},
+			{"past its deadline", func(*claimContext, context.CancelCauseFunc) { time.Sleep(2 * time.Second) }, context.DeadlineExceeded},
+		} {
+			var got [2]error
+			for i, cause := range []func(*claimContext) error{
+				func(c *claimContext) error { return context.Cause(c) },
+				(*claimContext).causeNow,
+			} {
+				parent, pcancel := context.WithCancelCause(valued())
+				c := newClaimContext(parent, "k", "t", time.Hour, time.Now().Add(time.Second), nil, nil)
+				tc.end(c, pcancel)
+				got[i] = cause(c)
+				c.end()
+				pcancel(nil)
+			}
+			assert.Equal(t, tc.want, got[0], "%s: context.Cause", tc.name)
+			assert.Equal(t, got[0], got[1], "%s: causeNow", tc.name)
+		}
+	})
+}
+
 // Many goroutines asking for Done while the context is cancelled get one
 // channel, closed with the cause (run with -race).
 func TestClaimContextConcurrentCancel(t *testing.T) {

@@ -360,7 +360,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	finished = true
 	// Why the handler's context ended, if it did, before anything later
 	// can cancel it.
-	a.cause = context.Cause(cc)
+	a.cause = cc.causeNow()
 	a.lost, a.validUntil = h.renewer.stop(l)
 	a.marked = cc.claim.marked.Load()
 	return a
