@@ -31,7 +31,10 @@ import (
 // even though that news, from a parent of the standard library, comes
 // through a goroutine; the contexts derived from it learn of that end a
 // moment later, as those derived from a context the standard library does
-// not know do.
+// not know do. Dedup watches the contexts it gives its handlers from the
+// start ([cancelContext.watch]): a handler that does I/O watches its
+// context anyway, and the time Dedup has just read then serves, where the
+// first Done would read the clock again.
 //
 // A detached context takes only the parent's values, as
 // context.WithoutCancel(parent) does: neither its cancellation nor its
@@ -197,7 +200,7 @@ func (c *cancelContext) Done() <-chan struct{} {
 		}
 	}
 	done := c.done
-	c.finishWatch()
+	c.finishWatch(time.Time{})
 	return done
 }
 
@@ -221,7 +224,7 @@ func (c *cancelContext) AfterFunc(f func()) (stop func() bool) {
 		c.funcs.prev = n
 	}
 	c.funcs = n
-	c.finishWatch()
+	c.finishWatch(time.Time{})
 	return func() bool {
 		c.mu.Lock()
 		defer c.mu.Unlock()
@@ -241,20 +244,27 @@ func (c *cancelContext) AfterFunc(f func()) (stop func() bool) {
 	}
 }
 
+// watch watches c, as its first Done would, now: the time just read by
+// time.Now, or zero to have watch read it if it needs it.
+func (c *cancelContext) watch(now time.Time) {
+	c.mu.Lock()
+	c.finishWatch(now)
+}
+
 // finishWatch watches c, if it is live and not watched yet, and unlocks
-// c.mu, which must be held.
-func (c *cancelContext) finishWatch() {
+// c.mu, which must be held. now is the time just read by time.Now, or
+// zero to have finishWatch read it if it needs it.
+func (c *cancelContext) finishWatch(now time.Time) {
 	if c.err != nil || c.watched {
 		c.mu.Unlock()
 		return
 	}
 	err, cause := c.parentEnded()
-	var (
-		now  time.Time     // read once, for the deadline's timer too
-		left time.Duration // until the deadline
-	)
+	var left time.Duration // until the deadline
 	if err == nil && !c.deadline.IsZero() {
-		now = time.Now()
+		if now.IsZero() {
+			now = time.Now() // read once, for the deadline's timer too
+		}
 		if left = c.deadline.Sub(now); left <= 0 {
 			err, cause = context.DeadlineExceeded, context.DeadlineExceeded
 		}

@@ -293,12 +293,14 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 // claims key in its own transaction if it can (see [ClaimingHandler]),
 // under the context that run would give it, and reports whether it ran.
 func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, down keyed) (ran bool, err error) {
-	var deadline time.Time
+	var now, deadline time.Time
 	if h.timed != nil {
-		deadline = time.Now().Add(h.timed.d)
+		now = time.Now()
+		deadline = now.Add(h.timed.d)
 	}
 	cc := newClaimContext(ctx, key, "", h.retention, deadline, h.deadlines, h.parents)
 	cc.keyed = down
+	cc.watch(now)
 	defer cc.end()
 	if ran, err = h.claiming.HandleClaiming(cc, d, h.store, key, h.lease, h.retention); !ran {
 		return false, err
@@ -339,6 +341,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	}
 	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.deadlines, h.parents)
 	cc.keyed = down
+	cc.watch(now)
 	defer cc.end()
 	l := h.renewer.start(ctx, key, token, start, now, cc)
 
