@@ -15,6 +15,7 @@ import (
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/benchstack"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/pgstore"
 	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
@@ -34,7 +35,8 @@ const (
 	// (redisstore.Options.NoBatching); rabbitmw-redis batches, as
 	// redisstore.New does by default.
 	redisUnbatchedName = "rabbitmw-redis-unbatched"
-	// handPgName, postgresName and pgStoreName: see postgres.go.
+	// handPgName, postgresName, postgresGroupName and pgStoreName: see
+	// postgres.go.
 )
 
 const (
@@ -51,7 +53,7 @@ const (
 // contenderNames is every contender, in the order of the table;
 // defaultContenders those that run when -only is not given.
 var (
-	contenderNames    = []string{plainName, plainMultiName, handName, watermillName, memoryName, redisName, redisUnbatchedName, redisDupName, handPgName, postgresName, pgStoreName}
+	contenderNames    = []string{plainName, plainMultiName, handName, watermillName, memoryName, redisName, redisUnbatchedName, redisDupName, handPgName, postgresName, postgresGroupName, pgStoreName}
 	defaultContenders = []string{plainName, plainMultiName, handName, watermillName, memoryName, redisName, redisUnbatchedName, handPgName, postgresName}
 )
 
@@ -85,7 +87,7 @@ func newContender(name string, prefetch, workers int, opts broker.ConsumeOptions
 		c.redis = true
 	case redisDupName:
 		c.redis, c.dup = true, true
-	case handPgName, postgresName, pgStoreName:
+	case handPgName, postgresName, postgresGroupName, pgStoreName:
 		c.pg = true
 	}
 	return c
@@ -116,7 +118,9 @@ func (c contender) consume(ctx context.Context, url, queue string, cl *clients, 
 	case handPgName:
 		return consumePlain(ctx, url, queue, c.prefetch, c.workers, cnt, handInbox(cl.pg, cnt))
 	case postgresName:
-		return consumePostgres(ctx, url, queue, c.opts, cl.pg, cnt)
+		return consumePostgres(ctx, url, queue, c.opts, cl.pg, pgstore.HandlerOptions{}, cnt)
+	case postgresGroupName:
+		return consumePostgres(ctx, url, queue, c.opts, cl.pg, pgstore.HandlerOptions{GroupCommit: 32}, cnt)
 	case pgStoreName:
 		return consumeRabbitmw(ctx, url, queue, c.opts, cl.pg.st, cnt)
 	}

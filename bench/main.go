@@ -48,6 +48,9 @@
 //	                    effect (a row); COMMIT
 //	rabbitmw-postgres   the PostgreSQL inbox: the stack over pgstore and
 //	                    pgstore.Handler, the same effect in its transaction
+//	rabbitmw-postgres-group rabbitmw-postgres with group commit
+//	                    (HandlerOptions.GroupCommit 32); only when -only
+//	                    names it
 //	rabbitmw-pgstore    the stack over pgstore, the effect in memory; only
 //	                    when -only names it
 //

@@ -27,6 +27,12 @@ import (
 // not pay.
 const postgresName = "rabbitmw-postgres"
 
+// postgresGroupName is rabbitmw-postgres with group commit
+// (pgstore.HandlerOptions.GroupCommit at its most, 32): deliveries that
+// outnumber the groups (an eighth of the pool's connections) share their
+// transactions, and commits.
+const postgresGroupName = "rabbitmw-postgres-group"
+
 // pgStoreName is the PostgreSQL store alone, as rabbitmw-redis is the Redis
 // store: broker.Consume and the recommended stack over pgstore, the
 // business recording in memory that it ran. Its figures are those of the
@@ -104,8 +110,8 @@ func (r *pgRun) close() {
 }
 
 // consumePostgres consumes queue with broker.Consume, the recommended
-// stack over the run's store and the transactional handler.
-func consumePostgres(ctx context.Context, url, queue string, opts broker.ConsumeOptions, pg *pgRun, cnt *counter) error {
+// stack over the run's store and the transactional handler, set by ho.
+func consumePostgres(ctx context.Context, url, queue string, opts broker.ConsumeOptions, pg *pgRun, ho pgstore.HandlerOptions, cnt *counter) error {
 	insert := `INSERT INTO ` + pg.effects + ` (id) VALUES ($1)`
 	business := pgstore.Handler(pg.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		if _, err := tx.Exec(ctx, insert, d.MessageId); err != nil {
@@ -113,7 +119,7 @@ func consumePostgres(ctx context.Context, url, queue string, opts broker.Consume
 		}
 		cnt.effect(d.MessageId)
 		return nil
-	}, pgstore.HandlerOptions{})
+	}, ho)
 	return consumeStack(ctx, url, queue, opts, benchstack.Recommended(pg.st), business, cnt)
 }
 

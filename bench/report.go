@@ -24,6 +24,8 @@ const (
 	met         = "MET"
 	missed      = "MISSED"
 	notMeasured = "NOT MEASURED"
+	// informational: figures set beside a target's bounds, not a target.
+	informational = "INFO"
 )
 
 func verdict(ok bool) string {
@@ -153,7 +155,7 @@ const (
 func (r *compareResult) targets() []target {
 	ss := r.Summary
 	plain, redis, wm := ss.find(plainName), ss.find(redisName), ss.find(watermillName)
-	hand, pg := ss.find(handPgName), ss.find(postgresName)
+	hand, pg, pgGroup := ss.find(handPgName), ss.find(postgresName), ss.find(postgresGroupName)
 	var stackWaits *stackCase
 	if r.Stack != nil {
 		stackWaits = r.Stack.find(stackWaitsNew)
@@ -164,6 +166,7 @@ func (r *compareResult) targets() []target {
 		watermillTarget(redis, wm),
 		rateTarget("rabbitmw-postgres ≥ 1.2 × hand-written-pg's msgs/s", pg, hand, pgRateBound, r.Settings),
 		cpuTarget("rabbitmw-postgres: total CPU per message (consumer + RabbitMQ + PostgreSQL) ≤ 0.9 × hand-written-pg's", pg, hand, pgCPUBound, r.Settings),
+		groupCommitLine(pgGroup, hand, r.Settings),
 		stackTarget("the stack over the memory store, new message, a handler that waits on its context: ≤ 2 µs and ≤ 6 allocs", stackWaits, stackNsBound, stackAllocBound),
 		exactlyOnceTarget(ss),
 	}
@@ -206,6 +209,20 @@ func cpuTarget(name string, a, b *summary, bound float64, s settings) target {
 	if !s.Defaults {
 		t.Detail += notDefaults(s)
 	}
+	return t
+}
+
+// groupCommitLine sets the figures of rabbitmw-postgres-group, the inbox
+// with group commit (an option), beside the bounds of the PostgreSQL
+// targets, which are those of the default: informational.
+func groupCommitLine(group, hand *summary, s settings) target {
+	t := target{Name: "informational: rabbitmw-postgres-group (group commit, an option) against the same bounds", Status: notMeasured, Detail: "needs both contenders"}
+	if group == nil || hand == nil {
+		return t
+	}
+	rate, cpu := rateTarget("", group, hand, pgRateBound, s), cpuTarget("", group, hand, pgCPUBound, s)
+	t.Status = informational
+	t.Detail = fmt.Sprintf("msgs/s %s (%s); CPU per message %s (%s)", rate.Detail, rate.Status, cpu.Detail, cpu.Status)
 	return t
 }
 

@@ -10,7 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
-	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
 // deadLetter sends a copy of d with fault headers to the dead-letter queue
@@ -34,7 +34,7 @@ func (cn *conn) deadLetter(ctx context.Context, d *amqp.Delivery, dec rabbitmw.D
 	if errors.Is(err, ErrInvalidMessage) {
 		cut := make(amqp.Table, len(d.Headers)+3)
 		maps.Copy(cut, d.Headers)
-		cut[HeaderError] = transport.Truncate("broker: fault headers cut, the dead-letter copy did not fit ("+err.Error()+"): "+errText, maxCutErrorText)
+		cut[HeaderError] = text.Truncate("broker: fault headers cut, the dead-letter copy did not fit ("+err.Error()+"): "+errText, maxCutErrorText)
 		cut[rabbitmw.HeaderAttempts] = attempts
 		cut[HeaderOriginalQueue] = cn.top.queue
 		err = cn.publishCopy(ctx, cn.top.dlq, republishing(d, cut), 0)
@@ -76,12 +76,12 @@ func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time
 	h := make(amqp.Table, len(d.Headers)+9)
 	maps.Copy(h, d.Headers)
 	restoreDeaths(h)
-	var text, typ string
+	var reason, typ string
 	if dec.Err != nil {
-		text = transport.Truncate(dec.Err.Error(), maxErrorText)
+		reason = text.Truncate(dec.Err.Error(), maxErrorText)
 		typ = rabbitmw.ErrorType(dec.Err)
 	}
-	h[HeaderError] = text
+	h[HeaderError] = reason
 	h[HeaderErrorType] = typ
 	attempts := dec.Attempts
 	if attempts <= 0 {

@@ -10,8 +10,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
-	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 	"github.com/rabbitmw/rabbitmw/internal/header"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
 // delay sends a copy of d to the delay queue for dec.Delay and acks d once
@@ -62,7 +62,7 @@ func noteFirstFailure(h amqp.Table, err error, at time.Time) {
 	if _, ok := h[HeaderFirstFailedAt]; ok {
 		return
 	}
-	h[HeaderFirstError] = transport.Truncate(err.Error(), maxFirstErrorText)
+	h[HeaderFirstError] = text.Truncate(err.Error(), maxFirstErrorText)
 	h[HeaderFirstFailedAt] = at.UTC().Truncate(time.Second)
 }
 

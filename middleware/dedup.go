@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -13,6 +12,7 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/clock"
 	"github.com/rabbitmw/rabbitmw/internal/recording"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -254,6 +254,12 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 		status, err = h.store.Claim(ctx, key, token, h.lease)
 	}
 	switch {
+	case errors.Is(err, store.ErrKeyRejected):
+		// The store answered, took nothing, and would refuse the key
+		// again: the message is at fault, and FailOpen, which is for a
+		// store out of reach, does not apply.
+		notify(h.observe, ctx, DedupRejected, key, err)
+		return false, rabbitmw.Permanent(&keyError{key: key, err: err})
 	case err != nil:
 		// The claim may have taken effect though its answer was lost:
 		// release it, if this token holds it, rather than leave it to
@@ -268,7 +274,7 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 		if h.failOpen && ctx.Err() == nil {
 			return false, nil
 		}
-		return false, rabbitmw.RetryAfter(fmt.Errorf("%w: claim %q: %w", ErrStoreUnavailable, key, err), h.unavailable)
+		return false, rabbitmw.RetryAfter(fmt.Errorf("%w: claim %s: %w", ErrStoreUnavailable, text.QuoteKey(key), err), h.unavailable)
 	case status == store.Done:
 		notify(h.observe, ctx, DedupDuplicate, key, nil)
 		return false, &keyError{key: key, err: rabbitmw.ErrDuplicate}
@@ -281,7 +287,7 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 		notify(h.observe, ctx, DedupAbandoned, key, nil)
 		return false, &keyError{key: key, err: ErrAbandoned}
 	case status != store.Claimed:
-		err = fmt.Errorf("%w: claim %q: invalid status %v", ErrStoreUnavailable, key, status)
+		err = fmt.Errorf("%w: claim %s: invalid status %v", ErrStoreUnavailable, text.QuoteKey(key), status)
 		notify(h.observe, ctx, DedupUnavailable, key, err)
 		return false, rabbitmw.RetryAfter(err, h.unavailable)
 	}
@@ -402,7 +408,7 @@ func (h *dedup) release(ctx context.Context, key, token string, a attempt) error
 	if _, rerr := h.persist(ctx, a.settle, deadline, func(ctx context.Context) error {
 		return h.store.Release(ctx, key, token)
 	}); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
-		err = errors.Join(err, fmt.Errorf("middleware: dedup: release %q: %w", key, rerr))
+		err = errors.Join(err, fmt.Errorf("middleware: dedup: release %s: %w", text.QuoteKey(key), rerr))
 	}
 	if ctx.Err() == nil && errors.Is(a.cause, ErrStoreUnavailable) {
 		// Dedup cut the handler short because the store could not renew
@@ -426,12 +432,12 @@ func (h *dedup) complete(ctx context.Context, key, token string, a attempt) erro
 		// Likelier than a takeover: an earlier attempt marked the key done
 		// and its answer was lost. The redelivery will tell (a duplicate).
 		notify(h.observe, ctx, DedupLeaseLost, key, err)
-		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded; marking %q done failed, then found the claim gone, most likely marked done by the failed attempt: %w", ErrLeaseLost, key, err), h.busy)
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded; marking %s done failed, then found the claim gone, most likely marked done by the failed attempt: %w", ErrLeaseLost, text.QuoteKey(key), err), h.busy)
 	case errors.Is(err, store.ErrLostClaim):
 		notify(h.observe, ctx, DedupLeaseLost, key, err)
-		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but %q was taken over before it was marked done: %w", ErrLeaseLost, key, err), h.busy)
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but %s was taken over before it was marked done: %w", ErrLeaseLost, text.QuoteKey(key), err), h.busy)
 	default:
-		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but marking %q done failed: %w", ErrStoreUnavailable, key, err), h.unavailable)
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but marking %s done failed: %w", ErrStoreUnavailable, text.QuoteKey(key), err), h.unavailable)
 	}
 }
 
@@ -444,7 +450,7 @@ type keyError struct {
 }
 
 func (e *keyError) Error() string {
-	return "middleware: dedup: key " + strconv.Quote(e.key) + ": " + e.err.Error()
+	return "middleware: dedup: key " + text.QuoteKey(e.key) + ": " + e.err.Error()
 }
 
 func (e *keyError) Unwrap() error { return e.err }

@@ -92,6 +92,21 @@ func TestDedup(t *testing.T) {
 			wantCalls: 1, wantOutcome: rabbitmw.Ack, wantSettle: "acked", wantState: store.Claimed,
 		},
 		{
+			name:      "key refused by the store: dead-lettered with the reason, handler not run",
+			id:        "m1",
+			prepare:   func(s *faultyStore) { set(&s.claim, fmt.Errorf("too long: %w", store.ErrKeyRejected)) },
+			wantCalls: 0, wantOutcome: rabbitmw.DeadLetter, wantIs: store.ErrKeyRejected,
+			wantSettle: "dead-lettered", wantState: store.Claimed,
+		},
+		{
+			name:      "key refused by the store, FailOpen: dead-lettered all the same, handler not run",
+			id:        "m1",
+			opts:      middleware.DedupOptions{FailOpen: true},
+			prepare:   func(s *faultyStore) { set(&s.claim, fmt.Errorf("too long: %w", store.ErrKeyRejected)) },
+			wantCalls: 0, wantOutcome: rabbitmw.DeadLetter, wantIs: store.ErrKeyRejected,
+			wantSettle: "dead-lettered", wantState: store.Claimed,
+		},
+		{
 			name: "no message id: keyed by the MD5 of the body",
 			body: "hello", wantKey: "5d41402abc4b2a76b9719d911017c592",
 			wantCalls: 1, wantOutcome: rabbitmw.Ack, wantSettle: "acked", wantState: store.Done,

@@ -5,11 +5,11 @@ import (
 	"crypto/md5"
 	"encoding/hex"
 	"fmt"
-	"strconv"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
 // ErrNoKey is returned by [Key] for a delivery that has neither a message id
@@ -183,7 +183,7 @@ func describeKey(key string, err error) string {
 	if err != nil {
 		return "no key (" + err.Error() + ")"
 	}
-	return strconv.Quote(key)
+	return text.QuoteKey(key)
 }
 
 // keyed is the key that a keyed layer made for d, and hands to the layers

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/rabbitmw/rabbitmw/internal/text"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -142,7 +143,7 @@ func (r *renewer) fire() {
 	r.claims.rearm(now)
 	r.mu.Unlock()
 	for _, e := range expired {
-		e.handler.cancel(fmt.Errorf("%w: the lease on %q could not be renewed before it ends: the store has not answered for %v", ErrStoreUnavailable, e.key, r.every))
+		e.handler.cancel(fmt.Errorf("%w: the lease on %s could not be renewed before it ends: the store has not answered for %v", ErrStoreUnavailable, text.QuoteKey(e.key), r.every))
 	}
 }
 
@@ -180,10 +181,10 @@ func (r *renewer) renew(l *claimLease) {
 			r.claims.push(l, now.Add(r.every), now)
 		}
 	case errors.Is(err, store.ErrLostClaim):
-		l.lost = fmt.Errorf("%w: %q was taken over or deleted while the handler ran: %w", ErrLeaseLost, l.key, err)
+		l.lost = fmt.Errorf("%w: %s was taken over or deleted while the handler ran: %w", ErrLeaseLost, text.QuoteKey(l.key), err)
 		cause = l.lost
 	case r.mayEnd(l, time.Now()):
-		cause = fmt.Errorf("%w: the lease on %q could not be renewed before it ends: %w", ErrStoreUnavailable, l.key, err)
+		cause = fmt.Errorf("%w: the lease on %s could not be renewed before it ends: %w", ErrStoreUnavailable, text.QuoteKey(l.key), err)
 	}
 	if cause != nil && l.queued {
 		r.claims.unlink(l)

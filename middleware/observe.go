@@ -8,8 +8,8 @@ import (
 // A DedupEventKind is one kind of [DedupEvent].
 type DedupEventKind int
 
-// The kinds of Dedup's events. Claimed, Duplicate, Busy, Unavailable and
-// Abandoned are its answer for a delivery, one per delivery; LeaseRenewed and
+// The kinds of Dedup's events. Claimed, Duplicate, Busy, Unavailable,
+// Abandoned and Rejected are its answer for a delivery, one per delivery; LeaseRenewed and
 // LeaseLost happen to a claim while its handler runs.
 const (
 	// DedupClaimed: the claim was won and the handler runs.
@@ -31,11 +31,15 @@ const (
 	// DedupLeaseLost: the claim was taken over or deleted before the
 	// handler's success was recorded, so it was not (see [ErrLeaseLost]).
 	DedupLeaseLost
+	// DedupRejected: the store refused the key itself
+	// (store.ErrKeyRejected: too long for its index, say); the handler
+	// does not run, and the message is dead-lettered.
+	DedupRejected
 )
 
 // String returns the kind as metrics and traces name it: "claimed",
-// "duplicate", "busy", "unavailable", "abandoned", "lease_renewed" or
-// "lease_lost".
+// "duplicate", "busy", "unavailable", "abandoned", "lease_renewed",
+// "lease_lost" or "rejected".
 func (k DedupEventKind) String() string {
 	switch k {
 	case DedupClaimed:
@@ -52,6 +56,8 @@ func (k DedupEventKind) String() string {
 		return "lease_renewed"
 	case DedupLeaseLost:
 		return "lease_lost"
+	case DedupRejected:
+		return "rejected"
 	}
 	return "DedupEventKind(" + strconv.Itoa(int(k)) + ")"
 }
@@ -62,8 +68,8 @@ type DedupEvent struct {
 	Kind DedupEventKind
 	// Key is the message's key in the store, namespace included.
 	Key string
-	// Err is, for DedupUnavailable, the store's error, and for
-	// DedupLeaseLost, how the claim was lost; nil otherwise.
+	// Err is, for DedupUnavailable and DedupRejected, the store's error,
+	// and for DedupLeaseLost, how the claim was lost; nil otherwise.
 	Err error
 }
 

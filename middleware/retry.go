@@ -12,6 +12,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/backoff"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -308,8 +309,11 @@ func (h *retry) count(ctx context.Context, d *amqp.Delivery, before int) (n int,
 	sctx := settling(ctx, time.Now().Add(settleTimeout))
 	got, err := h.store.Fail(sctx, key, h.ttl)
 	sctx.end()
-	if err != nil {
-		return n, false, fmt.Errorf("middleware: retry: counting the failure of %q: %w", key, err)
+	switch {
+	case errors.Is(err, store.ErrKeyRejected):
+		return n, false, nil // no counter can be kept under key: the header alone counts
+	case err != nil:
+		return n, false, fmt.Errorf("middleware: retry: counting the failure of %s: %w", text.QuoteKey(key), err)
 	}
 	return max(n, int(min(got, 1<<30))), true, nil
 }

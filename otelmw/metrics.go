@@ -22,7 +22,7 @@ const (
 	keyDedupKey     = attribute.Key("rabbitmw.dedup.key")
 	keyDelayQueue   = attribute.Key("rabbitmw.delay.queue")
 	maxOutcome      = int(rabbitmw.DeadLetter)
-	maxDedupKind    = int(middleware.DedupLeaseLost)
+	maxDedupKind    = int(middleware.DedupRejected)
 	maxCachedErrors = 256 // error.type values given attribute sets of their own
 )
 

@@ -17,7 +17,7 @@ import (
 // DedupOptions.Observe. Each of Dedup's events becomes an event of the
 // span in the delivery's context (the one [Telemetry.Middleware] started),
 // named "rabbitmw.dedup.<kind>" (claimed, duplicate, busy, unavailable,
-// abandoned, lease_renewed, lease_lost) with the key as rabbitmw.dedup.key, and counts
+// abandoned, rejected, lease_renewed, lease_lost) with the key as rabbitmw.dedup.key, and counts
 // in rabbitmw.dedup.results (the answers, by rabbitmw.dedup.result),
 // rabbitmw.dedup.lease.renewals or rabbitmw.dedup.leases.lost.
 func (t *Telemetry) Dedup() func(context.Context, middleware.DedupEvent) {

@@ -28,9 +28,9 @@ const (
 )
 
 // crash runs scenario 1 as scenario, over the PostgreSQL inbox at pgURL
-// unless it is "", and returns the run, how it ended, and the consumers
-// killed.
-func crash(t *testing.T, scenario, pgURL string) (*load, ending, []string) {
+// (with HandlerOptions.GroupCommit groupCommit) unless it is "", and
+// returns the run, how it ended, and the consumers killed.
+func crash(t *testing.T, scenario, pgURL string, groupCommit int) (*load, ending, []string) {
 	t.Helper()
 	ctx, r := startLoad(t, loadSpec{
 		scenario: scenario,
@@ -47,6 +47,7 @@ func crash(t *testing.T, scenario, pgURL string) (*load, ending, []string) {
 			timeout:     time.Second,
 			busy:        500 * time.Millisecond,
 			unavailable: 500 * time.Millisecond,
+			groupCommit: groupCommit,
 			work:        time.Millisecond,
 		},
 		consumers: []string{scenario + "-1"},
@@ -72,7 +73,7 @@ func crash(t *testing.T, scenario, pgURL string) (*load, ending, []string) {
 }
 
 func TestCrash(t *testing.T) {
-	r, e, killed := crash(t, "crash", "")
+	r, e, killed := crash(t, "crash", "", 0)
 	v := e.v
 
 	if len(v.lost) > 0 {

@@ -18,14 +18,27 @@ import (
 )
 
 func TestPostgresCrash(t *testing.T) {
-	r, e, _ := crash(t, "pgcrash", testenv.PostgresURL(t))
+	pgCrash(t, "pgcrash", 0, "1 crash, PostgreSQL inbox", "required: 0 twice (effect and done mark in one commit); Redis: see 1 crash")
+}
+
+// TestPostgresCrash with group commit (HandlerOptions.GroupCommit): a kill
+// takes whole groups, uncommitted, with it; still no effect twice,
+// nothing lost.
+func TestPostgresCrashGroupCommit(t *testing.T) {
+	pgCrash(t, "pgcrashgroup", 8, "1 crash, PostgreSQL inbox, group commit", "required: 0 twice (each member's effect and done mark in its group's commit)")
+}
+
+// pgCrash runs the scenario over the inbox with groupCommit, and records
+// its row.
+func pgCrash(t *testing.T, scenario string, groupCommit int, name, note string) {
+	r, e, _ := crash(t, scenario, testenv.PostgresURL(t), groupCommit)
 	e.wantEachOnce(t)
 	t.Logf("last consumer: %+v; took %v", e.stats[0], time.Since(r.began).Round(time.Millisecond))
 	record(t, e.v.counted(row{
-		Scenario:   "1 crash, PostgreSQL inbox",
+		Scenario:   name,
 		Messages:   crashMessages,
 		Duplicates: crashDups,
 		Faults:     fmt.Sprintf("%d × SIGKILL + restart", crashKills),
-		Note:       "required: 0 twice (effect and done mark in one commit); Redis: see 1 crash",
+		Note:       note,
 	}))
 }

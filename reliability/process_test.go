@@ -72,6 +72,7 @@ type consumerOpts struct {
 	workers, prefetch      int
 	lease, busy            time.Duration
 	unavailable            time.Duration
+	groupCommit            int // the PostgreSQL inbox's HandlerOptions.GroupCommit
 	timeout                time.Duration
 	maxAttempts            int
 	backoffMin, backoffMax time.Duration
@@ -113,6 +114,7 @@ func (o consumerOpts) args() []string {
 	dur("lease", o.lease)
 	dur("busy", o.busy)
 	dur("unavailable", o.unavailable)
+	num("group-commit", o.groupCommit)
 	dur("timeout", o.timeout)
 	num("max-attempts", o.maxAttempts)
 	dur("backoff-min", o.backoffMin)

@@ -22,6 +22,19 @@ import (
 // it was completed, or it was deleted.
 var ErrLostClaim = errors.New("store: lost claim")
 
+// ErrKeyRejected is returned, wrapped, by a Store that cannot hold a key
+// for what the key is, such as a key longer than its index takes: the
+// store answered, took no effect, and would refuse the key again. The
+// fault is the key's, not the backend's, so middleware.Dedup
+// dead-letters the message with this reason rather than retry it. Its
+// type, for rabbitmw.ErrorType, is "key_rejected".
+var ErrKeyRejected error = keyRejected{}
+
+type keyRejected struct{}
+
+func (keyRejected) Error() string     { return "store: key rejected" }
+func (keyRejected) ErrorType() string { return "key_rejected" }
+
 // Status is what Claim found for a key.
 type Status int
 
@@ -91,8 +104,9 @@ const DefaultAbandonedRetention = 24 * time.Hour
 // an expired entry behaves exactly as an absent one.
 //
 // Errors: a method returns ErrLostClaim (possibly wrapped) only where its
-// documentation says so. Any other non-nil error means the backend could not
-// be reached or did not answer: the state of the key is then unknown, and the
+// documentation says so, and ErrKeyRejected (wrapped) for a key it cannot
+// hold, having changed nothing. Any other non-nil error means the backend
+// could not be reached or did not answer: the state of the key is then unknown, and the
 // caller must assume the operation may or may not have taken effect. A
 // context that is done makes a method return promptly with an error.
 // Backends translate their own errors (redis.Nil, for instance) into these.

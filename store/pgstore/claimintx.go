@@ -41,9 +41,10 @@ func lockTimedOut(err error) bool {
 // Dedup calls first (see middleware.ClaimingHandler), claims the key in
 // the transaction itself.
 type txHandler struct {
-	in   *inbox
-	fn   TxFunc
-	opts pgx.TxOptions
+	in     *inbox
+	fn     TxFunc
+	opts   pgx.TxOptions
+	groups *grouper // nil unless HandlerOptions.GroupCommit
 }
 
 func (h *txHandler) Handle(ctx context.Context, d *amqp.Delivery) error {
@@ -95,42 +96,68 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 		s.pool.Exec(ctx, s.countUnrecordedSQL, []byte(key), retention)
 		return false, nil
 	}
-	start := time.Now()
+	if h.groups != nil {
+		return h.groups.handle(ctx, d, key, lease, retention)
+	}
+	c := &txClaim{key: key, start: time.Now(), retention: retention}
 	t0, err := h.begin(ctx)
 	if err != nil {
 		return false, nil // Dedup's claim reports it
 	}
 	t := t0.(*pgxTxn)
-	claimed, err := t.claim(ctx, key, lease, retention)
+	claimed, err := t.claim(ctx, c, lease, false)
 	if err != nil || !claimed {
 		h.in.rollback(ctx, t)
-		if lockTimedOut(err) {
-			return false, fmt.Errorf("pgstore: claim %q in the transaction: another transaction holds it: %w", key, middleware.ErrBusy)
-		}
-		return false, nil
+		return false, claimBusy(key, err)
 	}
-	err = h.in.finishClaimed(ctx, key, retention, start, t, func(ctx context.Context) error { return h.fn(ctx, t.tx, d) })
-	if s.pruneEvery > 0 && s.claims.Add(1)%uint64(s.pruneEvery) == 0 {
-		// As Store.Claim does, for the claims made here. Errors are
-		// dropped: the next prune tries again.
-		s.Prune(ctx, 2*s.pruneEvery)
-	}
+	err = h.in.finishClaimed(ctx, c, t, func(ctx context.Context) error { return h.fn(ctx, t.tx, d) })
+	s.counted(ctx) // as Store.Claim does, for the claims made here
 	return true, err
 }
 
-// claim begins the transaction with the claim of key, in one round trip,
-// and reports whether it inserted the key's row. If it did not, or failed,
-// the caller rolls back.
-func (t *pgxTxn) claim(ctx context.Context, key string, lease, retention time.Duration) (bool, error) {
+// claimBusy returns HandleClaiming's error for a claim of key in a
+// transaction that failed with err, or found the key's row (err nil):
+// busy if another transaction holds the row, else none (Dedup claims).
+func claimBusy(key string, err error) error {
+	if lockTimedOut(err) {
+		return fmt.Errorf("pgstore: claim %q in the transaction: another transaction holds it: %w", key, middleware.ErrBusy)
+	}
+	return nil
+}
+
+// A txClaim is a claim made in a transaction: the key's row, inserted as
+// a done mark of retention by a statement sent at start.
+type txClaim struct {
+	key       string
+	start     time.Time
+	retention time.Duration
+}
+
+// claim sends the claim c, with the lease, in one round trip, and reports
+// whether it inserted the key's row: first the BEGIN, unless the
+// transaction began already, then, if savepoint, a savepoint (see
+// savepointSQL), then the claim. If it did not insert, or failed, the
+// caller rolls back (to the savepoint).
+func (t *pgxTxn) claim(ctx context.Context, c *txClaim, lease time.Duration, savepoint bool) (bool, error) {
 	var b pgx.Batch
-	b.BeginTx(t.tx.opts)
-	b.Queue(t.s.claimInTxSQL, []byte(key), retention.Microseconds(), strconv.FormatInt(max(lease.Milliseconds(), 1), 10))
+	begin := !t.tx.began
+	if begin {
+		b.BeginTx(t.tx.opts)
+	}
+	if savepoint {
+		b.Queue(savepointSQL)
+	}
+	b.Queue(t.s.claimInTxSQL, []byte(c.key), c.retention.Microseconds(), strconv.FormatInt(max(lease.Milliseconds(), 1), 10))
 	br := t.conn.Conn().SendBatch(ctx, &b)
-	t.tx.tx = br.Tx()
-	_, err := br.Exec() // the BEGIN's
+	if begin {
+		t.tx.tx = br.Tx()
+	}
 	var tag pgconn.CommandTag
-	if err == nil {
-		tag, err = br.Exec()
+	var err error
+	for range b.Len() { // the last result is the claim's
+		if tag, err = br.Exec(); err != nil {
+			break
+		}
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -149,50 +176,61 @@ func markAgainAfter(retention time.Duration) time.Duration {
 	return min(retention/100, time.Second)
 }
 
-// finishClaimed runs call in t, whose first statement, sent at start,
-// claimed key as a done mark of retention, and commits if call returned
-// nil: as handle, with no done mark to write (the claim is one) and no
-// claim of Dedup's to tell. The claim's mark lasts retention from the
-// claim, not from the success, as Dedup's Retention says: if call ran for
-// longer than markAgainAfter(retention), its retention starts again
-// before the commit, in a statement of its own, so that a copy that
-// arrives within the retention after the success is a duplicate.
-func (h *inbox) finishClaimed(ctx context.Context, key string, retention time.Duration, start time.Time, t *pgxTxn, call func(context.Context) error) error {
+// finishClaimed runs call in t, whose first statement claimed c, and
+// commits if call returned nil: as handle, with no done mark to write
+// (the claim is one) and no claim of Dedup's to tell.
+func (h *inbox) finishClaimed(ctx context.Context, c *txClaim, t *pgxTxn, call func(context.Context) error) error {
 	open := true
 	defer h.rollbackIfOpen(ctx, t, &open)
 	if err := call(ctx); err != nil {
 		if idleTimedOut(err) {
-			return h.claimEnded(ctx, key, err)
+			return h.claimEnded(ctx, c.key, err)
 		}
-		return h.failed(ctx, t, key, err)
+		return h.failed(ctx, t, c.key, err)
 	}
 	if t.tx.settled || t.conn.Conn().PgConn().TxStatus() == 'I' {
 		// fn committed or rolled back tx itself.
-		return errTxSettled(key)
+		return errTxSettled(c.key)
 	}
 	// As in handle, the commit runs even if ctx is cancelled from now on:
 	// the transaction has held the key's row since its first statement,
 	// so no other consumer runs the message meanwhile.
+	sent, err := h.commitClaims(ctx, t, c)
+	open = !sent
+	if sent {
+		defer t.release()
+	}
+	return h.claimResult(ctx, t, c.key, sent, err)
+}
+
+// commitClaims commits t, whose statements claimed cs, within
+// commitTimeout even if ctx is cancelled, and reports whether it sent the
+// COMMIT, and the error of the commit or of the statement before it. A
+// claim's mark lasts its retention from the claim, not from the success,
+// as Dedup's Retention says: so the mark of a claim sent longer than
+// markAgainAfter(retention) ago is written again first, in a statement of
+// its own, so that a copy that arrives within the retention after the
+// success is a duplicate.
+func (h *inbox) commitClaims(ctx context.Context, t *pgxTxn, cs ...*txClaim) (sent bool, err error) {
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
 	defer cancel()
 	rec := recording.Begin(ctx, time.Now().Add(h.commitTimeout))
 	defer rec.End()
-	if time.Since(start) > markAgainAfter(retention) {
-		_, err := t.tx.Exec(sctx, h.s.markAgainSQL, []byte(key), retention.Microseconds())
-		switch {
-		case err == nil:
-		case idleTimedOut(err):
-			return h.claimEnded(ctx, key, err)
-		case lost(t, err):
-			return h.unavailable(fmt.Errorf("pgstore: mark %q done again: %w", key, err))
-		default:
-			// Rolled back: nothing committed.
-			return fmt.Errorf("pgstore: mark %q done again: %w", key, err)
+	for _, c := range cs {
+		if time.Since(c.start) <= markAgainAfter(c.retention) {
+			continue
+		}
+		if _, err := t.tx.Exec(sctx, h.s.markAgainSQL, []byte(c.key), c.retention.Microseconds()); err != nil {
+			return false, fmt.Errorf("mark %q done again: %w", c.key, err)
 		}
 	}
-	err := t.tx.Commit(sctx)
-	open = false
-	defer t.release()
+	return true, t.tx.Commit(sctx)
+}
+
+// claimResult returns the result of a delivery of key, claimed in t,
+// whose commit returned err, or, if the COMMIT was not sent, the
+// statement before it.
+func (h *inbox) claimResult(ctx context.Context, t *pgxTxn, key string, sent bool, err error) error {
 	switch {
 	case err == nil:
 		return nil
@@ -205,6 +243,9 @@ func (h *inbox) finishClaimed(ctx context.Context, key string, retention time.Du
 	case isPgError(err) && !lost(t, err):
 		// The server answered: the transaction did not commit.
 		return fmt.Errorf("pgstore: commit the transaction of %q: %w", key, err)
+	case !sent:
+		// Rolled back: nothing committed.
+		return h.unavailable(fmt.Errorf("pgstore: commit the transaction of %q: %w", key, err))
 	}
 	return h.unavailable(fmt.Errorf("pgstore: commit the transaction of %q: its answer was lost, so whether it took effect is unknown (if it did, the redelivery finds the message done): %w", key, err))
 }

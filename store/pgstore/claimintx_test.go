@@ -27,6 +27,10 @@ import (
 // transaction, then rewritten by the done mark (a second version).
 // The transaction keeps the session's lock_timeout for fn's statements.
 func TestHandlerClaimsInItsTransaction(t *testing.T) {
+	inEveryMode(t, testHandlerClaimsInItsTransaction)
+}
+
+func testHandlerClaimsInItsTransaction(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	pool := newPoolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["lock_timeout"] = "7s" })
 	f := newInbox(t, pool)
@@ -38,7 +42,7 @@ func TestHandlerClaimsInItsTransaction(t *testing.T) {
 			return err
 		}
 		return f.insert(ctx, tx, d)
-	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	}, opts), middleware.DedupOptions{})
 	require.NoError(t, h.Handle(ctx, delivery("m1")))
 	assert.False(t, claimed, "fn ran under a claim of Dedup's")
 	assert.Equal(t, "7s", lockTimeout, "lock_timeout in fn's transaction")
@@ -60,6 +64,10 @@ FROM `+strings.TrimSuffix(f.effects, "_effects")+` c, `+f.effects+` e WHERE c.ke
 // that a message that kills its consumers is dead-lettered after as many
 // deaths as it has attempts.
 func TestHandlerClaimInTxCrashLeavesNothing(t *testing.T) {
+	inEveryMode(t, testHandlerClaimInTxCrashLeavesNothing)
+}
+
+func testHandlerClaimInTxCrashLeavesNothing(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	pool := newPool(t)
 	f := newInbox(t, pool)
@@ -83,7 +91,7 @@ func TestHandlerClaimInTxCrashLeavesNothing(t *testing.T) {
 		assert.Equal(t, int64(1), got.Failures, "failures counted before the redelivery ran")
 		return nil
 	}
-	h := pgstore.Handler(f.st, fn, pgstore.HandlerOptions{})
+	h := pgstore.Handler(f.st, fn, opts)
 	// Dedup, without the Retry that would count fn's error: the consumer
 	// is dead, and nothing records its attempt.
 	ran, _ := h.(middleware.ClaimingHandler).HandleClaiming(ctx, delivery("m1"), f.st, "m1", time.Minute, time.Hour)
@@ -196,7 +204,9 @@ func TestHandlerClaimInTxHeldByAnother(t *testing.T) {
 
 // The deadline of the stack's Timeout ends the transaction claimed in it:
 // the timeout is a failed attempt, and leaves nothing.
-func TestHandlerClaimInTxTimeout(t *testing.T) {
+func TestHandlerClaimInTxTimeout(t *testing.T) { inEveryMode(t, testHandlerClaimInTxTimeout) }
+
+func testHandlerClaimInTxTimeout(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	h := middleware.Stack(f.st, middleware.StackOptions{Timeout: 200 * time.Millisecond})(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
@@ -205,7 +215,7 @@ func TestHandlerClaimInTxTimeout(t *testing.T) {
 		}
 		_, err := tx.Exec(ctx, `SELECT pg_sleep(10)`)
 		return err
-	}, pgstore.HandlerOptions{}))
+	}, opts))
 	err := h.Handle(ctx, delivery("m1"))
 	require.ErrorIs(t, err, middleware.ErrTimeout)
 	assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
@@ -218,14 +228,16 @@ func TestHandlerClaimInTxTimeout(t *testing.T) {
 
 // Claims made in the transaction count towards Options.PruneEvery, as the
 // store's do: forgotten rows are deleted.
-func TestHandlerClaimInTxPrunes(t *testing.T) {
+func TestHandlerClaimInTxPrunes(t *testing.T) { inEveryMode(t, testHandlerClaimInTxPrunes) }
+
+func testHandlerClaimInTxPrunes(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	pool := newPool(t)
 	table := uniqueTable(t, pool)
 	st := newStore(t, pool, pgstore.Options{Table: table, PruneEvery: 2})
 	_, err := pool.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ('old', NULL, '-infinity', '-infinity')`)
 	require.NoError(t, err)
-	h := middleware.Stack(st, middleware.StackOptions{})(pgstore.Handler(st, func(context.Context, pgx.Tx, *amqp.Delivery) error { return nil }, pgstore.HandlerOptions{}))
+	h := middleware.Stack(st, middleware.StackOptions{})(pgstore.Handler(st, func(context.Context, pgx.Tx, *amqp.Delivery) error { return nil }, opts))
 	for i := range 2 {
 		require.NoError(t, h.Handle(ctx, delivery(fmt.Sprint("m", i))))
 	}
@@ -241,6 +253,10 @@ func TestHandlerClaimInTxPrunes(t *testing.T) {
 // another consumer can take the message. The next delivery is claimed by
 // Dedup, whose lease is renewed while the function waits.
 func TestHandlerClaimInTxEndsWithTheLease(t *testing.T) {
+	inEveryMode(t, testHandlerClaimInTxEndsWithTheLease)
+}
+
+func testHandlerClaimInTxEndsWithTheLease(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	const lease, wait = 300 * time.Millisecond, time.Second
@@ -254,7 +270,7 @@ func TestHandlerClaimInTxEndsWithTheLease(t *testing.T) {
 		underClaim = append(underClaim, ok)
 		time.Sleep(wait) // idle in the transaction, ignoring ctx
 		return f.insert(context.WithoutCancel(ctx), tx, d)
-	}, pgstore.HandlerOptions{}))
+	}, opts))
 	err := h.Handle(ctx, delivery("m1"))
 	require.ErrorIs(t, err, middleware.ErrLeaseLost, "the first delivery")
 	assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
@@ -270,6 +286,10 @@ func TestHandlerClaimInTxEndsWithTheLease(t *testing.T) {
 // long the function ran: a copy that arrives within the retention after
 // the commit is a duplicate, not run again.
 func TestHandlerClaimInTxRetentionFromSuccess(t *testing.T) {
+	inEveryMode(t, testHandlerClaimInTxRetentionFromSuccess)
+}
+
+func testHandlerClaimInTxRetentionFromSuccess(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	const retention = time.Second
@@ -284,7 +304,7 @@ func TestHandlerClaimInTxRetentionFromSuccess(t *testing.T) {
 				// not idle.
 				_, err := tx.Exec(ctx, `SELECT pg_sleep(1.3)`)
 				return err
-			}, pgstore.HandlerOptions{}), middleware.DedupOptions{Retention: retention})
+			}, opts), middleware.DedupOptions{Retention: retention})
 			require.NoError(t, h.Handle(ctx, delivery(id)), "first delivery")
 			start := time.Now()
 			err := h.Handle(ctx, delivery(id))

@@ -91,6 +91,67 @@
 // for code written against *sql.Tx (sqlc, sqlx, GORM), always under
 // Dedup's claim.
 //
+// # Group commit
+//
+// With [HandlerOptions].GroupCommit, deliveries claimed in the
+// transaction share transactions: a group is one transaction, on one
+// connection of the pool, whose members run one after the other, each
+// in its own goroutine (the one that called the handler), and one
+// commit. Up to an eighth of the pool's connections (one at least) serve
+// groups at once, side by side: few groups, so that they fill. A
+// delivery opens a group of its own if fewer are open; else it joins the
+// open group with the fewest members, unless each holds GroupCommit
+// members already or is committing, and then waits for a group to end,
+// or for its context. A group commits as soon as none of its members
+// runs or waits to, so a consumer with nothing else to do commits each
+// delivery at once, alone: groups form when deliveries outnumber the
+// groups.
+//
+// Each member keeps its guarantee. It begins with a savepoint, sent with
+// its claim, and its function runs within it: a failure or a panic of the
+// function rolls the transaction back to it, and the member fails alone,
+// with the result it would have had alone; so does a function that
+// drops a failed statement's error, or commits or rolls back tx (tx's
+// Commit and Rollback send nothing: the member is rolled back and fails
+// with [ErrTxSettled], nothing of it committed). A key that has a row
+// goes to Dedup's claim, and a key that another transaction holds is
+// busy, as alone. A member whose function succeeded returns once the
+// commit answered: nil if it committed; if it did not, the error of the
+// commit, which every member of the group gets (wrapping
+// middleware.ErrStoreUnavailable if its answer was lost, as for a
+// transaction of one). A member whose context ends while it waits to
+// join a group returns the context's error, having run nothing, marked
+// not counted (rabbitmw.NotCounted) and tried again after RetryDelay: the
+// wait was the consumer's congestion, not the message's failure.
+// Redelivered deliveries are not grouped.
+//
+// What it costs:
+//
+//   - latency: a member's result waits for the members of its group
+//     after it, and for the commit. A member whose function succeeded
+//     waits for the commit whatever its context, as a transaction of one
+//     does; if its context ends meanwhile, the group takes no more
+//     members;
+//   - the functions of a group run one after another, on its connection,
+//     so a slow function holds its group-mates, queued or done, for as
+//     long as its context (the stack's Timeout) or the lease (the
+//     transaction's idle timeout) lets it, and a member whose key another
+//     transaction holds, for the second its claim waits; a function
+//     whose context ends during one of its statements makes pgx close the
+//     connection, which fails the whole group (not counted: the store is
+//     unavailable), as does a stalled consumer whose transaction the
+//     server ends;
+//   - a commit that fails fails every member: all are tried again;
+//   - each member is a subtransaction (a savepoint, in the round trip of
+//     its claim; the server's cache of a transaction's subtransactions
+//     holds 64, hence at most 32 members, leaving room for a savepoint of
+//     each function); a serialisable or repeatable-read group shares one
+//     snapshot, and conflicts as one transaction.
+//
+// What it saves: the BEGIN and COMMIT of all but one member (two
+// statements, one round trip, and one durable flush each), and the
+// connections and server processes of concurrent transactions.
+//
 // # Where the guarantee ends
 //
 // Only what the function writes in tx is once. An effect outside the
@@ -100,6 +161,14 @@
 // least once, as with any store. Give such a call an idempotency key of its
 // own (the message's key is a good one), or, for a message, write it into
 // the outbox in tx (below).
+//
+// A key is the primary key of its row, and PostgreSQL indexes at most
+// about 2,700 bytes of it, after compression. A message id cannot come
+// near that (AMQP carries at most 255 bytes), but a key made by a Keying
+// of one's own may: the store refuses such a key with an error wrapping
+// store.ErrKeyRejected, and Dedup dead-letters its message with that
+// reason (error type "key_rejected") instead of retrying it; nothing is
+// written for it. Hash a long key (its SHA-256, say) in the Keying.
 //
 // # The outbox
 //

@@ -1,5 +1,7 @@
 package pgstore
 
+import "github.com/rabbitmw/rabbitmw"
+
 // ClaimSQL is the statement of s's claims, for the tests of its commit
 // mode.
 func ClaimSQL(s *Store) string { return s.claimSQL }
@@ -17,4 +19,17 @@ func InFlight(s *Store) bool {
 	s.queue.mu.Lock()
 	defer s.queue.mu.Unlock()
 	return s.queue.inFlight
+}
+
+// GroupQueued returns how many members of h's groups wait for their
+// group's connection; h is a Handler with GroupCommit.
+func GroupQueued(h rabbitmw.Handler) int {
+	gr := h.(*txHandler).groups
+	gr.mu.Lock()
+	defer gr.mu.Unlock()
+	n := 0
+	for _, g := range gr.open {
+		n += len(g.queue)
+	}
+	return n
 }

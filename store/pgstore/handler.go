@@ -57,7 +57,8 @@ type HandlerOptions struct {
 	TxOptions pgx.TxOptions
 	// RetryDelay is how long a delivery waits before it is tried again
 	// when the database could not be reached, or the claim was lost
-	// before the done mark. Default 5 seconds.
+	// before the done mark, or (with GroupCommit) its context ended while
+	// it waited for a group. Default 5 seconds.
 	RetryDelay time.Duration
 	// CommitTimeout bounds the done mark and the commit, which run even if
 	// the handler's context is cancelled once fn has returned (a consumer
@@ -66,6 +67,20 @@ type HandlerOptions struct {
 	// written the transaction holds the claim's row, no other consumer can
 	// take the message over, and committing is safe. Default 10 seconds.
 	CommitTimeout time.Duration
+	// GroupCommit lets up to GroupCommit deliveries that Handler claims in
+	// the transaction share one transaction, and one commit (see "Group
+	// commit" in the package documentation). 0 or 1 (the default): each
+	// has a transaction of its own. At most 32. SQLHandler ignores it.
+	//
+	// Each delivery keeps its guarantee: its claim and its function's
+	// effect run within a savepoint of its own, and commit together or not
+	// at all, and its handler returns nil only once the group's commit
+	// succeeded. The price: a delivery's result waits for the members of
+	// its group after it, and its commit; the members' functions run one
+	// after another, on one connection; a failed commit fails, and tries
+	// again, every member; a member that stalls holds its group-mates, as
+	// long as its context or the lease lets it.
+	GroupCommit int
 }
 
 // Handler returns the handler of a transactional inbox: it applies the
@@ -135,12 +150,19 @@ type HandlerOptions struct {
 // commit, so Dedup's lease renewals (on connections of their own, see
 // [Store]) never wait for a long-running fn, and fn never waits for a
 // renewal longer than that one statement. Handler panics if s or fn is
-// nil.
+// nil, or opts.GroupCommit is out of range.
 func Handler(s *Store, fn TxFunc, opts HandlerOptions) rabbitmw.Handler {
 	if s == nil || fn == nil {
 		panic("pgstore: Handler: nil store or function")
 	}
-	return &txHandler{in: newInbox(s, opts), fn: fn, opts: opts.TxOptions}
+	if opts.GroupCommit < 0 || opts.GroupCommit > maxGroupCommit {
+		panic(fmt.Sprintf("pgstore: Handler: GroupCommit %d out of [0, %d]", opts.GroupCommit, maxGroupCommit))
+	}
+	h := &txHandler{in: newInbox(s, opts), fn: fn, opts: opts.TxOptions}
+	if opts.GroupCommit > 1 {
+		h.groups = newGrouper(h, opts.GroupCommit)
+	}
+	return h
 }
 
 // SQLHandler is [Handler] on database/sql, for code written against

@@ -3,7 +3,9 @@ package pgstore_test
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"database/sql"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -96,6 +98,10 @@ func delivery(id string) *amqp.Delivery {
 }
 
 func TestHandlerEffectAndMarkCommitTogether(t *testing.T) {
+	inEveryMode(t, testHandlerEffectAndMarkCommitTogether)
+}
+
+func testHandlerEffectAndMarkCommitTogether(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	counting := &countingStore{Store: f.st}
@@ -103,7 +109,7 @@ func TestHandlerEffectAndMarkCommitTogether(t *testing.T) {
 		middleware.Retry(f.st, middleware.RetryOptions{}),
 		middleware.Recover(),
 		middleware.Dedup(counting, middleware.DedupOptions{}),
-	)(pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}))
+	)(pgstore.Handler(f.st, f.insert, opts))
 	require.NoError(t, h.Handle(ctx, delivery("m1")), "first delivery")
 	if n := counting.completes.Load(); n != 0 {
 		t.Errorf("Dedup called Complete %d times after the handler's commit; want 0", n)
@@ -113,7 +119,9 @@ func TestHandlerEffectAndMarkCommitTogether(t *testing.T) {
 	assert.Equal(t, store.Done, f.status(t, "m1"), "the key, claimed by a stranger afterwards")
 }
 
-func TestHandlerFailureRollsBack(t *testing.T) {
+func TestHandlerFailureRollsBack(t *testing.T) { inEveryMode(t, testHandlerFailureRollsBack) }
+
+func testHandlerFailureRollsBack(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	boom := errors.New("boom")
@@ -122,7 +130,7 @@ func TestHandlerFailureRollsBack(t *testing.T) {
 			return err
 		}
 		return boom
-	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	}, opts), middleware.DedupOptions{})
 	err := h.Handle(ctx, delivery("m1"))
 	require.ErrorIs(t, err, boom)
 	require.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
@@ -218,7 +226,9 @@ func (c commitCutter) Read(b []byte) (int, error) {
 	return n, err
 }
 
-func TestHandlerCommitAnswerLost(t *testing.T) {
+func TestHandlerCommitAnswerLost(t *testing.T) { inEveryMode(t, testHandlerCommitAnswerLost) }
+
+func testHandlerCommitAnswerLost(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	base := newPool(t)
 	cfg := base.Config()
@@ -240,7 +250,7 @@ func TestHandlerCommitAnswerLost(t *testing.T) {
 			h := p.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 				armed.Store(true)
 				return f.insert(ctx, tx, d)
-			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			}, opts), middleware.DedupOptions{})
 			id := "m-" + p.name
 			err = h.Handle(ctx, delivery(id))
 			require.ErrorIs(t, err, middleware.ErrStoreUnavailable)
@@ -277,6 +287,10 @@ func (c commitSwallower) Write(b []byte) (int, error) {
 // answer never comes does not hold the delivery, its worker and its row
 // lock forever; its outcome is unknown, so the store is unavailable.
 func TestHandlerCommitTimeoutBoundsTheCommit(t *testing.T) {
+	inEveryMode(t, testHandlerCommitTimeoutBoundsTheCommit)
+}
+
+func testHandlerCommitTimeoutBoundsTheCommit(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	base := newPool(t)
 	cfg := base.Config()
@@ -307,7 +321,7 @@ func TestHandlerCommitTimeoutBoundsTheCommit(t *testing.T) {
 			c.Close()
 		}
 	})
-	opts := pgstore.HandlerOptions{CommitTimeout: 200 * time.Millisecond}
+	opts.CommitTimeout = 200 * time.Millisecond
 	for _, tt := range []struct {
 		name string
 		h    rabbitmw.Handler
@@ -340,7 +354,9 @@ func TestHandlerCommitTimeoutBoundsTheCommit(t *testing.T) {
 	}
 }
 
-func TestHandlerPanic(t *testing.T) {
+func TestHandlerPanic(t *testing.T) { inEveryMode(t, testHandlerPanic) }
+
+func testHandlerPanic(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
@@ -348,7 +364,7 @@ func TestHandlerPanic(t *testing.T) {
 			return err
 		}
 		panic("oops")
-	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	}, opts), middleware.DedupOptions{})
 	err := h.Handle(ctx, delivery("m1"))
 	var pe *rabbitmw.PanicError
 	if !errors.As(err, &pe) || rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
@@ -362,7 +378,9 @@ func TestHandlerPanic(t *testing.T) {
 	}
 }
 
-func TestHandlerSelfSettledTx(t *testing.T) {
+func TestHandlerSelfSettledTx(t *testing.T) { inEveryMode(t, testHandlerSelfSettledTx) }
+
+func testHandlerSelfSettledTx(t *testing.T, opts pgstore.HandlerOptions) {
 	for _, tc := range []struct{ how, path string }{
 		{"commit", "claim of Dedup"}, {"rollback", "claim of Dedup"},
 		{"commit", "claim in the transaction"}, {"rollback", "claim in the transaction"},
@@ -383,12 +401,14 @@ func TestHandlerSelfSettledTx(t *testing.T) {
 					return tx.Commit(ctx)
 				}
 				return tx.Rollback(ctx)
-			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			}, opts), middleware.DedupOptions{})
 			err := h.Handle(ctx, delivery("m1"))
 			require.ErrorIs(t, err, pgstore.ErrTxSettled)
 			require.Equal(t, rabbitmw.DeadLetter, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
-			if how == "commit" && tc.path == "claim in the transaction" {
-				// The claim committed with the effect.
+			if how == "commit" && tc.path == "claim in the transaction" && opts.GroupCommit < 2 {
+				// The claim committed with the effect. (A member of a
+				// group commits nothing itself: it is rolled back to its
+				// savepoint.)
 				assert.Equal(t, store.Done, f.status(t, "m1"), "key")
 				return
 			}
@@ -398,12 +418,16 @@ func TestHandlerSelfSettledTx(t *testing.T) {
 }
 
 func TestHandlerSerializationFailureIsOrdinary(t *testing.T) {
+	inEveryMode(t, testHandlerSerializationFailureIsOrdinary)
+}
+
+func testHandlerSerializationFailureIsOrdinary(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	for _, code := range []string{"40001", "40P01"} {
 		h := f.stack(pgstore.Handler(f.st, func(context.Context, pgx.Tx, *amqp.Delivery) error {
 			return &pgconn.PgError{Code: code, Message: "could not serialize access"}
-		}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+		}, opts), middleware.DedupOptions{})
 		err := h.Handle(ctx, delivery("m-"+code))
 		if rabbitmw.Decide(err).Outcome != rabbitmw.Delay {
 			t.Errorf("SQLSTATE %s: Handle = %v (%v); want tried again after a backoff", code, err, rabbitmw.Decide(err).Outcome)
@@ -503,7 +527,9 @@ func TestSQLHandler(t *testing.T) {
 // The recommended stack, with the transactional handler, over many
 // concurrent deliveries with duplicates and first attempts that fail:
 // every effect once.
-func TestStackConcurrentDuplicates(t *testing.T) {
+func TestStackConcurrentDuplicates(t *testing.T) { inEveryMode(t, testStackConcurrentDuplicates) }
+
+func testStackConcurrentDuplicates(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	var attempts sync.Map
@@ -522,7 +548,7 @@ func TestStackConcurrentDuplicates(t *testing.T) {
 			return errors.New("first attempt fails")
 		}
 		return nil
-	}, pgstore.HandlerOptions{}))
+	}, opts))
 	const n = 200
 	var ids []string
 	for i := range n {
@@ -629,7 +655,9 @@ func TestStackAbandonedAttempt(t *testing.T) {
 // each time (a pool behind a pooler in transaction mode sends no named
 // statements): in every mode the effect and the mark commit together, and
 // a mark that finds the claim lost commits nothing.
-func TestHandlerInEveryExecMode(t *testing.T) {
+func TestHandlerInEveryExecMode(t *testing.T) { inEveryMode(t, testHandlerInEveryExecMode) }
+
+func testHandlerInEveryExecMode(t *testing.T, opts pgstore.HandlerOptions) {
 	for _, mode := range execModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			ctx := context.Background()
@@ -644,8 +672,8 @@ func TestHandlerInEveryExecMode(t *testing.T) {
 				}
 				return f.insert(ctx, tx, d)
 			}
-			inTx := f.stack(pgstore.Handler(f.st, fn, pgstore.HandlerOptions{}), middleware.DedupOptions{})
-			h := f.stackUnderClaim(pgstore.Handler(f.st, fn, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			inTx := f.stack(pgstore.Handler(f.st, fn, opts), middleware.DedupOptions{})
+			h := f.stackUnderClaim(pgstore.Handler(f.st, fn, opts), middleware.DedupOptions{})
 			// A connection's first claim or mark prepares it; the next ones
 			// do not.
 			for i := range 6 {
@@ -687,7 +715,9 @@ func (c tripwire) Write(b []byte) (int, error) {
 // A consumer that stops cancels its handlers' context at its shutdown
 // deadline, possibly just as fn returns: the done mark and the commit are
 // still written, and fn does not run again.
-func TestHandlerCancelledAsFnReturns(t *testing.T) {
+func TestHandlerCancelledAsFnReturns(t *testing.T) { inEveryMode(t, testHandlerCancelledAsFnReturns) }
+
+func testHandlerCancelledAsFnReturns(t *testing.T, opts pgstore.HandlerOptions) {
 	for _, tc := range []struct {
 		name string
 		cut  func(cancel func(), armed *atomic.Pointer[func()])
@@ -722,7 +752,7 @@ func TestHandlerCancelledAsFnReturns(t *testing.T) {
 					tc.cut(cancel, armed)
 				}
 				return nil
-			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			}, opts), middleware.DedupOptions{})
 			for i := range 3 {
 				var ctx context.Context
 				ctx, cancel = context.WithCancel(context.Background())
@@ -743,11 +773,13 @@ func TestHandlerCancelledAsFnReturns(t *testing.T) {
 // The done mark that Handler commits lasts for Dedup's Retention, and not
 // for as long as the claim's row is remembered (its lease and
 // AbandonedRetention): once the retention ends, the key is absent.
-func TestHandlerMarkRetention(t *testing.T) {
+func TestHandlerMarkRetention(t *testing.T) { inEveryMode(t, testHandlerMarkRetention) }
+
+func testHandlerMarkRetention(t *testing.T, opts pgstore.HandlerOptions) {
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	const retention = 200 * time.Millisecond
-	h := f.stack(pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}), middleware.DedupOptions{Retention: retention})
+	h := f.stack(pgstore.Handler(f.st, f.insert, opts), middleware.DedupOptions{Retention: retention})
 	require.NoError(t, h.Handle(ctx, delivery("m1")))
 	got, err := f.st.Inspect(ctx, "m1")
 	require.NoError(t, err)
@@ -758,4 +790,60 @@ func TestHandlerMarkRetention(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, store.KeyState{}.Status, got.Status, "Inspect after the retention: want absent")
 	assert.Equal(t, store.Claimed, f.status(t, "m1"), "a claim after the retention")
+}
+
+// handlerModes are the ways Handler may commit: each delivery in a
+// transaction of its own, or in groups.
+var handlerModes = []struct {
+	name string
+	opts pgstore.HandlerOptions
+}{
+	{"own transaction", pgstore.HandlerOptions{}},
+	{"group commit", pgstore.HandlerOptions{GroupCommit: 8}},
+}
+
+// inEveryMode runs test in each of handlerModes.
+func inEveryMode(t *testing.T, test func(*testing.T, pgstore.HandlerOptions)) {
+	for _, m := range handlerModes {
+		t.Run(m.name, func(t *testing.T) { test(t, m.opts) })
+	}
+}
+
+// A key too long for the claims table's index (made by a Keying that
+// names messages by something long) is the message's fault, not the
+// database's: the message is dead-lettered with that reason, on either
+// path, rather than retried as "store unavailable" forever. Nothing is
+// written for it, and the handler does not run.
+func TestStackKeyTooLongForTheIndex(t *testing.T) { inEveryMode(t, testStackKeyTooLongForTheIndex) }
+
+func testStackKeyTooLongForTheIndex(t *testing.T, opts pgstore.HandlerOptions) {
+	f := newInbox(t, newPool(t))
+	// Random bytes, in hex: the server cannot compress them to fit.
+	raw := make([]byte, 1500)
+	_, err := rand.Read(raw)
+	require.NoError(t, err)
+	long := hex.EncodeToString(raw)
+	keying := middleware.Keying{Key: func(d *amqp.Delivery) (string, error) { return long + d.MessageId, nil }}
+	for _, redelivered := range []bool{false, true} {
+		t.Run(fmt.Sprintf("redelivered=%v", redelivered), func(t *testing.T) {
+			var ran atomic.Int32
+			h := middleware.Stack(f.st, middleware.StackOptions{Keying: keying})(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				ran.Add(1)
+				return f.insert(ctx, tx, d)
+			}, opts))
+			d := delivery(fmt.Sprint("long-", redelivered))
+			d.Redelivered = redelivered
+			err := h.Handle(context.Background(), d)
+			require.Error(t, err)
+			dec := rabbitmw.Decide(err)
+			assert.Equal(t, rabbitmw.DeadLetter, dec.Outcome, "settlement of %v", err)
+			assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
+			assert.ErrorIs(t, err, store.ErrKeyRejected)
+			assert.Equal(t, "key_rejected", rabbitmw.ErrorType(err))
+			assert.Contains(t, err.Error(), fmt.Sprintf("(%d bytes)", len(long+d.MessageId)))
+			assert.Less(t, len(err.Error()), 600, "the reason quotes the key, not all of it: %v", err)
+			assert.Zero(t, ran.Load(), "the handler ran")
+			assert.Zero(t, f.count(t, d.MessageId))
+		})
+	}
 }

@@ -24,6 +24,10 @@ import (
 // whichever way fn sends it: every way runs inside the transaction, so an
 // effect commits with the done mark, and rolls back with fn's error.
 func TestHandlerTxEveryWayRunsInTheTransaction(t *testing.T) {
+	inEveryMode(t, testHandlerTxEveryWayRunsInTheTransaction)
+}
+
+func testHandlerTxEveryWayRunsInTheTransaction(t *testing.T, opts pgstore.HandlerOptions) {
 	ways := []struct {
 		name   string
 		effect func(ctx context.Context, tx pgx.Tx, insert, id string) error
@@ -113,7 +117,7 @@ func TestHandlerTxEveryWayRunsInTheTransaction(t *testing.T) {
 						return boom
 					}
 					return nil
-				}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+				}, opts), middleware.DedupOptions{})
 				id := "m-" + w.name + "-" + p.name
 				require.ErrorIs(t, h.Handle(ctx, delivery(id)), boom)
 				assert.Equal(t, 0, f.count(t, id), "effects after fn failed: the statement ran outside the transaction")

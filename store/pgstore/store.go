@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/rabbitmw/rabbitmw/internal/text"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -433,7 +434,18 @@ func (s *Store) unreachable(op string, err error) error {
 }
 
 func (s *Store) fail(op, key string, err error) error {
-	return fmt.Errorf("pgstore: %s %q: %w", op, key, err)
+	if tooLong(err) {
+		return fmt.Errorf("pgstore: %s %s: %w: %w", op, text.QuoteKey(key), store.ErrKeyRejected, err)
+	}
+	return fmt.Errorf("pgstore: %s %s: %w", op, text.QuoteKey(key), err)
+}
+
+// tooLong reports whether err is PostgreSQL's program_limit_exceeded: in
+// the store's statements, a key too long for the index of its table's
+// primary key, after compression (about 2,700 bytes at most).
+func tooLong(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "54000"
 }
 
 // Claim implements [store.Store]. Claims that arrive while another is in
@@ -443,11 +455,17 @@ func (s *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 	if err != nil {
 		return 0, err
 	}
+	s.counted(ctx)
+	return st, nil
+}
+
+// counted counts a claim, of Claim or of [Handler] in its transaction:
+// every PruneEvery-th runs Prune. Its errors are dropped: the next prune
+// tries again.
+func (s *Store) counted(ctx context.Context) {
 	if s.pruneEvery > 0 && s.claims.Add(1)%uint64(s.pruneEvery) == 0 {
-		// Errors are dropped: the next prune tries again.
 		s.Prune(ctx, 2*s.pruneEvery)
 	}
-	return st, nil
 }
 
 // claimOne claims key alone.

@@ -68,6 +68,7 @@ var cases = []struct {
 	{"ConcurrentFailures", testConcurrentFailures},
 	{"FailureExpiry", testFailureExpiry},
 	{"OddKeys", testOddKeys},
+	{"HugeKey", testHugeKey},
 	{"DoneContext", testDoneContext},
 }
 
@@ -388,6 +389,32 @@ func testOddKeys(t *testing.T, f *fixture) {
 		f.claim(t, k, "other", longTTL, store.Done)
 		fail(t, f, k, longTTL, 1)
 	}
+}
+
+// testHugeKey: a key of 64 KB of random bytes, which no compression
+// shortens, is either held like any other or refused, by Claim and Fail
+// alike, with an error wrapping store.ErrKeyRejected, having changed
+// nothing.
+func testHugeKey(t *testing.T, f *fixture) {
+	k := f.key(randomHex(32 << 10))
+	st, err := f.s.Claim(bg, k, "t1", longTTL)
+	if err != nil {
+		if !errors.Is(err, store.ErrKeyRejected) {
+			t.Fatalf("Claim of a 64 KB key: %.200v; want Claimed, or an error wrapping store.ErrKeyRejected", err)
+		}
+		if _, err := f.s.Fail(bg, k, longTTL); !errors.Is(err, store.ErrKeyRejected) {
+			t.Fatalf("Fail of a 64 KB key that Claim refused: %.200v; want an error wrapping store.ErrKeyRejected", err)
+		}
+		f.claim(t, f.key("after"), "t1", longTTL, store.Claimed)
+		return
+	}
+	if st != store.Claimed {
+		t.Fatalf("Claim of a 64 KB key = %v; want Claimed", st)
+	}
+	f.claim(t, k, "other", longTTL, store.Processing)
+	expect(t, "Complete of a 64 KB key", f.s.Complete(bg, k, "t1", longTTL), true)
+	f.claim(t, k, "other", longTTL, store.Done)
+	fail(t, f, k, longTTL, 1)
 }
 
 func testDoneContext(t *testing.T, f *fixture) {

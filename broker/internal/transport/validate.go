@@ -5,9 +5,10 @@ import (
 	"math"
 	"strconv"
 	"time"
-	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
 // What a message may carry. AMQP 0-9-1 writes names, the short-string
@@ -109,7 +110,7 @@ func (e *fieldError) under(seg string) *fieldError {
 }
 
 // quoteName quotes a table key for an error, cut short if it is long.
-func quoteName(k string) string { return strconv.Quote(Truncate(k, 40)) }
+func quoteName(k string) string { return strconv.Quote(text.Truncate(k, 40)) }
 
 // tableSize returns the size of t as amqp091 writes it in a field table,
 // its length included, or why it cannot be sent. depth is t's nesting: 0
@@ -184,18 +185,4 @@ func fieldSize(v any, depth int) (int, *fieldError) {
 		return 0, &fieldError{why: fmt.Sprintf("a %T cannot be sent in an AMQP table; use an amqp.Table", v)}
 	}
 	return 0, &fieldError{why: fmt.Sprintf("a %T cannot be sent in an AMQP table (amqp091 sends bool, int8, uint8, int16, uint16, int32, uint32, int64, an int within 32 bits, float32, float64, amqp.Decimal, string, []byte, time.Time, amqp.Table, []any and nil)", v)}
-}
-
-// Truncate cuts s to at most n bytes, at a rune boundary, ending it with
-// an ellipsis if it was cut.
-func Truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	const mark = "…"
-	cut := n - len(mark)
-	for cut > 0 && !utf8.RuneStart(s[cut]) {
-		cut--
-	}
-	return s[:cut] + mark
 }

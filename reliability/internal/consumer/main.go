@@ -82,6 +82,7 @@ type config struct {
 	lease           time.Duration
 	busy            time.Duration
 	unavailable     time.Duration
+	groupCommit     int
 	delays          []time.Duration
 	quorum          bool
 	quorumSupport   bool
@@ -115,6 +116,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.lease, "lease", 0, "Dedup lease (0: the default, 5m)")
 	fs.DurationVar(&c.busy, "busy", 0, "Dedup busy delay (0: the default)")
 	fs.DurationVar(&c.unavailable, "unavailable", 0, "Dedup unavailable delay (0: the default)")
+	fs.IntVar(&c.groupCommit, "group-commit", 0, "PostgreSQL inbox: pgstore.HandlerOptions.GroupCommit (0: off)")
 	fs.StringVar(&delays, "delays", "", "delay tiers, comma-separated (empty: the broker's default)")
 	fs.BoolVar(&c.quorum, "quorum", false, "the work queue is a quorum queue (Topology.Quorum)")
 	fs.BoolVar(&c.quorumSupport, "quorum-support", false, "the dead-letter and delay queues are quorum queues (Topology.QuorumSupport)")
@@ -241,7 +243,7 @@ func run(ctx context.Context, cfg config) (stats.Consumer, error) {
 		}
 		biz.effectsTable = cfg.storePrefix + "_effects"
 		st = pst
-		handler = pgstore.Handler(pst, biz.inTx, pgstore.HandlerOptions{RetryDelay: cfg.unavailable})
+		handler = pgstore.Handler(pst, biz.inTx, pgstore.HandlerOptions{RetryDelay: cfg.unavailable, GroupCommit: cfg.groupCommit})
 	} else {
 		storeClient := redis.NewClient(&redis.Options{Addr: cfg.storeAddr, ContextTimeoutEnabled: cfg.storeCtxTimeout})
 		defer storeClient.Close()
