@@ -68,11 +68,12 @@ func newRenewer(s store.Store, lease time.Duration) *renewer {
 }
 
 // start queues the claim of key by token, taken at claimedAt, for renewal
-// every lease/3 until stop; now is the current time. The handler's context hctx is cancelled, with
-// the cause, when a renewal finds the claim lost, and when the
-// lease may end within an interval with no renewal to extend it (the last
-// failed, or has not returned): the claim is then probably lost, though the
-// store cannot say, and the handler gets the rest of the lease to stop.
+// every lease/3 until stop; now is the current time. The handler's context
+// hctx is cancelled, with the cause, when a renewal finds the claim lost,
+// and when the lease may end within an interval with no renewal to extend
+// it (the last failed, or has not returned): the claim is then probably
+// lost, though the store cannot say, and the handler gets the rest of the
+// lease to stop.
 func (r *renewer) start(ctx context.Context, key, token string, claimedAt, now time.Time, hctx *claimContext) *claimLease {
 	l := r.pool.Get().(*claimLease)
 	l.key, l.token, l.ctx, l.handler = key, token, ctx, hctx
