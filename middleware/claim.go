@@ -108,6 +108,7 @@ func ClaimFrom(ctx context.Context) (*Claim, bool) {
 // of the store call that records the attempt once the handler returned.
 type claimContext struct {
 	cancelContext
+	shared sharedWatch // the cancelContext's
 	claim  Claim
 	keyed  keyed
 	settle settlingContext
@@ -117,10 +118,13 @@ type claimContext struct {
 // with a deadline unless it is zero, which q serves if not nil, and whose
 // parent w watches if not nil.
 func newClaimContext(parent context.Context, key, token string, retention time.Duration, deadline time.Time, q *deadlineQueue, w *parentWatcher) *claimContext {
-	return &claimContext{
-		cancelContext: cancelContext{parent: parent, deadline: deadline, deadlines: q, watcher: w},
+	c := &claimContext{
+		cancelContext: cancelContext{parent: parent, deadline: deadline},
+		shared:        sharedWatch{watcher: w, deadlines: q},
 		claim:         Claim{key: key, token: token, retention: retention},
 	}
+	c.cancelContext.shared = &c.shared
+	return c
 }
 
 // Value implements context.Context: the Claim for [ClaimFrom], the

@@ -31,7 +31,10 @@ import (
 // even though that news, from a parent of the standard library, comes
 // through a goroutine; the contexts derived from it learn of that end a
 // moment later, as those derived from a context the standard library does
-// not know do.
+// not know do. Dedup watches the contexts it gives its handlers from the
+// start ([cancelContext.watch]): a handler that does I/O watches its
+// context anyway, and the time Dedup has just read then serves, where the
+// first Done would read the clock again.
 //
 // A detached context takes only the parent's values, as
 // context.WithoutCancel(parent) does: neither its cancellation nor its
@@ -41,28 +44,41 @@ import (
 // built for the ended state, so that context.Cause (which looks for the
 // context package's own value) finds its cause, and not the parent's.
 //
-// Its zero value is not usable: set parent, and deadline and detached as
-// needed, before its first use.
+// Its zero value is not usable: set parent, and deadline, detached and
+// shared as needed, before its first use.
 type cancelContext struct {
 	parent   context.Context
 	deadline time.Time // its own deadline; zero if it has none
-	detached bool      // the parent gives its values only
-	// watcher, if set, watches the parent for it, and for its siblings.
-	watcher *parentWatcher
-	// deadlines, if set, ends it at its deadline, and its siblings at
-	// theirs; else a timer of its own does.
-	deadlines *deadlineQueue
+	// shared, if set, is how it is watched along with its siblings; else
+	// it watches for itself.
+	shared *sharedWatch
 
-	mu      sync.Mutex
-	err     error // nil while live
-	cause   error // with err
-	done    chan struct{}
-	watched bool // the parent's end and the deadline are being watched
+	mu    sync.Mutex
+	err   error // nil while live
+	cause error // with err
+	done  chan struct{}
 	// What the watch holds, released at the end.
 	stopParent func() bool
 	timer      *time.Timer
 	funcs      *ctxFunc        // the callbacks of AfterFunc, a list
 	ended      context.Context // the standard library's context for the ended state, once asked for
+
+	detached bool // the parent gives its values only
+	watched  bool // the parent's end and the deadline are being watched
+}
+
+// A sharedWatch is what a cancelContext needs to be watched with its
+// siblings, by a [parentWatcher] and a [deadlineQueue] that they share.
+// Only the contexts that Dedup gives its handlers have one, in the same
+// allocation ([claimContext]); the others (a Timeout layer's own, the
+// contexts of the store calls that record an attempt) watch for
+// themselves, and are the smaller for it.
+type sharedWatch struct {
+	// watcher, if set, watches the parent for it, and for its siblings.
+	watcher *parentWatcher
+	// deadlines, if set, ends it at its deadline, and its siblings at
+	// theirs; else a timer of its own does.
+	deadlines *deadlineQueue
 
 	// Guarded by watcher.mu: c's place among the contexts it watches for.
 	watchedBy    *watchedParent
@@ -71,7 +87,24 @@ type cancelContext struct {
 	deadlineLinks timerLinks[cancelContext]
 }
 
-func (c *cancelContext) links() *timerLinks[cancelContext] { return &c.deadlineLinks }
+// links implements timerItem, for a c with a shared watch.
+func (c *cancelContext) links() *timerLinks[cancelContext] { return &c.shared.deadlineLinks }
+
+// watcher returns the parentWatcher that watches c's parent for c, or nil.
+func (c *cancelContext) watcher() *parentWatcher {
+	if c.shared == nil {
+		return nil
+	}
+	return c.shared.watcher
+}
+
+// deadlines returns the deadlineQueue that ends c at its deadline, or nil.
+func (c *cancelContext) deadlines() *deadlineQueue {
+	if c.shared == nil {
+		return nil
+	}
+	return c.shared.deadlines
+}
 
 // A ctxFunc is a callback registered by [cancelContext.AfterFunc].
 type ctxFunc struct {
@@ -108,6 +141,25 @@ func (c *cancelContext) Err() error {
 	}
 	c.finish(c.endLocked(err, cause))
 	return err
+}
+
+// causeNow returns what context.Cause(c) returns now: the cause of c's
+// end, or nil if c is live. It takes c.mu once, where context.Cause
+// reads c's Value (which asks c's parents) and then its Err.
+func (c *cancelContext) causeNow() error {
+	c.mu.Lock()
+	if c.err == nil {
+		err, cause := c.check()
+		if err == nil {
+			c.mu.Unlock()
+			return nil
+		}
+		c.finish(c.endLocked(err, cause))
+		c.mu.Lock()
+	}
+	cause := c.cause
+	c.mu.Unlock()
+	return cause
 }
 
 // check returns the error and cause with which c must end now, or nil if
@@ -148,7 +200,7 @@ func (c *cancelContext) Done() <-chan struct{} {
 		}
 	}
 	done := c.done
-	c.finishWatch()
+	c.finishWatch(time.Time{})
 	return done
 }
 
@@ -172,7 +224,7 @@ func (c *cancelContext) AfterFunc(f func()) (stop func() bool) {
 		c.funcs.prev = n
 	}
 	c.funcs = n
-	c.finishWatch()
+	c.finishWatch(time.Time{})
 	return func() bool {
 		c.mu.Lock()
 		defer c.mu.Unlock()
@@ -192,9 +244,17 @@ func (c *cancelContext) AfterFunc(f func()) (stop func() bool) {
 	}
 }
 
+// watch watches c, as its first Done would, now: the time just read by
+// time.Now, or zero to have watch read it if it needs it.
+func (c *cancelContext) watch(now time.Time) {
+	c.mu.Lock()
+	c.finishWatch(now)
+}
+
 // finishWatch watches c, if it is live and not watched yet, and unlocks
-// c.mu, which must be held.
-func (c *cancelContext) finishWatch() {
+// c.mu, which must be held. now is the time just read by time.Now, or
+// zero to have finishWatch read it if it needs it.
+func (c *cancelContext) finishWatch(now time.Time) {
 	if c.err != nil || c.watched {
 		c.mu.Unlock()
 		return
@@ -202,7 +262,10 @@ func (c *cancelContext) finishWatch() {
 	err, cause := c.parentEnded()
 	var left time.Duration // until the deadline
 	if err == nil && !c.deadline.IsZero() {
-		if left = time.Until(c.deadline); left <= 0 {
+		if now.IsZero() {
+			now = time.Now() // read once, for the deadline's timer too
+		}
+		if left = c.deadline.Sub(now); left <= 0 {
 			err, cause = context.DeadlineExceeded, context.DeadlineExceeded
 		}
 	}
@@ -211,7 +274,7 @@ func (c *cancelContext) finishWatch() {
 		return
 	}
 	c.watched = true
-	if !c.detached && c.parent.Done() != nil && !c.watcher.add(c) {
+	if !c.detached && c.parent.Done() != nil && !c.watcher().add(c) {
 		parent := c.parent
 		onEnd := func() { c.stop(parent.Err(), context.Cause(parent)) }
 		if p, ok := parent.(interface{ AfterFunc(func()) func() bool }); ok {
@@ -222,8 +285,8 @@ func (c *cancelContext) finishWatch() {
 	}
 	switch {
 	case c.deadline.IsZero():
-	case c.deadlines != nil:
-		c.deadlines.add(c)
+	case c.deadlines() != nil:
+		c.deadlines().add(c, now)
 	default:
 		c.timer = time.AfterFunc(left, c.expire)
 	}
@@ -325,7 +388,7 @@ func (c *cancelContext) endLocked(err, cause error) ending {
 	}
 	e := ending{stopParent: c.stopParent, timer: c.timer, funcs: c.funcs}
 	if c.watched {
-		e.watcher, e.deadlines = c.watcher, c.deadlines
+		e.watcher, e.deadlines = c.watcher(), c.deadlines()
 	}
 	c.stopParent, c.timer, c.funcs = nil, nil, nil
 	for n := e.funcs; n != nil; n = n.next {
@@ -395,9 +458,10 @@ func (w *parentWatcher) add(c *cancelContext) bool {
 		p.parent, p.done = c.parent, done
 		p.stop = context.AfterFunc(c.parent, func() { w.fire(p, done) })
 	}
-	c.watchedBy, c.wprev, c.wnext = p, nil, p.head
+	s := c.shared
+	s.watchedBy, s.wprev, s.wnext = p, nil, p.head
 	if p.head != nil {
-		p.head.wprev = c
+		p.head.shared.wprev = c
 	}
 	p.head = c
 	return true
@@ -439,19 +503,20 @@ func (w *parentWatcher) remove(c *cancelContext) {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	p := c.watchedBy
+	s := c.shared
+	p := s.watchedBy
 	if p == nil {
 		return
 	}
-	if c.wprev != nil {
-		c.wprev.wnext = c.wnext
+	if s.wprev != nil {
+		s.wprev.shared.wnext = s.wnext
 	} else {
-		p.head = c.wnext
+		p.head = s.wnext
 	}
-	if c.wnext != nil {
-		c.wnext.wprev = c.wprev
+	if s.wnext != nil {
+		s.wnext.shared.wprev = s.wprev
 	}
-	c.watchedBy, c.wprev, c.wnext = nil, nil, nil
+	s.watchedBy, s.wprev, s.wnext = nil, nil, nil
 }
 
 // fire ends the contexts watched for under p, whose parent (with Done
@@ -465,8 +530,9 @@ func (w *parentWatcher) fire(p *watchedParent, done <-chan struct{}) {
 	parent := p.parent
 	var ended []*cancelContext
 	for c := p.head; c != nil; {
-		next := c.wnext
-		c.watchedBy, c.wprev, c.wnext = nil, nil, nil
+		s := c.shared
+		next := s.wnext
+		s.watchedBy, s.wprev, s.wnext = nil, nil, nil
 		ended = append(ended, c)
 		c = next
 	}
@@ -494,10 +560,10 @@ func newDeadlineQueue() *deadlineQueue {
 	return q
 }
 
-// add queues c, watched, until its deadline.
-func (q *deadlineQueue) add(c *cancelContext) {
+// add queues c, watched, until its deadline; now is the current time.
+func (q *deadlineQueue) add(c *cancelContext, now time.Time) {
 	q.mu.Lock()
-	q.list.push(c, c.deadline)
+	q.list.push(c, c.deadline, now)
 	q.mu.Unlock()
 }
 
@@ -507,7 +573,7 @@ func (q *deadlineQueue) remove(c *cancelContext) {
 		return
 	}
 	q.mu.Lock()
-	if c.deadlineLinks.queued {
+	if c.shared.deadlineLinks.queued {
 		q.list.unlink(c)
 	}
 	q.mu.Unlock()
@@ -527,7 +593,7 @@ func (q *deadlineQueue) fire() {
 		q.list.unlink(c)
 		due = append(due, c)
 	}
-	q.list.rearm()
+	q.list.rearm(now)
 	q.mu.Unlock()
 	for _, c := range due {
 		c.expire()

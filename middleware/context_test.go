@@ -23,7 +23,7 @@ var deadlineImpls = map[string]withDeadline{
 		return c, c.end
 	},
 	"own, its deadline served by a deadlineQueue": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
-		c := &cancelContext{parent: parent, deadline: d, deadlines: newDeadlineQueue()}
+		c := &cancelContext{parent: parent, deadline: d, shared: &sharedWatch{deadlines: newDeadlineQueue()}}
 		return c, c.end
 	},
 }
@@ -421,6 +421,39 @@ func TestClaimContextChildWithoutGoroutine(t *testing.T) {
 	}
 }
 
+// causeNow, which Dedup reads instead of context.Cause, answers as
+// context.Cause does, whether the context is live, cancelled with a cause,
+// ended by its parent or past its deadline unseen.
+func TestCancelContextCauseNow(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		for _, tc := range []struct {
+			name string
+			end  func(c *claimContext, pcancel context.CancelCauseFunc)
+			want error
+		}{
+			{"live", func(*claimContext, context.CancelCauseFunc) {}, nil},
+			{"cancelled", func(c *claimContext, _ context.CancelCauseFunc) { c.cancel(errOwnCause) }, errOwnCause},
+			{"the parent cancelled", func(_ *claimContext, pcancel context.CancelCauseFunc) { pcancel(errParentCause) }, errParentCause},
+			{"past its deadline", func(*claimContext, context.CancelCauseFunc) { time.Sleep(2 * time.Second) }, context.DeadlineExceeded},
+		} {
+			var got [2]error
+			for i, cause := range []func(*claimContext) error{
+				func(c *claimContext) error { return context.Cause(c) },
+				(*claimContext).causeNow,
+			} {
+				parent, pcancel := context.WithCancelCause(valued())
+				c := newClaimContext(parent, "k", "t", time.Hour, time.Now().Add(time.Second), nil, nil)
+				tc.end(c, pcancel)
+				got[i] = cause(c)
+				c.end()
+				pcancel(nil)
+			}
+			assert.Equal(t, tc.want, got[0], "%s: context.Cause", tc.name)
+			assert.Equal(t, got[0], got[1], "%s: causeNow", tc.name)
+		}
+	})
+}
+
 // Many goroutines asking for Done while the context is cancelled get one
 // channel, closed with the cause (run with -race).
 func TestClaimContextConcurrentCancel(t *testing.T) {
@@ -497,14 +530,14 @@ func TestParentWatcher(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var w parentWatcher
 		mk := func(parent context.Context) *cancelContext {
-			c := &cancelContext{parent: parent, watcher: &w}
+			c := &cancelContext{parent: parent, shared: &sharedWatch{watcher: &w}}
 			_ = c.Done()
 			return c
 		}
 		watched := func(c *cancelContext) *watchedParent {
 			w.mu.Lock()
 			defer w.mu.Unlock()
-			return c.watchedBy
+			return c.shared.watchedBy
 		}
 		p1, cancel1 := context.WithCancelCause(valued())
 		a, b := mk(p1), mk(context.WithValue(p1, ctxKey{}, "same Done"))
@@ -589,9 +622,9 @@ func TestCancelContextConcurrentEnds(t *testing.T) {
 		for i := range ctxs {
 			// Deadlines from 15 ms to 960 ms; the parent ends at 500 ms.
 			// Half of them are served by one deadlineQueue.
-			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), watcher: &w}
+			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), shared: &sharedWatch{watcher: &w}}
 			if i%4 < 2 {
-				c.deadlines = q
+				c.shared.deadlines = q
 			}
 			ctxs[i] = c
 			wg.Go(func() { <-c.Done() })
@@ -674,7 +707,7 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 			if i%5 == 0 {
 				parent = live(context.Background())
 			}
-			cs[i] = &cancelContext{parent: parent, deadline: time.Now().Add(time.Hour), deadlines: q, watcher: &w}
+			cs[i] = &cancelContext{parent: parent, deadline: time.Now().Add(time.Hour), shared: &sharedWatch{watcher: &w, deadlines: q}}
 			_ = cs[i].Done()
 			if i%7 == 0 {
 				time.Sleep(time.Millisecond) // deadlines apart, in order
@@ -702,7 +735,7 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 		w.mu.Unlock()
 		for _, c := range cs {
 			assert.ErrorIs(t, c.Err(), context.Canceled)
-			assert.False(t, c.deadlineLinks.queued || c.watchedBy != nil, "a context still queued or listed")
+			assert.False(t, c.shared.deadlineLinks.queued || c.shared.watchedBy != nil, "a context still queued or listed")
 		}
 	})
 }

@@ -301,12 +301,14 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 // the delivery's result: the handler ran, or its context ended while it
 // waited to claim.
 func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, down keyed) (done bool, err error) {
-	var deadline time.Time
+	var now, deadline time.Time
 	if h.timed != nil {
-		deadline = time.Now().Add(h.timed.d)
+		now = time.Now()
+		deadline = now.Add(h.timed.d)
 	}
 	cc := newClaimContext(ctx, key, "", h.retention, deadline, h.deadlines, h.parents)
 	cc.keyed = down
+	cc.watch(now)
 	defer cc.end()
 	ran, err := h.claiming.HandleClaiming(cc, d, h.store, key, h.lease, h.retention)
 	switch {
@@ -345,14 +347,16 @@ type attempt struct {
 // (see [keying.resolve]). If the handler panics, run releases the claim
 // and lets the panic go on.
 func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, start time.Time, down keyed) attempt {
+	now := time.Now() // the claim is won: the handler starts
 	var deadline time.Time
 	if h.timed != nil {
-		deadline = time.Now().Add(h.timed.d)
+		deadline = now.Add(h.timed.d)
 	}
 	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.deadlines, h.parents)
 	cc.keyed = down
+	cc.watch(now)
 	defer cc.end()
-	l := h.renewer.start(ctx, key, token, start, cc)
+	l := h.renewer.start(ctx, key, token, start, now, cc)
 
 	finished := false
 	defer func() {
@@ -372,7 +376,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	finished = true
 	// Why the handler's context ended, if it did, before anything later
 	// can cancel it.
-	a.cause = context.Cause(cc)
+	a.cause = cc.causeNow()
 	a.lost, a.validUntil = h.renewer.stop(l)
 	a.marked = cc.claim.marked.Load()
 	return a

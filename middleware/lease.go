@@ -68,18 +68,19 @@ func newRenewer(s store.Store, lease time.Duration) *renewer {
 }
 
 // start queues the claim of key by token, taken at claimedAt, for renewal
-// every lease/3 until stop. The handler's context hctx is cancelled, with
-// the cause, when a renewal finds the claim lost, and when the
-// lease may end within an interval with no renewal to extend it (the last
-// failed, or has not returned): the claim is then probably lost, though the
-// store cannot say, and the handler gets the rest of the lease to stop.
-func (r *renewer) start(ctx context.Context, key, token string, claimedAt time.Time, hctx *claimContext) *claimLease {
+// every lease/3 until stop; now is the current time. The handler's context
+// hctx is cancelled, with the cause, when a renewal finds the claim lost,
+// and when the lease may end within an interval with no renewal to extend
+// it (the last failed, or has not returned): the claim is then probably
+// lost, though the store cannot say, and the handler gets the rest of the
+// lease to stop.
+func (r *renewer) start(ctx context.Context, key, token string, claimedAt, now time.Time, hctx *claimContext) *claimLease {
 	l := r.pool.Get().(*claimLease)
 	l.key, l.token, l.ctx, l.handler = key, token, ctx, hctx
 	r.mu.Lock()
 	l.stopped, l.renewing, l.lost = false, false, nil
 	l.validUntil = claimedAt.Add(r.lease)
-	r.claims.push(l, claimedAt.Add(r.every))
+	r.claims.push(l, claimedAt.Add(r.every), now)
 	r.mu.Unlock()
 	return l
 }
@@ -131,16 +132,16 @@ func (r *renewer) fire() {
 		case !l.renewing:
 			l.renewing = true
 			go r.renew(l)
-			r.claims.push(l, now.Add(r.every))
+			r.claims.push(l, now.Add(r.every), now)
 		case r.mayEnd(l, now):
 			// The renewal started an interval ago has not returned, and
 			// may not before the lease ends. l is not queued again.
 			expired = append(expired, expiry{l.key, l.handler})
 		default:
-			r.claims.push(l, now.Add(r.every))
+			r.claims.push(l, now.Add(r.every), now)
 		}
 	}
-	r.claims.rearm()
+	r.claims.rearm(now)
 	r.mu.Unlock()
 	for _, e := range expired {
 		e.handler.cancel(fmt.Errorf("%w: the lease on %s could not be renewed before it ends: the store has not answered for %v", ErrStoreUnavailable, text.QuoteKey(e.key), r.every))
@@ -177,7 +178,8 @@ func (r *renewer) renew(l *claimLease) {
 			// fire gave up on this renewal and cancelled the handler; the
 			// renewal came back after all. Go on renewing: a handler that
 			// is slow to stop keeps its claim for as long as it runs.
-			r.claims.push(l, time.Now().Add(r.every))
+			now := time.Now()
+			r.claims.push(l, now.Add(r.every), now)
 		}
 	case errors.Is(err, store.ErrLostClaim):
 		l.lost = fmt.Errorf("%w: %s was taken over or deleted while the handler ran: %w", ErrLeaseLost, text.QuoteKey(l.key), err)

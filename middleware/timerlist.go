@@ -40,8 +40,10 @@ type timerItem[T any] interface {
 }
 
 // push queues x, due at the given time, and arms the timer if x becomes
-// the head.
-func (q *timerList[T, P]) push(x *T, due time.Time) {
+// the head. now is the current time, as the caller has just read it with
+// time.Now (a caller that needs the time anyway saves the list a read of
+// the clock, which is not cheap on every machine).
+func (q *timerList[T, P]) push(x *T, due, now time.Time) {
 	l := P(x).links()
 	l.due, l.queued = due, true
 	after := q.tail
@@ -62,7 +64,7 @@ func (q *timerList[T, P]) push(x *T, due time.Time) {
 		q.tail = x
 	}
 	if q.head == x {
-		q.arm()
+		q.arm(now)
 	}
 }
 
@@ -96,10 +98,9 @@ func (q *timerList[T, P]) due(now time.Time) *T {
 // arm makes the timer fire no later than the head's due time. A timer
 // already armed for that time or earlier is left alone: when it fires,
 // its callback arms it again (rearm) for the head of the list then. The
-// list must not be empty.
-func (q *timerList[T, P]) arm() {
+// list must not be empty; now is the time just read by time.Now.
+func (q *timerList[T, P]) arm(now time.Time) {
 	due := P(q.head).links().due
-	now := time.Now()
 	if bubbled := inBubble(now); bubbled || q.bubbled {
 		// The timer armed may be another bubble's, ended, or one that
 		// this goroutine must not touch: a new one, whatever is armed.
@@ -145,9 +146,9 @@ func (q *timerList[T, P]) fired() (now time.Time, ok bool) {
 func inBubble(now time.Time) bool { return now == now.Round(0) }
 
 // rearm arms the timer for the head, if there is one: the callback calls
-// it once it has taken the items due.
-func (q *timerList[T, P]) rearm() {
+// it once it has taken the items due, with the time fired returned.
+func (q *timerList[T, P]) rearm(now time.Time) {
 	if q.head != nil {
-		q.arm()
+		q.arm(now)
 	}
 }

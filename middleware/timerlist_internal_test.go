@@ -36,21 +36,23 @@ func TestTimerListOneTimerInABubble(t *testing.T) {
 			fires++
 			for x := q.due(now); x != nil; x = q.due(now) {
 				q.unlink(x)
-				q.push(x, now.Add(every)) // renewed
+				q.push(x, now.Add(every), now) // renewed
 			}
-			q.rearm()
+			q.rearm(now)
 		}
 		for range 100 { // short deliveries: queued, then gone
 			var x testItem
 			lock()
-			q.push(&x, time.Now().Add(every))
+			now := time.Now()
+			q.push(&x, now.Add(every), now)
 			q.unlink(&x)
 			unlock()
 			time.Sleep(time.Millisecond)
 		}
 		var long testItem
 		lock()
-		q.push(&long, time.Now().Add(every))
+		now := time.Now()
+		q.push(&long, now.Add(every), now)
 		unlock()
 		time.Sleep(6*every + every/2)
 		lock()

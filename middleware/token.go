@@ -23,61 +23,13 @@ var (
 	tokenSeq atomic.Uint64
 )
 
-// Tokens are cut from blocks of tokenBlockSize tokens written one after
-// another in one string, so that a block costs one allocation rather than
-// one per delivery. The current block is shared: a token costs an atomic
-// increment, and the goroutine that finds the block used up makes the next
-// one (when several do at once, all but one block are dropped, with their
-// sequence numbers). A block stays in memory while any of its tokens does.
-const tokenBlockSize = 32
-
-type tokenBlock struct {
-	s    string                // the tokens, one after another
-	ends [tokenBlockSize]int32 // where each token ends in s
-	next atomic.Int32          // the next token to hand out
-}
-
-var tokens atomic.Pointer[tokenBlock]
-
+// newToken returns a claim token of this process: tokenPrefix, then the
+// next sequence number, in base 36.
 func newToken() string {
-	for {
-		b := tokens.Load()
-		if b != nil {
-			if i := b.next.Add(1) - 1; i < tokenBlockSize {
-				return b.token(i)
-			}
-		}
-		nb := newTokenBlock()
-		nb.next.Store(1)
-		if tokens.CompareAndSwap(b, nb) {
-			return nb.token(0)
-		}
-	}
-}
-
-func (b *tokenBlock) token(i int32) string {
-	start := int32(0)
-	if i > 0 {
-		start = b.ends[i-1]
-	}
-	return b.s[start:b.ends[i]]
-}
-
-// newTokenBlock writes a block of tokens with sequence numbers of their own.
-func newTokenBlock() *tokenBlock {
-	b := new(tokenBlock)
-	first := tokenSeq.Add(tokenBlockSize) - tokenBlockSize + 1
-	var num [16]byte
-	longest := len(tokenPrefix) + len(strconv.AppendUint(num[:0], first+tokenBlockSize-1, 36))
-	var sb strings.Builder
-	sb.Grow(tokenBlockSize * longest)
-	for i := range uint64(tokenBlockSize) {
-		sb.WriteString(tokenPrefix)
-		sb.Write(strconv.AppendUint(num[:0], first+i, 36))
-		b.ends[i] = int32(sb.Len())
-	}
-	b.s = sb.String()
-	return b
+	var buf [64]byte
+	b := append(buf[:0], tokenPrefix...)
+	b = strconv.AppendUint(b, tokenSeq.Add(1), 36)
+	return string(b)
 }
 
 // TokenOwner returns the host and the process id that a claim token of

@@ -4,5 +4,5 @@ package store
 func (m *Memory) Held() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return len(m.claims) + len(m.fails)
+	return len(m.claims) + len(m.done) + len(m.fails)
 }

@@ -22,9 +22,17 @@ type Memory struct {
 	// [DefaultAbandonedRetention]. Set it before the first call.
 	AbandonedRetention time.Duration
 
-	mu     sync.Mutex
-	base   time.Time // moment 0: the first call's time
+	mu   sync.Mutex
+	base time.Time // moment 0: the first call's time
+	// A key is in at most one of claims (processing or abandoned) and done
+	// (its done mark, until it expires), except for entries that have
+	// expired. Done marks have a map of their own, with no token: they
+	// are most of what a store holds (a day's worth of messages, where
+	// claims are the few in flight), and an entry of done takes half the
+	// memory of one of claims, which the map's growth writes and the
+	// garbage collector scans.
 	claims map[string]claim
+	done   map[string]moment // when the done mark expires
 	fails  map[string]counter
 	writes int // writes since the last sweep
 	kept   int // entries left by the last sweep
@@ -60,9 +68,9 @@ func (m *Memory) now() moment {
 }
 
 type claim struct {
-	token   string // empty when done
-	expires moment // the end of the lease, or of the done mark
-	forget  moment // when the entry is gone: expires, plus the abandoned retention of a claim
+	token   string
+	expires moment // the end of the lease
+	forget  moment // when the entry is gone: expires, plus the abandoned retention
 }
 
 type counter struct {
@@ -81,10 +89,14 @@ func (m *Memory) Claim(ctx context.Context, key, token string, lease time.Durati
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	now := m.now()
+	if end, ok := m.done[key]; ok {
+		if now < end {
+			return Done, nil
+		}
+		delete(m.done, key)
+	}
 	if c, ok := m.claims[key]; ok {
 		switch {
-		case now < c.expires && c.token == "":
-			return Done, nil
 		case now < c.expires:
 			return Processing, nil
 		case now < c.forget:
@@ -120,8 +132,11 @@ func (m *Memory) Extend(ctx context.Context, key, token string, lease time.Durat
 // Complete implements [Store].
 func (m *Memory) Complete(ctx context.Context, key, token string, retention time.Duration) error {
 	return m.owned(ctx, key, token, func(now moment) {
-		end := now.after(retention)
-		m.claims[key] = claim{expires: end, forget: end}
+		delete(m.claims, key)
+		if m.done == nil {
+			m.done = make(map[string]moment)
+		}
+		m.done[key] = now.after(retention)
 	})
 }
 
@@ -142,7 +157,7 @@ func (m *Memory) owned(ctx context.Context, key, token string, f func(now moment
 	defer m.mu.Unlock()
 	now := m.now()
 	c, ok := m.claims[key]
-	if !ok || now >= c.expires || c.token == "" || c.token != token {
+	if !ok || now >= c.expires || c.token != token {
 		return ErrLostClaim
 	}
 	f(now)
@@ -200,12 +215,17 @@ func (m *Memory) wrote(now moment) {
 			delete(m.claims, k)
 		}
 	}
+	for k, end := range m.done {
+		if now >= end {
+			delete(m.done, k)
+		}
+	}
 	for k, c := range m.fails {
 		if now >= c.expires {
 			delete(m.fails, k)
 		}
 	}
-	m.kept = len(m.claims) + len(m.fails)
+	m.kept = len(m.claims) + len(m.done) + len(m.fails)
 }
 
 // Len returns the number of keys that are claimed or done and not expired
@@ -217,6 +237,11 @@ func (m *Memory) Len() (claims, failures int) {
 	now := m.now()
 	for _, c := range m.claims {
 		if now < c.expires {
+			claims++
+		}
+	}
+	for _, end := range m.done {
+		if now < end {
 			claims++
 		}
 	}

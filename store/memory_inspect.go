@@ -14,10 +14,10 @@ func (m *Memory) Inspect(ctx context.Context, key string) (KeyState, error) {
 	defer m.mu.Unlock()
 	now := m.now()
 	var k KeyState
-	if c, ok := m.claims[key]; ok {
+	if end, ok := m.done[key]; ok && now < end {
+		k.Status, k.TTL = Done, time.Duration(end-now)
+	} else if c, ok := m.claims[key]; ok {
 		switch {
-		case now < c.expires && c.token == "":
-			k.Status, k.TTL = Done, time.Duration(c.expires-now)
 		case now < c.expires:
 			k.Status, k.Token, k.TTL = Processing, c.token, time.Duration(c.expires-now)
 		case now < c.forget:
