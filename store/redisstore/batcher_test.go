@@ -472,3 +472,68 @@ func TestBatcherSet(t *testing.T) {
 		t.Errorf("pipeline sizes = %v; want [1 3]", s)
 	}
 }
+
+// The caller woken to send the next pipeline yields first, as an idle
+// caller does, so that the callers of the pipeline just done, woken with
+// it and about to call again, share it rather than wait for the one
+// after. Here four callers' first calls are held in flight while four
+// others queue; each caller then calls once more. With one processor the
+// woken sender runs first (the runtime runs the goroutine readied last
+// before the others); without its yield it sends the four queued calls
+// and the second call of the one caller that ran before it (sizes
+// [4 5 4 3]), with it every call ready (sizes [4 8 4]). The test tries
+// three times, as TestBatcherIdleCallYieldsToReadyCallers does.
+func TestBatcherWokenSenderYieldsToReadyCallers(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	var sizes [][]int
+	for range 3 {
+		_, c := newMiniredis(t)
+		g := newGate()
+		c.AddHook(g)
+		b := redisstore.NewBatcher(c, redisstore.BatcherOptions{})
+		require.NoError(t, b.Del(context.Background(), "warm").Err()) // the connection's handshake
+		g.close()
+
+		twice := func(wg *sync.WaitGroup, start <-chan struct{}, i int, errs []error) {
+			wg.Go(func() {
+				<-start
+				for j := range 2 {
+					key := "k" + strconv.Itoa(i) + "-" + strconv.Itoa(j)
+					if err := b.SetArgs(context.Background(), key, "v", redis.SetArgs{}).Err(); err != nil {
+						errs[i] = err
+					}
+				}
+			})
+		}
+		errs := make([]error, 8)
+		var wg sync.WaitGroup
+		first, second := make(chan struct{}), make(chan struct{})
+		for i := range 4 {
+			twice(&wg, first, i, errs)
+		}
+		close(first)
+		<-g.held // the first calls of callers 0-3, in flight
+		for i := 4; i < 8; i++ {
+			twice(&wg, second, i, errs)
+		}
+		close(second)
+		waitQueued(t, b, 4)
+		go func() {
+			for range g.held {
+				g.open <- struct{}{}
+			}
+		}()
+		g.open <- struct{}{}
+		wg.Wait()
+		close(g.held)
+		for i, err := range errs {
+			require.NoError(t, err, "caller %d", i)
+		}
+		s := g.Sizes()[1:] // after the warm-up
+		if slices.Equal(s, []int{4, 8, 4}) {
+			return
+		}
+		sizes = append(sizes, s)
+	}
+	t.Errorf("pipeline sizes %v; want [4 8 4] (the first calls of four, then every call ready, then the rest)", sizes)
+}
