@@ -45,10 +45,13 @@ type PipelineClient interface {
 // one thing: the caller first yields its processor (runtime.Gosched), and
 // again while a yield brings new calls, so that the goroutines ready to
 // run join its pipeline. A call made while a pipeline is in flight waits.
-// When a pipeline's results are in, its sender wakes the oldest waiting
-// caller, which sends the next pipeline, carrying every call that queued
-// meanwhile, at most MaxBatch of them (the rest wait for the one after),
-// and does the same when its results are in. So at light load a call
+// When a pipeline's results are in, its sender wakes its other callers and
+// the oldest waiting caller, which sends the next pipeline, carrying every
+// call that queued meanwhile, at most MaxBatch of them (the rest wait for
+// the one after), and does the same when its results are in. It yields
+// first too, so that the callers just given their results, which are
+// about to call again (a claim's caller, to complete), join it rather
+// than wait for the pipeline after. So at light load a call
 // waits for nothing but its turn at the processor, and is its own round
 // trip; under load the batches grow with the concurrency (the callers of
 // a pipeline just done, woken together, share the next one rather than
@@ -251,6 +254,7 @@ func (b *Batcher) do(c *batchCall) error {
 		b.mu.Unlock()
 		return err
 	}
+	b.gather()
 	batch := b.take()
 	b.mu.Unlock()
 	ctx, cancel := batchContext(batch)
@@ -260,12 +264,15 @@ func (b *Batcher) do(c *batchCall) error {
 	return nil
 }
 
-// gather, with b.mu held by the caller that found b idle, alone in the
-// queue, yields the processor while other callers join the queue, until a
-// yield brings none or the queue holds MaxBatch calls. The callers of the
-// pipeline just done are ready to run, and about to call again: without
-// it, the first of them would send its call alone and the others would
-// wait for it, every other pipeline carrying one command.
+// gather, with b.mu held by the caller that is to send the next pipeline
+// (it found b idle, or was woken to send), yields the processor while
+// other callers join the queue, until a yield brings none or the queue
+// holds MaxBatch calls. The callers of the pipeline just done are ready to
+// run, and about to call again: without it, a caller that found b idle
+// would send its call alone and the others would wait for it, every other
+// pipeline carrying one command; and a woken sender would leave behind the
+// callers woken with it, pipelines of about half the callers each
+// (BENCHMARKS.md §6).
 func (b *Batcher) gather() {
 	for n := 0; n < len(b.queue) && len(b.queue) < b.max; {
 		n = len(b.queue)
