@@ -271,7 +271,7 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 		if idleTimedOut(err) {
 			// The server ended the session: the group's claims too.
 			g.broken = err
-			err = in.claimEnded(ctx, m.key, err)
+			err = in.claimEnded(ctx, &m.txClaim, err)
 		} else {
 			gr.undo(ctx, g, m)
 			err = in.failed(ctx, g.t, m.key, err)
@@ -361,9 +361,9 @@ func (gr *grouper) commit(ctx context.Context, g *group) {
 		m.alone = refused
 		switch {
 		case g.broken == nil:
-			m.result = in.claimResult(ctx, g.t, m.key, sent, err)
+			m.result = in.claimResult(ctx, g.t, &m.txClaim, sent, err)
 		case idleTimedOut(g.broken):
-			m.result = in.claimEnded(ctx, m.key, g.broken)
+			m.result = in.claimEnded(ctx, &m.txClaim, g.broken)
 		default:
 			// Another member's failure broke the transaction: it is
 			// not this message's.
