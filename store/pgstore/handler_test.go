@@ -417,6 +417,41 @@ func testHandlerSelfSettledTx(t *testing.T, opts pgstore.HandlerOptions) {
 	}
 }
 
+// A function that returns with the rows of a query unread and unclosed (a
+// common slip: a loop that breaks early without rows.Close) leaves the
+// connection busy, so that nothing more can be sent on it, the COMMIT
+// included. That is the function's failure, counted, with its effect
+// rolled back; not an unreachable database, whose errors are not counted
+// and tried again for ever.
+func TestHandlerRowsLeftOpen(t *testing.T) { inEveryMode(t, testHandlerRowsLeftOpen) }
+
+func testHandlerRowsLeftOpen(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	for _, p := range f.paths() {
+		t.Run(p.name, func(t *testing.T) {
+			id := strings.ReplaceAll(p.name, " ", "-")
+			h := p.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if err := f.insert(ctx, tx, d); err != nil {
+					return err
+				}
+				rows, err := tx.Query(ctx, `SELECT generate_series(1, 3)`)
+				if err != nil {
+					return err
+				}
+				rows.Next() // the first row only: rows stays open
+				return nil
+			}, opts), middleware.DedupOptions{})
+			err := h.Handle(ctx, delivery(id))
+			require.Error(t, err)
+			assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
+			assert.False(t, rabbitmw.IsNotCounted(err), "%v is not counted", err)
+			assert.Equal(t, 0, f.count(t, id), "effects")
+			assert.NotEqual(t, store.Done, f.status(t, id), "the key is done")
+		})
+	}
+}
+
 func TestHandlerSerializationFailureIsOrdinary(t *testing.T) {
 	inEveryMode(t, testHandlerSerializationFailureIsOrdinary)
 }
