@@ -200,6 +200,9 @@ func (h *inbox) finishClaimed(ctx context.Context, c *txClaim, t *pgxTxn, call f
 		// fn committed or rolled back tx itself.
 		return errTxSettled(c.key)
 	}
+	if t.conn.Conn().PgConn().IsBusy() {
+		return fmt.Errorf("pgstore: the transaction of %q: %w", c.key, errRowsOpen)
+	}
 	// As in handle, the commit runs even if ctx is cancelled from now on:
 	// the transaction has held the key's row since its first statement,
 	// so no other consumer runs the message meanwhile.

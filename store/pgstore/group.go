@@ -276,6 +276,11 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 			gr.undo(ctx, g, m)
 			err = in.failed(ctx, g.t, m.key, err)
 		}
+	case g.t.conn.Conn().PgConn().IsBusy():
+		// Nothing more can be sent on the connection: not even the
+		// rollback to m's savepoint.
+		g.broken = errRowsOpen
+		err = fmt.Errorf("pgstore: the transaction of %q: %w", m.key, errRowsOpen)
 	case tx.settled:
 		gr.undo(ctx, g, m)
 		err = errTxSettled(m.key)

@@ -39,7 +39,8 @@ var (
 // A TxFunc applies the effect of a delivery in tx: the transaction that
 // [Handler] begins, and commits with the delivery's done mark if TxFunc
 // returns nil. It must not commit or roll back tx, nor keep it after it
-// returns. Its error is returned as the handler's (wrap it in
+// returns, nor leave rows of it unclosed (the connection is then busy,
+// and the attempt fails, rolled back). Its error is returned as the handler's (wrap it in
 // rabbitmw.Permanent to dead-letter the message); a serialisation failure
 // or deadlock (SQLSTATE 40001, 40P01) is an ordinary failure, tried again.
 type TxFunc func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error
@@ -255,6 +256,12 @@ func (t *pgxTxn) renew(ctx context.Context) (*pgx.Conn, error) {
 // errNoConn: the pool gave no connection to replace the one pgx closed.
 var errNoConn = errors.New("pgstore: the transaction's connection was closed, and the pool gave no other")
 
+// errRowsOpen: the function returned while the rows of one of its
+// queries were unread and unclosed, so nothing more can be sent on the
+// connection, not even a rollback: pgx closes it, and the server rolls
+// the transaction back. The function failed, and not the database.
+var errRowsOpen = errors.New("pgstore: the function returned with the rows of a query unclosed; its transaction was rolled back")
+
 // markAndCommit sends the mark and the COMMIT together, in one round trip
 // (a pipeline of the prepared mark and COMMIT, with one Sync): the mark
 // statement of markCommitSQL fails with a division by zero when it marks
@@ -269,6 +276,9 @@ func (t *pgxTxn) markAndCommit(ctx context.Context, key, token []byte, retention
 	if t.tx.settled || t.tx.began && pc.TxStatus() == 'I' {
 		// fn committed or rolled back tx itself.
 		return 0, pgx.ErrTxClosed, nil
+	}
+	if pc.IsBusy() {
+		return 0, errRowsOpen, nil
 	}
 	args := [][]byte{key, token, binary.BigEndian.AppendUint64(nil, uint64(retention.Microseconds()))}
 	binary3 := []int16{1, 1, 1}
@@ -488,6 +498,8 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		return fmt.Errorf("pgstore: mark %q done: %w (%w)", key, err, context.Cause(ctx))
 	case settled(err):
 		return errTxSettled(key)
+	case errors.Is(err, errRowsOpen):
+		return fmt.Errorf("pgstore: mark %q done: %w", key, err)
 	case err != nil && !lost(t, err) && isPgError(err):
 		// The server refused: a serialisation failure, or a statement of
 		// fn that failed with its error dropped (the transaction is
