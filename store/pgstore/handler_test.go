@@ -470,6 +470,26 @@ func testHandlerSerializationFailureIsOrdinary(t *testing.T, opts pgstore.Handle
 	}
 }
 
+// A read-only transaction cannot hold the done mark: with
+// TxOptions.AccessMode ReadOnly, every message's function would succeed,
+// its mark fail, and the message be dead-lettered after its attempts. That
+// is a programmer's error, found at construction.
+func TestHandlerReadOnlyRefused(t *testing.T) {
+	f := newInbox(t, newPool(t))
+	db := stdlib.OpenDBFromPool(f.pool)
+	t.Cleanup(func() { db.Close() })
+	sqlFn := func(context.Context, *sql.Tx, *amqp.Delivery) error { return nil }
+	for _, m := range handlerModes {
+		opts := m.opts
+		opts.TxOptions.AccessMode = pgx.ReadOnly
+		assert.Panics(t, func() { pgstore.Handler(f.st, f.insert, opts) }, "Handler, %s", m.name)
+		assert.Panics(t, func() { pgstore.SQLHandler(f.st, db, sqlFn, opts) }, "SQLHandler, %s", m.name)
+		opts.TxOptions.AccessMode = pgx.ReadWrite
+		assert.NotPanics(t, func() { pgstore.Handler(f.st, f.insert, opts) }, "Handler, %s, read write", m.name)
+		assert.NotPanics(t, func() { pgstore.SQLHandler(f.st, db, sqlFn, opts) }, "SQLHandler, %s, read write", m.name)
+	}
+}
+
 func TestHandlerWithoutDedup(t *testing.T) {
 	f := newInbox(t, newPool(t))
 	err := pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}).Handle(context.Background(), delivery("m1"))
