@@ -53,8 +53,8 @@ type SQLTxFunc func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error
 type HandlerOptions struct {
 	// TxOptions are the options of the transaction: its isolation level
 	// (default: the database's, normally READ COMMITTED), access and
-	// deferrable modes. SQLHandler uses its isolation level and access
-	// mode.
+	// deferrable modes. SQLHandler uses its isolation level. The access
+	// mode cannot be read only: the transaction writes the done mark.
 	TxOptions pgx.TxOptions
 	// RetryDelay is how long a delivery waits before it is tried again
 	// when the database could not be reached, or the claim was lost
@@ -151,10 +151,13 @@ type HandlerOptions struct {
 // commit, so Dedup's lease renewals (on connections of their own, see
 // [Store]) never wait for a long-running fn, and fn never waits for a
 // renewal longer than that one statement. Handler panics if s or fn is
-// nil, or opts.GroupCommit is out of range.
+// nil, opts.GroupCommit is out of range, or opts.TxOptions is read only.
 func Handler(s *Store, fn TxFunc, opts HandlerOptions) rabbitmw.Handler {
 	if s == nil || fn == nil {
 		panic("pgstore: Handler: nil store or function")
+	}
+	if opts.TxOptions.AccessMode == pgx.ReadOnly {
+		panic(errReadOnly("Handler"))
 	}
 	if opts.GroupCommit < 0 || opts.GroupCommit > maxGroupCommit {
 		panic(fmt.Sprintf("pgstore: Handler: GroupCommit %d out of [0, %d]", opts.GroupCommit, maxGroupCommit))
@@ -172,13 +175,17 @@ func Handler(s *Store, fn TxFunc, opts HandlerOptions) rabbitmw.Handler {
 // stdlib.OpenDBFromPool(pool) (package github.com/jackc/pgx/v5/stdlib).
 // Everything Handler says of a delivery under Dedup's claim holds for it;
 // it claims no key in its transaction, so Dedup claims every delivery.
-// SQLHandler panics if s, db or fn is nil.
+// SQLHandler panics if s, db or fn is nil, or opts.TxOptions is read
+// only.
 func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitmw.Handler {
 	if s == nil || db == nil || fn == nil {
 		panic("pgstore: SQLHandler: nil store, database or function")
 	}
+	if opts.TxOptions.AccessMode == pgx.ReadOnly {
+		panic(errReadOnly("SQLHandler"))
+	}
 	h := newInbox(s, opts)
-	txo := &sql.TxOptions{ReadOnly: opts.TxOptions.AccessMode == pgx.ReadOnly}
+	txo := new(sql.TxOptions)
 	switch opts.TxOptions.IsoLevel {
 	case pgx.Serializable:
 		txo.Isolation = sql.LevelSerializable
@@ -206,6 +213,13 @@ func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitm
 			return fn(ctx, t.(sqlTxn).Tx, d)
 		})
 	})
+}
+
+// errReadOnly is the panic of the constructor name given read-only
+// TxOptions: every message's done mark would fail, and every message be
+// dead-lettered.
+func errReadOnly(name string) string {
+	return "pgstore: " + name + ": TxOptions.AccessMode is read only, and the transaction must write the done mark"
 }
 
 // A txn is a transaction of either driver.
