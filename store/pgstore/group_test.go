@@ -672,3 +672,42 @@ func TestGroupCommitRowsLeftOpen(t *testing.T) {
 	assert.Equal(t, 1, f.count(t, "a"), "effects of a")
 	assert.Equal(t, store.Done, f.status(t, "a"))
 }
+
+// A member whose function leaves the group's transaction idle for longer
+// than the lease, and then succeeds without another statement, lost its
+// claim with the session that the server ended: the member after it
+// finds the session ended as it sends its claim. The first gets the
+// result of a claim that ended with its lease (and its next delivery goes
+// to Dedup's claim, whose renewals let the function take its time), not
+// that of a transaction broken by another member, which would send its
+// next delivery to claim in a transaction again, to lose its lease again.
+func TestGroupCommitIdleMemberThenAnother(t *testing.T) {
+	ctx := context.Background()
+	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+	const lease, wait = 300 * time.Millisecond, time.Second
+	f.h = middleware.Dedup(f.st, middleware.DedupOptions{Lease: lease})(f.inner)
+	g := newGate()
+	var underClaim []bool
+	f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		_, ok := middleware.ClaimFrom(ctx)
+		underClaim = append(underClaim, ok)
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		if !ok {
+			if err := g.hold(ctx); err != nil {
+				return err
+			}
+			time.Sleep(wait) // idle in the transaction, ignoring ctx
+		}
+		return nil
+	})
+	errs := f.group(t, g, nil, delivery("a"), delivery("b"))
+	require.ErrorIs(t, errs[0], middleware.ErrLeaseLost, "a")
+	require.NoError(t, errs[1], "b")
+	assert.Equal(t, 0, f.count(t, "a"), "effects of a")
+	assert.Equal(t, 1, f.count(t, "b"), "effects of b")
+	require.NoError(t, f.h.Handle(ctx, delivery("a")), "a's next delivery")
+	assert.Equal(t, []bool{false, true}, underClaim, "a ran under a claim of Dedup's")
+	assert.Equal(t, 1, f.count(t, "a"), "effects of a")
+}
