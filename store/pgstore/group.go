@@ -252,6 +252,12 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 	m.savepoint = savepointName(g.claims)
 	claimed, err := g.t.claim(ctx, &m.txClaim, lease, m.savepoint)
 	if err != nil || !claimed {
+		if idleTimedOut(err) {
+			// The server ended the session, left idle for the lease
+			// before this claim: the claims of the members before it
+			// ended with it.
+			g.broken = err
+		}
 		gr.undo(ctx, g, m)
 		gr.pass(ctx, g)
 		return false, claimBusy(m.key, err)
