@@ -466,6 +466,53 @@ func TestDedupHangingRenewalCancelsHandler(t *testing.T) {
 	})
 }
 
+// failThenHangStore's first Extend fails at once (the store refuses the
+// connection); the next ones hang, as hangingStore's do (the network then
+// drops every packet).
+type failThenHangStore struct {
+	*hangingStore
+	extends atomic.Int32
+}
+
+func (s *failThenHangStore) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	if s.extends.Add(1) == 1 {
+		return errors.New("connection refused")
+	}
+	return s.hangingStore.Extend(ctx, key, token, lease)
+}
+
+// A renewal that failed leaves the lease as it was: the next one, started
+// when the lease ends within an interval, cannot be waited for. The
+// handler is cancelled then, with an interval left to stop, not when the
+// lease ends and another consumer may claim the message.
+func TestDedupFailedThenHangingRenewalCancelsHandler(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := &failThenHangStore{hangingStore: newHangingStore()}
+		defer s.unblock()
+		const lease = 300 * time.Millisecond
+		var (
+			cause     error
+			cancelled time.Duration
+		)
+		start := time.Now()
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				select {
+				case <-ctx.Done():
+					cause, cancelled = context.Cause(ctx), time.Since(start)
+					return ctx.Err()
+				case <-time.After(10 * lease):
+					return errors.New("handler was not cancelled")
+				}
+			}))
+		d, _ := deliverytest.New("m1", "")
+		err := h.Handle(context.Background(), d)
+		assert.Equal(t, 2*lease/3, cancelled, "the handler was cancelled after %v; want it cancelled when the second renewal starts, a third of the lease before it ends", cancelled)
+		assert.ErrorIs(t, cause, middleware.ErrStoreUnavailable, "the handler's context's cause")
+		assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	})
+}
+
 // A handler that finishes while a renewal hangs is marked done at once: the
 // delivery does not wait for the renewal, which could outlast the lease and
 // let another consumer apply the effect again.
