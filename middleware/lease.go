@@ -112,8 +112,8 @@ func (r *renewer) recycle(l *claimLease) {
 }
 
 // fire starts the renewals that are due, cancels the handlers whose
-// lease may end before a renewal in flight returns, and re-arms the timer
-// for the rest.
+// lease may end before the renewal in flight, or the one it starts after
+// a failed one, returns, and re-arms the timer for the rest.
 func (r *renewer) fire() {
 	r.mu.Lock()
 	now, ok := r.claims.fired()
@@ -124,19 +124,26 @@ func (r *renewer) fire() {
 	type expiry struct {
 		key     string
 		handler *claimContext
+		failed  bool // the last renewal failed; else it has not returned
 	}
 	var expired []expiry
 	for l := r.claims.due(now); l != nil; l = r.claims.due(now) {
 		r.claims.unlink(l)
 		switch {
 		case !l.renewing:
+			if r.mayEnd(l, now) {
+				// The last renewal failed, a moment too early to cancel
+				// (see renew): the lease may end before this one returns.
+				// It still may extend the claim, for a handler slow to stop.
+				expired = append(expired, expiry{l.key, l.handler, true})
+			}
 			l.renewing = true
 			go r.renew(l)
 			r.claims.push(l, now.Add(r.every), now)
 		case r.mayEnd(l, now):
 			// The renewal started an interval ago has not returned, and
 			// may not before the lease ends. l is not queued again.
-			expired = append(expired, expiry{l.key, l.handler})
+			expired = append(expired, expiry{l.key, l.handler, false})
 		default:
 			r.claims.push(l, now.Add(r.every), now)
 		}
@@ -144,7 +151,11 @@ func (r *renewer) fire() {
 	r.claims.rearm(now)
 	r.mu.Unlock()
 	for _, e := range expired {
-		e.handler.cancel(fmt.Errorf("%w: the lease on %s could not be renewed before it ends: the store has not answered for %v", ErrStoreUnavailable, text.QuoteKey(e.key), r.every))
+		why := fmt.Sprintf("the store has not answered for %v", r.every)
+		if e.failed {
+			why = "the last renewal failed"
+		}
+		e.handler.cancel(fmt.Errorf("%w: the lease on %s could not be renewed before it ends: %s", ErrStoreUnavailable, text.QuoteKey(e.key), why))
 	}
 }
 
