@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -511,6 +512,99 @@ func TestDedupFailedThenHangingRenewalCancelsHandler(t *testing.T) {
 		assert.ErrorIs(t, cause, middleware.ErrStoreUnavailable, "the handler's context's cause")
 		assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
 	})
+}
+
+// flakyRenewalStore's Extend, drawn at random: fails at once, or after a
+// while (up to two leases), or reaches the store late, or at once.
+type flakyRenewalStore struct {
+	store.Store
+	mu  sync.Mutex
+	rng *rand.Rand
+}
+
+func (s *flakyRenewalStore) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	s.mu.Lock()
+	n, wait := s.rng.IntN(10), time.Duration(s.rng.IntN(int(2*lease)))
+	s.mu.Unlock()
+	switch {
+	case n < 3:
+		return errors.New("connection refused")
+	case n < 4:
+		time.Sleep(wait)
+		return errors.New("i/o timeout")
+	case n < 7:
+		time.Sleep(wait)
+	}
+	return s.Store.Extend(ctx, key, token, lease)
+}
+
+// Whatever the renewals meet, two handlers of a message never run at once
+// when each stops within an interval (a third of the lease) of its
+// context's end, and each message's effect happens once: a handler is
+// cancelled an interval before its lease may end.
+func TestDedupLeaseKeepsHandlersApart(t *testing.T) {
+	for seed := range 50 {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				const lease = 300 * time.Millisecond
+				s := &flakyRenewalStore{Store: store.NewMemory(), rng: rand.New(rand.NewPCG(uint64(seed), 1))}
+				var (
+					mu      sync.Mutex
+					rng     = rand.New(rand.NewPCG(uint64(seed), 2))
+					running = map[string]int{}
+					effects = map[string]int{}
+				)
+				draw := func(d time.Duration) time.Duration {
+					mu.Lock()
+					defer mu.Unlock()
+					return time.Duration(rng.IntN(int(d)))
+				}
+				h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, BusyDelay: 10 * time.Millisecond, UnavailableDelay: 10 * time.Millisecond})(rabbitmw.HandlerFunc(
+					func(ctx context.Context, d *amqp.Delivery) error {
+						id := d.MessageId
+						mu.Lock()
+						if running[id]++; running[id] > 1 {
+							t.Errorf("%s: %d handlers at once at %v", id, running[id], time.Now())
+						}
+						mu.Unlock()
+						defer func() { mu.Lock(); running[id]--; mu.Unlock() }()
+						select {
+						case <-ctx.Done():
+							time.Sleep(draw(lease/3 - 1)) // slow to stop, within an interval
+							return ctx.Err()
+						case <-time.After(draw(3 * lease)):
+						}
+						mu.Lock()
+						effects[id]++
+						mu.Unlock()
+						return nil
+					}))
+				var wg sync.WaitGroup
+				for m := range 5 {
+					for range 3 { // consumers of the message
+						wg.Go(func() {
+							id := fmt.Sprint("m", m)
+							var err error
+							for range 2000 {
+								d, _ := deliverytest.New(id, "")
+								if err = h.Handle(context.Background(), d); err == nil || errors.Is(err, rabbitmw.ErrDuplicate) {
+									return
+								}
+								time.Sleep(10 * time.Millisecond)
+							}
+							t.Errorf("%s never done: %v", id, err)
+						})
+					}
+				}
+				wg.Wait()
+				for m := range 5 {
+					id := fmt.Sprint("m", m)
+					assert.Equal(t, 1, effects[id], "effects of %s", id)
+				}
+				time.Sleep(2 * lease) // the renewals still in flight return
+			})
+		})
+	}
 }
 
 // A handler that finishes while a renewal hangs is marked done at once: the
