@@ -155,3 +155,42 @@ func TestMemoryNonPositiveDurations(t *testing.T) {
 		})
 	}
 }
+
+// A key whose hash is another done mark's must behave as any other key.
+func TestMemoryHashCollision(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		m := store.NewMemory()
+		m.PlantCollision("k", "other", time.Hour)
+
+		got, err := m.Claim(ctx, "k", "t1", time.Minute)
+		require.NoError(t, err)
+		require.Equal(t, store.Claimed, got, "the other key's mark is not k's")
+		require.NoError(t, m.Complete(ctx, "k", "t1", 2*time.Hour))
+		got, err = m.Claim(ctx, "k", "t2", time.Minute)
+		require.NoError(t, err)
+		assert.Equal(t, store.Done, got)
+		ks, err := m.Inspect(ctx, "k")
+		require.NoError(t, err)
+		assert.Equal(t, store.Done, ks.Status)
+		claims, _ := m.Len()
+		assert.Equal(t, 2, claims, "both marks")
+
+		time.Sleep(90 * time.Minute) // the other mark expires, k's stays
+		got, err = m.Claim(ctx, "k", "t2", time.Minute)
+		require.NoError(t, err)
+		assert.Equal(t, store.Done, got)
+
+		time.Sleep(time.Hour) // k's expires
+		got, err = m.Claim(ctx, "k", "t3", time.Minute)
+		require.NoError(t, err)
+		require.Equal(t, store.Claimed, got)
+		require.NoError(t, m.Complete(ctx, "k", "t3", time.Hour))
+		got, err = m.Claim(ctx, "k", "t4", time.Minute)
+		require.NoError(t, err)
+		assert.Equal(t, store.Done, got)
+		claims, _ = m.Len()
+		assert.Equal(t, 1, claims)
+		assert.Equal(t, 1, m.Held(), "k's mark, in place of the other's, expired")
+	})
+}
