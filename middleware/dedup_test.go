@@ -333,7 +333,7 @@ func TestDedupRoundTrips(t *testing.T) {
 }
 
 func TestDedupTokensAreDistinct(t *testing.T) {
-	// Tokens come in blocks shared by the goroutines: claim from several.
+	// Each claim takes the next of one sequence: claim from several goroutines.
 	const goroutines, claims = 4, 100
 	s := &recordingStore{Store: store.NewMemory()}
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
