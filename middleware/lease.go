@@ -122,9 +122,9 @@ func (r *renewer) fire() {
 		return
 	}
 	type expiry struct {
-		key     string
-		handler *claimContext
-		failed  bool // the last renewal failed; else it has not returned
+		key      string
+		handler  *claimContext
+		starting bool // a renewal starts; else the last has not returned
 	}
 	var expired []expiry
 	for l := r.claims.due(now); l != nil; l = r.claims.due(now) {
@@ -133,8 +133,9 @@ func (r *renewer) fire() {
 		case !l.renewing:
 			if r.mayEnd(l, now) {
 				// The last renewal failed, a moment too early to cancel
-				// (see renew): the lease may end before this one returns.
-				// It still may extend the claim, for a handler slow to stop.
+				// (see renew), or the claim took that long: the lease may
+				// end before this one returns. It still may extend the
+				// claim, for a handler slow to stop.
 				expired = append(expired, expiry{l.key, l.handler, true})
 			}
 			l.renewing = true
@@ -151,11 +152,11 @@ func (r *renewer) fire() {
 	r.claims.rearm(now)
 	r.mu.Unlock()
 	for _, e := range expired {
-		why := fmt.Sprintf("the store has not answered for %v", r.every)
-		if e.failed {
-			why = "the last renewal failed"
+		if e.starting {
+			e.handler.cancel(fmt.Errorf("%w: the lease on %s may end before a renewal returns: it ends within %v, and no renewal extended it", ErrStoreUnavailable, text.QuoteKey(e.key), r.every))
+			continue
 		}
-		e.handler.cancel(fmt.Errorf("%w: the lease on %s could not be renewed before it ends: %s", ErrStoreUnavailable, text.QuoteKey(e.key), why))
+		e.handler.cancel(fmt.Errorf("%w: the lease on %s could not be renewed before it ends: the store has not answered for %v", ErrStoreUnavailable, text.QuoteKey(e.key), r.every))
 	}
 }
 
