@@ -548,59 +548,9 @@ func TestDedupLeaseKeepsHandlersApart(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				const lease = 300 * time.Millisecond
 				s := &flakyRenewalStore{Store: store.NewMemory(), rng: rand.New(rand.NewPCG(uint64(seed), 1))}
-				var (
-					mu      sync.Mutex
-					rng     = rand.New(rand.NewPCG(uint64(seed), 2))
-					running = map[string]int{}
-					effects = map[string]int{}
-				)
-				draw := func(d time.Duration) time.Duration {
-					mu.Lock()
-					defer mu.Unlock()
-					return time.Duration(rng.IntN(int(d)))
-				}
-				h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, BusyDelay: 10 * time.Millisecond, UnavailableDelay: 10 * time.Millisecond})(rabbitmw.HandlerFunc(
-					func(ctx context.Context, d *amqp.Delivery) error {
-						id := d.MessageId
-						mu.Lock()
-						if running[id]++; running[id] > 1 {
-							t.Errorf("%s: %d handlers at once at %v", id, running[id], time.Now())
-						}
-						mu.Unlock()
-						defer func() { mu.Lock(); running[id]--; mu.Unlock() }()
-						select {
-						case <-ctx.Done():
-							time.Sleep(draw(lease/3 - 1)) // slow to stop, within an interval
-							return ctx.Err()
-						case <-time.After(draw(3 * lease)):
-						}
-						mu.Lock()
-						effects[id]++
-						mu.Unlock()
-						return nil
-					}))
-				var wg sync.WaitGroup
-				for m := range 5 {
-					for range 3 { // consumers of the message
-						wg.Go(func() {
-							id := fmt.Sprint("m", m)
-							var err error
-							for range 2000 {
-								d, _ := deliverytest.New(id, "")
-								if err = h.Handle(context.Background(), d); err == nil || errors.Is(err, rabbitmw.ErrDuplicate) {
-									return
-								}
-								time.Sleep(10 * time.Millisecond)
-							}
-							t.Errorf("%s never done: %v", id, err)
-						})
-					}
-				}
-				wg.Wait()
-				for m := range 5 {
-					id := fmt.Sprint("m", m)
-					assert.Equal(t, 1, effects[id], "effects of %s", id)
-				}
+				x := newExclusive(t, uint64(seed), lease, 3*lease)
+				h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, BusyDelay: 10 * time.Millisecond, UnavailableDelay: 10 * time.Millisecond})(x)
+				x.deliver(h, 5, 3, false)
 				time.Sleep(2 * lease) // the renewals still in flight return
 			})
 		})
