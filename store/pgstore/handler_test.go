@@ -498,6 +498,52 @@ func TestHandlerWithoutDedup(t *testing.T) {
 	assert.Equal(t, 0, f.count(t, "m1"), "effects")
 }
 
+// Dedup with FailOpen runs the handler without a claim when the store
+// cannot be reached: with the PostgreSQL store, the database is down, and
+// the handler too reports it unreachable, to be tried again, rather than
+// dead-letter every message of the outage as a chain built wrong.
+func TestHandlerFailOpenWhileTheDatabaseIsDown(t *testing.T) {
+	ctx := context.Background()
+	cfg := newPool(t).Config()
+	var down atomic.Bool
+	dial := cfg.ConnConfig.DialFunc
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if down.Load() {
+			return nil, errors.New("the database is down")
+		}
+		return dial(ctx, network, addr)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	f := newInbox(t, pool)
+	db := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { db.Close() })
+	for _, tt := range []struct {
+		name string
+		h    rabbitmw.Handler
+	}{
+		{"Handler", pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{})},
+		{"SQLHandler", pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId)
+			return err
+		}, pgstore.HandlerOptions{})},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := f.stack(tt.h, middleware.DedupOptions{FailOpen: true})
+			id := "m-" + tt.name
+			pool.Reset()
+			down.Store(true)
+			err := h.Handle(ctx, delivery(id))
+			down.Store(false)
+			require.ErrorIs(t, err, middleware.ErrStoreUnavailable)
+			assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+			require.NoError(t, h.Handle(ctx, delivery(id)), "once the database is back")
+			assert.Equal(t, 1, f.count(t, id), "effects")
+		})
+	}
+}
+
 // countingStore counts Extend and Complete calls.
 type countingStore struct {
 	store.Store
