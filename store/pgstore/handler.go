@@ -27,7 +27,10 @@ var (
 	// over the same Store, so it has no key to mark done: no Dedup runs in
 	// front of it, or one over another store (the done mark then finds no
 	// row for the key while Dedup's claim holds). The message is
-	// dead-lettered: the chain is built wrong.
+	// dead-lettered: the chain is built wrong. (A Dedup with FailOpen
+	// runs the handler without a claim when the database cannot be
+	// reached: the handler then answers ErrStoreUnavailable, unless the
+	// database answers it.)
 	ErrNoClaim = errors.New("pgstore: the transactional handler runs without a claim: put middleware.Dedup, over the same pgstore.Store, in front of it")
 	// ErrTxSettled: the function committed or rolled back the transaction
 	// itself, so the done mark could not join it. The message is
@@ -476,11 +479,22 @@ func errTxSettled(key string) error {
 	return rabbitmw.Permanent(fmt.Errorf("%w: key %q", ErrTxSettled, key))
 }
 
+// noClaim returns the result of a delivery that runs without a claim of
+// Dedup's: ErrNoClaim, the chain is built wrong; unless the database
+// cannot be reached, which is why a Dedup with FailOpen runs its handler
+// without a claim: then the message is tried again.
+func (h *inbox) noClaim(ctx context.Context) error {
+	if err := h.s.pool.Ping(ctx); err != nil {
+		return h.unavailable(fmt.Errorf("pgstore: a delivery without a claim: %w", err))
+	}
+	return rabbitmw.Permanent(ErrNoClaim)
+}
+
 // handle runs one delivery's transaction: begin, call, mark, commit.
 func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, error), call func(context.Context, txn) error) error {
 	c, ok := middleware.ClaimFrom(ctx)
 	if !ok {
-		return rabbitmw.Permanent(ErrNoClaim)
+		return h.noClaim(ctx)
 	}
 	key := c.Key()
 	t, err := begin(ctx)
