@@ -625,6 +625,33 @@ func TestSQLHandler(t *testing.T) {
 	assert.NotEqual(t, store.Done, f.status(t, "m2"), "self-committed key is done; want not marked")
 }
 
+// SQLHandler's function that returns with a query's rows unclosed fails,
+// counted, its effect rolled back, as Handler's does (see
+// TestHandlerRowsLeftOpen).
+func TestSQLHandlerRowsLeftOpen(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	db := stdlib.OpenDBFromPool(f.pool)
+	t.Cleanup(func() { db.Close() })
+	h := f.stack(pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId); err != nil {
+			return err
+		}
+		rows, err := tx.QueryContext(ctx, `SELECT generate_series(1, 3)`)
+		if err != nil {
+			return err
+		}
+		rows.Next() // the first row only: rows stays open
+		return nil
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	err := h.Handle(ctx, delivery("m1"))
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
+	assert.False(t, rabbitmw.IsNotCounted(err), "%v is not counted", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects")
+	assert.NotEqual(t, store.Done, f.status(t, "m1"), "the key is done")
+}
+
 // The recommended stack, with the transactional handler, over many
 // concurrent deliveries with duplicates and first attempts that fail:
 // every effect once.
