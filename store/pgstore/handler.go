@@ -205,13 +205,21 @@ func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitm
 			// BeginTx ends: that would take the commit's decision away
 			// from handle, so the transaction's context ends only when
 			// sqlTxn says so. Statements still run under ctx.
+			// The transaction's connection is held apart, so that
+			// markAndCommit can ask pgx whether fn left it busy.
 			tctx, end := context.WithCancel(context.WithoutCancel(ctx))
-			tx, err := db.BeginTx(tctx, txo)
+			conn, err := db.Conn(tctx)
 			if err != nil {
 				end()
 				return nil, err
 			}
-			return sqlTxn{Tx: tx, s: s, end: end}, nil
+			tx, err := conn.BeginTx(tctx, txo)
+			if err != nil {
+				conn.Close()
+				end()
+				return nil, err
+			}
+			return sqlTxn{Tx: tx, conn: conn, s: s, end: end}, nil
 		}, func(ctx context.Context, t txn) error {
 			return fn(ctx, t.(sqlTxn).Tx, d)
 		})
@@ -379,11 +387,13 @@ func (t *pgxTxn) release() {
 // transaction began with, so ending that context (end) bounds them.
 // Commit marks the transaction done before it sends the COMMIT, so an end
 // during the COMMIT does not roll it back: it abandons the connection, and
-// the outcome is unknown.
+// the outcome is unknown. The transaction runs on conn, which goes back
+// to the pool once the transaction ends.
 type sqlTxn struct {
 	*sql.Tx
-	s   *Store
-	end context.CancelFunc
+	conn *sql.Conn
+	s    *Store
+	end  context.CancelFunc
 }
 
 func (sqlTxn) broken() bool { return false } // database/sql does not say; lost reports driver.ErrBadConn
@@ -391,15 +401,34 @@ func (sqlTxn) broken() bool { return false } // database/sql does not say; lost 
 // markAndCommit runs the mark, then, if it marked the key, the commit:
 // two round trips (database/sql has no pipeline).
 func (t sqlTxn) markAndCommit(ctx context.Context, key, token []byte, retention time.Duration) (marked int, markErr, commitErr error) {
+	if t.busy() {
+		return 0, errRowsOpen, nil
+	}
 	if markErr = t.QueryRowContext(ctx, t.s.markSQL, key, token, retention).Scan(&marked); markErr != nil || marked != 1 {
 		return marked, markErr, nil
 	}
 	return 1, nil, t.settle(ctx, t.Commit)
 }
 
-func (t sqlTxn) rollback(ctx context.Context) error { return t.settle(ctx, t.Rollback) }
+func (t sqlTxn) rollback(ctx context.Context) error {
+	defer t.conn.Close()
+	return t.settle(ctx, t.Rollback)
+}
 
-func (sqlTxn) release() {}
+func (t sqlTxn) release() { t.conn.Close() }
+
+// busy reports whether pgx's connection under t is busy: fn left the
+// rows of a query unclosed, and nothing more can be sent on it.
+func (t sqlTxn) busy() bool {
+	var busy bool
+	t.conn.Raw(func(dc any) error {
+		if c, ok := dc.(interface{ Conn() *pgx.Conn }); ok {
+			busy = c.Conn().PgConn().IsBusy()
+		}
+		return nil
+	})
+	return busy
+}
 
 // settle runs commit or rollback, ending the transaction's context if ctx
 // is done first, and in any case when it returns.
