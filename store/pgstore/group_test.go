@@ -711,3 +711,47 @@ func TestGroupCommitIdleMemberThenAnother(t *testing.T) {
 	assert.Equal(t, []bool{false, true}, underClaim, "a ran under a claim of Dedup's")
 	assert.Equal(t, 1, f.count(t, "a"), "effects of a")
 }
+
+// A member whose context ends while its claim waits for a row that
+// another transaction holds (a copy of its message in another consumer's
+// transaction) leaves the group as it would have alone, having run
+// nothing: the group's connection, shared, is not closed under its
+// group-mates, which commit.
+func TestGroupCommitContextEndsDuringTheClaim(t *testing.T) {
+	ctx := context.Background()
+	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+	// Another consumer's transaction holds b's row.
+	other, err := f.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer other.Rollback(ctx)
+	_, err = other.Exec(ctx, `INSERT INTO `+f.table()+` (key, token, lease_until, forget_at) VALUES ('b', NULL, now() + interval '1 hour', now() + interval '1 hour')`)
+	require.NoError(t, err)
+	var otherPID int
+	require.NoError(t, other.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&otherPID))
+
+	g := newGate()
+	f.holds("a", g)
+	bctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	waiting := make(chan struct{})
+	go func() { // b's context ends once its claim waits for the row
+		defer close(waiting)
+		for range 1000 {
+			var n int
+			if err := f.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, otherPID).Scan(&n); err == nil && n > 0 {
+				cancel()
+				return
+			}
+			time.Sleep(time.Millisecond) // polls the server
+		}
+	}()
+	errs := f.group(t, g, []context.Context{nil, bctx}, delivery("a"), delivery("b"))
+	<-waiting
+	require.ErrorIs(t, bctx.Err(), context.Canceled, "b's claim never waited")
+	require.NoError(t, errs[0], "a")
+	assert.Equal(t, 1, f.count(t, "a"), "effects of a")
+	assert.Equal(t, store.Done, f.status(t, "a"))
+	require.Error(t, errs[1], "b")
+	_, calls := f.ran("b")
+	assert.Zero(t, calls, "calls of b's function")
+}
