@@ -6,6 +6,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -166,6 +167,7 @@ func onceServer(t *testing.T, target string) string {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	done := make(chan struct{})
+	var mu sync.Mutex
 	var conns []net.Conn
 	go func() {
 		defer close(done)
@@ -179,16 +181,22 @@ func onceServer(t *testing.T, target string) string {
 			c.Close()
 			return
 		}
+		mu.Lock()
 		conns = append(conns, c, up)
-		go func() { _, _ = io.Copy(up, c); up.Close() }()
+		mu.Unlock()
+		copied := make(chan struct{})
+		go func() { _, _ = io.Copy(up, c); up.Close(); close(copied) }()
 		_, _ = io.Copy(c, up)
 		c.Close()
+		<-copied
 	}()
 	t.Cleanup(func() {
 		ln.Close()
+		mu.Lock()
 		for _, c := range conns {
 			c.Close()
 		}
+		mu.Unlock()
 		<-done
 	})
 	return ln.Addr().String()
@@ -211,6 +219,6 @@ func TestServerGoneAfterTheFirstConnection(t *testing.T) {
 	expectCode(t, "dlq ls", code, exitFailed, stderr)
 	assert.Less(t, took, 15*time.Second, "the command's run")
 	assert.Equal(t, 1, strings.Count(stderr, "\n"), "stderr: %s", stderr)
-	assert.Contains(t, stderr, "RabbitMQ at amqp://guest:xxxxx@"+addr)
-	assert.Contains(t, stderr, "within 2s")
+	assert.Contains(t, stderr, "RabbitMQ at amqp://"+addr)
+	assert.Contains(t, stderr, "did not answer again within 2s")
 }
