@@ -252,6 +252,12 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 	m.savepoint = savepointName(g.claims)
 	claimed, err := g.t.claim(ctx, &m.txClaim, lease, m.savepoint)
 	if err != nil || !claimed {
+		if idleTimedOut(err) {
+			// The server ended the session, left idle for the lease
+			// before this claim: the claims of the members before it
+			// ended with it.
+			g.broken = err
+		}
 		gr.undo(ctx, g, m)
 		gr.pass(ctx, g)
 		return false, claimBusy(m.key, err)
@@ -271,11 +277,16 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 		if idleTimedOut(err) {
 			// The server ended the session: the group's claims too.
 			g.broken = err
-			err = in.claimEnded(ctx, m.key, err)
+			err = in.claimEnded(ctx, &m.txClaim, err)
 		} else {
 			gr.undo(ctx, g, m)
 			err = in.failed(ctx, g.t, m.key, err)
 		}
+	case g.t.conn.Conn().PgConn().IsBusy():
+		// Nothing more can be sent on the connection: not even the
+		// rollback to m's savepoint.
+		g.broken = errRowsOpen
+		err = fmt.Errorf("pgstore: the transaction of %q: %w", m.key, errRowsOpen)
 	case tx.settled:
 		gr.undo(ctx, g, m)
 		err = errTxSettled(m.key)
@@ -361,9 +372,9 @@ func (gr *grouper) commit(ctx context.Context, g *group) {
 		m.alone = refused
 		switch {
 		case g.broken == nil:
-			m.result = in.claimResult(ctx, g.t, m.key, sent, err)
+			m.result = in.claimResult(ctx, g.t, &m.txClaim, sent, err)
 		case idleTimedOut(g.broken):
-			m.result = in.claimEnded(ctx, m.key, g.broken)
+			m.result = in.claimEnded(ctx, &m.txClaim, g.broken)
 		default:
 			// Another member's failure broke the transaction: it is
 			// not this message's.
