@@ -36,11 +36,12 @@ type amqpTransport struct {
 	tls       *tls.Config // nil: amqp091's default
 	external  bool
 	log       *slog.Logger
+	obs       *Observer
 }
 
 func newAMQPTransport(url string, cfg config) *amqpTransport {
 	uri, err := amqp.ParseURI(url)
-	return &amqpTransport{url: url, uri: uri, parseErr: err, heartbeat: cfg.heartbeat, tls: cfg.tls, external: cfg.external, log: cfg.log}
+	return &amqpTransport{url: url, uri: uri, parseErr: err, heartbeat: cfg.heartbeat, tls: cfg.tls, external: cfg.external, log: cfg.log, obs: &cfg.obs}
 }
 
 // String returns host:port/vhost, without credentials.
@@ -132,7 +133,7 @@ func (t *amqpTransport) dialOnce(ctx context.Context, name string) (session, err
 	mu.Lock()
 	socket := raw
 	mu.Unlock()
-	s, err := newAMQPSession(conn, socket, t.String(), name, t.log)
+	s, err := newAMQPSession(conn, socket, t.String(), name, t.log, t.obs)
 	if err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("%w: %s: open channels: %w", ErrUnreachable, t, err)
@@ -209,7 +210,8 @@ type amqpSession struct {
 	node     string   // host:port/vhost
 	name     string   // the connection's name, for logs
 	log      *slog.Logger
-	maxProps int // see transport.Session.MaxProperties
+	obs      *Observer // its PublishChannel; nil: none
+	maxProps int       // see transport.Session.MaxProperties
 	con      *amqp.Channel
 
 	// pub is the publish channel in use, and retired the one it replaced,
@@ -244,13 +246,14 @@ type amqpSession struct {
 	getCh *amqp.Channel
 }
 
-func newAMQPSession(conn *amqp.Connection, raw net.Conn, node, name string, log *slog.Logger) (*amqpSession, error) {
+func newAMQPSession(conn *amqp.Connection, raw net.Conn, node, name string, log *slog.Logger, obs *Observer) (*amqpSession, error) {
 	s := &amqpSession{
 		conn:     conn,
 		raw:      raw,
 		node:     node,
 		name:     name,
 		log:      log,
+		obs:      obs,
 		done:     make(chan struct{}),
 		cancels:  make(chan string, 1),
 		requests: make(chan *pendingPublish),

@@ -226,7 +226,8 @@
 // nacked a publish on it: at most once a second, and only after the
 // channel replaced before has received the confirms of all its publishes
 // (their results are their own: no nacked publish is reported
-// confirmed). The log says so, at Info ("publish channel replaced"). A
+// confirmed). The log says so, at Info ("publish channel replaced"), and
+// so does Observer.PublishChannel (which otelmw counts). A
 // queue that refuses publishes for a reason of its own (at its length
 // limit with overflow reject-publish) thus costs a new channel a second
 // at most. The consume channel, and the deliveries it holds, are never

@@ -21,7 +21,8 @@ func init() {
 }
 
 // dialOwn opens a session of the Broker's server that the caller closes,
-// trying again while the server is unreachable, until ctx is done.
+// trying again while the server is unreachable, until ctx is done; each
+// failed try is a Reconnect event, as for the Broker's own connections.
 func (b *Broker) dialOwn(ctx context.Context) (session, error) {
 	bo := newBackoff(b.cfg.rmin, b.cfg.rmax)
 	for {
@@ -29,7 +30,9 @@ func (b *Broker) dialOwn(ctx context.Context) (session, error) {
 		if err == nil || !errors.Is(err, ErrUnreachable) {
 			return s, err
 		}
-		if clock.Sleep(ctx, bo.next()) != nil {
+		wait := bo.next()
+		b.cfg.obs.reconnect("", err, wait)
+		if clock.Sleep(ctx, wait) != nil {
 			return nil, fmt.Errorf("broker: connect: %w (last error: %w)", ctx.Err(), err)
 		}
 	}

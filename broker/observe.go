@@ -32,6 +32,28 @@ type Observer struct {
 	// Ack, if set, is called after a consumer sent a basic.ack, which may
 	// settle several deliveries at once (see Acks in the package documentation).
 	Ack func(e AckEvent)
+	// PublishChannel, if set, is called when a connection replaced its
+	// publish channel after the server nacked publishes on it, or tried to
+	// and could not open a new one (see Publishing in the package
+	// documentation). Replacements that come again and again mean a queue
+	// that refuses publishes (a length limit with reject-publish, a quorum
+	// queue without a majority), not a channel stuck after an election.
+	PublishChannel func(e PublishChannelEvent)
+}
+
+// A PublishChannelEvent is a publish channel replaced after nacks, or a
+// replacement that failed.
+type PublishChannelEvent struct {
+	// Node names the server: host:port/vhost, without credentials.
+	Node string
+	// Connection is the connection's name, as the server shows it.
+	Connection string
+	// Nacks is the number of publishes the server nacked on the channel
+	// replaced (or kept).
+	Nacks int
+	// Err is nil when the channel was replaced; otherwise why a new one
+	// could not be opened, and the nacked channel stays in use.
+	Err error
 }
 
 // An AckEvent is a basic.ack sent by a consumer.
@@ -100,5 +122,11 @@ func (o *Observer) reconnect(queue string, err error, wait time.Duration) {
 func (o *Observer) connect(queue, node string) {
 	if o.Connect != nil {
 		o.Connect(ConnectEvent{Queue: queue, Node: node})
+	}
+}
+
+func (o *Observer) publishChannel(e PublishChannelEvent) {
+	if o != nil && o.PublishChannel != nil {
+		o.PublishChannel(e)
 	}
 }

@@ -292,6 +292,7 @@ func (s *amqpSession) replaceNacked() {
 		s.log.LogAttrs(context.Background(), slog.LevelWarn, "broker: publish channel nacked, and a new one cannot be opened",
 			slog.String("node", s.node), slog.String("connection", s.name),
 			slog.Int("nacks", nacks), slog.String("error", err.Error()))
+		s.obs.publishChannel(PublishChannelEvent{Node: s.node, Connection: s.name, Nacks: nacks, Err: err})
 		return
 	}
 	pc.start()
@@ -305,6 +306,7 @@ func (s *amqpSession) replaceNacked() {
 		slog.String("node", s.node), slog.String("connection", s.name),
 		slog.Int("nacks", nacks), slog.Duration("in_use", time.Since(old.opened)),
 		slog.Int("waiting_for_confirms", waiting))
+	s.obs.publishChannel(PublishChannelEvent{Node: s.node, Connection: s.name, Nacks: nacks})
 }
 
 // send publishes p on the publish channel and records it as pending its

@@ -37,7 +37,8 @@ import (
 func TestRabbitMQStickyNacksReplaceThePublishChannel(t *testing.T) {
 	ctx := testContext(t, time.Minute)
 	logs := fixtures.NewLogRecorder(t)
-	px, s := dialViaNackProxy(t, ctx, "rabbitmw test sticky nacks", Options{Logger: slog.New(logs)})
+	var events publishChannelEvents
+	px, s := dialViaNackProxy(t, ctx, "rabbitmw test sticky nacks", Options{Logger: slog.New(logs), Observer: Observer{PublishChannel: events.add}})
 	defer s.Close()
 	q := queueName(t)
 	require.NoError(t, s.Declare(ctx, []queueSpec{{Name: q}}), "declare")
@@ -89,6 +90,14 @@ func TestRabbitMQStickyNacksReplaceThePublishChannel(t *testing.T) {
 
 	requireOpen(t, s)
 	assert.GreaterOrEqual(t, logs.Count("publish channel replaced"), 1, "log records of a replaced channel")
+	replaced := events.all()
+	assert.Len(t, replaced, logs.Count("publish channel replaced"), "Observer.PublishChannel events: one per replacement")
+	for _, e := range replaced {
+		assert.NoError(t, e.Err, "event of a replacement")
+		assert.Positive(t, e.Nacks, "nacks on the channel replaced")
+		assert.Equal(t, s.Node(), e.Node, "node")
+		assert.Contains(t, e.Connection, "rabbitmw test sticky nacks", "connection")
+	}
 	// The consume channel still holds its delivery: settling it lets the
 	// next one come (prefetch 1).
 	require.NoError(t, held.Ack(false), "ack of the delivery held across the replacement")
@@ -580,7 +589,13 @@ func next(t *testing.T, results <-chan pubResult) pubResult {
 // publish.
 func stuckSession(t *testing.T, ctx context.Context, name string, logs *fixtures.LogRecorder, setup ...func(*nackProxy)) (*nackProxy, session, string) {
 	t.Helper()
-	px, s := dialViaNackProxy(t, ctx, name, Options{Logger: slog.New(logs)}, setup...)
+	return stuckSessionObserved(t, ctx, name, logs, Observer{}, setup...)
+}
+
+// stuckSessionObserved is stuckSession with obs as the session's Observer.
+func stuckSessionObserved(t *testing.T, ctx context.Context, name string, logs *fixtures.LogRecorder, obs Observer, setup ...func(*nackProxy)) (*nackProxy, session, string) {
+	t.Helper()
+	px, s := dialViaNackProxy(t, ctx, name, Options{Logger: slog.New(logs), Observer: obs}, setup...)
 	t.Cleanup(func() { s.Close() })
 	q := queueName(t)
 	require.NoError(t, s.Declare(ctx, []queueSpec{{Name: q}}), "declare")
@@ -804,7 +819,8 @@ func TestRabbitMQNoNewPublishChannel(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			ctx := testContext(t, time.Minute)
 			logs := fixtures.NewLogRecorder(t)
-			px, s, q := stuckSession(t, ctx, "rabbitmw test no new publish channel", logs, c.setup)
+			var events publishChannelEvents
+			px, s, q := stuckSessionObserved(t, ctx, "rabbitmw test no new publish channel", logs, Observer{PublishChannel: events.add}, c.setup)
 			c.before(t, ctx, px, s, q)
 			px.stick()
 
@@ -822,6 +838,12 @@ func TestRabbitMQNoNewPublishChannel(t *testing.T) {
 			assert.GreaterOrEqual(t, tries, 1, "replacements tried")
 			assert.LessOrEqual(t, tries, int(took/replaceInterval)+1, "replacements tried in %v, at most one per %v", took, replaceInterval)
 			assert.Zero(t, logs.Count("publish channel replaced"), "replacements")
+			failed := events.all()
+			assert.Len(t, failed, tries, "Observer.PublishChannel events: one per replacement tried")
+			for _, e := range failed {
+				assert.ErrorContains(t, e.Err, c.log, "event of a replacement that failed")
+				assert.Positive(t, e.Nacks, "nacks on the channel kept")
+			}
 			nacked, acked := px.tally()
 			assert.Equal(t, int64(publishes), nacked, "nacks sent to the client")
 			assert.Zero(t, acked, "acks sent to the client")
@@ -1105,4 +1127,22 @@ func requireOpen(t *testing.T, s session) {
 		t.Fatalf("the session closed: %v", s.Reason())
 	default:
 	}
+}
+
+// publishChannelEvents records the events of Observer.PublishChannel.
+type publishChannelEvents struct {
+	mu sync.Mutex
+	es []PublishChannelEvent
+}
+
+func (r *publishChannelEvents) add(e PublishChannelEvent) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.es = append(r.es, e)
+}
+
+func (r *publishChannelEvents) all() []PublishChannelEvent {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.es)
 }

@@ -442,7 +442,7 @@ func (h *dedup) complete(ctx context.Context, key, token string, a attempt) erro
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded; marking %s done failed, then found the claim gone, most likely marked done by the failed attempt: %w", ErrLeaseLost, text.QuoteKey(key), err), h.busy)
 	case errors.Is(err, store.ErrLostClaim):
 		notify(h.observe, ctx, DedupLeaseLost, key, err)
-		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but %s was taken over before it was marked done: %w", ErrLeaseLost, text.QuoteKey(key), err), h.busy)
+		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but the claim of %s was no longer held when it was to be marked done (its lease had ended, or another owner had claimed it): %w", ErrLeaseLost, text.QuoteKey(key), err), h.busy)
 	default:
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but marking %s done failed: %w", ErrStoreUnavailable, text.QuoteKey(key), err), h.unavailable)
 	}

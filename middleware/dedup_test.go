@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -332,7 +333,7 @@ func TestDedupRoundTrips(t *testing.T) {
 }
 
 func TestDedupTokensAreDistinct(t *testing.T) {
-	// Tokens come in blocks shared by the goroutines: claim from several.
+	// Each claim takes the next of one sequence: claim from several goroutines.
 	const goroutines, claims = 4, 100
 	s := &recordingStore{Store: store.NewMemory()}
 	h := middleware.Dedup(s, middleware.DedupOptions{})(rabbitmw.HandlerFunc(
@@ -464,6 +465,96 @@ func TestDedupHangingRenewalCancelsHandler(t *testing.T) {
 		assert.ErrorIs(t, cause, middleware.ErrStoreUnavailable, "the handler's context's cause")
 		assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
 	})
+}
+
+// failThenHangStore's first Extend fails at once (the store refuses the
+// connection); the next ones hang, as hangingStore's do (the network then
+// drops every packet).
+type failThenHangStore struct {
+	*hangingStore
+	extends atomic.Int32
+}
+
+func (s *failThenHangStore) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	if s.extends.Add(1) == 1 {
+		return errors.New("connection refused")
+	}
+	return s.hangingStore.Extend(ctx, key, token, lease)
+}
+
+// A renewal that failed leaves the lease as it was: the next one, started
+// when the lease ends within an interval, cannot be waited for. The
+// handler is cancelled then, with an interval left to stop, not when the
+// lease ends and another consumer may claim the message.
+func TestDedupFailedThenHangingRenewalCancelsHandler(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := &failThenHangStore{hangingStore: newHangingStore()}
+		defer s.unblock()
+		const lease = 300 * time.Millisecond
+		var (
+			cause     error
+			cancelled time.Duration
+		)
+		start := time.Now()
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				select {
+				case <-ctx.Done():
+					cause, cancelled = context.Cause(ctx), time.Since(start)
+					return ctx.Err()
+				case <-time.After(10 * lease):
+					return errors.New("handler was not cancelled")
+				}
+			}))
+		d, _ := deliverytest.New("m1", "")
+		err := h.Handle(context.Background(), d)
+		assert.Equal(t, 2*lease/3, cancelled, "the handler was cancelled after %v; want it cancelled when the second renewal starts, a third of the lease before it ends", cancelled)
+		assert.ErrorIs(t, cause, middleware.ErrStoreUnavailable, "the handler's context's cause")
+		assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+	})
+}
+
+// flakyRenewalStore's Extend, drawn at random: fails at once, or after a
+// while (up to two leases), or reaches the store late, or at once.
+type flakyRenewalStore struct {
+	store.Store
+	mu  sync.Mutex
+	rng *rand.Rand
+}
+
+func (s *flakyRenewalStore) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	s.mu.Lock()
+	n, wait := s.rng.IntN(10), time.Duration(s.rng.IntN(int(2*lease)))
+	s.mu.Unlock()
+	switch {
+	case n < 3:
+		return errors.New("connection refused")
+	case n < 4:
+		time.Sleep(wait)
+		return errors.New("i/o timeout")
+	case n < 7:
+		time.Sleep(wait)
+	}
+	return s.Store.Extend(ctx, key, token, lease)
+}
+
+// Whatever the renewals meet, two handlers of a message never run at once
+// when each stops within an interval (a third of the lease) of its
+// context's end, and each message's effect happens once: a handler is
+// cancelled an interval before its lease may end.
+func TestDedupLeaseKeepsHandlersApart(t *testing.T) {
+	for seed := range 50 {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				const lease = 300 * time.Millisecond
+				s := &flakyRenewalStore{Store: store.NewMemory(), rng: rand.New(rand.NewPCG(uint64(seed), 1))}
+				x := newExclusive(t, uint64(seed), lease, 3*lease)
+				h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, BusyDelay: 10 * time.Millisecond, UnavailableDelay: 10 * time.Millisecond})(x)
+				x.deliver(h, 5, 3, false)
+				time.Sleep(2 * lease) // the renewals still in flight return
+			})
+		})
+	}
 }
 
 // A handler that finishes while a renewal hangs is marked done at once: the

@@ -112,8 +112,8 @@ func (r *renewer) recycle(l *claimLease) {
 }
 
 // fire starts the renewals that are due, cancels the handlers whose
-// lease may end before a renewal in flight returns, and re-arms the timer
-// for the rest.
+// lease may end before the renewal in flight, or the one it starts after
+// a failed one, returns, and re-arms the timer for the rest.
 func (r *renewer) fire() {
 	r.mu.Lock()
 	now, ok := r.claims.fired()
@@ -122,21 +122,29 @@ func (r *renewer) fire() {
 		return
 	}
 	type expiry struct {
-		key     string
-		handler *claimContext
+		key      string
+		handler  *claimContext
+		starting bool // a renewal starts; else the last has not returned
 	}
 	var expired []expiry
 	for l := r.claims.due(now); l != nil; l = r.claims.due(now) {
 		r.claims.unlink(l)
 		switch {
 		case !l.renewing:
+			if r.mayEnd(l, now) {
+				// The last renewal failed, a moment too early to cancel
+				// (see renew), or the claim took that long: the lease may
+				// end before this one returns. It still may extend the
+				// claim, for a handler slow to stop.
+				expired = append(expired, expiry{l.key, l.handler, true})
+			}
 			l.renewing = true
 			go r.renew(l)
 			r.claims.push(l, now.Add(r.every), now)
 		case r.mayEnd(l, now):
 			// The renewal started an interval ago has not returned, and
 			// may not before the lease ends. l is not queued again.
-			expired = append(expired, expiry{l.key, l.handler})
+			expired = append(expired, expiry{l.key, l.handler, false})
 		default:
 			r.claims.push(l, now.Add(r.every), now)
 		}
@@ -144,6 +152,10 @@ func (r *renewer) fire() {
 	r.claims.rearm(now)
 	r.mu.Unlock()
 	for _, e := range expired {
+		if e.starting {
+			e.handler.cancel(fmt.Errorf("%w: the lease on %s may end before a renewal returns: it ends within %v, and no renewal extended it", ErrStoreUnavailable, text.QuoteKey(e.key), r.every))
+			continue
+		}
 		e.handler.cancel(fmt.Errorf("%w: the lease on %s could not be renewed before it ends: the store has not answered for %v", ErrStoreUnavailable, text.QuoteKey(e.key), r.every))
 	}
 }

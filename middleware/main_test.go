@@ -3,13 +3,18 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
 
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/store"
 )
 
@@ -119,4 +124,99 @@ func (f *faultyStore) Fail(ctx context.Context, key string, ttl time.Duration) (
 func (f *faultyStore) ResetFailures(ctx context.Context, key string) error {
 	f.count("reset")
 	return f.Store.ResetFailures(ctx, key)
+}
+
+// exclusive is a handler that checks that two of its runs for a message
+// never overlap, and that each message's effect happens once. A run
+// takes a random while, up to most, and then applies its effect, unless
+// its context ends first: it then stops within an interval of the lease
+// (a third of it), at random, with the context's error.
+type exclusive struct {
+	t           *testing.T
+	lease, most time.Duration
+
+	mu      sync.Mutex
+	rng     *rand.Rand
+	running map[string]int
+	effects map[string]int
+}
+
+func newExclusive(t *testing.T, seed uint64, lease, most time.Duration) *exclusive {
+	return &exclusive{t: t, lease: lease, most: most, rng: rand.New(rand.NewPCG(seed, 2)),
+		running: map[string]int{}, effects: map[string]int{}}
+}
+
+// draw returns a random duration below d.
+func (x *exclusive) draw(d time.Duration) time.Duration {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return time.Duration(x.rng.Int64N(int64(d)))
+}
+
+func (x *exclusive) Handle(ctx context.Context, d *amqp.Delivery) error {
+	id := d.MessageId
+	x.mu.Lock()
+	if x.running[id]++; x.running[id] > 1 {
+		x.t.Errorf("%s: %d handlers at once at %v", id, x.running[id], time.Now())
+	}
+	x.mu.Unlock()
+	defer func() {
+		x.mu.Lock()
+		x.running[id]--
+		x.mu.Unlock()
+	}()
+	select {
+	case <-ctx.Done():
+		time.Sleep(x.draw(x.lease/3 - 1)) // slow to stop, within an interval
+		return ctx.Err()
+	case <-time.After(x.draw(x.most)):
+	}
+	x.mu.Lock()
+	x.effects[id]++
+	x.mu.Unlock()
+	return nil
+}
+
+// deliver delivers messages m0, m1... (as many as messages) to h, each
+// on as many consumers at once, each consumer again every 10 ms until h
+// answers that the message is done or a duplicate; shutdowns cancels one
+// delivery's context in ten, at random, while it runs. Then it checks
+// that each message's effect happened once.
+func (x *exclusive) deliver(h rabbitmw.Handler, messages, consumers int, shutdowns bool) {
+	var wg sync.WaitGroup
+	for m := range messages {
+		id := fmt.Sprint("m", m)
+		for range consumers {
+			wg.Go(func() {
+				var err error
+				for range 2000 {
+					ctx, cancel := context.WithCancel(context.Background())
+					if shutdowns && x.draw(10) == 0 {
+						time.AfterFunc(x.draw(x.lease), cancel)
+					}
+					d, _ := deliverytest.New(id, "")
+					err = h.Handle(ctx, d)
+					cancel()
+					switch {
+					case err == nil || errors.Is(err, rabbitmw.ErrDuplicate):
+						return
+					case rabbitmw.Decide(err).Outcome == rabbitmw.DeadLetter:
+						x.t.Errorf("%s dead-lettered: %v", id, err)
+						return
+					}
+					time.Sleep(10 * time.Millisecond)
+				}
+				x.t.Errorf("%s never done: %v", id, err)
+			})
+		}
+	}
+	wg.Wait()
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	for m := range messages {
+		id := fmt.Sprint("m", m)
+		if n := x.effects[id]; n != 1 {
+			x.t.Errorf("%s: effect applied %d times; want once", id, n)
+		}
+	}
 }

@@ -5,8 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
+	"math/rand/v2"
+	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -141,4 +145,73 @@ func TestStackReachesEverySetting(t *testing.T) {
 	ks, err = st.Inspect(ctx, "m1")
 	require.NoError(t, err)
 	assert.InDelta(t, float64(2*time.Hour), float64(ks.TTL), float64(time.Minute), "Dedup.Retention")
+}
+
+// lossyStore loses an answer now and then, at random: a Claim, a Complete
+// or a Release that took effect reports an error, and a Release fails
+// without taking effect.
+type lossyStore struct {
+	store.Store
+	mu  sync.Mutex
+	rng *rand.Rand
+}
+
+// lose reports whether to lose this call's answer, one time in ten.
+func (s *lossyStore) lose() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.rng.IntN(10) == 0
+}
+
+func (s *lossyStore) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	st, err := s.Store.Claim(ctx, key, token, lease)
+	if s.lose() {
+		return 0, errors.New("i/o timeout")
+	}
+	return st, err
+}
+
+func (s *lossyStore) Complete(ctx context.Context, key, token string, retention time.Duration) error {
+	err := s.Store.Complete(ctx, key, token, retention)
+	if s.lose() {
+		return errors.New("i/o timeout")
+	}
+	return err
+}
+
+func (s *lossyStore) Release(ctx context.Context, key, token string) error {
+	if s.lose() {
+		return errors.New("connection refused")
+	}
+	err := s.Store.Release(ctx, key, token)
+	if s.lose() {
+		return errors.New("i/o timeout")
+	}
+	return err
+}
+
+// Retry, Dedup and Timeout, with renewals that meet every fault, answers
+// lost, deliveries cancelled by their consumer's shutdown and handlers cut
+// short by the deadline, keep two handlers of a message from running at
+// once, and apply each message's effect once.
+func TestStackEffectsOnceUnderFaults(t *testing.T) {
+	for seed := range 50 {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				const lease = 300 * time.Millisecond
+				s := &flakyRenewalStore{
+					Store: &lossyStore{Store: store.NewMemory(), rng: rand.New(rand.NewPCG(uint64(seed), 3))},
+					rng:   rand.New(rand.NewPCG(uint64(seed), 1)),
+				}
+				x := newExclusive(t, uint64(seed), lease, lease)
+				h := rabbitmw.Chain(
+					middleware.Retry(store.NewMemory(), middleware.RetryOptions{MaxAttempts: 1000, Backoff: func(int) time.Duration { return 10 * time.Millisecond }}),
+					middleware.Dedup(s, middleware.DedupOptions{Lease: lease, BusyDelay: 10 * time.Millisecond, UnavailableDelay: 10 * time.Millisecond}),
+					middleware.Timeout(lease/2),
+				)(x)
+				x.deliver(h, 5, 3, true)
+				time.Sleep(2 * lease) // the renewals still in flight return
+			})
+		})
+	}
 }

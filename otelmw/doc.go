@@ -30,7 +30,8 @@
 // and rabbitmw's own: rabbitmw.handlers.active, rabbitmw.message.attempts,
 // rabbitmw.dedup.results, rabbitmw.dedup.lease.renewals,
 // rabbitmw.dedup.leases.lost, rabbitmw.dead_letters,
-// rabbitmw.delay.republishes and rabbitmw.reconnects; [Telemetry.WatchQueues]
+// rabbitmw.delay.republishes, rabbitmw.reconnects and
+// rabbitmw.publish_channel.replacements; [Telemetry.WatchQueues]
 // reports the depth of the queues, rabbitmw.queue.depth and
 // rabbitmw.dead_letter.oldest.age. Each method's
 // documentation says which it records and with what attributes.

@@ -183,7 +183,8 @@ func TestCoreDoesNotLinkOpenTelemetry(t *testing.T) {
 
 // The broker's events count by queue: reconnects (the shared connection
 // without a queue), delay copies (with error.type when not published),
-// dead-letters by the copy's error type (when published).
+// dead-letters by the copy's error type (when published); publish
+// channels replaced by node, with error.type when none could be opened.
 func TestBrokerEvents(t *testing.T) {
 	r := newRig(t, otelmw.Options{Queue: "q"})
 	obs := r.tel.Broker()
@@ -194,7 +195,11 @@ func TestBrokerEvents(t *testing.T) {
 	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.Delay, Queue: "q", To: "q.delay.1s", Err: context.DeadlineExceeded})
 	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.DeadLetter, Queue: "q", To: "q.dlq", ErrorType: "*json.SyntaxError"})
 	obs.Republish(ctx, broker.RepublishEvent{Outcome: rabbitmw.DeadLetter, Queue: "q", To: "q.dlq", ErrorType: "*json.SyntaxError", Err: broker.ErrNacked})
+	obs.PublishChannel(broker.PublishChannelEvent{Node: "rabbit-1:5672/", Connection: "c", Nacks: 3})
+	obs.PublishChannel(broker.PublishChannelEvent{Node: "rabbit-1:5672/", Connection: "c", Nacks: 5})
+	obs.PublishChannel(broker.PublishChannelEvent{Node: "rabbit-1:5672/", Connection: "c", Nacks: 1, Err: context.DeadlineExceeded})
 	rm := r.metrics(t)
+	node := attribute.String("rabbitmw.node", "rabbit-1:5672/")
 	dest := attribute.String("messaging.destination.name", "q")
 	for _, c := range []struct {
 		name string
@@ -206,6 +211,8 @@ func TestBrokerEvents(t *testing.T) {
 		{"rabbitmw.delay.republishes", []attribute.KeyValue{dest, attribute.String("rabbitmw.delay.queue", "q.delay.1s")}, 2},
 		{"rabbitmw.delay.republishes", []attribute.KeyValue{attribute.String("error.type", "timeout")}, 1},
 		{"rabbitmw.dead_letters", []attribute.KeyValue{dest, attribute.String("error.type", "*json.SyntaxError")}, 1},
+		{"rabbitmw.publish_channel.replacements", []attribute.KeyValue{node}, 3},
+		{"rabbitmw.publish_channel.replacements", []attribute.KeyValue{node, attribute.String("error.type", "timeout")}, 1},
 	} {
 		if got := count(rm, c.name, c.kvs...); got != c.want {
 			t.Errorf("%s%v = %d; want %d", c.name, c.kvs, got, c.want)

@@ -21,6 +21,7 @@ const (
 	keyDedupResult  = attribute.Key("rabbitmw.dedup.result")
 	keyDedupKey     = attribute.Key("rabbitmw.dedup.key")
 	keyDelayQueue   = attribute.Key("rabbitmw.delay.queue")
+	keyNode         = attribute.Key("rabbitmw.node") // host:port/vhost
 	maxOutcome      = int(rabbitmw.DeadLetter)
 	maxDedupKind    = int(middleware.DedupRejected)
 	maxCachedErrors = 256 // error.type values given attribute sets of their own
@@ -41,6 +42,7 @@ type instruments struct {
 	deadLetter metric.Int64Counter
 	republish  metric.Int64Counter
 	reconnects metric.Int64Counter
+	pubChans   metric.Int64Counter
 	depth      metric.Int64ObservableGauge   // see Telemetry.WatchQueues
 	oldest     metric.Float64ObservableGauge // see Telemetry.WatchQueues
 
@@ -70,7 +72,7 @@ type failureKey struct {
 }
 
 func (m *instruments) init(meter metric.Meter, consumer attribute.Set) error {
-	var errs [13]error
+	var errs [14]error
 	m.duration, errs[0] = meter.Float64Histogram("messaging.process.duration",
 		metric.WithUnit("s"), metric.WithDescription("Duration of processing operation."),
 		metric.WithExplicitBucketBoundaries(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10))
@@ -99,6 +101,8 @@ func (m *instruments) init(meter metric.Meter, consumer attribute.Set) error {
 		metric.WithUnit("{message}"), metric.WithDescription("Messages ready in a work, delay or dead-letter queue."))
 	m.oldest, errs[12] = meter.Float64ObservableGauge("rabbitmw.dead_letter.oldest.age",
 		metric.WithUnit("s"), metric.WithDescription("Time since the oldest message of a dead-letter queue was dead-lettered."))
+	m.pubChans, errs[13] = meter.Int64Counter("rabbitmw.publish_channel.replacements",
+		metric.WithUnit("{channel}"), metric.WithDescription("Publish channels replaced after the server nacked publishes on them, or replacements that failed."))
 	if err := errors.Join(errs[:]...); err != nil {
 		return err
 	}

@@ -46,13 +46,16 @@ func (t *Telemetry) dedupEvent(ctx context.Context, e middleware.DedupEvent) {
 // copies and connections the metrics rabbitmw.delay.republishes (by
 // rabbitmw.delay.queue, with error.type when the copy was not
 // published), rabbitmw.dead_letters (by error.type, the HeaderErrorType
-// of the copy) and rabbitmw.reconnects (by messaging.destination.name,
-// the queue of the consumer; absent for the shared connection).
+// of the copy), rabbitmw.reconnects (by messaging.destination.name,
+// the queue of the consumer; absent for the shared connection) and
+// rabbitmw.publish_channel.replacements (by rabbitmw.node, host:port/vhost,
+// with error.type when no new channel could be opened).
 func (t *Telemetry) Broker() broker.Observer {
 	return broker.Observer{
-		Publish:   t.StartPublish,
-		Republish: t.republished,
-		Reconnect: t.reconnected,
+		Publish:        t.StartPublish,
+		Republish:      t.republished,
+		Reconnect:      t.reconnected,
+		PublishChannel: t.publishChannel,
 	}
 }
 
@@ -73,6 +76,14 @@ func (t *Telemetry) republished(ctx context.Context, e broker.RepublishEvent) {
 
 func (t *Telemetry) reconnected(e broker.ReconnectEvent) {
 	t.m.reconnects.Add(context.Background(), 1, metric.WithAttributes(queueAttrs(e.Queue)...))
+}
+
+func (t *Telemetry) publishChannel(e broker.PublishChannelEvent) {
+	attrs := []attribute.KeyValue{semconv.MessagingSystemRabbitMQ, keyNode.String(e.Node)}
+	if e.Err != nil {
+		attrs = append(attrs, semconv.ErrorTypeKey.String(rabbitmw.ErrorType(e.Err)))
+	}
+	t.m.pubChans.Add(context.Background(), 1, metric.WithAttributes(attrs...))
 }
 
 // queueAttrs returns the attributes of an event of the consumer of queue,

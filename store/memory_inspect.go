@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"hash/maphash"
 	"time"
 )
 
@@ -14,7 +15,7 @@ func (m *Memory) Inspect(ctx context.Context, key string) (KeyState, error) {
 	defer m.mu.Unlock()
 	now := m.now()
 	var k KeyState
-	if end, ok := m.done[key]; ok && now < end {
+	if end, ok := m.doneEnd(key, maphash.String(m.seed, key)); ok && now < end {
 		k.Status, k.TTL = Done, time.Duration(end-now)
 	} else if c, ok := m.claims[key]; ok {
 		switch {

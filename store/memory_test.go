@@ -155,3 +155,94 @@ func TestMemoryNonPositiveDurations(t *testing.T) {
 		})
 	}
 }
+
+// A key whose hash is another done mark's must behave as any other key.
+func TestMemoryHashCollision(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		m := store.NewMemory()
+		m.PlantCollision("k", "other", time.Hour)
+
+		got, err := m.Claim(ctx, "k", "t1", time.Minute)
+		require.NoError(t, err)
+		require.Equal(t, store.Claimed, got, "the other key's mark is not k's")
+		require.NoError(t, m.Complete(ctx, "k", "t1", 2*time.Hour))
+		got, err = m.Claim(ctx, "k", "t2", time.Minute)
+		require.NoError(t, err)
+		assert.Equal(t, store.Done, got)
+		ks, err := m.Inspect(ctx, "k")
+		require.NoError(t, err)
+		assert.Equal(t, store.Done, ks.Status)
+		claims, _ := m.Len()
+		assert.Equal(t, 2, claims, "both marks")
+
+		time.Sleep(90 * time.Minute) // the other mark expires, k's stays
+		got, err = m.Claim(ctx, "k", "t2", time.Minute)
+		require.NoError(t, err)
+		assert.Equal(t, store.Done, got)
+
+		time.Sleep(time.Hour) // k's expires
+		got, err = m.Claim(ctx, "k", "t3", time.Minute)
+		require.NoError(t, err)
+		require.Equal(t, store.Claimed, got)
+		require.NoError(t, m.Complete(ctx, "k", "t3", time.Hour))
+		got, err = m.Claim(ctx, "k", "t4", time.Minute)
+		require.NoError(t, err)
+		assert.Equal(t, store.Done, got)
+		claims, _ = m.Len()
+		assert.Equal(t, 1, claims)
+		assert.Equal(t, 1, m.Held(), "k's mark, in place of the other's, expired")
+	})
+}
+
+// Each entry ends at the very moment its duration runs out, for every
+// method, and not before: a claim then is no longer its token's, and a
+// done mark no longer stops a claim. A sweep removes none of them early.
+func TestMemoryExpiresAtTheBoundary(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		const lease, keep, retention = time.Second, time.Minute, 10 * time.Second
+		m := &store.Memory{AbandonedRetention: keep}
+		claim := func(token string) store.Status {
+			t.Helper()
+			st, err := m.Claim(ctx, "k", token, lease)
+			require.NoError(t, err)
+			return st
+		}
+		sweep := func(prefix string) { // enough writes of other keys for a sweep
+			for i := range 3000 {
+				_, err := m.Claim(ctx, fmt.Sprint(prefix, i), "t", time.Hour)
+				require.NoError(t, err)
+			}
+		}
+
+		require.Equal(t, store.Claimed, claim("t1"))
+		time.Sleep(lease - 1)
+		require.NoError(t, m.Extend(ctx, "k", "t1", lease), "Extend a nanosecond before the lease ends")
+		sweep("a")
+		time.Sleep(lease - 1)
+		assert.Equal(t, store.Processing, claim("t2"), "Claim a nanosecond before the extended lease ends")
+		time.Sleep(1)
+		assert.ErrorIs(t, m.Complete(ctx, "k", "t1", retention), store.ErrLostClaim, "Complete as the lease ends")
+		assert.ErrorIs(t, m.Extend(ctx, "k", "t1", lease), store.ErrLostClaim, "Extend as the lease ends")
+		assert.ErrorIs(t, m.Release(ctx, "k", "t1"), store.ErrLostClaim, "Release as the lease ends")
+		sweep("b")
+		assert.Equal(t, store.Abandoned, claim("t2"), "Claim as the lease ends")
+
+		require.Equal(t, store.Claimed, claim("t3"))
+		require.NoError(t, m.Complete(ctx, "k", "t3", retention))
+		sweep("c")
+		time.Sleep(retention - 1)
+		assert.Equal(t, store.Done, claim("t4"), "Claim a nanosecond before the done mark ends")
+		time.Sleep(1)
+		assert.Equal(t, store.Claimed, claim("t4"), "Claim as the done mark ends")
+
+		time.Sleep(lease + keep - 1) // t4's claim, abandoned, until a nanosecond before it is forgotten
+		sweep("d")
+		ks, err := m.Inspect(ctx, "k")
+		require.NoError(t, err)
+		assert.Equal(t, store.Abandoned, ks.Status, "a nanosecond before the abandoned claim is forgotten")
+		time.Sleep(1)
+		assert.Equal(t, store.Claimed, claim("t5"), "Claim as the abandoned claim is forgotten")
+	})
+}

@@ -2,14 +2,19 @@ package main
 
 import (
 	"context"
+	"io"
 	"net"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
 // deadPort returns a loopback address where nothing listens.
@@ -153,4 +158,67 @@ func TestImportRefusesDuplicates(t *testing.T) {
 	_, stderr, code = cli(t, url, []byte(exported), "dlq", "import", "-q", q, "--allow-duplicates")
 	expectCode(t, "dlq import --allow-duplicates", code, exitOK, stderr)
 	assert.Equal(t, []string{"a", "b", "a", "b"}, drain(t, b, q+".dlq"))
+}
+
+// onceServer returns the address of a proxy to target that lets the
+// first connection through, then refuses every other: a server that
+// answers the command's first connection, then goes away.
+func onceServer(t *testing.T, target string) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	done := make(chan struct{})
+	var mu sync.Mutex
+	var conns []net.Conn
+	go func() {
+		defer close(done)
+		c, err := ln.Accept()
+		ln.Close() // the next connections are refused
+		if err != nil {
+			return
+		}
+		up, err := net.Dial("tcp", target)
+		if err != nil {
+			c.Close()
+			return
+		}
+		mu.Lock()
+		conns = append(conns, c, up)
+		mu.Unlock()
+		copied := make(chan struct{})
+		go func() { _, _ = io.Copy(up, c); up.Close(); close(copied) }()
+		_, _ = io.Copy(c, up)
+		c.Close()
+		<-copied
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		<-done
+	})
+	return ln.Addr().String()
+}
+
+// A server that answered the command's first connection and then went
+// away: the command fails within --timeout (and a little more) with one
+// line naming the server, rather than try to reach it again for ever.
+func TestServerGoneAfterTheFirstConnection(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	u, err := amqp.ParseURI(url)
+	require.NoError(t, err)
+	addr := onceServer(t, net.JoinHostPort(u.Host, strconv.Itoa(u.Port)))
+	u.Host, u.Port = "127.0.0.1", 0
+	_, port, _ := net.SplitHostPort(addr)
+	u.Port, _ = strconv.Atoi(port)
+	start := time.Now()
+	_, stderr, code := cli(t, u.String(), nil, "dlq", "ls", "-q", "orders", "--timeout", "2s")
+	took := time.Since(start)
+	expectCode(t, "dlq ls", code, exitFailed, stderr)
+	assert.Less(t, took, 15*time.Second, "the command's run")
+	assert.Equal(t, 1, strings.Count(stderr, "\n"), "stderr: %s", stderr)
+	assert.Contains(t, stderr, "RabbitMQ at amqp://"+addr)
+	assert.Contains(t, stderr, "did not answer again within 2s")
 }

@@ -108,19 +108,21 @@ func (q *queueCommand) parseQueue(args []string) error {
 	return needQueue(&q.common, pos, 0)
 }
 
-// connect returns a Broker on the server, once it has answered.
-func (q *queueCommand) connect(e *env) (*broker.Broker, error) {
-	return q.common.connect(e.timeout)
+// connect returns a Broker on the server, once it has answered, and the
+// context to run the command under (see connectFor); close closes the
+// Broker.
+func (q *queueCommand) connect(ctx context.Context, e *env) (b *broker.Broker, cctx context.Context, close func(), err error) {
+	return q.common.connectFor(ctx, e)
 }
 
 // list connects and lists the messages of the queue that q's filters
 // select, at most limit if it is positive, with a progress bar.
 func (q *queueCommand) list(ctx context.Context, e *env, limit int) ([]*deadletter.Message, error) {
-	b, err := q.connect(e)
+	b, ctx, closeBroker, err := q.connect(ctx, e)
 	if err != nil {
 		return nil, err
 	}
-	defer b.Close()
+	defer closeBroker()
 	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
 	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: q.filter(), Limit: limit, Progress: bar.update})
 	bar.done()
@@ -255,11 +257,11 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 	if err := needQueue(&q.common, pos, len(pos)); err != nil {
 		return err
 	}
-	b, err := q.connect(e)
+	b, ctx, closeBroker, err := q.connect(ctx, e)
 	if err != nil {
 		return err
 	}
-	defer b.Close()
+	defer closeBroker()
 	dls, err := deadletter.New(b).List(ctx, q.queue, deadletter.ListOptions{Filter: deadletter.Filter{IDs: pos}})
 	if err != nil {
 		return classify(err)
@@ -430,11 +432,11 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 			return st.ResetFailures(ctx, sf.key(k))
 		}
 	}
-	b, err := q.connect(e)
+	b, ctx, closeBroker, err := q.connect(ctx, e)
 	if err != nil {
 		return err
 	}
-	defer b.Close()
+	defer closeBroker()
 	scan := newProgress(e.stderr, "reading "+q.queue+".dlq")
 	bar := newProgress(e.stderr, "replaying")
 	opts.ScanProgress = scan.update
@@ -484,11 +486,11 @@ func (e *env) dlqPurge(ctx context.Context, args []string) error {
 	if err := q.everything(*all, "purge"); err != nil {
 		return err
 	}
-	b, err := q.connect(e)
+	b, ctx, closeBroker, err := q.connect(ctx, e)
 	if err != nil {
 		return err
 	}
-	defer b.Close()
+	defer closeBroker()
 	bar := newProgress(e.stderr, "reading "+q.queue+".dlq")
 	removed, err := deadletter.New(b).Purge(ctx, q.queue, deadletter.PurgeOptions{Filter: q.filter(), DryRun: *dry, Limit: *limit, ScanProgress: bar.update})
 	bar.done()
@@ -517,11 +519,11 @@ func (e *env) dlqExport(ctx context.Context, args []string) error {
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	b, err := q.connect(e)
+	b, ctx, closeBroker, err := q.connect(ctx, e)
 	if err != nil {
 		return err
 	}
-	defer b.Close()
+	defer closeBroker()
 	bar := newProgress(e.stderr, "exporting "+q.queue+".dlq")
 	w := bufio.NewWriter(e.stdout)
 	n, err := deadletter.New(b).Export(ctx, q.queue, w, deadletter.ExportOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
@@ -540,11 +542,11 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
-	b, err := q.connect(e)
+	b, ctx, closeBroker, err := q.connect(ctx, e)
 	if err != nil {
 		return err
 	}
-	defer b.Close()
+	defer closeBroker()
 	var in io.Reader = bufio.NewReaderSize(e.stdin, 1<<20)
 	// The target is checked when it is a dead-letter queue, which nothing
 	// consumes: --to a work queue is not, whose consumers take what is

@@ -11,6 +11,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -88,8 +89,8 @@ func (c *common) amqpURLs() []string {
 
 // connect returns a Broker on the server, or on the nodes of a cluster,
 // once one of them has answered within timeout: the Broker itself would
-// wait for ever, reconnecting.
-func (c *common) connect(timeout time.Duration) (*broker.Broker, error) {
+// wait for ever, reconnecting. obs is the Broker's Observer.
+func (c *common) connect(timeout time.Duration, obs broker.Observer) (*broker.Broker, error) {
 	urls := c.amqpURLs()
 	var errs []error
 	for _, url := range urls {
@@ -99,13 +100,97 @@ func (c *common) connect(timeout time.Duration) (*broker.Broker, error) {
 			continue
 		}
 		conn.Close()
-		opts := broker.Options{ReconnectMax: 2 * time.Second}
+		opts := broker.Options{ReconnectMax: 2 * time.Second, Observer: obs}
 		if len(urls) == 1 {
 			return broker.New(url, opts), nil
 		}
 		return broker.NewCluster(broker.Addresses(urls), opts), nil
 	}
 	return nil, errors.Join(errs...)
+}
+
+// connectFor is connect for a command that ends. Besides the Broker, it
+// returns the context to run the command under, which ends once the
+// Broker has tried for timeout to reach the server and failed (a
+// connection lost midway that does not come back, or its own first one),
+// where the Broker would go on trying; e.lost then says why. The caller
+// closes the Broker with close, which must be called.
+func (c *common) connectFor(ctx context.Context, e *env) (b *broker.Broker, cctx context.Context, close func(), err error) {
+	cctx, cancel := context.WithCancel(ctx)
+	w := &downWatch{e: e, timeout: e.timeout, where: strings.Join(c.redactedURLs(), ", "), cancel: cancel}
+	b, err = c.connect(e.timeout, broker.Observer{Reconnect: w.reconnect, Connect: w.connect})
+	if err != nil {
+		cancel()
+		return nil, nil, nil, err
+	}
+	return b, cctx, func() {
+		w.stop()
+		b.Close()
+		cancel()
+	}, nil
+}
+
+// redactedURLs returns the servers' URLs without their passwords.
+func (c *common) redactedURLs() []string {
+	var urls []string
+	for _, u := range c.amqpURLs() {
+		urls = append(urls, redact(u))
+	}
+	return urls
+}
+
+// A downWatch ends a command's context once its Broker has failed to
+// reach the server for the timeout since its last connection was lost (or
+// since it first tried), and tells the command's env why.
+type downWatch struct {
+	e       *env
+	timeout time.Duration
+	where   string
+	cancel  context.CancelFunc
+
+	mu      sync.Mutex
+	timer   *time.Timer // armed while no connection is up
+	last    error       // the last failure
+	stopped bool
+}
+
+func (w *downWatch) reconnect(ev broker.ReconnectEvent) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.last = ev.Err
+	if w.timer == nil && !w.stopped {
+		w.timer = time.AfterFunc(w.timeout, w.fire)
+	}
+}
+
+func (w *downWatch) connect(broker.ConnectEvent) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.timer != nil {
+		w.timer.Stop()
+		w.timer = nil
+	}
+}
+
+func (w *downWatch) fire() {
+	w.mu.Lock()
+	if w.stopped || w.timer == nil {
+		w.mu.Unlock()
+		return
+	}
+	err := fmt.Errorf("RabbitMQ at %s did not answer again within %s (--timeout): %w", w.where, w.timeout, w.last)
+	w.mu.Unlock()
+	w.e.setLost(err)
+	w.cancel()
+}
+
+func (w *downWatch) stop() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.stopped = true
+	if w.timer != nil {
+		w.timer.Stop()
+	}
 }
 
 // unreachable is the error of a server that could not be reached.

@@ -33,7 +33,8 @@
 // amqp://guest:guest@127.0.0.1:5672/. For a cluster, repeat --amqp or
 // separate the nodes' URLs with commas (in $RABBITMQ_URL too): each
 // connection goes to a node that answers. A server that does not answer
-// within --timeout (default 10s) fails the command. Output is a table, or
+// within --timeout (default 10s) fails the command, at its start or
+// midway (once it has been unreachable that long). Output is a table, or
 // JSON with --json. Long reads and replays draw a progress bar on standard
 // error, from their start, when it is a terminal. Each command's -h lists
 // its flags; rabbitmw --version prints the version.
@@ -67,6 +68,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"sync"
 	"syscall"
 	"time"
 
@@ -125,6 +127,25 @@ type env struct {
 	stdin          io.Reader
 	stdout, stderr io.Writer
 	timeout        time.Duration // --timeout
+
+	mu   sync.Mutex
+	lost error // why the command's context ended: a server gone (see connectFor)
+}
+
+// setLost records err as the reason the command's context ended.
+func (e *env) setLost(err error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.lost == nil {
+		e.lost = err
+	}
+}
+
+// lostErr returns the reason setLost recorded, or nil.
+func (e *env) lostErr() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.lost
 }
 
 func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
@@ -155,6 +176,11 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	}
 	if err == nil {
 		return exitOK
+	}
+	if lost := e.lostErr(); lost != nil {
+		// The command failed because its server went away: that is what
+		// to say, rather than the context's end it caused.
+		err = lost
 	}
 	var ee *exitError
 	if errors.As(err, &ee) && ee.code == exitOK {

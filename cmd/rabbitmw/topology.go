@@ -43,11 +43,11 @@ func (e *env) topology(ctx context.Context, args []string) error {
 	if err != nil {
 		return usageError("%v", err)
 	}
-	b, err := q.connect(e)
+	b, ctx, closeBroker, err := q.connect(ctx, e)
 	if err != nil {
 		return err
 	}
-	defer b.Close()
+	defer closeBroker()
 	switch sub {
 	case "declare":
 		if err := b.Declare(ctx, q.queue, top); err != nil {

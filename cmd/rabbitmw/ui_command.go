@@ -79,7 +79,7 @@ func (e *env) ui(ctx context.Context, args []string) error {
 	if ip := net.ParseIP(host); (ip == nil || !ip.IsLoopback()) && cfg.token == "" && cfg.user == "" {
 		return usageError("--listen %s is not a loopback address: give --token or --basic-auth, which every request must then carry", *listen)
 	}
-	b, err := c.connect(e.timeout)
+	b, err := c.connect(e.timeout, broker.Observer{})
 	if err != nil {
 		return err
 	}

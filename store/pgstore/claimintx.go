@@ -192,13 +192,16 @@ func (h *inbox) finishClaimed(ctx context.Context, c *txClaim, t *pgxTxn, call f
 	defer h.rollbackIfOpen(ctx, t, &open)
 	if err := call(ctx); err != nil {
 		if idleTimedOut(err) {
-			return h.claimEnded(ctx, c.key, err)
+			return h.claimEnded(ctx, c, err)
 		}
 		return h.failed(ctx, t, c.key, err)
 	}
 	if t.tx.settled || t.conn.Conn().PgConn().TxStatus() == 'I' {
 		// fn committed or rolled back tx itself.
 		return errTxSettled(c.key)
+	}
+	if t.conn.Conn().PgConn().IsBusy() {
+		return fmt.Errorf("pgstore: the transaction of %q: %w", c.key, errRowsOpen)
 	}
 	// As in handle, the commit runs even if ctx is cancelled from now on:
 	// the transaction has held the key's row since its first statement,
@@ -208,7 +211,7 @@ func (h *inbox) finishClaimed(ctx context.Context, c *txClaim, t *pgxTxn, call f
 	if sent {
 		defer t.release()
 	}
-	return h.claimResult(ctx, t, c.key, sent, err)
+	return h.claimResult(ctx, t, c, sent, err)
 }
 
 // commitClaims commits t, whose statements claimed cs, within
@@ -235,15 +238,16 @@ func (h *inbox) commitClaims(ctx context.Context, t *pgxTxn, cs ...*txClaim) (se
 	return true, t.tx.Commit(sctx)
 }
 
-// claimResult returns the result of a delivery of key, claimed in t,
-// whose commit returned err, or, if the COMMIT was not sent, the
-// statement before it.
-func (h *inbox) claimResult(ctx context.Context, t *pgxTxn, key string, sent bool, err error) error {
+// claimResult returns the result of a delivery claimed in t by c, whose
+// commit returned err, or, if the COMMIT was not sent, the statement
+// before it.
+func (h *inbox) claimResult(ctx context.Context, t *pgxTxn, c *txClaim, sent bool, err error) error {
+	key := c.key
 	switch {
 	case err == nil:
 		return nil
 	case idleTimedOut(err):
-		return h.claimEnded(ctx, key, err)
+		return h.claimEnded(ctx, c, err)
 	case errors.Is(err, pgx.ErrTxCommitRollback):
 		// A statement of fn failed, and fn dropped its error: the server
 		// rolled the transaction back. fn's attempt failed.
@@ -266,18 +270,19 @@ func idleTimedOut(err error) bool {
 	return errors.As(err, &pe) && pe.Code == "25P03"
 }
 
-// claimEnded returns the result of a delivery of key whose claim, made in
-// its transaction, ended with its lease (err says so): rolled back,
-// nothing committed, as a lost claim of Dedup's. The function waited
-// longer than the lease between two statements, or its consumer stalled:
-// the next delivery of key goes to Dedup's claim, whose lease is renewed
-// while the function runs, through a forgotten row of key (unless the key
-// has a row already: another consumer's claim, or its done mark).
-func (h *inbox) claimEnded(ctx context.Context, key string, err error) error {
+// claimEnded returns the result of a delivery whose claim c, made in its
+// transaction, ended with its lease (err says so): rolled back, nothing
+// committed, as a lost claim of Dedup's. The function waited longer than
+// the lease between two statements, or its consumer stalled: the next
+// delivery of the key goes to Dedup's claim, whose lease is renewed while
+// the function runs, through a forgotten row of the key (unless the key
+// has a row already: another consumer's claim, or its done mark), which
+// no prune deletes before c's retention ends.
+func (h *inbox) claimEnded(ctx context.Context, c *txClaim, err error) error {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
-	h.s.pool.Exec(rctx, h.s.forgottenSQL, []byte(key))
+	h.s.pool.Exec(rctx, h.s.forgottenSQL, []byte(c.key), c.retention.Microseconds())
 	cancel()
-	return rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: the transaction that claimed %q was idle for longer than the lease, and the server ended it: rolled back: %w", middleware.ErrLeaseLost, key, err), h.retry)
+	return rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: the transaction that claimed %q was idle for longer than the lease, and the server ended it: rolled back: %w", middleware.ErrLeaseLost, c.key, err), h.retry)
 }
 
 var _ middleware.ClaimingHandler = (*txHandler)(nil)

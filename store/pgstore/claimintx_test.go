@@ -281,6 +281,37 @@ func testHandlerClaimInTxEndsWithTheLease(t *testing.T, opts pgstore.HandlerOpti
 	assert.Equal(t, store.Done, f.status(t, "m1"))
 }
 
+// The row that sends the next delivery to Dedup's claim, after a claim in
+// the transaction ended with its lease, outlasts the prunes that other
+// claims run meanwhile: else the next delivery, a copy of the message
+// that is not marked redelivered (a delay queue's), is claimed in its
+// transaction again, idles past the lease again, and the message never
+// succeeds (nor is it counted: a lost lease is not its failure).
+func TestHandlerClaimInTxEndedSurvivesPrune(t *testing.T) {
+	inEveryMode(t, testHandlerClaimInTxEndedSurvivesPrune)
+}
+
+func testHandlerClaimInTxEndedSurvivesPrune(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	const lease, wait = 300 * time.Millisecond, time.Second
+	var underClaim []bool
+	h := middleware.Dedup(f.st, middleware.DedupOptions{Lease: lease})(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		_, ok := middleware.ClaimFrom(ctx)
+		underClaim = append(underClaim, ok)
+		time.Sleep(wait) // idle in the transaction, ignoring ctx
+		return f.insert(context.WithoutCancel(ctx), tx, d)
+	}, opts))
+	require.ErrorIs(t, h.Handle(ctx, delivery("m1")), middleware.ErrLeaseLost, "the first delivery")
+	// The claims of other messages prune forgotten rows, every
+	// PruneEvery-th of them.
+	_, err := f.st.Prune(ctx, 1000)
+	require.NoError(t, err)
+	require.NoError(t, h.Handle(ctx, delivery("m1")), "the next delivery")
+	assert.Equal(t, []bool{false, true}, underClaim, "the deliveries ran under a claim of Dedup's")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
 // The done mark of a delivery claimed in its transaction lasts for Dedup's
 // Retention after the success, as on the path of Dedup's claim, however
 // long the function ran: a copy that arrives within the retention after

@@ -122,7 +122,8 @@
 // a transaction of its own, and gets that one's result. Otherwise each
 // gets the commit's error (wrapping middleware.ErrStoreUnavailable if
 // its answer was lost, as for a transaction of one). A member whose
-// context ends while it waits to join a group returns the context's
+// context ends while it waits to join a group, or while its claim waits
+// for a row that another transaction holds, returns the context's
 // error, having run nothing, marked not counted (rabbitmw.NotCounted)
 // and tried again after RetryDelay: the wait was the consumer's
 // congestion, not the message's failure.

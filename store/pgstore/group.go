@@ -129,10 +129,7 @@ func (gr *grouper) handle(ctx context.Context, d *amqp.Delivery, key string, lea
 	g, err := gr.join(ctx, m)
 	switch {
 	case err != nil:
-		// Nothing ran: the attempt leaves nothing, and Dedup reports no
-		// answer (see middleware.ClaimingHandler). The wait was the
-		// consumer's congestion, not the message's failure: not counted.
-		return false, rabbitmw.NotCounted(rabbitmw.RetryAfter(fmt.Errorf("pgstore: %q waited for a group's transaction until its context ended: %w", key, err), gr.h.in.retry))
+		return false, gr.cut(key, err)
 	case g == nil:
 		return false, nil // no connection: Dedup's claim reports it
 	}
@@ -141,6 +138,15 @@ func (gr *grouper) handle(ctx context.Context, d *amqp.Delivery, key string, lea
 		gr.h.in.s.counted(ctx)
 	}
 	return ran, err
+}
+
+// cut is the result of a delivery of key whose context ended, with err,
+// before its function ran in a group. Nothing ran: the attempt leaves
+// nothing, and Dedup reports no answer (see middleware.ClaimingHandler).
+// The wait was the consumer's congestion, not the message's failure: not
+// counted.
+func (gr *grouper) cut(key string, err error) error {
+	return rabbitmw.NotCounted(rabbitmw.RetryAfter(fmt.Errorf("pgstore: %q waited for a group's transaction until its context ended: %w", key, err), gr.h.in.retry))
 }
 
 // join admits m to a group, and returns it once m holds its connection;
@@ -250,8 +256,26 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 	m.start = time.Now()
 	g.claims++
 	m.savepoint = savepointName(g.claims)
-	claimed, err := g.t.claim(ctx, &m.txClaim, lease, m.savepoint)
+	// The claim waits lockWait at most for a row that another
+	// transaction holds. The end of ctx does not cut it short: pgx would
+	// close the group's connection under the group-mates.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), in.commitTimeout)
+	claimed, err := g.t.claim(cctx, &m.txClaim, lease, m.savepoint)
+	cancel()
+	if err == nil && claimed && ctx.Err() != nil {
+		// ctx ended while m claimed: m runs nothing, as if it had ended
+		// while m waited for the connection.
+		gr.undo(ctx, g, m)
+		gr.pass(ctx, g)
+		return false, gr.cut(m.key, context.Cause(ctx))
+	}
 	if err != nil || !claimed {
+		if idleTimedOut(err) {
+			// The server ended the session, left idle for the lease
+			// before this claim: the claims of the members before it
+			// ended with it.
+			g.broken = err
+		}
 		gr.undo(ctx, g, m)
 		gr.pass(ctx, g)
 		return false, claimBusy(m.key, err)
@@ -271,11 +295,16 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 		if idleTimedOut(err) {
 			// The server ended the session: the group's claims too.
 			g.broken = err
-			err = in.claimEnded(ctx, m.key, err)
+			err = in.claimEnded(ctx, &m.txClaim, err)
 		} else {
 			gr.undo(ctx, g, m)
 			err = in.failed(ctx, g.t, m.key, err)
 		}
+	case g.t.conn.Conn().PgConn().IsBusy():
+		// Nothing more can be sent on the connection: not even the
+		// rollback to m's savepoint.
+		g.broken = errRowsOpen
+		err = fmt.Errorf("pgstore: the transaction of %q: %w", m.key, errRowsOpen)
 	case tx.settled:
 		gr.undo(ctx, g, m)
 		err = errTxSettled(m.key)
@@ -361,9 +390,9 @@ func (gr *grouper) commit(ctx context.Context, g *group) {
 		m.alone = refused
 		switch {
 		case g.broken == nil:
-			m.result = in.claimResult(ctx, g.t, m.key, sent, err)
+			m.result = in.claimResult(ctx, g.t, &m.txClaim, sent, err)
 		case idleTimedOut(g.broken):
-			m.result = in.claimEnded(ctx, m.key, g.broken)
+			m.result = in.claimEnded(ctx, &m.txClaim, g.broken)
 		default:
 			// Another member's failure broke the transaction: it is
 			// not this message's.

@@ -635,3 +635,123 @@ func TestGroupCommitNestedTransactions(t *testing.T) {
 		assert.Equal(t, status, f.status(t, id), "the key %s, claimed by a stranger afterwards", id)
 	}
 }
+
+// A member's function that returns with a query's rows unclosed leaves
+// the group's connection busy: nothing more can be sent on it, not the
+// rollback to the member's savepoint, nor the commit. The member fails,
+// counted; the members before it fail, not counted (their effects are
+// rolled back, and their messages tried again, once each); the members
+// after it run under Dedup's claim.
+func TestGroupCommitRowsLeftOpen(t *testing.T) {
+	ctx := context.Background()
+	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+	g := newGate()
+	f.holds("a", g)
+	f.set("leak", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		rows, err := tx.Query(ctx, `SELECT generate_series(1, 3)`)
+		if err != nil {
+			return err
+		}
+		rows.Next() // the first row only: rows stays open
+		return nil
+	})
+	errs := f.group(t, g, nil, delivery("a"), delivery("leak"), delivery("b"))
+	require.ErrorIs(t, errs[0], middleware.ErrStoreUnavailable, "a")
+	require.Error(t, errs[1], "leak")
+	assert.NotErrorIs(t, errs[1], middleware.ErrStoreUnavailable, "leak")
+	assert.False(t, rabbitmw.IsNotCounted(errs[1]), "leak's failure not counted: %v", errs[1])
+	require.NoError(t, errs[2], "b")
+	assert.Equal(t, 0, f.count(t, "a"), "effects of a")
+	assert.Equal(t, 0, f.count(t, "leak"), "effects of leak")
+	assert.Equal(t, 1, f.count(t, "b"), "effects of b")
+	f.set("a", nil)
+	require.NoError(t, f.h.Handle(ctx, delivery("a")), "a again")
+	assert.Equal(t, 1, f.count(t, "a"), "effects of a")
+	assert.Equal(t, store.Done, f.status(t, "a"))
+}
+
+// A member whose function leaves the group's transaction idle for longer
+// than the lease, and then succeeds without another statement, lost its
+// claim with the session that the server ended: the member after it
+// finds the session ended as it sends its claim. The first gets the
+// result of a claim that ended with its lease (and its next delivery goes
+// to Dedup's claim, whose renewals let the function take its time), not
+// that of a transaction broken by another member, which would send its
+// next delivery to claim in a transaction again, to lose its lease again.
+func TestGroupCommitIdleMemberThenAnother(t *testing.T) {
+	ctx := context.Background()
+	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+	const lease, wait = 300 * time.Millisecond, time.Second
+	f.h = middleware.Dedup(f.st, middleware.DedupOptions{Lease: lease})(f.inner)
+	g := newGate()
+	var underClaim []bool
+	f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		_, ok := middleware.ClaimFrom(ctx)
+		underClaim = append(underClaim, ok)
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		if !ok {
+			if err := g.hold(ctx); err != nil {
+				return err
+			}
+			time.Sleep(wait) // idle in the transaction, ignoring ctx
+		}
+		return nil
+	})
+	errs := f.group(t, g, nil, delivery("a"), delivery("b"))
+	require.ErrorIs(t, errs[0], middleware.ErrLeaseLost, "a")
+	require.NoError(t, errs[1], "b")
+	assert.Equal(t, 0, f.count(t, "a"), "effects of a")
+	assert.Equal(t, 1, f.count(t, "b"), "effects of b")
+	require.NoError(t, f.h.Handle(ctx, delivery("a")), "a's next delivery")
+	assert.Equal(t, []bool{false, true}, underClaim, "a ran under a claim of Dedup's")
+	assert.Equal(t, 1, f.count(t, "a"), "effects of a")
+}
+
+// A member whose context ends while its claim waits for a row that
+// another transaction holds (a copy of its message in another consumer's
+// transaction) leaves the group as it would have alone, having run
+// nothing: the group's connection, shared, is not closed under its
+// group-mates, which commit.
+func TestGroupCommitContextEndsDuringTheClaim(t *testing.T) {
+	ctx := context.Background()
+	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+	// Another consumer's transaction holds b's row.
+	other, err := f.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer other.Rollback(ctx)
+	_, err = other.Exec(ctx, `INSERT INTO `+f.table()+` (key, token, lease_until, forget_at) VALUES ('b', NULL, now() + interval '1 hour', now() + interval '1 hour')`)
+	require.NoError(t, err)
+	var otherPID int
+	require.NoError(t, other.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&otherPID))
+
+	g := newGate()
+	f.holds("a", g)
+	bctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	waiting := make(chan struct{})
+	go func() { // b's context ends once its claim waits for the row
+		defer close(waiting)
+		for range 1000 {
+			var n int
+			if err := f.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, otherPID).Scan(&n); err == nil && n > 0 {
+				cancel()
+				return
+			}
+			time.Sleep(time.Millisecond) // polls the server
+		}
+	}()
+	errs := f.group(t, g, []context.Context{nil, bctx}, delivery("a"), delivery("b"))
+	<-waiting
+	require.ErrorIs(t, bctx.Err(), context.Canceled, "b's claim never waited")
+	require.NoError(t, errs[0], "a")
+	assert.Equal(t, 1, f.count(t, "a"), "effects of a")
+	assert.Equal(t, store.Done, f.status(t, "a"))
+	require.Error(t, errs[1], "b")
+	_, calls := f.ran("b")
+	assert.Zero(t, calls, "calls of b's function")
+}

@@ -27,7 +27,10 @@ var (
 	// over the same Store, so it has no key to mark done: no Dedup runs in
 	// front of it, or one over another store (the done mark then finds no
 	// row for the key while Dedup's claim holds). The message is
-	// dead-lettered: the chain is built wrong.
+	// dead-lettered: the chain is built wrong. (A Dedup with FailOpen
+	// runs the handler without a claim when the database cannot be
+	// reached: the handler then answers ErrStoreUnavailable, unless the
+	// database answers it.)
 	ErrNoClaim = errors.New("pgstore: the transactional handler runs without a claim: put middleware.Dedup, over the same pgstore.Store, in front of it")
 	// ErrTxSettled: the function committed or rolled back the transaction
 	// itself, so the done mark could not join it. The message is
@@ -39,7 +42,8 @@ var (
 // A TxFunc applies the effect of a delivery in tx: the transaction that
 // [Handler] begins, and commits with the delivery's done mark if TxFunc
 // returns nil. It must not commit or roll back tx, nor keep it after it
-// returns. Its error is returned as the handler's (wrap it in
+// returns, nor leave rows of it unclosed (the connection is then busy,
+// and the attempt fails, rolled back). Its error is returned as the handler's (wrap it in
 // rabbitmw.Permanent to dead-letter the message); a serialisation failure
 // or deadlock (SQLSTATE 40001, 40P01) is an ordinary failure, tried again.
 type TxFunc func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error
@@ -52,8 +56,8 @@ type SQLTxFunc func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error
 type HandlerOptions struct {
 	// TxOptions are the options of the transaction: its isolation level
 	// (default: the database's, normally READ COMMITTED), access and
-	// deferrable modes. SQLHandler uses its isolation level and access
-	// mode.
+	// deferrable modes. SQLHandler uses its isolation level. The access
+	// mode cannot be read only: the transaction writes the done mark.
 	TxOptions pgx.TxOptions
 	// RetryDelay is how long a delivery waits before it is tried again
 	// when the database could not be reached, or the claim was lost
@@ -150,10 +154,13 @@ type HandlerOptions struct {
 // commit, so Dedup's lease renewals (on connections of their own, see
 // [Store]) never wait for a long-running fn, and fn never waits for a
 // renewal longer than that one statement. Handler panics if s or fn is
-// nil, or opts.GroupCommit is out of range.
+// nil, opts.GroupCommit is out of range, or opts.TxOptions is read only.
 func Handler(s *Store, fn TxFunc, opts HandlerOptions) rabbitmw.Handler {
 	if s == nil || fn == nil {
 		panic("pgstore: Handler: nil store or function")
+	}
+	if opts.TxOptions.AccessMode == pgx.ReadOnly {
+		panic(errReadOnly("Handler"))
 	}
 	if opts.GroupCommit < 0 || opts.GroupCommit > maxGroupCommit {
 		panic(fmt.Sprintf("pgstore: Handler: GroupCommit %d out of [0, %d]", opts.GroupCommit, maxGroupCommit))
@@ -171,13 +178,17 @@ func Handler(s *Store, fn TxFunc, opts HandlerOptions) rabbitmw.Handler {
 // stdlib.OpenDBFromPool(pool) (package github.com/jackc/pgx/v5/stdlib).
 // Everything Handler says of a delivery under Dedup's claim holds for it;
 // it claims no key in its transaction, so Dedup claims every delivery.
-// SQLHandler panics if s, db or fn is nil.
+// SQLHandler panics if s, db or fn is nil, or opts.TxOptions is read
+// only.
 func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitmw.Handler {
 	if s == nil || db == nil || fn == nil {
 		panic("pgstore: SQLHandler: nil store, database or function")
 	}
+	if opts.TxOptions.AccessMode == pgx.ReadOnly {
+		panic(errReadOnly("SQLHandler"))
+	}
 	h := newInbox(s, opts)
-	txo := &sql.TxOptions{ReadOnly: opts.TxOptions.AccessMode == pgx.ReadOnly}
+	txo := new(sql.TxOptions)
 	switch opts.TxOptions.IsoLevel {
 	case pgx.Serializable:
 		txo.Isolation = sql.LevelSerializable
@@ -194,17 +205,32 @@ func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitm
 			// BeginTx ends: that would take the commit's decision away
 			// from handle, so the transaction's context ends only when
 			// sqlTxn says so. Statements still run under ctx.
+			// The transaction's connection is held apart, so that
+			// markAndCommit can ask pgx whether fn left it busy.
 			tctx, end := context.WithCancel(context.WithoutCancel(ctx))
-			tx, err := db.BeginTx(tctx, txo)
+			conn, err := db.Conn(tctx)
 			if err != nil {
 				end()
 				return nil, err
 			}
-			return sqlTxn{Tx: tx, s: s, end: end}, nil
+			tx, err := conn.BeginTx(tctx, txo)
+			if err != nil {
+				conn.Close()
+				end()
+				return nil, err
+			}
+			return sqlTxn{Tx: tx, conn: conn, s: s, end: end}, nil
 		}, func(ctx context.Context, t txn) error {
 			return fn(ctx, t.(sqlTxn).Tx, d)
 		})
 	})
+}
+
+// errReadOnly is the panic of the constructor name given read-only
+// TxOptions: every message's done mark would fail, and every message be
+// dead-lettered.
+func errReadOnly(name string) string {
+	return "pgstore: " + name + ": TxOptions.AccessMode is read only, and the transaction must write the done mark"
 }
 
 // A txn is a transaction of either driver.
@@ -255,6 +281,12 @@ func (t *pgxTxn) renew(ctx context.Context) (*pgx.Conn, error) {
 // errNoConn: the pool gave no connection to replace the one pgx closed.
 var errNoConn = errors.New("pgstore: the transaction's connection was closed, and the pool gave no other")
 
+// errRowsOpen: the function returned while the rows of one of its
+// queries were unread and unclosed, so nothing more can be sent on the
+// connection, not even a rollback: pgx closes it, and the server rolls
+// the transaction back. The function failed, and not the database.
+var errRowsOpen = errors.New("pgstore: the function returned with the rows of a query unclosed; its transaction was rolled back")
+
 // markAndCommit sends the mark and the COMMIT together, in one round trip
 // (a pipeline of the prepared mark and COMMIT, with one Sync): the mark
 // statement of markCommitSQL fails with a division by zero when it marks
@@ -269,6 +301,9 @@ func (t *pgxTxn) markAndCommit(ctx context.Context, key, token []byte, retention
 	if t.tx.settled || t.tx.began && pc.TxStatus() == 'I' {
 		// fn committed or rolled back tx itself.
 		return 0, pgx.ErrTxClosed, nil
+	}
+	if pc.IsBusy() {
+		return 0, errRowsOpen, nil
 	}
 	args := [][]byte{key, token, binary.BigEndian.AppendUint64(nil, uint64(retention.Microseconds()))}
 	binary3 := []int16{1, 1, 1}
@@ -352,11 +387,13 @@ func (t *pgxTxn) release() {
 // transaction began with, so ending that context (end) bounds them.
 // Commit marks the transaction done before it sends the COMMIT, so an end
 // during the COMMIT does not roll it back: it abandons the connection, and
-// the outcome is unknown.
+// the outcome is unknown. The transaction runs on conn, which goes back
+// to the pool once the transaction ends.
 type sqlTxn struct {
 	*sql.Tx
-	s   *Store
-	end context.CancelFunc
+	conn *sql.Conn
+	s    *Store
+	end  context.CancelFunc
 }
 
 func (sqlTxn) broken() bool { return false } // database/sql does not say; lost reports driver.ErrBadConn
@@ -364,15 +401,34 @@ func (sqlTxn) broken() bool { return false } // database/sql does not say; lost 
 // markAndCommit runs the mark, then, if it marked the key, the commit:
 // two round trips (database/sql has no pipeline).
 func (t sqlTxn) markAndCommit(ctx context.Context, key, token []byte, retention time.Duration) (marked int, markErr, commitErr error) {
+	if t.busy() {
+		return 0, errRowsOpen, nil
+	}
 	if markErr = t.QueryRowContext(ctx, t.s.markSQL, key, token, retention).Scan(&marked); markErr != nil || marked != 1 {
 		return marked, markErr, nil
 	}
 	return 1, nil, t.settle(ctx, t.Commit)
 }
 
-func (t sqlTxn) rollback(ctx context.Context) error { return t.settle(ctx, t.Rollback) }
+func (t sqlTxn) rollback(ctx context.Context) error {
+	defer t.conn.Close()
+	return t.settle(ctx, t.Rollback)
+}
 
-func (sqlTxn) release() {}
+func (t sqlTxn) release() { t.conn.Close() }
+
+// busy reports whether pgx's connection under t is busy: fn left the
+// rows of a query unclosed, and nothing more can be sent on it.
+func (t sqlTxn) busy() bool {
+	var busy bool
+	t.conn.Raw(func(dc any) error {
+		if c, ok := dc.(interface{ Conn() *pgx.Conn }); ok {
+			busy = c.Conn().PgConn().IsBusy()
+		}
+		return nil
+	})
+	return busy
+}
 
 // settle runs commit or rollback, ending the transaction's context if ctx
 // is done first, and in any case when it returns.
@@ -452,11 +508,22 @@ func errTxSettled(key string) error {
 	return rabbitmw.Permanent(fmt.Errorf("%w: key %q", ErrTxSettled, key))
 }
 
+// noClaim returns the result of a delivery that runs without a claim of
+// Dedup's: ErrNoClaim, the chain is built wrong; unless the database
+// cannot be reached, which is why a Dedup with FailOpen runs its handler
+// without a claim: then the message is tried again.
+func (h *inbox) noClaim(ctx context.Context) error {
+	if err := h.s.pool.Ping(ctx); err != nil {
+		return h.unavailable(fmt.Errorf("pgstore: a delivery without a claim: %w", err))
+	}
+	return rabbitmw.Permanent(ErrNoClaim)
+}
+
 // handle runs one delivery's transaction: begin, call, mark, commit.
 func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, error), call func(context.Context, txn) error) error {
 	c, ok := middleware.ClaimFrom(ctx)
 	if !ok {
-		return rabbitmw.Permanent(ErrNoClaim)
+		return h.noClaim(ctx)
 	}
 	key := c.Key()
 	t, err := begin(ctx)
@@ -488,6 +555,8 @@ func (h *inbox) handle(ctx context.Context, begin func(context.Context) (txn, er
 		return fmt.Errorf("pgstore: mark %q done: %w (%w)", key, err, context.Cause(ctx))
 	case settled(err):
 		return errTxSettled(key)
+	case errors.Is(err, errRowsOpen):
+		return fmt.Errorf("pgstore: mark %q done: %w", key, err)
 	case err != nil && !lost(t, err) && isPgError(err):
 		// The server refused: a serialisation failure, or a statement of
 		// fn that failed with its error dropped (the transaction is

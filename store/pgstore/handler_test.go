@@ -417,6 +417,41 @@ func testHandlerSelfSettledTx(t *testing.T, opts pgstore.HandlerOptions) {
 	}
 }
 
+// A function that returns with the rows of a query unread and unclosed (a
+// common slip: a loop that breaks early without rows.Close) leaves the
+// connection busy, so that nothing more can be sent on it, the COMMIT
+// included. That is the function's failure, counted, with its effect
+// rolled back; not an unreachable database, whose errors are not counted
+// and tried again for ever.
+func TestHandlerRowsLeftOpen(t *testing.T) { inEveryMode(t, testHandlerRowsLeftOpen) }
+
+func testHandlerRowsLeftOpen(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	for _, p := range f.paths() {
+		t.Run(p.name, func(t *testing.T) {
+			id := strings.ReplaceAll(p.name, " ", "-")
+			h := p.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if err := f.insert(ctx, tx, d); err != nil {
+					return err
+				}
+				rows, err := tx.Query(ctx, `SELECT generate_series(1, 3)`)
+				if err != nil {
+					return err
+				}
+				rows.Next() // the first row only: rows stays open
+				return nil
+			}, opts), middleware.DedupOptions{})
+			err := h.Handle(ctx, delivery(id))
+			require.Error(t, err)
+			assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
+			assert.False(t, rabbitmw.IsNotCounted(err), "%v is not counted", err)
+			assert.Equal(t, 0, f.count(t, id), "effects")
+			assert.NotEqual(t, store.Done, f.status(t, id), "the key is done")
+		})
+	}
+}
+
 func TestHandlerSerializationFailureIsOrdinary(t *testing.T) {
 	inEveryMode(t, testHandlerSerializationFailureIsOrdinary)
 }
@@ -435,12 +470,78 @@ func testHandlerSerializationFailureIsOrdinary(t *testing.T, opts pgstore.Handle
 	}
 }
 
+// A read-only transaction cannot hold the done mark: with
+// TxOptions.AccessMode ReadOnly, every message's function would succeed,
+// its mark fail, and the message be dead-lettered after its attempts. That
+// is a programmer's error, found at construction.
+func TestHandlerReadOnlyRefused(t *testing.T) {
+	f := newInbox(t, newPool(t))
+	db := stdlib.OpenDBFromPool(f.pool)
+	t.Cleanup(func() { db.Close() })
+	sqlFn := func(context.Context, *sql.Tx, *amqp.Delivery) error { return nil }
+	for _, m := range handlerModes {
+		opts := m.opts
+		opts.TxOptions.AccessMode = pgx.ReadOnly
+		assert.Panics(t, func() { pgstore.Handler(f.st, f.insert, opts) }, "Handler, %s", m.name)
+		assert.Panics(t, func() { pgstore.SQLHandler(f.st, db, sqlFn, opts) }, "SQLHandler, %s", m.name)
+		opts.TxOptions.AccessMode = pgx.ReadWrite
+		assert.NotPanics(t, func() { pgstore.Handler(f.st, f.insert, opts) }, "Handler, %s, read write", m.name)
+		assert.NotPanics(t, func() { pgstore.SQLHandler(f.st, db, sqlFn, opts) }, "SQLHandler, %s, read write", m.name)
+	}
+}
+
 func TestHandlerWithoutDedup(t *testing.T) {
 	f := newInbox(t, newPool(t))
 	err := pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{}).Handle(context.Background(), delivery("m1"))
 	require.ErrorIs(t, err, pgstore.ErrNoClaim)
 	require.Equal(t, rabbitmw.DeadLetter, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
 	assert.Equal(t, 0, f.count(t, "m1"), "effects")
+}
+
+// Dedup with FailOpen runs the handler without a claim when the store
+// cannot be reached: with the PostgreSQL store, the database is down, and
+// the handler too reports it unreachable, to be tried again, rather than
+// dead-letter every message of the outage as a chain built wrong.
+func TestHandlerFailOpenWhileTheDatabaseIsDown(t *testing.T) {
+	ctx := context.Background()
+	cfg := newPool(t).Config()
+	var down atomic.Bool
+	dial := cfg.ConnConfig.DialFunc
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if down.Load() {
+			return nil, errors.New("the database is down")
+		}
+		return dial(ctx, network, addr)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	f := newInbox(t, pool)
+	db := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { db.Close() })
+	for _, tt := range []struct {
+		name string
+		h    rabbitmw.Handler
+	}{
+		{"Handler", pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{})},
+		{"SQLHandler", pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId)
+			return err
+		}, pgstore.HandlerOptions{})},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := f.stack(tt.h, middleware.DedupOptions{FailOpen: true})
+			id := "m-" + tt.name
+			pool.Reset()
+			down.Store(true)
+			err := h.Handle(ctx, delivery(id))
+			down.Store(false)
+			require.ErrorIs(t, err, middleware.ErrStoreUnavailable)
+			assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+			require.NoError(t, h.Handle(ctx, delivery(id)), "once the database is back")
+			assert.Equal(t, 1, f.count(t, id), "effects")
+		})
+	}
 }
 
 // countingStore counts Extend and Complete calls.
@@ -522,6 +623,33 @@ func TestSQLHandler(t *testing.T) {
 	}, pgstore.HandlerOptions{})
 	assert.ErrorIs(t, f.stack(selfCommit, middleware.DedupOptions{}).Handle(ctx, delivery("m2")), pgstore.ErrTxSettled, "self-committed")
 	assert.NotEqual(t, store.Done, f.status(t, "m2"), "self-committed key is done; want not marked")
+}
+
+// SQLHandler's function that returns with a query's rows unclosed fails,
+// counted, its effect rolled back, as Handler's does (see
+// TestHandlerRowsLeftOpen).
+func TestSQLHandlerRowsLeftOpen(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	db := stdlib.OpenDBFromPool(f.pool)
+	t.Cleanup(func() { db.Close() })
+	h := f.stack(pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId); err != nil {
+			return err
+		}
+		rows, err := tx.QueryContext(ctx, `SELECT generate_series(1, 3)`)
+		if err != nil {
+			return err
+		}
+		rows.Next() // the first row only: rows stays open
+		return nil
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	err := h.Handle(ctx, delivery("m1"))
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
+	assert.False(t, rabbitmw.IsNotCounted(err), "%v is not counted", err)
+	assert.Equal(t, 0, f.count(t, "m1"), "effects")
+	assert.NotEqual(t, store.Done, f.status(t, "m1"), "the key is done")
 }
 
 // The recommended stack, with the transactional handler, over many

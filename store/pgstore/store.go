@@ -372,8 +372,12 @@ ON CONFLICT (key) DO UPDATE
   SET count = CASE WHEN f.expires_at > statement_timestamp() THEN f.count + 1 ELSE 1 END, expires_at = GREATEST(f.expires_at, excluded.expires_at)`
 	// The row that sends a key's next delivery to Dedup's claim, after a
 	// claim in the transaction ended with its lease: a forgotten one,
-	// which the next claim takes.
-	s.forgottenSQL = `INSERT INTO ` + c + ` (key, token, lease_until, forget_at) VALUES ($1, NULL, '-infinity', '-infinity') ON CONFLICT DO NOTHING`
+	// which the next claim takes, but which no prune deletes before the
+	// retention $2 (microseconds) ends: the next delivery may come after
+	// many other claims, and one that found no row would be claimed in its
+	// transaction again.
+	s.forgottenSQL = `INSERT INTO ` + c + ` (key, token, lease_until, forget_at)
+VALUES ($1, NULL, '-infinity', statement_timestamp() + $2::bigint * interval '1 microsecond') ON CONFLICT DO NOTHING`
 	s.rowExistsSQL = `SELECT EXISTS (SELECT FROM ` + c + ` WHERE key = $1)`
 	s.releaseSQL = `DELETE FROM ` + c + ` WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 	s.failSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at) VALUES ($1, 1, statement_timestamp() + $2::interval)
