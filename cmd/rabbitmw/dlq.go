@@ -109,9 +109,9 @@ func (q *queueCommand) parseQueue(args []string) error {
 }
 
 // connect returns a Broker on the server, once it has answered, and the
-// context to run the command under (see connectFor); close closes the
-// Broker.
-func (q *queueCommand) connect(ctx context.Context, e *env) (b *broker.Broker, cctx context.Context, close func(), err error) {
+// context to run the command under (see connectFor); closeBroker closes
+// the Broker.
+func (q *queueCommand) connect(ctx context.Context, e *env) (b *broker.Broker, cctx context.Context, closeBroker func(), err error) {
 	return q.common.connectFor(ctx, e)
 }
 

@@ -114,8 +114,8 @@ func (c *common) connect(timeout time.Duration, obs broker.Observer) (*broker.Br
 // Broker has tried for timeout to reach the server and failed (a
 // connection lost midway that does not come back, or its own first one),
 // where the Broker would go on trying; e.lost then says why. The caller
-// closes the Broker with close, which must be called.
-func (c *common) connectFor(ctx context.Context, e *env) (b *broker.Broker, cctx context.Context, close func(), err error) {
+// closes the Broker with closeBroker, which must be called.
+func (c *common) connectFor(ctx context.Context, e *env) (b *broker.Broker, cctx context.Context, closeBroker func(), err error) {
 	cctx, cancel := context.WithCancel(ctx)
 	w := &downWatch{e: e, timeout: e.timeout, where: strings.Join(c.redactedURLs(), ", "), cancel: cancel}
 	b, err = c.connect(e.timeout, broker.Observer{Reconnect: w.reconnect, Connect: w.connect})
@@ -150,6 +150,7 @@ type downWatch struct {
 
 	mu      sync.Mutex
 	timer   *time.Timer // armed while no connection is up
+	armed   int         // the times timer was armed: a timer of an earlier arming fires for nothing
 	last    error       // the last failure
 	stopped bool
 }
@@ -159,7 +160,9 @@ func (w *downWatch) reconnect(ev broker.ReconnectEvent) {
 	defer w.mu.Unlock()
 	w.last = ev.Err
 	if w.timer == nil && !w.stopped {
-		w.timer = time.AfterFunc(w.timeout, w.fire)
+		w.armed++
+		n := w.armed
+		w.timer = time.AfterFunc(w.timeout, func() { w.fire(n) })
 	}
 }
 
@@ -172,9 +175,11 @@ func (w *downWatch) connect(broker.ConnectEvent) {
 	}
 }
 
-func (w *downWatch) fire() {
+// fire ends the command, for the arming n of the timer, if no
+// connection came since.
+func (w *downWatch) fire(n int) {
 	w.mu.Lock()
-	if w.stopped || w.timer == nil {
+	if w.stopped || w.timer == nil || w.armed != n {
 		w.mu.Unlock()
 		return
 	}
