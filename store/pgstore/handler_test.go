@@ -652,6 +652,45 @@ func TestSQLHandlerRowsLeftOpen(t *testing.T) {
 	assert.NotEqual(t, store.Done, f.status(t, "m1"), "the key is done")
 }
 
+// SQLHandler waits for a connection of its database/sql pool no longer
+// than its context lets it: a handler whose pool is exhausted (here its
+// one connection held elsewhere) returns with its context's end, a
+// shutdown's or the Timeout's, rather than wait for a connection for as
+// long as the other holds it.
+func TestSQLHandlerWaitsForAConnectionUnderItsContext(t *testing.T) {
+	f := newInbox(t, newPool(t))
+	db := stdlib.OpenDBFromPool(f.pool)
+	t.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(1)
+	held, err := db.Conn(context.Background())
+	require.NoError(t, err)
+	released := false
+	release := func() {
+		if !released {
+			released = true
+			held.Close()
+		}
+	}
+	defer release()
+	h := f.stack(pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
+		_, err := tx.ExecContext(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId)
+		return err
+	}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	result := make(chan error, 1)
+	go func() { result <- h.Handle(ctx, delivery("m1")) }()
+	select {
+	case err := <-result:
+		require.Error(t, err)
+		assert.ErrorIs(t, err, context.DeadlineExceeded)
+	case <-time.After(10 * time.Second):
+		release() // lets the handler go on, for the test to end
+		t.Errorf("the handler still waits for a connection 10s after its context ended (result once released: %v)", <-result)
+	}
+	assert.Equal(t, 0, f.count(t, "m1"), "effects")
+}
+
 // The recommended stack, with the transactional handler, over many
 // concurrent deliveries with duplicates and first attempts that fail:
 // every effect once.
