@@ -201,18 +201,19 @@ func SQLHandler(s *Store, db *sql.DB, fn SQLTxFunc, opts HandlerOptions) rabbitm
 	}
 	return rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 		return h.handle(ctx, func(ctx context.Context) (txn, error) {
-			// database/sql rolls a transaction back when the context of
-			// BeginTx ends: that would take the commit's decision away
-			// from handle, so the transaction's context ends only when
-			// sqlTxn says so. Statements still run under ctx.
 			// The transaction's connection is held apart, so that
-			// markAndCommit can ask pgx whether fn left it busy.
-			tctx, end := context.WithCancel(context.WithoutCancel(ctx))
-			conn, err := db.Conn(tctx)
+			// markAndCommit can ask pgx whether fn left it busy; the wait
+			// for it ends with ctx (a pool whose connections are all in
+			// use). database/sql rolls a transaction back when the
+			// context of BeginTx ends: that would take the commit's
+			// decision away from handle, so the transaction's context
+			// ends only when sqlTxn says so. Statements still run under
+			// ctx.
+			conn, err := db.Conn(ctx)
 			if err != nil {
-				end()
 				return nil, err
 			}
+			tctx, end := context.WithCancel(context.WithoutCancel(ctx))
 			tx, err := conn.BeginTx(tctx, txo)
 			if err != nil {
 				conn.Close()
