@@ -5,7 +5,6 @@ import (
 	"log/slog"
 	"net"
 	"strconv"
-	"sync"
 	"testing"
 	"time"
 
@@ -33,32 +32,14 @@ func nodes(t *testing.T, n int) ([]*brokertest.Server, Addresses) {
 	return srvs, urls
 }
 
-// connects records the nodes of Observer.Connect.
-type connects struct {
-	mu    sync.Mutex
-	nodes []string
-}
-
-func (c *connects) observe(e ConnectEvent) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.nodes = append(c.nodes, e.Node)
-}
-
-func (c *connects) all() []string {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return append([]string(nil), c.nodes...)
-}
-
 // Nodes that are down are skipped within one attempt, without a backoff
 // wait; only when every node is down is the attempt a failure.
 func TestClusterSkipsNodesThatAreDown(t *testing.T) {
 	srvs, urls := nodes(t, 3)
-	var seen connects
+	var seen recorded[string]
 	var reconnects []ReconnectEvent
 	b := NewCluster(urls, Options{Observer: Observer{
-		Connect:   seen.observe,
+		Connect:   func(e ConnectEvent) { seen.add(e.Node) },
 		Reconnect: func(e ReconnectEvent) { reconnects = append(reconnects, e) },
 	}})
 	defer b.Close()
@@ -106,10 +87,10 @@ func TestClusterSpreadsConnections(t *testing.T) {
 // there; the Observer and the log say which node is in use.
 func TestClusterConsumerMovesToAnotherNode(t *testing.T) {
 	srvs, urls := nodes(t, 2)
-	var seen connects
+	var seen recorded[string]
 	logs := fixtures.NewLogRecorder(t)
 	b := NewCluster(urls, Options{
-		Observer:     Observer{Connect: seen.observe},
+		Observer:     Observer{Connect: func(e ConnectEvent) { seen.add(e.Node) }},
 		Logger:       slog.New(logs),
 		ReconnectMin: time.Millisecond, ReconnectMax: 10 * time.Millisecond,
 	})
@@ -167,8 +148,8 @@ func TestClusterRabbitMQSkipsARefusingNode(t *testing.T) {
 	require.NoError(t, err)
 	closed := "amqp://guest:guest@" + l.Addr().String() + "/"
 	require.NoError(t, l.Close()) // nothing listens there now
-	var seen connects
-	b := NewCluster(Addresses{closed, url, closed}, Options{Observer: Observer{Connect: seen.observe}, ReconnectMin: 5 * time.Second})
+	var seen recorded[string]
+	b := NewCluster(Addresses{closed, url, closed}, Options{Observer: Observer{Connect: func(e ConnectEvent) { seen.add(e.Node) }}, ReconnectMin: 5 * time.Second})
 	defer b.Close()
 	ctx := testContext(t, 4*time.Second) // less than one backoff wait
 	start := time.Now()

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -322,4 +323,23 @@ func (j *journal) totalCalls() int {
 		n += len(c)
 	}
 	return n
+}
+
+// recorded holds what an Observer's func was called with, in order, for
+// a test to read while the broker's goroutines may still call it.
+type recorded[T any] struct {
+	mu sync.Mutex
+	es []T
+}
+
+func (r *recorded[T]) add(e T) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.es = append(r.es, e)
+}
+
+func (r *recorded[T]) all() []T {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.es)
 }

@@ -37,7 +37,7 @@ import (
 func TestRabbitMQStickyNacksReplaceThePublishChannel(t *testing.T) {
 	ctx := testContext(t, time.Minute)
 	logs := fixtures.NewLogRecorder(t)
-	var events publishChannelEvents
+	var events recorded[PublishChannelEvent]
 	px, s := dialViaNackProxy(t, ctx, "rabbitmw test sticky nacks", Options{Logger: slog.New(logs), Observer: Observer{PublishChannel: events.add}})
 	defer s.Close()
 	q := queueName(t)
@@ -819,7 +819,7 @@ func TestRabbitMQNoNewPublishChannel(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			ctx := testContext(t, time.Minute)
 			logs := fixtures.NewLogRecorder(t)
-			var events publishChannelEvents
+			var events recorded[PublishChannelEvent]
 			px, s, q := stuckSessionObserved(t, ctx, "rabbitmw test no new publish channel", logs, Observer{PublishChannel: events.add}, c.setup)
 			c.before(t, ctx, px, s, q)
 			px.stick()
@@ -1127,22 +1127,4 @@ func requireOpen(t *testing.T, s session) {
 		t.Fatalf("the session closed: %v", s.Reason())
 	default:
 	}
-}
-
-// publishChannelEvents records the events of Observer.PublishChannel.
-type publishChannelEvents struct {
-	mu sync.Mutex
-	es []PublishChannelEvent
-}
-
-func (r *publishChannelEvents) add(e PublishChannelEvent) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.es = append(r.es, e)
-}
-
-func (r *publishChannelEvents) all() []PublishChannelEvent {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return slices.Clone(r.es)
 }

@@ -647,17 +647,7 @@ func TestGroupCommitRowsLeftOpen(t *testing.T) {
 	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
 	g := newGate()
 	f.holds("a", g)
-	f.set("leak", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-		if err := f.insert(ctx, tx, d); err != nil {
-			return err
-		}
-		rows, err := tx.Query(ctx, `SELECT generate_series(1, 3)`)
-		if err != nil {
-			return err
-		}
-		rows.Next() // the first row only: rows stays open
-		return nil
-	})
+	f.set("leak", f.leavesRowsOpen)
 	errs := f.group(t, g, nil, delivery("a"), delivery("leak"), delivery("b"))
 	require.ErrorIs(t, errs[0], middleware.ErrStoreUnavailable, "a")
 	require.Error(t, errs[1], "leak")

@@ -53,6 +53,20 @@ func (f *inboxFixture) insert(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) 
 	return err
 }
 
+// leavesRowsOpen is a function that does its effect, then returns with
+// the rows of a query unread and unclosed.
+func (f *inboxFixture) leavesRowsOpen(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+	if err := f.insert(ctx, tx, d); err != nil {
+		return err
+	}
+	rows, err := tx.Query(ctx, `SELECT generate_series(1, 3)`)
+	if err != nil {
+		return err
+	}
+	rows.Next() // the first row only: rows stays open
+	return nil
+}
+
 // count returns the number of effects of id.
 func (f *inboxFixture) count(t *testing.T, id string) int {
 	t.Helper()
@@ -431,17 +445,7 @@ func testHandlerRowsLeftOpen(t *testing.T, opts pgstore.HandlerOptions) {
 	for _, p := range f.paths() {
 		t.Run(p.name, func(t *testing.T) {
 			id := strings.ReplaceAll(p.name, " ", "-")
-			h := p.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-				if err := f.insert(ctx, tx, d); err != nil {
-					return err
-				}
-				rows, err := tx.Query(ctx, `SELECT generate_series(1, 3)`)
-				if err != nil {
-					return err
-				}
-				rows.Next() // the first row only: rows stays open
-				return nil
-			}, opts), middleware.DedupOptions{})
+			h := p.stack(pgstore.Handler(f.st, f.leavesRowsOpen, opts), middleware.DedupOptions{})
 			err := h.Handle(ctx, delivery(id))
 			require.Error(t, err)
 			assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
