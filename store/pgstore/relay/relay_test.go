@@ -351,6 +351,12 @@ func TestRelayParksOnlyWhatCannotSucceed(t *testing.T) {
 		{"nacked", "pending", broker.ErrNacked},
 		{"no confirm", "pending", broker.ErrConnectionLost},
 		{"connection closed by the server", "pending", &amqp.Error{Code: amqp.ConnectionForced, Reason: "CONNECTION_FORCED", Server: true}},
+		// The server closed the channel for another publish (to an
+		// exchange that does not exist), and the context ended while the
+		// broker published this one again: as broker.Broker.Publish words
+		// it.
+		{"no confirm, after a channel closed for another publish", "pending", fmt.Errorf("broker: publish: %w (last error: %w)", context.DeadlineExceeded,
+			fmt.Errorf("%w: publish channel closed: %w", broker.ErrConnectionLost, &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no exchange 'other' in vhost '/'", Server: true, Recover: true}))},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t)
