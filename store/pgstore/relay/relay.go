@@ -482,9 +482,13 @@ func parks(err error) bool {
 		return true
 	}
 	// A publish the server refused by closing the channel (a missing
-	// write permission, a body over its limit).
+	// write permission, a body over its limit). A channel that the server
+	// closed for another publish ends this one's session
+	// (ErrConnectionLost, which wraps the server's error): the broker
+	// publishes it again, and if its context ends meanwhile, its error
+	// wraps that one as its last; it was not refused.
 	var ae *amqp.Error
-	return errors.As(err, &ae) && ae.Server && ae.Recover
+	return errors.As(err, &ae) && ae.Server && ae.Recover && !errors.Is(err, broker.ErrConnectionLost)
 }
 
 // listenLoop listens on the outbox's channel and signals every wake at each
