@@ -15,6 +15,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
@@ -883,4 +884,97 @@ func TestDedupPanicEndsDerivedContexts(t *testing.T) {
 		got, _ := s.Claim(context.Background(), "m1", "next", time.Minute)
 		assert.Equal(t, store.Claimed, got, "Claim after the panic (released)")
 	})
+}
+
+// ownDone is a consumer's context that the context package does not know:
+// its Done channel is its own, so that context.AfterFunc, and the
+// contexts derived from it, watch it each with a goroutine. It takes its
+// values from the context it is made under.
+type ownDone struct {
+	context.Context
+	done chan struct{}
+
+	mu  sync.Mutex
+	err error
+}
+
+func newOwnDone(parent context.Context) *ownDone {
+	return &ownDone{Context: parent, done: make(chan struct{})}
+}
+
+func (c *ownDone) Done() <-chan struct{} { return c.done }
+
+func (c *ownDone) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+// cancel ends c with context.Canceled, once.
+func (c *ownDone) cancel() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		c.err = context.Canceled
+		close(c.done)
+	}
+}
+
+// Dedup starts no goroutine that outlives the deliveries that needed it,
+// under a consumer's context that the context package does not know
+// (whose end it must watch with a goroutine), however its handler uses
+// its context, one delivery after another or several at once: once they
+// have returned, with the consumer's context still live, nothing Dedup
+// started runs.
+func TestDedupLeavesNoGoroutineUnderAnOwnContext(t *testing.T) {
+	handlers := []struct {
+		name string
+		h    rabbitmw.HandlerFunc
+	}{
+		{"ignores its context", func(context.Context, *amqp.Delivery) error { return nil }},
+		{"watches its context", func(ctx context.Context, _ *amqp.Delivery) error {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(time.Millisecond):
+				return nil
+			}
+		}},
+		{"derives a context", func(ctx context.Context, _ *amqp.Delivery) error {
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			<-time.After(time.Millisecond)
+			return ctx.Err()
+		}},
+	}
+	stacks := []struct {
+		name  string
+		stack func(store.Store) rabbitmw.Middleware
+	}{
+		{"Dedup", func(s store.Store) rabbitmw.Middleware { return middleware.Dedup(s, middleware.DedupOptions{}) }},
+		{"Stack", func(s store.Store) rabbitmw.Middleware { return middleware.Stack(s, middleware.StackOptions{}) }},
+	}
+	for _, st := range stacks {
+		for _, hd := range handlers {
+			for _, at := range []int{1, 4} {
+				t.Run(fmt.Sprintf("%s/%s/%d at once", st.name, hd.name, at), func(t *testing.T) {
+					before := goleak.IgnoreCurrent()
+					consumer := newOwnDone(context.Background())
+					defer consumer.cancel()
+					h := st.stack(store.NewMemory())(hd.h)
+					var wg sync.WaitGroup
+					for i := range at {
+						wg.Go(func() {
+							for j := range 3 {
+								d, _ := deliverytest.New(fmt.Sprintf("m%d-%d", i, j), "")
+								assert.NoError(t, h.Handle(consumer, d))
+							}
+						})
+					}
+					wg.Wait()
+					goleak.VerifyNone(t, before)
+				})
+			}
+		}
+	}
 }
