@@ -978,3 +978,86 @@ func TestDedupLeavesNoGoroutineUnderAnOwnContext(t *testing.T) {
 		}
 	}
 }
+
+// Under a consumer's context that takes a goroutine to watch, deliveries
+// that start and end at random, one after another and many at the same
+// instant, let Dedup's watch of that context end and come back while
+// their ends and starts race. Each handler under way when the consumer's
+// context ends sees its end at once, none sees it earlier, and nothing
+// Dedup started runs once they have all returned, before it ends and
+// after (run with -race).
+func TestDedupOwnContextWatchComesAndGoes(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const deliveries = 300
+		const cancelAt = 40 * time.Millisecond // after the first phase's deliveries
+		rng := rand.New(rand.NewPCG(7, 11))
+		type plan struct{ start, run time.Duration }
+		plans := map[string]plan{}
+		for i := range deliveries {
+			p := plan{time.Duration(rng.IntN(20)) * time.Millisecond, time.Duration(rng.IntN(4)) * time.Millisecond}
+			if i >= deliveries/2 { // the second phase, across the consumer's end
+				p = plan{time.Duration(20+rng.IntN(40)) * time.Millisecond, time.Duration(rng.IntN(40)) * time.Millisecond}
+			}
+			plans[fmt.Sprint("m", i)] = p
+		}
+		consumer := newOwnDone(context.Background())
+		t0 := time.Now()
+		var mu sync.Mutex
+		ran := map[string][2]time.Time{} // when each handler started and returned
+		h := middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			start := time.Now()
+			defer func() {
+				mu.Lock()
+				ran[d.MessageId] = [2]time.Time{start, time.Now()}
+				mu.Unlock()
+			}()
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(plans[d.MessageId].run):
+				return nil
+			}
+		}))
+		deliver := func(from, to int) {
+			var wg sync.WaitGroup
+			for i := from; i < to; i++ {
+				id := fmt.Sprint("m", i)
+				wg.Go(func() {
+					time.Sleep(time.Until(t0.Add(plans[id].start)))
+					d, _ := deliverytest.New(id, "")
+					h.Handle(consumer, d)
+				})
+			}
+			wg.Wait()
+		}
+		before := goleak.IgnoreCurrent()
+		deliver(0, deliveries/2)
+		synctest.Wait()
+		require.NoError(t, goleak.Find(before), "with the consumer's context live, once the deliveries have returned")
+
+		time.AfterFunc(time.Until(t0.Add(cancelAt)), consumer.cancel)
+		deliver(deliveries/2, deliveries)
+		synctest.Wait()
+		require.NoError(t, goleak.Find(before), "once the consumer's context has ended")
+
+		mu.Lock()
+		defer mu.Unlock()
+		for id, p := range plans {
+			if _, ok := ran[id]; !ok && p.start < cancelAt {
+				t.Errorf("%s, to start at %v, did not run", id, p.start)
+			}
+		}
+		end := t0.Add(cancelAt)
+		for id, r := range ran {
+			want := r[0].Add(plans[id].run) // its own end
+			if want.After(end) {
+				want = end // the consumer's, unless it started later
+				if r[0].After(end) {
+					want = r[0]
+				}
+			}
+			assert.True(t, r[1].Equal(want), "%s, started at %v, running %v: returned at %v; want %v",
+				id, r[0].Sub(t0), plans[id].run, r[1].Sub(t0), want.Sub(t0))
+		}
+	})
+}
