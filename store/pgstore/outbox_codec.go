@@ -5,16 +5,21 @@ import (
 	"fmt"
 	"math"
 	"sort"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/internal/expiration"
 )
 
 // The properties column holds the AMQP properties of a message but its
 // MessageId (a column of its own) and body, and its headers, whose values
 // keep their AMQP types: each is a {"t": type, "v": value} object, so that
 // an int16 header is sent again as an int16, a []byte as bytes, a
-// timestamp as a timestamp.
+// timestamp as a timestamp. A header string that jsonb cannot hold as
+// text (see isText) is stored as its bytes, in base64, of type "binstring".
 type storedProperties struct {
 	ContentType     string           `json:"content_type,omitempty"`
 	ContentEncoding string           `json:"content_encoding,omitempty"`
@@ -53,6 +58,12 @@ func encodeProperties(exchange, key string, msg amqp.Publishing) ([]byte, error)
 		if len(f.v) > maxShortString {
 			return nil, fmt.Errorf("%s is %d bytes, over AMQP's %d", f.name, len(f.v), maxShortString)
 		}
+		if !isText(f.v) {
+			return nil, fmt.Errorf("%s %q %s", f.name, f.v, notText)
+		}
+	}
+	if err := expiration.Check(msg.Expiration); err != nil {
+		return nil, err
 	}
 	p := storedProperties{
 		ContentType: msg.ContentType, ContentEncoding: msg.ContentEncoding,
@@ -74,6 +85,18 @@ func encodeProperties(exchange, key string, msg amqp.Publishing) ([]byte, error)
 	return json.Marshal(p)
 }
 
+// notText says why a name or property that isText refuses cannot be
+// written.
+const notText = "is not UTF-8 text without NUL bytes, which the outbox table cannot hold"
+
+// isText reports whether PostgreSQL's text and jsonb hold s as it is: they
+// hold UTF-8 alone (encoding/json would replace the other bytes with
+// U+FFFD) and no NUL (which jsonb refuses, failing the statement and the
+// transaction).
+func isText(s string) bool {
+	return utf8.ValidString(s) && !strings.ContainsRune(s, 0)
+}
+
 func encodeTable(t amqp.Table, depth int) (map[string]typed, error) {
 	if depth > maxNesting {
 		return nil, fmt.Errorf("nested more than %d deep", maxNesting)
@@ -85,6 +108,9 @@ func encodeTable(t amqp.Table, depth int) (map[string]typed, error) {
 	for k, v := range t {
 		if len(k) > maxShortString {
 			return nil, fmt.Errorf("a header name of %d bytes, over %d", len(k), maxShortString)
+		}
+		if !isText(k) {
+			return nil, fmt.Errorf("header name %q %s", k, notText)
 		}
 		tv, err := encodeValue(v, depth)
 		if err != nil {
@@ -127,6 +153,9 @@ func encodeValue(v any, depth int) (typed, error) {
 		t = "float64"
 	case string:
 		t = "string"
+		if !isText(x) {
+			t, v = "binstring", []byte(x)
+		}
 	case []byte:
 		t = "bytes"
 	case time.Time:
@@ -253,6 +282,10 @@ func (tv typed) decode() (any, error) {
 	case "bytes":
 		var v []byte
 		return v, into(&v)
+	case "binstring":
+		var v []byte
+		err := into(&v)
+		return string(v), err
 	case "timestamp":
 		var v time.Time
 		return v, into(&v)

@@ -103,20 +103,40 @@ func TestOutboxWriteKeepsTheMessage(t *testing.T) {
 	assert.Equal(t, want, m.Publishing)
 }
 
+// A message that the outbox cannot hold or AMQP cannot carry is refused
+// with ErrInvalidMessage, and the caller's transaction goes on. Names and
+// properties are text in the table (PostgreSQL's text and jsonb hold no
+// NUL, and only UTF-8): one that is not is refused, not changed.
 func TestOutboxWriteRefusesWhatCannotBeSent(t *testing.T) {
 	pool := newPool(t)
 	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
-	for name, msg := range map[string]amqp.Publishing{
-		"a header of a type AMQP lacks": {Headers: amqp.Table{"x": struct{}{}}},
-		"an int over 32 bits":           {Headers: amqp.Table{"x": 1 << 40}},
-		"a long correlation id":         {CorrelationId: strings.Repeat("c", 256)},
-		"a NaN":                         {Headers: amqp.Table{"x": []any{float64NaN()}}},
+	for name, tc := range map[string]struct {
+		exchange, key string
+		msg           amqp.Publishing
+	}{
+		"a header of a type AMQP lacks":          {key: "q", msg: amqp.Publishing{Headers: amqp.Table{"x": struct{}{}}}},
+		"an int over 32 bits":                    {key: "q", msg: amqp.Publishing{Headers: amqp.Table{"x": 1 << 40}}},
+		"a long correlation id":                  {key: "q", msg: amqp.Publishing{CorrelationId: strings.Repeat("c", 256)}},
+		"a NaN":                                  {key: "q", msg: amqp.Publishing{Headers: amqp.Table{"x": []any{float64NaN()}}}},
+		"a NUL in the message id":                {key: "q", msg: amqp.Publishing{MessageId: "id\x00"}},
+		"a NUL in the exchange":                  {exchange: "ex\x00", key: "q"},
+		"a routing key that is not UTF-8":        {key: "q\xff"},
+		"a NUL in the correlation id":            {key: "q", msg: amqp.Publishing{CorrelationId: "c\x00"}},
+		"a content type that is not UTF-8":       {key: "q", msg: amqp.Publishing{ContentType: "text/\xff"}},
+		"a NUL in a header name":                 {key: "q", msg: amqp.Publishing{Headers: amqp.Table{"x\x00": "v"}}},
+		"a header name that is not UTF-8":        {key: "q", msg: amqp.Publishing{Headers: amqp.Table{"x\xff": "v"}}},
+		"a nested header name that is not UTF-8": {key: "q", msg: amqp.Publishing{Headers: amqp.Table{"t": amqp.Table{"\xfe": int32(1)}}}},
+		// RabbitMQ refuses these by closing the channel, which would park
+		// the row and the rows in flight beside it.
+		"an expiration that is not milliseconds": {key: "q", msg: amqp.Publishing{Expiration: "60s"}},
+		"a negative expiration":                  {key: "q", msg: amqp.Publishing{Expiration: "-1"}},
+		"an expiration over ten years":           {key: "q", msg: amqp.Publishing{Expiration: "315360000001"}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			tx, err := pool.Begin(context.Background())
 			require.NoError(t, err)
 			defer tx.Rollback(context.Background())
-			_, err = ob.Write(context.Background(), tx, "", "q", msg)
+			_, err = ob.Write(context.Background(), tx, tc.exchange, tc.key, tc.msg)
 			require.ErrorIs(t, err, pgstore.ErrInvalidMessage)
 			// The transaction is untouched: it still commits.
 			_, err = tx.Exec(context.Background(), `SELECT 1`)
@@ -129,6 +149,28 @@ func TestOutboxWriteRefusesWhatCannotBeSent(t *testing.T) {
 }
 
 func float64NaN() float64 { var z float64; return z / z }
+
+// AMQP's long strings are bytes: a header string that is not UTF-8 text
+// (a client that sends bytes as a string, a header copied from a delivery
+// of one) or that holds a NUL is sent as it was written, at any depth.
+func TestOutboxWriteKeepsHeaderStringsThatAreNotText(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	headers := amqp.Table{
+		"latin1": "caf\xe9",
+		"nul":    "a\x00b",
+		"binary": "\xff\xfe\x00\x01",
+		"text":   "café",
+		"table":  amqp.Table{"inner": "\x80", "deeper": amqp.Table{"x": "\x00"}},
+		"array":  []any{"\xc3", "ok", amqp.Table{"k": "\xff"}},
+	}
+	id := write(t, pool, ob, "q", amqp.Publishing{Headers: headers})
+	got, res := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	assert.Equal(t, pgstore.DispatchResult{Taken: 1, Sent: 1}, res, "the row is read back, not parked as corrupt")
+	assert.Equal(t, id, got[0].Publishing.MessageId)
+	assert.Equal(t, headers, got[0].Publishing.Headers)
+}
 
 // A message written in a transaction that rolls back is never sent; one
 // written through database/sql is, like one through pgx.
