@@ -93,11 +93,27 @@ type claimKey struct{}
 
 // ClaimFrom returns the claim that Dedup holds for the delivery whose
 // handler received ctx, and false if no Dedup runs in front of the handler
-// (or Dedup runs it without a claim, with FailOpen while the store is
-// unreachable).
+// or Dedup runs it without a claim (see [FailOpenCause]).
 func ClaimFrom(ctx context.Context) (*Claim, bool) {
 	c, ok := ctx.Value(claimKey{}).(*Claim)
 	return c, ok
+}
+
+type failOpenKey struct{}
+
+// FailOpenCause returns why Dedup runs the handler that received ctx
+// without a claim: its store could not be reached for the claim, and
+// [DedupOptions].FailOpen asks for the handler to run anyway. The error
+// wraps [ErrStoreUnavailable] and the store's error. It is nil if the
+// handler runs beneath no Dedup, or under Dedup's claim.
+//
+// A handler that needs the claim (one that writes its done mark itself)
+// reads it when [ClaimFrom] finds none, to tell a store out of reach,
+// which the message is to be tried again for, from a chain built without
+// Dedup.
+func FailOpenCause(ctx context.Context) error {
+	err, _ := ctx.Value(failOpenKey{}).(error)
+	return err
 }
 
 // claimContext is Dedup's state of one delivery whose key it claimed, in

@@ -73,6 +73,54 @@ func TestClaimFromWithoutDedup(t *testing.T) {
 	assert.Nil(t, c)
 }
 
+// A handler that Dedup runs without a claim, with FailOpen while its
+// store is out of reach, finds the store's error in its context; one
+// under a claim, or beneath no Dedup, finds none.
+func TestFailOpenCause(t *testing.T) {
+	down := errors.New("the store is down")
+	tests := []struct {
+		name      string
+		dedup     bool
+		claimErr  error
+		wantClaim bool
+		wantCause []error // each in the cause's tree; none: no cause
+	}{
+		{name: "beneath no Dedup"},
+		{name: "under a claim", dedup: true, wantClaim: true},
+		{name: "store out of reach", dedup: true, claimErr: down, wantCause: []error{middleware.ErrStoreUnavailable, down}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var (
+				calls    int
+				hasClaim bool
+				cause    error
+			)
+			var h rabbitmw.Handler = rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+				calls++
+				_, hasClaim = middleware.ClaimFrom(ctx)
+				cause = middleware.FailOpenCause(ctx)
+				return nil
+			})
+			if tt.dedup {
+				s := &faultyStore{Store: store.NewMemory()}
+				set(&s.claim, tt.claimErr)
+				h = middleware.Dedup(s, middleware.DedupOptions{FailOpen: true})(h)
+			}
+			d, _ := deliverytest.New("m1", "")
+			require.NoError(t, h.Handle(context.Background(), d))
+			require.Equal(t, 1, calls, "handler calls")
+			assert.Equal(t, tt.wantClaim, hasClaim, "ClaimFrom found a claim")
+			if len(tt.wantCause) == 0 {
+				assert.NoError(t, cause, "FailOpenCause")
+			}
+			for _, want := range tt.wantCause {
+				assert.ErrorIs(t, cause, want, "FailOpenCause")
+			}
+		})
+	}
+}
+
 // claimingHandler is a middleware.ClaimingHandler that answers as told,
 // and records how it was called.
 type claimingHandler struct {

@@ -60,7 +60,8 @@ type DedupOptions struct {
 	// FailOpen, when the store cannot be reached for the claim, runs the
 	// handler anyway, without a claim, instead of trying the message again
 	// later. It trades the at-most-once effect for availability: a message
-	// may then be processed twice.
+	// may then be processed twice. The handler's context then carries no
+	// [Claim], and tells why ([FailOpenCause]).
 	FailOpen bool
 	// Observe, if set, is called with each of Dedup's events (see
 	// [DedupEvent]), on the goroutine that found it, with the context of
@@ -232,20 +233,28 @@ func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) 
 	token := newToken()
 	start := time.Now()
 	claimed, err := h.claim(ctx, key, token)
-	switch {
-	case err != nil:
+	if !claimed {
+		if open, ok := err.(failedOpen); ok {
+			// Without a claim; the handler can tell why (FailOpenCause).
+			return handleKeyed(h.next, context.WithValue(ctx, failOpenKey{}, open.err), d, down)
+		}
 		return err
-	case !claimed:
-		return handleKeyed(h.next, ctx, d, down) // FailOpen, without a claim
 	}
 	return h.record(ctx, key, token, h.run(ctx, d, key, token, start, down))
 }
 
+// A failedOpen is claim's answer when the store cannot be reached and
+// FailOpen asks for the handler to run anyway, without a claim: err is
+// what [FailOpenCause] returns to the handler.
+type failedOpen struct{ err error }
+
+func (e failedOpen) Error() string { return e.err.Error() }
+
 // claim claims key for token and reports whether the claim was won. If it
 // was not, err is the delivery's result (a duplicate, a busy or abandoned
-// key, an unreachable store), except that claim reports neither a claim nor
-// an error when the store cannot be reached and FailOpen asks for the
-// handler to run anyway.
+// key, an unreachable store), except that it is a failedOpen when the
+// store cannot be reached and FailOpen asks for the handler to run
+// anyway.
 func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err error) {
 	status, err := h.store.Claim(ctx, key, token, h.lease)
 	if err == nil && h.orphans.release(ctx, h.store, key) && status == store.Processing {
@@ -271,10 +280,11 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 		}
 		rctx.end()
 		notify(h.observe, ctx, DedupUnavailable, key, err)
+		err = fmt.Errorf("%w: claim %s: %w", ErrStoreUnavailable, text.QuoteKey(key), err)
 		if h.failOpen && ctx.Err() == nil {
-			return false, nil
+			return false, failedOpen{err}
 		}
-		return false, rabbitmw.RetryAfter(fmt.Errorf("%w: claim %s: %w", ErrStoreUnavailable, text.QuoteKey(key), err), h.unavailable)
+		return false, rabbitmw.RetryAfter(err, h.unavailable)
 	case status == store.Done:
 		notify(h.observe, ctx, DedupDuplicate, key, nil)
 		return false, &keyError{key: key, err: rabbitmw.ErrDuplicate}

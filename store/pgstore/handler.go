@@ -28,9 +28,9 @@ var (
 	// front of it, or one over another store (the done mark then finds no
 	// row for the key while Dedup's claim holds). The message is
 	// dead-lettered: the chain is built wrong. (A Dedup with FailOpen
-	// runs the handler without a claim when the database cannot be
-	// reached: the handler then answers ErrStoreUnavailable, unless the
-	// database answers it.)
+	// runs the handler without a claim when its claim could not reach the
+	// database: the handler then answers ErrStoreUnavailable, to be tried
+	// again after RetryDelay, and runs nothing.)
 	ErrNoClaim = errors.New("pgstore: the transactional handler runs without a claim: put middleware.Dedup, over the same pgstore.Store, in front of it")
 	// ErrTxSettled: the function committed or rolled back the transaction
 	// itself, so the done mark could not join it. The message is
@@ -149,6 +149,10 @@ type HandlerOptions struct {
 //     claim made in tx committed with it: the key is then done).
 //   - no Dedup in front, or a Dedup over another store: [ErrNoClaim],
 //     dead-lettered.
+//   - a Dedup with FailOpen in front, whose claim could not reach the
+//     database, runs Handler without a claim: an error wrapping
+//     middleware.ErrStoreUnavailable, not counted, tried again after
+//     RetryDelay; fn does not run.
 //
 // The transaction touches the claim's row only at step 3, just before the
 // commit, so Dedup's lease renewals (on connections of their own, see
@@ -510,12 +514,13 @@ func errTxSettled(key string) error {
 }
 
 // noClaim returns the result of a delivery that runs without a claim of
-// Dedup's: ErrNoClaim, the chain is built wrong; unless the database
-// cannot be reached, which is why a Dedup with FailOpen runs its handler
-// without a claim: then the message is tried again.
+// Dedup's: ErrNoClaim, the chain is built wrong; unless a Dedup with
+// FailOpen runs it so, its store being out of reach
+// (middleware.FailOpenCause): then the message is tried again, as when the
+// database cannot be reached, whether or not it answers again by now.
 func (h *inbox) noClaim(ctx context.Context) error {
-	if err := h.s.pool.Ping(ctx); err != nil {
-		return h.unavailable(fmt.Errorf("pgstore: a delivery without a claim: %w", err))
+	if err := middleware.FailOpenCause(ctx); err != nil {
+		return rabbitmw.RetryAfter(fmt.Errorf("pgstore: a delivery without a claim, run by a Dedup that fails open: %w", err), h.retry)
 	}
 	return rabbitmw.Permanent(ErrNoClaim)
 }

@@ -548,6 +548,49 @@ func TestHandlerFailOpenWhileTheDatabaseIsDown(t *testing.T) {
 	}
 }
 
+// claimFailsStore is the store, but its claims fail as with a database
+// out of reach: the database is up for everything else, as when it comes
+// back between a claim of Dedup's that failed and its handler.
+type claimFailsStore struct{ store.Store }
+
+func (claimFailsStore) Claim(context.Context, string, string, time.Duration) (store.Status, error) {
+	return 0, errors.New("the database is down")
+}
+
+// Dedup with FailOpen runs the handler without a claim when its claim
+// failed: the handler reports the store unreachable, to be tried again,
+// even if the database answers by the time it runs; only a handler
+// beneath no Dedup is dead-lettered as a chain built wrong.
+func TestHandlerFailOpenDatabaseBackBeforeTheHandler(t *testing.T) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	db := stdlib.OpenDBFromPool(f.pool)
+	t.Cleanup(func() { db.Close() })
+	for _, tt := range []struct {
+		name string
+		h    rabbitmw.Handler
+	}{
+		{"Handler", pgstore.Handler(f.st, f.insert, pgstore.HandlerOptions{RetryDelay: 3 * time.Second})},
+		{"SQLHandler", pgstore.SQLHandler(f.st, db, func(ctx context.Context, tx *sql.Tx, d *amqp.Delivery) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO `+f.effects+` (id) VALUES ($1)`, d.MessageId)
+			return err
+		}, pgstore.HandlerOptions{RetryDelay: 3 * time.Second})},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := middleware.Stack(claimFailsStore{f.st}, middleware.StackOptions{Dedup: middleware.DedupOptions{FailOpen: true}})(tt.h)
+			id := "m-" + tt.name
+			err := h.Handle(ctx, delivery(id))
+			require.ErrorIs(t, err, middleware.ErrStoreUnavailable)
+			assert.NotErrorIs(t, err, pgstore.ErrNoClaim)
+			dec := rabbitmw.Decide(err)
+			assert.Equal(t, rabbitmw.Delay, dec.Outcome, "Decide(%v)", err)
+			assert.Equal(t, 3*time.Second, dec.Delay, "the handler's RetryDelay")
+			assert.True(t, rabbitmw.IsNotCounted(err), "counted: %v", err)
+			assert.Equal(t, 0, f.count(t, id), "effects")
+		})
+	}
+}
+
 // countingStore counts Extend and Complete calls.
 type countingStore struct {
 	store.Store

@@ -149,8 +149,10 @@ type Options struct {
 	// connection pooler in transaction mode, which cannot LISTEN).
 	NoListen bool
 	// Retention is how long sent rows are kept, for `rabbitmw outbox ls`
-	// and audits, before the relay deletes them. Default 24h; negative
-	// deletes a row when its confirm comes.
+	// and audits, before the relay deletes them (once a minute, ten times
+	// BatchSize rows at a time, again after each dispatch while more are
+	// past it). Default 24h; negative deletes a row when its confirm
+	// comes.
 	Retention time.Duration
 	// PublishTimeout bounds the wait for a batch's confirms; the rows not
 	// confirmed by then stay pending. Default 30s.
@@ -288,7 +290,8 @@ func (r *Relay) Run(ctx context.Context) error {
 
 // sendLoop dispatches batches until ctx is done, waiting for wake or the
 // poll between batches that found the outbox drained. The loop that
-// prunes deletes the sent rows past the retention, once a minute.
+// prunes deletes the sent rows past the retention, once a minute, and at
+// each turn while a deletion finds more than it may take.
 func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool) error {
 	var failures int // consecutive dispatches that failed
 	nextPrune := time.Now()
@@ -343,12 +346,20 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 		}
 		failures = 0
 		if prunes && r.retention > 0 && !time.Now().Before(nextPrune) {
+			limit := 10 * r.batch
 			dctx, cancel := r.lingering(ctx)
-			if _, err := r.ob.DeleteSent(dctx, r.retention, 10*r.batch); err != nil && ctx.Err() == nil {
+			n, err := r.ob.DeleteSent(dctx, r.retention, limit)
+			if err != nil && ctx.Err() == nil {
 				r.log.LogAttrs(ctx, slog.LevelWarn, "relay: delete sent rows", slog.String("error", err.Error()))
 			}
 			cancel()
+			// A deletion that took its limit may have left more: the next
+			// turn deletes again, so that the deletions keep up with the
+			// sends (ten rows deleted for each row a batch can send).
 			nextPrune = time.Now().Add(time.Minute)
+			if err == nil && n >= int64(limit) {
+				nextPrune = time.Now()
+			}
 		}
 		if res.Taken >= r.batch || res.Taken == 0 && from > 0 {
 			continue // more are waiting, or the pass starts again
@@ -471,9 +482,13 @@ func parks(err error) bool {
 		return true
 	}
 	// A publish the server refused by closing the channel (a missing
-	// write permission, a body over its limit).
+	// write permission, a body over its limit). A channel that the server
+	// closed for another publish ends this one's session
+	// (ErrConnectionLost, which wraps the server's error): the broker
+	// publishes it again, and if its context ends meanwhile, its error
+	// wraps that one as its last; it was not refused.
 	var ae *amqp.Error
-	return errors.As(err, &ae) && ae.Server && ae.Recover
+	return errors.As(err, &ae) && ae.Server && ae.Recover && !errors.Is(err, broker.ErrConnectionLost)
 }
 
 // listenLoop listens on the outbox's channel and signals every wake at each

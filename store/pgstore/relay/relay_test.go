@@ -351,6 +351,12 @@ func TestRelayParksOnlyWhatCannotSucceed(t *testing.T) {
 		{"nacked", "pending", broker.ErrNacked},
 		{"no confirm", "pending", broker.ErrConnectionLost},
 		{"connection closed by the server", "pending", &amqp.Error{Code: amqp.ConnectionForced, Reason: "CONNECTION_FORCED", Server: true}},
+		// The server closed the channel for another publish (to an
+		// exchange that does not exist), and the context ended while the
+		// broker published this one again: as broker.Broker.Publish words
+		// it.
+		{"no confirm, after a channel closed for another publish", "pending", fmt.Errorf("broker: publish: %w (last error: %w)", context.DeadlineExceeded,
+			fmt.Errorf("%w: publish channel closed: %w", broker.ErrConnectionLost, &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no exchange 'other' in vhost '/'", Server: true, Recover: true}))},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t)
@@ -631,4 +637,21 @@ func TestRelayStopGivesBackTheConnectionOfAStatementInFlight(t *testing.T) {
 	assert.Zero(t, closed.Load(), "connections closed by the stop")
 	require.NoError(t, release())
 	assert.Equal(t, int64(1), f.stats().Pending, "the row stays pending, for the next relay")
+}
+
+// Sent rows past the retention are deleted as fast as they pile up, not
+// a fixed number a minute: a relay that sends more rows than one
+// deletion takes catches up with them. Here a deletion takes ten rows
+// (ten times BatchSize), and thirty rows are past the retention.
+func TestRelayDeletesEverySentRowPastTheRetention(t *testing.T) {
+	f := newFixture(t)
+	f.write(f.queue, 30, false)
+	table := pgx.Identifier{f.ob.Table()}.Sanitize()
+	_, err := f.pool.Exec(context.Background(), `UPDATE `+table+` SET state = 'sent', sent_at = now() - interval '2 hours'`)
+	require.NoError(t, err)
+	require.Equal(t, pgstore.OutboxStats{Sent: 30}, f.stats())
+
+	f.run(relay.New(f.ob, f.b, relay.Options{BatchSize: 1, Senders: 1, NoListen: true, PollInterval: 20 * time.Millisecond, Retention: time.Hour}))
+	assert.Eventually(t, func() bool { return f.stats().Sent == 0 }, 10*time.Second, 20*time.Millisecond)
+	assert.Zero(t, f.stats().Sent, "sent rows past the retention left after 10 s")
 }
