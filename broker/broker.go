@@ -375,7 +375,9 @@ func (b *Broker) do(ctx context.Context, op string, f func(session) error) error
 // wrapping ErrInvalidMessage, before anything is sent and without touching
 // the connection: an exchange, routing key or short-string property
 // (MessageId, CorrelationId, ReplyTo, Type, AppId, UserId, ContentType,
-// ContentEncoding, Expiration) over 255 bytes; a header value of a type
+// ContentEncoding, Expiration) over 255 bytes; an Expiration that RabbitMQ
+// refuses by closing the channel (not a whole number of milliseconds in
+// decimal, negative, or over ten years); a header value of a type
 // amqp091 does not send (it sends bool, int8, uint8, int16, uint16,
 // int32, uint32, int64, float32, float64, amqp.Decimal, string, []byte,
 // time.Time, amqp.Table, []any and nil; an int only within 32 bits), a

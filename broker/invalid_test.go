@@ -111,6 +111,13 @@ func testPublishInvalid(t *testing.T, be backend) {
 	}
 	cases = append(cases,
 		tc{name: "256 bytes", msg: amqp.Publishing{MessageId: strings.Repeat("x", 256)}, want: []string{"MessageId", "256 bytes", "255"}},
+		// RabbitMQ refuses these by closing the channel, which ends the
+		// shared session and fails the publishes in flight beside them.
+		tc{name: "Expiration not a number", msg: amqp.Publishing{Expiration: "60s"}, want: []string{"Expiration", "milliseconds"}},
+		tc{name: "Expiration negative", msg: amqp.Publishing{Expiration: "-1"}, want: []string{"Expiration", "negative"}},
+		tc{name: "Expiration a fraction", msg: amqp.Publishing{Expiration: "1.5"}, want: []string{"Expiration", "milliseconds"}},
+		tc{name: "Expiration with a space", msg: amqp.Publishing{Expiration: " 5"}, want: []string{"Expiration", "milliseconds"}},
+		tc{name: "Expiration over ten years", msg: amqp.Publishing{Expiration: "315360000001"}, want: []string{"Expiration", "315360000000"}},
 		tc{name: "routing key", key: long, want: []string{"routing key", "255"}},
 		tc{name: "exchange", exchange: long, want: []string{"exchange", "255"}},
 		tc{name: "header name", msg: amqp.Publishing{Headers: amqp.Table{long: "v"}}, want: []string{"header", "name", "255"}},
@@ -155,6 +162,8 @@ func testPublishInvalid(t *testing.T, be backend) {
 		{MessageId: strings.Repeat("i", 255), CorrelationId: strings.Repeat("c", 255), Headers: amqp.Table{strings.Repeat("k", 255): "v"}},
 		{MessageId: "edge", Headers: amqp.Table{"pad": strings.Repeat("p", padFor("edge", maxProps-headroom))}},
 		{Headers: amqp.Table{"deep": nest(32), "wide": entries(8192)}},
+		// Expirations that RabbitMQ takes, at the edges of its reading.
+		{Expiration: "315360000000"}, {Expiration: "+5"}, {Expiration: "-0"}, {Expiration: "007"},
 	}
 	for i, m := range atLimits {
 		require.NoError(t, f.b.Publish(ctx, "", f.q, m), "Publish at the limits "+strconv.Itoa(i))

@@ -21,7 +21,10 @@ const DefaultOutboxTable = "rabbitmw_outbox"
 // ErrInvalidMessage is returned, wrapped, by [Outbox.Write] and
 // [Outbox.WriteSQL] for a message that could never be sent: a name or
 // property that AMQP 0-9-1 cannot carry, or a header of a type it does not
-// send; or one that the outbox table cannot hold: an exchange, routing
+// send; an Expiration that RabbitMQ refuses (not a whole number of
+// milliseconds, negative, or over ten years), which would close the
+// relay's channel and park the rows in flight on it; or one that the
+// outbox table cannot hold: an exchange, routing
 // key, header name or property (MessageId, CorrelationId, ContentType, …)
 // that holds a NUL byte or bytes that are not UTF-8, as PostgreSQL's text
 // holds neither. (A header's string value may hold any bytes: it is

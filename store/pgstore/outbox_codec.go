@@ -10,6 +10,8 @@ import (
 	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitmw/rabbitmw/internal/expiration"
 )
 
 // The properties column holds the AMQP properties of a message but its
@@ -59,6 +61,9 @@ func encodeProperties(exchange, key string, msg amqp.Publishing) ([]byte, error)
 		if !isText(f.v) {
 			return nil, fmt.Errorf("%s %q %s", f.name, f.v, notText)
 		}
+	}
+	if err := expiration.Check(msg.Expiration); err != nil {
+		return nil, err
 	}
 	p := storedProperties{
 		ContentType: msg.ContentType, ContentEncoding: msg.ContentEncoding,

@@ -126,6 +126,11 @@ func TestOutboxWriteRefusesWhatCannotBeSent(t *testing.T) {
 		"a NUL in a header name":                 {key: "q", msg: amqp.Publishing{Headers: amqp.Table{"x\x00": "v"}}},
 		"a header name that is not UTF-8":        {key: "q", msg: amqp.Publishing{Headers: amqp.Table{"x\xff": "v"}}},
 		"a nested header name that is not UTF-8": {key: "q", msg: amqp.Publishing{Headers: amqp.Table{"t": amqp.Table{"\xfe": int32(1)}}}},
+		// RabbitMQ refuses these by closing the channel, which would park
+		// the row and the rows in flight beside it.
+		"an expiration that is not milliseconds": {key: "q", msg: amqp.Publishing{Expiration: "60s"}},
+		"a negative expiration":                  {key: "q", msg: amqp.Publishing{Expiration: "-1"}},
+		"an expiration over ten years":           {key: "q", msg: amqp.Publishing{Expiration: "315360000001"}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			tx, err := pool.Begin(context.Background())

@@ -8,6 +8,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitmw/rabbitmw/internal/expiration"
 	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
@@ -59,6 +60,9 @@ func CheckPublishing(exchange, key string, msg amqp.Publishing) (size int, err e
 		if p.prop && p.v != "" {
 			size += 1 + len(p.v)
 		}
+	}
+	if err := expiration.Check(msg.Expiration); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrInvalidMessage, err)
 	}
 	if msg.DeliveryMode != 0 {
 		size++
