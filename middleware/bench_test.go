@@ -19,9 +19,26 @@ import (
 
 var nop = rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
 
+// watching is a handler that looks at its context's Done, as one that
+// does I/O does, and does nothing else.
+var watching = rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	default:
+		return nil
+	}
+})
+
 // benchLayer runs h over b.N deliveries, each with a new message id unless
-// sameID.
+// sameID, under a context that never ends.
 func benchLayer(b *testing.B, h rabbitmw.Handler, sameID bool) {
+	b.Helper()
+	benchUnder(b, context.Background(), h, sameID)
+}
+
+// benchUnder is benchLayer under the consumer's context ctx.
+func benchUnder(b *testing.B, ctx context.Context, h rabbitmw.Handler, sameID bool) {
 	b.Helper()
 	ids := make([]string, b.N)
 	for i := range ids {
@@ -31,7 +48,6 @@ func benchLayer(b *testing.B, h rabbitmw.Handler, sameID bool) {
 		}
 	}
 	d := &amqp.Delivery{Body: []byte(`{"order":42}`), DeliveryTag: 1}
-	ctx := context.Background()
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := range b.N {
@@ -73,6 +89,26 @@ func BenchmarkLayer(b *testing.B) {
 	})
 	b.Run("Dedup/new/memory", func(b *testing.B) {
 		benchLayer(b, middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(nop), false)
+	})
+	b.Run("Dedup/new/memory/consumer", func(b *testing.B) {
+		// Under a consumer's context that can end, as package broker's,
+		// which Dedup then watches, for a handler that watches its own.
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		benchUnder(b, ctx, middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(watching), false)
+	})
+	b.Run("Dedup/new/memory/own-consumer", func(b *testing.B) {
+		// Under a consumer's context that the context package does not
+		// know, which takes a goroutine to watch.
+		ctx := newOwnDone(context.Background())
+		defer ctx.cancel()
+		benchUnder(b, ctx, middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(watching), false)
+	})
+	b.Run("Stack/new/memory/consumer", func(b *testing.B) {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		st := store.NewMemory()
+		benchUnder(b, ctx, middleware.Stack(st, middleware.StackOptions{})(watching), false)
 	})
 	b.Run("Dedup/duplicate/memory", func(b *testing.B) {
 		benchLayer(b, middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(nop), true)

@@ -739,3 +739,104 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 		}
 	})
 }
+
+// valueless is a context that passes on its parent's end but none of its
+// values: the context package, which finds its own contexts through
+// Value, does not know its Done channel, and watches it with a goroutine.
+type valueless struct{ context.Context }
+
+func (valueless) Value(any) any { return nil }
+
+// embedded passes on everything of its parent.
+type embedded struct{ context.Context }
+
+// watchesWithoutGoroutine says of each kind of parent what
+// context.AfterFunc does with it: whether it starts a goroutine.
+func TestWatchesWithoutGoroutine(t *testing.T) {
+	parent, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	timed, cancelTimed := context.WithTimeout(context.Background(), time.Hour)
+	defer cancelTimed()
+	own := &cancelContext{parent: parent}
+	defer own.end()
+	for _, tc := range []struct {
+		name   string
+		parent context.Context
+		want   bool
+	}{
+		{"WithCancel", parent, true},
+		{"WithTimeout", timed, true},
+		{"WithValue of WithCancel", context.WithValue(parent, ctxKey{}, 1), true},
+		{"a type that embeds WithCancel", embedded{parent}, true},
+		{"a cancelContext (an AfterFunc method)", own, true},
+		{"a type whose Value hides WithCancel's", valueless{parent}, false},
+		{"WithValue of that type", context.WithValue(valueless{parent}, ctxKey{}, 1), false},
+	} {
+		assert.Equal(t, tc.want, watchesWithoutGoroutine(tc.parent), tc.name)
+		// And context.AfterFunc agrees.
+		before := goleak.IgnoreCurrent()
+		stop := context.AfterFunc(tc.parent, func() {})
+		started := goleak.Find(before) != nil
+		stop()
+		assert.Equal(t, tc.want, !started, "%s: context.AfterFunc started no goroutine", tc.name)
+	}
+}
+
+// A parentWatcher keeps the registration of a parent that costs no
+// goroutine while the parent lives, and reuses it, allocating nothing;
+// that of a parent that costs a goroutine ends, goroutine and all, when
+// its last context ends, and is made again for the next. Contexts made
+// after it ended still end with their parent.
+func TestParentWatcherRegistrations(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		parent    func(context.Context) context.Context
+		transient bool
+	}{
+		{"WithCancel", func(ctx context.Context) context.Context { return ctx }, false},
+		{"a parent the context package does not know", func(ctx context.Context) context.Context { return valueless{ctx} }, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				var w parentWatcher
+				base, cancel := context.WithCancelCause(context.Background())
+				parent := tc.parent(base)
+				mk := func() *claimContext {
+					c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, &w)
+					c.watch(time.Time{})
+					return c
+				}
+				registered := func() int {
+					w.mu.Lock()
+					defer w.mu.Unlock()
+					return len(w.parents)
+				}
+				before := goleak.IgnoreCurrent()
+				for range 3 {
+					a, b := mk(), mk()
+					assert.Equal(t, 1, registered(), "while contexts are watched for")
+					a.end()
+					assert.Equal(t, 1, registered(), "while one context is watched for")
+					b.end()
+					synctest.Wait()
+					if tc.transient {
+						assert.Zero(t, registered(), "once none is")
+						assert.NoError(t, goleak.Find(before), "once none is")
+					} else {
+						assert.Equal(t, 1, registered(), "once none is")
+					}
+				}
+				if !tc.transient {
+					n := testing.AllocsPerRun(100, func() { mk().end() })
+					assert.LessOrEqual(t, n, 1.0, "allocations per watched context (itself)")
+				}
+				live := mk()
+				cancel(errParentCause)
+				synctest.Wait()
+				assert.Equal(t, context.Canceled, live.Err())
+				assert.Equal(t, context.Cause(parent), context.Cause(live))
+				assert.Zero(t, registered(), "once the parent has ended")
+			})
+		})
+	}
+}

@@ -125,7 +125,9 @@ type DedupOptions struct {
 // the end of the lease, the release by UnavailableDelay and the end of the
 // lease, at least a second each. A consumer of package broker that stops
 // waits for them, up to those bounds, before it returns and lets its
-// process exit. Dedup panics if s is nil.
+// process exit. The goroutines that Dedup starts, and when each ends, are
+// listed under "Goroutines" in the package documentation. Dedup panics if
+// s is nil.
 func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	if s == nil {
 		panic("middleware: Dedup: nil store")

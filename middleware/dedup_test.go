@@ -15,6 +15,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
@@ -882,5 +883,181 @@ func TestDedupPanicEndsDerivedContexts(t *testing.T) {
 		waiters.Wait() // the derived context ended
 		got, _ := s.Claim(context.Background(), "m1", "next", time.Minute)
 		assert.Equal(t, store.Claimed, got, "Claim after the panic (released)")
+	})
+}
+
+// ownDone is a consumer's context that the context package does not know:
+// its Done channel is its own, so that context.AfterFunc, and the
+// contexts derived from it, watch it each with a goroutine. It takes its
+// values from the context it is made under.
+type ownDone struct {
+	context.Context
+	done chan struct{}
+
+	mu  sync.Mutex
+	err error
+}
+
+func newOwnDone(parent context.Context) *ownDone {
+	return &ownDone{Context: parent, done: make(chan struct{})}
+}
+
+func (c *ownDone) Done() <-chan struct{} { return c.done }
+
+func (c *ownDone) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+// cancel ends c with context.Canceled, once.
+func (c *ownDone) cancel() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		c.err = context.Canceled
+		close(c.done)
+	}
+}
+
+// Dedup starts no goroutine that outlives the deliveries that needed it,
+// under a consumer's context that the context package does not know
+// (whose end it must watch with a goroutine), however its handler uses
+// its context, one delivery after another or several at once: once they
+// have returned, with the consumer's context still live, nothing Dedup
+// started runs.
+func TestDedupLeavesNoGoroutineUnderAnOwnContext(t *testing.T) {
+	handlers := []struct {
+		name string
+		h    rabbitmw.HandlerFunc
+	}{
+		{"ignores its context", func(context.Context, *amqp.Delivery) error { return nil }},
+		{"watches its context", func(ctx context.Context, _ *amqp.Delivery) error {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(time.Millisecond):
+				return nil
+			}
+		}},
+		{"derives a context", func(ctx context.Context, _ *amqp.Delivery) error {
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			<-time.After(time.Millisecond)
+			return ctx.Err()
+		}},
+	}
+	stacks := []struct {
+		name  string
+		stack func(store.Store) rabbitmw.Middleware
+	}{
+		{"Dedup", func(s store.Store) rabbitmw.Middleware { return middleware.Dedup(s, middleware.DedupOptions{}) }},
+		{"Stack", func(s store.Store) rabbitmw.Middleware { return middleware.Stack(s, middleware.StackOptions{}) }},
+	}
+	for _, st := range stacks {
+		for _, hd := range handlers {
+			for _, at := range []int{1, 4} {
+				t.Run(fmt.Sprintf("%s/%s/%d at once", st.name, hd.name, at), func(t *testing.T) {
+					before := goleak.IgnoreCurrent()
+					consumer := newOwnDone(context.Background())
+					defer consumer.cancel()
+					h := st.stack(store.NewMemory())(hd.h)
+					var wg sync.WaitGroup
+					for i := range at {
+						wg.Go(func() {
+							for j := range 3 {
+								d, _ := deliverytest.New(fmt.Sprintf("m%d-%d", i, j), "")
+								assert.NoError(t, h.Handle(consumer, d))
+							}
+						})
+					}
+					wg.Wait()
+					goleak.VerifyNone(t, before)
+				})
+			}
+		}
+	}
+}
+
+// Under a consumer's context that takes a goroutine to watch, deliveries
+// that start and end at random, one after another and many at the same
+// instant, let Dedup's watch of that context end and come back while
+// their ends and starts race. Each handler under way when the consumer's
+// context ends sees its end at once, none sees it earlier, and nothing
+// Dedup started runs once they have all returned, before it ends and
+// after (run with -race).
+func TestDedupOwnContextWatchComesAndGoes(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const deliveries = 300
+		const cancelAt = 40 * time.Millisecond // after the first phase's deliveries
+		rng := rand.New(rand.NewPCG(7, 11))
+		type plan struct{ start, run time.Duration }
+		plans := map[string]plan{}
+		for i := range deliveries {
+			p := plan{time.Duration(rng.IntN(20)) * time.Millisecond, time.Duration(rng.IntN(4)) * time.Millisecond}
+			if i >= deliveries/2 { // the second phase, across the consumer's end
+				p = plan{time.Duration(20+rng.IntN(40)) * time.Millisecond, time.Duration(rng.IntN(40)) * time.Millisecond}
+			}
+			plans[fmt.Sprint("m", i)] = p
+		}
+		consumer := newOwnDone(context.Background())
+		t0 := time.Now()
+		var mu sync.Mutex
+		ran := map[string][2]time.Time{} // when each handler started and returned
+		h := middleware.Dedup(store.NewMemory(), middleware.DedupOptions{})(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			start := time.Now()
+			defer func() {
+				mu.Lock()
+				ran[d.MessageId] = [2]time.Time{start, time.Now()}
+				mu.Unlock()
+			}()
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(plans[d.MessageId].run):
+				return nil
+			}
+		}))
+		deliver := func(from, to int) {
+			var wg sync.WaitGroup
+			for i := from; i < to; i++ {
+				id := fmt.Sprint("m", i)
+				wg.Go(func() {
+					time.Sleep(time.Until(t0.Add(plans[id].start)))
+					d, _ := deliverytest.New(id, "")
+					h.Handle(consumer, d)
+				})
+			}
+			wg.Wait()
+		}
+		before := goleak.IgnoreCurrent()
+		deliver(0, deliveries/2)
+		synctest.Wait()
+		require.NoError(t, goleak.Find(before), "with the consumer's context live, once the deliveries have returned")
+
+		time.AfterFunc(time.Until(t0.Add(cancelAt)), consumer.cancel)
+		deliver(deliveries/2, deliveries)
+		synctest.Wait()
+		require.NoError(t, goleak.Find(before), "once the consumer's context has ended")
+
+		mu.Lock()
+		defer mu.Unlock()
+		for id, p := range plans {
+			if _, ok := ran[id]; !ok && p.start < cancelAt {
+				t.Errorf("%s, to start at %v, did not run", id, p.start)
+			}
+		}
+		end := t0.Add(cancelAt)
+		for id, r := range ran {
+			want := r[0].Add(plans[id].run) // its own end
+			if want.After(end) {
+				want = end // the consumer's, unless it started later
+				if r[0].After(end) {
+					want = r[0]
+				}
+			}
+			assert.True(t, r[1].Equal(want), "%s, started at %v, running %v: returned at %v; want %v",
+				id, r[0].Sub(t0), plans[id].run, r[1].Sub(t0), want.Sub(t0))
+		}
 	})
 }

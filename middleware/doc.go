@@ -59,6 +59,34 @@
 // it stands beneath a Retry or Dedup that named the message otherwise.
 // Recover returns *rabbitmw.PanicError. Timeout wraps ErrTimeout.
 //
+// # Goroutines
+//
+// Each goroutine this package starts ends with the work that started it,
+// never only with the consumer's context:
+//
+//   - Dedup renews a claim whose renewal falls due while its handler runs
+//     (every Lease/3) on a goroutine of its own, which ends when the store
+//     answers: within one renewal interval for a store that honours its
+//     context's deadline.
+//   - Dedup and Timeout watch the consumer's context (the ctx given to
+//     Handle), so that the contexts they give their handlers end with it.
+//     A context of the standard library, one that passes on the Done and
+//     Value of one (a type that embeds it), or one with an AfterFunc
+//     method, costs no goroutine to watch. Any other (a type whose Done
+//     channel the context package does not know) is watched by
+//     context.AfterFunc on a goroutine: Dedup shares one among the
+//     deliveries under way under that consumer's context, and it ends when
+//     the last of them has returned, or when the consumer's context ends,
+//     to start again with the next delivery; a Timeout layer's context
+//     (and Dedup's, under more than 8 such consumers' contexts at once)
+//     has one of its own, which ends with its delivery.
+//   - A callback that context.AfterFunc registers on a handler's context
+//     runs on a goroutine of its own once the context ends, as it does on
+//     the standard library's.
+//
+// The timers that serve leases and deadlines run their callbacks on the
+// runtime's goroutines, and only briefly.
+//
 // # Guarantees, and where they end
 //
 // With Dedup over a shared store, a message's handler completes

@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -149,6 +150,25 @@ func TestOutboxWriteRefusesWhatCannotBeSent(t *testing.T) {
 }
 
 func float64NaN() float64 { var z float64; return z / z }
+
+// A float header of negative zero is sent as negative zero: jsonb keeps
+// numbers as numeric, which has no sign for zero.
+func TestOutboxWriteKeepsNegativeZero(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	write(t, pool, ob, "q", amqp.Publishing{Headers: amqp.Table{
+		"f64": math.Copysign(0, -1), "f32": float32(math.Copysign(0, -1)), "in array": []any{math.Copysign(0, -1)},
+	}})
+	got, _ := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	h := got[0].Publishing.Headers
+	require.IsType(t, float64(0), h["f64"])
+	assert.True(t, math.Signbit(h["f64"].(float64)), "f64: %v", h["f64"])
+	require.IsType(t, float32(0), h["f32"])
+	assert.True(t, math.Signbit(float64(h["f32"].(float32))), "f32: %v", h["f32"])
+	require.IsType(t, []any{}, h["in array"])
+	assert.True(t, math.Signbit(h["in array"].([]any)[0].(float64)), "in array: %v", h["in array"])
+}
 
 // AMQP's long strings are bytes: a header string that is not UTF-8 text
 // (a client that sends bytes as a string, a header copied from a delivery
