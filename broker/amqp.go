@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -244,6 +245,11 @@ type amqpSession struct {
 
 	getMu sync.Mutex
 	getCh *amqp.Channel
+
+	// callMu guards closing, set by Close before it waits for wg: a call
+	// of the server (see await) adds to wg only while closing is unset.
+	callMu  sync.Mutex
+	closing bool
 }
 
 func newAMQPSession(conn *amqp.Connection, raw net.Conn, node, name string, log *slog.Logger, obs *Observer) (*amqpSession, error) {
@@ -348,12 +354,87 @@ func (s *amqpSession) withChannel(f func(ch *amqp.Channel) error) error {
 	return f(ch)
 }
 
-func (s *amqpSession) Declare(_ context.Context, specs []queueSpec) error {
+// errCallerGone ends a call of the server between two of its methods once
+// its caller has left (see await); nobody sees it.
+var errCallerGone = errors.New("broker: the caller left")
+
+// await runs f, calls of amqp091 that wait for the server's answers and
+// watch no context, on a goroutine of its own, and waits for f no longer
+// than ctx lets it: when ctx ends first, await returns ctx.Err(), and f
+// goes on until the server answers or the connection closes (Close
+// waits for it). f learns through gone that its caller left, so that a
+// series of calls stops at the next one; a value f returns after that is
+// handed to giveBack, if set, for a message got that nobody will settle.
+// A ctx that can never end runs f on the caller's goroutine.
+func await[T any](ctx context.Context, s *amqpSession, f func(gone func() bool) (T, error), giveBack func(T)) (T, error) {
+	var zero T
+	if err := ctx.Err(); err != nil {
+		return zero, err
+	}
+	if ctx.Done() == nil {
+		return f(func() bool { return false })
+	}
+	s.callMu.Lock()
+	if s.closing {
+		s.callMu.Unlock()
+		return zero, fmt.Errorf("%w: session closed", ErrConnectionLost)
+	}
+	s.wg.Add(1)
+	s.callMu.Unlock()
+
+	// state: 0 while f runs and its caller waits; callerGone once the
+	// caller left; returned once f's result went to the caller.
+	const callerGone, returned = 1, 2
+	var state atomic.Int32
+	type result struct {
+		v   T
+		err error
+	}
+	res := make(chan result, 1)
+	go func() { // ends when f returns
+		defer s.wg.Done()
+		v, err := f(func() bool { return state.Load() == callerGone })
+		if !state.CompareAndSwap(0, returned) {
+			if err == nil && giveBack != nil {
+				giveBack(v)
+			}
+			return
+		}
+		res <- result{v, err}
+	}()
+	select {
+	case r := <-res:
+		return r.v, r.err
+	case <-ctx.Done():
+		if state.CompareAndSwap(0, callerGone) {
+			return zero, ctx.Err()
+		}
+		r := <-res // f returned as ctx ended: its result is the caller's
+		return r.v, r.err
+	}
+}
+
+// awaitErr is await for calls that return only an error.
+func awaitErr(ctx context.Context, s *amqpSession, f func(gone func() bool) error) error {
+	_, err := await(ctx, s, func(gone func() bool) (struct{}, error) { return struct{}{}, f(gone) }, nil)
+	return err
+}
+
+func (s *amqpSession) Declare(ctx context.Context, specs []queueSpec) error {
 	if len(specs) == 0 {
 		return nil
 	}
+	return awaitErr(ctx, s, func(gone func() bool) error {
+		return s.declare(specs, gone)
+	})
+}
+
+func (s *amqpSession) declare(specs []queueSpec, gone func() bool) error {
 	return s.withChannel(func(ch *amqp.Channel) error {
 		for _, q := range specs {
+			if gone() {
+				return errCallerGone
+			}
 			var err error
 			if q.Passive {
 				_, err = ch.QueueDeclarePassive(q.Name, true, false, false, false, nil)
@@ -373,12 +454,21 @@ func (s *amqpSession) Declare(_ context.Context, specs []queueSpec) error {
 	})
 }
 
-func (s *amqpSession) DeclareExchanges(_ context.Context, specs []exchangeSpec) error {
+func (s *amqpSession) DeclareExchanges(ctx context.Context, specs []exchangeSpec) error {
 	if len(specs) == 0 {
 		return nil
 	}
+	return awaitErr(ctx, s, func(gone func() bool) error {
+		return s.declareExchanges(specs, gone)
+	})
+}
+
+func (s *amqpSession) declareExchanges(specs []exchangeSpec, gone func() bool) error {
 	return s.withChannel(func(ch *amqp.Channel) error {
 		for _, e := range specs {
+			if gone() {
+				return errCallerGone
+			}
 			declare := ch.ExchangeDeclare
 			if e.Passive {
 				declare = ch.ExchangeDeclarePassive
@@ -391,24 +481,35 @@ func (s *amqpSession) DeclareExchanges(_ context.Context, specs []exchangeSpec) 
 	})
 }
 
-func (s *amqpSession) Length(_ context.Context, queue string) (int, error) {
-	var n int
-	err := s.withChannel(func(ch *amqp.Channel) error {
-		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
-		if err != nil {
-			return s.translate(err)
-		}
-		n = q.Messages
-		return nil
-	})
-	return n, err
+func (s *amqpSession) Length(ctx context.Context, queue string) (int, error) {
+	return await(ctx, s, func(func() bool) (int, error) {
+		var n int
+		err := s.withChannel(func(ch *amqp.Channel) error {
+			q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+			if err != nil {
+				return s.translate(err)
+			}
+			n = q.Messages
+			return nil
+		})
+		return n, err
+	}, nil)
 }
 
-func (s *amqpSession) Delete(_ context.Context, queues []string) error {
+func (s *amqpSession) Delete(ctx context.Context, queues []string) error {
+	return awaitErr(ctx, s, func(gone func() bool) error {
+		return s.delete(queues, gone)
+	})
+}
+
+func (s *amqpSession) delete(queues []string, gone func() bool) error {
 	for len(queues) > 0 {
 		var rest []string
 		err := s.withChannel(func(ch *amqp.Channel) error {
 			for j, q := range queues {
+				if gone() {
+					return errCallerGone
+				}
 				if _, err := ch.QueueDelete(q, false, false, false); err != nil {
 					var ae *amqp.Error
 					if errors.As(err, &ae) && ae.Server && ae.Code == amqp.NotFound {
@@ -430,38 +531,60 @@ func (s *amqpSession) Delete(_ context.Context, queues []string) error {
 	return nil
 }
 
-func (s *amqpSession) SyncGets(_ context.Context) error {
-	s.getMu.Lock()
-	defer s.getMu.Unlock()
-	if s.getCh == nil {
+// SyncGets and Get take getMu on await's goroutine, so that a call
+// waiting behind an abandoned one (which holds getMu until the server
+// answers it) still returns when its own context ends.
+func (s *amqpSession) SyncGets(ctx context.Context) error {
+	return awaitErr(ctx, s, func(gone func() bool) error {
+		s.getMu.Lock()
+		defer s.getMu.Unlock()
+		if s.getCh == nil || gone() {
+			return nil
+		}
+		// basic.qos is answered in turn, after the methods sent before
+		// it, and changes nothing for basic.get.
+		if err := s.getCh.Qos(0, 0, false); err != nil {
+			return s.translate(err)
+		}
 		return nil
-	}
-	// basic.qos is answered in turn, after the methods sent before it,
-	// and changes nothing for basic.get.
-	if err := s.getCh.Qos(0, 0, false); err != nil {
-		return s.translate(err)
-	}
-	return nil
+	})
 }
 
-func (s *amqpSession) Get(_ context.Context, queue string) (*amqp.Delivery, bool, error) {
+func (s *amqpSession) Get(ctx context.Context, queue string) (*amqp.Delivery, bool, error) {
+	d, err := await(ctx, s, func(gone func() bool) (*amqp.Delivery, error) {
+		return s.get(queue, gone)
+	}, func(d *amqp.Delivery) {
+		if d != nil {
+			// Got for a caller that left: back to the queue, at once,
+			// rather than when the channel closes.
+			_ = d.Nack(false, true)
+		}
+	})
+	return d, d != nil, err
+}
+
+// get takes one message of queue; nil when the queue is empty.
+func (s *amqpSession) get(queue string, gone func() bool) (*amqp.Delivery, error) {
 	s.getMu.Lock()
 	defer s.getMu.Unlock()
+	if gone() {
+		return nil, errCallerGone
+	}
 	if s.getCh == nil || s.getCh.IsClosed() {
 		ch, err := s.conn.Channel()
 		if err != nil {
-			return nil, false, s.translate(err)
+			return nil, s.translate(err)
 		}
 		s.getCh = ch
 	}
 	d, ok, err := s.getCh.Get(queue, false)
 	if err != nil {
-		return nil, false, s.translate(err)
+		return nil, s.translate(err)
 	}
 	if !ok {
-		return nil, false, nil
+		return nil, nil
 	}
-	return &d, true, nil
+	return &d, nil
 }
 
 func (s *amqpSession) Node() string             { return s.node }
@@ -471,6 +594,9 @@ func (s *amqpSession) Reason() error            { return s.err }
 func (s *amqpSession) Cancelled() <-chan string { return s.cancels }
 
 func (s *amqpSession) Close() error {
+	s.callMu.Lock()
+	s.closing = true
+	s.callMu.Unlock()
 	err := s.conn.CloseDeadline(time.Now().Add(closeTimeout))
 	// A write that amqp091 is blocked in holds the publish channel's
 	// mutex, which the connection's shutdown waits for (and CloseDeadline

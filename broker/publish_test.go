@@ -199,15 +199,7 @@ func startStallProxy(t *testing.T, target string) *stallProxy {
 	p.tcpProxy = startTCPProxy(t, target,
 		func(up, c net.Conn) { p.pump(up, c, true) },
 		func(c, up net.Conn) { p.pump(c, up, false) })
-	t.Cleanup(func() { // before the proxy's: its pumps wait for the gate
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		select {
-		case <-p.gate:
-		default:
-			close(p.gate)
-		}
-	})
+	t.Cleanup(p.resume) // before the proxy's: its pumps wait for the gate
 	return p
 }
 
@@ -215,6 +207,17 @@ func (p *stallProxy) stall() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.gate = make(chan struct{})
+}
+
+// resume lets the client bytes held since stall flow again.
+func (p *stallProxy) resume() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	select {
+	case <-p.gate:
+	default:
+		close(p.gate)
+	}
 }
 
 // pump copies src to dst until either fails; a gated pump waits for the

@@ -119,7 +119,9 @@
 // commit answered: nil if it committed. If the server refused the commit
 // (a deferred constraint, a serialisation failure), nothing of the group
 // committed, and any member may be the cause: each runs again, alone, in
-// a transaction of its own, and gets that one's result. Otherwise each
+// a transaction of its own, and gets that one's result; a member whose
+// context ended meanwhile cannot, so whether it was the cause is unknown:
+// it is tried again after RetryDelay, not counted. Otherwise each
 // gets the commit's error (wrapping middleware.ErrStoreUnavailable if
 // its answer was lost, as for a transaction of one). A member whose
 // context ends while it waits to join a group, or while its claim waits

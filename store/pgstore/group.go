@@ -103,8 +103,8 @@ type member struct {
 	result    error         // a pending member's, once its group is done
 	// alone: the server refused its group's commit, which held other
 	// members' effects too: the member runs again, in a transaction of its
-	// own, for a result of its own, unless its context ended (then result
-	// is the commit's error).
+	// own, for a result of its own, unless its context ended (then its
+	// result is unknown: see grouper.unknown).
 	alone bool
 }
 
@@ -147,6 +147,17 @@ func (gr *grouper) handle(ctx context.Context, d *amqp.Delivery, key string, lea
 // counted.
 func (gr *grouper) cut(key string, err error) error {
 	return rabbitmw.NotCounted(rabbitmw.RetryAfter(fmt.Errorf("pgstore: %q waited for a group's transaction until its context ended: %w", key, err), gr.h.in.retry))
+}
+
+// unknown is the result of a member of key whose group's commit the
+// server refused, with err, and whose context ended before it could run
+// again alone: nothing of it committed, and whether it caused the refusal
+// or another member did is unknown. So it is not counted, and tried again
+// after RetryDelay: were it at fault, its next attempt fails alone, and
+// is counted then. Counting it would count a failure of another message
+// against it.
+func (gr *grouper) unknown(key string, err error) error {
+	return rabbitmw.NotCounted(rabbitmw.RetryAfter(fmt.Errorf("pgstore: the server refused the commit of %q with the other messages of its group, and its context ended before it could run alone to tell whether it was the cause: %w", key, err), gr.h.in.retry))
 }
 
 // join admits m to a group, and returns it once m holds its connection;
@@ -324,8 +335,11 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 		gr.pass(ctx, g)
 		gr.await(ctx, g)
 		rec.End()
-		if m.alone && ctx.Err() == nil {
+		switch {
+		case m.alone && ctx.Err() == nil:
 			return gr.h.handleAlone(ctx, d, m.key, lease, m.retention)
+		case m.alone:
+			return true, gr.unknown(m.key, m.result)
 		}
 		return true, m.result
 	}

@@ -578,6 +578,87 @@ func TestGroupCommitRefusedCommitRunsEachMemberAlone(t *testing.T) {
 	assert.Equal(t, store.Claimed, f.status(t, "poison"), "the key poison, claimed by a stranger afterwards")
 }
 
+// A member whose context ended while it waited for a commit that the
+// server refused cannot run again alone, so whether it caused the
+// refusal is unknown: it is tried again, not counted, whichever member
+// was at fault. The members whose context lives run again alone, as
+// above: only the one at fault is counted.
+func TestGroupCommitRefusedCommitMemberWhoseContextEnded(t *testing.T) {
+	tests := []struct {
+		name string
+		late string // the member whose context ends as its function returns
+	}{
+		{name: "a member not at fault", late: "b"},
+		{name: "the member at fault", late: "poison"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+			deferred := uniqueTable(t, f.pool)
+			_, err := f.pool.Exec(ctx, `CREATE TABLE `+deferred+` (id int, CONSTRAINT `+deferred+`_unique UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)`)
+			require.NoError(t, err)
+			lateCtx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			ends := func(id string) {
+				if id == tt.late {
+					cancel()
+				}
+			}
+			g := newGate()
+			var held sync.Once
+			f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				var err error
+				held.Do(func() { err = g.hold(ctx) }) // the first run only
+				if err != nil {
+					return err
+				}
+				return f.insert(ctx, tx, d)
+			})
+			f.set("poison", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if err := f.insert(ctx, tx, d); err != nil {
+					return err
+				}
+				_, err := tx.Exec(ctx, `INSERT INTO `+deferred+` (id) VALUES (1), (1)`)
+				ends(d.MessageId)
+				return err
+			})
+			f.set("b", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				err := f.insert(ctx, tx, d)
+				ends(d.MessageId)
+				return err
+			})
+			ids := []string{"a", "poison", "b"}
+			ctxs := make([]context.Context, len(ids))
+			ds := make([]*amqp.Delivery, len(ids))
+			for i, id := range ids {
+				ds[i] = delivery(id)
+				if id == tt.late {
+					ctxs[i] = lateCtx
+				}
+			}
+			errs := f.group(t, g, ctxs, ds...)
+			for i, id := range ids {
+				switch {
+				case id == tt.late:
+					require.Error(t, errs[i], id)
+					assert.True(t, rabbitmw.IsNotCounted(errs[i]), "%s's failure counted: %v", id, errs[i])
+					assert.Equal(t, 0, f.count(t, id), "effects of %s", id)
+					assert.Equal(t, store.Claimed, f.status(t, id), "the key %s, claimed by a stranger afterwards", id)
+				case id == "poison":
+					require.Error(t, errs[i], id)
+					assert.False(t, rabbitmw.IsNotCounted(errs[i]), "%s's failure not counted: %v", id, errs[i])
+					assert.Equal(t, 0, f.count(t, id), "effects of %s", id)
+				default:
+					require.NoError(t, errs[i], id)
+					assert.Equal(t, 1, f.count(t, id), "effects of %s", id)
+					assert.Equal(t, store.Done, f.status(t, id), "%s", id)
+				}
+			}
+		})
+	}
+}
+
 // A member's function may nest transactions (pgx's savepoints) in tx, as
 // alone: what it rolls back of them is rolled back, and a failure after
 // them rolls back the member whole; the group-mates commit.

@@ -62,7 +62,8 @@ type HandlerOptions struct {
 	// RetryDelay is how long a delivery waits before it is tried again
 	// when the database could not be reached, or the claim was lost
 	// before the done mark, or (with GroupCommit) its context ended while
-	// it waited for a group. Default 5 seconds.
+	// it waited for a group, or before it could run again alone after
+	// its group's commit was refused. Default 5 seconds.
 	RetryDelay time.Duration
 	// CommitTimeout bounds the done mark and the commit, which run even if
 	// the handler's context is cancelled once fn has returned (a consumer

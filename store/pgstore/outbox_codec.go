@@ -194,9 +194,28 @@ func encodeValue(v any, depth int) (typed, error) {
 	if f, ok := v.(float32); ok && (math.IsNaN(float64(f)) || math.IsInf(float64(f), 0)) {
 		return typed{}, fmt.Errorf("float %v, which JSON cannot hold", f)
 	}
+	if isNegativeZero(v) {
+		return typed{T: t, V: json.RawMessage(negativeZero)}, nil
+	}
 	b, err := json.Marshal(v)
 	return typed{T: t, V: b}, err
 }
+
+// isNegativeZero reports whether v is a float32 or float64 negative
+// zero.
+func isNegativeZero(v any) bool {
+	switch f := v.(type) {
+	case float64:
+		return f == 0 && math.Signbit(f)
+	case float32:
+		return f == 0 && math.Signbit(float64(f))
+	}
+	return false
+}
+
+// negativeZero is the value of a float header of negative zero: a JSON
+// string, as jsonb would drop the sign of the number.
+const negativeZero = `"-0"`
 
 // decodeProperties rebuilds the publishing that encodeProperties stored,
 // without its MessageId and body.
@@ -271,9 +290,15 @@ func (tv typed) decode() (any, error) {
 		var v int64
 		return v, into(&v)
 	case "float32":
+		if string(tv.V) == negativeZero {
+			return float32(math.Copysign(0, -1)), nil
+		}
 		var v float32
 		return v, into(&v)
 	case "float64":
+		if string(tv.V) == negativeZero {
+			return math.Copysign(0, -1), nil
+		}
 		var v float64
 		return v, into(&v)
 	case "string":

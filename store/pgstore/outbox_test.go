@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -150,6 +151,25 @@ func TestOutboxWriteRefusesWhatCannotBeSent(t *testing.T) {
 
 func float64NaN() float64 { var z float64; return z / z }
 
+// A float header of negative zero is sent as negative zero: jsonb keeps
+// numbers as numeric, which has no sign for zero.
+func TestOutboxWriteKeepsNegativeZero(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	write(t, pool, ob, "q", amqp.Publishing{Headers: amqp.Table{
+		"f64": math.Copysign(0, -1), "f32": float32(math.Copysign(0, -1)), "in array": []any{math.Copysign(0, -1)},
+	}})
+	got, _ := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	h := got[0].Publishing.Headers
+	require.IsType(t, float64(0), h["f64"])
+	assert.True(t, math.Signbit(h["f64"].(float64)), "f64: %v", h["f64"])
+	require.IsType(t, float32(0), h["f32"])
+	assert.True(t, math.Signbit(float64(h["f32"].(float32))), "f32: %v", h["f32"])
+	require.IsType(t, []any{}, h["in array"])
+	assert.True(t, math.Signbit(h["in array"].([]any)[0].(float64)), "in array: %v", h["in array"])
+}
+
 // AMQP's long strings are bytes: a header string that is not UTF-8 text
 // (a client that sends bytes as a string, a header copied from a delivery
 // of one) or that holds a NUL is sent as it was written, at any depth.
@@ -170,6 +190,52 @@ func TestOutboxWriteKeepsHeaderStringsThatAreNotText(t *testing.T) {
 	assert.Equal(t, pgstore.DispatchResult{Taken: 1, Sent: 1}, res, "the row is read back, not parked as corrupt")
 	assert.Equal(t, id, got[0].Publishing.MessageId)
 	assert.Equal(t, headers, got[0].Publishing.Headers)
+}
+
+// The outbox works over a pool in any of pgx's modes of sending
+// statements: the exec and simple-protocol modes are those of a
+// connection pooler in transaction mode (PgBouncer), for which the
+// relay has NoListen.
+func TestOutboxInEveryExecMode(t *testing.T) {
+	for _, mode := range execModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			pool := newPoolWith(t, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
+			ob := newOutbox(t, pool, pgstore.OutboxOptions{Inject: func(_ context.Context, c map[string]string) { c["traceparent"] = "tp" }})
+			ctx := context.Background()
+			msg := amqp.Publishing{MessageId: "m", Headers: amqp.Table{"h": int16(2)}, Body: []byte{0, 1, 0xff}}
+			for _, id := range []string{"sent", "parked", "failed"} {
+				msg.MessageId = id
+				write(t, pool, ob, "q", msg)
+			}
+			got, res := collect(t, ob, 10, func(m pgstore.OutboxMessage) pgstore.OutboxResult {
+				switch m.Publishing.MessageId {
+				case "parked":
+					return pgstore.OutboxResult{Park: errors.New("no route")}
+				case "failed":
+					return pgstore.OutboxResult{Failed: errors.New("nacked")}
+				}
+				return pgstore.OutboxResult{Sent: true}
+			})
+			assert.Equal(t, pgstore.DispatchResult{Taken: 3, Sent: 1, Parked: 1, Failed: 1}, res)
+			require.Len(t, got, 3)
+			assert.Equal(t, msg.Body, got[0].Publishing.Body)
+			assert.Equal(t, msg.Headers, got[0].Publishing.Headers)
+			assert.Equal(t, map[string]string{"traceparent": "tp"}, got[0].Trace)
+			s, err := ob.Stats(ctx)
+			require.NoError(t, err)
+			assert.Equal(t, int64(1), s.Pending)
+			assert.Equal(t, int64(1), s.Parked)
+			n, err := ob.Retry(ctx, nil)
+			require.NoError(t, err)
+			assert.Equal(t, int64(1), n)
+			rows, err := ob.List(ctx, pgstore.OutboxFilter{State: "pending"})
+			require.NoError(t, err)
+			assert.Len(t, rows, 2)
+			d, err := ob.DeleteSent(ctx, 0, 10)
+			require.NoError(t, err)
+			assert.Equal(t, int64(1), d)
+		})
+	}
 }
 
 // A message written in a transaction that rolls back is never sent; one

@@ -44,6 +44,11 @@ type Transport interface {
 // A Session is one connection, with a channel for consuming and getting
 // and a confirm-mode channel for publishing.
 //
+// Every method that takes a context returns when it is done, with
+// ctx.Err(), even while it waits for the server's answer; what was sent
+// may still take effect (a queue declared or deleted), and a message that
+// a Get abandoned this way receives is given back to its queue.
+//
 // Errors: an operation interrupted by the loss of the session returns an
 // error wrapping ErrConnectionLost; a refusal by the server (no such queue,
 // other arguments, no permission) returns an *amqp.Error with Server set,
