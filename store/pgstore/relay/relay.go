@@ -467,16 +467,23 @@ func (r *Relay) dispatch(ctx context.Context, after int64) (res pgstore.Dispatch
 	return res, why, last, err
 }
 
-// publish publishes one message, under the writer's trace context.
-func (r *Relay) publish(ctx context.Context, m *pgstore.OutboxMessage) error {
+// traced returns ctx with the writer's trace context of m, if any.
+func (r *Relay) traced(ctx context.Context, m *pgstore.OutboxMessage) context.Context {
 	if r.obs.Extract != nil && m.Trace != nil {
-		ctx = r.obs.Extract(ctx, m.Trace)
+		return r.obs.Extract(ctx, m.Trace)
 	}
-	return r.pub.Publish(ctx, m.Exchange, m.Key, m.Publishing)
+	return ctx
 }
 
-// result classifies err, what publish returned for m.
+// publish publishes one message, under the writer's trace context.
+func (r *Relay) publish(ctx context.Context, m *pgstore.OutboxMessage) error {
+	return r.pub.Publish(r.traced(ctx, m), m.Exchange, m.Key, m.Publishing)
+}
+
+// result classifies err, what publish returned for m; a row parked is
+// logged under the writer's trace context.
 func (r *Relay) result(ctx context.Context, m *pgstore.OutboxMessage, err error) pgstore.OutboxResult {
+	ctx = r.traced(ctx, m)
 	if err == nil {
 		return pgstore.OutboxResult{Sent: true}
 	}
