@@ -273,6 +273,7 @@ func testHandlerClaimInTxDeadlineWhileWaitingForAConnection(t *testing.T, opts p
 	defer tracer.after()
 	tracer.pool.Store(f.pool)
 	const timeout = 300 * time.Millisecond
+	opts.RetryDelay = 3 * time.Second
 	var ran atomic.Int32
 	h := middleware.Stack(f.st, middleware.StackOptions{Timeout: timeout})(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 		ran.Add(1)
@@ -289,6 +290,9 @@ func testHandlerClaimInTxDeadlineWhileWaitingForAConnection(t *testing.T, opts p
 	require.Error(t, err, "a delivery whose deadline passed before its function could run")
 	assert.ErrorIs(t, err, middleware.ErrTimeout)
 	assert.True(t, rabbitmw.IsNotCounted(err), "counted: %v", err)
+	dec := rabbitmw.Decide(err)
+	assert.Equal(t, rabbitmw.Delay, dec.Outcome, "Decide(%v)", err)
+	assert.Equal(t, 3*time.Second, dec.Delay, "the handler's RetryDelay")
 	assert.Zero(t, ran.Load(), "function calls")
 	assert.Equal(t, 0, f.count(t, "m1"), "effects")
 	got, err := f.st.Inspect(ctx, "m1")
