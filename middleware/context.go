@@ -549,7 +549,8 @@ func (w *parentWatcher) remove(c *cancelContext) {
 // the Done and Value of one), and registers f among its children. It
 // tells them apart as the context package does: parent's Value, asked
 // for the key of [contextPackageKey], answers the package's context whose
-// Done channel is parent's. parent must have a Done channel.
+// Done channel is parent's (TestWatchesWithoutGoroutine holds it to what
+// context.AfterFunc does). parent must have a Done channel.
 func watchesWithoutGoroutine(parent context.Context) bool {
 	if _, ok := parent.(interface{ AfterFunc(func()) func() bool }); ok {
 		return true

@@ -318,19 +318,25 @@ func (o *Outbox) row(ctx context.Context, exchange, key string, msg amqp.Publish
 	if err != nil {
 		return nil, "", fmt.Errorf("%w: message %q: %w", ErrInvalidMessage, msg.MessageId, err)
 	}
-	var trace []byte
+	// The JSON goes as text: pgx sends a []byte as bytea, which a jsonb
+	// column takes only in the modes that describe the statement first
+	// (not in the exec and simple-protocol modes of a pooler in
+	// transaction mode).
+	var trace *string
 	if o.inject != nil {
 		carrier := map[string]string{}
 		o.inject(ctx, carrier)
 		if len(carrier) > 0 {
-			trace, _ = json.Marshal(carrier) // a map of strings always encodes
+			b, _ := json.Marshal(carrier) // a map of strings always encodes
+			s := string(b)
+			trace = &s
 		}
 	}
 	body := msg.Body
 	if body == nil {
 		body = []byte{} // the column is NOT NULL; an empty body is a message
 	}
-	return []any{msg.MessageId, exchange, key, props, body, trace, o.n.channel}, msg.MessageId, nil
+	return []any{msg.MessageId, exchange, key, string(props), body, trace, o.n.channel}, msg.MessageId, nil
 }
 
 // newMessageID returns 32 random hex digits, as the broker gives a message

@@ -192,6 +192,52 @@ func TestOutboxWriteKeepsHeaderStringsThatAreNotText(t *testing.T) {
 	assert.Equal(t, headers, got[0].Publishing.Headers)
 }
 
+// The outbox works over a pool in any of pgx's modes of sending
+// statements: the exec and simple-protocol modes are those of a
+// connection pooler in transaction mode (PgBouncer), for which the
+// relay has NoListen.
+func TestOutboxInEveryExecMode(t *testing.T) {
+	for _, mode := range execModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			pool := newPoolWith(t, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
+			ob := newOutbox(t, pool, pgstore.OutboxOptions{Inject: func(_ context.Context, c map[string]string) { c["traceparent"] = "tp" }})
+			ctx := context.Background()
+			msg := amqp.Publishing{MessageId: "m", Headers: amqp.Table{"h": int16(2)}, Body: []byte{0, 1, 0xff}}
+			for _, id := range []string{"sent", "parked", "failed"} {
+				msg.MessageId = id
+				write(t, pool, ob, "q", msg)
+			}
+			got, res := collect(t, ob, 10, func(m pgstore.OutboxMessage) pgstore.OutboxResult {
+				switch m.Publishing.MessageId {
+				case "parked":
+					return pgstore.OutboxResult{Park: errors.New("no route")}
+				case "failed":
+					return pgstore.OutboxResult{Failed: errors.New("nacked")}
+				}
+				return pgstore.OutboxResult{Sent: true}
+			})
+			assert.Equal(t, pgstore.DispatchResult{Taken: 3, Sent: 1, Parked: 1, Failed: 1}, res)
+			require.Len(t, got, 3)
+			assert.Equal(t, msg.Body, got[0].Publishing.Body)
+			assert.Equal(t, msg.Headers, got[0].Publishing.Headers)
+			assert.Equal(t, map[string]string{"traceparent": "tp"}, got[0].Trace)
+			s, err := ob.Stats(ctx)
+			require.NoError(t, err)
+			assert.Equal(t, int64(1), s.Pending)
+			assert.Equal(t, int64(1), s.Parked)
+			n, err := ob.Retry(ctx, nil)
+			require.NoError(t, err)
+			assert.Equal(t, int64(1), n)
+			rows, err := ob.List(ctx, pgstore.OutboxFilter{State: "pending"})
+			require.NoError(t, err)
+			assert.Len(t, rows, 2)
+			d, err := ob.DeleteSent(ctx, 0, 10)
+			require.NoError(t, err)
+			assert.Equal(t, int64(1), d)
+		})
+	}
+}
+
 // A message written in a transaction that rolls back is never sent; one
 // written through database/sql is, like one through pgx.
 func TestOutboxWriteJoinsTheTransaction(t *testing.T) {

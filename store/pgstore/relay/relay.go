@@ -33,10 +33,16 @@
 //     row is parked, with the reason, never dropped, since sending it
 //     again cannot help until an operator acts; `rabbitmw outbox retry`
 //     (or [pgstore.Outbox.Retry]) sends it back to pending. A refusal
-//     that closes the channel (a missing write permission, a body over
-//     the server's limit) does not say which publish it refused, so the
-//     rows whose publishes were in flight on that channel are parked
-//     with it; retry them once the cause is fixed;
+//     that closes the channel (a missing write permission, a UserId
+//     that is not the connection's user, a body over the server's
+//     limit) does not say which publish it refused, and fails every
+//     publish in flight on that channel: each row refused so is sent
+//     again alone, one after the other, and only a row refused alone is
+//     parked (the others are confirmed, and those that the server had
+//     taken before the channel closed reach their queue twice, with the
+//     same MessageId). A publish of another goroutine on the same
+//     Broker that the server refuses at the moment a row is sent alone
+//     can still park that row with it;
 //   - nacked: RabbitMQ could not take the message now (a quorum queue
 //     electing its leader, a queue at its length limit with overflow
 //     reject-publish), and did not take responsibility for it. The row
@@ -420,21 +426,31 @@ func (r *Relay) dispatch(ctx context.Context, after int64) (res pgstore.Dispatch
 		}
 		pctx, cancel := context.WithTimeoutCause(dctx, r.publishTimeout, errors.New("relay: PublishTimeout passed before the confirm came"))
 		defer cancel()
+		errs := make([]error, len(msgs))
 		var wg sync.WaitGroup
-		var mu sync.Mutex
 		for i := range msgs {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				results[i] = r.send(pctx, &msgs[i])
-				if errors.Is(results[i].Failed, broker.ErrClosed) {
-					mu.Lock()
-					closed = results[i].Failed
-					mu.Unlock()
-				}
+				errs[i] = r.publish(pctx, &msgs[i])
 			}()
 		}
 		wg.Wait()
+		// A refusal that closes the channel fails every publish in
+		// flight on it, and does not say whose it was: each row refused
+		// so is sent again alone, one after the other, and only one
+		// refused alone is parked.
+		for i, err := range errs {
+			if refusedByClose(err) {
+				errs[i] = r.publish(pctx, &msgs[i])
+			}
+		}
+		for i, err := range errs {
+			results[i] = r.result(pctx, &msgs[i], err)
+			if errors.Is(err, broker.ErrClosed) {
+				closed = err
+			}
+		}
 		for _, x := range results {
 			if !x.Sent && x.Park == nil && x.Failed != nil {
 				why = x.Failed
@@ -451,12 +467,16 @@ func (r *Relay) dispatch(ctx context.Context, after int64) (res pgstore.Dispatch
 	return res, why, last, err
 }
 
-// send publishes one message and classifies the result.
-func (r *Relay) send(ctx context.Context, m *pgstore.OutboxMessage) pgstore.OutboxResult {
+// publish publishes one message, under the writer's trace context.
+func (r *Relay) publish(ctx context.Context, m *pgstore.OutboxMessage) error {
 	if r.obs.Extract != nil && m.Trace != nil {
 		ctx = r.obs.Extract(ctx, m.Trace)
 	}
-	err := r.pub.Publish(ctx, m.Exchange, m.Key, m.Publishing)
+	return r.pub.Publish(ctx, m.Exchange, m.Key, m.Publishing)
+}
+
+// result classifies err, what publish returned for m.
+func (r *Relay) result(ctx context.Context, m *pgstore.OutboxMessage, err error) pgstore.OutboxResult {
 	if err == nil {
 		return pgstore.OutboxResult{Sent: true}
 	}
@@ -478,15 +498,18 @@ func (r *Relay) send(ctx context.Context, m *pgstore.OutboxMessage) pgstore.Outb
 // A nack (broker.ErrNacked) does not: RabbitMQ could not take the message
 // now (a quorum queue without a leader, a full queue), and may later.
 func parks(err error) bool {
-	if errors.Is(err, broker.ErrUnroutable) || errors.Is(err, broker.ErrInvalidMessage) {
-		return true
-	}
-	// A publish the server refused by closing the channel (a missing
-	// write permission, a body over its limit). A channel that the server
-	// closed for another publish ends this one's session
-	// (ErrConnectionLost, which wraps the server's error): the broker
-	// publishes it again, and if its context ends meanwhile, its error
-	// wraps that one as its last; it was not refused.
+	return errors.Is(err, broker.ErrUnroutable) || errors.Is(err, broker.ErrInvalidMessage) || refusedByClose(err)
+}
+
+// refusedByClose reports whether err is a refusal by the server that
+// closed the channel (a missing write permission, a UserId that is not
+// the connection's user, a body over its limit): the publish's own, or
+// another's in flight on the same channel. A channel that the server
+// closed for another publish may also end this one's session
+// (ErrConnectionLost, which wraps the server's error): the broker
+// publishes it again, and if its context ends meanwhile, its error wraps
+// that one as its last; it was not refused.
+func refusedByClose(err error) bool {
 	var ae *amqp.Error
 	return errors.As(err, &ae) && ae.Server && ae.Recover && !errors.Is(err, broker.ErrConnectionLost)
 }

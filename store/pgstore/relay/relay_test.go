@@ -241,6 +241,61 @@ func TestRelayParksUnroutableMessages(t *testing.T) {
 	assert.Equal(t, once(lost), f.drain(3))
 }
 
+// A message that RabbitMQ refuses by closing the channel (here a UserId
+// that is not the connection's user) is parked alone, with its reason:
+// the refusal does not say which publish it was, and the rows in flight
+// beside it on the channel, refused with it, are sent (again) one at a
+// time, so that only the row refused alone is parked.
+func TestRelayParksOnlyTheRowThatTheServerRefused(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	var bad string
+	var good []string
+	require.NoError(t, pgx.BeginFunc(ctx, f.pool, func(tx pgx.Tx) error {
+		for i := range 50 {
+			m := amqp.Publishing{Body: fmt.Appendf(nil, "%d", i)}
+			if i == 25 {
+				m.UserId = "nobody"
+			}
+			id, err := f.ob.Write(ctx, tx, "", f.queue, m)
+			if i == 25 {
+				bad = id
+			} else {
+				good = append(good, id)
+			}
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	f.run(relay.New(f.ob, f.b, relay.Options{Senders: 1, PollInterval: 20 * time.Millisecond}))
+	require.Eventually(t, func() bool { return f.stats().Pending == 0 }, 10*time.Second, 20*time.Millisecond)
+	// Every row is confirmed or parked: what was sent is in the queue,
+	// with copies of the rows that the server took before the channel
+	// closed, sent again.
+	n, err := f.b.Len(ctx, f.queue)
+	require.NoError(t, err)
+	got := f.drain(n)
+	var unsent int
+	for _, id := range good {
+		if got[id] == 0 {
+			unsent++
+		}
+	}
+	assert.Zero(t, unsent, "rows that the server did not refuse, not sent")
+	rows, err := f.ob.List(ctx, pgstore.OutboxFilter{State: "parked"})
+	require.NoError(t, err)
+	var parked []string
+	for _, r := range rows {
+		parked = append(parked, r.MessageID)
+	}
+	assert.Equal(t, []string{bad}, parked, "parked rows")
+	if len(rows) > 0 {
+		assert.Contains(t, rows[0].Error, "nobody")
+	}
+}
+
 // A publisher that fails for a while: no confirm, so the rows stay
 // pending, count the attempts, and are sent once RabbitMQ is back.
 type flaky struct {
