@@ -38,7 +38,8 @@ type OutboxOptions struct {
 	// Table is the name of the outbox table: a lower-case SQL identifier
 	// of at most 43 characters, optionally schema-qualified. Default
 	// [DefaultOutboxTable]. It is also the name of the channel on which
-	// Write notifies the relays (LISTEN/NOTIFY).
+	// Write notifies the relays (LISTEN/NOTIFY), cut to its first 63
+	// bytes, PostgreSQL's limit.
 	Table string
 	// Inject, if set, is called by Write with the writer's context and an
 	// empty map, into which it writes the writer's trace context (the W3C
@@ -80,7 +81,11 @@ type Outbox struct {
 	writeSQL string
 }
 
+// maxChannel is the most bytes of a channel name (NAMEDATALEN - 1).
+const maxChannel = 63
+
 type outboxNames struct {
+	name          string // unquoted, qualified as given
 	schema, table string // unquoted; schema empty when unqualified
 	qualified     string // quoted
 	channel       string // unquoted: the NOTIFY channel (pg_notify's argument)
@@ -96,7 +101,7 @@ func parseOutboxTable(name string) (outboxNames, error) {
 	if !tableName.MatchString(name) {
 		return outboxNames{}, fmt.Errorf("outbox table name %q: want a lower-case SQL identifier of at most 43 characters, optionally schema-qualified (schema.table)", name)
 	}
-	var n outboxNames
+	n := outboxNames{name: name}
 	if schema, table, ok := strings.Cut(name, "."); ok {
 		n.schema, n.table = schema, table
 		n.qualified = pgx.Identifier{schema, table}.Sanitize()
@@ -104,7 +109,11 @@ func parseOutboxTable(name string) (outboxNames, error) {
 		n.table = name
 		n.qualified = pgx.Identifier{name}.Sanitize()
 	}
-	n.channel = name
+	// PostgreSQL's channel names, as its identifiers, hold at most 63
+	// bytes: pg_notify refuses a longer one. Two tables whose names share
+	// their first 63 bytes share a channel, which costs their relays a
+	// wake-up that finds nothing.
+	n.channel = name[:min(len(name), maxChannel)]
 	n.pendingIndex = pgx.Identifier{n.table + "_pending"}.Sanitize()
 	n.sentIndex = pgx.Identifier{n.table + "_sent_at"}.Sanitize()
 	n.parkedIndex = pgx.Identifier{n.table + "_parked"}.Sanitize()
@@ -144,7 +153,8 @@ func (o *Outbox) Pool() *pgxpool.Pool { return o.pool }
 
 // Channel returns the name of the channel on which Write notifies the
 // relays: LISTEN on it to wake up when a transaction that wrote a message
-// commits.
+// commits. It is the table's name as given (or [DefaultOutboxTable]), cut
+// to its first 63 bytes.
 func (o *Outbox) Channel() string { return o.n.channel }
 
 // OutboxSchema returns the SQL that [Outbox.Migrate] runs to create the
@@ -250,10 +260,10 @@ ORDER BY ordinal_position`, o.n.table, o.n.schema)
 	case len(got) == 0 && allowMissing:
 		return nil
 	case len(got) == 0:
-		return fmt.Errorf("%w: table %s does not exist: call Outbox.Migrate, or run the SQL of pgstore.OutboxSchema(%q) in your migrations", ErrSchema, o.n.channel, o.table)
+		return fmt.Errorf("%w: table %s does not exist: call Outbox.Migrate, or run the SQL of pgstore.OutboxSchema(%q) in your migrations", ErrSchema, o.n.name, o.table)
 	case !sameColumns(got, outboxColumns):
 		return fmt.Errorf("%w: table %s has columns (%s); the outbox needs (%s): it was made by something else, or by another version of pgstore. Give OutboxOptions.Table another name, or drop the table and call Outbox.Migrate",
-			ErrSchema, o.n.channel, columnList(got), columnList(outboxColumns))
+			ErrSchema, o.n.name, columnList(got), columnList(outboxColumns))
 	}
 	return nil
 }

@@ -192,6 +192,37 @@ func TestOutboxWriteKeepsHeaderStringsThatAreNotText(t *testing.T) {
 	assert.Equal(t, headers, got[0].Publishing.Headers)
 }
 
+// A schema-qualified table name may be longer than PostgreSQL's 63
+// bytes of a channel name: Write still writes, and notifies on the
+// channel that Channel names and a relay listens on.
+func TestOutboxWithALongQualifiedName(t *testing.T) {
+	pool := newPool(t)
+	ctx := context.Background()
+	schema := uniqueTable(t, pool) + "_a_schema_with_a_long_name_x"
+	_, err := pool.Exec(ctx, `CREATE SCHEMA `+schema)
+	require.NoError(t, err)
+	t.Cleanup(func() { pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+schema+` CASCADE`) })
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{Table: schema + ".outbox_of_the_shipping_service"})
+
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	_, err = conn.Exec(ctx, "LISTEN "+pgx.Identifier{ob.Channel()}.Sanitize())
+	require.NoError(t, err)
+	defer conn.Exec(context.Background(), "UNLISTEN *")
+
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: "long"})
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	n, err := conn.Conn().WaitForNotification(wctx)
+	require.NoError(t, err, "the commit's notification")
+	assert.Equal(t, ob.Channel(), n.Channel)
+	got, _ := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	assert.Equal(t, "long", got[0].Publishing.MessageId)
+	assert.LessOrEqual(t, len(ob.Channel()), 63, "Channel() = %q", ob.Channel())
+}
+
 // The outbox works over a pool in any of pgx's modes of sending
 // statements: the exec and simple-protocol modes are those of a
 // connection pooler in transaction mode (PgBouncer), for which the
