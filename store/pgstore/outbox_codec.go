@@ -76,7 +76,7 @@ func encodeProperties(exchange, key string, msg amqp.Publishing) ([]byte, error)
 		p.Timestamp = &ts
 	}
 	if len(msg.Headers) > 0 {
-		h, err := encodeTable(msg.Headers, 1)
+		h, err := encodeTable(msg.Headers, 0) // the headers nest 0 deep, as the broker counts
 		if err != nil {
 			return nil, fmt.Errorf("headers: %w", err)
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -150,6 +151,44 @@ func TestOutboxWriteRefusesWhatCannotBeSent(t *testing.T) {
 }
 
 func float64NaN() float64 { var z float64; return z / z }
+
+// A message at the limits of what AMQP carries and amqp091 reads back,
+// as broker.Broker.Publish sends it, is written and read back whole:
+// tables and arrays nested 32 deep, 8192 entries, names of 255 bytes;
+// one nested a level deeper is refused.
+func TestOutboxWriteTakesMessagesAtTheLimits(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	nest := func(depth int, wrap func(any) any) any {
+		v := any("bottom")
+		for range depth {
+			v = wrap(v)
+		}
+		return v
+	}
+	inTable := func(v any) any { return amqp.Table{"d": v} }
+	inArray := func(v any) any { return []any{v} }
+	wide := amqp.Table{}
+	for i := range 8192 {
+		wide[strconv.Itoa(i)] = nil
+	}
+	headers := amqp.Table{
+		"tables": nest(32, inTable), "arrays": nest(32, inArray), "wide": wide,
+		strings.Repeat("k", 255): "v",
+	}
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: strings.Repeat("i", 255), Headers: headers})
+	got, _ := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	assert.Equal(t, headers, got[0].Publishing.Headers)
+
+	for name, h := range map[string]amqp.Table{"tables": {"tables": nest(33, inTable)}, "arrays": {"arrays": nest(33, inArray)}} {
+		tx, err := pool.Begin(context.Background())
+		require.NoError(t, err)
+		_, err = ob.Write(context.Background(), tx, "", "q", amqp.Publishing{Headers: h})
+		assert.ErrorIs(t, err, pgstore.ErrInvalidMessage, "%s nested 33 deep", name)
+		require.NoError(t, tx.Rollback(context.Background()))
+	}
+}
 
 // A float header of negative zero is sent as negative zero: jsonb keeps
 // numbers as numeric, which has no sign for zero.
