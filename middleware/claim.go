@@ -72,16 +72,20 @@ func (c *Claim) MarkedDone() { c.marked.Store(true) }
 //   - ran false, with an error that wraps [ErrBusy]: another transaction
 //     holds the key. Dedup answers busy, as if its claim had found the key
 //     processing.
-//   - ran false, with another error, once ctx has ended: the handler did
-//     not claim, nor run, and left nothing, since its context ended while
-//     it waited to (for a transaction that it shares with other
-//     deliveries, say). Dedup returns err as it is (with [ErrTimeout] if
-//     the deadline passed), and reports no event: the delivery got no
-//     answer.
-//   - ran false, any other error or none: the handler did not run and left
-//     nothing (s is not its store; the key was in s already: done,
-//     claimed, released or abandoned; or it could not try). Dedup claims
-//     the key as usual, and calls Handle under the claim.
+//   - ran false, with another error or none, once ctx has ended: the
+//     handler did not claim, nor run, and left nothing, since its context
+//     ended while it waited to (for a connection, or a transaction that
+//     it shares with other deliveries, say). Dedup returns err as it is,
+//     or, if there is none, ctx's cause, marked rabbitmw.NotCounted, to
+//     be tried again after [DedupOptions].UnavailableDelay (either with
+//     [ErrTimeout] if the deadline passed), and reports no event: the
+//     delivery got no answer. It does not claim: the handler would run
+//     with a new deadline, for longer than the [Timeout] allows.
+//   - ran false, any other error or none, while ctx lives: the handler
+//     did not run and left nothing (s is not its store; the key was in s
+//     already: done, claimed, released or abandoned; or it could not
+//     try). Dedup claims the key as usual, and calls Handle under the
+//     claim.
 //
 // A panic goes on through Dedup, which has nothing to release.
 type ClaimingHandler interface {

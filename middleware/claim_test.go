@@ -138,8 +138,9 @@ type claimingHandler struct {
 	handleClaim     bool // Handle's context carried a Claim
 	// waits: HandleClaiming waits for its context to end, then answers
 	// ran false and the context's cause, as a handler that waited to
-	// claim, for a transaction it shares, does.
-	waits bool
+	// claim, for a transaction it shares, does; or, if silent, no error,
+	// as one that declines because it could not try.
+	waits, silent bool
 }
 
 func (h *claimingHandler) Handle(ctx context.Context, d *amqp.Delivery) error {
@@ -155,6 +156,9 @@ func (h *claimingHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, 
 	_, h.hadDeadline = ctx.Deadline()
 	if h.waits {
 		<-ctx.Done()
+		if h.silent {
+			return false, nil
+		}
 		return false, fmt.Errorf("waited to claim: %w", context.Cause(ctx))
 	}
 	return h.ran, h.err
@@ -268,21 +272,28 @@ func TestDedupClaimingHandlerEvents(t *testing.T) {
 // A ClaimingHandler whose context ends while it waits to claim answers
 // ran false with the context's cause: Dedup returns that (with ErrTimeout
 // if the Timeout's deadline ended it), neither claims nor runs the
-// handler, and reports no event: the delivery got no answer.
+// handler, and reports no event: the delivery got no answer. So it does
+// if the handler declines, with no error, once its context ended: a claim
+// of Dedup's would run the handler with a new deadline, for longer than
+// the Timeout allows; and the delivery, which never ran, is not counted.
 func TestDedupClaimingHandlerContextEnded(t *testing.T) {
 	tests := []struct {
-		name    string
-		timeout bool // the Timeout's deadline ends the wait, not the delivery's context
-		wantIs  error
+		name       string
+		timeout    bool // the Timeout's deadline ends the wait, not the delivery's context
+		silent     bool // the handler declines with no error
+		wantIs     error
+		notCounted bool
 	}{
 		{name: "cancelled", wantIs: context.Canceled},
 		{name: "Timeout's deadline", timeout: true, wantIs: middleware.ErrTimeout},
+		{name: "cancelled, declined", silent: true, wantIs: context.Canceled, notCounted: true},
+		{name: "Timeout's deadline, declined", timeout: true, silent: true, wantIs: middleware.ErrTimeout, notCounted: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				s := store.NewMemory()
-				ch := &claimingHandler{waits: true}
+				ch := &claimingHandler{waits: true, silent: tt.silent}
 				var h rabbitmw.Handler = ch
 				if tt.timeout {
 					h = middleware.Timeout(time.Minute)(h)
@@ -299,6 +310,9 @@ func TestDedupClaimingHandlerContextEnded(t *testing.T) {
 				d, _ := deliverytest.New("m1", "")
 				err := h.Handle(ctx, d)
 				assert.ErrorIs(t, err, tt.wantIs)
+				if tt.notCounted {
+					assert.True(t, rabbitmw.IsNotCounted(err), "counted: %v", err)
+				}
 				assert.Empty(t, got, "Dedup's events")
 				assert.Equal(t, 1, ch.claims, "HandleClaiming calls")
 				assert.Zero(t, ch.handles, "Handle calls")

@@ -330,8 +330,13 @@ func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, d
 			// The handler's claim ended before its success was recorded.
 			notify(h.observe, ctx, DedupLeaseLost, key, err)
 		}
-	case err == nil || errors.Is(err, ErrBusy) || cc.Err() == nil:
+	case errors.Is(err, ErrBusy) || cc.Err() == nil:
 		return false, err
+	case err == nil:
+		// Declined once its context ended (it could not try): a claim of
+		// Dedup's would run the handler with a new deadline, past the
+		// one that ended. Nothing ran: not the message's failure.
+		err = rabbitmw.NotCounted(rabbitmw.RetryAfter(fmt.Errorf("middleware: dedup: key %s: the handler's context ended before it could claim: %w", text.QuoteKey(key), context.Cause(cc)), h.unavailable))
 	}
 	// The handler ran; or its context ended before it claimed, and the
 	// delivery, which got no answer, gets no event.

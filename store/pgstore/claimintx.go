@@ -75,7 +75,9 @@ func (h *txHandler) begin(ctx context.Context) (txn, error) {
 // transaction holds the key's row (an uncommitted claim of this kind, a
 // copy of the message running on another consumer), it answers busy after
 // lockWait. The claim ends with the transaction, which the server ends if
-// it is left idle for the lease (see claimEnded).
+// it is left idle for the lease (see claimEnded). If ctx ends before the
+// claim is made, it answers ctx's cause (see cut): Dedup's claim would
+// run fn with a new deadline.
 //
 // A redelivered delivery is left to Dedup's claim, whose row is committed
 // before fn runs: its earlier attempt may have killed its consumer, and a
@@ -111,13 +113,21 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 func (h *txHandler) handleAlone(ctx context.Context, d *amqp.Delivery, key string, lease, retention time.Duration) (bool, error) {
 	c := &txClaim{key: key, start: time.Now(), retention: retention}
 	t0, err := h.begin(ctx)
-	if err != nil {
+	switch {
+	case err != nil && ctx.Err() != nil:
+		// Not Dedup's claim, whose handler would run with a new
+		// deadline: the one of ctx has passed.
+		return false, h.in.cut(key, "a connection", context.Cause(ctx))
+	case err != nil:
 		return false, nil // Dedup's claim reports it
 	}
 	t := t0.(*pgxTxn)
 	claimed, err := t.claim(ctx, c, lease, "")
 	if err != nil || !claimed {
 		h.in.rollback(ctx, t)
+		if err != nil && !lockTimedOut(err) && ctx.Err() != nil {
+			return false, h.in.cut(key, "its claim", context.Cause(ctx))
+		}
 		return false, claimBusy(key, err)
 	}
 	return true, h.in.finishClaimed(ctx, c, t, func(ctx context.Context) error { return h.fn(ctx, t.tx, d) })

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -224,6 +225,80 @@ func testHandlerClaimInTxTimeout(t *testing.T, opts pgstore.HandlerOptions) {
 	assert.Equal(t, store.Status(0), got.Status, "the key's state: %s", got.State())
 	assert.Equal(t, int64(1), got.Failures, "failures")
 	assert.Equal(t, 0, f.count(t, "m1"), "effects")
+}
+
+// acquireFailed is a tracer of a pool that calls its func once, the first
+// time an Acquire of that pool fails, once armed.
+type acquireFailed struct {
+	pool  atomic.Pointer[pgxpool.Pool]
+	once  sync.Once
+	after func()
+}
+
+func (*acquireFailed) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (*acquireFailed) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (*acquireFailed) TraceAcquireStart(ctx context.Context, _ *pgxpool.Pool, _ pgxpool.TraceAcquireStartData) context.Context {
+	return ctx
+}
+
+func (a *acquireFailed) TraceAcquireEnd(_ context.Context, pool *pgxpool.Pool, data pgxpool.TraceAcquireEndData) {
+	if data.Err != nil && pool == a.pool.Load() {
+		a.once.Do(a.after)
+	}
+}
+
+// A delivery whose Timeout deadline passes while its claim in the
+// transaction waits for a connection of an exhausted pool ends there,
+// not counted (the wait was the consumer's congestion): it does not go
+// on to Dedup's claim, whose handler would start with a new deadline,
+// running for longer than the Timeout allows. Here the pool's one
+// connection is held elsewhere until the wait gives up.
+func TestHandlerClaimInTxDeadlineWhileWaitingForAConnection(t *testing.T) {
+	inEveryMode(t, testHandlerClaimInTxDeadlineWhileWaitingForAConnection)
+}
+
+func testHandlerClaimInTxDeadlineWhileWaitingForAConnection(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	tracer := new(acquireFailed)
+	f := newInbox(t, newPoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = 1
+		cfg.ConnConfig.Tracer = tracer
+	}))
+	held, err := f.pool.Acquire(ctx)
+	require.NoError(t, err)
+	var release sync.Once
+	tracer.after = func() { release.Do(held.Release) }
+	defer tracer.after()
+	tracer.pool.Store(f.pool)
+	const timeout = 300 * time.Millisecond
+	opts.RetryDelay = 3 * time.Second
+	var ran atomic.Int32
+	h := middleware.Stack(f.st, middleware.StackOptions{Timeout: timeout})(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		ran.Add(1)
+		return f.insert(ctx, tx, d)
+	}, opts))
+	result := make(chan error, 1)
+	go func() { result <- h.Handle(ctx, delivery("m1")) }()
+	select {
+	case err = <-result:
+	case <-time.After(10 * time.Second):
+		tracer.after()
+		t.Fatalf("the handler still runs 10 s after its deadline (result once the connection is free: %v)", <-result)
+	}
+	require.Error(t, err, "a delivery whose deadline passed before its function could run")
+	assert.ErrorIs(t, err, middleware.ErrTimeout)
+	assert.True(t, rabbitmw.IsNotCounted(err), "counted: %v", err)
+	dec := rabbitmw.Decide(err)
+	assert.Equal(t, rabbitmw.Delay, dec.Outcome, "Decide(%v)", err)
+	assert.Equal(t, 3*time.Second, dec.Delay, "the handler's RetryDelay")
+	assert.Zero(t, ran.Load(), "function calls")
+	assert.Equal(t, 0, f.count(t, "m1"), "effects")
+	got, err := f.st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.Equal(t, store.Status(0), got.Status, "the key's state: %s", got.State())
+	assert.Zero(t, got.Failures, "failures")
 }
 
 // Claims made in the transaction count towards Options.PruneEvery, as the

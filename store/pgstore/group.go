@@ -129,7 +129,7 @@ func (gr *grouper) handle(ctx context.Context, d *amqp.Delivery, key string, lea
 	g, err := gr.join(ctx, m)
 	switch {
 	case err != nil:
-		return false, gr.cut(key, err)
+		return false, gr.h.in.cut(key, "a group's transaction", err)
 	case g == nil:
 		return false, nil // no connection: Dedup's claim reports it
 	}
@@ -138,15 +138,6 @@ func (gr *grouper) handle(ctx context.Context, d *amqp.Delivery, key string, lea
 		gr.h.in.s.counted(ctx)
 	}
 	return ran, err
-}
-
-// cut is the result of a delivery of key whose context ended, with err,
-// before its function ran in a group. Nothing ran: the attempt leaves
-// nothing, and Dedup reports no answer (see middleware.ClaimingHandler).
-// The wait was the consumer's congestion, not the message's failure: not
-// counted.
-func (gr *grouper) cut(key string, err error) error {
-	return rabbitmw.NotCounted(rabbitmw.RetryAfter(fmt.Errorf("pgstore: %q waited for a group's transaction until its context ended: %w", key, err), gr.h.in.retry))
 }
 
 // unknown is the result of a member of key whose group's commit the
@@ -278,7 +269,7 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 		// while m waited for the connection.
 		gr.undo(ctx, g, m)
 		gr.pass(ctx, g)
-		return false, gr.cut(m.key, context.Cause(ctx))
+		return false, gr.h.in.cut(m.key, "a group's transaction", context.Cause(ctx))
 	}
 	if err != nil || !claimed {
 		if idleTimedOut(err) {

@@ -61,9 +61,10 @@ type HandlerOptions struct {
 	TxOptions pgx.TxOptions
 	// RetryDelay is how long a delivery waits before it is tried again
 	// when the database could not be reached, or the claim was lost
-	// before the done mark, or (with GroupCommit) its context ended while
-	// it waited for a group, or before it could run again alone after
-	// its group's commit was refused. Default 5 seconds.
+	// before the done mark, or its context ended while it waited for a
+	// connection, or a group (with GroupCommit), to claim its key in the
+	// transaction, or before it could run again alone after its group's
+	// commit was refused. Default 5 seconds.
 	RetryDelay time.Duration
 	// CommitTimeout bounds the done mark and the commit, which run even if
 	// the handler's context is cancelled once fn has returned (a consumer
@@ -105,7 +106,12 @@ type HandlerOptions struct {
 // most, then is answered busy. No lease is renewed: the claim ends, as a
 // lost one, if the transaction is left idle for the lease (see the
 // package documentation). If the key has a row, the transaction is rolled
-// back, and Dedup claims as below. The results are those listed below.
+// back, and Dedup claims as below. If the context ends while the claim
+// waits for a connection of the pool (or for its answer), nothing ran:
+// Handler returns the context's cause, not counted, tried again after
+// RetryDelay, rather than leave the delivery to Dedup's claim, under
+// which fn would run with a new deadline. The results are those listed
+// below.
 //
 // A redelivered delivery is claimed by Dedup, in a transaction of its
 // own: its attempt before may have killed its consumer, leaving nothing
@@ -506,6 +512,15 @@ func (h *inbox) failed(ctx context.Context, t txn, key string, err error) error 
 		return h.unavailable(fmt.Errorf("pgstore: the transaction of %q: %w", key, err))
 	}
 	return err
+}
+
+// cut is the result of a delivery of key that waited for what, to claim
+// key in a transaction, until its context ended with err: before its
+// function ran. Nothing ran: the attempt leaves nothing, and Dedup
+// reports no answer (see middleware.ClaimingHandler). The wait was the
+// consumer's congestion, not the message's failure: not counted.
+func (h *inbox) cut(key, what string, err error) error {
+	return rabbitmw.NotCounted(rabbitmw.RetryAfter(fmt.Errorf("pgstore: %q waited for %s until its context ended: %w", key, what, err), h.retry))
 }
 
 // errTxSettled is the result of a delivery of key whose function
