@@ -147,6 +147,12 @@ type Options struct {
 	// Senders is how many dispatches one Run keeps going at once, each
 	// taking rows the others do not hold (SKIP LOCKED): while one waits
 	// for its confirms, another reads and records its rows. Default 2.
+	// Each dispatch holds a connection of the outbox's pool from its take
+	// to its record, for as long as its confirms take (PublishTimeout at
+	// most, which a RabbitMQ that is down uses up): a relay that shares
+	// the application's pool takes up to Senders of its connections, and
+	// one more, out of the pool, to listen. Count them in the pool's
+	// MaxConns, or give the outbox a pool of its own.
 	Senders int
 	// PollInterval is how often each of the relay's Senders looks for
 	// pending rows when no notification came. Default 1s.
