@@ -150,9 +150,10 @@ type Options struct {
 	// Each dispatch holds a connection of the outbox's pool from its take
 	// to its record, for as long as its confirms take (PublishTimeout at
 	// most, which a RabbitMQ that is down uses up): a relay that shares
-	// the application's pool takes up to Senders of its connections, and
-	// one more, out of the pool, to listen. Count them in the pool's
-	// MaxConns, or give the outbox a pool of its own.
+	// the application's pool takes up to Senders of its connections
+	// (count them in the pool's MaxConns, or give the outbox a pool of
+	// its own), and one more to listen, which it takes out of the pool
+	// (the pool may open another in its place; the server counts it).
 	Senders int
 	// PollInterval is how often each of the relay's Senders looks for
 	// pending rows when no notification came. Default 1s.
