@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"log/slog"
+	"math"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -709,4 +710,47 @@ func TestRelayDeletesEverySentRowPastTheRetention(t *testing.T) {
 	f.run(relay.New(f.ob, f.b, relay.Options{BatchSize: 1, Senders: 1, NoListen: true, PollInterval: 20 * time.Millisecond, Retention: time.Hour}))
 	assert.Eventually(t, func() bool { return f.stats().Sent == 0 }, 10*time.Second, 20*time.Millisecond)
 	assert.Zero(t, f.stats().Sent, "sent rows past the retention left after 10 s")
+}
+
+// The copy that a consumer gets carries every property and header of the
+// message as written, each header of its AMQP type (a header string
+// that is not UTF-8, a negative zero and an empty body included): the
+// outbox's table and the relay change nothing. (An AMQP timestamp holds
+// whole seconds.)
+func TestRelaySendsTheMessageAsWritten(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	ts := time.Unix(1700000000, 0)
+	msg := amqp.Publishing{
+		ContentType: "application/json", ContentEncoding: "gzip", Priority: 3, DeliveryMode: 1,
+		CorrelationId: "c1", ReplyTo: "replies", Expiration: "60000", Timestamp: ts,
+		Type: "order.paid", UserId: "guest", AppId: "shop", MessageId: "probe",
+		Headers: amqp.Table{
+			"bool": true, "i8": int8(-8), "u8": uint8(8), "i16": int16(-16), "u16": uint16(16),
+			"i32": int32(-32), "u32": uint32(32), "i64": int64(-1 << 62),
+			"f32": float32(1.5), "f64": 2.25, "s": "text", "b": []byte{0, 1, 2}, "ts": ts,
+			"dec": amqp.Decimal{Scale: 2, Value: 1234}, "nil": nil, "bin": "\xff\x00", "negz": math.Copysign(0, -1),
+			"table": amqp.Table{"inner": "x", "deeper": amqp.Table{"n": int32(1)}},
+			"array": []any{"a", int64(2), amqp.Table{"k": false}}, "empty": []byte{},
+		},
+		Body: []byte{},
+	}
+	require.NoError(t, pgx.BeginFunc(ctx, f.pool, func(tx pgx.Tx) error {
+		_, err := f.ob.Write(ctx, tx, "", f.queue, msg)
+		return err
+	}))
+	f.run(relay.New(f.ob, f.b, relay.Options{PollInterval: 20 * time.Millisecond}))
+	var d *amqp.Delivery
+	require.Eventually(t, func() bool {
+		var ok bool
+		var err error
+		d, ok, err = f.b.Get(ctx, f.queue)
+		return err == nil && ok
+	}, 10*time.Second, 20*time.Millisecond)
+	require.NoError(t, d.Ack(false))
+	got := amqp.Publishing{ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Priority: d.Priority, DeliveryMode: d.DeliveryMode,
+		CorrelationId: d.CorrelationId, ReplyTo: d.ReplyTo, Expiration: d.Expiration, Timestamp: d.Timestamp, Type: d.Type, UserId: d.UserId, AppId: d.AppId,
+		MessageId: d.MessageId, Headers: d.Headers, Body: d.Body}
+	assert.Equal(t, msg, got)
+	assert.True(t, math.Signbit(d.Headers["negz"].(float64)), "negative zero")
 }
