@@ -195,7 +195,9 @@ func (t *amqpTransport) dialError(err error) error {
 // publishes, ends the session if the channel closes unasked, and ends
 // when amqp091 closes its notify channels; and publisher, the only
 // caller of Publish on a publish channel and the only one to replace it,
-// which ends when done is closed.
+// which ends when done is closed; and one per call of the server whose
+// caller has a context that can end (see await), which ends when the
+// server answers or the connection closes.
 //
 // amqp091's Publish can block for long: on the channel's mutex, which it
 // holds while it writes (behind another publish) and which the channel's
