@@ -107,3 +107,42 @@ func TestShutdownAsTheSetUpIsRefused(t *testing.T) {
 		assert.Zero(t, f.logs.Count("INFO broker: consumer stopped"), "clean stops logged")
 	})
 }
+
+// A transport whose sessions' Declare waits for the server's answer,
+// which does not come, until its context ends, and then returns the
+// context's error, as a session's calls of the server do.
+type silentDeclareTransport struct{ transport.Transport }
+
+func (t silentDeclareTransport) Dial(ctx context.Context, name string) (session, error) {
+	s, err := t.Transport.Dial(ctx, name)
+	if err != nil {
+		return nil, err
+	}
+	return silentDeclareSession{s}, nil
+}
+
+type silentDeclareSession struct{ session }
+
+func (silentDeclareSession) Declare(ctx context.Context, _ []queueSpec) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// A stop that comes while Consume declares its topology, the declaration
+// returning the stop's own context error, ends Consume with nil, as a stop
+// does: it is not a fatal error.
+func TestStopWhileDeclaring(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := setup(t, backends[0], Topology{})
+		b := newBroker(silentDeclareTransport{f.b.tr}, f.b.cfg)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() {
+			done <- b.Consume(ctx, f.q, rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil }),
+				ConsumeOptions{Topology: f.top})
+		}()
+		synctest.Wait() // Consume waits in its declaration
+		cancel()
+		require.NoError(t, <-done, "Consume")
+	})
+}
