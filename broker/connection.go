@@ -87,7 +87,8 @@ func (c *consumer) run(ctx context.Context) error {
 // the consumer is started. serve closes s before it returns.
 func (c *consumer) serve(ctx, hctx context.Context, s session, consuming func()) error {
 	defer s.Close()
-	// The set-up's calls wait for the server's answer, whatever ctx says,
+	// The set-up's basic.qos and basic.consume wait for the server's
+	// answer, whatever ctx says (its declarations return when ctx ends),
 	// and a server can hold them for long: a quorum queue without a
 	// majority answers neither queue.declare nor basic.consume until its
 	// members elect a leader. A stop then closes s, which ends them.
@@ -101,6 +102,9 @@ func (c *consumer) serve(ctx, hctx context.Context, s session, consuming func())
 		<-closedOnStop
 	}
 	if err != nil {
+		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+			return nil // stopped while a call waited for the server
+		}
 		// A call ended by the stop's close failed as on a lost
 		// connection, which run takes for the stop it is; a refusal the
 		// server sent first is fatal all the same.
