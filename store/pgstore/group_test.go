@@ -543,10 +543,29 @@ func TestGroupCommitTwoCopiesInOneGroup(t *testing.T) {
 // have had alone: the others succeed, and only that member fails, and is
 // counted.
 func TestGroupCommitRefusedCommitRunsEachMemberAlone(t *testing.T) {
-	ctx := context.Background()
 	f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
+	g := f.refusedCommit(t, func(string) {})
+	errs := f.group(t, g, nil, delivery("a"), delivery("poison"), delivery("b"))
+	require.NoError(t, errs[0], "a")
+	require.Error(t, errs[1], "poison")
+	assert.False(t, rabbitmw.IsNotCounted(errs[1]), "poison's failure not counted: %v", errs[1])
+	require.NoError(t, errs[2], "b")
+	for _, id := range []string{"a", "b"} {
+		assert.Equal(t, 1, f.count(t, id), "effects of %s", id)
+		assert.Equal(t, store.Done, f.status(t, id), "%s", id)
+	}
+	assert.Equal(t, 0, f.count(t, "poison"), "effects of poison")
+	assert.Equal(t, store.Claimed, f.status(t, "poison"), "the key poison, claimed by a stranger afterwards")
+}
+
+// refusedCommit sets the functions of a group whose COMMIT the server
+// refuses: "a" waits at the returned gate on its first run only, then
+// inserts its effect; "poison" inserts its effect and breaks a deferred
+// constraint, then calls ran with its id.
+func (f *groupFixture) refusedCommit(t *testing.T, ran func(id string)) *gate {
+	t.Helper()
 	deferred := uniqueTable(t, f.pool)
-	_, err := f.pool.Exec(ctx, `CREATE TABLE `+deferred+` (id int, CONSTRAINT `+deferred+`_unique UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)`)
+	_, err := f.pool.Exec(context.Background(), `CREATE TABLE `+deferred+` (id int, CONSTRAINT `+deferred+`_unique UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)`)
 	require.NoError(t, err)
 	g := newGate()
 	var held sync.Once
@@ -563,19 +582,10 @@ func TestGroupCommitRefusedCommitRunsEachMemberAlone(t *testing.T) {
 			return err
 		}
 		_, err := tx.Exec(ctx, `INSERT INTO `+deferred+` (id) VALUES (1), (1)`)
+		ran(d.MessageId)
 		return err
 	})
-	errs := f.group(t, g, nil, delivery("a"), delivery("poison"), delivery("b"))
-	require.NoError(t, errs[0], "a")
-	require.Error(t, errs[1], "poison")
-	assert.False(t, rabbitmw.IsNotCounted(errs[1]), "poison's failure not counted: %v", errs[1])
-	require.NoError(t, errs[2], "b")
-	for _, id := range []string{"a", "b"} {
-		assert.Equal(t, 1, f.count(t, id), "effects of %s", id)
-		assert.Equal(t, store.Done, f.status(t, id), "%s", id)
-	}
-	assert.Equal(t, 0, f.count(t, "poison"), "effects of poison")
-	assert.Equal(t, store.Claimed, f.status(t, "poison"), "the key poison, claimed by a stranger afterwards")
+	return g
 }
 
 // A member whose context ended while it waited for a commit that the
@@ -595,9 +605,6 @@ func TestGroupCommitRefusedCommitMemberWhoseContextEnded(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx := context.Background()
 			f := newGroupFixture(t, 4, pgstore.HandlerOptions{}, middleware.StackOptions{})
-			deferred := uniqueTable(t, f.pool)
-			_, err := f.pool.Exec(ctx, `CREATE TABLE `+deferred+` (id int, CONSTRAINT `+deferred+`_unique UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)`)
-			require.NoError(t, err)
 			lateCtx, cancel := context.WithCancel(ctx)
 			defer cancel()
 			ends := func(id string) {
@@ -605,24 +612,7 @@ func TestGroupCommitRefusedCommitMemberWhoseContextEnded(t *testing.T) {
 					cancel()
 				}
 			}
-			g := newGate()
-			var held sync.Once
-			f.set("a", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-				var err error
-				held.Do(func() { err = g.hold(ctx) }) // the first run only
-				if err != nil {
-					return err
-				}
-				return f.insert(ctx, tx, d)
-			})
-			f.set("poison", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-				if err := f.insert(ctx, tx, d); err != nil {
-					return err
-				}
-				_, err := tx.Exec(ctx, `INSERT INTO `+deferred+` (id) VALUES (1), (1)`)
-				ends(d.MessageId)
-				return err
-			})
+			g := f.refusedCommit(t, ends)
 			f.set("b", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
 				err := f.insert(ctx, tx, d)
 				ends(d.MessageId)
