@@ -100,7 +100,9 @@ type Store struct {
 	client               Client // Load and Inspect's
 	cmds                 Client // the state changes': client or a Batcher over it
 	claimPre, failurePre string
-	abandoned            int64 // the abandoned retention, in milliseconds
+	abandoned            int64  // the abandoned retention, in milliseconds
+	keep                 string // the same, formatted
+	claimVal             string // claimTag, keep and a colon: the value of a claim but its token
 
 	// noSetGet is set once Redis refused SET NX GET (before 7.0): every
 	// Claim then runs claimScript alone.
@@ -136,12 +138,15 @@ func New(client Client, opts Options) *Store {
 	if abandoned <= 0 {
 		abandoned = store.DefaultAbandonedRetention
 	}
+	keep := strconv.FormatInt(millis(abandoned), 10)
 	return &Store{
 		client:     client,
 		cmds:       cmds,
 		claimPre:   opts.Prefix + claimPre,
 		failurePre: opts.Prefix + failurePre,
 		abandoned:  millis(abandoned),
+		keep:       keep,
+		claimVal:   claimTag + keep + ":",
 	}
 }
 
@@ -169,17 +174,28 @@ const claimTag = "rabbitmw:claim:"
 // 1 when the token owned the key, else 0; fail returns the new count.
 //
 // The owner-checked scripts begin with ownedLua, which sets keep to the
-// abandoned retention of the claim in KEYS[1] (ARGV[1] the token) if that
-// token owns it: the value is ours, its token is ARGV[1], and its lease has
-// not ended. Milliseconds are formatted with %d: Lua would print a large
-// number in exponent notation, which PX and PEXPIRE refuse.
+// abandoned retention of the claim in KEYS[1] if the token owns it: the
+// value is ours, its token is the caller's, and its lease has not ended.
+// ARGV[1] is the value of the caller's claim as a store with the caller's
+// settings writes it, ARGV[2] that store's abandoned retention (the number
+// in ARGV[1]): a key that holds ARGV[1], the common case, is compared, not
+// parsed; any other value (a claim made with another retention, a mark that
+// is no claim of ours) is parsed, and its token compared with the caller's,
+// which ends ARGV[1] (after the tag, the retention and a colon). Milliseconds are formatted with %d: Lua would print a
+// large number in exponent notation, which PX and PEXPIRE refuse.
 const ownedLua = `
 local v = redis.call('GET', KEYS[1])
-local keep, token
-if v then
-  keep, token = string.match(v, '^rabbitmw:claim:(%d+):(.*)$')
+local keep = ARGV[2]
+if v ~= ARGV[1] then
+  local token
+  if v then
+    keep, token = string.match(v, '^rabbitmw:claim:(%d+):(.*)$')
+  end
+  if token ~= string.sub(ARGV[1], #'rabbitmw:claim:' + #ARGV[2] + 2) then
+    return 0
+  end
 end
-if token ~= ARGV[1] or redis.call('PTTL', KEYS[1]) <= tonumber(keep) then
+if redis.call('PTTL', KEYS[1]) <= tonumber(keep) then
   return 0
 end
 `
@@ -214,17 +230,17 @@ if redis.call('PTTL', KEYS[1]) == -1 then
 end
 return 2`)
 
-	// ARGV: the token, the lease.
+	// ARGV: ownedLua's, the lease.
 	extendScript = redis.NewScript(ownedLua + `
-redis.call('PEXPIRE', KEYS[1], string.format('%d', tonumber(ARGV[2]) + tonumber(keep)))
+redis.call('PEXPIRE', KEYS[1], string.format('%d', tonumber(ARGV[3]) + tonumber(keep)))
 return 1`)
 
-	// ARGV: the token, the retention of the done mark.
+	// ARGV: ownedLua's, the retention of the done mark.
 	completeScript = redis.NewScript(ownedLua + `
-redis.call('SET', KEYS[1], 'done', 'PX', ARGV[2])
+redis.call('SET', KEYS[1], 'done', 'PX', ARGV[3])
 return 1`)
 
-	// ARGV: the token.
+	// ARGV: ownedLua's.
 	releaseScript = redis.NewScript(ownedLua + `
 redis.call('DEL', KEYS[1])
 return 1`)
@@ -266,7 +282,7 @@ func (r *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 		return 0, r.fail("claim", key, err)
 	}
 	k, ms := r.claimPre+key, millis(lease)
-	value := claimTag + strconv.FormatInt(r.abandoned, 10) + ":" + token
+	value := r.claimVal + token
 	px := time.Duration(ms+r.abandoned) * time.Millisecond
 	if !r.noSetGet.Load() {
 		old, err := r.cmds.SetArgs(ctx, k, value, redis.SetArgs{Mode: "NX", TTL: px, Get: true}).Result()
@@ -320,7 +336,7 @@ func (r *Store) Release(ctx context.Context, key, token string) error {
 }
 
 func (r *Store) owned(ctx context.Context, op string, s *redis.Script, key, token string, args ...any) error {
-	n, err := r.run(ctx, s, r.claimPre+key, append([]any{token}, args...)...)
+	n, err := r.run(ctx, s, r.claimPre+key, append([]any{r.claimVal + token, r.keep}, args...)...)
 	if err != nil {
 		return r.fail(op, key, err)
 	}
