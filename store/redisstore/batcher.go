@@ -120,11 +120,12 @@ const (
 	opEvalShaRO
 	opDel
 	opSet
+	opCmd // a command built by the caller: see Batcher.process
 )
 
 // A batchCall is one caller's command. wake is closed once, under
-// Batcher.mu: when the call's result is in cmd, del or status (written
-// before), or, with lead set, when its caller is to send the next
+// Batcher.mu: when the call's result is in cmd, del, status or ready
+// (written before), or, with lead set, when its caller is to send the next
 // pipeline.
 type batchCall struct {
 	ctx    context.Context
@@ -140,6 +141,7 @@ type batchCall struct {
 	cmd    *redis.Cmd
 	del    *redis.IntCmd
 	status *redis.StatusCmd
+	ready  redis.Cmder // opCmd's
 }
 
 // Eval implements [redis.Scripter], batched.
@@ -192,6 +194,16 @@ func (b *Batcher) SetArgs(ctx context.Context, key string, value any, a redis.Se
 		return cmd
 	}
 	return c.status
+}
+
+// process sends cmd, a command built by the caller, in a pipeline with the
+// other calls, as the methods do theirs: a store's own calls build their
+// commands in fewer allocations than go-redis's generic methods. It
+// returns a non-nil error, the context's, only when ctx ended before cmd's
+// result came; cmd is then not to be touched (its pipeline may still write
+// its result).
+func (b *Batcher) process(ctx context.Context, cmd redis.Cmder) error {
+	return b.do(&batchCall{ctx: ctx, op: opCmd, ready: cmd})
 }
 
 func (b *Batcher) script(ctx context.Context, op batchOp, script string, keys []string, args []any) *redis.Cmd {
@@ -361,6 +373,8 @@ func (b *Batcher) send(ctx context.Context, batch []*batchCall) {
 			c.del = pipe.Del(ctx, c.keys...)
 		case opSet:
 			c.status = pipe.SetArgs(ctx, c.keys[0], c.value, c.set)
+		case opCmd:
+			_ = pipe.Process(ctx, c.ready)
 		}
 	}
 	// Exec's error is the first command's error; each command holds its own.
