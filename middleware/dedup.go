@@ -373,7 +373,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	cc.keyed = down
 	cc.watch(now)
 	defer cc.end()
-	l := h.renewer.start(ctx, key, token, start, now, cc)
+	l := h.renewer.start(start, now, cc)
 
 	finished := false
 	defer func() {
