@@ -73,36 +73,48 @@ type cancelContext struct {
 // contexts of the store calls that record an attempt) watch for
 // themselves, and are the smaller for it.
 type sharedWatch struct {
-	// watcher, if set, watches the parent for it, and for its siblings.
-	watcher *parentWatcher
-	// deadlines, if set, ends it at its deadline, and its siblings at
-	// theirs; else a timer of its own does.
-	deadlines *deadlineQueue
+	// by, if set, is what watches it with its siblings.
+	by *watchers
 
-	// Guarded by watcher.mu: c's place among the contexts it watches for.
+	// Guarded by by.parents.mu: c's place among the contexts it watches
+	// for.
 	watchedBy    *watchedParent
 	wprev, wnext *cancelContext
-	// Guarded by deadlines.mu: its place among the deadlines.
+	// Guarded by by.deadlines.mu: its place among the deadlines.
 	deadlineLinks timerLinks[cancelContext]
+}
+
+// watchers are what the contexts that one layer makes share to be
+// watched: one pointer to them, in each context, where two would take a
+// word more.
+type watchers struct {
+	// parents, if set, watches their parents.
+	parents *parentWatcher
+	// deadlines, if set, ends them at their deadlines; else a timer of
+	// each one's own does.
+	deadlines *deadlineQueue
 }
 
 // links implements timerItem, for a c with a shared watch.
 func (c *cancelContext) links() *timerLinks[cancelContext] { return &c.shared.deadlineLinks }
 
+// due implements timerItem: c is due at its deadline.
+func (c *cancelContext) due() time.Time { return c.deadline }
+
 // watcher returns the parentWatcher that watches c's parent for c, or nil.
 func (c *cancelContext) watcher() *parentWatcher {
-	if c.shared == nil {
+	if c.shared == nil || c.shared.by == nil {
 		return nil
 	}
-	return c.shared.watcher
+	return c.shared.by.parents
 }
 
 // deadlines returns the deadlineQueue that ends c at its deadline, or nil.
 func (c *cancelContext) deadlines() *deadlineQueue {
-	if c.shared == nil {
+	if c.shared == nil || c.shared.by == nil {
 		return nil
 	}
-	return c.shared.deadlines
+	return c.shared.by.deadlines
 }
 
 // A ctxFunc is a callback registered by [cancelContext.AfterFunc].
@@ -432,7 +444,7 @@ func newDeadlineQueue() *deadlineQueue {
 // add queues c, watched, until its deadline; now is the current time.
 func (q *deadlineQueue) add(c *cancelContext, now time.Time) {
 	q.mu.Lock()
-	q.list.push(c, c.deadline, now)
+	q.list.push(c, now)
 	q.mu.Unlock()
 }
 

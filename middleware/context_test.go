@@ -23,7 +23,7 @@ var deadlineImpls = map[string]withDeadline{
 		return c, c.end
 	},
 	"own, its deadline served by a deadlineQueue": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
-		c := &cancelContext{parent: parent, deadline: d, shared: &sharedWatch{deadlines: newDeadlineQueue()}}
+		c := &cancelContext{parent: parent, deadline: d, shared: &sharedWatch{by: &watchers{deadlines: newDeadlineQueue()}}}
 		return c, c.end
 	},
 }
@@ -244,11 +244,11 @@ type withCancel func(parent context.Context) (context.Context, context.CancelCau
 var cancelImpls = map[string]withCancel{
 	"stdlib": context.WithCancelCause,
 	"own": func(parent context.Context) (context.Context, context.CancelCauseFunc) {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
 		return c, c.cancel
 	},
 	"own, its parent watched by a parentWatcher": func(parent context.Context) (context.Context, context.CancelCauseFunc) {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, new(parentWatcher))
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, &watchers{parents: new(parentWatcher)})
 		return c, c.cancel
 	},
 }
@@ -383,7 +383,7 @@ func TestClaimContextAsStdlib(t *testing.T) { asStdlib(t, cancelImpls, cancelSce
 // The Claim is found through the handler's context, and through contexts
 // derived from it, live or ended.
 func TestClaimContextValue(t *testing.T) {
-	c := newClaimContext(valued(), "k", "t", time.Hour, time.Time{}, nil, nil)
+	c := newClaimContext(valued(), "k", "t", time.Hour, time.Time{}, nil)
 	child, cancel := context.WithTimeout(context.WithValue(c, ctxKey{}, "child"), time.Hour)
 	defer cancel()
 	for _, ended := range []bool{false, true} {
@@ -407,7 +407,7 @@ func TestClaimContextValue(t *testing.T) {
 func TestClaimContextChildWithoutGoroutine(t *testing.T) {
 	parent, pcancel := context.WithCancel(context.Background())
 	defer pcancel()
-	c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
+	c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
 	defer c.end()
 	tctx := &cancelContext{parent: c, deadline: time.Now().Add(time.Hour)}
 	defer tctx.end()
@@ -442,7 +442,7 @@ func TestCancelContextCauseNow(t *testing.T) {
 				(*claimContext).causeNow,
 			} {
 				parent, pcancel := context.WithCancelCause(valued())
-				c := newClaimContext(parent, "k", "t", time.Hour, time.Now().Add(time.Second), nil, nil)
+				c := newClaimContext(parent, "k", "t", time.Hour, time.Now().Add(time.Second), nil)
 				tc.end(c, pcancel)
 				got[i] = cause(c)
 				c.end()
@@ -458,7 +458,7 @@ func TestCancelContextCauseNow(t *testing.T) {
 // channel, closed with the cause (run with -race).
 func TestClaimContextConcurrentCancel(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		c := newClaimContext(context.Background(), "k", "t", time.Hour, time.Time{}, nil, nil)
+		c := newClaimContext(context.Background(), "k", "t", time.Hour, time.Time{}, nil)
 		chans := make([]<-chan struct{}, 8)
 		var wg sync.WaitGroup
 		for i := range chans {
@@ -485,7 +485,7 @@ func TestClaimContextConcurrentCancel(t *testing.T) {
 func TestClaimContextAllocs(t *testing.T) {
 	parent := context.Background()
 	n := testing.AllocsPerRun(100, func() {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
 		_ = c.Err()
 		_, _ = c.Deadline()
 		_, _ = ClaimFrom(c)
@@ -536,9 +536,9 @@ func TestCancelContextConcurrentEnds(t *testing.T) {
 		for i := range ctxs {
 			// Deadlines from 15 ms to 960 ms; the parent ends at 500 ms.
 			// Half of them are served by one deadlineQueue.
-			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), shared: &sharedWatch{watcher: &w}}
+			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), shared: &sharedWatch{by: &watchers{parents: &w}}}
 			if i%4 < 2 {
-				c.shared.deadlines = q
+				c.shared.by.deadlines = q
 			}
 			ctxs[i] = c
 			wg.Go(func() { <-c.Done() })
@@ -621,7 +621,7 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 			if i%5 == 0 {
 				parent = live(context.Background())
 			}
-			cs[i] = &cancelContext{parent: parent, deadline: time.Now().Add(time.Hour), shared: &sharedWatch{watcher: &w, deadlines: q}}
+			cs[i] = &cancelContext{parent: parent, deadline: time.Now().Add(time.Hour), shared: &sharedWatch{by: &watchers{parents: &w, deadlines: q}}}
 			_ = cs[i].Done()
 			if i%7 == 0 {
 				time.Sleep(time.Millisecond) // deadlines apart, in order

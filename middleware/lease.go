@@ -51,14 +51,23 @@ type claimLease struct {
 	handler *claimContext
 
 	// Guarded by renewer.mu.
-	timerLinks[claimLease]           // due: the next renewal
-	stopped                bool      // the delivery has ended
-	renewing               bool      // a renewal is in flight; it owns l once stopped
-	lost                   error     // set when the store said the claim is gone
-	validUntil             time.Time // the end of the lease as of the last renewal
+	timerLinks[claimLease]
+	renewAt    time.Time // when it is due for renewal, while queued
+	stopped    bool      // the delivery has ended
+	renewing   bool      // a renewal is in flight; it owns l once stopped
+	lost       error     // set when the store said the claim is gone
+	validUntil time.Time // the end of the lease as of the last renewal
 }
 
 func (l *claimLease) links() *timerLinks[claimLease] { return &l.timerLinks }
+func (l *claimLease) due() time.Time                 { return l.renewAt }
+
+// queue queues l for its renewal at the given time; now is the current
+// time. r.mu must be held.
+func (r *renewer) queue(l *claimLease, at, now time.Time) {
+	l.renewAt = at
+	r.claims.push(l, now)
+}
 
 func newRenewer(s store.Store, lease time.Duration) *renewer {
 	r := &renewer{store: s, lease: lease, every: lease / 3}
@@ -81,7 +90,7 @@ func (r *renewer) start(claimedAt, now time.Time, hctx *claimContext) *claimLeas
 	r.mu.Lock()
 	l.stopped, l.renewing, l.lost = false, false, nil
 	l.validUntil = claimedAt.Add(r.lease)
-	r.claims.push(l, claimedAt.Add(r.every), now)
+	r.queue(l, claimedAt.Add(r.every), now)
 	r.mu.Unlock()
 	return l
 }
@@ -141,13 +150,13 @@ func (r *renewer) fire() {
 			}
 			l.renewing = true
 			go r.renew(l)
-			r.claims.push(l, now.Add(r.every), now)
+			r.queue(l, now.Add(r.every), now)
 		case r.mayEnd(l, now):
 			// The renewal started an interval ago has not returned, and
 			// may not before the lease ends. l is not queued again.
 			expired = append(expired, expiry{l.handler.claim.key, l.handler, false})
 		default:
-			r.claims.push(l, now.Add(r.every), now)
+			r.queue(l, now.Add(r.every), now)
 		}
 	}
 	r.claims.rearm(now)
@@ -193,7 +202,7 @@ func (r *renewer) renew(l *claimLease) {
 			// renewal came back after all. Go on renewing: a handler that
 			// is slow to stop keeps its claim for as long as it runs.
 			now := time.Now()
-			r.claims.push(l, now.Add(r.every), now)
+			r.queue(l, now.Add(r.every), now)
 		}
 	case errors.Is(err, store.ErrLostClaim):
 		l.lost = fmt.Errorf("%w: %s was taken over or deleted while the handler ran: %w", ErrLeaseLost, text.QuoteKey(c.key), err)

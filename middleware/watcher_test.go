@@ -18,7 +18,7 @@ func TestParentWatcher(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var w parentWatcher
 		mk := func(parent context.Context) *cancelContext {
-			c := &cancelContext{parent: parent, shared: &sharedWatch{watcher: &w}}
+			c := &cancelContext{parent: parent, shared: &sharedWatch{by: &watchers{parents: &w}}}
 			_ = c.Done()
 			return c
 		}
@@ -155,10 +155,11 @@ func TestParentWatcherRegistrations(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				var w parentWatcher
+				ws := &watchers{parents: &w}
 				base, cancel := context.WithCancelCause(context.Background())
 				parent := tc.parent(base)
 				mk := func() *claimContext {
-					c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, &w)
+					c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, ws)
 					c.watch(time.Time{})
 					return c
 				}
