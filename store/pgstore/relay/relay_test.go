@@ -124,6 +124,13 @@ func (f *fixture) write(key string, n int, rollback bool) []string {
 
 // run runs r until the test ends, and checks that it returns nil.
 func (f *fixture) run(r *relay.Relay) (stop func()) {
+	_, stop = f.start(r)
+	return stop
+}
+
+// start runs r as run does, and returns also the context that r runs
+// under, done once stop is called.
+func (f *fixture) start(r *relay.Relay) (ctx context.Context, stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
@@ -140,7 +147,7 @@ func (f *fixture) run(r *relay.Relay) (stop func()) {
 		})
 	}
 	f.t.Cleanup(stop)
-	return stop
+	return ctx, stop
 }
 
 // drain takes the messages of the queue until it has want of them (or
@@ -334,36 +341,43 @@ func TestRelayKeepsRowsWhoseConfirmDidNotCome(t *testing.T) {
 
 // A publisher whose confirms come only after the relay was told to stop:
 // Run waits for them, and records the rows sent, so that no relay sends
-// them again.
+// them again. Each Publish says on started that the relay sent it, then
+// waits for stopped before it publishes.
 type late struct {
 	relay.Publisher
+	started chan<- struct{}
 	stopped <-chan struct{}
 }
 
 func (p *late) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	p.started <- struct{}{}
 	<-p.stopped
-	time.Sleep(100 * time.Millisecond) // the confirm is on its way
 	return p.Publisher.Publish(ctx, exchange, key, msg)
 }
 
+// The stop comes once the relay is publishing the batch (every Publish has
+// started), and the publishes go on only after it: Run's context is done
+// before any confirm can come.
 func TestRelayStopWaitsForTheConfirmsInFlight(t *testing.T) {
 	f := newFixture(t)
-	stopped := make(chan struct{})
-	p := &late{Publisher: f.b, stopped: stopped}
-	stop := f.run(relay.New(f.ob, p, relay.Options{PollInterval: 20 * time.Millisecond, Observer: relay.Observer{
+	const n = 5
+	started, stopped := make(chan struct{}, n), make(chan struct{})
+	p := &late{Publisher: f.b, started: started, stopped: stopped}
+	ctx, stop := f.start(relay.New(f.ob, p, relay.Options{PollInterval: 20 * time.Millisecond, Observer: relay.Observer{
 		Extract: func(ctx context.Context, _ map[string]string) context.Context { return ctx },
 	}}))
-	ids := f.write(f.queue, 5, false)
-	// Wait until the batch is taken: its rows are locked.
-	require.Eventually(t, func() bool {
-		var locked int
-		err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM (SELECT 1 FROM `+pgx.Identifier{f.ob.Table()}.Sanitize()+` FOR UPDATE SKIP LOCKED) x`).Scan(&locked)
-		return err == nil && locked == 0
-	}, 10*time.Second, 10*time.Millisecond)
-	go func() { time.Sleep(50 * time.Millisecond); close(stopped) }() // after the cancel below
+	context.AfterFunc(ctx, func() { close(stopped) })
+	ids := f.write(f.queue, n, false) // one transaction: one batch takes them all
+	for i := range n {
+		select {
+		case <-started:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%d of %d publishes started 10 s after the write", i, n)
+		}
+	}
 	stop()
-	assert.Equal(t, pgstore.OutboxStats{Sent: 5}, f.stats())
-	assert.Equal(t, once(ids), f.drain(5))
+	assert.Equal(t, pgstore.OutboxStats{Sent: n}, f.stats())
+	assert.Equal(t, once(ids), f.drain(n))
 }
 
 // Several relays on one outbox share its rows: each message is sent once.
