@@ -88,9 +88,21 @@ func testObserver(t *testing.T, be backend) {
 		}
 		return rabbitmw.Permanent(errBoom)
 	})
+	// The Observer hears of the dead-letter copy once its confirm came,
+	// after the copy is in the dead-letter queue: the events are read
+	// once the delivery is settled.
+	deadLettered := make(chan struct{})
+	closeOnce := sync.OnceFunc(func() { close(deadLettered) })
+	onSettle := func(_ *amqp.Delivery, o rabbitmw.Outcome, _ error) {
+		if o == rabbitmw.DeadLetter {
+			closeOnce() // again if the connection's drop below loses its ack
+		}
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- b.Consume(ctx, f.q, h, ConsumeOptions{Topology: f.top, Workers: 1}) }()
+	go func() {
+		done <- b.Consume(ctx, f.q, h, ConsumeOptions{Topology: f.top, Workers: 1, OnSettle: onSettle})
+	}()
 	defer func() {
 		cancel()
 		require.NoError(t, <-done, "Consume")
@@ -99,6 +111,11 @@ func testObserver(t *testing.T, be backend) {
 	headers := amqp.Table{"custom": "kept"}
 	require.NoError(t, b.Publish(testContext(t, 30*time.Second), "", f.q, amqp.Publishing{MessageId: "m1", Headers: headers}), "Publish")
 	assert.Equal(t, 1, len(headers), "caller's headers after Publish")
+	select {
+	case <-deadLettered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("m1 not dead-lettered within 30 s")
+	}
 	require.Eventually(t, func() bool { return f.polledLength(f.q+".dlq") == 1 }, 30*time.Second, 10*time.Millisecond, "no dead-letter")
 	dead := f.onlyDeadLetter()
 	assert.Equal(t, "trace-of-m1", dead.Headers["x-test-trace"], "dead-letter's x-test-trace")

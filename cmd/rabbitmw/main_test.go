@@ -345,11 +345,18 @@ func TestReplayKilledMidway(t *testing.T) {
 	}
 	<-exited
 	killedAt := time.Since(start)
-	time.Sleep(time.Second) // for the server to requeue what the dead connection held
-	inQ, _ := b.Len(ctx, q)
-	inDLQ, _ := b.Len(ctx, q+".dlq")
+	// The server requeues what the dead connection held once it has seen
+	// the connection close: until then, the messages that the replay held
+	// and had not sent are in neither queue.
+	lengths := func() (inQ, inDLQ int) {
+		inQ, _ = b.Len(ctx, q)
+		inDLQ, _ = b.Len(ctx, q+".dlq")
+		return inQ, inDLQ
+	}
+	requeued := assert.Eventually(t, func() bool { inQ, inDLQ := lengths(); return inQ+inDLQ >= n }, 30*time.Second, 20*time.Millisecond)
+	inQ, inDLQ := lengths()
 	t.Logf("killed after %v with %d in the work queue; then %d in the work queue, %d in the dead-letter queue", killedAt, atKill, inQ, inDLQ)
-	if inQ+inDLQ < n {
+	if !requeued || inQ+inDLQ < n {
 		t.Fatalf("after the kill: %d + %d messages; want at least %d", inQ, inDLQ, n)
 	}
 

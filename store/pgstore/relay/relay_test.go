@@ -124,6 +124,13 @@ func (f *fixture) write(key string, n int, rollback bool) []string {
 
 // run runs r until the test ends, and checks that it returns nil.
 func (f *fixture) run(r *relay.Relay) (stop func()) {
+	_, stop = f.start(r)
+	return stop
+}
+
+// start runs r as run does, and returns also the context that r runs
+// under, done once stop is called.
+func (f *fixture) start(r *relay.Relay) (ctx context.Context, stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
@@ -140,7 +147,7 @@ func (f *fixture) run(r *relay.Relay) (stop func()) {
 		})
 	}
 	f.t.Cleanup(stop)
-	return stop
+	return ctx, stop
 }
 
 // drain takes the messages of the queue until it has want of them (or
@@ -215,15 +222,17 @@ func TestRelayPollsWithoutNotifications(t *testing.T) {
 func TestRelayParksUnroutableMessages(t *testing.T) {
 	f := newFixture(t)
 	var parked atomic.Int64
-	f.run(relay.New(f.ob, f.b, relay.Options{PollInterval: 50 * time.Millisecond, Observer: relay.Observer{
+	stop := f.run(relay.New(f.ob, f.b, relay.Options{PollInterval: 50 * time.Millisecond, Observer: relay.Observer{
 		Dispatched: func(_ context.Context, _, p, _ int) { parked.Add(int64(p)) },
 	}}))
 	missing := unique("rmwtest.outbox.missing.")
 	lost := f.write(missing, 3, false)
 	ids := f.write(f.queue, 3, false)
 	assert.Equal(t, once(ids), f.drain(3), "a parked row does not hold the others back")
-	require.Eventually(t, func() bool { return f.stats().Parked == 3 }, 10*time.Second, 20*time.Millisecond)
-	assert.Equal(t, int64(3), parked.Load())
+	// The relay reports a dispatch after its commit: the rows may be
+	// parked a moment before the Observer hears of it.
+	require.Eventually(t, func() bool { return f.stats().Parked == 3 && parked.Load() >= 3 }, 10*time.Second, 20*time.Millisecond,
+		"3 rows parked, and reported parked to the Observer")
 	rows, err := f.ob.List(context.Background(), pgstore.OutboxFilter{State: "parked"})
 	require.NoError(t, err)
 	require.Len(t, rows, 3)
@@ -240,6 +249,8 @@ func TestRelayParksUnroutableMessages(t *testing.T) {
 	assert.Equal(t, int64(3), n)
 	f.queue = missing
 	assert.Equal(t, once(lost), f.drain(3))
+	stop() // every dispatch reported
+	assert.Equal(t, int64(3), parked.Load(), "rows reported parked")
 }
 
 // A message that RabbitMQ refuses by closing the channel (here a UserId
@@ -334,36 +345,43 @@ func TestRelayKeepsRowsWhoseConfirmDidNotCome(t *testing.T) {
 
 // A publisher whose confirms come only after the relay was told to stop:
 // Run waits for them, and records the rows sent, so that no relay sends
-// them again.
+// them again. Each Publish says on started that the relay sent it, then
+// waits for stopped before it publishes.
 type late struct {
 	relay.Publisher
+	started chan<- struct{}
 	stopped <-chan struct{}
 }
 
 func (p *late) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	p.started <- struct{}{}
 	<-p.stopped
-	time.Sleep(100 * time.Millisecond) // the confirm is on its way
 	return p.Publisher.Publish(ctx, exchange, key, msg)
 }
 
+// The stop comes once the relay is publishing the batch (every Publish has
+// started), and the publishes go on only after it: Run's context is done
+// before any confirm can come.
 func TestRelayStopWaitsForTheConfirmsInFlight(t *testing.T) {
 	f := newFixture(t)
-	stopped := make(chan struct{})
-	p := &late{Publisher: f.b, stopped: stopped}
-	stop := f.run(relay.New(f.ob, p, relay.Options{PollInterval: 20 * time.Millisecond, Observer: relay.Observer{
+	const n = 5
+	started, stopped := make(chan struct{}, n), make(chan struct{})
+	p := &late{Publisher: f.b, started: started, stopped: stopped}
+	ctx, stop := f.start(relay.New(f.ob, p, relay.Options{PollInterval: 20 * time.Millisecond, Observer: relay.Observer{
 		Extract: func(ctx context.Context, _ map[string]string) context.Context { return ctx },
 	}}))
-	ids := f.write(f.queue, 5, false)
-	// Wait until the batch is taken: its rows are locked.
-	require.Eventually(t, func() bool {
-		var locked int
-		err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM (SELECT 1 FROM `+pgx.Identifier{f.ob.Table()}.Sanitize()+` FOR UPDATE SKIP LOCKED) x`).Scan(&locked)
-		return err == nil && locked == 0
-	}, 10*time.Second, 10*time.Millisecond)
-	go func() { time.Sleep(50 * time.Millisecond); close(stopped) }() // after the cancel below
+	context.AfterFunc(ctx, func() { close(stopped) })
+	ids := f.write(f.queue, n, false) // one transaction: one batch takes them all
+	for i := range n {
+		select {
+		case <-started:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%d of %d publishes started 10 s after the write", i, n)
+		}
+	}
 	stop()
-	assert.Equal(t, pgstore.OutboxStats{Sent: 5}, f.stats())
-	assert.Equal(t, once(ids), f.drain(5))
+	assert.Equal(t, pgstore.OutboxStats{Sent: n}, f.stats())
+	assert.Equal(t, once(ids), f.drain(n))
 }
 
 // Several relays on one outbox share its rows: each message is sent once.
@@ -375,13 +393,19 @@ func TestRelaysShareTheOutbox(t *testing.T) {
 		ids = append(ids, f.write(f.queue, n/4, false)...)
 	}
 	var sent atomic.Int64
+	var stops []func()
 	for range 3 {
-		f.run(relay.New(f.ob, f.b, relay.Options{BatchSize: 10, PollInterval: 20 * time.Millisecond, Observer: relay.Observer{
+		stops = append(stops, f.run(relay.New(f.ob, f.b, relay.Options{BatchSize: 10, PollInterval: 20 * time.Millisecond, Observer: relay.Observer{
 			Dispatched: func(_ context.Context, s, _, _ int) { sent.Add(int64(s)) },
-		}}))
+		}})))
 	}
 	assert.Equal(t, once(ids), f.drain(n))
 	require.Eventually(t, func() bool { return f.stats().Sent == n }, 10*time.Second, 20*time.Millisecond)
+	// A relay reports a dispatch after its commit: the counts are read
+	// once every relay has returned.
+	for _, stop := range stops {
+		stop()
+	}
 	assert.Equal(t, int64(n), sent.Load(), "confirmed sends")
 	left, err := f.b.Len(context.Background(), f.queue)
 	require.NoError(t, err)
