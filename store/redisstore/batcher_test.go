@@ -601,3 +601,60 @@ func TestStoreContextEnds(t *testing.T) {
 		}
 	}
 }
+
+// boomHook panics in every pipeline that carries an argument "boom", as a
+// hook of the user's, or a marshaler of one of their arguments, can.
+type boomHook struct{}
+
+func (boomHook) DialHook(next redis.DialHook) redis.DialHook          { return next }
+func (boomHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+func (boomHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, cmd := range cmds {
+			if slices.Contains(cmd.Args(), any("boom")) {
+				panic("boom")
+			}
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// A pipeline that panics panics in the goroutine that sends it, as a
+// command of its own would; the other calls it carried return with an
+// error, and the batcher goes on: the next call is sent.
+func TestBatcherPipelinePanics(t *testing.T) {
+	_, c, g, b := gated(t, redisstore.BatcherOptions{})
+	c.AddHook(boomHook{})
+	bg := context.Background()
+	var wg sync.WaitGroup
+	wg.Go(func() { b.Del(bg, "x") })
+	<-g.held
+
+	var recovered any
+	wg.Go(func() {
+		defer func() { recovered = recover() }()
+		b.Eval(bg, echo, []string{"a"}, "boom")
+	})
+	waitQueued(t, b, 1)
+	// The other call of the pipeline that panics; it would wait for ever.
+	ctx, cancel := context.WithTimeout(bg, 2*time.Second)
+	defer cancel()
+	var otherErr error
+	wg.Go(func() { otherErr = b.Eval(ctx, echo, []string{"b"}, "b").Err() })
+	waitQueued(t, b, 2)
+	g.mu.Lock()
+	g.closed = false
+	g.mu.Unlock()
+	g.open <- struct{}{}
+	wg.Wait()
+
+	assert.Equal(t, "boom", recovered, "the sender's panic")
+	require.Error(t, otherErr, "the other call of the pipeline that panicked")
+	assert.NotErrorIs(t, otherErr, context.DeadlineExceeded, "the other call of the pipeline that panicked")
+	assert.ErrorContains(t, otherErr, "boom", "the other call of the pipeline that panicked")
+	ctx, cancel = context.WithTimeout(bg, 2*time.Second)
+	defer cancel()
+	next, err := b.Eval(ctx, echo, []string{"c"}, "next").Text()
+	assert.NoError(t, err, "the call after the panic")
+	assert.Equal(t, "next", next, "the call after the panic")
+}
