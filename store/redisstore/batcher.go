@@ -2,6 +2,7 @@ package redisstore
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"runtime"
 	"slices"
@@ -62,7 +63,10 @@ type PipelineClient interface {
 // command's error (a script's NOSCRIPT, which makes [redis.Script.Run]
 // send the script again with EVAL as its next call) does not touch the
 // others of its pipeline; an error of the connection fails every command
-// of that pipeline. A caller whose context ends while it waits returns at
+// of that pipeline. A pipeline that panics (a hook of the client's, an
+// argument's marshaler) panics in the goroutine of the caller that sends
+// it, and fails the other calls it carries with an error that names the
+// panic; the batcher goes on. A caller whose context ends while it waits returns at
 // once with the context's error: if its command was not yet taken into a
 // pipeline, it is never sent; if it was, its result is dropped and the
 // command may or may not have taken effect, as the [store.Store] contract
@@ -165,6 +169,29 @@ func (c *batchCall) free() {
 	calls.Put(c)
 }
 
+// fail leaves err as c's result, in place of any that its pipeline left.
+func (c *batchCall) fail(err error) {
+	switch c.op {
+	case opDel:
+		if c.del == nil {
+			c.del = redis.NewIntCmd(c.ctx, "del")
+		}
+		c.del.SetErr(err)
+	case opSet:
+		if c.status == nil {
+			c.status = redis.NewStatusCmd(c.ctx, "set")
+		}
+		c.status.SetErr(err)
+	case opCmd:
+		c.ready.SetErr(err)
+	default:
+		if c.cmd == nil {
+			c.cmd = redis.NewCmd(c.ctx)
+		}
+		c.cmd.SetErr(err)
+	}
+}
+
 // Eval implements [redis.Scripter], batched.
 func (b *Batcher) Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
 	return b.script(ctx, opEval, script, keys, args)
@@ -265,10 +292,7 @@ func (b *Batcher) do(c *batchCall) error {
 		b.gather()
 		batch := b.take()
 		b.mu.Unlock()
-		ctx, cancel := batchContext(batch)
-		b.send(ctx, batch)
-		cancel()
-		b.done(batch[1:])
+		b.run(batch)
 		return nil
 	}
 	b.queue = append(b.queue, c)
@@ -311,11 +335,39 @@ func (b *Batcher) do(c *batchCall) error {
 	b.gather()
 	batch := b.take()
 	b.mu.Unlock()
-	ctx, cancel := batchContext(batch)
-	b.send(ctx, batch)
-	cancel()
-	b.done(batch[1:])
+	b.run(batch)
 	return nil
+}
+
+// run sends batch, its first call the caller's, and gives the others their
+// results. A pipeline that panics (a hook of the client's, an argument's
+// marshaler) panics in its sender's goroutine, as a command of its own
+// would; the others of its calls then get an error that names the panic,
+// and the next pipeline is handed on, so that b does not stay busy for ever.
+func (b *Batcher) run(batch []*batchCall) {
+	ctx, cancel := batchContext(batch)
+	defer cancel()
+	sent := false
+	defer func() {
+		if sent {
+			return
+		}
+		v := recover() // nil if send called runtime.Goexit, which goes on by itself
+		err := fmt.Errorf("redisstore: batcher: a pipeline panicked: %v", v)
+		if v == nil {
+			err = errors.New("redisstore: batcher: a pipeline's sender exited")
+		}
+		for _, o := range batch[1:] {
+			o.fail(err)
+		}
+		b.done(batch[1:])
+		if v != nil {
+			panic(v)
+		}
+	}()
+	b.send(ctx, batch)
+	sent = true
+	b.done(batch[1:])
 }
 
 // gather, with b.mu held by the caller that is to send the next pipeline
