@@ -130,17 +130,21 @@ type claimContext struct {
 	cancelContext
 	shared sharedWatch // the cancelContext's
 	claim  Claim
-	keyed  keyed
-	settle settlingContext
+	// The key that Dedup hands down (see [keyed]), if keyedBy is set: the
+	// claim's key, made by keyedBy for the delivery keyedFor, without an
+	// error. It is kept in these two fields, rather than a keyed, which
+	// would hold the key a second time ([claimContext.handedDown]).
+	keyedBy  *keying
+	keyedFor *amqp.Delivery
+	settle   settlingContext
 }
 
 // newClaimContext returns the claim context of key by token under parent,
-// with a deadline unless it is zero, which q serves if not nil, and whose
-// parent w watches if not nil.
-func newClaimContext(parent context.Context, key, token string, retention time.Duration, deadline time.Time, q *deadlineQueue, w *parentWatcher) *claimContext {
+// with a deadline unless it is zero, watched by w if not nil.
+func newClaimContext(parent context.Context, key, token string, retention time.Duration, deadline time.Time, w *watchers) *claimContext {
 	c := &claimContext{
 		cancelContext: cancelContext{parent: parent, deadline: deadline},
-		shared:        sharedWatch{watcher: w, deadlines: q},
+		shared:        sharedWatch{by: w},
 		claim:         Claim{key: key, token: token, retention: retention},
 	}
 	c.cancelContext.shared = &c.shared
@@ -154,8 +158,19 @@ func (c *claimContext) Value(key any) any {
 	case key == (claimKey{}) && c.claim.token != "":
 		// Not when a ClaimingHandler claims the key itself.
 		return &c.claim
-	case key == (keyedKey{}) && c.keyed.by != nil:
-		return &c.keyed
+	case key == (keyedKey{}) && c.keyedBy != nil:
+		return c // keyedFrom reads it with handedDown
 	}
 	return c.cancelContext.Value(key)
+}
+
+// handDown sets k as the key that c hands down to the layers beneath: a
+// key that Dedup resolved without an error, c's claim's (k.by nil: none).
+func (c *claimContext) handDown(k keyed) {
+	c.keyedBy, c.keyedFor = k.by, k.d
+}
+
+// handedDown returns the key that c hands down, set by handDown.
+func (c *claimContext) handedDown() keyed {
+	return keyed{d: c.keyedFor, by: c.keyedBy, key: c.claim.key}
 }

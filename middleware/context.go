@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 )
@@ -54,17 +53,65 @@ type cancelContext struct {
 	shared *sharedWatch
 
 	mu    sync.Mutex
-	err   error // nil while live
-	cause error // with err
+	cause error // why it ended, once it has (see ended)
 	done  chan struct{}
 	// What the watch holds, released at the end.
 	stopParent func() bool
 	timer      *time.Timer
-	funcs      *ctxFunc        // the callbacks of AfterFunc, a list
-	ended      context.Context // the standard library's context for the ended state, once asked for
+	funcs      *ctxFunc // the callbacks of AfterFunc, a list
+	// rare holds what few ends need, made only for them (see endState).
+	rare *endState
 
-	detached bool // the parent gives its values only
-	watched  bool // the parent's end and the deadline are being watched
+	ended    endKind // its error: live until it ends
+	detached bool    // the parent gives its values only
+	watched  bool    // the parent's end and the deadline are being watched
+}
+
+// An endKind is a cancelContext's error, in a byte rather than the two
+// words of an error: its end is nearly always context.Canceled or
+// context.DeadlineExceeded.
+type endKind uint8
+
+const (
+	live endKind = iota
+	endCanceled
+	endDeadline
+	endOther // a parent's error of another kind (see endState)
+)
+
+// An endState holds what a cancelContext needs of its end only rarely,
+// in an allocation of its own made only then, so that every context is
+// the smaller: an error that is neither context.Canceled nor
+// context.DeadlineExceeded (a parent's, outside the context contract),
+// and the standard library's context built for the ended state, once
+// Value is asked for.
+type endState struct {
+	err error
+	std context.Context
+}
+
+// endOf returns the endKind of err, the error of an end.
+func endOf(err error) endKind {
+	switch err {
+	case context.Canceled:
+		return endCanceled
+	case context.DeadlineExceeded:
+		return endDeadline
+	}
+	return endOther
+}
+
+// err returns c's error: nil while it is live. c.mu must be held.
+func (c *cancelContext) err() error {
+	switch c.ended {
+	case endCanceled:
+		return context.Canceled
+	case endDeadline:
+		return context.DeadlineExceeded
+	case endOther:
+		return c.rare.err
+	}
+	return nil
 }
 
 // A sharedWatch is what a cancelContext needs to be watched with its
@@ -74,36 +121,48 @@ type cancelContext struct {
 // contexts of the store calls that record an attempt) watch for
 // themselves, and are the smaller for it.
 type sharedWatch struct {
-	// watcher, if set, watches the parent for it, and for its siblings.
-	watcher *parentWatcher
-	// deadlines, if set, ends it at its deadline, and its siblings at
-	// theirs; else a timer of its own does.
-	deadlines *deadlineQueue
+	// by, if set, is what watches it with its siblings.
+	by *watchers
 
-	// Guarded by watcher.mu: c's place among the contexts it watches for.
+	// Guarded by by.parents.mu: c's place among the contexts it watches
+	// for.
 	watchedBy    *watchedParent
 	wprev, wnext *cancelContext
-	// Guarded by deadlines.mu: its place among the deadlines.
+	// Guarded by by.deadlines.mu: its place among the deadlines.
 	deadlineLinks timerLinks[cancelContext]
+}
+
+// watchers are what the contexts that one layer makes share to be
+// watched: one pointer to them, in each context, where two would take a
+// word more.
+type watchers struct {
+	// parents, if set, watches their parents.
+	parents *parentWatcher
+	// deadlines, if set, ends them at their deadlines; else a timer of
+	// each one's own does.
+	deadlines *deadlineQueue
 }
 
 // links implements timerItem, for a c with a shared watch.
 func (c *cancelContext) links() *timerLinks[cancelContext] { return &c.shared.deadlineLinks }
 
+// due implements timerItem: c is due at its deadline.
+func (c *cancelContext) due() time.Time { return c.deadline }
+
 // watcher returns the parentWatcher that watches c's parent for c, or nil.
 func (c *cancelContext) watcher() *parentWatcher {
-	if c.shared == nil {
+	if c.shared == nil || c.shared.by == nil {
 		return nil
 	}
-	return c.shared.watcher
+	return c.shared.by.parents
 }
 
 // deadlines returns the deadlineQueue that ends c at its deadline, or nil.
 func (c *cancelContext) deadlines() *deadlineQueue {
-	if c.shared == nil {
+	if c.shared == nil || c.shared.by == nil {
 		return nil
 	}
-	return c.shared.deadlines
+	return c.shared.by.deadlines
 }
 
 // A ctxFunc is a callback registered by [cancelContext.AfterFunc].
@@ -129,8 +188,8 @@ func (c *cancelContext) Deadline() (time.Time, bool) {
 // Err implements context.Context.
 func (c *cancelContext) Err() error {
 	c.mu.Lock()
-	if c.err != nil {
-		err := c.err
+	if c.ended != live {
+		err := c.err()
 		c.mu.Unlock()
 		return err
 	}
@@ -139,7 +198,7 @@ func (c *cancelContext) Err() error {
 		c.mu.Unlock()
 		return nil
 	}
-	c.finish(c.endLocked(err, cause))
+	c.finish(c.endLocked(endOf(err), err, cause))
 	return err
 }
 
@@ -148,13 +207,13 @@ func (c *cancelContext) Err() error {
 // reads c's Value (which asks c's parents) and then its Err.
 func (c *cancelContext) causeNow() error {
 	c.mu.Lock()
-	if c.err == nil {
+	if c.ended == live {
 		err, cause := c.check()
 		if err == nil {
 			c.mu.Unlock()
 			return nil
 		}
-		c.finish(c.endLocked(err, cause))
+		c.finish(c.endLocked(endOf(err), err, cause))
 		c.mu.Lock()
 	}
 	cause := c.cause
@@ -195,7 +254,7 @@ func (c *cancelContext) Done() <-chan struct{} {
 	c.mu.Lock()
 	if c.done == nil {
 		c.done = make(chan struct{})
-		if c.err != nil {
+		if c.ended != live {
 			close(c.done)
 		}
 	}
@@ -214,7 +273,7 @@ func (c *cancelContext) Done() <-chan struct{} {
 // standard library's contexts cancel their children.
 func (c *cancelContext) AfterFunc(f func()) (stop func() bool) {
 	c.mu.Lock()
-	if c.err != nil {
+	if c.ended != live {
 		c.mu.Unlock()
 		go f()
 		return func() bool { return false }
@@ -255,7 +314,7 @@ func (c *cancelContext) watch(now time.Time) {
 // c.mu, which must be held. now is the time just read by time.Now, or
 // zero to have finishWatch read it if it needs it.
 func (c *cancelContext) finishWatch(now time.Time) {
-	if c.err != nil || c.watched {
+	if c.ended != live || c.watched {
 		c.mu.Unlock()
 		return
 	}
@@ -270,7 +329,7 @@ func (c *cancelContext) finishWatch(now time.Time) {
 		}
 	}
 	if err != nil {
-		c.finish(c.endLocked(err, cause))
+		c.finish(c.endLocked(endOf(err), err, cause))
 		return
 	}
 	c.watched = true
@@ -294,24 +353,29 @@ func (c *cancelContext) finishWatch(now time.Time) {
 }
 
 // expire ends c at its deadline.
-func (c *cancelContext) expire() { c.stop(context.DeadlineExceeded, context.DeadlineExceeded) }
+func (c *cancelContext) expire() {
+	c.stopAs(endDeadline, context.DeadlineExceeded, context.DeadlineExceeded)
+}
 
 // Value implements context.Context.
 func (c *cancelContext) Value(key any) any {
 	c.mu.Lock()
-	if c.err == nil {
+	if c.ended == live {
 		err, cause := c.check()
 		if err == nil {
 			c.mu.Unlock()
 			return c.parent.Value(key)
 		}
-		c.finish(c.endLocked(err, cause))
+		c.finish(c.endLocked(endOf(err), err, cause))
 		c.mu.Lock()
 	}
-	if c.ended == nil {
-		c.ended = endedContext(c.parent, c.err, c.cause)
+	if c.rare == nil {
+		c.rare = new(endState)
 	}
-	ended := c.ended
+	if c.rare.std == nil {
+		c.rare.std = endedContext(c.parent, c.err(), c.cause)
+	}
+	ended := c.rare.std
 	c.mu.Unlock()
 	return ended.Value(key)
 }
@@ -347,7 +411,7 @@ func (c *cancelContext) cancel(cause error) {
 	if cause == nil {
 		cause = context.Canceled
 	}
-	c.stop(context.Canceled, cause)
+	c.stopAs(endCanceled, context.Canceled, cause)
 }
 
 // end is the CancelFunc of c: cancel with context.Canceled. A context
@@ -357,16 +421,20 @@ func (c *cancelContext) end() { c.cancel(nil) }
 
 // stop ends c with err and cause unless it has ended already (seen or
 // not).
-func (c *cancelContext) stop(err, cause error) {
+func (c *cancelContext) stop(err, cause error) { c.stopAs(endOf(err), err, cause) }
+
+// stopAs is stop, given the endKind of err, which saves cancel and expire
+// the comparisons of endOf.
+func (c *cancelContext) stopAs(kind endKind, err, cause error) {
 	c.mu.Lock()
-	if c.err != nil {
+	if c.ended != live {
 		c.mu.Unlock()
 		return
 	}
 	if e, ca := c.check(); e != nil {
-		err, cause = e, ca // it had ended, unseen
+		kind, err, cause = endOf(e), e, ca // it had ended, unseen
 	}
-	c.finish(c.endLocked(err, cause))
+	c.finish(c.endLocked(kind, err, cause))
 }
 
 // An ending is what [cancelContext.endLocked] leaves to do once c.mu is
@@ -379,10 +447,14 @@ type ending struct {
 	funcs      *ctxFunc
 }
 
-// endLocked ends c, live, with err and cause: it closes the done channel,
-// and hands over what is left to do without the lock. c.mu must be held.
-func (c *cancelContext) endLocked(err, cause error) ending {
-	c.err, c.cause = err, cause
+// endLocked ends c, live, with err, of the given kind, and cause: it
+// closes the done channel, and hands over what is left to do without the
+// lock. c.mu must be held.
+func (c *cancelContext) endLocked(kind endKind, err, cause error) ending {
+	c.ended, c.cause = kind, cause
+	if kind == endOther {
+		c.rare = &endState{err: err}
+	}
 	if c.done != nil {
 		close(c.done)
 	}
@@ -414,215 +486,6 @@ func (c *cancelContext) finish(e ending) {
 	}
 }
 
-// A parentWatcher watches, for the contexts that one layer makes, the end
-// of the contexts they are made under, which are few (a consumer's, one
-// per consumer that runs the layer) and live long: one registration with
-// each (context.AfterFunc) serves all the contexts made under it, where
-// each would otherwise make one of its own (and three allocations with
-// it). The contexts it watches for are a list per parent, entered by
-// [cancelContext.Done] and left at their end.
-//
-// A registration that costs no goroutine (under a parent of the standard
-// library, or one with an AfterFunc method: see [watchesWithoutGoroutine])
-// stays while its parent lives, for the next context, up to
-// maxWatchedParents of them. One that costs a goroutine (under a parent
-// whose Done the context package does not know, which context.AfterFunc
-// watches with a goroutine of its own) ends when its last context leaves
-// the list, and the goroutine with it: the next context under that parent
-// registers again. So the watcher runs a goroutine only while a context
-// made under such a parent is live, and never after the deliveries that
-// needed it have returned.
-//
-// A context made under yet another parent, while each of those watches
-// for some context, watches for itself. Its zero value is ready to use; a
-// nil *parentWatcher watches nothing.
-type parentWatcher struct {
-	mu      sync.Mutex
-	parents []*watchedParent
-}
-
-// maxWatchedParents bounds the registrations of a parentWatcher.
-const maxWatchedParents = 8
-
-// A watchedParent is a parent that a parentWatcher watches.
-type watchedParent struct {
-	parent context.Context
-	done   <-chan struct{} // parent.Done(); nil once the registration has ended
-	stop   func() bool     // ends the registration
-	head   *cancelContext  // the contexts watched for
-	// transient: the registration costs a goroutine, and ends as soon as
-	// head is nil.
-	transient bool
-}
-
-// add watches c's parent for c, and reports whether it does. c.mu must
-// be held, and c's parent must have a Done channel.
-func (w *parentWatcher) add(c *cancelContext) bool {
-	if w == nil {
-		return false
-	}
-	done := c.parent.Done()
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	p := w.find(done)
-	if p == nil {
-		if p = w.idle(); p == nil {
-			return false // busy watching others
-		}
-		p.parent, p.done = c.parent, done
-		p.transient = !watchesWithoutGoroutine(c.parent)
-		p.stop = context.AfterFunc(c.parent, func() { w.fire(p, done) })
-	}
-	s := c.shared
-	s.watchedBy, s.wprev, s.wnext = p, nil, p.head
-	if p.head != nil {
-		p.head.shared.wprev = c
-	}
-	p.head = c
-	return true
-}
-
-// find returns the parent watched whose Done channel is done, or nil.
-// w.mu must be held.
-func (w *parentWatcher) find(done <-chan struct{}) *watchedParent {
-	for _, p := range w.parents {
-		if p.done == done {
-			return p
-		}
-	}
-	return nil
-}
-
-// idle returns a watchedParent to watch a new parent with: a new one, if
-// there is room, else one that watches for no context, its registration
-// ended; nil if there is none. w.mu must be held.
-func (w *parentWatcher) idle() *watchedParent {
-	if len(w.parents) < maxWatchedParents {
-		p := new(watchedParent)
-		w.parents = append(w.parents, p)
-		return p
-	}
-	for _, p := range w.parents {
-		if p.head == nil {
-			p.stop()
-			return p
-		}
-	}
-	return nil
-}
-
-// remove stops watching for c, if w does.
-func (w *parentWatcher) remove(c *cancelContext) {
-	if w == nil {
-		return
-	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	s := c.shared
-	p := s.watchedBy
-	if p == nil {
-		return
-	}
-	if s.wprev != nil {
-		s.wprev.shared.wnext = s.wnext
-	} else {
-		p.head = s.wnext
-	}
-	if s.wnext != nil {
-		s.wnext.shared.wprev = s.wprev
-	}
-	s.watchedBy, s.wprev, s.wnext = nil, nil, nil
-	if p.head == nil && p.transient {
-		// Its goroutine has nothing left to watch for: end it. A callback
-		// that has started all the same (the parent ended meanwhile)
-		// finds p.done changed, and does nothing.
-		p.stop()
-		p.parent, p.done, p.stop = nil, nil, nil
-		w.parents = slices.DeleteFunc(w.parents, func(q *watchedParent) bool { return q == p })
-	}
-}
-
-// watchesWithoutGoroutine reports whether context.AfterFunc(parent, f)
-// registers f without a goroutine: parent has an AfterFunc method, which
-// context.AfterFunc calls, or the context package knows parent's Done
-// channel as that of one of its own contexts (parent is one, or passes on
-// the Done and Value of one), and registers f among its children. It
-// tells them apart as the context package does: parent's Value, asked
-// for the key of [contextPackageKey], answers the package's context whose
-// Done channel is parent's (TestWatchesWithoutGoroutine holds it to what
-// context.AfterFunc does). parent must have a Done channel.
-func watchesWithoutGoroutine(parent context.Context) bool {
-	if _, ok := parent.(interface{ AfterFunc(func()) func() bool }); ok {
-		return true
-	}
-	key := contextPackageKey()
-	if key == nil {
-		return false // unknown: the registration is ended when idle, which is always safe
-	}
-	own, ok := parent.Value(key).(context.Context)
-	return ok && own.Done() == parent.Done()
-}
-
-// contextPackageKey returns the key under which a context of the context
-// package answers, to Value, the package's context it is or derives from,
-// and which the package asks a parent for to tell whether it can attach a
-// child without a goroutine. The key is unexported; context.Cause asks
-// for it too, which is how it is found, once: it asks an ended context
-// that records the first key it is asked for. Nil if it asks for none.
-var contextPackageKey = sync.OnceValue(func() any {
-	var k keyRecorder
-	_ = context.Cause(&k)
-	return k.key
-})
-
-// A keyRecorder is an ended context that records the first key its Value
-// is asked for.
-type keyRecorder struct {
-	key   any
-	asked bool
-}
-
-func (k *keyRecorder) Deadline() (time.Time, bool) { return time.Time{}, false }
-func (k *keyRecorder) Err() error                  { return context.Canceled }
-
-func (k *keyRecorder) Done() <-chan struct{} {
-	done := make(chan struct{})
-	close(done)
-	return done
-}
-
-func (k *keyRecorder) Value(key any) any {
-	if !k.asked {
-		k.key, k.asked = key, true
-	}
-	return nil
-}
-
-// fire ends the contexts watched for under p, whose parent (with Done
-// channel done) has ended, unless p has been given another parent since.
-func (w *parentWatcher) fire(p *watchedParent, done <-chan struct{}) {
-	w.mu.Lock()
-	if p.done != done {
-		w.mu.Unlock()
-		return // a registration replaced, stopped too late
-	}
-	parent := p.parent
-	var ended []*cancelContext
-	for c := p.head; c != nil; {
-		s := c.shared
-		next := s.wnext
-		s.watchedBy, s.wprev, s.wnext = nil, nil, nil
-		ended = append(ended, c)
-		c = next
-	}
-	w.parents = slices.DeleteFunc(w.parents, func(q *watchedParent) bool { return q == p })
-	w.mu.Unlock()
-	err, cause := parent.Err(), context.Cause(parent)
-	for _, c := range ended {
-		c.stop(err, cause)
-	}
-}
-
 // A deadlineQueue ends the watched contexts of one layer at their
 // deadlines, which the layer sets a fixed time after each delivery's
 // start: one timer serves them all (see [timerList]), where each would
@@ -642,7 +505,7 @@ func newDeadlineQueue() *deadlineQueue {
 // add queues c, watched, until its deadline; now is the current time.
 func (q *deadlineQueue) add(c *cancelContext, now time.Time) {
 	q.mu.Lock()
-	q.list.push(c, c.deadline, now)
+	q.list.push(c, now)
 	q.mu.Unlock()
 }
 

@@ -23,7 +23,7 @@ var deadlineImpls = map[string]withDeadline{
 		return c, c.end
 	},
 	"own, its deadline served by a deadlineQueue": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
-		c := &cancelContext{parent: parent, deadline: d, shared: &sharedWatch{deadlines: newDeadlineQueue()}}
+		c := &cancelContext{parent: parent, deadline: d, shared: &sharedWatch{by: &watchers{deadlines: newDeadlineQueue()}}}
 		return c, c.end
 	},
 }
@@ -244,16 +244,34 @@ type withCancel func(parent context.Context) (context.Context, context.CancelCau
 var cancelImpls = map[string]withCancel{
 	"stdlib": context.WithCancelCause,
 	"own": func(parent context.Context) (context.Context, context.CancelCauseFunc) {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
 		return c, c.cancel
 	},
 	"own, its parent watched by a parentWatcher": func(parent context.Context) (context.Context, context.CancelCauseFunc) {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, new(parentWatcher))
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, &watchers{parents: new(parentWatcher)})
 		return c, c.cancel
 	},
 }
 
 var errOwnCause = errors.New("the context's own cause")
+
+// oddEnd is a parent that ends as its parent does, but with an error of
+// its own, errOddEnd, outside the context contract: a context derived
+// from it passes that error on as it is. Like valueless, it hides its
+// parent's values, so that the context package watches it with a
+// goroutine, and asks its Err.
+type oddEnd struct{ context.Context }
+
+var errOddEnd = errors.New("an end of another kind")
+
+func (oddEnd) Value(any) any { return nil }
+
+func (c oddEnd) Err() error {
+	if c.Context.Err() != nil {
+		return errOddEnd
+	}
+	return nil
+}
 
 // The scenarios, each run on both implementations inside a synctest
 // bubble: claimContext must be seen exactly as context.WithCancelCause.
@@ -312,6 +330,22 @@ var cancelScenarios = []scenario[withCancel]{
 		ctx, cancel := mk(parent)
 		defer cancel(nil)
 		return observe(ctx, false)
+	}},
+	{"the parent ends with an error of another kind", func(mk withCancel) observed {
+		base, bcancel := context.WithCancel(valued())
+		ctx, cancel := mk(oddEnd{base})
+		defer cancel(nil)
+		bcancel()
+		synctest.Wait() // the standard library's goroutine that watches the parent
+		return observe(ctx, false)
+	}},
+	{"the parent ends with an error of another kind while Done is watched", func(mk withCancel) observed {
+		base, bcancel := context.WithCancel(valued())
+		ctx, cancel := mk(oddEnd{base})
+		defer cancel(nil)
+		go func() { time.Sleep(time.Second); bcancel() }()
+		<-ctx.Done()
+		return observe(ctx, true)
 	}},
 	{"the parent's deadline passes", func(mk withCancel) observed {
 		parent, pcancel := context.WithTimeout(valued(), time.Second)
@@ -383,7 +417,7 @@ func TestClaimContextAsStdlib(t *testing.T) { asStdlib(t, cancelImpls, cancelSce
 // The Claim is found through the handler's context, and through contexts
 // derived from it, live or ended.
 func TestClaimContextValue(t *testing.T) {
-	c := newClaimContext(valued(), "k", "t", time.Hour, time.Time{}, nil, nil)
+	c := newClaimContext(valued(), "k", "t", time.Hour, time.Time{}, nil)
 	child, cancel := context.WithTimeout(context.WithValue(c, ctxKey{}, "child"), time.Hour)
 	defer cancel()
 	for _, ended := range []bool{false, true} {
@@ -407,7 +441,7 @@ func TestClaimContextValue(t *testing.T) {
 func TestClaimContextChildWithoutGoroutine(t *testing.T) {
 	parent, pcancel := context.WithCancel(context.Background())
 	defer pcancel()
-	c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
+	c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
 	defer c.end()
 	tctx := &cancelContext{parent: c, deadline: time.Now().Add(time.Hour)}
 	defer tctx.end()
@@ -442,7 +476,7 @@ func TestCancelContextCauseNow(t *testing.T) {
 				(*claimContext).causeNow,
 			} {
 				parent, pcancel := context.WithCancelCause(valued())
-				c := newClaimContext(parent, "k", "t", time.Hour, time.Now().Add(time.Second), nil, nil)
+				c := newClaimContext(parent, "k", "t", time.Hour, time.Now().Add(time.Second), nil)
 				tc.end(c, pcancel)
 				got[i] = cause(c)
 				c.end()
@@ -458,7 +492,7 @@ func TestCancelContextCauseNow(t *testing.T) {
 // channel, closed with the cause (run with -race).
 func TestClaimContextConcurrentCancel(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		c := newClaimContext(context.Background(), "k", "t", time.Hour, time.Time{}, nil, nil)
+		c := newClaimContext(context.Background(), "k", "t", time.Hour, time.Time{}, nil)
 		chans := make([]<-chan struct{}, 8)
 		var wg sync.WaitGroup
 		for i := range chans {
@@ -485,7 +519,7 @@ func TestClaimContextConcurrentCancel(t *testing.T) {
 func TestClaimContextAllocs(t *testing.T) {
 	parent := context.Background()
 	n := testing.AllocsPerRun(100, func() {
-		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, nil)
+		c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil)
 		_ = c.Err()
 		_, _ = c.Deadline()
 		_, _ = ClaimFrom(c)
@@ -522,92 +556,6 @@ func TestCancelContextAfterFuncStop(t *testing.T) {
 	})
 }
 
-// The contexts of one parentWatcher end with their parent, whether the
-// watcher watches it for them (one registration per parent, up to
-// maxWatchedParents) or they watch theirs themselves; each leaves the
-// watcher's lists at its end.
-func TestParentWatcher(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		var w parentWatcher
-		mk := func(parent context.Context) *cancelContext {
-			c := &cancelContext{parent: parent, shared: &sharedWatch{watcher: &w}}
-			_ = c.Done()
-			return c
-		}
-		watched := func(c *cancelContext) *watchedParent {
-			w.mu.Lock()
-			defer w.mu.Unlock()
-			return c.shared.watchedBy
-		}
-		p1, cancel1 := context.WithCancelCause(valued())
-		a, b := mk(p1), mk(context.WithValue(p1, ctxKey{}, "same Done"))
-		early := mk(p1)
-		early.end()
-		assert.NotNil(t, watched(a))
-		assert.Same(t, watched(a), watched(b), "one registration for one parent")
-		assert.Nil(t, watched(early), "an ended context")
-
-		// Up to maxWatchedParents parents are watched; a context under
-		// one more, while each watches for a context, watches for itself.
-		var others []*cancelContext
-		var cancels []context.CancelCauseFunc
-		for range maxWatchedParents {
-			p, cancel := context.WithCancelCause(valued())
-			others = append(others, mk(p))
-			cancels = append(cancels, cancel)
-		}
-		for i, c := range others[:maxWatchedParents-1] {
-			assert.NotNil(t, watched(c), "parent %d", i+2)
-		}
-		last := others[maxWatchedParents-1]
-		assert.Nil(t, watched(last), "a context under one parent too many")
-
-		// A parent whose contexts have all ended gives its place to a new
-		// one; its registration is stopped.
-		others[0].end()
-		q, cancelQ := context.WithCancelCause(valued())
-		reused := mk(q)
-		assert.NotNil(t, watched(reused), "a context under a new parent, in the place of one that watches for none")
-		cancels[0](errParentCause)
-		cancelQ(errOwnCause)
-		synctest.Wait()
-		assert.Equal(t, errOwnCause, context.Cause(reused))
-		others = others[1:]
-		cancels = cancels[1:]
-
-		cancel1(errParentCause)
-		synctest.Wait()
-		for name, c := range map[string]*cancelContext{"a": a, "b": b} {
-			select {
-			case <-c.Done():
-			default:
-				t.Errorf("%s: Done open after the parent's cancellation", name)
-			}
-			assert.Equal(t, context.Canceled, c.Err(), name)
-			assert.Equal(t, errParentCause, context.Cause(c), name)
-			assert.Nil(t, watched(c), name)
-		}
-		for i, c := range others {
-			assert.NoError(t, c.Err(), "a context under parent %d", i+3)
-		}
-		// p1's place is free: the next new parent takes it.
-		p, cancel := context.WithCancelCause(valued())
-		next := mk(p)
-		assert.NotNil(t, watched(next))
-		cancel(errOwnCause)
-		for _, cancel := range cancels {
-			cancel(errOwnCause)
-		}
-		synctest.Wait()
-		for i, c := range append(others, next) {
-			assert.Equal(t, errOwnCause, context.Cause(c), "context %d", i)
-		}
-		w.mu.Lock()
-		assert.Empty(t, w.parents, "parents left watched")
-		w.mu.Unlock()
-	})
-}
-
 // Contexts whose parent ends, whose deadline passes and which are ended,
 // all at once, while contexts are derived from them and callbacks
 // registered and stopped, all end once, with one of those errors, and
@@ -622,9 +570,9 @@ func TestCancelContextConcurrentEnds(t *testing.T) {
 		for i := range ctxs {
 			// Deadlines from 15 ms to 960 ms; the parent ends at 500 ms.
 			// Half of them are served by one deadlineQueue.
-			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), shared: &sharedWatch{watcher: &w}}
+			c := &cancelContext{parent: parent, deadline: time.Now().Add(time.Duration(i+1) * 15 * time.Millisecond), shared: &sharedWatch{by: &watchers{parents: &w}}}
 			if i%4 < 2 {
-				c.shared.deadlines = q
+				c.shared.by.deadlines = q
 			}
 			ctxs[i] = c
 			wg.Go(func() { <-c.Done() })
@@ -707,7 +655,7 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 			if i%5 == 0 {
 				parent = live(context.Background())
 			}
-			cs[i] = &cancelContext{parent: parent, deadline: time.Now().Add(time.Hour), shared: &sharedWatch{watcher: &w, deadlines: q}}
+			cs[i] = &cancelContext{parent: parent, deadline: time.Now().Add(time.Hour), shared: &sharedWatch{by: &watchers{parents: &w, deadlines: q}}}
 			_ = cs[i].Done()
 			if i%7 == 0 {
 				time.Sleep(time.Millisecond) // deadlines apart, in order
@@ -738,105 +686,4 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 			assert.False(t, c.shared.deadlineLinks.queued || c.shared.watchedBy != nil, "a context still queued or listed")
 		}
 	})
-}
-
-// valueless is a context that passes on its parent's end but none of its
-// values: the context package, which finds its own contexts through
-// Value, does not know its Done channel, and watches it with a goroutine.
-type valueless struct{ context.Context }
-
-func (valueless) Value(any) any { return nil }
-
-// embedded passes on everything of its parent.
-type embedded struct{ context.Context }
-
-// watchesWithoutGoroutine says of each kind of parent what
-// context.AfterFunc does with it: whether it starts a goroutine.
-func TestWatchesWithoutGoroutine(t *testing.T) {
-	parent, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	timed, cancelTimed := context.WithTimeout(context.Background(), time.Hour)
-	defer cancelTimed()
-	own := &cancelContext{parent: parent}
-	defer own.end()
-	for _, tc := range []struct {
-		name   string
-		parent context.Context
-		want   bool
-	}{
-		{"WithCancel", parent, true},
-		{"WithTimeout", timed, true},
-		{"WithValue of WithCancel", context.WithValue(parent, ctxKey{}, 1), true},
-		{"a type that embeds WithCancel", embedded{parent}, true},
-		{"a cancelContext (an AfterFunc method)", own, true},
-		{"a type whose Value hides WithCancel's", valueless{parent}, false},
-		{"WithValue of that type", context.WithValue(valueless{parent}, ctxKey{}, 1), false},
-	} {
-		assert.Equal(t, tc.want, watchesWithoutGoroutine(tc.parent), tc.name)
-		// And context.AfterFunc agrees.
-		before := goleak.IgnoreCurrent()
-		stop := context.AfterFunc(tc.parent, func() {})
-		started := goleak.Find(before) != nil
-		stop()
-		assert.Equal(t, tc.want, !started, "%s: context.AfterFunc started no goroutine", tc.name)
-	}
-}
-
-// A parentWatcher keeps the registration of a parent that costs no
-// goroutine while the parent lives, and reuses it, allocating nothing;
-// that of a parent that costs a goroutine ends, goroutine and all, when
-// its last context ends, and is made again for the next. Contexts made
-// after it ended still end with their parent.
-func TestParentWatcherRegistrations(t *testing.T) {
-	for _, tc := range []struct {
-		name      string
-		parent    func(context.Context) context.Context
-		transient bool
-	}{
-		{"WithCancel", func(ctx context.Context) context.Context { return ctx }, false},
-		{"a parent the context package does not know", func(ctx context.Context) context.Context { return valueless{ctx} }, true},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			synctest.Test(t, func(t *testing.T) {
-				var w parentWatcher
-				base, cancel := context.WithCancelCause(context.Background())
-				parent := tc.parent(base)
-				mk := func() *claimContext {
-					c := newClaimContext(parent, "k", "t", time.Hour, time.Time{}, nil, &w)
-					c.watch(time.Time{})
-					return c
-				}
-				registered := func() int {
-					w.mu.Lock()
-					defer w.mu.Unlock()
-					return len(w.parents)
-				}
-				before := goleak.IgnoreCurrent()
-				for range 3 {
-					a, b := mk(), mk()
-					assert.Equal(t, 1, registered(), "while contexts are watched for")
-					a.end()
-					assert.Equal(t, 1, registered(), "while one context is watched for")
-					b.end()
-					synctest.Wait()
-					if tc.transient {
-						assert.Zero(t, registered(), "once none is")
-						assert.NoError(t, goleak.Find(before), "once none is")
-					} else {
-						assert.Equal(t, 1, registered(), "once none is")
-					}
-				}
-				if !tc.transient {
-					n := testing.AllocsPerRun(100, func() { mk().end() })
-					assert.LessOrEqual(t, n, 1.0, "allocations per watched context (itself)")
-				}
-				live := mk()
-				cancel(errParentCause)
-				synctest.Wait()
-				assert.Equal(t, context.Canceled, live.Err())
-				assert.Equal(t, context.Cause(parent), context.Cause(live))
-				assert.Zero(t, registered(), "once the parent has ended")
-			})
-		})
-	}
 }

@@ -155,8 +155,7 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	}
 	cfg.renewer = newRenewer(s, cfg.lease)
 	cfg.orphans = new(orphans)
-	cfg.parents = new(parentWatcher)
-	cfg.deadlines = newDeadlineQueue()
+	cfg.watchers = &watchers{parents: new(parentWatcher), deadlines: newDeadlineQueue()}
 	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		h := &dedup{dedupConfig: cfg, next: next}
@@ -183,9 +182,10 @@ type dedupConfig struct {
 	failOpen    bool
 	observe     func(context.Context, DedupEvent)
 	renewer     *renewer
-	orphans     *orphans       // shared by the handlers this Dedup wraps
-	parents     *parentWatcher // of the handlers' contexts; shared, too
-	deadlines   *deadlineQueue // of the handlers' contexts, given a Timeout's deadline
+	orphans     *orphans // shared by the handlers this Dedup wraps
+	// watchers watch the parents of the handlers' contexts, and their
+	// deadlines, given a Timeout's; shared, too.
+	watchers *watchers
 }
 
 type dedup struct {
@@ -318,8 +318,8 @@ func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, d
 		now = time.Now()
 		deadline = now.Add(h.timed.d)
 	}
-	cc := newClaimContext(ctx, key, "", h.retention, deadline, h.deadlines, h.parents)
-	cc.keyed = down
+	cc := newClaimContext(ctx, key, "", h.retention, deadline, h.watchers)
+	cc.handDown(down)
 	cc.watch(now)
 	defer cc.end()
 	ran, err := h.claiming.HandleClaiming(cc, d, h.store, key, h.lease, h.retention)
@@ -369,11 +369,11 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	if h.timed != nil {
 		deadline = now.Add(h.timed.d)
 	}
-	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.deadlines, h.parents)
-	cc.keyed = down
+	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.watchers)
+	cc.handDown(down)
 	cc.watch(now)
 	defer cc.end()
-	l := h.renewer.start(ctx, key, token, start, now, cc)
+	l := h.renewer.start(start, now, cc)
 
 	finished := false
 	defer func() {

@@ -137,14 +137,15 @@ func (k *keying) of(ctx context.Context, d *amqp.Delivery) (string, error) {
 // It also returns the key that the layer hands down to the layers beneath
 // (down.by is nil if they find it in ctx already).
 func (k *keying) resolve(ctx context.Context, d *amqp.Delivery, above keyed) (key string, down keyed, err error) {
-	c := &above
+	c := above
 	if above.by == nil {
-		if c = keyedFrom(ctx, d); c == nil {
+		var ok bool
+		if c, ok = keyedFrom(ctx, d); !ok {
 			down = k.made(d)
 			return down.key, down, down.err
 		}
 	}
-	if err := k.check(c, d); err != nil {
+	if err := k.check(&c, d); err != nil {
 		return "", keyed{}, err
 	}
 	return c.key, above, c.err
@@ -154,8 +155,8 @@ func (k *keying) resolve(ctx context.Context, d *amqp.Delivery, above keyed) (ke
 // beneath it: its own, or none (by is nil) if a layer above made one, in
 // ctx, or an error wrapping ErrKeyMismatch if that key is not k's.
 func (k *keying) handDown(ctx context.Context, d *amqp.Delivery) (keyed, error) {
-	if c := keyedFrom(ctx, d); c != nil {
-		return keyed{}, k.check(c, d)
+	if c, ok := keyedFrom(ctx, d); ok {
+		return keyed{}, k.check(&c, d)
 	}
 	return k.made(d), nil
 }
@@ -212,13 +213,22 @@ func (c *keyedContext) Value(key any) any {
 }
 
 // keyedFrom returns the key that a layer above made for d and handed down
-// in ctx, if any. A key made for another delivery (by a handler that runs
-// a chain of its own for another message, in its context) is not d's.
-func keyedFrom(ctx context.Context, d *amqp.Delivery) *keyed {
-	if c, ok := ctx.Value(keyedKey{}).(*keyed); ok && c.d == d {
-		return c
+// in ctx, and false if there is none. A key made for another delivery (by
+// a handler that runs a chain of its own for another message, in its
+// context) is not d's. ctx answers the key of keyedKey with a *keyed, or
+// with the *claimContext of a Dedup, which keeps the key it hands down in
+// its claim rather than in a keyed of its own.
+func keyedFrom(ctx context.Context, d *amqp.Delivery) (keyed, bool) {
+	var c keyed
+	switch v := ctx.Value(keyedKey{}).(type) {
+	case *keyed:
+		c = *v
+	case *claimContext:
+		c = v.handedDown()
+	default:
+		return keyed{}, false
 	}
-	return nil
+	return c, c.d == d
 }
 
 // A keyedHandler takes the key that a layer above made for d as an

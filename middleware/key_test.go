@@ -111,6 +111,17 @@ func TestKeys(t *testing.T) {
 			wantText: `middleware: keyed layers disagree on a message's key: Keys makes "billing:m1"; the Retry above it made "m1"`,
 		},
 		{
+			name:        "Keys beneath Dedup, which made the key",
+			layers:      []layer{dedup, keys(ns("billing")), retry},
+			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,
+			wantText: `middleware: keyed layers disagree on a message's key: Keys makes "billing:m1"; the Dedup above it made "m1"`,
+		},
+		{
+			name:        "Retry beneath Dedup, which made the key",
+			layers:      []layer{dedup, own, retry},
+			wantOutcome: rabbitmw.Delay, wantClaim: "m1", wantFailed: "m1",
+		},
+		{
 			name:        "Keys beneath Keys, another namespace",
 			layers:      []layer{keys(ns("billing")), own, keys(ns("shipping")), retry, dedup},
 			wantOutcome: rabbitmw.DeadLetter, wantIs: middleware.ErrKeyMismatch,

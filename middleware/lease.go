@@ -43,22 +43,31 @@ type renewer struct {
 
 // A claimLease is the renewal state of one claim.
 type claimLease struct {
-	key, token string
-	// ctx is the delivery's context. A renewal runs outside the call
-	// chain, on the timer's goroutine, and uses it (without its
-	// cancellation) to pass the delivery's values to the store.
-	ctx     context.Context
-	handler *claimContext // the handler's context, cancelled if the claim is lost
+	// handler is the handler's context, cancelled if the claim is lost.
+	// It holds the claim's key and token, and its parent is the
+	// delivery's context: a renewal runs outside the call chain, on the
+	// timer's goroutine, and uses that (without its cancellation) to pass
+	// the delivery's values to the store. Those fields never change.
+	handler *claimContext
 
 	// Guarded by renewer.mu.
-	timerLinks[claimLease]           // due: the next renewal
-	stopped                bool      // the delivery has ended
-	renewing               bool      // a renewal is in flight; it owns l once stopped
-	lost                   error     // set when the store said the claim is gone
-	validUntil             time.Time // the end of the lease as of the last renewal
+	timerLinks[claimLease]
+	renewAt    time.Time // when it is due for renewal, while queued
+	stopped    bool      // the delivery has ended
+	renewing   bool      // a renewal is in flight; it owns l once stopped
+	lost       error     // set when the store said the claim is gone
+	validUntil time.Time // the end of the lease as of the last renewal
 }
 
 func (l *claimLease) links() *timerLinks[claimLease] { return &l.timerLinks }
+func (l *claimLease) due() time.Time                 { return l.renewAt }
+
+// queue queues l for its renewal at the given time; now is the current
+// time. r.mu must be held.
+func (r *renewer) queue(l *claimLease, at, now time.Time) {
+	l.renewAt = at
+	r.claims.push(l, now)
+}
 
 func newRenewer(s store.Store, lease time.Duration) *renewer {
 	r := &renewer{store: s, lease: lease, every: lease / 3}
@@ -67,20 +76,21 @@ func newRenewer(s store.Store, lease time.Duration) *renewer {
 	return r
 }
 
-// start queues the claim of key by token, taken at claimedAt, for renewal
-// every lease/3 until stop; now is the current time. The handler's context
+// start queues the claim of hctx (its key by its token, under its
+// parent, the delivery's context), taken at claimedAt, for renewal every
+// lease/3 until stop; now is the current time. The handler's context
 // hctx is cancelled, with the cause, when a renewal finds the claim lost,
 // and when the lease may end within an interval with no renewal to extend
 // it (the last failed, or has not returned): the claim is then probably
 // lost, though the store cannot say, and the handler gets the rest of the
 // lease to stop.
-func (r *renewer) start(ctx context.Context, key, token string, claimedAt, now time.Time, hctx *claimContext) *claimLease {
+func (r *renewer) start(claimedAt, now time.Time, hctx *claimContext) *claimLease {
 	l := r.pool.Get().(*claimLease)
-	l.key, l.token, l.ctx, l.handler = key, token, ctx, hctx
+	l.handler = hctx
 	r.mu.Lock()
 	l.stopped, l.renewing, l.lost = false, false, nil
 	l.validUntil = claimedAt.Add(r.lease)
-	r.claims.push(l, claimedAt.Add(r.every), now)
+	r.queue(l, claimedAt.Add(r.every), now)
 	r.mu.Unlock()
 	return l
 }
@@ -107,7 +117,7 @@ func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time) {
 // recycle returns l to the pool. Nothing may refer to l any more: it is
 // stopped, not queued, and no renewal of it is in flight.
 func (r *renewer) recycle(l *claimLease) {
-	l.key, l.token, l.ctx, l.handler, l.lost = "", "", nil, nil, nil
+	l.handler, l.lost = nil, nil
 	r.pool.Put(l)
 }
 
@@ -136,17 +146,17 @@ func (r *renewer) fire() {
 				// (see renew), or the claim took that long: the lease may
 				// end before this one returns. It still may extend the
 				// claim, for a handler slow to stop.
-				expired = append(expired, expiry{l.key, l.handler, true})
+				expired = append(expired, expiry{l.handler.claim.key, l.handler, true})
 			}
 			l.renewing = true
 			go r.renew(l)
-			r.claims.push(l, now.Add(r.every), now)
+			r.queue(l, now.Add(r.every), now)
 		case r.mayEnd(l, now):
 			// The renewal started an interval ago has not returned, and
 			// may not before the lease ends. l is not queued again.
-			expired = append(expired, expiry{l.key, l.handler, false})
+			expired = append(expired, expiry{l.handler.claim.key, l.handler, false})
 		default:
-			r.claims.push(l, now.Add(r.every), now)
+			r.queue(l, now.Add(r.every), now)
 		}
 	}
 	r.claims.rearm(now)
@@ -170,9 +180,10 @@ func (r *renewer) mayEnd(l *claimLease, now time.Time) bool {
 // lost, or if the renewal failed and the lease may end before the next. If
 // the delivery ended meanwhile, it only recycles l.
 func (r *renewer) renew(l *claimLease) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(l.ctx), r.every)
+	c := &l.handler.claim
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(l.handler.parent), r.every)
 	at := time.Now()
-	err := r.store.Extend(ctx, l.key, l.token, r.lease)
+	err := r.store.Extend(ctx, c.key, c.token, r.lease)
 	cancel()
 
 	r.mu.Lock()
@@ -191,21 +202,21 @@ func (r *renewer) renew(l *claimLease) {
 			// renewal came back after all. Go on renewing: a handler that
 			// is slow to stop keeps its claim for as long as it runs.
 			now := time.Now()
-			r.claims.push(l, now.Add(r.every), now)
+			r.queue(l, now.Add(r.every), now)
 		}
 	case errors.Is(err, store.ErrLostClaim):
-		l.lost = fmt.Errorf("%w: %s was taken over or deleted while the handler ran: %w", ErrLeaseLost, text.QuoteKey(l.key), err)
+		l.lost = fmt.Errorf("%w: %s was taken over or deleted while the handler ran: %w", ErrLeaseLost, text.QuoteKey(c.key), err)
 		cause = l.lost
 	case r.mayEnd(l, time.Now()):
-		cause = fmt.Errorf("%w: the lease on %s could not be renewed before it ends: %w", ErrStoreUnavailable, text.QuoteKey(l.key), err)
+		cause = fmt.Errorf("%w: the lease on %s could not be renewed before it ends: %w", ErrStoreUnavailable, text.QuoteKey(c.key), err)
 	}
 	if cause != nil && l.queued {
 		r.claims.unlink(l)
 	}
-	handler, ctx, key := l.handler, l.ctx, l.key
+	handler := l.handler
 	r.mu.Unlock()
 	if err == nil {
-		notify(r.observe, ctx, DedupLeaseRenewed, key, nil)
+		notify(r.observe, handler.parent, DedupLeaseRenewed, c.key, nil)
 	}
 	if cause != nil {
 		handler.cancel(cause)

@@ -30,24 +30,27 @@ type timerList[T any, P timerItem[T]] struct {
 type timerLinks[T any] struct {
 	prev, next *T
 	queued     bool
-	due        time.Time // while queued
 }
 
-// timerItem is a pointer to an item of a timerList.
+// timerItem is a pointer to an item of a timerList. Its due time is the
+// item's own (a context's deadline is one), which must not change while
+// it is queued.
 type timerItem[T any] interface {
 	*T
 	links() *timerLinks[T]
+	due() time.Time
 }
 
-// push queues x, due at the given time, and arms the timer if x becomes
-// the head. now is the current time, as the caller has just read it with
+// push queues x, due at its due time, and arms the timer if x becomes the
+// head. now is the current time, as the caller has just read it with
 // time.Now (a caller that needs the time anyway saves the list a read of
 // the clock, which is not cheap on every machine).
-func (q *timerList[T, P]) push(x *T, due, now time.Time) {
+func (q *timerList[T, P]) push(x *T, now time.Time) {
 	l := P(x).links()
-	l.due, l.queued = due, true
+	l.queued = true
+	due := P(x).due()
 	after := q.tail
-	for after != nil && P(after).links().due.After(due) {
+	for after != nil && P(after).due().After(due) {
 		after = P(after).links().prev
 	}
 	l.prev = after
@@ -89,7 +92,7 @@ func (q *timerList[T, P]) unlink(x *T) {
 
 // due returns the head if it is due at now, else nil.
 func (q *timerList[T, P]) due(now time.Time) *T {
-	if q.head != nil && !P(q.head).links().due.After(now) {
+	if q.head != nil && !P(q.head).due().After(now) {
 		return q.head
 	}
 	return nil
@@ -100,7 +103,7 @@ func (q *timerList[T, P]) due(now time.Time) *T {
 // its callback arms it again (rearm) for the head of the list then. The
 // list must not be empty; now is the time just read by time.Now.
 func (q *timerList[T, P]) arm(now time.Time) {
-	due := P(q.head).links().due
+	due := P(q.head).due()
 	if bubbled := inBubble(now); bubbled || q.bubbled {
 		// The timer armed may be another bubble's, ended, or one that
 		// this goroutine must not touch: a new one, whatever is armed.

@@ -120,12 +120,14 @@ const (
 	opEvalShaRO
 	opDel
 	opSet
+	opCmd // a command built by the caller: see Batcher.process
 )
 
-// A batchCall is one caller's command. wake is closed once, under
-// Batcher.mu: when the call's result is in cmd, del or status (written
-// before), or, with lead set, when its caller is to send the next
-// pipeline.
+// A batchCall is one caller's command. wake is sent one token, under
+// Batcher.mu: when the call's result is in cmd, del, status or ready
+// (written before), or, with lead set, when its caller is to send the next
+// pipeline. Its buffer of one lets the token be sent to a caller that left
+// (its context ended), which takes no more tokens.
 type batchCall struct {
 	ctx    context.Context
 	op     batchOp
@@ -135,11 +137,32 @@ type batchCall struct {
 	value  any           // opSet's value, with keys[0] its key
 	set    redis.SetArgs // opSet's options
 	wake   chan struct{}
-	lead   bool // set with wake closed: the caller sends the next pipeline
+	lead   bool // set with wake's token: the caller sends the next pipeline
 
 	cmd    *redis.Cmd
 	del    *redis.IntCmd
 	status *redis.StatusCmd
+	ready  redis.Cmder // opCmd's
+}
+
+// calls holds the batchCalls of calls that are over, for new calls to
+// use: a call, with its channel, is then no allocation.
+var calls = sync.Pool{New: func() any { return &batchCall{wake: make(chan struct{}, 1)} }}
+
+// newCall returns a batchCall for a call of op under ctx, its wake empty.
+func newCall(ctx context.Context, op batchOp) *batchCall {
+	c := calls.Get().(*batchCall)
+	c.ctx, c.op = ctx, op
+	return c
+}
+
+// free puts c back for another call. Only a call for which do returned nil
+// is freed, once its results are read: no other goroutine holds it then,
+// and its wake is empty. One that do left with an error may still be in a
+// pipeline whose sender will write to it and send it the token.
+func (c *batchCall) free() {
+	*c = batchCall{wake: c.wake}
+	calls.Put(c)
 }
 
 // Eval implements [redis.Scripter], batched.
@@ -174,34 +197,59 @@ func (b *Batcher) ScriptLoad(ctx context.Context, script string) *redis.StringCm
 
 // Del deletes keys, batched.
 func (b *Batcher) Del(ctx context.Context, keys ...string) *redis.IntCmd {
-	c := &batchCall{ctx: ctx, op: opDel, keys: keys}
+	c := newCall(ctx, opDel)
+	c.keys = keys
 	if err := b.do(c); err != nil {
 		cmd := redis.NewIntCmd(ctx, "del")
 		cmd.SetErr(err)
 		return cmd
 	}
-	return c.del
+	cmd := c.del
+	c.free()
+	return cmd
 }
 
 // SetArgs sets key to value with the options a, batched.
 func (b *Batcher) SetArgs(ctx context.Context, key string, value any, a redis.SetArgs) *redis.StatusCmd {
-	c := &batchCall{ctx: ctx, op: opSet, keys: []string{key}, value: value, set: a}
+	c := newCall(ctx, opSet)
+	c.keys, c.value, c.set = []string{key}, value, a
 	if err := b.do(c); err != nil {
 		cmd := redis.NewStatusCmd(ctx, "set", key)
 		cmd.SetErr(err)
 		return cmd
 	}
-	return c.status
+	cmd := c.status
+	c.free()
+	return cmd
+}
+
+// process sends cmd, a command built by the caller, in a pipeline with the
+// other calls, as the methods do theirs: a store's own calls build their
+// commands in fewer allocations than go-redis's generic methods. It
+// returns a non-nil error, the context's, only when ctx ended before cmd's
+// result came; cmd is then not to be touched (its pipeline may still write
+// its result).
+func (b *Batcher) process(ctx context.Context, cmd redis.Cmder) error {
+	c := newCall(ctx, opCmd)
+	c.ready = cmd
+	err := b.do(c)
+	if err == nil {
+		c.free()
+	}
+	return err
 }
 
 func (b *Batcher) script(ctx context.Context, op batchOp, script string, keys []string, args []any) *redis.Cmd {
-	c := &batchCall{ctx: ctx, op: op, script: script, keys: keys, args: args}
+	c := newCall(ctx, op)
+	c.script, c.keys, c.args = script, keys, args
 	if err := b.do(c); err != nil {
 		cmd := redis.NewCmd(ctx)
 		cmd.SetErr(err)
 		return cmd
 	}
-	return c.cmd
+	cmd := c.cmd
+	c.free()
+	return cmd
 }
 
 // do runs c, in a pipeline that c's caller sends if nothing is in
@@ -223,22 +271,28 @@ func (b *Batcher) do(c *batchCall) error {
 		b.done(batch[1:])
 		return nil
 	}
-	c.wake = make(chan struct{})
 	b.queue = append(b.queue, c)
 	b.mu.Unlock()
 
+	woken := false
 	select {
 	case <-c.wake:
+		woken = true
 	case <-c.ctx.Done():
 	}
 	b.mu.Lock()
-	select {
-	case <-c.wake:
-		if !c.lead {
-			b.mu.Unlock()
-			return nil // the result came
+	if !woken {
+		select {
+		case <-c.wake:
+			woken = true
+		default:
 		}
-	default:
+	}
+	switch {
+	case woken && !c.lead:
+		b.mu.Unlock()
+		return nil // the result came
+	case !woken:
 		// Still queued, or taken into a pipeline whose sender has it.
 		if i := slices.Index(b.queue, c); i >= 0 {
 			b.queue = slices.Delete(b.queue, i, i+1)
@@ -305,7 +359,7 @@ func (b *Batcher) done(others []*batchCall) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for _, o := range others {
-		close(o.wake)
+		o.wake <- struct{}{}
 	}
 	b.handOff()
 }
@@ -319,7 +373,7 @@ func (b *Batcher) handOff() {
 	}
 	c := b.queue[0]
 	c.lead = true
-	close(c.wake)
+	c.wake <- struct{}{}
 }
 
 // batchContext returns the context a pipeline of batch runs under: the
@@ -361,6 +415,8 @@ func (b *Batcher) send(ctx context.Context, batch []*batchCall) {
 			c.del = pipe.Del(ctx, c.keys...)
 		case opSet:
 			c.status = pipe.SetArgs(ctx, c.keys[0], c.value, c.set)
+		case opCmd:
+			_ = pipe.Process(ctx, c.ready)
 		}
 	}
 	// Exec's error is the first command's error; each command holds its own.

@@ -537,3 +537,67 @@ func TestBatcherWokenSenderYieldsToReadyCallers(t *testing.T) {
 	}
 	t.Errorf("pipeline sizes %v; want [4 8 4] (the first calls of four, then every call ready, then the rest)", sizes)
 }
+
+// A store's own commands, which it builds for its batcher, leave as the
+// batcher's methods' do when the caller's context ends: queued, never sent;
+// in flight, at once, with the context's error, the pipeline going on for
+// the others.
+func TestStoreContextEnds(t *testing.T) {
+	calls := []struct {
+		name string
+		call func(s *redisstore.Store, ctx context.Context, key string) error
+	}{
+		{"Claim", func(s *redisstore.Store, ctx context.Context, key string) error {
+			_, err := s.Claim(ctx, key, "tok", time.Minute)
+			return err
+		}},
+		{"Complete", func(s *redisstore.Store, ctx context.Context, key string) error {
+			return s.Complete(ctx, key, "tok", time.Minute)
+		}},
+	}
+	for _, c := range calls {
+		for _, inFlight := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/in flight %v", c.name, inFlight), func(t *testing.T) {
+				gc, m, g := gatedClient(t)
+				s := redisstore.New(gc, redisstore.Options{})
+				bg := context.Background()
+				require.NoError(t, s.Load(bg))
+				var wg sync.WaitGroup
+				wg.Go(func() { s.ResetFailures(bg, "x") })
+				<-g.held
+
+				// The other call first: the oldest sends the next pipeline,
+				// and returns when it does.
+				wg.Go(func() { s.Claim(bg, "kept", "tok", time.Minute) })
+				waitQueued(t, s.Batcher(), 1)
+				ctx, cancel := context.WithCancel(bg)
+				var leftErr error
+				var left sync.WaitGroup
+				left.Go(func() { leftErr = c.call(s, ctx, "left") })
+				waitQueued(t, s.Batcher(), 2)
+				if inFlight {
+					g.open <- struct{}{}
+					<-g.held // the second pipeline, holding both, is in flight
+				}
+				cancel()
+				left.Wait()
+				assert.ErrorIs(t, leftErr, context.Canceled, "%s after its context ended", c.name)
+				g.open <- struct{}{}
+				if !inFlight {
+					<-g.held
+					g.open <- struct{}{}
+				}
+				wg.Wait()
+				assert.True(t, m.Exists("msg:kept"), "the other call's claim")
+				want := []int{1, 1}
+				if inFlight {
+					want = []int{1, 2}
+				}
+				assert.Equal(t, want, g.Sizes(), "pipeline sizes")
+				if !inFlight && c.name == "Claim" {
+					assert.False(t, m.Exists("msg:left"), "the claim that left while queued")
+				}
+			})
+		}
+	}
+}

@@ -97,10 +97,13 @@ type Options struct {
 // cancels a handler whose lease may end on the clock, not on the store's
 // answer), but every store call of a delivery is bounded by it.
 type Store struct {
-	client               Client // Load and Inspect's
-	cmds                 Client // the state changes': client or a Batcher over it
+	client               Client   // Load and Inspect's
+	cmds                 Client   // the state changes': client or a Batcher over it
+	batcher              *Batcher // cmds, if it is a Batcher: see Store.set and Store.run
 	claimPre, failurePre string
-	abandoned            int64 // the abandoned retention, in milliseconds
+	abandoned            int64  // the abandoned retention, in milliseconds
+	keep                 any    // the same, formatted: an argument of the owner-checked scripts
+	claimVal             string // claimTag, keep and a colon: the value of a claim but its token
 
 	// noSetGet is set once Redis refused SET NX GET (before 7.0): every
 	// Claim then runs claimScript alone.
@@ -136,12 +139,17 @@ func New(client Client, opts Options) *Store {
 	if abandoned <= 0 {
 		abandoned = store.DefaultAbandonedRetention
 	}
+	keep := strconv.FormatInt(millis(abandoned), 10)
+	b, _ := cmds.(*Batcher)
 	return &Store{
 		client:     client,
 		cmds:       cmds,
+		batcher:    b,
 		claimPre:   opts.Prefix + claimPre,
 		failurePre: opts.Prefix + failurePre,
 		abandoned:  millis(abandoned),
+		keep:       keep,
+		claimVal:   claimTag + keep + ":",
 	}
 }
 
@@ -169,20 +177,43 @@ const claimTag = "rabbitmw:claim:"
 // 1 when the token owned the key, else 0; fail returns the new count.
 //
 // The owner-checked scripts begin with ownedLua, which sets keep to the
-// abandoned retention of the claim in KEYS[1] (ARGV[1] the token) if that
-// token owns it: the value is ours, its token is ARGV[1], and its lease has
-// not ended. Milliseconds are formatted with %d: Lua would print a large
-// number in exponent notation, which PX and PEXPIRE refuse.
+// abandoned retention of the claim in KEYS[1] if the token owns it: the
+// value is ours, its token is the caller's, and its lease has not ended.
+// ARGV[1] is the value of the caller's claim as a store with the caller's
+// settings writes it, ARGV[2] that store's abandoned retention (the number
+// in ARGV[1]): a key that holds ARGV[1], the common case, is compared, not
+// parsed; any other value (a claim made with another retention, a mark that
+// is no claim of ours) is parsed, and its token compared with the caller's,
+// which ends ARGV[1] (after the tag, the retention and a colon). Milliseconds are formatted with %d: Lua would print a
+// large number in exponent notation, which PX and PEXPIRE refuse.
 const ownedLua = `
 local v = redis.call('GET', KEYS[1])
-local keep, token
-if v then
-  keep, token = string.match(v, '^rabbitmw:claim:(%d+):(.*)$')
+local keep = ARGV[2]
+if v ~= ARGV[1] then
+  local token
+  if v then
+    keep, token = string.match(v, '^rabbitmw:claim:(%d+):(.*)$')
+  end
+  if token ~= string.sub(ARGV[1], #'rabbitmw:claim:' + #ARGV[2] + 2) then
+    return 0
+  end
 end
-if token ~= ARGV[1] or redis.call('PTTL', KEYS[1]) <= tonumber(keep) then
+if redis.call('PTTL', KEYS[1]) <= tonumber(keep) then
   return 0
 end
 `
+
+// A script is a Lua script with its SHA1 made an argument once, not at
+// each EVALSHA.
+type script struct {
+	*redis.Script
+	sha any
+}
+
+func newScript(src string) script {
+	s := redis.NewScript(src)
+	return script{s, s.Hash()}
+}
 
 var (
 	// ARGV: the claim's value, its PX (lease plus abandoned retention),
@@ -190,7 +221,7 @@ var (
 	// returns a store.Status's number: 1 claimed, 2 processing, 3 done,
 	// 4 abandoned. A key that holds the claim's own value is claimed: see
 	// Store.Claim.
-	claimScript = redis.NewScript(`
+	claimScript = newScript(`
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return 1
 end
@@ -214,22 +245,22 @@ if redis.call('PTTL', KEYS[1]) == -1 then
 end
 return 2`)
 
-	// ARGV: the token, the lease.
-	extendScript = redis.NewScript(ownedLua + `
-redis.call('PEXPIRE', KEYS[1], string.format('%d', tonumber(ARGV[2]) + tonumber(keep)))
+	// ARGV: ownedLua's, the lease.
+	extendScript = newScript(ownedLua + `
+redis.call('PEXPIRE', KEYS[1], string.format('%d', tonumber(ARGV[3]) + tonumber(keep)))
 return 1`)
 
-	// ARGV: the token, the retention of the done mark.
-	completeScript = redis.NewScript(ownedLua + `
-redis.call('SET', KEYS[1], 'done', 'PX', ARGV[2])
+	// ARGV: ownedLua's, the retention of the done mark.
+	completeScript = newScript(ownedLua + `
+redis.call('SET', KEYS[1], 'done', 'PX', ARGV[3])
 return 1`)
 
-	// ARGV: the token.
-	releaseScript = redis.NewScript(ownedLua + `
+	// ARGV: ownedLua's.
+	releaseScript = newScript(ownedLua + `
 redis.call('DEL', KEYS[1])
 return 1`)
 
-	failScript = redis.NewScript(`
+	failScript = newScript(`
 local n = redis.call('INCR', KEYS[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return n`)
@@ -243,7 +274,7 @@ return n`)
 // Calling it at start-up also makes a consumer fail fast when Redis cannot
 // be reached.
 func (r *Store) Load(ctx context.Context) error {
-	for _, s := range []*redis.Script{claimScript, extendScript, completeScript, releaseScript, failScript} {
+	for _, s := range []script{claimScript, extendScript, completeScript, releaseScript, failScript} {
 		if err := s.Load(ctx, r.client).Err(); err != nil {
 			return fmt.Errorf("redisstore: load scripts: %w", err)
 		}
@@ -265,11 +296,10 @@ func (r *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 	if err := ctx.Err(); err != nil {
 		return 0, r.fail("claim", key, err)
 	}
-	k, ms := r.claimPre+key, millis(lease)
-	value := claimTag + strconv.FormatInt(r.abandoned, 10) + ":" + token
-	px := time.Duration(ms+r.abandoned) * time.Millisecond
+	k, value := r.claim(key, token)
+	ms := millis(lease)
 	if !r.noSetGet.Load() {
-		old, err := r.cmds.SetArgs(ctx, k, value, redis.SetArgs{Mode: "NX", TTL: px, Get: true}).Result()
+		old, err := r.set(ctx, k, value, ms+r.abandoned)
 		switch {
 		case errors.Is(err, redis.Nil):
 			return store.Claimed, nil
@@ -304,23 +334,51 @@ func isSyntaxError(err error) bool {
 	return errors.As(err, &re) && strings.HasPrefix(re.Error(), "ERR syntax error")
 }
 
+// claim returns the key of key's claim and the value of token's claim of
+// it, made in one allocation.
+func (r *Store) claim(key, token string) (k, value string) {
+	kv := r.claimPre + key + r.claimVal + token
+	n := len(r.claimPre) + len(key)
+	return kv[:n], kv[n:]
+}
+
+// set sets k to value, to expire in px milliseconds, if k is absent (SET
+// NX PX GET), and returns the value k had: redis.Nil if none.
+func (r *Store) set(ctx context.Context, k, value string, px int64) (string, error) {
+	if r.batcher == nil {
+		return r.cmds.SetArgs(ctx, k, value, redis.SetArgs{Mode: "NX", TTL: time.Duration(px) * time.Millisecond, Get: true}).Result()
+	}
+	cmd := redis.NewStatusCmd(ctx, "set", k, value, "px", px, "nx", "get")
+	if err := r.batcher.process(ctx, cmd); err != nil {
+		return "", err
+	}
+	return cmd.Result()
+}
+
 // Extend implements [store.Store].
 func (r *Store) Extend(ctx context.Context, key, token string, lease time.Duration) error {
-	return r.owned(ctx, "extend", extendScript, key, token, millis(lease))
+	k, value := r.claim(key, token)
+	n, err := r.run(ctx, extendScript, k, value, r.keep, millis(lease))
+	return r.owned("extend", key, n, err)
 }
 
 // Complete implements [store.Store].
 func (r *Store) Complete(ctx context.Context, key, token string, retention time.Duration) error {
-	return r.owned(ctx, "complete", completeScript, key, token, millis(retention))
+	k, value := r.claim(key, token)
+	n, err := r.run(ctx, completeScript, k, value, r.keep, millis(retention))
+	return r.owned("complete", key, n, err)
 }
 
 // Release implements [store.Store].
 func (r *Store) Release(ctx context.Context, key, token string) error {
-	return r.owned(ctx, "release", releaseScript, key, token)
+	k, value := r.claim(key, token)
+	n, err := r.run(ctx, releaseScript, k, value, r.keep)
+	return r.owned("release", key, n, err)
 }
 
-func (r *Store) owned(ctx context.Context, op string, s *redis.Script, key, token string, args ...any) error {
-	n, err := r.run(ctx, s, r.claimPre+key, append([]any{token}, args...)...)
+// owned returns the error of an owner-checked script on key, whose result
+// was n, err.
+func (r *Store) owned(op, key string, n int64, err error) error {
 	if err != nil {
 		return r.fail(op, key, err)
 	}
@@ -350,14 +408,29 @@ func (r *Store) ResetFailures(ctx context.Context, key string) error {
 	return nil
 }
 
-// run runs s on the single key k. A done context fails at once, whatever
+// run runs s on the single key k, as s.Run does: EVALSHA, then EVAL if
+// Redis does not have the script. A done context fails at once, whatever
 // the client would do with it (go-redis's autopipeliner, for one, still
-// sends the command).
-func (r *Store) run(ctx context.Context, s *redis.Script, k string, args ...any) (int64, error) {
+// sends the command). The EVALSHA's arguments are one slice, whose tail is
+// args.
+func (r *Store) run(ctx context.Context, s script, k string, args ...any) (int64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
 	}
-	return s.Run(ctx, r.cmds, []string{k}, args...).Int64()
+	argv := append(make([]any, 0, 4+len(args)), "evalsha", s.sha, 1, k)
+	argv = append(argv, args...)
+	if r.batcher == nil {
+		return s.Run(ctx, r.cmds, []string{k}, argv[4:]...).Int64()
+	}
+	cmd := redis.NewCmd(ctx, argv...)
+	cmd.SetFirstKeyPos(3)
+	if err := r.batcher.process(ctx, cmd); err != nil {
+		return 0, err
+	}
+	if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		return s.Eval(ctx, r.cmds, []string{k}, argv[4:]...).Int64()
+	}
+	return cmd.Int64()
 }
 
 func (r *Store) fail(op, key string, err error) error {

@@ -571,3 +571,111 @@ func TestClaimResentAfterItsAnswerWasLost(t *testing.T) {
 		})
 	}
 }
+
+// The owner check of Extend, Complete and Release, against the values a
+// key can hold: claims written by this store, by a store with another
+// abandoned retention (or an older version: the format is the same), and
+// marks that are no claim of ours. On miniredis and on a real Redis, whose
+// Lua differ.
+func TestOwnerCheck(t *testing.T) {
+	const day, minute = 86_400_000, 60_000 // ms: the default retention, another one
+	claim := func(keep int, token string) string { return fmt.Sprintf("rabbitmw:claim:%d:%s", keep, token) }
+	cases := []struct {
+		name  string
+		value string // "" for an absent key
+		pttl  int    // ms; 0 for none
+		token string
+		owned bool
+	}{
+		{"its own claim", claim(day, "tok"), day + minute, "tok", true},
+		{"a claim with another retention", claim(minute, "tok"), 2 * minute, "tok", true},
+		{"its lease ended", claim(day, "tok"), day - 1000, "tok", false},
+		{"another retention, its lease ended", claim(minute, "tok"), minute - 1000, "tok", false},
+		{"another token", claim(day, "tik"), day + minute, "tok", false},
+		{"another retention, another token", claim(minute, "tik"), 2 * minute, "tok", false},
+		{"a token with colons", claim(day, "a:b"), day + minute, "a:b", true},
+		{"a token with colons, another retention", claim(minute, "a:b"), 2 * minute, "a:b", true},
+		{"the end of a token with colons", claim(day, "a:b"), day + minute, "b", false},
+		{"the retention and token of another", claim(day, "a:b"), day + minute, "86400000:a:b", false},
+		{"a token ending another", claim(day, "xtok"), day + minute, "tok", false},
+		{"a token beginning another", claim(day, "tok"), day + minute, "to", false},
+		{"no retention", "rabbitmw:claim::tok", day + minute, "tok", false},
+		{"done", "done", day, "tok", false},
+		{"a hand-written mark", "processing", day, "processing", false},
+		{"a hand-written mark without expiry", "processing", 0, "processing", false},
+		{"absent", "", 0, "tok", false},
+	}
+	servers := []struct {
+		name   string
+		client func(t *testing.T) *redis.Client
+	}{
+		{"miniredis", func(t *testing.T) *redis.Client { _, c := newMiniredis(t); return c }},
+		{"redis", func(t *testing.T) *redis.Client {
+			c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t)})
+			t.Cleanup(func() { c.Close() })
+			return c
+		}},
+	}
+	ops := []struct {
+		name string
+		call func(s *redisstore.Store, key, token string) error
+		// after is the key's value after the call by its owner
+		after string
+	}{
+		{"Complete", func(s *redisstore.Store, key, token string) error {
+			return s.Complete(context.Background(), key, token, time.Hour)
+		}, "done"},
+		{"Extend", func(s *redisstore.Store, key, token string) error {
+			return s.Extend(context.Background(), key, token, time.Hour)
+		}, "unchanged"},
+		{"Release", func(s *redisstore.Store, key, token string) error {
+			return s.Release(context.Background(), key, token)
+		}, ""},
+	}
+	for _, srv := range servers {
+		t.Run(srv.name, func(t *testing.T) {
+			c := srv.client(t)
+			ctx := context.Background()
+			prefix := "rabbitmw-test-owner-" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
+			s := redisstore.New(c, redisstore.Options{Prefix: prefix})
+			for _, op := range ops {
+				for i, tc := range cases {
+					key := op.name + strconv.Itoa(i)
+					k := prefix + "msg:" + key
+					if tc.value != "" {
+						require.NoError(t, c.Set(ctx, k, tc.value, time.Duration(tc.pttl)*time.Millisecond).Err())
+						t.Cleanup(func() { c.Del(context.Background(), k) })
+					}
+					err := op.call(s, key, tc.token)
+					got, gerr := c.Get(ctx, k).Result()
+					if errors.Is(gerr, redis.Nil) {
+						got = ""
+					} else {
+						require.NoError(t, gerr)
+					}
+					if !tc.owned {
+						assert.ErrorIs(t, err, store.ErrLostClaim, "%s of %s by %q", op.name, tc.name, tc.token)
+						assert.Equal(t, tc.value, got, "%s of %s by %q: the key's value after", op.name, tc.name, tc.token)
+						continue
+					}
+					assert.NoError(t, err, "%s of %s by %q", op.name, tc.name, tc.token)
+					want := op.after
+					if want == "unchanged" {
+						want = tc.value
+					}
+					assert.Equal(t, want, got, "%s of %s by %q: the key's value after", op.name, tc.name, tc.token)
+					if op.name == "Extend" {
+						// The new lease, and the claim's own retention after it.
+						keep, _, _ := strings.Cut(strings.TrimPrefix(tc.value, "rabbitmw:claim:"), ":")
+						ms, err := strconv.Atoi(keep)
+						require.NoError(t, err)
+						pttl, err := c.PTTL(ctx, k).Result()
+						require.NoError(t, err)
+						assert.True(t, near(pttl, time.Hour+time.Duration(ms)*time.Millisecond),
+							"Extend of %s: PTTL %v; want an hour and %d ms", tc.name, pttl, ms)
+					}
+				}
+			}
+		})
+	}
+}
