@@ -53,17 +53,65 @@ type cancelContext struct {
 	shared *sharedWatch
 
 	mu    sync.Mutex
-	err   error // nil while live
-	cause error // with err
+	cause error // why it ended, once it has (see ended)
 	done  chan struct{}
 	// What the watch holds, released at the end.
 	stopParent func() bool
 	timer      *time.Timer
-	funcs      *ctxFunc        // the callbacks of AfterFunc, a list
-	ended      context.Context // the standard library's context for the ended state, once asked for
+	funcs      *ctxFunc // the callbacks of AfterFunc, a list
+	// rare holds what few ends need, made only for them (see endState).
+	rare *endState
 
-	detached bool // the parent gives its values only
-	watched  bool // the parent's end and the deadline are being watched
+	ended    endKind // its error: live until it ends
+	detached bool    // the parent gives its values only
+	watched  bool    // the parent's end and the deadline are being watched
+}
+
+// An endKind is a cancelContext's error, in a byte rather than the two
+// words of an error: its end is nearly always context.Canceled or
+// context.DeadlineExceeded.
+type endKind uint8
+
+const (
+	live endKind = iota
+	endCanceled
+	endDeadline
+	endOther // a parent's error of another kind (see endState)
+)
+
+// An endState holds what a cancelContext needs of its end only rarely,
+// in an allocation of its own made only then, so that every context is
+// the smaller: an error that is neither context.Canceled nor
+// context.DeadlineExceeded (a parent's, outside the context contract),
+// and the standard library's context built for the ended state, once
+// Value is asked for.
+type endState struct {
+	err error
+	std context.Context
+}
+
+// endOf returns the endKind of err, the error of an end.
+func endOf(err error) endKind {
+	switch err {
+	case context.Canceled:
+		return endCanceled
+	case context.DeadlineExceeded:
+		return endDeadline
+	}
+	return endOther
+}
+
+// err returns c's error: nil while it is live. c.mu must be held.
+func (c *cancelContext) err() error {
+	switch c.ended {
+	case endCanceled:
+		return context.Canceled
+	case endDeadline:
+		return context.DeadlineExceeded
+	case endOther:
+		return c.rare.err
+	}
+	return nil
 }
 
 // A sharedWatch is what a cancelContext needs to be watched with its
@@ -140,8 +188,8 @@ func (c *cancelContext) Deadline() (time.Time, bool) {
 // Err implements context.Context.
 func (c *cancelContext) Err() error {
 	c.mu.Lock()
-	if c.err != nil {
-		err := c.err
+	if c.ended != live {
+		err := c.err()
 		c.mu.Unlock()
 		return err
 	}
@@ -150,7 +198,7 @@ func (c *cancelContext) Err() error {
 		c.mu.Unlock()
 		return nil
 	}
-	c.finish(c.endLocked(err, cause))
+	c.finish(c.endLocked(endOf(err), err, cause))
 	return err
 }
 
@@ -159,13 +207,13 @@ func (c *cancelContext) Err() error {
 // reads c's Value (which asks c's parents) and then its Err.
 func (c *cancelContext) causeNow() error {
 	c.mu.Lock()
-	if c.err == nil {
+	if c.ended == live {
 		err, cause := c.check()
 		if err == nil {
 			c.mu.Unlock()
 			return nil
 		}
-		c.finish(c.endLocked(err, cause))
+		c.finish(c.endLocked(endOf(err), err, cause))
 		c.mu.Lock()
 	}
 	cause := c.cause
@@ -206,7 +254,7 @@ func (c *cancelContext) Done() <-chan struct{} {
 	c.mu.Lock()
 	if c.done == nil {
 		c.done = make(chan struct{})
-		if c.err != nil {
+		if c.ended != live {
 			close(c.done)
 		}
 	}
@@ -225,7 +273,7 @@ func (c *cancelContext) Done() <-chan struct{} {
 // standard library's contexts cancel their children.
 func (c *cancelContext) AfterFunc(f func()) (stop func() bool) {
 	c.mu.Lock()
-	if c.err != nil {
+	if c.ended != live {
 		c.mu.Unlock()
 		go f()
 		return func() bool { return false }
@@ -266,7 +314,7 @@ func (c *cancelContext) watch(now time.Time) {
 // c.mu, which must be held. now is the time just read by time.Now, or
 // zero to have finishWatch read it if it needs it.
 func (c *cancelContext) finishWatch(now time.Time) {
-	if c.err != nil || c.watched {
+	if c.ended != live || c.watched {
 		c.mu.Unlock()
 		return
 	}
@@ -281,7 +329,7 @@ func (c *cancelContext) finishWatch(now time.Time) {
 		}
 	}
 	if err != nil {
-		c.finish(c.endLocked(err, cause))
+		c.finish(c.endLocked(endOf(err), err, cause))
 		return
 	}
 	c.watched = true
@@ -305,24 +353,29 @@ func (c *cancelContext) finishWatch(now time.Time) {
 }
 
 // expire ends c at its deadline.
-func (c *cancelContext) expire() { c.stop(context.DeadlineExceeded, context.DeadlineExceeded) }
+func (c *cancelContext) expire() {
+	c.stopAs(endDeadline, context.DeadlineExceeded, context.DeadlineExceeded)
+}
 
 // Value implements context.Context.
 func (c *cancelContext) Value(key any) any {
 	c.mu.Lock()
-	if c.err == nil {
+	if c.ended == live {
 		err, cause := c.check()
 		if err == nil {
 			c.mu.Unlock()
 			return c.parent.Value(key)
 		}
-		c.finish(c.endLocked(err, cause))
+		c.finish(c.endLocked(endOf(err), err, cause))
 		c.mu.Lock()
 	}
-	if c.ended == nil {
-		c.ended = endedContext(c.parent, c.err, c.cause)
+	if c.rare == nil {
+		c.rare = new(endState)
 	}
-	ended := c.ended
+	if c.rare.std == nil {
+		c.rare.std = endedContext(c.parent, c.err(), c.cause)
+	}
+	ended := c.rare.std
 	c.mu.Unlock()
 	return ended.Value(key)
 }
@@ -358,7 +411,7 @@ func (c *cancelContext) cancel(cause error) {
 	if cause == nil {
 		cause = context.Canceled
 	}
-	c.stop(context.Canceled, cause)
+	c.stopAs(endCanceled, context.Canceled, cause)
 }
 
 // end is the CancelFunc of c: cancel with context.Canceled. A context
@@ -368,16 +421,20 @@ func (c *cancelContext) end() { c.cancel(nil) }
 
 // stop ends c with err and cause unless it has ended already (seen or
 // not).
-func (c *cancelContext) stop(err, cause error) {
+func (c *cancelContext) stop(err, cause error) { c.stopAs(endOf(err), err, cause) }
+
+// stopAs is stop, given the endKind of err, which saves cancel and expire
+// the comparisons of endOf.
+func (c *cancelContext) stopAs(kind endKind, err, cause error) {
 	c.mu.Lock()
-	if c.err != nil {
+	if c.ended != live {
 		c.mu.Unlock()
 		return
 	}
 	if e, ca := c.check(); e != nil {
-		err, cause = e, ca // it had ended, unseen
+		kind, err, cause = endOf(e), e, ca // it had ended, unseen
 	}
-	c.finish(c.endLocked(err, cause))
+	c.finish(c.endLocked(kind, err, cause))
 }
 
 // An ending is what [cancelContext.endLocked] leaves to do once c.mu is
@@ -390,10 +447,14 @@ type ending struct {
 	funcs      *ctxFunc
 }
 
-// endLocked ends c, live, with err and cause: it closes the done channel,
-// and hands over what is left to do without the lock. c.mu must be held.
-func (c *cancelContext) endLocked(err, cause error) ending {
-	c.err, c.cause = err, cause
+// endLocked ends c, live, with err, of the given kind, and cause: it
+// closes the done channel, and hands over what is left to do without the
+// lock. c.mu must be held.
+func (c *cancelContext) endLocked(kind endKind, err, cause error) ending {
+	c.ended, c.cause = kind, cause
+	if kind == endOther {
+		c.rare = &endState{err: err}
+	}
 	if c.done != nil {
 		close(c.done)
 	}

@@ -255,6 +255,24 @@ var cancelImpls = map[string]withCancel{
 
 var errOwnCause = errors.New("the context's own cause")
 
+// oddEnd is a parent that ends as its parent does, but with an error of
+// its own, errOddEnd, outside the context contract: a context derived
+// from it passes that error on as it is. Like valueless, it hides its
+// parent's values, so that the context package watches it with a
+// goroutine, and asks its Err.
+type oddEnd struct{ context.Context }
+
+var errOddEnd = errors.New("an end of another kind")
+
+func (oddEnd) Value(any) any { return nil }
+
+func (c oddEnd) Err() error {
+	if c.Context.Err() != nil {
+		return errOddEnd
+	}
+	return nil
+}
+
 // The scenarios, each run on both implementations inside a synctest
 // bubble: claimContext must be seen exactly as context.WithCancelCause.
 var cancelScenarios = []scenario[withCancel]{
@@ -312,6 +330,22 @@ var cancelScenarios = []scenario[withCancel]{
 		ctx, cancel := mk(parent)
 		defer cancel(nil)
 		return observe(ctx, false)
+	}},
+	{"the parent ends with an error of another kind", func(mk withCancel) observed {
+		base, bcancel := context.WithCancel(valued())
+		ctx, cancel := mk(oddEnd{base})
+		defer cancel(nil)
+		bcancel()
+		synctest.Wait() // the standard library's goroutine that watches the parent
+		return observe(ctx, false)
+	}},
+	{"the parent ends with an error of another kind while Done is watched", func(mk withCancel) observed {
+		base, bcancel := context.WithCancel(valued())
+		ctx, cancel := mk(oddEnd{base})
+		defer cancel(nil)
+		go func() { time.Sleep(time.Second); bcancel() }()
+		<-ctx.Done()
+		return observe(ctx, true)
 	}},
 	{"the parent's deadline passes", func(mk withCancel) observed {
 		parent, pcancel := context.WithTimeout(valued(), time.Second)

@@ -236,7 +236,12 @@ func (n *Node) awaitOrFail() {
 func (n *Node) await() error {
 	deadline := time.Now().Add(startTimeout)
 	for {
-		_, err := n.ctl(10*time.Second, "await_startup", "--timeout", "10")
+		// An attempt may take until the deadline: rabbitmqctl starts an
+		// Erlang VM of its own, which takes seconds (9 s for one that
+		// failed at once, on a machine under a load of 9), so that
+		// attempts cut at a bound of their own can all fail while the
+		// node is up.
+		_, err := n.ctl(time.Until(deadline), "await_startup", "--timeout", "10")
 		if err == nil {
 			return nil
 		}
