@@ -168,6 +168,24 @@ func observe(ctx context.Context, watch bool) observed {
 
 func TestDeadlineContextAsStdlib(t *testing.T) { asStdlib(t, deadlineImpls, deadlineScenarios) }
 
+// detachedImpls make a detached context with a deadline, as settling
+// makes for the store calls that record an attempt: the standard
+// library's context.WithDeadline(context.WithoutCancel(parent), d), or
+// our own.
+var detachedImpls = map[string]withDeadline{
+	"stdlib": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
+		return context.WithDeadline(context.WithoutCancel(parent), d)
+	},
+	"own": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
+		c := &cancelContext{parent: parent, deadline: d, detached: true}
+		return c, c.end
+	},
+}
+
+// A detached context is seen as the standard library's, whatever its
+// parent does.
+func TestDetachedContextAsStdlib(t *testing.T) { asStdlib(t, detachedImpls, deadlineScenarios) }
+
 // A scenario does something to a context made by mk, and says what it saw.
 type scenario[M any] struct {
 	name string

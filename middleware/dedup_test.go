@@ -1061,3 +1061,95 @@ func TestDedupOwnContextWatchComesAndGoes(t *testing.T) {
 		}
 	})
 }
+
+type msgIDKey struct{}
+
+// claimCheckingStore records which token claimed which key, and checks that
+// every renewal extends a key by the token that claimed it, in the context
+// of that key's delivery. Its renewals take a random time, some longer than
+// their delivery, so that a claim's pooled renewal state is reused while a
+// renewal of it is in flight.
+type claimCheckingStore struct {
+	store.Store
+	mu     sync.Mutex
+	rng    *rand.Rand
+	tokens map[string]string // token -> key
+	bad    []string
+}
+
+func (s *claimCheckingStore) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	s.mu.Lock()
+	s.tokens[token] = key
+	s.mu.Unlock()
+	return s.Store.Claim(ctx, key, token, lease)
+}
+
+func (s *claimCheckingStore) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	s.mu.Lock()
+	if s.tokens[token] != key {
+		s.bad = append(s.bad, fmt.Sprintf("Extend(%s) by the token of %s", key, s.tokens[token]))
+	}
+	if id := ctx.Value(msgIDKey{}); id != key {
+		s.bad = append(s.bad, fmt.Sprintf("Extend(%s) in the context of %v", key, id))
+	}
+	wait := time.Duration(s.rng.IntN(int(lease)))
+	s.mu.Unlock()
+	time.Sleep(wait)
+	return s.Store.Extend(ctx, key, token, lease)
+}
+
+// Renewals that outlive their deliveries, and pooled renewal state reused
+// meanwhile, never extend one delivery's claim with another's key, token or
+// context, nor report a renewal under another delivery's key or context.
+func TestDedupRenewalsKeepToTheirDelivery(t *testing.T) {
+	for seed := range 20 {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				const lease = 300 * time.Millisecond
+				rng := rand.New(rand.NewPCG(uint64(seed), 2))
+				s := &claimCheckingStore{Store: store.NewMemory(), rng: rand.New(rand.NewPCG(uint64(seed), 3)), tokens: map[string]string{}}
+				var mu sync.Mutex
+				var badEvents []string
+				observe := func(ctx context.Context, e middleware.DedupEvent) {
+					if id := ctx.Value(msgIDKey{}); id != e.Key {
+						mu.Lock()
+						badEvents = append(badEvents, fmt.Sprintf("event %v of %s in the context of %v", e.Kind, e.Key, id))
+						mu.Unlock()
+					}
+				}
+				waits := make([]time.Duration, 40)
+				for i := range waits {
+					waits[i] = time.Duration(rng.IntN(int(lease)))
+				}
+				h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, Observe: observe})(rabbitmw.HandlerFunc(
+					func(ctx context.Context, d *amqp.Delivery) error {
+						var i int
+						fmt.Sscanf(d.MessageId, "m%d", &i)
+						select {
+						case <-time.After(waits[i]):
+						case <-ctx.Done():
+						}
+						return nil
+					}))
+				var wg sync.WaitGroup
+				for c := range 4 {
+					wg.Go(func() {
+						for i := c; i < len(waits); i += 4 {
+							d, _ := deliverytest.New(fmt.Sprintf("m%d", i), "")
+							ctx := context.WithValue(context.Background(), msgIDKey{}, d.MessageId)
+							h.Handle(ctx, d)
+						}
+					})
+				}
+				wg.Wait()
+				time.Sleep(2 * lease) // the renewals still in flight return
+				s.mu.Lock()
+				assert.Empty(t, s.bad)
+				s.mu.Unlock()
+				mu.Lock()
+				assert.Empty(t, badEvents)
+				mu.Unlock()
+			})
+		})
+	}
+}
