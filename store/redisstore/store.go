@@ -411,24 +411,24 @@ func (r *Store) ResetFailures(ctx context.Context, key string) error {
 // run runs s on the single key k, as s.Run does: EVALSHA, then EVAL if
 // Redis does not have the script. A done context fails at once, whatever
 // the client would do with it (go-redis's autopipeliner, for one, still
-// sends the command). The EVALSHA's arguments are one slice, whose tail is
-// args.
+// sends the command). Over the Batcher, the EVALSHA is built with its
+// arguments in one slice; over any other client, s.Run builds it.
 func (r *Store) run(ctx context.Context, s script, k string, args ...any) (int64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
 	}
+	if r.batcher == nil {
+		return s.Run(ctx, r.cmds, []string{k}, args...).Int64()
+	}
 	argv := append(make([]any, 0, 4+len(args)), "evalsha", s.sha, 1, k)
 	argv = append(argv, args...)
-	if r.batcher == nil {
-		return s.Run(ctx, r.cmds, []string{k}, argv[4:]...).Int64()
-	}
 	cmd := redis.NewCmd(ctx, argv...)
 	cmd.SetFirstKeyPos(3)
 	if err := r.batcher.process(ctx, cmd); err != nil {
 		return 0, err
 	}
 	if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-		return s.Eval(ctx, r.cmds, []string{k}, argv[4:]...).Int64()
+		return s.Eval(ctx, r.cmds, []string{k}, args...).Int64()
 	}
 	return cmd.Int64()
 }
