@@ -371,3 +371,126 @@ func TestAckerGapKeepsBoundedState(t *testing.T) {
 	ch.check(t, n+1)
 	assert.Equal(t, 0, a.kept(), "entries kept once the gap is closed")
 }
+
+// A windowChannel is a modelChannel behind a server's prefetch window: it
+// delivers tags 1 to n on deliveries while fewer than prefetch are
+// unsettled, as RabbitMQ does, and records when each ack is asked for and
+// when it is sent.
+type windowChannel struct {
+	*modelChannel
+	prefetch   int
+	deliveries chan uint64
+	freed      chan struct{} // cap 1
+
+	mu       sync.Mutex
+	asked    map[uint64]time.Time // acks asked for, not sent yet
+	mostKept int                  // the most of them at once
+	latest   time.Duration        // the longest an ack waited
+}
+
+// newWindowChannel returns a windowChannel, and starts its goroutine,
+// which ends once it has delivered n.
+func newWindowChannel(n, prefetch int) *windowChannel {
+	w := &windowChannel{
+		modelChannel: newModelChannel(0),
+		prefetch:     prefetch,
+		deliveries:   make(chan uint64, prefetch),
+		freed:        make(chan struct{}, 1),
+		asked:        make(map[uint64]time.Time),
+	}
+	go func() {
+		defer close(w.deliveries)
+		for tag := uint64(1); tag <= uint64(n); {
+			w.modelChannel.mu.Lock()
+			full := len(w.unacked) >= w.prefetch
+			if !full {
+				w.unacked[tag] = true
+			}
+			w.modelChannel.mu.Unlock()
+			if full {
+				<-w.freed
+				continue
+			}
+			w.deliveries <- tag
+			tag++
+		}
+	}()
+	return w
+}
+
+// ask records that the ack of tag is asked for, now.
+func (w *windowChannel) ask(tag uint64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.asked[tag] = time.Now()
+	w.mostKept = max(w.mostKept, len(w.asked))
+}
+
+func (w *windowChannel) Ack(tag uint64, multiple bool) error {
+	w.mu.Lock()
+	for t, at := range w.asked {
+		if t == tag || (multiple && t < tag) {
+			w.latest = max(w.latest, time.Since(at))
+			delete(w.asked, t)
+		}
+	}
+	w.mu.Unlock()
+	err := w.modelChannel.Ack(tag, multiple)
+	select {
+	case w.freed <- struct{}{}:
+	default:
+	}
+	return err
+}
+
+// Handlers that take a few milliseconds, some much longer, and so finish
+// out of order (as over the PostgreSQL inbox, about 6 ms a message at 16
+// workers, where a strace of the consumer counted 0.78 ack frames a
+// message): the acks behind the gaps they leave are coalesced, well under
+// one frame per delivery; the acks kept never take all the deliveries the
+// window holds beyond the workers' (prefetch - workers), which would
+// leave a worker waiting for the server; and no ack waits longer than
+// maxHoldAck.
+func TestAckerSlowHandlersOutOfOrder(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const n, workers, prefetch = 4000, 16, 32
+		w := newWindowChannel(n, prefetch)
+		a := newAcker("q", prefetch, &Observer{}, slog.New(slog.DiscardHandler))
+		rng := rand.New(rand.NewPCG(1, 2))
+		took := make([]time.Duration, n+1) // 3 ms, and 3 ms more on average
+		for tag := range took {
+			took[tag] = 3*time.Millisecond + time.Duration(rng.ExpFloat64()*float64(3*time.Millisecond))
+		}
+		start := time.Now()
+		var wg sync.WaitGroup
+		for range workers {
+			wg.Go(func() {
+				for tag := range w.deliveries {
+					d := &amqp.Delivery{Acknowledger: w, DeliveryTag: tag}
+					a.adopt(d)
+					time.Sleep(took[tag])
+					w.ask(tag)
+					assert.NoError(t, ackLater(d), "ackLater")
+				}
+			})
+		}
+		wg.Wait()
+		a.close()
+		elapsed := time.Since(start)
+		w.check(t, n)
+		w.modelChannel.mu.Lock()
+		defer w.modelChannel.mu.Unlock()
+		perDelivery := float64(w.acks) / float64(w.acked)
+		t.Logf("%d deliveries in %v: %d ack frames, %.3f per delivery; at most %d acks kept; the longest wait %v",
+			n, elapsed, w.acks, perDelivery, w.mostKept, w.latest)
+		if perDelivery > 0.6 {
+			t.Errorf("%.3f ack frames per delivery; want at most 0.6", perDelivery)
+		}
+		if w.mostKept >= prefetch-workers {
+			t.Errorf("at most %d acks kept; want fewer than %d (prefetch - workers)", w.mostKept, prefetch-workers)
+		}
+		if w.latest > maxHoldAck {
+			t.Errorf("an ack waited %v; want at most %v (maxHoldAck)", w.latest, maxHoldAck)
+		}
+	})
+}
