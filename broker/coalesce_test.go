@@ -1,6 +1,7 @@
 package broker
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"math/rand/v2"
@@ -189,30 +190,67 @@ func TestHeldAcksAtTheTimeBound(t *testing.T) {
 }
 
 // At the budget (three quarters of the prefetch count beyond the workers:
-// 9 with 4 workers and a prefetch of 16), before the time bound, the
-// highest held ack goes alone, and only it; once the slow one is done,
-// its ack and those held go in one multiple ack, at once, for they are
-// as many as the budget again.
+// 9 with 4 workers and a prefetch of 16; 12 with the defaults, 16 workers
+// and a prefetch of 32, which Consume fills in before it makes the acker),
+// before the time bound, the highest held ack goes alone, and only it;
+// once the slow one is done, its ack and those held go in one multiple
+// ack, at once, for they are as many as the budget again.
 func TestHeldAcksAtTheBudget(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		f := setup(t, backends[0], Topology{})
-		budget := ackBudget(16, 4)
-		r, slow, _ := behindSlow(t, f, budget-1)
-		assert.Equal(t, budget, f.mem.Unacked(f.q), "unacked with budget-1 acks held")
-		assert.Equal(t, 0, f.mem.Stats().AckFrames, "ack frames with budget-1 acks held")
-		f.publish(fmt.Sprint("f", budget-1), nil, nil)
-		synctest.Wait()
-		assert.Equal(t, budget, f.mem.Unacked(f.q), "unacked with budget acks held")
-		assert.Equal(t, 1, f.mem.Stats().AckFrames, "ack frames with budget acks held")
-		slow.open()
-		synctest.Wait()
-		assert.Equal(t, 0, f.mem.Unacked(f.q), "unacked once the slow one is done")
-		s := f.mem.Stats()
-		assert.Equal(t, 2, s.AckFrames, "ack frames")
-		assert.Equal(t, budget+1, s.Acked, "deliveries acked")
-		require.NoError(t, r.stop(t), "Consume after cancel")
-		f.assertSettled(t)
-	})
+	for _, tt := range []struct {
+		name    string
+		opts    ConsumeOptions
+		workers int // as Consume makes them
+	}{
+		{"4 workers, prefetch 16", ConsumeOptions{Workers: 4, Prefetch: 16}, 4},
+		{"the defaults", ConsumeOptions{}, defaultWorkers},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				f := setup(t, backends[0], Topology{})
+				budget := ackBudget(cmp.Or(tt.opts.Prefetch, 2*tt.workers), tt.workers)
+				r, slow, _ := behindSlowWith(t, f, budget-1, tt.opts)
+				assert.Equal(t, budget, f.mem.Unacked(f.q), "unacked with budget-1 acks held")
+				assert.Equal(t, 0, f.mem.Stats().AckFrames, "ack frames with budget-1 acks held")
+				f.publish(fmt.Sprint("f", budget-1), nil, nil)
+				synctest.Wait()
+				assert.Equal(t, budget, f.mem.Unacked(f.q), "unacked with budget acks held")
+				assert.Equal(t, 1, f.mem.Stats().AckFrames, "ack frames with budget acks held")
+				slow.open()
+				synctest.Wait()
+				assert.Equal(t, 0, f.mem.Unacked(f.q), "unacked once the slow one is done")
+				s := f.mem.Stats()
+				assert.Equal(t, 2, s.AckFrames, "ack frames")
+				assert.Equal(t, budget+1, s.Acked, "deliveries acked")
+				require.NoError(t, r.stop(t), "Consume after cancel")
+				f.assertSettled(t)
+			})
+		})
+	}
+}
+
+// With a prefetch count at or below the workers, or one above them, no
+// ack is kept: each goes at once, alone behind a gap, without waiting for
+// the time bound.
+func TestAcksAtTheWorkersGoAtOnce(t *testing.T) {
+	for _, opts := range []ConsumeOptions{
+		{Workers: 4, Prefetch: 4}, {Workers: 8, Prefetch: 4}, {Workers: 4, Prefetch: 5}, {Workers: 1, Prefetch: 1},
+	} {
+		t.Run(fmt.Sprintf("workers=%d/prefetch=%d", opts.Workers, opts.Prefetch), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				f := setup(t, backends[0], Topology{})
+				fast := min(2, opts.Workers-1) // behind slow, in the other workers
+				r, slow, _ := behindSlowWith(t, f, fast, opts)
+				assert.Equal(t, 1, f.mem.Unacked(f.q), "unacked, the slow one's")
+				assert.Equal(t, fast, f.mem.Stats().AckFrames, "ack frames of the fast ones")
+				slow.open()
+				synctest.Wait()
+				assert.Equal(t, 0, f.mem.Unacked(f.q), "unacked once the slow one is done")
+				assert.Equal(t, fast+1, f.mem.Stats().AckFrames, "ack frames")
+				require.NoError(t, r.stop(t), "Consume after cancel")
+				f.assertSettled(t)
+			})
+		})
+	}
 }
 
 // A connection lost with acks held loses them: the server redelivers those
@@ -245,12 +283,17 @@ func TestConnectionLostWithHeldAcks(t *testing.T) {
 	})
 }
 
-// behindSlow consumes with 4 workers and a prefetch of 16, publishes
-// "slow", whose first delivery waits for the gate it returns, and then
-// fast messages f0, f1, ... whose handlers finish at once, so that their
-// acks are held behind slow's; it returns once all are in their handlers
-// or done.
+// behindSlow consumes with 4 workers and a prefetch of 16 (see
+// behindSlowWith).
 func behindSlow(t *testing.T, f *fixture, fast int) (*run, *gate, *journal) {
+	return behindSlowWith(t, f, fast, ConsumeOptions{Workers: 4, Prefetch: 16})
+}
+
+// behindSlowWith consumes with opts, publishes "slow", whose first
+// delivery waits for the gate it returns, and then fast messages f0, f1,
+// ... whose handlers finish at once, so that their acks are held behind
+// slow's; it returns once all are in their handlers or done.
+func behindSlowWith(t *testing.T, f *fixture, fast int, opts ConsumeOptions) (*run, *gate, *journal) {
 	slow := newGate(t)
 	j := newJournal()
 	r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
@@ -258,7 +301,7 @@ func behindSlow(t *testing.T, f *fixture, fast int) (*run, *gate, *journal) {
 			<-slow.ch
 		}
 		return nil
-	}), ConsumeOptions{Workers: 4, Prefetch: 16})
+	}), opts)
 	f.publish("slow", nil, nil)
 	synctest.Wait()
 	for i := range fast {
