@@ -65,6 +65,9 @@ type cancelContext struct {
 	ended    endKind // its error: live until it ends
 	detached bool    // the parent gives its values only
 	watched  bool    // the parent's end and the deadline are being watched
+	// byWatcher: the parent's end is watched by the parentWatcher, which
+	// must let c go at its end.
+	byWatcher bool
 }
 
 // An endKind is a cancelContext's error, in a byte rather than the two
@@ -333,13 +336,16 @@ func (c *cancelContext) finishWatch(now time.Time) {
 		return
 	}
 	c.watched = true
-	if !c.detached && c.parent.Done() != nil && !c.watcher().add(c) {
-		parent := c.parent
-		onEnd := func() { c.stop(parent.Err(), context.Cause(parent)) }
-		if p, ok := parent.(interface{ AfterFunc(func()) func() bool }); ok {
-			c.stopParent = p.AfterFunc(onEnd) // the parent ends c as it ends
-		} else {
-			c.stopParent = context.AfterFunc(parent, onEnd)
+	if !c.detached && c.parent.Done() != nil {
+		c.byWatcher = c.watcher().add(c)
+		if !c.byWatcher {
+			parent := c.parent
+			onEnd := func() { c.stop(parent.Err(), context.Cause(parent)) }
+			if p, ok := parent.(interface{ AfterFunc(func()) func() bool }); ok {
+				c.stopParent = p.AfterFunc(onEnd) // the parent ends c as it ends
+			} else {
+				c.stopParent = context.AfterFunc(parent, onEnd)
+			}
 		}
 	}
 	switch {
@@ -460,7 +466,13 @@ func (c *cancelContext) endLocked(kind endKind, err, cause error) ending {
 	}
 	e := ending{stopParent: c.stopParent, timer: c.timer, funcs: c.funcs}
 	if c.watched {
-		e.watcher, e.deadlines = c.watcher(), c.deadlines()
+		e.deadlines = c.deadlines()
+	}
+	if c.byWatcher {
+		// Not otherwise: the watcher's lock is taken for nothing by a
+		// context made under a parent that never ends, or that the
+		// watcher had no room for.
+		e.watcher = c.watcher()
 	}
 	c.stopParent, c.timer, c.funcs = nil, nil, nil
 	for n := e.funcs; n != nil; n = n.next {
