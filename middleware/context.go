@@ -205,22 +205,24 @@ func (c *cancelContext) Err() error {
 	return err
 }
 
-// causeNow returns what context.Cause(c) returns now: the cause of c's
-// end, or nil if c is live. It takes c.mu once, where context.Cause
-// reads c's Value (which asks c's parents) and then its Err.
-func (c *cancelContext) causeNow() error {
+// endCause ends c as [cancelContext.end] does, and returns what
+// context.Cause(c) returned just before: the cause of c's end, or nil if
+// c was live. It takes c.mu once, where context.Cause and end would take
+// it once each (and context.Cause would ask c's parents for a value
+// besides).
+func (c *cancelContext) endCause() error {
 	c.mu.Lock()
-	if c.ended == live {
-		err, cause := c.check()
-		if err == nil {
-			c.mu.Unlock()
-			return nil
-		}
-		c.finish(c.endLocked(endOf(err), err, cause))
-		c.mu.Lock()
+	if c.ended != live {
+		cause := c.cause
+		c.mu.Unlock()
+		return cause
 	}
-	cause := c.cause
-	c.mu.Unlock()
+	err, cause := c.check()
+	if err == nil {
+		c.finish(c.endLocked(endCanceled, context.Canceled, context.Canceled))
+		return nil
+	}
+	c.finish(c.endLocked(endOf(err), err, cause))
 	return cause
 }
 

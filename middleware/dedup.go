@@ -376,12 +376,12 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.watchers)
 	cc.handDown(down)
 	cc.watch(now)
-	defer cc.end()
 	l := h.renewer.start(start, now, cc)
 
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: release, and let the panic go on
+			defer cc.end()
 			_, validUntil := h.renewer.stop(l)
 			rctx := settling(ctx, atLeastASecond(validUntil))
 			h.store.Release(rctx, key, token)
@@ -395,9 +395,9 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 		a.err = h.next.Handle(cc, d)
 	}
 	finished = true
-	// Why the handler's context ended, if it did, before anything later
-	// can cancel it.
-	a.cause = cc.causeNow()
+	// Why the handler's context ended, if it did, as it ends now, before
+	// anything later can cancel it.
+	a.cause = cc.endCause()
 	a.lost, a.validUntil = h.renewer.stop(l)
 	a.marked = cc.claim.marked.Load()
 	return a
