@@ -133,6 +133,10 @@ type sharedWatch struct {
 	wprev, wnext *cancelContext
 	// Guarded by by.deadlines.mu: its place among the deadlines.
 	deadlineLinks timerLinks[cancelContext]
+	// byLease: its deadline is queued and taken out of the queue by
+	// the renewer of its claim's lease (see [renewer.start]), which holds
+	// the queue's lock then anyway, rather than by its watch and its end.
+	byLease bool
 }
 
 // watchers are what the contexts that one layer makes share to be
@@ -159,6 +163,10 @@ func (c *cancelContext) watcher() *parentWatcher {
 	}
 	return c.shared.by.parents
 }
+
+// byLease reports whether c's deadline is queued by its claim's lease
+// (see [sharedWatch]).
+func (c *cancelContext) byLease() bool { return c.shared != nil && c.shared.byLease }
 
 // deadlines returns the deadlineQueue that ends c at its deadline, or nil.
 func (c *cancelContext) deadlines() *deadlineQueue {
@@ -351,7 +359,7 @@ func (c *cancelContext) finishWatch(now time.Time) {
 		}
 	}
 	switch {
-	case c.deadline.IsZero():
+	case c.deadline.IsZero(), c.byLease():
 	case c.deadlines() != nil:
 		c.deadlines().add(c, now)
 	default:
@@ -467,7 +475,7 @@ func (c *cancelContext) endLocked(kind endKind, err, cause error) ending {
 		close(c.done)
 	}
 	e := ending{stopParent: c.stopParent, timer: c.timer, funcs: c.funcs}
-	if c.watched {
+	if c.watched && !c.byLease() {
 		e.deadlines = c.deadlines()
 	}
 	if c.byWatcher {
@@ -506,12 +514,14 @@ func (c *cancelContext) finish(e ending) {
 // otherwise arm one of its own (two allocations, and two updates of the
 // runtime's timers). A nil *deadlineQueue queues nothing.
 type deadlineQueue struct {
-	mu   sync.Mutex
+	mu   *sync.Mutex // shared with Dedup's renewer
 	list timerList[cancelContext, *cancelContext]
 }
 
-func newDeadlineQueue() *deadlineQueue {
-	q := new(deadlineQueue)
+// newDeadlineQueue returns an empty deadlineQueue guarded by mu, which
+// may guard other state too.
+func newDeadlineQueue(mu *sync.Mutex) *deadlineQueue {
+	q := &deadlineQueue{mu: mu}
 	q.list.fire = q.fire
 	return q
 }

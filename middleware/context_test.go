@@ -23,7 +23,7 @@ var deadlineImpls = map[string]withDeadline{
 		return c, c.end
 	},
 	"own, its deadline served by a deadlineQueue": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
-		c := &cancelContext{parent: parent, deadline: d, shared: &sharedWatch{by: &watchers{deadlines: newDeadlineQueue()}}}
+		c := &cancelContext{parent: parent, deadline: d, shared: &sharedWatch{by: &watchers{deadlines: newDeadlineQueue(new(sync.Mutex))}}}
 		return c, c.end
 	},
 }
@@ -589,7 +589,7 @@ func TestCancelContextAfterFuncStop(t *testing.T) {
 func TestCancelContextConcurrentEnds(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var w parentWatcher
-		q := newDeadlineQueue()
+		q := newDeadlineQueue(new(sync.Mutex))
 		parent, pcancel := context.WithCancelCause(context.Background())
 		var wg sync.WaitGroup
 		ctxs := make([]*cancelContext, 64)
@@ -658,7 +658,7 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const n = 5000
 		var w parentWatcher
-		q := newDeadlineQueue()
+		q := newDeadlineQueue(new(sync.Mutex))
 		// The parents are cancelled only once the test is over.
 		var cancels []context.CancelFunc
 		defer func() {

@@ -153,9 +153,10 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 		failOpen:    opts.FailOpen,
 		observe:     opts.Observe,
 	}
-	cfg.renewer = newRenewer(s, cfg.lease)
+	var deadlines *deadlineQueue
+	cfg.renewer, deadlines = newRenewer(s, cfg.lease)
 	cfg.orphans = new(orphans)
-	cfg.watchers = &watchers{parents: new(parentWatcher), deadlines: newDeadlineQueue()}
+	cfg.watchers = &watchers{parents: new(parentWatcher), deadlines: deadlines}
 	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		h := &dedup{dedupConfig: cfg, next: next}
@@ -375,6 +376,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	}
 	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.watchers)
 	cc.handDown(down)
+	cc.shared.byLease = true // its deadline is queued with its lease
 	cc.watch(now)
 	l := h.renewer.start(start, now, cc)
 
