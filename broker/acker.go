@@ -13,13 +13,16 @@ import (
 )
 
 const (
-	// maxPendingAcks bounds the acks an acker keeps for one frame (see
-	// acker); a quarter of the prefetch count if that is smaller, so that
-	// the acks kept (those of the run, and those held behind a gap) never
-	// take more than half the server's window.
+	// maxPendingAcks bounds the acks an acker keeps, whatever the
+	// window (see acker and ackBudget): one frame for 32 deliveries
+	// leaves little to save, and they are as many redeliveries when a
+	// session is lost.
 	maxPendingAcks = 32
-	// maxHoldAck bounds how long the first of them is kept.
-	maxHoldAck = 5 * time.Millisecond
+	// maxHoldAck bounds how long an ack is kept (see acker): a few times
+	// what a handler that writes to a database takes, so that the gaps
+	// such handlers leave mostly close before it, and short beside the
+	// redelivery a lost ack costs.
+	maxHoldAck = 10 * time.Millisecond
 )
 
 // An acker sends the acks of the deliveries of one session's consume
@@ -36,30 +39,53 @@ const (
 // ack after a confirmed copy, all of which are on the wire by then), and
 // only for an n that waits for its ack. A tag it was not told of (a
 // handler still running) is a gap: no multiple ack covers it, and the acks
-// done above it are held. A multiple ack cannot skip a gap (it would ack
-// the gap's delivery too); so when maxPendingAcks (or a quarter of the
-// prefetch count) are held, or the first has been held for maxHoldAck,
-// the acker acks each of them alone, and counts them as settled on their
-// own: a slow handler delays the acks of the others by at most
-// maxHoldAck.
+// done above it are held until it closes, or until they must go, and then
+// each goes alone, and counts as settled on its own.
 //
-// The acks of the run, below any gap, are kept until they are as many, or
-// the first has waited as long, and then sent in one frame. So an ack
-// waits at most maxHoldAck (a little more on a busy machine), and the
-// acks kept never take more than half the prefetch window. With a
-// prefetch count below 8, no ack is kept. A handler that never returns
-// leaves its gap open for the rest of the session (RabbitMQ's
-// consumer_timeout, 30 minutes by default, closes its channel): every ack
-// after it goes alone, up to maxHoldAck late. What the acker keeps of the
-// deliveries behind it does not grow with their number: the tags settled
-// are kept as ranges, split only by the deliveries still in their
-// handlers (at most the prefetch count) and the acks held.
+// What keeping an ack costs, and so when it goes, is this:
 //
-// Acks not sent yet when the session is lost are lost with it: the server
-// redelivers those deliveries, and Dedup takes them for duplicates, as
-// for an ack written just before a connection dies. close sends them
-// first: at a graceful shutdown, every ack is sent before the channel
-// closes, unless its write blocks (see closeWithin).
+//   - The server's window. A delivery whose ack is kept counts against
+//     the prefetch count as one in its handler does: the window holds the
+//     workers' deliveries and, beyond them, prefetch - workers more that
+//     wait for a worker. Acks kept take the place of those; were they all
+//     taken, a worker done would wait for the server to send it the next
+//     one. So the acks kept, those of the run below any gap and those
+//     held above one, are at most a budget: three quarters of the
+//     deliveries the window holds beyond the workers' (maxPendingAcks at
+//     most; none with a prefetch count at or below the workers, where
+//     every ack kept would keep a worker waiting). The last quarter is
+//     what the workers draw on while the acks sent make the server fill
+//     the window again. At the budget, the acker frees the window at the
+//     least cost in frames: the run first, in one multiple ack, then held
+//     acks alone, the highest first (those just above a gap are the
+//     likeliest to join a run when it closes), only as many as it takes
+//     to go below the budget. A gap longer than the budget's worth of
+//     handlers costs a frame for each ack done behind it after that, as
+//     an ack that was never kept does.
+//   - Time. An ack is sent at most maxHoldAck after its handler returned
+//     (a little more on a busy machine), alone if a gap below it is still
+//     open then. A run goes whole, in one frame, when its first is due;
+//     but each held ack has a bound of its own, so that one held just
+//     before the first is due stays, and may still join a run. So
+//     handlers that each take a few milliseconds and finish out of order
+//     (a handler that writes to a database) leave gaps that mostly close
+//     before the acks behind them must go; and a handler that never
+//     returns delays each later ack by up to maxHoldAck, and no more
+//     (RabbitMQ's consumer_timeout, 30 minutes by default, closes its
+//     channel). With few deliveries, each ack waits that long for others
+//     to join it.
+//   - Redeliveries. Acks not sent yet when the session is lost are lost
+//     with it: the server redelivers those deliveries, and Dedup takes
+//     them for duplicates, as for an ack written just before a connection
+//     dies. The budget bounds how many; the time bound does not add to
+//     them. close sends them first: at a graceful shutdown, every ack is
+//     sent before the channel closes, unless its write blocks (see
+//     closeWithin).
+//
+// What the acker keeps of the deliveries behind a gap does not grow with
+// their number: the tags settled are kept as ranges, split only by the
+// deliveries still in their handlers (at most the prefetch count) and the
+// acks held.
 //
 // The acker is the Acknowledger of the deliveries it adopted: their own
 // settlements (Nack, Reject, and Ack, one at a time) go through it to the
@@ -69,8 +95,9 @@ type acker struct {
 	queue string
 	obs   *Observer
 	log   *slog.Logger
-	// maxPending is the bound on the acks of the run, and on those held.
-	maxPending int
+	// budget is the bound on the acks kept, those of the run and those
+	// held.
+	budget int
 
 	wake  chan struct{} // cap 1
 	quit  chan struct{} // closed by close
@@ -82,50 +109,57 @@ type acker struct {
 	// next is the lowest tag whose result is not known. Every tag below
 	// it is settled, or has its ack in run.
 	next uint64
-	// The tags above next whose result is known: held, the acks held; own,
-	// those settled on their own (sent alone, nacked, rejected), as
-	// ranges in order, apart from one another. Between two ranges lies a
-	// tag whose result is not known (a delivery in its handler, of which
-	// the server's prefetch window bounds the number) or a held ack (at
-	// most about maxPending): so own stays small whatever the number of
-	// deliveries behind a handler that never returns.
-	held map[uint64]struct{}
+	// The tags above next whose result is known: held, the acks held,
+	// each with the time it was held; own, those settled on their own
+	// (sent alone, nacked, rejected), as ranges in order, apart from one
+	// another. Between two ranges lies a tag whose result is not known (a
+	// delivery in its handler, of which the server's prefetch window
+	// bounds the number) or a held ack (at most budget): so own stays
+	// small whatever the number of deliveries behind a handler that never
+	// returns.
+	held map[uint64]time.Time
 	own  []span
 	// run is the highest tag below next whose ack is not sent (0: none);
-	// runN is the number of acks a multiple ack of run sends, since
-	// runSince.
+	// runN is the number of acks a multiple ack of run sends, the first
+	// of them kept since runSince.
 	run      uint64
 	runN     int
 	runSince time.Time
-	// heldSince is when the first of held was held.
-	heldSince time.Time
 }
 
 // A span is the tags from lo to hi.
 type span struct{ lo, hi uint64 }
 
-// newAcker returns the acker of a session consuming with prefetch, and
-// starts its goroutine.
-func newAcker(queue string, prefetch int, obs *Observer, log *slog.Logger) *acker {
-	a := makeAcker(queue, prefetch, obs, log)
+// newAcker returns the acker of a session consuming with prefetch, its
+// deliveries handled by workers, and starts its goroutine.
+func newAcker(queue string, prefetch, workers int, obs *Observer, log *slog.Logger) *acker {
+	a := makeAcker(queue, prefetch, workers, obs, log)
 	go a.loop()
 	return a
 }
 
 // makeAcker returns an acker whose goroutine is not started: its acks are
 // sent by calls of flush.
-func makeAcker(queue string, prefetch int, obs *Observer, log *slog.Logger) *acker {
+func makeAcker(queue string, prefetch, workers int, obs *Observer, log *slog.Logger) *acker {
 	return &acker{
-		queue:      queue,
-		obs:        obs,
-		log:        log,
-		maxPending: max(1, min(maxPendingAcks, prefetch/4)),
-		wake:       make(chan struct{}, 1),
-		quit:       make(chan struct{}),
-		ended:      make(chan struct{}),
-		next:       1,
-		held:       make(map[uint64]struct{}),
+		queue:  queue,
+		obs:    obs,
+		log:    log,
+		budget: ackBudget(prefetch, workers),
+		wake:   make(chan struct{}, 1),
+		quit:   make(chan struct{}),
+		ended:  make(chan struct{}),
+		next:   1,
+		held:   make(map[uint64]time.Time),
 	}
+}
+
+// ackBudget returns the budget of the acks an acker keeps for a session
+// consuming with prefetch and workers (see acker): three quarters of the
+// deliveries the window holds beyond the workers', rounded down, at most
+// maxPendingAcks, and at least 1 (the acks go as soon as they come).
+func ackBudget(prefetch, workers int) int {
+	return max(1, min(maxPendingAcks, (prefetch-workers)*3/4))
 }
 
 // adopt makes a the Acknowledger of d, which came on a's channel.
@@ -206,25 +240,29 @@ func (a *acker) record(tag uint64, ack bool) {
 			a.settle(tag)
 			return
 		}
-		a.held[tag] = struct{}{}
-		if len(a.held) == 1 {
-			a.heldSince = time.Now()
-			a.signal() // to arm the timer, or send it
-		} else if len(a.held) == a.maxPending {
-			a.signal()
+		a.held[tag] = time.Now()
+		if len(a.held) == 1 || a.runN+len(a.held) == a.budget {
+			a.signal() // to arm the timer, or send them
 		}
 		return
 	}
 	// tag == a.next: the run grows over it and the results above it.
-	n, moved := a.runN, false
+	n := a.runN
 	if ack {
 		a.run, a.runN = tag, a.runN+1
 	}
+	if n == 0 && a.runN > 0 {
+		a.runSince = time.Now()
+	}
 	a.next++
 	for {
-		if _, ok := a.held[a.next]; ok {
+		if since, ok := a.held[a.next]; ok {
+			// A held ack keeps its age in the run.
 			delete(a.held, a.next)
-			a.run, a.runN, moved = a.next, a.runN+1, true
+			if a.runN == 0 || since.Before(a.runSince) {
+				a.runSince = since
+			}
+			a.run, a.runN = a.next, a.runN+1
 			a.next++
 			continue
 		}
@@ -235,15 +273,8 @@ func (a *acker) record(tag uint64, ack bool) {
 		}
 		break
 	}
-	if n == 0 && a.runN > 0 {
-		a.runSince = time.Now()
-	}
-	if moved && a.heldSince.Before(a.runSince) {
-		// Held acks keep their age in the run.
-		a.runSince = a.heldSince
-	}
-	if (n == 0 && a.runN > 0) || moved || (n < a.maxPending && a.runN >= a.maxPending) {
-		a.signal() // to send the run, or arm the timer for it
+	if (n == 0 && a.runN > 0) || (ack && a.runN+len(a.held) == a.budget) {
+		a.signal() // to arm the timer for the run, or send it
 	}
 }
 
@@ -311,35 +342,38 @@ func (a *acker) loop() {
 	}
 }
 
-// flush sends the run with a multiple ack, and the held acks one by one,
-// if they are all to be sent (all) or at a bound. It returns how long the
-// acks kept may wait still (0: none is kept).
+// flush sends the acks that are due, or all of them (all). It returns
+// how long the acks kept may wait still (0: none is kept).
 func (a *acker) flush(all bool) (wait time.Duration) {
 	a.mu.Lock()
 	to := a.to
 	now := time.Now()
+	kept := a.runN + len(a.held)
 	var run uint64
 	var n int
 	if a.runN > 0 {
-		w := maxHoldAck - now.Sub(a.runSince)
-		if all || a.runN >= a.maxPending || w <= 0 {
+		if w := maxHoldAck - now.Sub(a.runSince); all || kept >= a.budget || w <= 0 {
 			run, n = a.run, a.runN
 			a.run, a.runN = 0, 0
+			kept -= n
 		} else {
 			wait = w
 		}
 	}
 	var lone []uint64
 	if len(a.held) > 0 {
-		w := maxHoldAck - now.Sub(a.heldSince)
-		if all || len(a.held) >= a.maxPending || w <= 0 {
-			lone = slices.Sorted(maps.Keys(a.held))
-			clear(a.held)
-			for _, tag := range lone {
+		// The highest first: those just above a gap are the likeliest
+		// to join a run soon.
+		tags := slices.Sorted(maps.Keys(a.held))
+		for _, tag := range slices.Backward(tags) {
+			if w := maxHoldAck - now.Sub(a.held[tag]); all || kept >= a.budget || w <= 0 {
+				lone = append(lone, tag)
+				delete(a.held, tag)
 				a.settle(tag) // on its own, next
+				kept--
+			} else if wait == 0 || w < wait {
+				wait = w
 			}
-		} else if wait == 0 || w < wait {
-			wait = w
 		}
 	}
 	a.mu.Unlock()

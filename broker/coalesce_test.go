@@ -158,8 +158,9 @@ func testCoalescedAcks(t *testing.T, be backend) {
 	}
 }
 
-// The held acks go alone once the first has waited maxHoldAck, and not
-// before; the slow delivery's ack goes alone once it is done.
+// The held acks, held at the same time, go alone once they have waited
+// maxHoldAck, and not before; the slow delivery's ack goes alone once it
+// has waited as long.
 func TestHeldAcksAtTheTimeBound(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
@@ -187,39 +188,29 @@ func TestHeldAcksAtTheTimeBound(t *testing.T) {
 	})
 }
 
-// The held acks go alone when they are a quarter of the prefetch count,
-// before the time bound.
-func TestHeldAcksAtTheCountBound(t *testing.T) {
+// At the budget (three quarters of the prefetch count beyond the workers:
+// 9 with 4 workers and a prefetch of 16), before the time bound, the
+// highest held ack goes alone, and only it; once the slow one is done,
+// its ack and those held go in one multiple ack, at once, for they are
+// as many as the budget again.
+func TestHeldAcksAtTheBudget(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := setup(t, backends[0], Topology{})
-		r, slow, _ := behindSlow(t, f, 3)
-		assert.Equal(t, 4, f.mem.Unacked(f.q), "unacked with 3 acks held")
-		f.publish("f3", nil, nil)
+		budget := ackBudget(16, 4)
+		r, slow, _ := behindSlow(t, f, budget-1)
+		assert.Equal(t, budget, f.mem.Unacked(f.q), "unacked with budget-1 acks held")
+		assert.Equal(t, 0, f.mem.Stats().AckFrames, "ack frames with budget-1 acks held")
+		f.publish(fmt.Sprint("f", budget-1), nil, nil)
 		synctest.Wait()
-		assert.Equal(t, 1, f.mem.Unacked(f.q), "unacked with 4 acks held")
-		assert.Equal(t, 4, f.mem.Stats().AckFrames, "ack frames")
+		assert.Equal(t, budget, f.mem.Unacked(f.q), "unacked with budget acks held")
+		assert.Equal(t, 1, f.mem.Stats().AckFrames, "ack frames with budget acks held")
 		slow.open()
-		require.NoError(t, r.stop(t), "Consume after cancel")
-		f.assertSettled(t)
-	})
-}
-
-// At shutdown, the acks held behind a handler still running are sent with
-// its own, in one multiple ack, before the connection closes: none is
-// returned to the queue by the close.
-func TestShutdownSendsHeldAcks(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		f := setup(t, backends[0], Topology{})
-		r, slow, j := behindSlow(t, f, 2)
-		assert.Equal(t, 3, f.mem.Unacked(f.q), "unacked while the acks are held")
-		r.cancel()
-		slow.open() // before the clock moves: the acks are still held
-		require.NoError(t, r.wait(t, time.Minute), "Consume")
+		synctest.Wait()
+		assert.Equal(t, 0, f.mem.Unacked(f.q), "unacked once the slow one is done")
 		s := f.mem.Stats()
-		assert.Equal(t, 1, s.AckFrames, "ack frames")
-		assert.Equal(t, 3, s.Acked, "deliveries acked")
-		assert.Equal(t, 0, s.RequeuedOnClose, "deliveries returned by the close")
-		assert.Equal(t, 3, j.totalCalls(), "handled")
+		assert.Equal(t, 2, s.AckFrames, "ack frames")
+		assert.Equal(t, budget+1, s.Acked, "deliveries acked")
+		require.NoError(t, r.stop(t), "Consume after cancel")
 		f.assertSettled(t)
 	})
 }

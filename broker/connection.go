@@ -114,7 +114,7 @@ func (c *consumer) serve(ctx, hctx context.Context, s session, consuming func())
 		return nil // stopped: nothing was handled on s
 	}
 	consuming()
-	a := newAcker(c.top.queue, c.prefetch, &c.b.cfg.obs, c.log)
+	a := newAcker(c.top.queue, c.prefetch, c.workers, &c.b.cfg.obs, c.log)
 	// Before s.Close: the acks not sent yet go first, but a write blocked
 	// for closeTimeout is ended by closing s.
 	defer a.closeWithin(closeTimeout, func() { s.Close() })

@@ -31,7 +31,9 @@ type ConsumeOptions struct {
 	// most 65535. A prefetch below Workers leaves workers idle while they
 	// wait for their next delivery; a larger one keeps more messages from
 	// the queue's other consumers, and puts as many in redelivery when a
-	// consumer dies.
+	// consumer dies. Acks are coalesced in the part beyond Workers (see
+	// Acks in the package documentation): at or below Workers, they are
+	// sent as they come.
 	Prefetch int
 	// Topology describes the queues that serve the work queue.
 	Topology Topology

@@ -85,12 +85,18 @@
 // # Acks
 //
 // Acks are coalesced: once every delivery received before it on its
-// channel is settled, one ack with multiple set settles the run; an ack
-// behind a delivery still in its handler waits at most 5 ms, or until a
-// quarter of the prefetch count (at most 32) wait, and is then sent alone.
-// Acks not sent yet when a connection is lost are lost with it, as an ack
-// written just before it dies is: the server redelivers those messages,
-// and Dedup takes them for duplicates.
+// channel is settled, one ack with multiple set settles the run. An ack
+// waits at most 10 ms for others to join it; one behind a delivery still
+// in its handler is then sent alone. The acks kept count against the
+// prefetch window as unsettled deliveries do, so they are kept only in
+// the part of it beyond the workers (ConsumeOptions.Prefetch minus
+// Workers): at most three quarters of that part, and 32; when they reach
+// that, the run is sent, and then as many of the acks behind a gap as it
+// takes, one by one, the highest first. With a prefetch count at or below the workers, each
+// ack is sent as it comes. Acks not sent yet when a connection is lost
+// are lost with it, as an ack written just before it dies is: the server
+// redelivers those messages (at most as many as the acks kept), and Dedup
+// takes them for duplicates.
 //
 // # Copies that fail
 //

@@ -34,7 +34,7 @@ func TestWorkerSkipsDeliveryOfClosedSession(t *testing.T) {
 	deliveries := make(chan amqp.Delivery, 1)
 	deliveries <- amqp.Delivery{Acknowledger: rec, DeliveryTag: 1}
 	close(deliveries)
-	a := newAcker("q", 1, &Observer{}, c.log)
+	a := newAcker("q", 1, 1, &Observer{}, c.log)
 	defer a.close()
 	newConn(c, closedSession{}, a, deliveries).work(context.Background())
 	assert.Equal(t, int32(0), calls.Load(), "handler calls")

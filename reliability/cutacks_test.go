@@ -4,7 +4,7 @@ package reliability_test
 
 // Connection cuts while acks are pending: the consumers coalesce their
 // acks (a multiple ack once every lower delivery tag is settled, acks
-// held behind a slow handler for up to 5 ms), so at every cut some acks
+// held behind a slow handler for up to 10 ms), so at every cut some acks
 // are not sent yet, some are held behind a slow order, and some
 // deliveries were settled on their own (dead-letter copies). A TCP proxy
 // between two consumer processes and RabbitMQ closes their connections
