@@ -65,6 +65,9 @@ type cancelContext struct {
 	ended    endKind // its error: live until it ends
 	detached bool    // the parent gives its values only
 	watched  bool    // the parent's end and the deadline are being watched
+	// byWatcher: the parent's end is watched by the parentWatcher, which
+	// must let c go at its end.
+	byWatcher bool
 }
 
 // An endKind is a cancelContext's error, in a byte rather than the two
@@ -130,6 +133,10 @@ type sharedWatch struct {
 	wprev, wnext *cancelContext
 	// Guarded by by.deadlines.mu: its place among the deadlines.
 	deadlineLinks timerLinks[cancelContext]
+	// byLease: its deadline is queued and taken out of the queue by
+	// the renewer of its claim's lease (see [renewer.start]), which holds
+	// the queue's lock then anyway, rather than by its watch and its end.
+	byLease bool
 }
 
 // watchers are what the contexts that one layer makes share to be
@@ -156,6 +163,10 @@ func (c *cancelContext) watcher() *parentWatcher {
 	}
 	return c.shared.by.parents
 }
+
+// byLease reports whether c's deadline is queued by its claim's lease
+// (see [sharedWatch]).
+func (c *cancelContext) byLease() bool { return c.shared != nil && c.shared.byLease }
 
 // deadlines returns the deadlineQueue that ends c at its deadline, or nil.
 func (c *cancelContext) deadlines() *deadlineQueue {
@@ -202,22 +213,24 @@ func (c *cancelContext) Err() error {
 	return err
 }
 
-// causeNow returns what context.Cause(c) returns now: the cause of c's
-// end, or nil if c is live. It takes c.mu once, where context.Cause
-// reads c's Value (which asks c's parents) and then its Err.
-func (c *cancelContext) causeNow() error {
+// endCause ends c as [cancelContext.end] does, and returns what
+// context.Cause(c) returned just before: the cause of c's end, or nil if
+// c was live. It takes c.mu once, where context.Cause and end would take
+// it once each (and context.Cause would ask c's parents for a value
+// besides).
+func (c *cancelContext) endCause() error {
 	c.mu.Lock()
-	if c.ended == live {
-		err, cause := c.check()
-		if err == nil {
-			c.mu.Unlock()
-			return nil
-		}
-		c.finish(c.endLocked(endOf(err), err, cause))
-		c.mu.Lock()
+	if c.ended != live {
+		cause := c.cause
+		c.mu.Unlock()
+		return cause
 	}
-	cause := c.cause
-	c.mu.Unlock()
+	err, cause := c.check()
+	if err == nil {
+		c.finish(c.endLocked(endCanceled, context.Canceled, context.Canceled))
+		return nil
+	}
+	c.finish(c.endLocked(endOf(err), err, cause))
 	return cause
 }
 
@@ -333,17 +346,20 @@ func (c *cancelContext) finishWatch(now time.Time) {
 		return
 	}
 	c.watched = true
-	if !c.detached && c.parent.Done() != nil && !c.watcher().add(c) {
-		parent := c.parent
-		onEnd := func() { c.stop(parent.Err(), context.Cause(parent)) }
-		if p, ok := parent.(interface{ AfterFunc(func()) func() bool }); ok {
-			c.stopParent = p.AfterFunc(onEnd) // the parent ends c as it ends
-		} else {
-			c.stopParent = context.AfterFunc(parent, onEnd)
+	if !c.detached && c.parent.Done() != nil {
+		c.byWatcher = c.watcher().add(c)
+		if !c.byWatcher {
+			parent := c.parent
+			onEnd := func() { c.stop(parent.Err(), context.Cause(parent)) }
+			if p, ok := parent.(interface{ AfterFunc(func()) func() bool }); ok {
+				c.stopParent = p.AfterFunc(onEnd) // the parent ends c as it ends
+			} else {
+				c.stopParent = context.AfterFunc(parent, onEnd)
+			}
 		}
 	}
 	switch {
-	case c.deadline.IsZero():
+	case c.deadline.IsZero(), c.byLease():
 	case c.deadlines() != nil:
 		c.deadlines().add(c, now)
 	default:
@@ -459,8 +475,14 @@ func (c *cancelContext) endLocked(kind endKind, err, cause error) ending {
 		close(c.done)
 	}
 	e := ending{stopParent: c.stopParent, timer: c.timer, funcs: c.funcs}
-	if c.watched {
-		e.watcher, e.deadlines = c.watcher(), c.deadlines()
+	if c.watched && !c.byLease() {
+		e.deadlines = c.deadlines()
+	}
+	if c.byWatcher {
+		// Not otherwise: the watcher's lock is taken for nothing by a
+		// context made under a parent that never ends, or that the
+		// watcher had no room for.
+		e.watcher = c.watcher()
 	}
 	c.stopParent, c.timer, c.funcs = nil, nil, nil
 	for n := e.funcs; n != nil; n = n.next {
@@ -492,12 +514,14 @@ func (c *cancelContext) finish(e ending) {
 // otherwise arm one of its own (two allocations, and two updates of the
 // runtime's timers). A nil *deadlineQueue queues nothing.
 type deadlineQueue struct {
-	mu   sync.Mutex
+	mu   *sync.Mutex // shared with Dedup's renewer
 	list timerList[cancelContext, *cancelContext]
 }
 
-func newDeadlineQueue() *deadlineQueue {
-	q := new(deadlineQueue)
+// newDeadlineQueue returns an empty deadlineQueue guarded by mu, which
+// may guard other state too.
+func newDeadlineQueue(mu *sync.Mutex) *deadlineQueue {
+	q := &deadlineQueue{mu: mu}
 	q.list.fire = q.fire
 	return q
 }

@@ -23,7 +23,7 @@ var deadlineImpls = map[string]withDeadline{
 		return c, c.end
 	},
 	"own, its deadline served by a deadlineQueue": func(parent context.Context, d time.Time) (context.Context, context.CancelFunc) {
-		c := &cancelContext{parent: parent, deadline: d, shared: &sharedWatch{by: &watchers{deadlines: newDeadlineQueue()}}}
+		c := &cancelContext{parent: parent, deadline: d, shared: &sharedWatch{by: &watchers{deadlines: newDeadlineQueue(new(sync.Mutex))}}}
 		return c, c.end
 	},
 }
@@ -473,10 +473,11 @@ func TestClaimContextChildWithoutGoroutine(t *testing.T) {
 	}
 }
 
-// causeNow, which Dedup reads instead of context.Cause, answers as
-// context.Cause does, whether the context is live, cancelled with a cause,
-// ended by its parent or past its deadline unseen.
-func TestCancelContextCauseNow(t *testing.T) {
+// endCause, which Dedup calls instead of context.Cause and end, answers
+// as context.Cause does, whether the context is live, cancelled with a
+// cause, ended by its parent or past its deadline unseen, and then leaves
+// the context as end does.
+func TestCancelContextEndCause(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		for _, tc := range []struct {
 			name string
@@ -488,20 +489,27 @@ func TestCancelContextCauseNow(t *testing.T) {
 			{"the parent cancelled", func(_ *claimContext, pcancel context.CancelCauseFunc) { pcancel(errParentCause) }, errParentCause},
 			{"past its deadline", func(*claimContext, context.CancelCauseFunc) { time.Sleep(2 * time.Second) }, context.DeadlineExceeded},
 		} {
-			var got [2]error
+			var got, after [2]error
 			for i, cause := range []func(*claimContext) error{
-				func(c *claimContext) error { return context.Cause(c) },
-				(*claimContext).causeNow,
+				func(c *claimContext) error { err := context.Cause(c); c.end(); return err },
+				(*claimContext).endCause,
 			} {
 				parent, pcancel := context.WithCancelCause(valued())
 				c := newClaimContext(parent, "k", "t", time.Hour, time.Now().Add(time.Second), nil)
 				tc.end(c, pcancel)
 				got[i] = cause(c)
+				after[i] = context.Cause(c)
+				select {
+				case <-c.Done():
+				default:
+					t.Errorf("%s: Done not closed after the end", tc.name)
+				}
 				c.end()
 				pcancel(nil)
 			}
 			assert.Equal(t, tc.want, got[0], "%s: context.Cause", tc.name)
-			assert.Equal(t, got[0], got[1], "%s: causeNow", tc.name)
+			assert.Equal(t, got[0], got[1], "%s: endCause", tc.name)
+			assert.Equal(t, after[0], after[1], "%s: context.Cause after the end", tc.name)
 		}
 	})
 }
@@ -581,7 +589,7 @@ func TestCancelContextAfterFuncStop(t *testing.T) {
 func TestCancelContextConcurrentEnds(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var w parentWatcher
-		q := newDeadlineQueue()
+		q := newDeadlineQueue(new(sync.Mutex))
 		parent, pcancel := context.WithCancelCause(context.Background())
 		var wg sync.WaitGroup
 		ctxs := make([]*cancelContext, 64)
@@ -650,7 +658,7 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const n = 5000
 		var w parentWatcher
-		q := newDeadlineQueue()
+		q := newDeadlineQueue(new(sync.Mutex))
 		// The parents are cancelled only once the test is over.
 		var cancels []context.CancelFunc
 		defer func() {

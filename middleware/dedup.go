@@ -153,9 +153,10 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 		failOpen:    opts.FailOpen,
 		observe:     opts.Observe,
 	}
-	cfg.renewer = newRenewer(s, cfg.lease)
+	var deadlines *deadlineQueue
+	cfg.renewer, deadlines = newRenewer(s, cfg.lease)
 	cfg.orphans = new(orphans)
-	cfg.watchers = &watchers{parents: new(parentWatcher), deadlines: newDeadlineQueue()}
+	cfg.watchers = &watchers{parents: new(parentWatcher), deadlines: deadlines}
 	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
 		h := &dedup{dedupConfig: cfg, next: next}
@@ -364,20 +365,25 @@ type attempt struct {
 // (see [keying.resolve]). If the handler panics, run releases the claim
 // and lets the panic go on.
 func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, start time.Time, down keyed) attempt {
-	now := time.Now() // the claim is won: the handler starts
+	// The claim is won: the handler starts. start, plus the time since
+	// on the monotonic clock alone, is the time that time.Now would read
+	// (bar a step of the wall clock meanwhile), at half its cost: time.Now
+	// reads both clocks, and a read is not cheap on every machine.
+	now := start.Add(time.Since(start))
 	var deadline time.Time
 	if h.timed != nil {
 		deadline = now.Add(h.timed.d)
 	}
 	cc := newClaimContext(ctx, key, token, h.retention, deadline, h.watchers)
 	cc.handDown(down)
+	cc.shared.byLease = true // its deadline is queued with its lease
 	cc.watch(now)
-	defer cc.end()
 	l := h.renewer.start(start, now, cc)
 
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: release, and let the panic go on
+			defer cc.end()
 			_, validUntil := h.renewer.stop(l)
 			rctx := settling(ctx, atLeastASecond(validUntil))
 			h.store.Release(rctx, key, token)
@@ -391,9 +397,9 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 		a.err = h.next.Handle(cc, d)
 	}
 	finished = true
-	// Why the handler's context ended, if it did, before anything later
-	// can cancel it.
-	a.cause = cc.causeNow()
+	// Why the handler's context ended, if it did, as it ends now, before
+	// anything later can cancel it.
+	a.cause = cc.endCause()
 	a.lost, a.validUntil = h.renewer.stop(l)
 	a.marked = cc.claim.marked.Load()
 	return a

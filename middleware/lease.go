@@ -37,8 +37,12 @@ type renewer struct {
 	pool         sync.Pool // of *claimLease
 	observe      func(context.Context, DedupEvent)
 
-	mu     sync.Mutex
-	claims timerList[claimLease, *claimLease] // queued for renewal, in order of due time
+	// mu is also the lock of deadlines, which holds the deadlines of the
+	// handlers' contexts: start and stop queue and unqueue a claim and
+	// its handler's deadline under one lock.
+	mu        *sync.Mutex
+	deadlines *deadlineQueue
+	claims    timerList[claimLease, *claimLease] // queued for renewal, in order of due time
 }
 
 // A claimLease is the renewal state of one claim.
@@ -69,11 +73,15 @@ func (r *renewer) queue(l *claimLease, at, now time.Time) {
 	r.claims.push(l, now)
 }
 
-func newRenewer(s store.Store, lease time.Duration) *renewer {
-	r := &renewer{store: s, lease: lease, every: lease / 3}
+// newRenewer returns a renewer of claims in s, each for lease, that
+// queues its handlers' deadlines in a deadlineQueue of its own, which
+// it returns too.
+func newRenewer(s store.Store, lease time.Duration) (*renewer, *deadlineQueue) {
+	mu := new(sync.Mutex)
+	r := &renewer{store: s, lease: lease, every: lease / 3, mu: mu, deadlines: newDeadlineQueue(mu)}
 	r.pool.New = func() any { return new(claimLease) }
 	r.claims.fire = r.fire
-	return r
+	return r, r.deadlines
 }
 
 // start queues the claim of hctx (its key by its token, under its
@@ -83,14 +91,21 @@ func newRenewer(s store.Store, lease time.Duration) *renewer {
 // and when the lease may end within an interval with no renewal to extend
 // it (the last failed, or has not returned): the claim is then probably
 // lost, though the store cannot say, and the handler gets the rest of the
-// lease to stop.
+// lease to stop. If hctx's deadline is queued by its lease (byLease), start
+// queues it among r's deadlines, and stop takes it out.
 func (r *renewer) start(claimedAt, now time.Time, hctx *claimContext) *claimLease {
 	l := r.pool.Get().(*claimLease)
 	l.handler = hctx
+	c := &hctx.cancelContext
 	r.mu.Lock()
 	l.stopped, l.renewing, l.lost = false, false, nil
 	l.validUntil = claimedAt.Add(r.lease)
 	r.queue(l, claimedAt.Add(r.every), now)
+	if c.byLease() && !c.deadline.IsZero() {
+		// Even if c has ended since its watch began (its parent ended):
+		// the queue's timer, or stop, takes it out.
+		r.deadlines.list.push(c, now)
+	}
 	r.mu.Unlock()
 	return l
 }
@@ -104,6 +119,9 @@ func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time) {
 	l.stopped = true
 	if l.queued {
 		r.claims.unlink(l)
+	}
+	if c := &l.handler.cancelContext; c.byLease() && c.shared.deadlineLinks.queued {
+		r.deadlines.list.unlink(c)
 	}
 	lost, validUntil = l.lost, l.validUntil
 	recycle := !l.renewing // else the renewal in flight recycles l

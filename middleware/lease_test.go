@@ -1,0 +1,82 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/store"
+)
+
+// The renewer queues the deadline of a Timeout beneath Dedup with the
+// claim's lease, and takes it out with it: the deadline still ends the
+// handler's context, and once the deliveries have returned (at once,
+// with their consumer's context ended, in a panic, past their deadline)
+// nothing is left queued.
+func TestRenewerQueuesTheDeadline(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const timeout = time.Second
+		var mu sync.Mutex
+		errs := map[string]error{}
+		handler := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			switch d.MessageId[0] {
+			case 'w': // waits for its deadline
+				<-ctx.Done()
+				mu.Lock()
+				errs[d.MessageId] = context.Cause(ctx)
+				mu.Unlock()
+				return ctx.Err()
+			case 'c': // its consumer stops meanwhile
+				<-ctx.Done()
+				return ctx.Err()
+			case 'p':
+				panic("boom")
+			}
+			return nil
+		})
+		h := Dedup(store.NewMemory(), DedupOptions{Lease: time.Minute})(Timeout(timeout)(handler)).(*dedup)
+		deliver := func(kinds string) {
+			var wg sync.WaitGroup
+			for i := range 40 {
+				id := fmt.Sprintf("%c%d", kinds[i%len(kinds)], i)
+				wg.Go(func() {
+					ctx, cancel := context.WithCancel(context.Background())
+					defer cancel()
+					if id[0] == 'c' {
+						time.AfterFunc(timeout/2, cancel)
+					}
+					defer func() {
+						if v := recover(); v != nil && id[0] != 'p' {
+							t.Errorf("%s: panic %v", id, v)
+						}
+					}()
+					err := h.Handle(ctx, &amqp.Delivery{MessageId: id})
+					if id[0] == 'w' && !errors.Is(err, ErrTimeout) {
+						t.Errorf("%s: %v; want ErrTimeout", id, err)
+					}
+				})
+			}
+			wg.Wait()
+			h.renewer.mu.Lock()
+			defer h.renewer.mu.Unlock()
+			assert.Nil(t, h.renewer.deadlines.list.head, "%s: deadlines left queued", kinds)
+			assert.Nil(t, h.renewer.claims.head, "%s: claims left queued", kinds)
+		}
+		// Before their deadlines, which would take them out of the queue.
+		deliver("ncp")
+		deliver("w")
+		require.Len(t, errs, 40)
+		for id, err := range errs {
+			assert.Equal(t, context.DeadlineExceeded, err, "%s: the cause of its context's end", id)
+		}
+	})
+}
