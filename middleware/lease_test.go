@@ -30,9 +30,17 @@ func TestRenewerQueuesTheDeadline(t *testing.T) {
 		handler := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 			switch d.MessageId[0] {
 			case 'w': // waits for its deadline
-				<-ctx.Done()
+				// Bounded, so that a deadline never queued fails the
+				// test rather than leave it waiting while the lease's
+				// renewals move the bubble's clock for ever.
+				cause := errors.New("the deadline did not end the context")
+				select {
+				case <-ctx.Done():
+					cause = context.Cause(ctx)
+				case <-time.After(10 * timeout):
+				}
 				mu.Lock()
-				errs[d.MessageId] = context.Cause(ctx)
+				errs[d.MessageId] = cause
 				mu.Unlock()
 				return ctx.Err()
 			case 'c': // its consumer stops meanwhile
