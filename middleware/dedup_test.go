@@ -886,6 +886,54 @@ func TestDedupPanicEndsDerivedContexts(t *testing.T) {
 	})
 }
 
+// A handler that panics beneath Dedup and its Timeout ends its context as
+// the panic goes through, as Timeout's own context would (it is ended by
+// a deferred call): before Dedup releases the claim, and so never past
+// its deadline, however long the release takes. A goroutine the handler
+// left waiting on its context learns of the end at once.
+func TestDedupPanicEndsContextBeforeRelease(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const timeout = time.Second
+		var (
+			hctx          context.Context
+			start, ended  time.Time
+			cause         error
+			liveAtRelease bool
+			waiter        sync.WaitGroup
+		)
+		s := &slowRelease{Store: store.NewMemory(), before: func() {
+			liveAtRelease = hctx.Err() == nil
+			time.Sleep(10 * timeout) // the store is slow to answer
+		}}
+		h := rabbitmw.Chain(middleware.Dedup(s, middleware.DedupOptions{}), middleware.Timeout(timeout))(
+			rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+				hctx, start = ctx, time.Now()
+				waiter.Go(func() {
+					<-ctx.Done()
+					ended, cause = time.Now(), context.Cause(ctx)
+				})
+				panic("kaboom")
+			}))
+		d, _ := deliverytest.New("m1", "")
+		assert.PanicsWithValue(t, "kaboom", func() { h.Handle(context.Background(), d) })
+		waiter.Wait()
+		assert.False(t, liveAtRelease, "the handler's context was live while Dedup released its claim")
+		assert.Equal(t, time.Duration(0), ended.Sub(start), "the handler's context ended this long after its panic (cause %v); its deadline was %v", cause, timeout)
+		assert.Equal(t, context.Canceled, cause)
+	})
+}
+
+// slowRelease is a Store whose Release calls before first.
+type slowRelease struct {
+	store.Store
+	before func()
+}
+
+func (s *slowRelease) Release(ctx context.Context, key, token string) error {
+	s.before()
+	return s.Store.Release(ctx, key, token)
+}
+
 // ownDone is a consumer's context that the context package does not know:
 // its Done channel is its own, so that context.AfterFunc, and the
 // contexts derived from it, watch it each with a goroutine. It takes its
