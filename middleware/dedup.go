@@ -383,7 +383,9 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: release, and let the panic go on
-			defer cc.end()
+			// The context ends first, as on return: stop takes its
+			// deadline out of the queue, and the release may take long.
+			cc.end()
 			_, validUntil := h.renewer.stop(l)
 			rctx := settling(ctx, atLeastASecond(validUntil))
 			h.store.Release(rctx, key, token)
