@@ -106,3 +106,53 @@ func TestTimeout(t *testing.T) {
 		}
 	}
 }
+
+// Beneath Dedup, the deadline counts from the handler's start, once the
+// claim is won, however long the claim took, as it does when a layer in
+// between gives Timeout a context of its own.
+func TestTimeoutCountsFromTheHandlersStart(t *testing.T) {
+	const limit, claiming = 10 * time.Second, 4 * time.Second
+	layouts := map[string]func(rabbitmw.Handler) rabbitmw.Handler{
+		"directly beneath Dedup": middleware.Timeout(limit),
+		"beneath a layer beneath Dedup": func(h rabbitmw.Handler) rabbitmw.Handler {
+			return rabbitmw.HandlerFunc(middleware.Timeout(limit)(h).Handle)
+		},
+	}
+	for layout, wrap := range layouts {
+		t.Run(layout, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				var entry, deadline, ended time.Time
+				h := middleware.Dedup(&slowClaim{Store: store.NewMemory(), wait: claiming}, middleware.DedupOptions{})(
+					wrap(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+						entry = time.Now()
+						deadline, _ = ctx.Deadline()
+						<-ctx.Done()
+						ended = time.Now()
+						return ctx.Err()
+					})))
+				d, _ := deliverytest.New("m1", "")
+				err := h.Handle(context.Background(), d)
+				if !errors.Is(err, middleware.ErrTimeout) {
+					t.Errorf("result %v; want ErrTimeout", err)
+				}
+				if got := deadline.Sub(entry); got != limit {
+					t.Errorf("deadline %v after the handler started; want %v", got, limit)
+				}
+				if got := ended.Sub(entry); got != limit {
+					t.Errorf("context ended %v after the handler started; want %v", got, limit)
+				}
+			})
+		})
+	}
+}
+
+// slowClaim is a Store whose Claim takes wait.
+type slowClaim struct {
+	store.Store
+	wait time.Duration
+}
+
+func (s *slowClaim) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
+	time.Sleep(s.wait)
+	return s.Store.Claim(ctx, key, token, lease)
+}
