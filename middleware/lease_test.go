@@ -88,3 +88,48 @@ func TestRenewerQueuesTheDeadline(t *testing.T) {
 		}
 	})
 }
+
+// A delivery whose lease ends while its handler runs, so that its claim
+// is no longer queued for renewal when it returns (the store said the
+// claim was lost, or a renewal hung until the lease might end), still
+// takes its Timeout's deadline out of the queue.
+func TestRenewerTakesTheDeadlineOutAfterTheLease(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		extend func(ctx context.Context) error
+		want   error // the cause of the handler's context's end
+	}{
+		{"lost", func(context.Context) error { return store.ErrLostClaim }, ErrLeaseLost},
+		{"hanging", func(ctx context.Context) error { <-ctx.Done(); return ctx.Err() }, ErrStoreUnavailable},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				var cause error
+				handler := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+					<-ctx.Done()
+					cause = context.Cause(ctx)
+					return ctx.Err()
+				})
+				s := &extendAs{Store: store.NewMemory(), extend: tc.extend}
+				h := Dedup(s, DedupOptions{Lease: 3 * time.Second})(Timeout(time.Minute)(handler)).(*dedup)
+				err := h.Handle(context.Background(), &amqp.Delivery{MessageId: "m1"})
+				assert.ErrorIs(t, cause, tc.want, "the cause of the handler's context's end")
+				assert.ErrorIs(t, err, tc.want)
+				h.renewer.mu.Lock()
+				defer h.renewer.mu.Unlock()
+				assert.Nil(t, h.renewer.deadlines.list.head, "the deadline left queued")
+				assert.Nil(t, h.renewer.claims.head, "the claim left queued")
+			})
+		})
+	}
+}
+
+// extendAs is a Store whose Extend answers as extend does.
+type extendAs struct {
+	store.Store
+	extend func(ctx context.Context) error
+}
+
+func (s *extendAs) Extend(ctx context.Context, key, token string, lease time.Duration) error {
+	return s.extend(ctx)
+}
