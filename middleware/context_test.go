@@ -8,8 +8,12 @@ import (
 	"testing/synctest"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"go.uber.org/goleak"
+
+	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/store"
 )
 
 // withDeadline makes a context with a deadline and its cancel function:
@@ -712,4 +716,122 @@ func TestWatchedContextsLeaveNothing(t *testing.T) {
 			assert.False(t, c.shared.deadlineLinks.queued || c.shared.watchedBy != nil, "a context still queued or listed")
 		}
 	})
+}
+
+// lateNews is a consumer's context that ends at once, as its Err and Done
+// say, but tells the callbacks of its AfterFunc only when told to: as the
+// standard library's contexts do, which call them on a goroutine of their
+// own, a moment after the end.
+type lateNews struct {
+	context.Context // values
+
+	mu    sync.Mutex
+	done  chan struct{}
+	err   error
+	funcs []func()
+}
+
+func newLateNews() *lateNews {
+	return &lateNews{Context: context.Background(), done: make(chan struct{})}
+}
+
+func (c *lateNews) Done() <-chan struct{} { return c.done }
+
+func (c *lateNews) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+func (c *lateNews) AfterFunc(f func()) func() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.funcs = append(c.funcs, f)
+	return func() bool { return false }
+}
+
+// cancel ends c, and tell tells its callbacks.
+func (c *lateNews) cancel() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.err = context.Canceled
+	close(c.done)
+}
+
+func (c *lateNews) tell() {
+	c.mu.Lock()
+	funcs := c.funcs
+	c.funcs = nil
+	c.mu.Unlock()
+	for _, f := range funcs {
+		f()
+	}
+}
+
+// A cancelContext beneath another, both watched (a Timeout's beneath
+// Dedup's, or another Timeout's), whose grandparent has ended but not yet
+// told them: whatever finds that end first, through the one beneath (its
+// Err, context.Cause, endCause, its end, or its deadline's timer), ends
+// both, with the grandparent's error. The one beneath asks the one above
+// for its error, which then finds the end and ends, and tells the one
+// beneath, at once, on that same goroutine.
+func TestCancelContextUnderAnUnseenEnd(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		find func(c *cancelContext) // what finds the end, through c
+	}{
+		{"Err", func(c *cancelContext) { c.Err() }},
+		{"context.Cause", func(c *cancelContext) { context.Cause(c) }},
+		{"endCause", func(c *cancelContext) { c.endCause() }},
+		{"end", func(c *cancelContext) { c.end() }},
+		{"its deadline", func(c *cancelContext) { c.expire() }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			late := newLateNews()
+			above := &cancelContext{parent: late}
+			beneath := &cancelContext{parent: above, deadline: time.Now().Add(time.Hour)}
+			beneath.Done() // both watched
+			late.cancel()
+			found := make(chan struct{})
+			go func() {
+				defer close(found)
+				tc.find(beneath)
+			}()
+			select {
+			case <-found:
+			case <-time.After(5 * time.Second):
+				t.Fatalf("%s of the context beneath has not returned in 5 s: deadlocked", tc.name)
+			}
+			assert.Equal(t, context.Canceled, above.Err(), "the context above")
+			assert.Equal(t, context.Canceled, beneath.Err(), "the context beneath")
+			late.tell()
+			beneath.end()
+			above.end()
+		})
+	}
+}
+
+// So on a delivery's path: beneath Dedup and a layer, a Timeout's handler
+// that asks for its context's error once its consumer's context has
+// ended, before the news of that end has come, finds it, and returns.
+func TestDedupUnderAnUnseenEnd(t *testing.T) {
+	late := newLateNews()
+	asked := make(chan struct{})
+	h := Dedup(store.NewMemory(), DedupOptions{})(rabbitmw.HandlerFunc(Timeout(time.Hour)(
+		rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+			ctx.Done() // watched, as by a handler that does I/O
+			late.cancel()
+			close(asked)
+			return ctx.Err()
+		})).Handle))
+	result := make(chan error, 1)
+	go func() { result <- h.Handle(late, &amqp.Delivery{MessageId: "m1"}) }()
+	<-asked
+	select {
+	case err := <-result:
+		assert.ErrorIs(t, err, context.Canceled)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the delivery has not returned in 5 s: deadlocked")
+	}
+	late.tell()
 }
