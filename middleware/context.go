@@ -198,13 +198,14 @@ func (c *cancelContext) Deadline() (time.Time, bool) {
 
 // Err implements context.Context.
 func (c *cancelContext) Err() error {
+	perr, pcause := c.parentEnded() // before c.mu: see check
 	c.mu.Lock()
 	if c.ended != live {
 		err := c.err()
 		c.mu.Unlock()
 		return err
 	}
-	err, cause := c.check()
+	err, cause := c.check(perr, pcause)
 	if err == nil {
 		c.mu.Unlock()
 		return nil
@@ -219,13 +220,14 @@ func (c *cancelContext) Err() error {
 // it once each (and context.Cause would ask c's parents for a value
 // besides).
 func (c *cancelContext) endCause() error {
+	perr, pcause := c.parentEnded() // before c.mu: see check
 	c.mu.Lock()
 	if c.ended != live {
 		cause := c.cause
 		c.mu.Unlock()
 		return cause
 	}
-	err, cause := c.check()
+	err, cause := c.check(perr, pcause)
 	if err == nil {
 		c.finish(c.endLocked(endCanceled, context.Canceled, context.Canceled))
 		return nil
@@ -235,13 +237,18 @@ func (c *cancelContext) endCause() error {
 }
 
 // check returns the error and cause with which c must end now, or nil if
-// it is live, for a live c. An unwatched c reads the parent's error and
-// the clock; a watched one only the parent's error, which the standard
-// library's contexts set at once while they tell their watchers later.
-// c.mu must be held.
-func (c *cancelContext) check() (err, cause error) {
-	if err, cause := c.parentEnded(); err != nil {
-		return err, cause
+// it is live, for a live c, given what parentEnded returned. An unwatched
+// c goes by the parent's error and the clock; a watched one by the
+// parent's error alone, which the standard library's contexts set at once
+// while they tell their watchers later. c.mu must be held.
+//
+// The parent's error must be read before c.mu is taken: a parent that is
+// a cancelContext may find its own end as it is asked (its parent's, not
+// yet told), and then end, and call c's callback (c's watch of it), which
+// takes c.mu, at once, on the same goroutine.
+func (c *cancelContext) check(perr, pcause error) (err, cause error) {
+	if perr != nil {
+		return perr, pcause
 	}
 	// time.Until reads the monotonic clock alone, time.Now both clocks.
 	if !c.watched && !c.deadline.IsZero() && time.Until(c.deadline) <= 0 {
@@ -375,9 +382,10 @@ func (c *cancelContext) expire() {
 
 // Value implements context.Context.
 func (c *cancelContext) Value(key any) any {
+	perr, pcause := c.parentEnded() // before c.mu: see check
 	c.mu.Lock()
 	if c.ended == live {
-		err, cause := c.check()
+		err, cause := c.check(perr, pcause)
 		if err == nil {
 			c.mu.Unlock()
 			return c.parent.Value(key)
@@ -442,12 +450,13 @@ func (c *cancelContext) stop(err, cause error) { c.stopAs(endOf(err), err, cause
 // stopAs is stop, given the endKind of err, which saves cancel and expire
 // the comparisons of endOf.
 func (c *cancelContext) stopAs(kind endKind, err, cause error) {
+	perr, pcause := c.parentEnded() // before c.mu: see check
 	c.mu.Lock()
 	if c.ended != live {
 		c.mu.Unlock()
 		return
 	}
-	if e, ca := c.check(); e != nil {
+	if e, ca := c.check(perr, pcause); e != nil {
 		kind, err, cause = endOf(e), e, ca // it had ended, unseen
 	}
 	c.finish(c.endLocked(kind, err, cause))
