@@ -1,9 +1,12 @@
 package middleware
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -96,11 +99,11 @@ func TestRenewerQueuesTheDeadline(t *testing.T) {
 func TestRenewerTakesTheDeadlineOutAfterTheLease(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
-		extend func(ctx context.Context) error
+		extend func(ctx context.Context, key string) error
 		want   error // the cause of the handler's context's end
 	}{
-		{"lost", func(context.Context) error { return store.ErrLostClaim }, ErrLeaseLost},
-		{"hanging", func(ctx context.Context) error { <-ctx.Done(); return ctx.Err() }, ErrStoreUnavailable},
+		{"lost", func(context.Context, string) error { return store.ErrLostClaim }, ErrLeaseLost},
+		{"hanging", func(ctx context.Context, _ string) error { <-ctx.Done(); return ctx.Err() }, ErrStoreUnavailable},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
@@ -127,9 +130,210 @@ func TestRenewerTakesTheDeadlineOutAfterTheLease(t *testing.T) {
 // extendAs is a Store whose Extend answers as extend does.
 type extendAs struct {
 	store.Store
-	extend func(ctx context.Context) error
+	extend func(ctx context.Context, key string) error
 }
 
 func (s *extendAs) Extend(ctx context.Context, key, token string, lease time.Duration) error {
-	return s.extend(ctx)
+	return s.extend(ctx, key)
+}
+
+// Deliveries at random through one Dedup, whose handlers' deadlines share
+// its renewer's queue, under Timeouts directly beneath it, nested, beneath
+// a layer in between or above it: each handler's context ends once, at
+// the first of its deadline, its consumer's context's end (a cancellation
+// with a cause, or a deadline of its own), the loss of its lease and its
+// return or panic, with the cause of that first (any of those that come at
+// the same instant), and stays so after the delivery; the deliveries'
+// results say why; and nothing is left queued. The instants are whole
+// seconds, so that ends fall together, with each other and with other
+// deliveries' renewals (every 3 s), deadlines and returns.
+func TestRenewerDeadlinesAtRandom(t *testing.T) {
+	const lease = 9 * time.Second
+	errParent := errors.New("the consumer stops")
+	for seed := range uint64(25) {
+		synctest.Test(t, func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(seed, 1))
+			type plan struct {
+				begin    time.Duration // from the bubble's start
+				chain    int
+				ret      time.Duration // when the handler returns, if it has not ended; <0: never
+				panics   bool
+				parent   time.Duration // when the consumer's context ends; <=0: never
+				deadline bool          // the consumer's context ends at its deadline, else it is cancelled
+				lose     bool          // the first renewal finds the claim lost
+			}
+			type seen struct {
+				start, ended time.Time
+				ends         int
+				cause, err   error
+				ctx          context.Context
+				result       error
+				panicked     bool
+			}
+			const n = 60
+			plans, seens := make([]plan, n), make([]seen, n)
+			var mu sync.Mutex // guards seens
+			s := &extendAs{Store: store.NewMemory(), extend: func(_ context.Context, key string) error {
+				var i int
+				fmt.Sscan(key, &i)
+				if plans[i].lose {
+					return store.ErrLostClaim
+				}
+				return nil
+			}}
+			handler := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+				var i int
+				fmt.Sscan(d.MessageId, &i)
+				mu.Lock()
+				seens[i].start, seens[i].ctx = time.Now(), ctx
+				mu.Unlock()
+				context.AfterFunc(ctx, func() {
+					mu.Lock()
+					defer mu.Unlock()
+					seens[i].ends++
+					seens[i].ended, seens[i].cause, seens[i].err = time.Now(), context.Cause(ctx), ctx.Err()
+				})
+				p := plans[i]
+				if p.ret < 0 {
+					<-ctx.Done()
+					return ctx.Err()
+				}
+				select {
+				case <-ctx.Done():
+					return ctx.Err()
+				case <-time.After(p.ret):
+				}
+				if p.panics {
+					panic("kaboom")
+				}
+				return nil
+			})
+			dd := Dedup(s, DedupOptions{Lease: lease})
+			hidden := func(h rabbitmw.Handler) rabbitmw.Handler { return rabbitmw.HandlerFunc(h.Handle) }
+			chains := []struct {
+				h       rabbitmw.Handler
+				timeout time.Duration // the shortest, from the handler's start
+			}{
+				{dd(Timeout(2 * time.Second)(handler)), 2 * time.Second},
+				{dd(Timeout(3 * time.Second)(handler)), 3 * time.Second},
+				{dd(Timeout(6 * time.Second)(Timeout(2 * time.Second)(handler))), 2 * time.Second},
+				{dd(Timeout(2 * time.Second)(Timeout(6 * time.Second)(handler))), 2 * time.Second},
+				{dd(hidden(Timeout(3 * time.Second)(handler))), 3 * time.Second},
+				{Timeout(4 * time.Second)(dd(handler)), 4 * time.Second},
+			}
+			at := func(max int) time.Duration { return time.Duration(rng.IntN(max)) * time.Second }
+			for i := range plans {
+				// The consumer's context lives as the handler starts.
+				plans[i] = plan{begin: at(6), chain: rng.IntN(len(chains)), ret: at(9) - 2*time.Second,
+					panics: rng.IntN(4) == 0, parent: at(9) - 2*time.Second, deadline: rng.IntN(2) == 0, lose: rng.IntN(3) == 0}
+			}
+			begun := time.Now()
+			var wg sync.WaitGroup
+			for i, p := range plans {
+				wg.Go(func() {
+					time.Sleep(p.begin)
+					ctx, cancel := context.WithCancelCause(context.Background())
+					defer cancel(nil)
+					switch {
+					case p.parent <= 0:
+					case p.deadline:
+						var cancelDeadline context.CancelFunc
+						ctx, cancelDeadline = context.WithTimeout(ctx, p.parent)
+						defer cancelDeadline()
+					default:
+						time.AfterFunc(p.parent, func() { cancel(errParent) })
+					}
+					defer func() {
+						if v := recover(); v != nil {
+							mu.Lock()
+							seens[i].panicked = true
+							mu.Unlock()
+						}
+					}()
+					err := chains[p.chain].h.Handle(ctx, &amqp.Delivery{MessageId: fmt.Sprint(i)})
+					mu.Lock()
+					seens[i].result = err
+					mu.Unlock()
+				})
+			}
+			wg.Wait()
+			synctest.Wait() // the callbacks of AfterFunc have run
+			for i, p := range plans {
+				sn := seens[i]
+				start := begun.Add(p.begin)
+				require.Equal(t, start, sn.start, "%d: the handler started late", i)
+				// The ends that may come first, and when.
+				type end struct {
+					at    time.Duration
+					cause error
+				}
+				ends := []end{{chains[p.chain].timeout, context.DeadlineExceeded}}
+				if p.parent > 0 {
+					cause := errParent
+					if p.deadline {
+						cause = context.DeadlineExceeded
+					}
+					ends = append(ends, end{p.parent, cause})
+				}
+				if p.lose {
+					ends = append(ends, end{lease / 3, ErrLeaseLost})
+				}
+				if p.ret >= 0 {
+					ends = append(ends, end{p.ret, context.Canceled})
+				}
+				first := slices.MinFunc(ends, func(a, b end) int { return cmp.Compare(a.at, b.at) }).at
+				what := fmt.Sprintf("seed %d, delivery %d %+v: ended after %v with %v (%v)", seed, i, p, sn.ended.Sub(start), sn.cause, sn.result)
+				assert.Equal(t, 1, sn.ends, "%s: ends", what)
+				assert.Equal(t, first, sn.ended.Sub(start), "%s: when", what)
+				var causes []error
+				for _, e := range ends {
+					if e.at == first {
+						causes = append(causes, e.cause)
+					}
+				}
+				if !slices.ContainsFunc(causes, func(c error) bool { return errors.Is(sn.cause, c) }) {
+					t.Errorf("%s: cause; want one of %v", what, causes)
+				}
+				want := context.Canceled
+				if errors.Is(sn.cause, context.DeadlineExceeded) {
+					want = context.DeadlineExceeded
+				}
+				assert.Equal(t, want, sn.err, "%s: Err", what)
+				// And so it stays, after the delivery.
+				assert.Equal(t, want, sn.ctx.Err(), "%s: Err after", what)
+				assert.Equal(t, sn.cause, context.Cause(sn.ctx), "%s: Cause after", what)
+				select {
+				case <-sn.ctx.Done():
+				default:
+					t.Errorf("%s: Done open after", what)
+				}
+				// The result, where one end came first.
+				if len(causes) > 1 {
+					continue
+				}
+				switch c := causes[0]; {
+				case c == context.Canceled && p.panics:
+					assert.True(t, sn.panicked, "%s: no panic", what)
+				case c == context.Canceled:
+					assert.NoError(t, sn.result, what)
+				case c == ErrLeaseLost:
+					assert.ErrorIs(t, sn.result, ErrLeaseLost, what)
+				case c == errParent:
+					assert.ErrorIs(t, sn.result, context.Canceled, what)
+					assert.NotErrorIs(t, sn.result, ErrTimeout, what)
+				case p.parent == first: // the consumer's deadline
+					assert.NotErrorIs(t, sn.result, ErrTimeout, what)
+				case p.chain == 5: // Timeout above Dedup
+					assert.ErrorIs(t, sn.result, context.DeadlineExceeded, what)
+				default:
+					assert.ErrorIs(t, sn.result, ErrTimeout, what)
+				}
+			}
+			h := chains[0].h.(*dedup)
+			h.renewer.mu.Lock()
+			defer h.renewer.mu.Unlock()
+			assert.Nil(t, h.renewer.deadlines.list.head, "deadlines left queued")
+			assert.Nil(t, h.renewer.claims.head, "claims left queued")
+		})
+	}
 }
