@@ -139,14 +139,15 @@ func (s *extendAs) Extend(ctx context.Context, key, token string, lease time.Dur
 
 // Deliveries at random through one Dedup, whose handlers' deadlines share
 // its renewer's queue, under Timeouts directly beneath it, nested, beneath
-// a layer in between or above it: each handler's context ends once, at
-// the first of its deadline, its consumer's context's end (a cancellation
-// with a cause, or a deadline of its own), the loss of its lease and its
-// return or panic, with the cause of that first (any of those that come at
-// the same instant), and stays so after the delivery; the deliveries'
-// results say why; and nothing is left queued. The instants are whole
-// seconds, so that ends fall together, with each other and with other
-// deliveries' renewals (every 3 s), deadlines and returns.
+// a layer in between or above it, and over a ClaimingHandler that runs the
+// handler in its own claim or declines: each handler's context ends once,
+// at the first of its deadline, its consumer's context's end (a
+// cancellation with a cause, or a deadline of its own), the loss of its
+// lease and its return or panic, with the cause of that first (any of
+// those that come at the same instant), and stays so after the delivery;
+// the deliveries' results say why; and nothing is left queued. The
+// instants are whole seconds, so that ends fall together, with each other
+// and with other deliveries' renewals (every 3 s), deadlines and returns.
 func TestRenewerDeadlinesAtRandom(t *testing.T) {
 	const lease = 9 * time.Second
 	errParent := errors.New("the consumer stops")
@@ -214,14 +215,17 @@ func TestRenewerDeadlinesAtRandom(t *testing.T) {
 				h       rabbitmw.Handler
 				timeout time.Duration // the shortest, from the handler's start
 				above   bool          // Timeout is above Dedup: its error is not ErrTimeout
+				unowned bool          // the handler claims for itself: Dedup holds no lease
 			}{
-				{dd(Timeout(2 * time.Second)(handler)), 2 * time.Second, false},
-				{dd(Timeout(3 * time.Second)(handler)), 3 * time.Second, false},
-				{dd(Timeout(7 * time.Second)(handler)), 7 * time.Second, false},
-				{dd(Timeout(6 * time.Second)(Timeout(2 * time.Second)(handler))), 2 * time.Second, false},
-				{dd(Timeout(2 * time.Second)(Timeout(6 * time.Second)(handler))), 2 * time.Second, false},
-				{dd(hidden(Timeout(3 * time.Second)(handler))), 3 * time.Second, false},
-				{Timeout(4 * time.Second)(dd(handler)), 4 * time.Second, true},
+				{h: dd(Timeout(2 * time.Second)(handler)), timeout: 2 * time.Second},
+				{h: dd(Timeout(3 * time.Second)(handler)), timeout: 3 * time.Second},
+				{h: dd(Timeout(7 * time.Second)(handler)), timeout: 7 * time.Second},
+				{h: dd(Timeout(6 * time.Second)(Timeout(2 * time.Second)(handler))), timeout: 2 * time.Second},
+				{h: dd(Timeout(2 * time.Second)(Timeout(6 * time.Second)(handler))), timeout: 2 * time.Second},
+				{h: dd(hidden(Timeout(3 * time.Second)(handler))), timeout: 3 * time.Second},
+				{h: Timeout(4 * time.Second)(dd(handler)), timeout: 4 * time.Second, above: true},
+				{h: dd(Timeout(3 * time.Second)(claimsItself{handler, true})), timeout: 3 * time.Second, unowned: true},
+				{h: dd(Timeout(7 * time.Second)(claimsItself{handler, false})), timeout: 7 * time.Second},
 			}
 			at := func(max int) time.Duration { return time.Duration(rng.IntN(max)) * time.Second }
 			for i := range plans {
@@ -277,7 +281,7 @@ func TestRenewerDeadlinesAtRandom(t *testing.T) {
 					}
 					ends = append(ends, end{p.parent, cause})
 				}
-				if p.lose {
+				if p.lose && !chains[p.chain].unowned {
 					ends = append(ends, end{lease / 3, ErrLeaseLost})
 				}
 				if p.ret >= 0 {
@@ -338,4 +342,18 @@ func TestRenewerDeadlinesAtRandom(t *testing.T) {
 			assert.Nil(t, h.renewer.claims.head, "claims left queued")
 		})
 	}
+}
+
+// claimsItself is a ClaimingHandler that runs h in its own claim, if run,
+// else declines.
+type claimsItself struct {
+	rabbitmw.Handler
+	run bool
+}
+
+func (c claimsItself) HandleClaiming(ctx context.Context, d *amqp.Delivery, _ store.Store, _ string, _, _ time.Duration) (bool, error) {
+	if !c.run {
+		return false, nil
+	}
+	return true, c.Handle(ctx, d)
 }
