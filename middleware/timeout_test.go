@@ -38,7 +38,9 @@ func TestTimeout(t *testing.T) {
 		{
 			name: "a handler cut by the deadline fails with ErrTimeout",
 			handler: func(ctx context.Context) error {
-				<-ctx.Done()
+				if err := awaitEnd(ctx, 100*limit); err != nil {
+					return err
+				}
 				return ctx.Err()
 			},
 			wantTimeout: true,
@@ -47,8 +49,7 @@ func TestTimeout(t *testing.T) {
 		{
 			name: "a late success stands",
 			handler: func(ctx context.Context) error {
-				<-ctx.Done()
-				return nil
+				return awaitEnd(ctx, 100*limit)
 			},
 			wantNil: true,
 		},
@@ -58,7 +59,9 @@ func TestTimeout(t *testing.T) {
 				return context.WithTimeout(context.Background(), limit/5)
 			},
 			handler: func(ctx context.Context) error {
-				<-ctx.Done()
+				if err := awaitEnd(ctx, 100*limit); err != nil {
+					return err
+				}
 				return ctx.Err()
 			},
 			wantIs: context.DeadlineExceeded,
@@ -107,6 +110,19 @@ func TestTimeout(t *testing.T) {
 	}
 }
 
+// awaitEnd waits for ctx to end, and returns nil; or an error if it has
+// not ended within bound (on the bubble's clock), so that a deadline never
+// armed fails the test at once, where the renewals of Dedup's lease would
+// move the clock on for ever.
+func awaitEnd(ctx context.Context, bound time.Duration) error {
+	select {
+	case <-ctx.Done():
+		return nil
+	case <-time.After(bound):
+		return errors.New("the deadline did not end the context")
+	}
+}
+
 // Beneath Dedup, the deadline counts from the handler's start, once the
 // claim is won, however long the claim took, as it does when a layer in
 // between gives Timeout a context of its own.
@@ -126,7 +142,9 @@ func TestTimeoutCountsFromTheHandlersStart(t *testing.T) {
 					wrap(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
 						entry = time.Now()
 						deadline, _ = ctx.Deadline()
-						<-ctx.Done()
+						if err := awaitEnd(ctx, 10*limit); err != nil {
+							return err
+						}
 						ended = time.Now()
 						return ctx.Err()
 					})))
