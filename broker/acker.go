@@ -45,18 +45,20 @@ const (
 // What keeping an ack costs, and so when it goes, is this:
 //
 //   - The server's window. A delivery whose ack is kept counts against
-//     the prefetch count as one in its handler does: the window holds the
-//     workers' deliveries and, beyond them, prefetch - workers more that
-//     wait for a worker. Acks kept take the place of those; were they all
-//     taken, a worker done would wait for the server to send it the next
-//     one. So the acks kept, those of the run below any gap and those
-//     held above one, are at most a budget: three quarters of the
-//     deliveries the window holds beyond the workers' (maxPendingAcks at
-//     most; none with a prefetch count at or below the workers, where
-//     every ack kept would keep a worker waiting). The last quarter is
-//     what the workers draw on while the acks sent make the server fill
-//     the window again. At the budget, the acker frees the window at the
-//     least cost in frames: the run first, in one multiple ack, then held
+//     the prefetch count as one in its handler does: the window holds
+//     the workers' deliveries and, beyond them, prefetch - workers more
+//     that wait for a worker. Acks kept take the place of those; were
+//     they all taken, a worker done would wait for the server to send
+//     it the next one. So the acks kept, those of the run below any gap
+//     and those held above one, are at most a budget: three quarters of
+//     the deliveries the window holds beyond the workers'
+//     (maxPendingAcks at most; none with a prefetch count at or below
+//     the workers, where every ack kept would keep a worker waiting,
+//     nor up to two above them, where three quarters of the spare
+//     window is less than two). The last quarter is what the workers
+//     draw on while the acks sent make the server fill the window
+//     again. At the budget, the acker frees the window at the least
+//     cost in frames: the run first, in one multiple ack, then held
 //     acks alone, the highest first (those just above a gap are the
 //     likeliest to join a run when it closes), only as many as it takes
 //     to go below the budget. A gap longer than the budget's worth of

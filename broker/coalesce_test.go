@@ -228,12 +228,13 @@ func TestHeldAcksAtTheBudget(t *testing.T) {
 	}
 }
 
-// With a prefetch count at or below the workers, or one above them, no
-// ack is kept: each goes at once, alone behind a gap, without waiting for
-// the time bound.
+// With a prefetch count at or below the workers, or up to two above them
+// (three quarters of the spare window is then less than two), no ack is
+// kept: each goes at once, alone behind a gap, without waiting for the
+// time bound.
 func TestAcksAtTheWorkersGoAtOnce(t *testing.T) {
 	for _, opts := range []ConsumeOptions{
-		{Workers: 4, Prefetch: 4}, {Workers: 8, Prefetch: 4}, {Workers: 4, Prefetch: 5}, {Workers: 1, Prefetch: 1},
+		{Workers: 4, Prefetch: 4}, {Workers: 8, Prefetch: 4}, {Workers: 4, Prefetch: 5}, {Workers: 4, Prefetch: 6}, {Workers: 1, Prefetch: 1},
 	} {
 		t.Run(fmt.Sprintf("workers=%d/prefetch=%d", opts.Workers, opts.Prefetch), func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {

@@ -92,9 +92,10 @@
 // the part of it beyond the workers (ConsumeOptions.Prefetch minus
 // Workers): at most three quarters of that part, and 32; when they reach
 // that, the run is sent, and then as many of the acks behind a gap as it
-// takes, one by one, the highest first. With a prefetch count at or below the workers, each
-// ack is sent as it comes. Acks not sent yet when a connection is lost
-// are lost with it, as an ack written just before it dies is: the server
+// takes, one by one, the highest first. With a prefetch count at most two
+// above the workers, where three quarters of that part is less than two,
+// each ack is sent as it comes. Acks not sent yet when a connection is
+// lost are lost with it, as an ack written just before it dies is: the server
 // redelivers those messages (at most as many as the acks kept), and Dedup
 // takes them for duplicates.
 //
