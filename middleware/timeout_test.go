@@ -3,6 +3,7 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -173,4 +174,41 @@ type slowClaim struct {
 func (s *slowClaim) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
 	time.Sleep(s.wait)
 	return s.Store.Claim(ctx, key, token, lease)
+}
+
+// A handler that fails at the instant of its deadline has failed once its
+// deadline passed, as a context's Err says at that instant: its error is
+// wrapped with ErrTimeout, whether the deadline's timer has run yet or
+// not, the handler watched its context or not, and Dedup runs Timeout's
+// handler itself or not.
+func TestTimeoutAtTheDeadline(t *testing.T) {
+	const limit = time.Second
+	layouts := map[string]func(rabbitmw.Handler) rabbitmw.Handler{
+		"alone":                         middleware.Timeout(limit),
+		"directly beneath Dedup":        rabbitmw.Chain(middleware.Dedup(store.NewMemory(), middleware.DedupOptions{}), middleware.Timeout(limit)),
+		"beneath a layer beneath Dedup": rabbitmw.Chain(middleware.Dedup(store.NewMemory(), middleware.DedupOptions{}), middleware.Recover(), middleware.Timeout(limit)),
+	}
+	for layout, wrap := range layouts {
+		for _, watches := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/watches %v", layout, watches), func(t *testing.T) {
+				h := wrap(rabbitmw.HandlerFunc(func(ctx context.Context, _ *amqp.Delivery) error {
+					if watches {
+						ctx.Done()
+					}
+					time.Sleep(limit)
+					return errBoom
+				}))
+				// The deadline's timer and the handler wake at the same
+				// instant, in either order: try both, many times.
+				for i := range 50 {
+					synctest.Test(t, func(t *testing.T) {
+						d, _ := deliverytest.New(fmt.Sprint("m", i), "")
+						if err := h.Handle(context.Background(), d); !errors.Is(err, middleware.ErrTimeout) {
+							t.Errorf("try %d: result %v; want ErrTimeout", i, err)
+						}
+					})
+				}
+			})
+		}
+	}
 }
