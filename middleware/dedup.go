@@ -342,7 +342,7 @@ func (h *dedup) runClaiming(ctx context.Context, d *amqp.Delivery, key string, d
 	// The handler ran; or its context ended before it claimed, and the
 	// delivery, which got no answer, gets no event.
 	if h.timed != nil {
-		err = h.timed.result(ctx, cc, err)
+		err = h.timed.result(ctx, &cc.cancelContext, err)
 	}
 	return true, err
 }
@@ -394,7 +394,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	}()
 	a := attempt{settle: &cc.settle}
 	if h.timed != nil {
-		a.err = h.timed.result(ctx, cc, h.timed.next.Handle(cc, d))
+		a.err = h.timed.result(ctx, &cc.cancelContext, h.timed.next.Handle(cc, d))
 	} else {
 		a.err = h.next.Handle(cc, d)
 	}

@@ -2,7 +2,6 @@ package middleware
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
@@ -57,9 +56,11 @@ func (t *timeout) Handle(ctx context.Context, dv *amqp.Delivery) error {
 
 // result is the result of a handler that returned err under tctx, which
 // has the layer's deadline, beneath ctx: err wrapped with ErrTimeout if
-// the deadline passed (and not ctx's own), else err.
-func (t *timeout) result(ctx, tctx context.Context, err error) error {
-	if err != nil && errors.Is(tctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil {
+// the deadline has passed (and ctx has not ended), else err. It asks the
+// clock, not tctx's Err: a watched context learns of its deadline from a
+// timer, which may not have run yet as the handler returns.
+func (t *timeout) result(ctx context.Context, tctx *cancelContext, err error) error {
+	if err != nil && ctx.Err() == nil && time.Until(tctx.deadline) <= 0 {
 		return fmt.Errorf("%w after %v: %w", ErrTimeout, t.d, err)
 	}
 	return err
