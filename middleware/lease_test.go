@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -195,6 +196,7 @@ func deliverAtRandom(t *testing.T, seed uint64, unit time.Duration, exact bool) 
 		seens[i].ended1 = make(chan struct{})
 	}
 	var mu sync.Mutex // guards seens
+	var keepers sync.WaitGroup
 	s := &extendAs{Store: store.NewMemory(), extend: func(_ context.Context, key string) error {
 		var i int
 		fmt.Sscan(key, &i)
@@ -209,6 +211,16 @@ func deliverAtRandom(t *testing.T, seed uint64, unit time.Duration, exact bool) 
 		mu.Lock()
 		seens[i].start, seens[i].ctx = time.Now(), ctx
 		mu.Unlock()
+		// A goroutine that keeps the context beyond the handler's return,
+		// and reads it as Dedup ends it and records the attempt.
+		keepers.Go(func() {
+			for range 3 {
+				_, _, _ = ctx.Err(), context.Cause(ctx), ctx.Value(claimKey{})
+				runtime.Gosched()
+			}
+			<-ctx.Done()
+			_, _ = ctx.Err(), context.Cause(ctx)
+		})
 		context.AfterFunc(ctx, func() {
 			mu.Lock()
 			defer mu.Unlock()
@@ -286,6 +298,7 @@ func deliverAtRandom(t *testing.T, seed uint64, unit time.Duration, exact bool) 
 		})
 	}
 	wg.Wait()
+	keepers.Wait()
 	if exact {
 		synctest.Wait() // the callbacks of AfterFunc have run
 	} else {
