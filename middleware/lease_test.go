@@ -78,10 +78,7 @@ func TestRenewerQueuesTheDeadline(t *testing.T) {
 				})
 			}
 			wg.Wait()
-			h.renewer.mu.Lock()
-			defer h.renewer.mu.Unlock()
-			assert.Nil(t, h.renewer.deadlines.list.head, "%s: deadlines left queued", kinds)
-			assert.Nil(t, h.renewer.claims.head, "%s: claims left queued", kinds)
+			assertNothingQueued(t, h, kinds)
 		}
 		// Before their deadlines, which would take them out of the queue.
 		deliver("ncp")
@@ -119,13 +116,20 @@ func TestRenewerTakesTheDeadlineOutAfterTheLease(t *testing.T) {
 				err := h.Handle(context.Background(), &amqp.Delivery{MessageId: "m1"})
 				assert.ErrorIs(t, cause, tc.want, "the cause of the handler's context's end")
 				assert.ErrorIs(t, err, tc.want)
-				h.renewer.mu.Lock()
-				defer h.renewer.mu.Unlock()
-				assert.Nil(t, h.renewer.deadlines.list.head, "the deadline left queued")
-				assert.Nil(t, h.renewer.claims.head, "the claim left queued")
+				assertNothingQueued(t, h, tc.name)
 			})
 		})
 	}
+}
+
+// assertNothingQueued asserts that h's renewer holds no deadline and no
+// claim; what names the case in the failure messages.
+func assertNothingQueued(t *testing.T, h *dedup, what string) {
+	t.Helper()
+	h.renewer.mu.Lock()
+	defer h.renewer.mu.Unlock()
+	assert.Nil(t, h.renewer.deadlines.list.head, "%s: deadlines left queued", what)
+	assert.Nil(t, h.renewer.claims.head, "%s: claims left queued", what)
 }
 
 // extendAs is a Store whose Extend answers as extend does.
@@ -391,10 +395,7 @@ func deliverAtRandom(t *testing.T, seed uint64, unit time.Duration, exact bool) 
 		}
 	}
 	h := chains[0].h.(*dedup)
-	h.renewer.mu.Lock()
-	defer h.renewer.mu.Unlock()
-	assert.Nil(t, h.renewer.deadlines.list.head, "deadlines left queued")
-	assert.Nil(t, h.renewer.claims.head, "claims left queued")
+	assertNothingQueued(t, h, "after the deliveries")
 }
 
 // claimsItself is a ClaimingHandler that runs h in its own claim, if run,
