@@ -15,10 +15,32 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// settleBy is an amqp.Acknowledger that hands each settlement to its
+// function, with its kind: "ack", "nack" or "reject". The fake channels
+// of these tests embed it.
+type settleBy func(kind string, tag uint64, multiple bool)
+
+func (f settleBy) Ack(tag uint64, multiple bool) error {
+	f("ack", tag, multiple)
+	return nil
+}
+
+func (f settleBy) Nack(tag uint64, multiple, _ bool) error {
+	f("nack", tag, multiple)
+	return nil
+}
+
+func (f settleBy) Reject(tag uint64, _ bool) error {
+	f("reject", tag, false)
+	return nil
+}
+
 // A modelChannel is an amqp.Acknowledger that settles deliveries 1 to n as
 // a RabbitMQ channel does, and records the frames it takes and the unknown
 // delivery tags it refuses (RabbitMQ would close the channel).
 type modelChannel struct {
+	settleBy // m.settle
+
 	mu      sync.Mutex
 	unacked map[uint64]bool
 	settled map[uint64]int
@@ -30,6 +52,7 @@ type modelChannel struct {
 
 func newModelChannel(n int) *modelChannel {
 	m := &modelChannel{unacked: make(map[uint64]bool), settled: make(map[uint64]int)}
+	m.settleBy = m.settle
 	for tag := range uint64(n) {
 		m.unacked[tag+1] = true
 	}
@@ -65,21 +88,6 @@ func (m *modelChannel) settle(kind string, tag uint64, multiple bool) {
 		m.acks++
 		m.acked += len(tags)
 	}
-}
-
-func (m *modelChannel) Ack(tag uint64, multiple bool) error {
-	m.settle("ack", tag, multiple)
-	return nil
-}
-
-func (m *modelChannel) Nack(tag uint64, multiple, _ bool) error {
-	m.settle("nack", tag, multiple)
-	return nil
-}
-
-func (m *modelChannel) Reject(tag uint64, _ bool) error {
-	m.settle("reject", tag, false)
-	return nil
 }
 
 // takeFrames returns the frames taken since the last call.

@@ -24,7 +24,8 @@ import (
 // (unknown to the server), or for a delivery in its handler; and, if
 // timed, an ack sent more than maxHoldAck after it was asked for.
 type strictChannel struct {
-	timed bool
+	settleBy // c.frame
+	timed    bool
 
 	mu      sync.Mutex
 	open    map[uint64]*tagState // delivered, not settled
@@ -41,12 +42,14 @@ type tagState struct {
 }
 
 func newStrictChannel(timed bool) *strictChannel {
-	return &strictChannel{
+	c := &strictChannel{
 		timed:   timed,
 		open:    make(map[uint64]*tagState),
 		settled: make(map[uint64]int),
 		freed:   make(chan struct{}, 1),
 	}
+	c.settleBy = c.frame
+	return c
 }
 
 // deliver records that tag is delivered, and in its handler.
@@ -85,22 +88,8 @@ func (c *strictChannel) sendOwn(tag uint64, kind string) {
 	c.open[tag].own = kind
 }
 
-// Ack, Nack and Reject play the server. c.mu must not be held.
-func (c *strictChannel) Ack(tag uint64, multiple bool) error {
-	c.frame("ack", tag, multiple)
-	return nil
-}
-
-func (c *strictChannel) Nack(tag uint64, multiple, _ bool) error {
-	c.frame("nack", tag, multiple)
-	return nil
-}
-
-func (c *strictChannel) Reject(tag uint64, _ bool) error {
-	c.frame("reject", tag, false)
-	return nil
-}
-
+// frame plays the server, for Ack, Nack and Reject (settleBy). c.mu
+// must not be held.
 func (c *strictChannel) frame(kind string, tag uint64, multiple bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
