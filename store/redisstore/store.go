@@ -87,6 +87,17 @@ type Options struct {
 // lease the first time Claim finds it, so it cannot block its message
 // forever.
 //
+// go-redis sends a command again, or a whole pipeline, when its answer
+// does not come within the client's read timeout, though the first send
+// may have taken effect (see [Store.Claim]). What each command finds the
+// second time: a Claim, its own claim, and reports Claimed; an Extend or a
+// ResetFailures does again what it did; a Complete or a Release finds the
+// claim gone and returns store.ErrLostClaim (middleware.Dedup then tries
+// the message again later, and finds it done, or free to claim); a Claim
+// that had found the key abandoned finds it absent and claims it, so that
+// the attempt that never finished goes uncounted. Fail alone is sent once
+// (see [Store.Fail]).
+//
 // Errors from the client, including timeouts, are wrapped with the
 // operation and key; redis.Nil never escapes.
 //
