@@ -1,9 +1,13 @@
 package redisstore_test
 
 import (
+	"context"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 	"github.com/rabbitmw/rabbitmw/store"
@@ -25,4 +29,36 @@ func TestInspect(t *testing.T) {
 			return redisstore.New(c, redisstore.Options{Prefix: "rabbitmw-test:"})
 		})
 	})
+}
+
+// Inspect reads a claim key as Claim decides it: a value Claim takes for a
+// claim of a Redis store is Processing while its key's PTTL is more than
+// the claim's abandoned retention and Abandoned after (without expiry too),
+// and any other value is a hand-written consumer's mark, Processing.
+func TestInspectAgreesWithClaim(t *testing.T) {
+	cases := []struct {
+		name  string
+		value string
+		pttl  time.Duration // 0: no expiry
+	}{
+		{"a claim", "rabbitmw:claim:60000:tok", 2 * time.Minute},
+		{"a claim, its lease ended", "rabbitmw:claim:60000:tok", 30 * time.Second},
+		{"a claim without expiry", "rabbitmw:claim:60000:tok", 0},
+		{"a signed retention", "rabbitmw:claim:+60000:tok", 30 * time.Second},
+		{"a negative retention", "rabbitmw:claim:-1:tok", 30 * time.Second},
+		{"a hand-written mark", "processing", 30 * time.Second},
+		{"a hand-written mark without expiry", "processing", 0},
+	}
+	_, c := newMiniredis(t)
+	s := redisstore.New(c, redisstore.Options{})
+	ctx := context.Background()
+	for _, tc := range cases {
+		k := "msg:" + tc.name
+		require.NoError(t, c.Set(ctx, k, tc.value, tc.pttl).Err())
+		got, err := s.Inspect(ctx, tc.name)
+		require.NoError(t, err)
+		want, err := s.Claim(ctx, tc.name, "other", time.Minute)
+		require.NoError(t, err)
+		assert.Equal(t, want, got.Status, "%s: Inspect's status; Claim found %s", tc.name, want)
+	}
 }
