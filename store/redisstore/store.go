@@ -402,11 +402,14 @@ func (r *Store) owned(op, key string, n int64, err error) error {
 }
 
 // Fail implements [store.Store]. Unlike the other commands, its script is
-// sent once (see [Store.once]): sent again after its answer was lost (see
-// Claim), its INCR would count the failure twice, and middleware.Retry
+// sent once, on a round trip of its own: sent again after its answer was
+// lost (see Claim), its INCR would count the failure twice, and middleware.Retry
 // would dead-letter the message an attempt early. A Fail whose answer is
 // lost returns an error instead, its count unknown, as the [store.Store]
-// contract allows.
+// contract allows. Over a client that New does not batch over (a wrapper of
+// your own, go-redis's autopipeliner), Fail calls the client's EvalSha, as
+// the other methods do, and is sent again as that client sends any
+// command.
 func (r *Store) Fail(ctx context.Context, key string, ttl time.Duration) (int64, error) {
 	n, err := r.once(ctx, failScript, r.failurePre+key, millis(ttl))
 	if err != nil {
@@ -451,11 +454,6 @@ func (r *Store) run(ctx context.Context, s script, k string, args ...any) (int64
 	return cmd.Int64()
 }
 
-// A processor sends any command: every go-redis client does.
-type processor interface {
-	Process(ctx context.Context, cmd redis.Cmder) error
-}
-
 // noResend is a command that go-redis sends once, not again on a new
 // connection when its answer does not come (its Cmder.NoRetry): a pipeline
 // that holds one is not sent again either.
@@ -467,8 +465,9 @@ func (noResend) NoRetry() bool { return true }
 // once runs s on the single key k, as run does, but sends it once (see
 // Store.Fail), on its own round trip: over a Batcher, on the client the
 // batcher wraps, so that the pipelines of other calls keep go-redis's
-// resends. A client without Process (a wrapper with Client's methods alone)
-// runs s as run does, resends and all.
+// resends. That client must be one that New batches over (see
+// [Options.NoBatching]); any other Client runs s as run does, through its
+// own methods, and resends it as it resends any command.
 func (r *Store) once(ctx context.Context, s script, k string, args ...any) (int64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
@@ -477,8 +476,17 @@ func (r *Store) once(ctx context.Context, s script, k string, args ...any) (int6
 	if r.batcher != nil {
 		c = r.batcher.client
 	}
-	p, ok := c.(processor)
-	if !ok {
+	var p interface {
+		Process(ctx context.Context, cmd redis.Cmder) error
+	}
+	switch c := c.(type) {
+	case *redis.Client:
+		p = c
+	case *redis.ClusterClient:
+		p = c
+	case *redis.Ring:
+		p = c
+	default:
 		return r.run(ctx, s, k, args...)
 	}
 	send := func(name string, script any) *redis.Cmd {
