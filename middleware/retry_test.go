@@ -2,6 +2,7 @@ package middleware_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"runtime"
@@ -568,4 +569,42 @@ func TestExhaustedReadsCauseFirst(t *testing.T) {
 	err := h.Handle(context.Background(), &amqp.Delivery{MessageId: "m", Headers: amqp.Table{rabbitmw.HeaderAttempts: int64(1)}})
 	require.ErrorIs(t, err, middleware.ErrRetriesExhausted)
 	assert.Equal(t, "decode order 7: unexpected EOF (middleware: retries exhausted after 2 attempts)", err.Error())
+}
+
+// A failure that Retry could not count in its store is reported with the
+// store's error beside it, but the type of the failure stays the
+// handler's: a store that timed out does not make every message that fails
+// meanwhile a "timeout" in the dead-letter queue, the log and the metrics.
+func TestRetryStoreErrorDoesNotChangeTheErrorType(t *testing.T) {
+	for _, storeErr := range []error{
+		fmt.Errorf("redis: %w", context.DeadlineExceeded),
+		fmt.Errorf("redis: %w", context.Canceled),
+	} {
+		for _, tc := range []struct {
+			name     string
+			result   error
+			header   int64
+			wantType string
+			want     rabbitmw.Outcome
+		}{
+			{"below the limit", &json.SyntaxError{Offset: 3}, 0, "*json.SyntaxError", rabbitmw.Delay},
+			{"at the limit", &json.SyntaxError{Offset: 3}, 4, "*json.SyntaxError", rabbitmw.DeadLetter},
+			{"permanent", rabbitmw.Permanent(&json.SyntaxError{Offset: 3}), 0, "*json.SyntaxError", rabbitmw.DeadLetter},
+			{"untyped", errBoom, 4, "error", rabbitmw.DeadLetter},
+		} {
+			t.Run(fmt.Sprintf("%v/%s", storeErr, tc.name), func(t *testing.T) {
+				s := &faultyStore{Store: store.NewMemory()}
+				set(&s.fail, storeErr)
+				h := middleware.Retry(s, middleware.RetryOptions{Backoff: linear})(rabbitmw.HandlerFunc(
+					func(context.Context, *amqp.Delivery) error { return tc.result }))
+				d, _ := deliverytest.New("m1", "")
+				d.Headers = amqp.Table{rabbitmw.HeaderAttempts: tc.header}
+				err := h.Handle(context.Background(), d)
+				assert.Equal(t, tc.want, rabbitmw.Decide(err).Outcome)
+				assert.Equal(t, int(tc.header)+1, rabbitmw.Decide(err).Attempts)
+				assert.ErrorIs(t, err, storeErr, "the store's error is reported")
+				assert.Equal(t, tc.wantType, rabbitmw.ErrorType(err))
+			})
+		}
+	}
 }
