@@ -175,9 +175,7 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 		// Counted even if ctx is done: the store no longer holds the
 		// abandoned claim, so nothing else can count it.
 		n, stored, cerr := h.count(ctx, d, 0)
-		if cerr != nil {
-			err = errors.Join(err, cerr)
-		}
+		err = withCountError(err, cerr)
 		if n >= h.max {
 			h.reset(ctx, d)
 			return rabbitmw.Permanent(rabbitmw.WithAttempts(&exhaustedError{n: n, err: err}, n))
@@ -209,9 +207,7 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 	}
 	classified := dec.Outcome != rabbitmw.DeadLetter && h.permanent != nil && h.permanent(err)
 	n, _, cerr := h.count(ctx, d, counted)
-	if cerr != nil {
-		err = errors.Join(err, cerr)
-	}
+	err = withCountError(err, cerr)
 	switch {
 	case dec.Outcome == rabbitmw.DeadLetter:
 		h.reset(ctx, d)
@@ -317,6 +313,25 @@ func (h *retry) count(ctx context.Context, d *amqp.Delivery, before int) (n int,
 	}
 	return max(n, int(min(got, 1<<30))), true, nil
 }
+
+// withCountError returns err, the failure of an attempt, joined to cerr,
+// the error of counting it, if any. The result's type of failure (see
+// rabbitmw.ErrorType) is err's: a store that timed out does not turn every
+// failure counted meanwhile into a "timeout".
+func withCountError(err, cerr error) error {
+	if cerr == nil {
+		return err
+	}
+	return &countError{err: err, cerr: cerr}
+}
+
+// countError is an attempt's failure err joined to the error of counting
+// it, cerr. It reads and unwraps as errors.Join(err, cerr) does.
+type countError struct{ err, cerr error }
+
+func (e *countError) Error() string     { return e.err.Error() + "\n" + e.cerr.Error() }
+func (e *countError) Unwrap() []error   { return []error{e.err, e.cerr} }
+func (e *countError) ErrorType() string { return rabbitmw.ErrorType(e.err) }
 
 // reset clears d's failure count, on a best-effort basis: a count left
 // behind expires after the TTL, and meanwhile only makes a later copy of
