@@ -215,3 +215,41 @@ func TestStackEffectsOnceUnderFaults(t *testing.T) {
 		})
 	}
 }
+
+// orderError is an application's error type whose Error reads its fields,
+// as most do, so that a nil *orderError panics when asked for its text.
+type orderError struct{ id string }
+
+func (e *orderError) Error() string { return "order " + e.id + " rejected" }
+
+// A handler that returns a nil *orderError as its error (the typed nil of
+// "var err *orderError; return err") failed: the message gets its
+// MaxAttempts, and the text of the result, which Log and the broker's
+// fault headers read outside Recover, does not panic. Before, Log's
+// err.Error() panicked through Retry's marks, and the broker, recovering
+// it, dead-lettered the message at its first attempt as a "panic".
+func TestStackTypedNilErrorIsAFailure(t *testing.T) {
+	ctx := context.Background()
+	var logs bytes.Buffer
+	h := middleware.Stack(store.NewMemory(), middleware.StackOptions{
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+		Retry:  middleware.RetryOptions{MaxAttempts: 3, Backoff: linear},
+	})(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+		var err *orderError
+		return err
+	}))
+	for n := 1; n <= 3; n++ {
+		d := &amqp.Delivery{MessageId: "m1", Headers: amqp.Table{rabbitmw.HeaderAttempts: int64(n - 1)}}
+		var err error
+		require.NotPanics(t, func() { err = h.Handle(ctx, d) }, "attempt %d", n)
+		dec := rabbitmw.Decide(err)
+		want := rabbitmw.Delay
+		if n == 3 {
+			want = rabbitmw.DeadLetter
+		}
+		assert.Equal(t, want, dec.Outcome, "attempt %d", n)
+		assert.Equal(t, n, dec.Attempts)
+		assert.Equal(t, "*middleware_test.orderError", rabbitmw.ErrorType(err))
+		assert.NotPanics(t, func() { _ = err.Error() })
+	}
+}
