@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -127,6 +128,22 @@ func read(err error, d *Decision, marked, duplicate *bool) {
 	}
 }
 
+// errorText returns err.Error(), or "<nil>", as fmt prints it, if err is a
+// nil pointer (a handler's "var err *T; return err") whose Error method
+// panics: the marks are read outside the handler, by Log and the broker,
+// where a panic is no failed attempt.
+func errorText(err error) (text string) {
+	defer func() {
+		if v := recover(); v != nil {
+			if r := reflect.ValueOf(err); r.Kind() != reflect.Pointer || !r.IsNil() {
+				panic(v)
+			}
+			text = "<nil>"
+		}
+	}()
+	return err.Error()
+}
+
 // marker is implemented by the errors that carry a settlement request.
 // Decide finds the outermost one.
 type marker interface {
@@ -146,7 +163,7 @@ func Permanent(err error) error {
 
 type permanentError struct{ err error }
 
-func (e *permanentError) Error() string                    { return e.err.Error() }
+func (e *permanentError) Error() string                    { return errorText(e.err) }
 func (e *permanentError) Unwrap() error                    { return e.err }
 func (e *permanentError) settle() (Outcome, time.Duration) { return DeadLetter, 0 }
 
@@ -166,7 +183,7 @@ type delayError struct {
 	d   time.Duration
 }
 
-func (e *delayError) Error() string { return e.err.Error() }
+func (e *delayError) Error() string { return errorText(e.err) }
 func (e *delayError) Unwrap() error { return e.err }
 func (e *delayError) settle() (Outcome, time.Duration) {
 	if e.d <= 0 {
@@ -192,7 +209,7 @@ type attemptsError struct {
 	n   int
 }
 
-func (e *attemptsError) Error() string { return e.err.Error() }
+func (e *attemptsError) Error() string { return errorText(e.err) }
 func (e *attemptsError) Unwrap() error { return e.err }
 
 // NotCounted marks err as a result that is not the message's failure: the
@@ -220,7 +237,7 @@ func NotCounted(err error) error {
 
 type notCountedError struct{ err error }
 
-func (e *notCountedError) Error() string { return e.err.Error() }
+func (e *notCountedError) Error() string { return errorText(e.err) }
 func (e *notCountedError) Unwrap() error { return e.err }
 
 // IsNotCounted reports whether err, or any error in its tree, was marked by

@@ -329,7 +329,7 @@ func withCountError(err, cerr error) error {
 // it, cerr. It reads and unwraps as errors.Join(err, cerr) does.
 type countError struct{ err, cerr error }
 
-func (e *countError) Error() string     { return e.err.Error() + "\n" + e.cerr.Error() }
+func (e *countError) Error() string     { return fmt.Sprintf("%v\n%v", e.err, e.cerr) }
 func (e *countError) Unwrap() []error   { return []error{e.err, e.cerr} }
 func (e *countError) ErrorType() string { return rabbitmw.ErrorType(e.err) }
 
