@@ -608,3 +608,49 @@ func TestRetryStoreErrorDoesNotChangeTheErrorType(t *testing.T) {
 		}
 	}
 }
+
+// A failure that only the attempts header counts (CountByHeader, or a
+// store whose Fail failed) is delayed, even if Backoff asks for no wait:
+// only the copy that the broker package republishes for a delay carries
+// the new count, and a requeue would bring the message back with the
+// header of before, for ever. A failure that the store counted may be
+// requeued at once.
+func TestRetryZeroBackoffStillCarriesTheCount(t *testing.T) {
+	now := func(int) time.Duration { return 0 }
+	tests := []struct {
+		name    string
+		store   func() store.Store
+		abandon bool // the result is Dedup's ErrAbandoned
+		want    rabbitmw.Outcome
+	}{
+		{"by the header", func() store.Store { return nil }, false, rabbitmw.Delay},
+		{"store down", func() store.Store {
+			s := &faultyStore{Store: store.NewMemory()}
+			set(&s.fail, errors.New("connection refused"))
+			return s
+		}, false, rabbitmw.Delay},
+		{"store down, abandoned", func() store.Store {
+			s := &faultyStore{Store: store.NewMemory()}
+			set(&s.fail, errors.New("connection refused"))
+			return s
+		}, true, rabbitmw.Delay},
+		{"counted in the store", func() store.Store { return store.NewMemory() }, false, rabbitmw.Requeue},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := tt.store()
+			h := middleware.Retry(s, middleware.RetryOptions{Backoff: now, CountByHeader: s == nil})(rabbitmw.HandlerFunc(
+				func(context.Context, *amqp.Delivery) error {
+					if tt.abandon {
+						return abandoned
+					}
+					return errBoom
+				}))
+			d, _ := deliverytest.New("m1", "")
+			d.Headers = amqp.Table{rabbitmw.HeaderAttempts: int64(2)}
+			dec := rabbitmw.Decide(h.Handle(context.Background(), d))
+			assert.Equal(t, tt.want, dec.Outcome)
+			assert.Equal(t, 3, dec.Attempts)
+		})
+	}
+}
