@@ -184,7 +184,7 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 			// Only the copy that a delay republishes carries n: a crash
 			// of a retry in place would bring back the same headers, and
 			// the count would start again from them.
-			return rabbitmw.RetryAfter(rabbitmw.WithAttempts(err, n), h.backoff(n))
+			return rabbitmw.RetryAfter(rabbitmw.WithAttempts(err, n), h.delay(n, false))
 		}
 		ran, rerr := h.retryAlone(ctx, d)
 		if !ran {
@@ -206,7 +206,7 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 		return err
 	}
 	classified := dec.Outcome != rabbitmw.DeadLetter && h.permanent != nil && h.permanent(err)
-	n, _, cerr := h.count(ctx, d, counted)
+	n, stored, cerr := h.count(ctx, d, counted)
 	err = withCountError(err, cerr)
 	switch {
 	case dec.Outcome == rabbitmw.DeadLetter:
@@ -219,11 +219,25 @@ func (h *retry) Handle(ctx context.Context, d *amqp.Delivery) error {
 		h.reset(ctx, d)
 		return rabbitmw.Permanent(rabbitmw.WithAttempts(&exhaustedError{n: n, err: err}, n))
 	}
-	delay := h.backoff(n)
+	delay := h.delay(n, stored)
 	if dec.Outcome == rabbitmw.Delay && dec.Delay > delay {
 		delay = dec.Delay
 	}
 	return rabbitmw.RetryAfter(rabbitmw.WithAttempts(err, n), delay)
+}
+
+// delay returns the delay before the attempt that follows failed attempt
+// n: Backoff(n), but at least a nanosecond if the store did not record the
+// failure (stored is false). The count then lives only in the attempts
+// header, and only the copy that a delay republishes carries the new one:
+// a requeue, which a delay of zero is, brings the message back with the
+// header of before, and it would never reach the limit.
+func (h *retry) delay(n int, stored bool) time.Duration {
+	d := h.backoff(n)
+	if !stored {
+		d = max(d, time.Nanosecond)
+	}
+	return d
 }
 
 // handleNext runs the layers beneath for d, handing them the key of d: the
