@@ -28,7 +28,10 @@ type RetryOptions struct {
 	MaxAttempts int
 	// Backoff returns how long to wait before the attempt that follows
 	// failed attempt number n (from 1). Default: Exponential(time.Second,
-	// time.Minute).
+	// time.Minute). Zero or less requeues the message at once if the
+	// store counted the failure; a failure that only the attempts header
+	// counts is delayed all the same (by the broker package's shortest
+	// delay), since only a delayed copy carries the new count.
 	Backoff func(n int) time.Duration
 	// TTL is how long a failure count is kept after the last failure.
 	// Default 24 hours.
