@@ -28,6 +28,7 @@ var behaviours = []struct {
 	{"MalformedHeaders", testDLQMalformed},
 	{"PurgeSelected", testPurgeSelected},
 	{"ExportImport", testExportImport},
+	{"ExportImportTimestampsBeyondRFC3339", testExportImportTimestampsBeyondRFC3339},
 }
 
 func TestDeadLetterOperations(t *testing.T) {
