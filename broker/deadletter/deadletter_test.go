@@ -24,6 +24,7 @@ var behaviours = []struct {
 	{"ReplaySelected", testReplaySelected},
 	{"ReplayedMessageFailsAgain", testReplayFailsAgain},
 	{"ReplayOfServerDeadLetters", testReplayServerDeadLetters},
+	{"ReplayOfAForwardedDeadLetter", testReplayForwardedDeadLetter},
 	{"ReplayToMissingQueue", testReplayMissingQueue},
 	{"MalformedHeaders", testDLQMalformed},
 	{"PurgeSelected", testPurgeSelected},
