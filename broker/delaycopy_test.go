@@ -203,7 +203,7 @@ func FuzzDelayHop(f *testing.F) {
 		}
 		d := &amqp.Delivery{Headers: h}
 		copyHeaders := delayHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.Delay, Delay: time.Second}, "q", time.Time{})
-		back := rabbit.AddDeath(rabbit.WireTable(copyHeaders), "q.delay.1s", "expired", "", "q.delay.1s", "", time.Unix(1000, 0))
+		back := rabbit.AddDeath(rabbit.WireTable(copyHeaders), "q.delay.1s", "expired", "", []string{"q.delay.1s"}, "", time.Unix(1000, 0))
 		if rabbit.DeadLetterCycle(back["x-death"], "q") {
 			t.Fatalf("the delay copy with x-death %v is dropped as a cycle", back["x-death"])
 		}

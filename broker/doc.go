@@ -52,10 +52,13 @@
 // queue expires, as RabbitMQ's own dead-lettering removes the property),
 // UserId (HeaderUserID: RabbitMQ refuses a publish by another user), and
 // DeliveryMode (a copy is persistent; HeaderOriginalDeliveryMode keeps a
-// mode that was not). It keeps its body and all its headers, whatever their types, including those
-// RabbitMQ adds (x-death, x-delivery-count); a copy sent to a delay queue
-// carries the x-death records that name Q in HeaderDeaths instead, lest
-// RabbitMQ drop it as a dead-letter cycle. It is persistent. It carries
+// mode that was not). It keeps its body and all its headers, whatever
+// their types, including those RabbitMQ adds (x-death, x-delivery-count),
+// but CC and BCC, by which RabbitMQ would route it to the queues they name
+// as well as its own: it keeps them in HeaderOriginalCC and
+// HeaderOriginalBCC, and the handler sees CC as it was. A copy sent to a
+// delay queue carries the x-death records that name Q in HeaderDeaths
+// instead, lest RabbitMQ drop it as a dead-letter cycle. It is persistent. It carries
 // the attempt count ([rabbitmw.HeaderAttempts]) and the original exchange
 // and routing key; a dead-lettered copy also the fault headers: error text
 // and type, work queue, time, host and process (see the Header

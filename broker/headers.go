@@ -72,6 +72,19 @@ const (
 	// int64) of a message that was not persistent when the broker copied
 	// it: every copy is persistent.
 	HeaderOriginalDeliveryMode = "x-rabbitmw-original-delivery-mode"
+	// HeaderOriginalCC keeps the CC header of a message that the broker
+	// copies. RabbitMQ routes a message by the keys of its CC header too
+	// (sender-selected distribution), and every copy goes through the
+	// default exchange, where each queue is bound by its name: a copy that
+	// carried it would reach the queues it names again. Consume gives it
+	// back to the delivery as CC, under the same condition as the original
+	// route. (RabbitMQ's own dead-lettering through a queue's
+	// x-dead-letter-routing-key removes CC from the message.)
+	HeaderOriginalCC = "x-rabbitmw-original-cc"
+	// HeaderOriginalBCC keeps the BCC header, which RabbitMQ routes by as
+	// it does CC and removes before delivery, of a message that the
+	// broker copies: one imported from a record that has it.
+	HeaderOriginalBCC = "x-rabbitmw-original-bcc"
 	// HeaderMalformedXDeath keeps an x-death header that is not what
 	// RabbitMQ itself writes (an array of tables, each with an integer
 	// count), moved there from the copy sent to a delay queue: RabbitMQ

@@ -185,8 +185,11 @@ func republishing(d *amqp.Delivery, h amqp.Table) amqp.Publishing {
 //   - DeliveryMode is persistent; a message that was not goes with its
 //     mode in HeaderOriginalDeliveryMode.
 //
-// [asPublished] gives them back to the delivery a handler sees. msg's
-// headers may be modified.
+// And two headers, by which RabbitMQ would route the copy to more queues:
+// CC goes to HeaderOriginalCC, BCC to HeaderOriginalBCC.
+//
+// [asPublished] gives them back to the delivery a handler sees (but BCC,
+// which a delivery never has). msg's headers may be modified.
 func asCopy(msg amqp.Publishing) amqp.Publishing {
 	keep := func(k string, v any) {
 		if msg.Headers == nil {
@@ -206,15 +209,26 @@ func asCopy(msg amqp.Publishing) amqp.Publishing {
 		keep(HeaderOriginalDeliveryMode, int64(msg.DeliveryMode))
 		msg.DeliveryMode = amqp.Persistent
 	}
+	for name, kept := range senderHeaders {
+		if v, ok := msg.Headers[name]; ok {
+			keep(kept, v)
+			delete(msg.Headers, name)
+		}
+	}
 	return msg
 }
+
+// senderHeaders maps the headers that RabbitMQ routes a message by, as
+// well as its routing key, to the headers a copy keeps them in.
+var senderHeaders = map[string]string{"CC": HeaderOriginalCC, "BCC": HeaderOriginalBCC}
 
 // asPublished gives d, delivered from a work queue, the fields it had when
 // first delivered, which the copies that brought it back (from a delay
 // queue, or replayed from the dead-letter queue) changed: Exchange and
 // RoutingKey from HeaderOriginalExchange and HeaderOriginalRoutingKey,
-// and the properties that [asCopy] keeps in headers. A header of another
-// type, or a property d carries itself, is left alone.
+// the properties that [asCopy] keeps in headers, and the CC header. A
+// header of another type, or a property or CC header d carries itself, is
+// left alone.
 //
 // Only a delivery that came the way copies come is given them: through the
 // default exchange, with queue, the work queue, as routing key. One that an
@@ -241,6 +255,9 @@ func asPublished(d *amqp.Delivery, queue string) {
 	}
 	if v, ok := header.Integer(h[HeaderOriginalDeliveryMode]); ok && v >= 0 && v < int64(amqp.Persistent) && d.DeliveryMode == amqp.Persistent {
 		d.DeliveryMode = uint8(v)
+	}
+	if v, ok := h[HeaderOriginalCC]; ok {
+		setIfAbsent(h, "CC", v)
 	}
 }
 

@@ -137,16 +137,7 @@ func testCopies(t *testing.T, b *broker.Broker) {
 	}
 	take := func(queue string) *amqp.Delivery {
 		t.Helper()
-		var d *amqp.Delivery
-		require.Eventually(t, func() bool {
-			var ok bool
-			var err error
-			d, ok, err = b.Get(ctx, queue)
-			require.NoError(t, err)
-			return ok
-		}, 20*time.Second, 20*time.Millisecond, "nothing in %s", queue)
-		require.NoError(t, d.Ack(false))
-		return d
+		return takeFrom(ctx, t, b, queue)
 	}
 	got := map[string]*amqp.Delivery{}
 

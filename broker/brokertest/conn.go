@@ -425,7 +425,13 @@ func (c *memConn) route(exchange, key string, msg amqp.Publishing) (time.Duratio
 		return 0, fmt.Errorf("broker: publish refused by the server: %w", err)
 	}
 	pub := wirePublishing(msg)
-	qs, ok := m.targets(exchange, key, pub.Headers)
+	cc, bcc, err := senderKeys(pub.Headers)
+	if err != nil {
+		c.shutdown(err) // as RabbitMQ closes the channel
+		return 0, fmt.Errorf("broker: publish refused by the server: %w", err)
+	}
+	delete(pub.Headers, "BCC") // as RabbitMQ does before delivery
+	qs, ok := m.targets(exchange, append(append([]string{key}, cc...), bcc...), pub.Headers)
 	if !ok {
 		return 0, fmt.Errorf("%w: exchange %q does not exist", transport.ErrUnroutable, exchange)
 	}
@@ -433,9 +439,40 @@ func (c *memConn) route(exchange, key string, msg amqp.Publishing) (time.Duratio
 		return 0, fmt.Errorf("%w: exchange %q, routing key %q", transport.ErrUnroutable, exchange, key)
 	}
 	for _, q := range qs {
-		m.enqueue(q, &memMsg{pub: wirePublishing(pub), exchange: exchange, key: key}) // a copy each
+		m.enqueue(q, &memMsg{pub: wirePublishing(pub), exchange: exchange, key: key, cc: cc, bcc: bcc}) // a copy each
 	}
 	return m.confirmDelay, nil
+}
+
+// senderKeys returns the routing keys of h's CC and BCC headers, which
+// RabbitMQ routes a message by besides its routing key (sender-selected
+// distribution): each must be an array, whose strings are the keys (its
+// other elements are ignored); one of another type is refused, as RabbitMQ
+// refuses the publish.
+func senderKeys(h amqp.Table) (cc, bcc []string, err *amqp.Error) {
+	keys := func(name string) ([]string, *amqp.Error) {
+		v, ok := h[name]
+		if !ok {
+			return nil, nil
+		}
+		arr, ok := v.([]any)
+		if !ok {
+			return nil, &amqp.Error{Code: amqp.PreconditionFailed, Server: true, Recover: true,
+				Reason: fmt.Sprintf("PRECONDITION_FAILED - invalid message: {unacceptable_type_in_header,%q,%T}", name, v)}
+		}
+		var out []string
+		for _, e := range arr {
+			if k, ok := e.(string); ok {
+				out = append(out, k)
+			}
+		}
+		return out, nil
+	}
+	if cc, err = keys("CC"); err != nil {
+		return nil, nil, err
+	}
+	bcc, err = keys("BCC")
+	return cc, bcc, err
 }
 
 // SyncGets: the in-memory server processes each ack as it is sent.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -120,28 +121,26 @@ func (m *Server) unbindAll(q *memQueue) {
 // targets returns the queues that a message published to exchange with
 // routing key key and headers h reaches, each once, and whether the
 // exchange exists. m.mu must be held.
-func (m *Server) targets(exchange, key string, h amqp.Table) ([]*memQueue, bool) {
-	if exchange == "" {
-		if q := m.queues[key]; q != nil {
-			return []*memQueue{q}, true
-		}
-		return nil, true
-	}
+func (m *Server) targets(exchange string, keys []string, h amqp.Table) ([]*memQueue, bool) {
 	x := m.exchanges[exchange]
-	if x == nil {
+	if x == nil && exchange != "" {
 		return nil, false
 	}
 	var qs []*memQueue
-	for _, b := range x.bindings {
-		if !b.matches(x.spec.Kind, key, h) {
+	add := func(q *memQueue) {
+		if q != nil && !slices.Contains(qs, q) {
+			qs = append(qs, q)
+		}
+	}
+	for _, key := range keys {
+		if x == nil {
+			add(m.queues[key])
 			continue
 		}
-		dup := false
-		for _, q := range qs {
-			dup = dup || q == b.queue
-		}
-		if !dup {
-			qs = append(qs, b.queue)
+		for _, b := range x.bindings {
+			if b.matches(x.spec.Kind, key, h) {
+				add(b.queue)
+			}
 		}
 	}
 	return qs, true

@@ -192,6 +192,7 @@ type memMsg struct {
 	pub         amqp.Publishing // as the wire would carry it
 	exchange    string
 	key         string
+	cc, bcc     []string // the keys of its CC and BCC headers at its publish
 	redelivered bool
 	returns     int       // returns to the queue (x-delivery-count on quorum queues)
 	expires     time.Time // zero if it never expires
@@ -263,19 +264,25 @@ func (m *Server) deadLetter(q *memQueue, msg *memMsg, reason string) {
 	if !q.dlx {
 		return // no dead-letter exchange: dropped
 	}
-	key := msg.key
-	if q.hasDLRK {
-		key = q.dlrk
-	}
+	published := append([]string{msg.key}, msg.cc...)
+	keys := append(slices.Clip(published), msg.bcc...)
 	pub := msg.pub
-	pub.Headers = rabbit.AddDeath(rabbit.WireTable(pub.Headers), q.name, reason, msg.exchange, msg.key, pub.Expiration, time.Now())
+	pub.Headers = rabbit.AddDeath(rabbit.WireTable(pub.Headers), q.name, reason, msg.exchange, published, pub.Expiration, time.Now())
 	pub.Expiration = ""
-	if reason != "rejected" && rabbit.DeadLetterCycle(pub.Headers["x-death"], key) {
-		return // a cycle: dropped, as RabbitMQ does
+	key, cc, bcc := msg.key, msg.cc, msg.bcc
+	if q.hasDLRK {
+		// The queue's key alone, and without the CC header, whose keys
+		// would route the message again.
+		key, cc, bcc = q.dlrk, nil, nil
+		keys = []string{key}
+		delete(pub.Headers, "CC")
 	}
-	targets, _ := m.targets(q.dlxName, key, pub.Headers)
+	targets, _ := m.targets(q.dlxName, keys, pub.Headers)
 	for _, target := range targets { // none: unroutable, dropped
-		m.enqueue(target, &memMsg{pub: wirePublishing(pub), exchange: q.dlxName, key: key}) // a copy each
+		if reason != "rejected" && rabbit.DeadLetterCycle(pub.Headers["x-death"], target.name) {
+			continue // a cycle: dropped, as RabbitMQ does
+		}
+		m.enqueue(target, &memMsg{pub: wirePublishing(pub), exchange: q.dlxName, key: key, cc: cc, bcc: bcc}) // a copy each
 	}
 }
 

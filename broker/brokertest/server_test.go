@@ -202,3 +202,69 @@ func TestDeadLetterCycle(t *testing.T) {
 		assert.Equal(t, 0, na+nb, "messages left in the cycle")
 	})
 }
+
+// Sender-selected distribution, as RabbitMQ 3.10 does it: the keys of the
+// CC and BCC headers route a message as its routing key does, each queue
+// gets one copy, BCC is removed before delivery, and a header that is not
+// an array is refused. Dead-lettering through a queue's routing key drops
+// CC; without one, the message goes by all its keys.
+func TestSenderSelectedDistribution(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		_, c := memSession(t, "q", nil)
+		ctx := context.Background()
+		for _, q := range []string{"cc", "bcc", "dlrk", "keys", "dead"} {
+			require.NoError(t, c.Declare(ctx, []transport.QueueSpec{{Name: q}}))
+		}
+		require.NoError(t, c.Declare(ctx, []transport.QueueSpec{
+			{Name: "ttl-dlrk", Args: amqp.Table{"x-message-ttl": int64(0), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "dead"}},
+			{Name: "ttl", Args: amqp.Table{"x-message-ttl": int64(0), "x-dead-letter-exchange": ""}},
+		}))
+		take := func(q string) *amqp.Delivery {
+			t.Helper()
+			d, ok, err := c.Get(ctx, q)
+			require.NoError(t, err)
+			require.True(t, ok, "nothing in %s", q)
+			require.NoError(t, d.Ack(false))
+			return d
+		}
+		lengths := func() map[string]int {
+			n := map[string]int{}
+			for _, q := range []string{"q", "cc", "bcc", "dlrk", "keys", "dead", "ttl", "ttl-dlrk"} {
+				n[q], _ = c.Length(ctx, q)
+			}
+			return n
+		}
+
+		require.NoError(t, c.Publish(ctx, "", "q", amqp.Publishing{Headers: amqp.Table{
+			"CC": []any{"cc", "q", int32(7), "nowhere"}, "BCC": []any{"bcc"}}}))
+		assert.Equal(t, map[string]int{"q": 1, "cc": 1, "bcc": 1, "dlrk": 0, "keys": 0, "dead": 0, "ttl": 0, "ttl-dlrk": 0}, lengths())
+		for _, q := range []string{"q", "cc", "bcc"} {
+			d := take(q)
+			assert.Equal(t, []any{"cc", "q", int32(7), "nowhere"}, d.Headers["CC"], "%s: CC", q)
+			assert.NotContains(t, d.Headers, "BCC", "%s: BCC", q)
+		}
+
+		require.NoError(t, c.Publish(ctx, "", "ttl-dlrk", amqp.Publishing{Headers: amqp.Table{"CC": []any{"cc"}}}))
+		synctest.Wait()
+		assert.Equal(t, map[string]int{"q": 0, "cc": 1, "bcc": 0, "dlrk": 0, "keys": 0, "dead": 1, "ttl": 0, "ttl-dlrk": 0}, lengths())
+		take("cc")
+		d := take("dead")
+		assert.NotContains(t, d.Headers, "CC", "dead-lettered through a routing key")
+
+		require.NoError(t, c.Publish(ctx, "", "ttl", amqp.Publishing{Headers: amqp.Table{"CC": []any{"keys"}, "BCC": []any{"bcc"}}}))
+		synctest.Wait()
+		assert.Equal(t, map[string]int{"q": 0, "cc": 0, "bcc": 2, "dlrk": 0, "keys": 2, "dead": 0, "ttl": 0, "ttl-dlrk": 0}, lengths())
+		take("keys")
+		d = take("keys")
+		deaths := d.Headers["x-death"].([]any)
+		assert.Equal(t, []any{"ttl", "keys"}, deaths[0].(amqp.Table)["routing-keys"], "x-death routing-keys: the key and CC's, not BCC's")
+		assert.Equal(t, []any{"keys"}, d.Headers["CC"], "dead-lettered by its own keys")
+
+		var ae *amqp.Error
+		err := c.Publish(ctx, "", "q", amqp.Publishing{Headers: amqp.Table{"CC": "cc"}})
+		if assert.ErrorAs(t, err, &ae) {
+			assert.Equal(t, amqp.PreconditionFailed, ae.Code)
+			assert.Contains(t, ae.Reason, "unacceptable_type_in_header")
+		}
+	})
+}

@@ -49,9 +49,10 @@ func DeadLetterCycle(deaths any, target string) bool {
 //     first, or a new record with a count of 1 does.
 //
 // A record has count, reason, queue, time, exchange (the one the message
-// was published to) and routing-keys, and original-expiration when the
-// message had an Expiration.
-func AddDeath(h amqp.Table, queue, reason, exchange, key, expiration string, at time.Time) amqp.Table {
+// was published to) and routing-keys (keys: the message's routing key and
+// those of its CC header), and original-expiration when the message had an
+// Expiration.
+func AddDeath(h amqp.Table, queue, reason, exchange string, keys []string, expiration string, at time.Time) amqp.Table {
 	if h == nil {
 		h = amqp.Table{}
 	}
@@ -61,7 +62,7 @@ func AddDeath(h amqp.Table, queue, reason, exchange, key, expiration string, at 
 		"queue":        queue,
 		"time":         time.Unix(at.Unix(), 0),
 		"exchange":     exchange,
-		"routing-keys": []any{key},
+		"routing-keys": routingKeys(keys),
 	}
 	if expiration != "" {
 		entry["original-expiration"] = expiration
@@ -134,4 +135,12 @@ func GroupDeaths(deaths []any) []any {
 	}
 	slices.Reverse(grouped)
 	return grouped
+}
+
+func routingKeys(keys []string) []any {
+	out := make([]any, len(keys))
+	for i, k := range keys {
+		out[i] = k
+	}
+	return out
 }
