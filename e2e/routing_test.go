@@ -181,7 +181,7 @@ func TestRetriesOfAForwardedMessageSeeItsOwnRoute(t *testing.T) {
 
 // A message that an exchange routed carries, as a producer forwarded it
 // whole, the headers of another message's copy: its route, UserId,
-// Expiration and DeliveryMode. The first delivery shows its own (see
+// Expiration, DeliveryMode and CC. The first delivery shows its own (see
 // asPublished), and so must every later one, from a delay queue or a
 // replay: the copies record what the handler saw, not the stale headers.
 func testRetriesOfAForwardedMessage(t *testing.T, b *broker.Broker) {
@@ -194,13 +194,14 @@ func testRetriesOfAForwardedMessage(t *testing.T, b *broker.Broker) {
 		route
 		Expiration   string
 		DeliveryMode uint8
+		CC           any
 	}
 	var mu sync.Mutex
 	var seen []view
 	h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
 		mu.Lock()
 		defer mu.Unlock()
-		seen = append(seen, view{route{d.Exchange, d.RoutingKey, d.UserId}, d.Expiration, d.DeliveryMode})
+		seen = append(seen, view{route{d.Exchange, d.RoutingKey, d.UserId}, d.Expiration, d.DeliveryMode, d.Headers["CC"]})
 		switch len(seen) {
 		case 1:
 			return rabbitmw.RetryAfter(errCopyTest, 50*time.Millisecond)
@@ -216,6 +217,7 @@ func testRetriesOfAForwardedMessage(t *testing.T, b *broker.Broker) {
 		broker.HeaderUserID:               "admin",
 		broker.HeaderOriginalExpiration:   "1000",
 		broker.HeaderOriginalDeliveryMode: int64(amqp.Transient),
+		broker.HeaderOriginalCC:           []any{"another-queue"},
 	}
 	require.NoError(t, b.Publish(ctx, exchange, "order.created", amqp.Publishing{
 		MessageId: "f1", UserId: "guest", DeliveryMode: amqp.Persistent, Headers: forwarded, Body: []byte("x"),
@@ -232,8 +234,8 @@ func testRetriesOfAForwardedMessage(t *testing.T, b *broker.Broker) {
 	assert.Equal(t, exchange, dead.Headers[broker.HeaderOriginalExchange], "dead-letter copy: original exchange")
 	assert.Equal(t, "order.created", dead.Headers[broker.HeaderOriginalRoutingKey], "dead-letter copy: original routing key")
 	assert.Equal(t, "guest", dead.Headers[broker.HeaderUserID], "dead-letter copy: user id")
-	for _, k := range []string{broker.HeaderOriginalExpiration, broker.HeaderOriginalDeliveryMode} {
-		assert.NotContains(t, dead.Headers, k, "dead-letter copy of a persistent message without an expiration")
+	for _, k := range []string{broker.HeaderOriginalExpiration, broker.HeaderOriginalDeliveryMode, broker.HeaderOriginalCC} {
+		assert.NotContains(t, dead.Headers, k, "dead-letter copy of a persistent message without an expiration or CC")
 	}
 
 	res, err := deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{})
@@ -246,7 +248,7 @@ func testRetriesOfAForwardedMessage(t *testing.T, b *broker.Broker) {
 	}, 20*time.Second, 20*time.Millisecond, "the replayed message was not handled")
 	stop()
 
-	want := view{route{exchange, "order.created", "guest"}, "", amqp.Persistent}
+	want := view{route{exchange, "order.created", "guest"}, "", amqp.Persistent, nil}
 	for i, got := range seen {
 		assert.Equal(t, want, got, "delivery %d (a delay, a dead-letter, then a replay)", i+1)
 	}
