@@ -121,7 +121,7 @@ func FuzzFaultHeaders(f *testing.F) {
 		owned := map[string]bool{HeaderError: true, HeaderErrorType: true, rabbitmw.HeaderAttempts: true,
 			HeaderOriginalQueue: true, HeaderFailedAt: true, HeaderHost: true, HeaderProcess: true,
 			HeaderOriginalExchange: true, HeaderOriginalRoutingKey: true,
-			HeaderUserID: true, HeaderOriginalExpiration: true, HeaderOriginalDeliveryMode: true}
+			HeaderUserID: true, HeaderOriginalExpiration: true, HeaderOriginalDeliveryMode: true, HeaderOriginalCC: true}
 		if h[HeaderOriginalExchange] != exchange || h[HeaderOriginalRoutingKey] != key {
 			t.Fatalf("original route = %q, %q; want the delivery's, %q, %q", h[HeaderOriginalExchange], h[HeaderOriginalRoutingKey], exchange, key)
 		}

@@ -95,9 +95,9 @@ func delayHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, notBefo
 }
 
 // recordAsSeen makes h, the headers of a copy of d, record d's exchange
-// and routing key, and leaves the headers of the properties that asCopy
-// keeps to be written from d's own: all as d's handler saw them, once
-// asPublished gave d back the fields its copies carry. Whatever d's
+// and routing key, and leaves the headers of the properties and of the CC
+// header that asCopy keeps to be written from d's own: all as d's handler
+// saw them, once asPublished gave d back the fields its copies carry. Whatever d's
 // headers said of them goes: an exchange that routed d left its fields
 // alone (its headers may be another message's, forwarded whole), and so
 // must every later delivery of it.
@@ -107,6 +107,7 @@ func recordAsSeen(h amqp.Table, d *amqp.Delivery) {
 	delete(h, HeaderUserID)
 	delete(h, HeaderOriginalExpiration)
 	delete(h, HeaderOriginalDeliveryMode)
+	delete(h, HeaderOriginalCC)
 }
 
 // setAsideDeaths moves the records of h's x-death, in RabbitMQ's form, that
