@@ -253,3 +253,28 @@ func TestStackTypedNilErrorIsAFailure(t *testing.T) {
 		assert.NotPanics(t, func() { _ = err.Error() })
 	}
 }
+
+// A panic is a failed attempt whatever its value: one whose value is an
+// error marked not counted, or a duplicate, is counted like any other and
+// dead-lettered at the limit, never cycled for ever nor acknowledged.
+func TestStackPanicWithAMarkedValueIsAFailure(t *testing.T) {
+	ctx := context.Background()
+	for _, v := range []error{
+		fmt.Errorf("breaker: %w", rabbitmw.NotCounted(errors.New("open"))),
+		fmt.Errorf("inner: %w", rabbitmw.ErrDuplicate),
+	} {
+		t.Run(v.Error(), func(t *testing.T) {
+			h := middleware.Stack(store.NewMemory(), middleware.StackOptions{
+				Retry: middleware.RetryOptions{MaxAttempts: 2, Backoff: linear},
+			})(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { panic(v) }))
+			for n, want := range []rabbitmw.Outcome{rabbitmw.Delay, rabbitmw.DeadLetter} {
+				d := &amqp.Delivery{MessageId: "m1", Headers: amqp.Table{rabbitmw.HeaderAttempts: int64(n)}}
+				err := h.Handle(ctx, d)
+				dec := rabbitmw.Decide(err)
+				assert.Equal(t, want, dec.Outcome, "attempt %d", n+1)
+				assert.Equal(t, n+1, dec.Attempts, "attempt %d", n+1)
+				assert.Equal(t, "panic", rabbitmw.ErrorType(err))
+			}
+		})
+	}
+}
