@@ -22,7 +22,9 @@ func (e *PanicError) Error() string {
 
 // Unwrap returns the panic value if it is an error (as with
 // panic(fmt.Errorf(...))), so errors.Is and errors.As see through the
-// panic; otherwise nil.
+// panic; otherwise nil. A Permanent or RetryAfter mark in the value
+// settles the panic (see [Decide]); an ErrDuplicate or a NotCounted mark
+// does not make it a duplicate, or not counted.
 func (e *PanicError) Unwrap() error {
 	err, _ := e.Value.(error)
 	return err

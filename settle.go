@@ -76,6 +76,8 @@ type Decision struct {
 // its attempt limit, for example). An error with neither marker that wraps
 // [ErrDuplicate] settles as Duplicate; any other error as Requeue. The
 // marks of [WithAttempts] and [NotCounted] do not change the outcome.
+// A [PanicError] whose value wraps ErrDuplicate is no duplicate: a panic
+// is a failure, whatever its value.
 func Decide(err error) Decision {
 	if err == nil {
 		return Decision{Outcome: Ack}
@@ -93,9 +95,15 @@ func Decide(err error) Decision {
 // error before what it wraps) and records the first settlement marker,
 // the first attempt count, and whether ErrDuplicate is in it. It is
 // errors.As and errors.Is for these few types, without the reflection and
-// the allocations that cost on every delivery.
+// the allocations that cost on every delivery. An ErrDuplicate beneath a
+// [PanicError] does not count: a panic is a failure, whatever its value.
 func read(err error, d *Decision, marked, duplicate *bool) {
 	for err != nil {
+		if _, ok := err.(*PanicError); ok && !*duplicate {
+			var panicked bool // ErrDuplicate in the value is ignored
+			read(errors.Unwrap(err), d, marked, &panicked)
+			return
+		}
 		switch e := err.(type) {
 		case marker:
 			if !*marked {
@@ -226,7 +234,7 @@ func (e *attemptsError) Unwrap() error { return e.err }
 // messages back should ask for a delay, since a requeued message comes
 // straight back. The mark holds wherever it is in an error's tree: an
 // error that wraps a NotCounted error, or joins one, is not counted either
-// ([IsNotCounted]). NotCounted(nil) is nil. The returned error's text is
+// ([IsNotCounted]), except beneath a [PanicError]: a panic is counted. NotCounted(nil) is nil. The returned error's text is
 // err's, and it unwraps to err.
 func NotCounted(err error) error {
 	if err == nil {
@@ -241,10 +249,29 @@ func (e *notCountedError) Error() string { return errorText(e.err) }
 func (e *notCountedError) Unwrap() error { return e.err }
 
 // IsNotCounted reports whether err, or any error in its tree, was marked by
-// [NotCounted].
+// [NotCounted]; a mark beneath a [PanicError] (in the value of a panic)
+// does not count, since a panic is a failed attempt whatever its value.
 func IsNotCounted(err error) bool {
-	_, ok := errors.AsType[*notCountedError](err)
-	return ok
+	for err != nil {
+		switch e := err.(type) {
+		case *notCountedError:
+			return true
+		case *PanicError:
+			return false
+		case interface{ Unwrap() error }:
+			err = e.Unwrap()
+		case interface{ Unwrap() []error }:
+			for _, e := range e.Unwrap() {
+				if IsNotCounted(e) {
+					return true
+				}
+			}
+			return false
+		default:
+			return false
+		}
+	}
+	return false
 }
 
 // Settle settles d on its own Acknowledger by [Decide](err): Ack and
