@@ -90,7 +90,10 @@ type ReplayResult struct {
 // are both in the work queue and still in the dead-letter queue; a second
 // replay sends them again, with the same MessageId, which the consumers'
 // Dedup layer absorbs. Replay does not reconnect, and stops at the first
-// error: run it again.
+// error: run it again. When ctx ends (an operator's Ctrl-C), or at the
+// first error, it sends nothing more but waits, up to 5 seconds, for
+// the messages in flight to be confirmed and acknowledged, so that each of
+// them is in one queue only.
 //
 // RabbitMQ closes a channel that holds a message unacknowledged longer
 // than its consumer_timeout (30 minutes by default), and a slow replay (a
@@ -139,6 +142,12 @@ func (in *Inspector) Replay(ctx context.Context, queue string, opts ReplayOption
 }
 
 const defaultHoldLimit = 10 * time.Minute
+
+// finishWithin is how long a replay that stops, its context ended or a
+// message failed, waits for the messages it has sent to be confirmed and
+// acknowledged: a message given up on meanwhile stays in the dead-letter
+// queue, and may be in the work queue too.
+const finishWithin = 5 * time.Second
 
 // A replayRun is one call of Replay: its rounds, its rate's schedule and
 // the messages it has still to replay.
@@ -245,6 +254,26 @@ const replayWindow = 16
 func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, deadline time.Time) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// A message sent goes on, once ctx ends, under send, for up to
+	// finishWithin: given up on before its confirm, it would be in the
+	// work queue and in the dead-letter queue both. The goroutine ends
+	// when send does, at the latest as replay returns.
+	send, stopSend := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopSend()
+	go func() {
+		select {
+		case <-ctx.Done():
+		case <-send.Done():
+			return
+		}
+		t := time.NewTimer(finishWithin)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			stopSend()
+		case <-send.Done():
+		}
+	}()
 	var (
 		mu    sync.Mutex
 		first error
@@ -277,7 +306,7 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, de
 		go func() {
 			defer wg.Done()
 			defer func() { <-slots }()
-			err := snap.replayOne(ctx, i, r.opts, r.history)
+			err := snap.replayOne(send, i, r.opts, r.history)
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
