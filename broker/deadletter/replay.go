@@ -143,12 +143,6 @@ func (in *Inspector) Replay(ctx context.Context, queue string, opts ReplayOption
 
 const defaultHoldLimit = 10 * time.Minute
 
-// finishWithin is how long a replay that stops, its context ended or a
-// message failed, waits for the messages it has sent to be confirmed and
-// acknowledged: a message given up on meanwhile stays in the dead-letter
-// queue, and may be in the work queue too.
-const finishWithin = 5 * time.Second
-
 // A replayRun is one call of Replay: its rounds, its rate's schedule and
 // the messages it has still to replay.
 type replayRun struct {
@@ -254,26 +248,9 @@ const replayWindow = 16
 func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, deadline time.Time) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	// A message sent goes on, once ctx ends, under send, for up to
-	// finishWithin: given up on before its confirm, it would be in the
-	// work queue and in the dead-letter queue both. The goroutine ends
-	// when send does, at the latest as replay returns.
-	send, stopSend := context.WithCancel(context.WithoutCancel(ctx))
+	// A message sent goes on under send once ctx ends (see finishing).
+	send, stopSend := finishing(ctx)
 	defer stopSend()
-	go func() {
-		select {
-		case <-ctx.Done():
-		case <-send.Done():
-			return
-		}
-		t := time.NewTimer(finishWithin)
-		defer t.Stop()
-		select {
-		case <-t.C:
-			stopSend()
-		case <-send.Done():
-		}
-	}()
 	var (
 		mu    sync.Mutex
 		first error
