@@ -1,0 +1,76 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
+)
+
+// waitingInput is standard input that nothing is written to, as a
+// terminal the operator typed nothing into: waiting is closed at its
+// first read.
+type waitingInput struct {
+	*io.PipeReader
+	once    sync.Once
+	waiting chan struct{}
+}
+
+func (in *waitingInput) Read(p []byte) (int, error) {
+	in.once.Do(func() { close(in.waiting) })
+	return in.PipeReader.Read(p)
+}
+
+// dlq import stops at Ctrl-C while it waits for its input (an operator
+// who forgot "< file"), publishing nothing, to the dead-letter queue (whose
+// input is read whole first) or --to a queue.
+func TestImportInterruptedWhileReadingInput(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	b := broker.New(url, broker.Options{})
+	t.Cleanup(func() { b.Close() })
+	q := queueName(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
+	t.Cleanup(func() { assert.NoError(t, b.Delete(context.Background(), q, broker.Topology{})) })
+	interrupted := errors.New("interrupt signal received")
+	for _, args := range [][]string{
+		{"dlq", "import", "-q", q, "--amqp", url},
+		{"dlq", "import", "-q", q, "--to", q, "--amqp", url},
+	} {
+		pr, pw := io.Pipe()
+		in := &waitingInput{PipeReader: pr, waiting: make(chan struct{})}
+		rctx, interrupt := context.WithCancelCause(ctx)
+		var stdout, stderr bytes.Buffer
+		code := make(chan int, 1)
+		go func() { code <- run(rctx, args, in, &stdout, &stderr) }()
+		<-in.waiting
+		interrupt(interrupted)
+		select {
+		case c := <-code:
+			assert.Equal(t, exitFailed, c, "%v: exit code", args)
+			assert.Contains(t, stderr.String(), "interrupt signal received", "%v", args)
+			assert.Contains(t, stderr.String(), "imported 0 message(s)", "%v", args)
+		case <-time.After(20 * time.Second):
+			t.Errorf("%v: still waiting for its input 20 s after Ctrl-C", args)
+			pw.Close()
+			<-code
+		}
+		pw.Close()
+		n, err := b.Len(ctx, q)
+		require.NoError(t, err)
+		assert.Zero(t, n, "%v: messages in the work queue", args)
+		n, err = b.Len(ctx, q+".dlq")
+		require.NoError(t, err)
+		assert.Zero(t, n, "%v: messages in the dead-letter queue", args)
+	}
+}
