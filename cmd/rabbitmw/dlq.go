@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"text/tabwriter"
 	"time"
 	"unicode/utf8"
@@ -547,7 +548,9 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeBroker()
-	var in io.Reader = bufio.NewReaderSize(e.stdin, 1<<20)
+	stdin := readUntil(ctx, e.stdin)
+	defer stdin.Close()
+	var in io.Reader = bufio.NewReaderSize(stdin, 1<<20)
 	// The target is checked when it is a dead-letter queue, which nothing
 	// consumes: --to a work queue is not, whose consumers take what is
 	// there as it arrives.
@@ -560,7 +563,7 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 		// published.
 		data, err := io.ReadAll(in)
 		if err != nil {
-			return err
+			return fmt.Errorf("dlq import: reading the input: %w; nothing imported", err)
 		}
 		if err := e.refuseDuplicates(ctx, b, target, data); err != nil {
 			return err
@@ -572,6 +575,41 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 	bar.done()
 	fmt.Fprintf(e.stderr, "imported %d message(s)\n", n)
 	return classify(err)
+}
+
+// readUntil returns r, to be read until ctx ends: then a read, one that
+// waits included (a terminal nobody types into, a pipe whose writer is
+// slow), fails with ctx's cause, so that Ctrl-C stops the command. Close
+// must be called. r is read, from the first read on, by a goroutine that
+// ends at r's end, or at the first read of r that returns after Close or
+// ctx's end.
+func readUntil(ctx context.Context, r io.Reader) io.ReadCloser {
+	pr, pw := io.Pipe()
+	u := &untilReader{pr: pr}
+	u.start = sync.OnceFunc(func() {
+		go func() {
+			_, err := io.Copy(pw, r)
+			pw.CloseWithError(err)
+		}()
+	})
+	u.stop = context.AfterFunc(ctx, func() { pw.CloseWithError(context.Cause(ctx)) })
+	return u
+}
+
+type untilReader struct {
+	pr    *io.PipeReader
+	start func()
+	stop  func() bool
+}
+
+func (u *untilReader) Read(p []byte) (int, error) {
+	u.start()
+	return u.pr.Read(p)
+}
+
+func (u *untilReader) Close() error {
+	u.stop()
+	return u.pr.Close()
 }
 
 // refuseDuplicates returns an error if a message of the export data has
