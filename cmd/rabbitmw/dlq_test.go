@@ -4,11 +4,14 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -73,4 +76,49 @@ func TestImportInterruptedWhileReadingInput(t *testing.T) {
 		require.NoError(t, err)
 		assert.Zero(t, n, "%v: messages in the dead-letter queue", args)
 	}
+}
+
+// fullDisk takes the first room bytes written to it, and fails the
+// writes after.
+type fullDisk struct {
+	bytes.Buffer
+	room int
+}
+
+func (d *fullDisk) Write(p []byte) (int, error) {
+	n := min(len(p), d.room-d.Len())
+	d.Buffer.Write(p[:n])
+	if n < len(p) {
+		return n, errors.New("no space left on device")
+	}
+	return n, nil
+}
+
+// dlq export to an output that fills up midway counts, as exported, the
+// messages whose line is whole in the output, and leaves the dead-letter
+// queue as it was.
+func TestExportToAFullDisk(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	b := broker.New(url, broker.Options{})
+	t.Cleanup(func() { b.Close() })
+	q := queueName(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
+	t.Cleanup(func() { assert.NoError(t, b.Delete(context.Background(), q, broker.Topology{})) })
+	const n = 200
+	for i := range n {
+		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i), Body: []byte("body"),
+			Headers: amqp.Table{broker.HeaderOriginalQueue: q}}))
+	}
+	out := &fullDisk{room: 10000}
+	var stderr bytes.Buffer
+	code := run(ctx, []string{"dlq", "export", "-q", q, "--amqp", url}, strings.NewReader(""), out, &stderr)
+	assert.Equal(t, exitFailed, code, "exit code")
+	assert.Contains(t, stderr.String(), "no space left on device")
+	whole := bytes.Count(out.Bytes(), []byte("\n"))
+	assert.Contains(t, stderr.String(), fmt.Sprintf("exported %d message(s)", whole), "the messages whose line is whole in the output")
+	left, err := b.Len(ctx, q+".dlq")
+	require.NoError(t, err)
+	assert.Equal(t, n, left, "messages in the dead-letter queue")
 }
