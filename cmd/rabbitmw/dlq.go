@@ -526,14 +526,29 @@ func (e *env) dlqExport(ctx context.Context, args []string) error {
 	}
 	defer closeBroker()
 	bar := newProgress(e.stderr, "exporting "+q.queue+".dlq")
-	w := bufio.NewWriter(e.stdout)
-	n, err := deadletter.New(b).Export(ctx, q.queue, w, deadletter.ExportOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
+	// What is counted is what reached the output, a line a message: not
+	// what a write that failed left in the buffer.
+	out := &lineCounter{w: e.stdout}
+	w := bufio.NewWriter(out)
+	_, err = deadletter.New(b).Export(ctx, q.queue, w, deadletter.ExportOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
 	bar.done()
 	if ferr := w.Flush(); err == nil {
 		err = ferr
 	}
-	fmt.Fprintf(e.stderr, "exported %d message(s)\n", n)
+	fmt.Fprintf(e.stderr, "exported %d message(s)\n", out.lines)
 	return classify(err)
+}
+
+// A lineCounter counts the whole lines written through it to w.
+type lineCounter struct {
+	w     io.Writer
+	lines int
+}
+
+func (c *lineCounter) Write(p []byte) (int, error) {
+	n, err := c.w.Write(p)
+	c.lines += bytes.Count(p[:n], []byte("\n"))
+	return n, err
 }
 
 func (e *env) dlqImport(ctx context.Context, args []string) error {
