@@ -52,7 +52,8 @@
 //
 //	0  done
 //	1  failed: the server or the store could not be reached, or an
-//	   operation failed part way (what was done is printed)
+//	   operation failed or was interrupted (Ctrl-C, SIGTERM) part way
+//	   (what was done is printed)
 //	2  bad usage: unknown command or flag, bad value
 //	3  refused, nothing changed: messages without an original queue and
 //	   no --to, a replay or purge of everything without --all, an import
@@ -181,6 +182,15 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		// The command failed because its server went away: that is what
 		// to say, rather than the context's end it caused.
 		err = lost
+	} else if ctx.Err() != nil {
+		// Interrupted (Ctrl-C, SIGTERM): that is what to say, rather than
+		// the "context canceled" of whatever step it was at.
+		cause := context.Cause(ctx)
+		if err.Error() == cause.Error() {
+			err = fmt.Errorf("interrupted (%w)", cause)
+		} else {
+			err = fmt.Errorf("interrupted (%v): %w", cause, err)
+		}
 	}
 	var ee *exitError
 	if errors.As(err, &ee) && ee.code == exitOK {
