@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -16,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/broker/deadletter"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
@@ -121,4 +123,45 @@ func TestExportToAFullDisk(t *testing.T) {
 	left, err := b.Len(ctx, q+".dlq")
 	require.NoError(t, err)
 	assert.Equal(t, n, left, "messages in the dead-letter queue")
+}
+
+// dlq import to the dead-letter queue, which reads its input whole first,
+// refuses a file with a line that is not an exported message before it
+// publishes anything: once fixed, the file imports whole, where a file
+// half imported would be refused (its first messages still in the queue)
+// or, with --allow-duplicates, doubled.
+func TestImportRefusesABadLineFirst(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	b := broker.New(url, broker.Options{})
+	t.Cleanup(func() { b.Close() })
+	q := queueName(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
+	t.Cleanup(func() { assert.NoError(t, b.Delete(context.Background(), q, broker.Topology{})) })
+	var lines []string
+	for i := range 5 {
+		m, err := deadletter.ExportMessage(q+".dlq", &amqp.Delivery{MessageId: fmt.Sprintf("m%d", i), Body: []byte("body")})
+		require.NoError(t, err)
+		line, err := json.Marshal(m)
+		require.NoError(t, err)
+		lines = append(lines, string(line)+"\n")
+	}
+	good := strings.Join(lines, "")
+	bad := strings.Join(lines[:2], "") + lines[2][:40] + "\n" + strings.Join(lines[3:], "")
+	var stdout, stderr bytes.Buffer
+	args := []string{"dlq", "import", "-q", q, "--amqp", url}
+	code := run(ctx, args, strings.NewReader(bad), &stdout, &stderr)
+	assert.Equal(t, exitFailed, code, "exit code: %s", stderr.String())
+	assert.Contains(t, stderr.String(), "line 3")
+	assert.Contains(t, stderr.String(), "nothing imported")
+	n, err := b.Len(ctx, q+".dlq")
+	require.NoError(t, err)
+	assert.Zero(t, n, "messages in the dead-letter queue after the bad file")
+	stderr.Reset()
+	code = run(ctx, args, strings.NewReader(good), &stdout, &stderr)
+	assert.Equal(t, exitOK, code, "the file fixed: %s", stderr.String())
+	n, err = b.Len(ctx, q+".dlq")
+	require.NoError(t, err)
+	assert.Equal(t, 5, n, "messages in the dead-letter queue after the file fixed")
 }
