@@ -580,7 +580,11 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 		if err != nil {
 			return fmt.Errorf("dlq import: reading the input: %w; nothing imported", err)
 		}
-		if err := e.refuseDuplicates(ctx, b, target, data); err != nil {
+		ids, err := messageIDs(data)
+		if err != nil {
+			return err
+		}
+		if err := e.refuseDuplicates(ctx, b, target, ids); err != nil {
 			return err
 		}
 		in = bytes.NewReader(data)
@@ -627,21 +631,36 @@ func (u *untilReader) Close() error {
 	return u.pr.Close()
 }
 
-// refuseDuplicates returns an error if a message of the export data has
-// the id of a message in the dead-letter queue of queue: an import would
-// double it.
-func (e *env) refuseDuplicates(ctx context.Context, b *broker.Broker, queue string, data []byte) error {
+// messageIDs returns the message ids of the export data, or an error
+// that names the first line that is not an exported message (the import
+// would stop there, the lines before it published).
+func messageIDs(data []byte) ([]string, error) {
 	var ids []string
+	n := 0
 	for line := range bytes.Lines(data) {
-		var m struct {
-			Properties struct {
-				MessageID string `json:"message_id"`
-			} `json:"properties"`
+		n++
+		if len(bytes.TrimRight(line, "\r\n")) == 0 { // as Import skips it
+			continue
 		}
-		if json.Unmarshal(line, &m) == nil && m.Properties.MessageID != "" {
+		var m deadletter.ExportedMessage
+		err := json.Unmarshal(line, &m)
+		if err == nil {
+			_, err = m.Publishing()
+		}
+		if err != nil {
+			return nil, fmt.Errorf("dlq import: line %d: %w: nothing imported", n, err)
+		}
+		if m.Properties.MessageID != "" {
 			ids = append(ids, m.Properties.MessageID)
 		}
 	}
+	return ids, nil
+}
+
+// refuseDuplicates returns an error if a message of the export data, of
+// message ids ids, has the id of a message in the dead-letter queue of
+// queue: an import would double it.
+func (e *env) refuseDuplicates(ctx context.Context, b *broker.Broker, queue string, ids []string) error {
 	if len(ids) == 0 {
 		return nil
 	}
