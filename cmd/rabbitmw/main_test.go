@@ -556,3 +556,27 @@ func TestInterruptedCommandSaysSo(t *testing.T) {
 		assert.Contains(t, stderr.String(), "interrupted (interrupt signal received)", "%v", args)
 	}
 }
+
+// rabbitmw with no command is bad usage: the usage goes to standard
+// error, as for an unknown command, and standard output stays empty; asked
+// for, with -h, it goes to standard output.
+func TestUsage(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		code int
+	}{
+		{nil, exitUsage},
+		{[]string{"-h"}, exitOK},
+		{[]string{"--help"}, exitOK},
+	} {
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), tc.args, strings.NewReader(""), &stdout, &stderr)
+		assert.Equal(t, tc.code, code, "%q: exit code", tc.args)
+		out, other := stdout.String(), stderr.String()
+		if tc.code != exitOK {
+			out, other = other, out
+		}
+		assert.Contains(t, out, "usage:", "%q", tc.args)
+		assert.Empty(t, other, "%q", tc.args)
+	}
+}
