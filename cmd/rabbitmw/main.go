@@ -153,11 +153,11 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	e := &env{stdin: stdin, stdout: stdout, stderr: stderr}
 	var err error
 	switch {
-	case len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help":
+	case len(args) == 0:
+		fmt.Fprintln(stderr, usage) // bad usage, as the flag package reports it
+		return exitUsage
+	case args[0] == "-h" || args[0] == "--help" || args[0] == "help":
 		fmt.Fprintln(stdout, usage)
-		if len(args) == 0 {
-			return exitUsage
-		}
 		return exitOK
 	case args[0] == "--version" || args[0] == "-version" || args[0] == "version":
 		fmt.Fprintln(stdout, "rabbitmw", versionText())
