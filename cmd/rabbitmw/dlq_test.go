@@ -165,3 +165,33 @@ func TestImportRefusesABadLineFirst(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 5, n, "messages in the dead-letter queue after the file fixed")
 }
+
+// A negative --limit is bad usage for every command that takes one, as for
+// dlq replay: a purge with --limit -1 (a slip for 1) removes nothing.
+func TestNegativeLimit(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	b := broker.New(url, broker.Options{})
+	t.Cleanup(func() { b.Close() })
+	q := queueName(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
+	t.Cleanup(func() { assert.NoError(t, b.Delete(context.Background(), q, broker.Topology{})) })
+	for i := range 3 {
+		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i),
+			Headers: amqp.Table{broker.HeaderOriginalQueue: q}}))
+	}
+	for _, cmd := range []string{"ls", "replay", "purge", "export"} {
+		args := []string{"dlq", cmd, "-q", q, "--limit", "-1", "--amqp", url}
+		if cmd == "replay" || cmd == "purge" {
+			args = append(args, "--all")
+		}
+		var stdout, stderr bytes.Buffer
+		code := run(ctx, args, strings.NewReader(""), &stdout, &stderr)
+		assert.Equal(t, exitUsage, code, "%v: exit code: %s", args, stderr.String())
+		assert.Contains(t, stderr.String(), "--limit", "%v", args)
+	}
+	n, err := b.Len(ctx, q+".dlq")
+	require.NoError(t, err)
+	assert.Equal(t, 3, n, "messages in the dead-letter queue")
+}
