@@ -139,6 +139,9 @@ func (e *env) dlqList(ctx context.Context, args []string) error {
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
+	if err := checkLimit(*limit); err != nil {
+		return err
+	}
 	dls, err := q.list(ctx, e, *limit)
 	if err != nil {
 		return err
@@ -469,6 +472,15 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 	return classify(err)
 }
 
+// checkLimit refuses a negative --limit, which the library takes for no
+// limit: for a purge, a slip that removes everything.
+func checkLimit(limit int) error {
+	if limit < 0 {
+		return usageError("--limit must not be negative")
+	}
+	return nil
+}
+
 func errText(err error) string {
 	if err == nil {
 		return ""
@@ -482,6 +494,9 @@ func (e *env) dlqPurge(ctx context.Context, args []string) error {
 	dry := q.Bool("dry-run", false, "list what would be removed, and remove nothing")
 	limit := q.Int("limit", 0, "remove at most this many messages")
 	if err := q.parseQueue(args); err != nil {
+		return err
+	}
+	if err := checkLimit(*limit); err != nil {
 		return err
 	}
 	if err := q.everything(*all, "purge"); err != nil {
@@ -518,6 +533,9 @@ func (e *env) dlqExport(ctx context.Context, args []string) error {
 	q := e.queueCommand("dlq export", withFilters)
 	limit := q.Int("limit", 0, "export at most this many messages")
 	if err := q.parseQueue(args); err != nil {
+		return err
+	}
+	if err := checkLimit(*limit); err != nil {
 		return err
 	}
 	b, ctx, closeBroker, err := q.connect(ctx, e)
