@@ -18,7 +18,8 @@ import (
 //
 // A copy that cannot be sent (ErrInvalidMessage; with d as delivered,
 // only because its fault headers make it too big for a frame) is sent
-// again without most of them: d's headers, the attempt count, the queue,
+// again without most of them: d's headers, its fields as its handler saw
+// them (recordAsSeen), the attempt count, the queue,
 // and HeaderError cut to 512 bytes, saying so. If even that cannot be
 // sent, d fills its frame: it is rejected without requeue, and the
 // reason logged at Error. The work queue's dead-letter arguments then take
@@ -34,6 +35,7 @@ func (cn *conn) deadLetter(ctx context.Context, d *amqp.Delivery, dec rabbitmw.D
 	if errors.Is(err, ErrInvalidMessage) {
 		cut := make(amqp.Table, len(d.Headers)+3)
 		maps.Copy(cut, d.Headers)
+		recordAsSeen(cut, d)
 		cut[HeaderError] = text.Truncate("broker: fault headers cut, the dead-letter copy did not fit ("+err.Error()+"): "+errText, maxCutErrorText)
 		cut[rabbitmw.HeaderAttempts] = attempts
 		cut[HeaderOriginalQueue] = cn.top.queue
@@ -69,7 +71,8 @@ const maxCutErrorText = 512
 
 // faultHeaders returns the headers of the dead-lettered copy of d: all of
 // d's headers, whatever their types, the records of HeaderDeaths back in
-// x-death, plus the fault headers that say why, where and when. The attempt
+// x-death, d's fields as its handler saw them (recordAsSeen), plus the
+// fault headers that say why, where and when. The attempt
 // count is dec.Attempts, or, when no layer counted (0), the count recorded
 // on d plus this failed attempt. It does not modify d.
 func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time.Time, host, process string) amqp.Table {
@@ -88,8 +91,7 @@ func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time
 		attempts = rabbitmw.PriorAttempts(d) + 1
 	}
 	h[rabbitmw.HeaderAttempts] = int64(attempts)
-	setIfAbsent(h, HeaderOriginalExchange, d.Exchange)
-	setIfAbsent(h, HeaderOriginalRoutingKey, d.RoutingKey)
+	recordAsSeen(h, d)
 	h[HeaderOriginalQueue] = queue
 	h[HeaderFailedAt] = at.UTC().Truncate(time.Second)
 	h[HeaderHost] = host

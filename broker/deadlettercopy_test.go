@@ -41,13 +41,40 @@ func TestFaultHeaders(t *testing.T) {
 	}
 	assert.Equal(t, want, h, "faultHeaders")
 
-	// An earlier hop's origin and attempt count are kept; Decision's count
-	// wins when set.
-	d.Headers = amqp.Table{HeaderOriginalExchange: "first", HeaderOriginalRoutingKey: "first-rk", rabbitmw.HeaderAttempts: int32(4)}
-	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(errBoom)), "q", at, "h", "p")
-	assert.Equal(t, "first", h[HeaderOriginalExchange], "original exchange kept")
-	assert.Equal(t, "first-rk", h[HeaderOriginalRoutingKey], "original routing key kept")
-	assert.Equal(t, int64(5), h[rabbitmw.HeaderAttempts], "attempts from the header, plus this one")
+	// The route and properties are d's, as its handler saw them: given
+	// back by asPublished from an earlier hop's headers, or d's own when
+	// an exchange routed it, whatever its headers say. The attempt count
+	// of an earlier hop is kept; Decision's count wins when set.
+	earlier := amqp.Table{HeaderOriginalExchange: "first", HeaderOriginalRoutingKey: "first-rk", rabbitmw.HeaderAttempts: int32(4),
+		HeaderUserID: "alice", HeaderOriginalExpiration: "60000", HeaderOriginalDeliveryMode: int64(amqp.Transient)}
+	for _, c := range []struct {
+		name   string
+		d      amqp.Delivery
+		ex, rk string
+		kept   amqp.Table // the copy's headers of the properties asCopy keeps
+	}{
+		{"back from a delay queue", amqp.Delivery{Exchange: "", RoutingKey: "q", DeliveryMode: amqp.Persistent}, "first", "first-rk",
+			amqp.Table{HeaderUserID: "alice", HeaderOriginalExpiration: "60000", HeaderOriginalDeliveryMode: int64(amqp.Transient)}},
+		{"routed by an exchange", amqp.Delivery{Exchange: "ex", RoutingKey: "rk", UserId: "bob", DeliveryMode: amqp.Persistent}, "ex", "rk",
+			amqp.Table{HeaderUserID: "bob"}},
+	} {
+		d := c.d
+		d.Headers = maps.Clone(earlier)
+		asPublished(&d, "q")
+		h = faultHeaders(&d, rabbitmw.Decide(rabbitmw.Permanent(errBoom)), "q", at, "h", "p")
+		assert.Equal(t, c.ex, h[HeaderOriginalExchange], c.name+": original exchange")
+		assert.Equal(t, c.rk, h[HeaderOriginalRoutingKey], c.name+": original routing key")
+		assert.Equal(t, int64(5), h[rabbitmw.HeaderAttempts], c.name+": attempts from the header, plus this one")
+		p := republishing(&d, h)
+		got := amqp.Table{}
+		for _, k := range []string{HeaderUserID, HeaderOriginalExpiration, HeaderOriginalDeliveryMode} {
+			if v, ok := p.Headers[k]; ok {
+				got[k] = v
+			}
+		}
+		assert.Equal(t, c.kept, got, c.name+": the headers of the properties of the copy")
+	}
+	d.Headers = amqp.Table{rabbitmw.HeaderAttempts: int32(4)}
 	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(rabbitmw.WithAttempts(errBoom, 9))), "q", at, "h", "p")
 	assert.Equal(t, int64(9), h[rabbitmw.HeaderAttempts], "attempts from the Decision")
 
@@ -93,9 +120,13 @@ func FuzzFaultHeaders(f *testing.F) {
 		}
 		owned := map[string]bool{HeaderError: true, HeaderErrorType: true, rabbitmw.HeaderAttempts: true,
 			HeaderOriginalQueue: true, HeaderFailedAt: true, HeaderHost: true, HeaderProcess: true,
-			HeaderOriginalExchange: true, HeaderOriginalRoutingKey: true}
+			HeaderOriginalExchange: true, HeaderOriginalRoutingKey: true,
+			HeaderUserID: true, HeaderOriginalExpiration: true, HeaderOriginalDeliveryMode: true, HeaderOriginalCC: true}
+		if h[HeaderOriginalExchange] != exchange || h[HeaderOriginalRoutingKey] != key {
+			t.Fatalf("original route = %q, %q; want the delivery's, %q, %q", h[HeaderOriginalExchange], h[HeaderOriginalRoutingKey], exchange, key)
+		}
 		for k, v := range headers {
-			if owned[k] && k != HeaderOriginalExchange && k != HeaderOriginalRoutingKey {
+			if owned[k] {
 				continue
 			}
 			if !equalTables(amqp.Table{k: h[k]}, amqp.Table{k: v}) {

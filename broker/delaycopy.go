@@ -68,8 +68,8 @@ func noteFirstFailure(h amqp.Table, err error, at time.Time) {
 
 // delayHeaders returns the headers of the copy of d, from work queue
 // queue, sent to a delay queue: all of d's, the attempt count of dec when a
-// layer counted one, the original exchange and routing key at the first
-// hop, and HeaderNotBefore when notBefore is not zero (removed otherwise).
+// layer counted one, d's fields as its handler saw them (recordAsSeen),
+// and HeaderNotBefore when notBefore is not zero (removed otherwise).
 // An x-death not in RabbitMQ's form moves to HeaderMalformedXDeath; the
 // records of one in that form that name queue move to HeaderDeaths. It
 // does not modify d.
@@ -79,8 +79,7 @@ func delayHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, notBefo
 	if dec.Attempts > 0 {
 		h[rabbitmw.HeaderAttempts] = int64(dec.Attempts)
 	}
-	setIfAbsent(h, HeaderOriginalExchange, d.Exchange)
-	setIfAbsent(h, HeaderOriginalRoutingKey, d.RoutingKey)
+	recordAsSeen(h, d)
 	if notBefore.IsZero() {
 		delete(h, HeaderNotBefore)
 	} else {
@@ -93,6 +92,22 @@ func delayHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, notBefo
 		setAsideDeaths(h, queue)
 	}
 	return h
+}
+
+// recordAsSeen makes h, the headers of a copy of d, record d's exchange
+// and routing key, and leaves the headers of the properties and of the CC
+// header that asCopy keeps to be written from d's own: all as d's handler
+// saw them, once asPublished gave d back the fields its copies carry. Whatever d's
+// headers said of them goes: an exchange that routed d left its fields
+// alone (its headers may be another message's, forwarded whole), and so
+// must every later delivery of it.
+func recordAsSeen(h amqp.Table, d *amqp.Delivery) {
+	h[HeaderOriginalExchange] = d.Exchange
+	h[HeaderOriginalRoutingKey] = d.RoutingKey
+	delete(h, HeaderUserID)
+	delete(h, HeaderOriginalExpiration)
+	delete(h, HeaderOriginalDeliveryMode)
+	delete(h, HeaderOriginalCC)
 }
 
 // setAsideDeaths moves the records of h's x-death, in RabbitMQ's form, that

@@ -31,7 +31,9 @@ const (
 	// kept at later hops. Consume gives them back to the delivery before
 	// the handler runs, if it came as copies come (through the default
 	// exchange, with the work queue as routing key): a message an
-	// exchange routed keeps its own, whatever headers its producer set.
+	// exchange routed keeps its own, whatever headers its producer set,
+	// and its delay and dead-letter copies record its own, as they do its
+	// UserId, Expiration and DeliveryMode.
 	HeaderOriginalExchange   = "x-rabbitmw-original-exchange"
 	HeaderOriginalRoutingKey = "x-rabbitmw-original-routing-key"
 	// HeaderOriginalQueue is the work queue the message was dead-lettered

@@ -174,3 +174,82 @@ func TestReplayOfAServerDeadLetterSeesItsRoute(t *testing.T) {
 		assert.Equal(t, 0, len(seen), "handled once")
 	})
 }
+
+func TestRetriesOfAForwardedMessageSeeItsOwnRoute(t *testing.T) {
+	onCopyBackends(t, testRetriesOfAForwardedMessage)
+}
+
+// A message that an exchange routed carries, as a producer forwarded it
+// whole, the headers of another message's copy: its route, UserId,
+// Expiration, DeliveryMode and CC. The first delivery shows its own (see
+// asPublished), and so must every later one, from a delay queue or a
+// replay: the copies record what the handler saw, not the stale headers.
+func testRetriesOfAForwardedMessage(t *testing.T, b *broker.Broker) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	q, suffix := declared(t, b, "rabbitmw-test-forwarded-", eventsTopology)
+	top, exchange := eventsTopology(suffix), "rabbitmw-test-events-"+suffix
+
+	type view struct {
+		route
+		Expiration   string
+		DeliveryMode uint8
+		CC           any
+	}
+	var mu sync.Mutex
+	var seen []view
+	h := rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, view{route{d.Exchange, d.RoutingKey, d.UserId}, d.Expiration, d.DeliveryMode, d.Headers["CC"]})
+		switch len(seen) {
+		case 1:
+			return rabbitmw.RetryAfter(errCopyTest, 50*time.Millisecond)
+		case 2:
+			return rabbitmw.Permanent(errCopyTest)
+		}
+		return nil
+	})
+	stop := consumeIn(t, b, q, top, h)
+	forwarded := amqp.Table{
+		broker.HeaderOriginalExchange:     "",
+		broker.HeaderOriginalRoutingKey:   "another-queue",
+		broker.HeaderUserID:               "admin",
+		broker.HeaderOriginalExpiration:   "1000",
+		broker.HeaderOriginalDeliveryMode: int64(amqp.Transient),
+		broker.HeaderOriginalCC:           []any{"another-queue"},
+	}
+	require.NoError(t, b.Publish(ctx, exchange, "order.created", amqp.Publishing{
+		MessageId: "f1", UserId: "guest", DeliveryMode: amqp.Persistent, Headers: forwarded, Body: []byte("x"),
+	}))
+	var dead *amqp.Delivery
+	require.Eventually(t, func() bool {
+		dls, err := deadletter.New(b).List(ctx, q, deadletter.ListOptions{})
+		require.NoError(t, err)
+		if len(dls) == 1 {
+			dead = dls[0].Delivery
+		}
+		return dead != nil
+	}, 20*time.Second, 20*time.Millisecond, "the message was not dead-lettered")
+	assert.Equal(t, exchange, dead.Headers[broker.HeaderOriginalExchange], "dead-letter copy: original exchange")
+	assert.Equal(t, "order.created", dead.Headers[broker.HeaderOriginalRoutingKey], "dead-letter copy: original routing key")
+	assert.Equal(t, "guest", dead.Headers[broker.HeaderUserID], "dead-letter copy: user id")
+	for _, k := range []string{broker.HeaderOriginalExpiration, broker.HeaderOriginalDeliveryMode, broker.HeaderOriginalCC} {
+		assert.NotContains(t, dead.Headers, k, "dead-letter copy of a persistent message without an expiration or CC")
+	}
+
+	res, err := deadletter.New(b).Replay(ctx, q, deadletter.ReplayOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Replayed)
+	require.Eventually(t, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(seen) == 3
+	}, 20*time.Second, 20*time.Millisecond, "the replayed message was not handled")
+	stop()
+
+	want := view{route{exchange, "order.created", "guest"}, "", amqp.Persistent, nil}
+	for i, got := range seen {
+		assert.Equal(t, want, got, "delivery %d (a delay, a dead-letter, then a replay)", i+1)
+	}
+}

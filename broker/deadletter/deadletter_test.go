@@ -24,10 +24,12 @@ var behaviours = []struct {
 	{"ReplaySelected", testReplaySelected},
 	{"ReplayedMessageFailsAgain", testReplayFailsAgain},
 	{"ReplayOfServerDeadLetters", testReplayServerDeadLetters},
+	{"ReplayOfAForwardedDeadLetter", testReplayForwardedDeadLetter},
 	{"ReplayToMissingQueue", testReplayMissingQueue},
 	{"MalformedHeaders", testDLQMalformed},
 	{"PurgeSelected", testPurgeSelected},
 	{"ExportImport", testExportImport},
+	{"ExportImportTimestampsBeyondRFC3339", testExportImportTimestampsBeyondRFC3339},
 }
 
 func TestDeadLetterOperations(t *testing.T) {

@@ -32,6 +32,7 @@ type ExportedMessage struct {
 }
 
 // Properties are the AMQP basic properties of a message, but the headers.
+// Timestamp is written as a timestamp header is (see [TypedValue]).
 type Properties struct {
 	ContentType     string    `json:"content_type,omitempty"`
 	ContentEncoding string    `json:"content_encoding,omitempty"`
@@ -66,7 +67,11 @@ type Properties struct {
 //	decimal                           {"scale": 2, "value": 12345}
 //	string                            a string
 //	bytes                             base64
-//	timestamp                         RFC 3339, UTC, in whole seconds
+//	timestamp                         RFC 3339, UTC, in whole seconds;
+//	                                  outside the years 0 to 9999, which
+//	                                  RFC 3339 cannot write (a time in
+//	                                  milliseconds taken for seconds),
+//	                                  the Unix seconds as a string
 //	void                              null (no value)
 //	array                             an array of typed values
 //	table                             an object of typed values
@@ -75,6 +80,68 @@ type Properties struct {
 type TypedValue struct {
 	Type  string          `json:"type"`
 	Value json.RawMessage `json:"value,omitempty"`
+}
+
+// MarshalJSON writes p, its Timestamp as [TypedValue] writes a timestamp.
+func (p Properties) MarshalJSON() ([]byte, error) {
+	w := propertiesJSON{plainProperties: plainProperties(p)}
+	if !p.Timestamp.IsZero() {
+		w.Timestamp = raw(formatTimestamp(p.Timestamp))
+	}
+	return json.Marshal(w)
+}
+
+// UnmarshalJSON reads what MarshalJSON writes.
+func (p *Properties) UnmarshalJSON(b []byte) error {
+	var w propertiesJSON
+	if err := json.Unmarshal(b, &w); err != nil {
+		return err
+	}
+	*p = Properties(w.plainProperties)
+	p.Timestamp = time.Time{}
+	if len(w.Timestamp) == 0 || string(w.Timestamp) == "null" {
+		return nil
+	}
+	var s string
+	if err := json.Unmarshal(w.Timestamp, &s); err != nil {
+		return fmt.Errorf("timestamp: %w", err)
+	}
+	ts, err := parseTimestamp(s)
+	if err != nil {
+		return fmt.Errorf("timestamp: %w", err)
+	}
+	p.Timestamp = ts.UTC()
+	return nil
+}
+
+// plainProperties has the fields of Properties, without its methods.
+type plainProperties Properties
+
+// propertiesJSON is Properties in JSON: its Timestamp, one level up,
+// hides plainProperties'.
+type propertiesJSON struct {
+	plainProperties
+	Timestamp json.RawMessage `json:"timestamp,omitempty"`
+}
+
+// formatTimestamp writes t in RFC 3339, UTC, whole seconds; or, in a
+// year RFC 3339 cannot write (before 0, after 9999), as its Unix seconds
+// in decimal.
+func formatTimestamp(t time.Time) string {
+	if y := t.UTC().Year(); y < 0 || y > 9999 {
+		return strconv.FormatInt(t.Unix(), 10)
+	}
+	return t.UTC().Format(time.RFC3339)
+}
+
+// parseTimestamp reads what formatTimestamp writes (and any RFC 3339
+// time), in whole seconds, as amqp091 decodes a timestamp.
+func parseTimestamp(s string) (time.Time, error) {
+	if n, err := strconv.ParseInt(s, 10, 64); err == nil {
+		return time.Unix(n, 0), nil
+	}
+	t, err := time.Parse(time.RFC3339Nano, s)
+	return time.Unix(t.Unix(), 0), err
 }
 
 // ExportOptions selects the messages that [Inspector.Export]
@@ -317,7 +384,7 @@ func typed(v any) (TypedValue, error) {
 	case []byte:
 		return TypedValue{"bytes", raw(base64.StdEncoding.EncodeToString(x))}, nil
 	case time.Time:
-		return TypedValue{"timestamp", raw(x.UTC().Format(time.RFC3339))}, nil
+		return TypedValue{"timestamp", raw(formatTimestamp(x))}, nil
 	case []any:
 		a := make([]TypedValue, len(x))
 		for i, e := range x {
@@ -385,12 +452,9 @@ func init() {
 			}
 			return amqp.Decimal{Scale: uint8(d.Scale), Value: int32(d.Value)}, nil
 		}),
-		"string": as(func(s string) (any, error) { return s, nil }),
-		"bytes":  as(func(s string) (any, error) { return base64.StdEncoding.DecodeString(s) }),
-		"timestamp": as(func(s string) (any, error) {
-			t, err := time.Parse(time.RFC3339Nano, s)
-			return time.Unix(t.Unix(), 0), err // as amqp091 decodes it
-		}),
+		"string":    as(func(s string) (any, error) { return s, nil }),
+		"bytes":     as(func(s string) (any, error) { return base64.StdEncoding.DecodeString(s) }),
+		"timestamp": as(func(s string) (any, error) { return parseTimestamp(s) }),
 		"array": as(func(a []TypedValue) (any, error) {
 			out := make([]any, len(a))
 			for i, e := range a {

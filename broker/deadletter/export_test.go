@@ -142,6 +142,51 @@ func testExportImport(t *testing.T, be backend) {
 	f.assertSettled(t)
 }
 
+// A timestamp is any number of seconds on the wire, and amqp091 reads it
+// whole: one in milliseconds (a producer's common mistake) is in the year
+// 57000, one of a negative number before the year 0, beyond what RFC 3339
+// can write. Such a message is exported, and imported back the same, its
+// property and its headers (at the top, nested, in an array).
+func testExportImportTimestampsBeyondRFC3339(t *testing.T, be backend) {
+	f := setup(t, be, broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	stamps := map[string]time.Time{
+		"ms":       time.Unix(1764000000000, 0),
+		"negative": time.Unix(-1<<40, 0),
+		"max":      time.Unix(math.MaxInt64, 0),
+		"year0":    time.Date(0, 1, 1, 0, 0, 0, 0, time.UTC),
+		"year9999": time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC),
+	}
+	for id, ts := range stamps {
+		require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{
+			MessageId: id, Timestamp: ts, Body: []byte(id),
+			Headers: amqp.Table{"at": ts, "nested": amqp.Table{"at": ts}, "list": []any{ts}},
+		}), "Publish(%s)", id)
+	}
+	before, err := f.in.List(ctx, f.q, ListOptions{})
+	require.NoError(t, err, "List")
+	require.Len(t, before, len(stamps), "dead-letter queue before the export")
+	var out bytes.Buffer
+	n, err := f.in.Export(ctx, f.q, &out, ExportOptions{})
+	require.NoError(t, err, "Export")
+	require.Equal(t, len(stamps), n, "exported")
+	_, err = f.in.Purge(ctx, f.q, PurgeOptions{})
+	require.NoError(t, err, "Purge")
+	n, err = f.in.Import(ctx, f.q, bytes.NewReader(out.Bytes()), ImportOptions{})
+	require.NoError(t, err, "Import")
+	require.Equal(t, len(stamps), n, "imported")
+	after, err := f.in.List(ctx, f.q, ListOptions{})
+	require.NoError(t, err, "List")
+	require.Len(t, after, len(stamps), "dead-letter queue after the import")
+	for i, a := range after {
+		b := before[i].Delivery
+		assert.Equal(t, b.Timestamp.Unix(), a.Delivery.Timestamp.Unix(), a.ID+": timestamp")
+		equalTypes(t, a.ID+": headers", a.Delivery.Headers, b.Headers)
+	}
+	f.drain(f.q + ".dlq")
+	f.assertSettled(t)
+}
+
 // exportTypes has a header of every AMQP type amqp091 supports, as
 // amqp091 decodes them, with their extreme values. (Not an infinite or
 // NaN float: RabbitMQ 3.10 closes the connection with INTERNAL_ERROR on

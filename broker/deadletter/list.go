@@ -78,7 +78,11 @@ type Message struct {
 	Key string `json:"key,omitempty"`
 	// Queue is the work queue the broker dead-lettered the message from
 	// ([broker.HeaderOriginalQueue]); empty for a message that the server or
-	// another tool dead-lettered.
+	// another tool dead-lettered, also after the broker: one with an
+	// x-death record (but of the queue's delay queues) more than a minute
+	// younger than [broker.HeaderFailedAt], its broker's headers those of
+	// an earlier life (it left a dead-letter queue other than by a replay,
+	// and was forwarded whole).
 	Queue string `json:"queue,omitempty"`
 	// DeadLetteredFrom and Reason say where and why the server
 	// dead-lettered the message ("rejected", "expired", "maxlen",
@@ -101,7 +105,9 @@ type Message struct {
 	// [broker.HeaderFirstFailedAt], its x-death records but those of the
 	// work queue's delay queues (whose times are those of the copies'
 	// expiries), its HeaderHistory, and LastFailure. LastFailure is
-	// [broker.HeaderFailedAt], or, without it, the latest x-death record.
+	// [broker.HeaderFailedAt], or, without it or when the server
+	// dead-lettered the message after it (see Queue), the latest x-death
+	// record.
 	FirstFailure time.Time `json:"first_failure,omitzero"`
 	LastFailure  time.Time `json:"last_failure,omitzero"`
 	// Host and Process are [broker.HeaderHost] and [broker.HeaderProcess].
@@ -117,6 +123,11 @@ type Message struct {
 	// Delivery is the message itself.
 	Delivery *amqp.Delivery `json:"-"`
 }
+
+// clockSkew is how far apart the clocks of a consumer, which writes
+// broker.HeaderFailedAt, and of RabbitMQ, which writes x-death's times, may
+// be, for readMessage.
+const clockSkew = time.Minute
 
 // readMessage describes d. It never fails: what it cannot read it
 // leaves out, and names in Malformed.
@@ -208,8 +219,18 @@ func readMessage(d *amqp.Delivery) *Message {
 		}
 	}
 	times = append(times, deathTimes...)
-	if dl.LastFailure.IsZero() && len(deathTimes) > 0 {
-		dl.LastFailure = slices.MaxFunc(deathTimes, time.Time.Compare)
+	if len(deathTimes) > 0 {
+		latest := slices.MaxFunc(deathTimes, time.Time.Compare)
+		if !dl.LastFailure.IsZero() && latest.Sub(dl.LastFailure) > clockSkew {
+			// The server dead-lettered the message after the broker did:
+			// it was taken out of a dead-letter queue other than by a
+			// replay, forwarded whole, and failed again where the broker's
+			// headers do not say.
+			dl.Queue = ""
+		}
+		if dl.LastFailure.IsZero() || dl.Queue == "" {
+			dl.LastFailure = latest
+		}
 	}
 	if v, ok := h[HeaderHistory]; ok {
 		entries, ok := v.([]any)

@@ -208,6 +208,47 @@ func testReplayServerDeadLetters(t *testing.T, be backend) {
 	}
 }
 
+// A message that the broker dead-lettered from another work queue, taken
+// out of that dead-letter queue and forwarded whole to this work queue
+// (by a shovel, or a producer), then dead-lettered by the server from
+// this one (a consumer rejected it): its x-rabbitmw-original-queue names
+// the other queue, and is older than the server's x-death record. It is
+// a dead-letter of the server, whose queue Replay must be told: it
+// refuses it (ErrNoDestination), and sends nothing to the other queue.
+func testReplayForwardedDeadLetter(t *testing.T, be backend) {
+	f := setup(t, be, broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	other := f.q + "-other"
+	require.NoError(t, f.b.Declare(ctx, other, f.top), "Declare(%q)", other)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		assert.NoError(t, f.b.Delete(ctx, other, f.top), "Delete(%q)", other)
+	})
+	failed := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	f.publish("fwd", []byte("x"), amqp.Table{
+		broker.HeaderOriginalQueue: other, broker.HeaderFailedAt: failed,
+		broker.HeaderError: "failed in the other queue", rabbitmw.HeaderAttempts: int64(3),
+	})
+	d, ok, err := f.b.Get(ctx, f.q)
+	require.NoError(t, err, "Get")
+	require.True(t, ok, "Get: no message")
+	require.NoError(t, d.Reject(false), "Reject")
+	require.Eventually(t, func() bool { return f.length(f.q+".dlq") == 1 }, 20*time.Second, 10*time.Millisecond, "message not dead-lettered by the server")
+
+	dls, err := f.in.List(ctx, f.q, ListOptions{})
+	require.NoError(t, err, "List")
+	require.Len(t, dls, 1, "List")
+	assert.Equal(t, "", dls[0].Queue, "queue of a message the server dead-lettered last")
+	assert.Equal(t, f.q, dls[0].DeadLetteredFrom, "dead-lettered from")
+	assert.Equal(t, "rejected", dls[0].Reason, "reason")
+	_, err = f.in.Replay(ctx, f.q, ReplayOptions{})
+	require.ErrorIs(t, err, ErrNoDestination, "Replay without To")
+	assert.Equal(t, 0, f.length(other), "the other queue after the replay")
+	assert.Equal(t, 1, f.length(f.q+".dlq"), "dead-letter queue after the refusal")
+	f.drain(f.q + ".dlq")
+}
+
 // A replay to a queue that does not exist is refused before anything
 // moves.
 func testReplayMissingQueue(t *testing.T, be backend) {

@@ -3,6 +3,7 @@ package redisstore
 import (
 	"context"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -45,22 +46,24 @@ func (r *Store) Inspect(ctx context.Context, key string) (store.KeyState, error)
 }
 
 // claimState reads the value v of a claim key with time to live ttl (see
-// the key layout on [Store]).
+// the key layout on [Store]) as claimScript does: a claim of ours is
+// processing while its key's PTTL is more than the claim's retention, and
+// abandoned after, or when the key has no expiry.
 func claimState(v string, ttl time.Duration) (store.Status, string, time.Duration) {
 	if v == doneMark {
 		return store.Done, "", ttl
 	}
 	rest, ok := strings.CutPrefix(v, claimTag)
-	if !ok {
+	ms, token, colon := strings.Cut(rest, ":")
+	if !ok || !colon || ms == "" || strings.Trim(ms, "0123456789") != "" {
 		return store.Processing, v, ttl // a hand-written consumer's mark
 	}
-	ms, token, ok := strings.Cut(rest, ":")
 	keep, err := strconv.ParseInt(ms, 10, 64)
-	if !ok || err != nil || ttl < 0 {
-		return store.Processing, v, ttl
+	if err != nil {
+		keep = math.MaxInt64 // too many digits: a retention no PTTL exceeds
 	}
-	if retention := time.Duration(keep) * time.Millisecond; ttl > retention {
-		return store.Processing, token, ttl - retention
+	if ttl >= 0 && ttl.Milliseconds() > keep {
+		return store.Processing, token, ttl - time.Duration(keep)*time.Millisecond
 	}
 	return store.Abandoned, token, ttl
 }

@@ -78,13 +78,25 @@ type Options struct {
 // the key's remaining time and decide (two commands, one after the other).
 // On a Redis before 7.0, which refuses NX with GET, Claim runs the script
 // alone. Without batching each command is a round trip of its own; with
-// it, it shares one with the commands of other calls made meanwhile. Every command touches a single key, so the store works
+// it, it shares one with the commands of other calls made meanwhile, but
+// for Fail's, which go-redis must not send twice (see [Store.Fail]). Every command touches a single key, so the store works
 // unchanged on Redis Cluster. A mark of a hand-written consumer
 // is processing until it expires, and nobody owns it: this store never
 // completes or releases it. One left without expiry (a hand-written
 // consumer that died between SETNX and EXPIRE) is given the claimer's
 // lease the first time Claim finds it, so it cannot block its message
 // forever.
+//
+// go-redis sends a command again, or a whole pipeline, when its answer
+// does not come within the client's read timeout, though the first send
+// may have taken effect (see [Store.Claim]). What each command finds the
+// second time: a Claim, its own claim, and reports Claimed; an Extend or a
+// ResetFailures does again what it did; a Complete or a Release finds the
+// claim gone and returns store.ErrLostClaim (middleware.Dedup then tries
+// the message again later, and finds it done, or free to claim); a Claim
+// that had found the key abandoned finds it absent and claims it, so that
+// the attempt that never finished goes uncounted. Fail alone is sent once
+// (see [Store.Fail]).
 //
 // Errors from the client, including timeouts, are wrapped with the
 // operation and key; redis.Nil never escapes.
@@ -204,15 +216,16 @@ end
 `
 
 // A script is a Lua script with its SHA1 made an argument once, not at
-// each EVALSHA.
+// each EVALSHA, and its source kept for an EVAL of the store's own.
 type script struct {
 	*redis.Script
 	sha any
+	src string
 }
 
 func newScript(src string) script {
 	s := redis.NewScript(src)
-	return script{s, s.Hash()}
+	return script{s, s.Hash(), src}
 }
 
 var (
@@ -388,9 +401,17 @@ func (r *Store) owned(op, key string, n int64, err error) error {
 	return nil
 }
 
-// Fail implements [store.Store].
+// Fail implements [store.Store]. Unlike the other commands, its script is
+// sent once, on a round trip of its own: sent again after its answer was
+// lost (see Claim), its INCR would count the failure twice, and middleware.Retry
+// would dead-letter the message an attempt early. A Fail whose answer is
+// lost returns an error instead, its count unknown, as the [store.Store]
+// contract allows. Over a client that New does not batch over (a wrapper of
+// your own, go-redis's autopipeliner), Fail calls the client's EvalSha, as
+// the other methods do, and is sent again as that client sends any
+// command.
 func (r *Store) Fail(ctx context.Context, key string, ttl time.Duration) (int64, error) {
-	n, err := r.run(ctx, failScript, r.failurePre+key, millis(ttl))
+	n, err := r.once(ctx, failScript, r.failurePre+key, millis(ttl))
 	if err != nil {
 		return 0, r.fail("fail", key, err)
 	}
@@ -429,6 +450,55 @@ func (r *Store) run(ctx context.Context, s script, k string, args ...any) (int64
 	}
 	if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 		return s.Eval(ctx, r.cmds, []string{k}, args...).Int64()
+	}
+	return cmd.Int64()
+}
+
+// noResend is a command that go-redis sends once, not again on a new
+// connection when its answer does not come (its Cmder.NoRetry): a pipeline
+// that holds one is not sent again either.
+type noResend struct{ *redis.Cmd }
+
+// NoRetry implements [redis.Cmder].
+func (noResend) NoRetry() bool { return true }
+
+// once runs s on the single key k, as run does, but sends it once (see
+// Store.Fail), on its own round trip: over a Batcher, on the client the
+// batcher wraps, so that the pipelines of other calls keep go-redis's
+// resends. That client must be one that New batches over (see
+// [Options.NoBatching]); any other Client runs s as run does, through its
+// own methods, and resends it as it resends any command.
+func (r *Store) once(ctx context.Context, s script, k string, args ...any) (int64, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	var c any = r.client
+	if r.batcher != nil {
+		c = r.batcher.client
+	}
+	var p interface {
+		Process(ctx context.Context, cmd redis.Cmder) error
+	}
+	switch c := c.(type) {
+	case *redis.Client:
+		p = c
+	case *redis.ClusterClient:
+		p = c
+	case *redis.Ring:
+		p = c
+	default:
+		return r.run(ctx, s, k, args...)
+	}
+	send := func(name string, script any) *redis.Cmd {
+		argv := append(make([]any, 0, 4+len(args)), name, script, 1, k)
+		cmd := redis.NewCmd(ctx, append(argv, args...)...)
+		cmd.SetFirstKeyPos(3)
+		_ = p.Process(ctx, noResend{cmd})
+		return cmd
+	}
+	cmd := send("evalsha", s.sha)
+	if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		cmd = send("eval", s.src)
 	}
 	return cmd.Int64()
 }

@@ -572,6 +572,33 @@ func TestClaimResentAfterItsAnswerWasLost(t *testing.T) {
 	}
 }
 
+// Fail's INCR is no claim: a second send adds one more. go-redis must not
+// send it again when its answer does not come within the read timeout (as
+// it does other commands): one failure is counted once, or the count is
+// unknown (an error), never counted twice, which would make Retry
+// dead-letter a message before its last attempt.
+func TestFailNotResentAfterItsAnswerWasLost(t *testing.T) {
+	for _, noBatching := range []bool{false, true} {
+		t.Run(fmt.Sprintf("NoBatching=%v", noBatching), func(t *testing.T) {
+			ctx := context.Background()
+			m := miniredis.RunT(t)
+			p := startLateProxy(t, m.Addr(), 300*time.Millisecond)
+			c := redis.NewClient(&redis.Options{Addr: p.l.Addr().String(), ReadTimeout: 100 * time.Millisecond})
+			t.Cleanup(func() { c.Close() })
+			s := redisstore.New(c, redisstore.Options{NoBatching: noBatching})
+			require.NoError(t, s.Load(ctx)) // the connection is open, the scripts cached
+
+			p.lateFor("retry:k")
+			n, err := s.Fail(ctx, "k", time.Hour)
+			require.Nil(t, p.armed.Load(), "no answer was late")
+			assert.True(t, err != nil || n == 1, "Fail after one failure = %d, %v; want 1 or an error", n, err)
+			n, err = s.Fail(ctx, "k", time.Hour)
+			require.NoError(t, err)
+			assert.Equal(t, int64(2), n, "the count after two failures")
+		})
+	}
+}
+
 // The owner check of Extend, Complete and Release, against the values a
 // key can hold: claims written by this store, by a store with another
 // abandoned retention (or an older version: the format is the same), and
