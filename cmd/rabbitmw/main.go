@@ -15,6 +15,7 @@
 //	rabbitmw key <message id> --redis 127.0.0.1:6379 [--prefix P] [--namespace NS]
 //	rabbitmw key <message id> --postgres postgres://app@db/shop [--table T] [--namespace NS]
 //	rabbitmw topology declare|delete|show -q orders [--quorum] [--delivery-limit N] [--delays 1s,5s]
+//	                  (delete refuses queues that hold messages without --force)
 //	rabbitmw outbox ls --postgres postgres://app@db/shop [--table T] [--state pending|sent|parked] [--after ID] [--limit N]
 //	rabbitmw outbox stats --postgres URL [--table T]
 //	rabbitmw outbox retry --postgres URL [--table T] (--all | --id ID...)
@@ -57,7 +58,8 @@
 //	2  bad usage: unknown command or flag, bad value
 //	3  refused, nothing changed: messages without an original queue and
 //	   no --to, a replay or purge of everything without --all, an import
-//	   of messages still in the queue without --allow-duplicates
+//	   of messages still in the queue without --allow-duplicates, a
+//	   topology delete of queues that hold messages without --force
 //	4  not found: a queue that does not exist, or no message with that id
 package main
 
