@@ -212,7 +212,9 @@ type ImportOptions struct {
 // exactly as it was. An empty MessageId stays empty.
 //
 // A line that is not an exported message stops the import, with an error
-// that names its line; the messages before it were published. It refuses
+// that names its line; the messages before it were published. So does the
+// end of ctx: the message sent by then is waited for, up to 5 seconds, and
+// counted once confirmed. It refuses
 // a destination queue that does not exist before publishing anything.
 func (in *Inspector) Import(ctx context.Context, queue string, r io.Reader, opts ImportOptions) (int, error) {
 	dest := opts.To
@@ -238,6 +240,9 @@ func (in *Inspector) Import(ctx context.Context, queue string, r io.Reader, opts
 		if len(sc.Bytes()) == 0 {
 			continue
 		}
+		if err := ctx.Err(); err != nil {
+			return n, fmt.Errorf("deadletter: import: stopped at line %d, not published: %w", line, err)
+		}
 		var m ExportedMessage
 		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
 			return n, fmt.Errorf("deadletter: import: line %d: %w", line, err)
@@ -246,7 +251,7 @@ func (in *Inspector) Import(ctx context.Context, queue string, r io.Reader, opts
 		if err != nil {
 			return n, fmt.Errorf("deadletter: import: line %d: %w", line, err)
 		}
-		if err := s.Publish(ctx, "", dest, msg); err != nil {
+		if err := publishFinishing(ctx, s, dest, msg); err != nil {
 			return n, fmt.Errorf("deadletter: import: line %d: publish to %q: %w", line, dest, err)
 		}
 		n++
@@ -258,6 +263,18 @@ func (in *Inspector) Import(ctx context.Context, queue string, r io.Reader, opts
 		return n, fmt.Errorf("deadletter: import: after line %d: %w", line, err)
 	}
 	return n, nil
+}
+
+// publishFinishing publishes msg to queue dest and waits for its confirm,
+// for up to finishWithin once ctx has ended: given up on, the message may
+// be in dest all the same.
+func publishFinishing(ctx context.Context, s transport.Session, dest string, msg amqp.Publishing) error {
+	if err := ctx.Err(); err != nil {
+		return err // nothing sent
+	}
+	send, stop := finishing(ctx)
+	defer stop()
+	return s.Publish(send, "", dest, msg)
 }
 
 // ExportMessage returns d, read from queue, as an ExportedMessage. It fails

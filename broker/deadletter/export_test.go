@@ -2,6 +2,7 @@ package deadletter
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"maps"
@@ -262,4 +263,37 @@ func TestTypedValueRoundTrip(t *testing.T) {
 			t.Errorf("decode(%s) = nil error; want one", bad)
 		}
 	}
+}
+
+// An import whose context ends (the command's Ctrl-C) while a message
+// awaits its confirm finishes that message, and publishes no other: the
+// count it returns is the number of messages in the queue, so that the
+// rest of the file can be imported on its own. On a server that takes
+// 200 ms to confirm, the context ends as the first message is in its
+// queue.
+func TestImportInterruptedFinishesWhatItSent(t *testing.T) {
+	f := setup(t, backends[0], broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	var file strings.Builder
+	for i := range 3 {
+		m, err := ExportMessage(f.q+".dlq", &amqp.Delivery{MessageId: fmt.Sprintf("m%d", i), Body: []byte("body")})
+		require.NoError(t, err)
+		line, err := json.Marshal(m)
+		require.NoError(t, err)
+		file.Write(append(line, '\n'))
+	}
+	f.mem.SetConfirmDelay(200 * time.Millisecond)
+	ictx, interrupt := context.WithCancel(ctx)
+	defer interrupt()
+	go func() {
+		defer interrupt()
+		assert.Eventually(t, func() bool { return f.length(f.q+".dlq") > 0 }, 10*time.Second, time.Millisecond)
+	}()
+	n, err := f.in.Import(ictx, f.q, strings.NewReader(file.String()), ImportOptions{})
+	require.ErrorIs(t, err, context.Canceled, "Import")
+	assert.ErrorContains(t, err, "line 2")
+	f.mem.SetConfirmDelay(0)
+	assert.Equal(t, 1, n, "imported")
+	assert.Equal(t, []string{"m0"}, deliveryIDs(f.drain(f.q+".dlq")), "dead-letter queue")
+	f.assertSettled(t)
 }

@@ -420,3 +420,32 @@ func (snap *snapshot) close(in *Inspector) error {
 		}
 	}
 }
+
+// finishWithin is how long a replay or an import that stops, its context
+// ended or a message failed, waits for the messages it has sent to be
+// confirmed (and, in a replay, acknowledged): a message given up on
+// before its confirm may be in its destination all the same, uncounted,
+// and, in a replay, stays in the dead-letter queue too.
+const finishWithin = 5 * time.Second
+
+// finishing returns the context to send a message under: it ends
+// finishWithin after ctx, or when stop is called, which must be. Its
+// goroutine ends with it.
+func finishing(ctx context.Context) (send context.Context, stop context.CancelFunc) {
+	send, stop = context.WithCancel(context.WithoutCancel(ctx))
+	go func() {
+		select {
+		case <-ctx.Done():
+		case <-send.Done():
+			return
+		}
+		t := time.NewTimer(finishWithin)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			stop()
+		case <-send.Done():
+		}
+	}()
+	return send, stop
+}

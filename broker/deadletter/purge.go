@@ -2,6 +2,7 @@ package deadletter
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/rabbitmw/rabbitmw/broker/internal/expose"
@@ -27,7 +28,9 @@ type PurgeOptions struct {
 // round trip after each batch of acks): if the connection drops before,
 // the server puts the message back. With an error, the messages returned
 // are those removed before it; the error says how many more were
-// acknowledged without a word from the server, and may be back.
+// acknowledged without a word from the server, and may be back. Once ctx
+// ends it acknowledges nothing more, and waits, up to 5 seconds, for the
+// server's word on what it has acknowledged.
 func (in *Inspector) Purge(ctx context.Context, queue string, opts PurgeOptions) ([]*Message, error) {
 	snap, err := in.snapshot(ctx, queue, opts.ScanProgress)
 	if err != nil {
@@ -40,7 +43,11 @@ func (in *Inspector) Purge(ctx context.Context, queue string, opts PurgeOptions)
 		if len(acked) == 0 {
 			return nil
 		}
-		if err := snap.s.SyncGets(ctx); err != nil {
+		// The acks are sent: after ctx's end too, the server's word on
+		// them is worth a wait (see finishing).
+		sctx, stop := finishing(ctx)
+		defer stop()
+		if err := snap.s.SyncGets(sctx); err != nil {
 			return fmt.Errorf("deadletter: purge: %d message(s) acknowledged, and not confirmed removed (they may be back in the dead-letter queue): %w",
 				len(acked), expose.LostError(err))
 		}
@@ -58,6 +65,11 @@ func (in *Inspector) Purge(ctx context.Context, queue string, opts PurgeOptions)
 		if opts.DryRun {
 			removed = append(removed, dl)
 			continue
+		}
+		if err := ctx.Err(); err != nil {
+			err = errors.Join(err, confirm())
+			snap.close(in)
+			return removed, err
 		}
 		err := snap.ack(i)
 		if err == nil {

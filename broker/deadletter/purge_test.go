@@ -1,7 +1,9 @@
 package deadletter
 
 import (
+	"context"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
 	"net/url"
@@ -10,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -150,5 +153,30 @@ func testPurgeSelected(t *testing.T, be backend) {
 	require.NoError(t, err, "Purge")
 	assert.Equal(t, []string{"typed-b", "typed-d"}, ids(removed), "removed")
 	assert.Equal(t, []string{"a", "c"}, deliveryIDs(f.drain(f.q+".dlq")), "left")
+	f.assertSettled(t)
+}
+
+// A purge whose context ends (the command's Ctrl-C) removes nothing more,
+// and returns every message it removed: the dead-letter queue holds the
+// others. The context ends as the reading of the queue ends, before the
+// first acknowledgement.
+func TestPurgeInterrupted(t *testing.T) {
+	f := setup(t, backends[1], broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	const n = 2 * purgeBatch
+	for i := range n {
+		require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i),
+			Headers: amqp.Table{broker.HeaderOriginalQueue: f.q}}))
+	}
+	pctx, interrupt := context.WithCancel(ctx)
+	defer interrupt()
+	removed, err := f.in.Purge(pctx, f.q, PurgeOptions{ScanProgress: func(done, total int) {
+		if done == total {
+			interrupt()
+		}
+	}})
+	require.ErrorIs(t, err, context.Canceled, "Purge")
+	left := len(f.drain(f.q + ".dlq"))
+	assert.Equal(t, n, len(removed)+left, "messages returned removed, and left in the dead-letter queue")
 	f.assertSettled(t)
 }

@@ -90,7 +90,10 @@ type ReplayResult struct {
 // are both in the work queue and still in the dead-letter queue; a second
 // replay sends them again, with the same MessageId, which the consumers'
 // Dedup layer absorbs. Replay does not reconnect, and stops at the first
-// error: run it again.
+// error: run it again. When ctx ends (an operator's Ctrl-C), or at the
+// first error, it sends nothing more but waits, up to 5 seconds, for
+// the messages in flight to be confirmed and acknowledged, so that each of
+// them is in one queue only.
 //
 // RabbitMQ closes a channel that holds a message unacknowledged longer
 // than its consumer_timeout (30 minutes by default), and a slow replay (a
@@ -245,6 +248,9 @@ const replayWindow = 16
 func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, deadline time.Time) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// A message sent goes on under send once ctx ends (see finishing).
+	send, stopSend := finishing(ctx)
+	defer stopSend()
 	var (
 		mu    sync.Mutex
 		first error
@@ -277,7 +283,7 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, de
 		go func() {
 			defer wg.Done()
 			defer func() { <-slots }()
-			err := snap.replayOne(ctx, i, r.opts, r.history)
+			err := snap.replayOne(send, i, r.opts, r.history)
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {

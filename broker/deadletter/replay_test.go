@@ -262,3 +262,31 @@ func testReplayMissingQueue(t *testing.T, be backend) {
 	require.ErrorIs(t, err, broker.ErrQueueNotFound, "Replay from a missing dead-letter queue")
 	f.assertSettled(t)
 }
+
+// A replay whose context ends (the command's Ctrl-C) starts nothing more,
+// but finishes what it has sent: each message sent and confirmed leaves
+// the dead-letter queue, so that every message is in one queue, once, and
+// the result counts what reached the work queue. On a server that takes
+// 50 ms to confirm, the context ends at the first message replayed, with
+// the others of the window still unconfirmed.
+func TestReplayInterruptedFinishesWhatItSent(t *testing.T) {
+	f := setup(t, backends[0], broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	const n = 40
+	for i := range n {
+		require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i),
+			Headers: amqp.Table{broker.HeaderOriginalQueue: f.q}}))
+	}
+	f.mem.SetConfirmDelay(50 * time.Millisecond)
+	rctx, interrupt := context.WithCancel(ctx)
+	defer interrupt()
+	res, err := f.in.Replay(rctx, f.q, ReplayOptions{Progress: func(done, total int) { interrupt() }})
+	require.ErrorIs(t, err, context.Canceled, "Replay")
+	f.mem.SetConfirmDelay(0)
+	replayed := f.drain(f.q)
+	left := f.drain(f.q + ".dlq")
+	assert.Greater(t, res.Replayed, 1, "the messages in flight at the interrupt are replayed")
+	assert.Equal(t, len(replayed), res.Replayed, "replayed, as the result says")
+	assert.Equal(t, n, len(replayed)+len(left), "messages in the work queue and the dead-letter queue")
+	f.assertSettled(t)
+}

@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"text/tabwriter"
 	"time"
 	"unicode/utf8"
@@ -136,6 +137,9 @@ func (e *env) dlqList(ctx context.Context, args []string) error {
 	q := e.queueCommand("dlq ls", withFilters|withJSON)
 	limit := q.Int("limit", 0, "list at most this many messages")
 	if err := q.parseQueue(args); err != nil {
+		return err
+	}
+	if err := checkLimit(*limit); err != nil {
 		return err
 	}
 	dls, err := q.list(ctx, e, *limit)
@@ -468,6 +472,15 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 	return classify(err)
 }
 
+// checkLimit refuses a negative --limit, which the library takes for no
+// limit: for a purge, a slip that removes everything.
+func checkLimit(limit int) error {
+	if limit < 0 {
+		return usageError("--limit must not be negative")
+	}
+	return nil
+}
+
 func errText(err error) string {
 	if err == nil {
 		return ""
@@ -481,6 +494,9 @@ func (e *env) dlqPurge(ctx context.Context, args []string) error {
 	dry := q.Bool("dry-run", false, "list what would be removed, and remove nothing")
 	limit := q.Int("limit", 0, "remove at most this many messages")
 	if err := q.parseQueue(args); err != nil {
+		return err
+	}
+	if err := checkLimit(*limit); err != nil {
 		return err
 	}
 	if err := q.everything(*all, "purge"); err != nil {
@@ -519,20 +535,38 @@ func (e *env) dlqExport(ctx context.Context, args []string) error {
 	if err := q.parseQueue(args); err != nil {
 		return err
 	}
+	if err := checkLimit(*limit); err != nil {
+		return err
+	}
 	b, ctx, closeBroker, err := q.connect(ctx, e)
 	if err != nil {
 		return err
 	}
 	defer closeBroker()
 	bar := newProgress(e.stderr, "exporting "+q.queue+".dlq")
-	w := bufio.NewWriter(e.stdout)
-	n, err := deadletter.New(b).Export(ctx, q.queue, w, deadletter.ExportOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
+	// What is counted is what reached the output, a line a message: not
+	// what a write that failed left in the buffer.
+	out := &lineCounter{w: e.stdout}
+	w := bufio.NewWriter(out)
+	_, err = deadletter.New(b).Export(ctx, q.queue, w, deadletter.ExportOptions{Filter: q.filter(), Limit: *limit, Progress: bar.update})
 	bar.done()
 	if ferr := w.Flush(); err == nil {
 		err = ferr
 	}
-	fmt.Fprintf(e.stderr, "exported %d message(s)\n", n)
+	fmt.Fprintf(e.stderr, "exported %d message(s)\n", out.lines)
 	return classify(err)
+}
+
+// A lineCounter counts the whole lines written through it to w.
+type lineCounter struct {
+	w     io.Writer
+	lines int
+}
+
+func (c *lineCounter) Write(p []byte) (int, error) {
+	n, err := c.w.Write(p)
+	c.lines += bytes.Count(p[:n], []byte("\n"))
+	return n, err
 }
 
 func (e *env) dlqImport(ctx context.Context, args []string) error {
@@ -547,7 +581,9 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeBroker()
-	var in io.Reader = bufio.NewReaderSize(e.stdin, 1<<20)
+	stdin := readUntil(ctx, e.stdin)
+	defer stdin.Close()
+	var in io.Reader = bufio.NewReaderSize(stdin, 1<<20)
 	// The target is checked when it is a dead-letter queue, which nothing
 	// consumes: --to a work queue is not, whose consumers take what is
 	// there as it arrives.
@@ -560,9 +596,13 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 		// published.
 		data, err := io.ReadAll(in)
 		if err != nil {
+			return fmt.Errorf("dlq import: reading the input: %w; nothing imported", err)
+		}
+		ids, err := messageIDs(data)
+		if err != nil {
 			return err
 		}
-		if err := e.refuseDuplicates(ctx, b, target, data); err != nil {
+		if err := e.refuseDuplicates(ctx, b, target, ids); err != nil {
 			return err
 		}
 		in = bytes.NewReader(data)
@@ -574,21 +614,71 @@ func (e *env) dlqImport(ctx context.Context, args []string) error {
 	return classify(err)
 }
 
-// refuseDuplicates returns an error if a message of the export data has
-// the id of a message in the dead-letter queue of queue: an import would
-// double it.
-func (e *env) refuseDuplicates(ctx context.Context, b *broker.Broker, queue string, data []byte) error {
+// readUntil returns r, to be read until ctx ends: then a read, one that
+// waits included (a terminal nobody types into, a pipe whose writer is
+// slow), fails with ctx's cause, so that Ctrl-C stops the command. Close
+// must be called. r is read, from the first read on, by a goroutine that
+// ends at r's end, or at the first read of r that returns after Close or
+// ctx's end.
+func readUntil(ctx context.Context, r io.Reader) io.ReadCloser {
+	pr, pw := io.Pipe()
+	u := &untilReader{pr: pr}
+	u.start = sync.OnceFunc(func() {
+		go func() {
+			_, err := io.Copy(pw, r)
+			pw.CloseWithError(err)
+		}()
+	})
+	u.stop = context.AfterFunc(ctx, func() { pw.CloseWithError(context.Cause(ctx)) })
+	return u
+}
+
+type untilReader struct {
+	pr    *io.PipeReader
+	start func()
+	stop  func() bool
+}
+
+func (u *untilReader) Read(p []byte) (int, error) {
+	u.start()
+	return u.pr.Read(p)
+}
+
+func (u *untilReader) Close() error {
+	u.stop()
+	return u.pr.Close()
+}
+
+// messageIDs returns the message ids of the export data, or an error
+// that names the first line that is not an exported message (the import
+// would stop there, the lines before it published).
+func messageIDs(data []byte) ([]string, error) {
 	var ids []string
+	n := 0
 	for line := range bytes.Lines(data) {
-		var m struct {
-			Properties struct {
-				MessageID string `json:"message_id"`
-			} `json:"properties"`
+		n++
+		if len(bytes.TrimRight(line, "\r\n")) == 0 { // as Import skips it
+			continue
 		}
-		if json.Unmarshal(line, &m) == nil && m.Properties.MessageID != "" {
+		var m deadletter.ExportedMessage
+		err := json.Unmarshal(line, &m)
+		if err == nil {
+			_, err = m.Publishing()
+		}
+		if err != nil {
+			return nil, fmt.Errorf("dlq import: line %d: %w: nothing imported", n, err)
+		}
+		if m.Properties.MessageID != "" {
 			ids = append(ids, m.Properties.MessageID)
 		}
 	}
+	return ids, nil
+}
+
+// refuseDuplicates returns an error if a message of the export data, of
+// message ids ids, has the id of a message in the dead-letter queue of
+// queue: an import would double it.
+func (e *env) refuseDuplicates(ctx context.Context, b *broker.Broker, queue string, ids []string) error {
 	if len(ids) == 0 {
 		return nil
 	}

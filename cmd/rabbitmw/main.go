@@ -15,6 +15,7 @@
 //	rabbitmw key <message id> --redis 127.0.0.1:6379 [--prefix P] [--namespace NS]
 //	rabbitmw key <message id> --postgres postgres://app@db/shop [--table T] [--namespace NS]
 //	rabbitmw topology declare|delete|show -q orders [--quorum] [--delivery-limit N] [--delays 1s,5s]
+//	                  (delete refuses queues that hold messages without --force)
 //	rabbitmw outbox ls --postgres postgres://app@db/shop [--table T] [--state pending|sent|parked] [--after ID] [--limit N]
 //	rabbitmw outbox stats --postgres URL [--table T]
 //	rabbitmw outbox retry --postgres URL [--table T] (--all | --id ID...)
@@ -52,11 +53,13 @@
 //
 //	0  done
 //	1  failed: the server or the store could not be reached, or an
-//	   operation failed part way (what was done is printed)
+//	   operation failed or was interrupted (Ctrl-C, SIGTERM) part way
+//	   (what was done is printed)
 //	2  bad usage: unknown command or flag, bad value
 //	3  refused, nothing changed: messages without an original queue and
 //	   no --to, a replay or purge of everything without --all, an import
-//	   of messages still in the queue without --allow-duplicates
+//	   of messages still in the queue without --allow-duplicates, a
+//	   topology delete of queues that hold messages without --force
 //	4  not found: a queue that does not exist, or no message with that id
 package main
 
@@ -152,11 +155,11 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	e := &env{stdin: stdin, stdout: stdout, stderr: stderr}
 	var err error
 	switch {
-	case len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help":
+	case len(args) == 0:
+		fmt.Fprintln(stderr, usage) // bad usage, as the flag package reports it
+		return exitUsage
+	case args[0] == "-h" || args[0] == "--help" || args[0] == "help":
 		fmt.Fprintln(stdout, usage)
-		if len(args) == 0 {
-			return exitUsage
-		}
 		return exitOK
 	case args[0] == "--version" || args[0] == "-version" || args[0] == "version":
 		fmt.Fprintln(stdout, "rabbitmw", versionText())
@@ -181,6 +184,15 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		// The command failed because its server went away: that is what
 		// to say, rather than the context's end it caused.
 		err = lost
+	} else if ctx.Err() != nil {
+		// Interrupted (Ctrl-C, SIGTERM): that is what to say, rather than
+		// the "context canceled" of whatever step it was at.
+		cause := context.Cause(ctx)
+		if err.Error() == cause.Error() {
+			err = fmt.Errorf("interrupted (%w)", cause)
+		} else {
+			err = fmt.Errorf("interrupted (%v): %w", cause, err)
+		}
 	}
 	var ee *exitError
 	if errors.As(err, &ee) && ee.code == exitOK {

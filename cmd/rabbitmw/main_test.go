@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -534,4 +535,48 @@ func TestDLQKeysTextAndGroups(t *testing.T) {
 	expectCode(t, "dlq ls --group", code, exitOK, stderr)
 	assert.Contains(t, out, "2 message(s)")
 	assert.Contains(t, out, "m8")
+}
+
+// A command interrupted (Ctrl-C, SIGTERM) says so, whichever step it was
+// at: not only "context canceled".
+func TestInterruptedCommandSaysSo(t *testing.T) {
+	_, url, q := setupQueue(t)
+	for _, args := range [][]string{
+		{"dlq", "ls", "-q", q},
+		{"dlq", "replay", "-q", q, "--all"},
+		{"dlq", "purge", "-q", q, "--all"},
+		{"dlq", "export", "-q", q},
+		{"topology", "show", "-q", q},
+	} {
+		ctx, interrupt := context.WithCancelCause(context.Background())
+		interrupt(errors.New("interrupt signal received"))
+		var stdout, stderr bytes.Buffer
+		code := run(ctx, append(args, "--amqp", url), strings.NewReader(""), &stdout, &stderr)
+		assert.Equal(t, exitFailed, code, "%v: exit code", args)
+		assert.Contains(t, stderr.String(), "interrupted (interrupt signal received)", "%v", args)
+	}
+}
+
+// rabbitmw with no command is bad usage: the usage goes to standard
+// error, as for an unknown command, and standard output stays empty; asked
+// for, with -h, it goes to standard output.
+func TestUsage(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		code int
+	}{
+		{nil, exitUsage},
+		{[]string{"-h"}, exitOK},
+		{[]string{"--help"}, exitOK},
+	} {
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), tc.args, strings.NewReader(""), &stdout, &stderr)
+		assert.Equal(t, tc.code, code, "%q: exit code", tc.args)
+		out, other := stdout.String(), stderr.String()
+		if tc.code != exitOK {
+			out, other = other, out
+		}
+		assert.Contains(t, out, "usage:", "%q", tc.args)
+		assert.Empty(t, other, "%q", tc.args)
+	}
 }

@@ -25,6 +25,10 @@ func (e *env) topology(ctx context.Context, args []string) error {
 	var delays list
 	q.Var(&delays, "delays", "the delay ladder, comma-separated (default 1s,5s,30s,2m,10m,1h)")
 	support := q.Bool("support", false, "declare only the dead-letter and delay queues (DeclareSupport)")
+	var force *bool
+	if sub == "delete" {
+		force = q.Bool("force", false, "delete the queues with the messages they hold")
+	}
 	if err := q.parseQueue(args[1:]); err != nil {
 		return err
 	}
@@ -57,6 +61,11 @@ func (e *env) topology(ctx context.Context, args []string) error {
 			return classify(err)
 		}
 	case "delete":
+		if !*force {
+			if err := refuseFull(ctx, b, names); err != nil {
+				return err
+			}
+		}
 		if err := b.Delete(ctx, q.queue, top); err != nil {
 			return err
 		}
@@ -64,6 +73,26 @@ func (e *env) topology(ctx context.Context, args []string) error {
 		return nil
 	}
 	return e.showTopology(ctx, b, q.common, top, names)
+}
+
+// refuseFull returns an error if a queue of names holds ready messages,
+// which a delete would throw away. Messages that consumers hold, and
+// those that come after the check, are not counted.
+func refuseFull(ctx context.Context, b *broker.Broker, names broker.Queues) error {
+	var full []string
+	for _, q := range append([]string{names.Work, names.DeadLetter}, names.Delays...) {
+		n, err := b.Len(ctx, q)
+		if err != nil && !errors.Is(err, broker.ErrQueueNotFound) {
+			return err
+		}
+		if n > 0 {
+			full = append(full, fmt.Sprintf("%s (%d)", q, n))
+		}
+	}
+	if len(full) == 0 {
+		return nil
+	}
+	return &exitError{exitRefused, fmt.Errorf("topology delete: messages in %s: nothing deleted; pass --force to delete the queues with their messages", strings.Join(full, ", "))}
 }
 
 // showTopology prints each queue of the topology: whether it exists, its
