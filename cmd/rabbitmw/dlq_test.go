@@ -18,7 +18,6 @@ import (
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/deadletter"
-	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
 // waitingInput is standard input that nothing is written to, as a
@@ -39,14 +38,9 @@ func (in *waitingInput) Read(p []byte) (int, error) {
 // who forgot "< file"), publishing nothing, to the dead-letter queue (whose
 // input is read whole first) or --to a queue.
 func TestImportInterruptedWhileReadingInput(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
-	b := broker.New(url, broker.Options{})
-	t.Cleanup(func() { b.Close() })
-	q := queueName(t)
+	b, url, q := setupQueue(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
-	t.Cleanup(func() { assert.NoError(t, b.Delete(context.Background(), q, broker.Topology{})) })
 	interrupted := errors.New("interrupt signal received")
 	for _, args := range [][]string{
 		{"dlq", "import", "-q", q, "--amqp", url},
@@ -100,14 +94,9 @@ func (d *fullDisk) Write(p []byte) (int, error) {
 // messages whose line is whole in the output, and leaves the dead-letter
 // queue as it was.
 func TestExportToAFullDisk(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
-	b := broker.New(url, broker.Options{})
-	t.Cleanup(func() { b.Close() })
-	q := queueName(t)
+	b, url, q := setupQueue(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
-	t.Cleanup(func() { assert.NoError(t, b.Delete(context.Background(), q, broker.Topology{})) })
 	const n = 200
 	for i := range n {
 		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i), Body: []byte("body"),
@@ -131,14 +120,9 @@ func TestExportToAFullDisk(t *testing.T) {
 // half imported would be refused (its first messages still in the queue)
 // or, with --allow-duplicates, doubled.
 func TestImportRefusesABadLineFirst(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
-	b := broker.New(url, broker.Options{})
-	t.Cleanup(func() { b.Close() })
-	q := queueName(t)
+	b, url, q := setupQueue(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
-	t.Cleanup(func() { assert.NoError(t, b.Delete(context.Background(), q, broker.Topology{})) })
 	var lines []string
 	for i := range 5 {
 		m, err := deadletter.ExportMessage(q+".dlq", &amqp.Delivery{MessageId: fmt.Sprintf("m%d", i), Body: []byte("body")})
@@ -169,14 +153,9 @@ func TestImportRefusesABadLineFirst(t *testing.T) {
 // A negative --limit is bad usage for every command that takes one, as for
 // dlq replay: a purge with --limit -1 (a slip for 1) removes nothing.
 func TestNegativeLimit(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
-	b := broker.New(url, broker.Options{})
-	t.Cleanup(func() { b.Close() })
-	q := queueName(t)
+	b, url, q := setupQueue(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
-	t.Cleanup(func() { assert.NoError(t, b.Delete(context.Background(), q, broker.Topology{})) })
 	for i := range 3 {
 		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i),
 			Headers: amqp.Table{broker.HeaderOriginalQueue: q}}))

@@ -103,6 +103,9 @@ func faulty(queue, errType, text string, at time.Time) amqp.Table {
 	}
 }
 
+// setupQueue declares a work queue of a name of its own, with its
+// dead-letter queue, on the test's RabbitMQ, and deletes them at the end of
+// t. It returns a Broker on that server, its URL and the queue's name.
 func setupQueue(t *testing.T) (*broker.Broker, string, string) {
 	t.Helper()
 	url := testenv.RabbitMQURL(t)
@@ -115,7 +118,7 @@ func setupQueue(t *testing.T) (*broker.Broker, string, string) {
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
-		b.Delete(ctx, q, broker.Topology{})
+		assert.NoError(t, b.Delete(ctx, q, broker.Topology{}))
 	})
 	return b, url, q
 }

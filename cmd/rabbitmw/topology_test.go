@@ -12,21 +12,15 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/broker"
-	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
 // topology delete refuses to delete queues that hold messages, naming
 // them, unless told --force: a slip for "show" must not throw away a
 // dead-letter queue's messages.
 func TestTopologyDeleteKeepsMessages(t *testing.T) {
-	url := testenv.RabbitMQURL(t)
-	b := broker.New(url, broker.Options{})
-	t.Cleanup(func() { b.Close() })
-	q := queueName(t)
+	b, url, q := setupQueue(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	require.NoError(t, b.Declare(ctx, q, broker.Topology{}))
-	t.Cleanup(func() { assert.NoError(t, b.Delete(context.Background(), q, broker.Topology{})) })
 	require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: "m"}))
 
 	var stdout, stderr bytes.Buffer
