@@ -100,15 +100,7 @@ func testRetriesSeeTheOriginalRoute(t *testing.T, b *broker.Broker) {
 	}))
 	stop := consumeIn(t, b, q, top, h)
 	require.NoError(t, b.Publish(ctx, exchange, "order.created", amqp.Publishing{MessageId: "o1", UserId: "guest", Body: []byte("x")}))
-	var dead *amqp.Delivery
-	require.Eventually(t, func() bool {
-		dls, err := deadletter.New(b).List(ctx, q, deadletter.ListOptions{})
-		require.NoError(t, err)
-		if len(dls) == 1 {
-			dead = dls[0].Delivery
-		}
-		return dead != nil
-	}, 20*time.Second, 20*time.Millisecond, "the message was not dead-lettered")
+	dead := deadLettered(ctx, t, b, q)
 	// The fault headers name the original.
 	assert.Equal(t, exchange, dead.Headers[broker.HeaderOriginalExchange])
 	assert.Equal(t, "order.created", dead.Headers[broker.HeaderOriginalRoutingKey])
@@ -222,15 +214,7 @@ func testRetriesOfAForwardedMessage(t *testing.T, b *broker.Broker) {
 	require.NoError(t, b.Publish(ctx, exchange, "order.created", amqp.Publishing{
 		MessageId: "f1", UserId: "guest", DeliveryMode: amqp.Persistent, Headers: forwarded, Body: []byte("x"),
 	}))
-	var dead *amqp.Delivery
-	require.Eventually(t, func() bool {
-		dls, err := deadletter.New(b).List(ctx, q, deadletter.ListOptions{})
-		require.NoError(t, err)
-		if len(dls) == 1 {
-			dead = dls[0].Delivery
-		}
-		return dead != nil
-	}, 20*time.Second, 20*time.Millisecond, "the message was not dead-lettered")
+	dead := deadLettered(ctx, t, b, q)
 	assert.Equal(t, exchange, dead.Headers[broker.HeaderOriginalExchange], "dead-letter copy: original exchange")
 	assert.Equal(t, "order.created", dead.Headers[broker.HeaderOriginalRoutingKey], "dead-letter copy: original routing key")
 	assert.Equal(t, "guest", dead.Headers[broker.HeaderUserID], "dead-letter copy: user id")
@@ -252,4 +236,20 @@ func testRetriesOfAForwardedMessage(t *testing.T, b *broker.Broker) {
 	for i, got := range seen {
 		assert.Equal(t, want, got, "delivery %d (a delay, a dead-letter, then a replay)", i+1)
 	}
+}
+
+// deadLettered waits for the one message in queue's dead-letter queue and
+// returns it, left there.
+func deadLettered(ctx context.Context, t *testing.T, b *broker.Broker, queue string) *amqp.Delivery {
+	t.Helper()
+	var dead *amqp.Delivery
+	require.Eventually(t, func() bool {
+		dls, err := deadletter.New(b).List(ctx, queue, deadletter.ListOptions{})
+		require.NoError(t, err)
+		if len(dls) == 1 {
+			dead = dls[0].Delivery
+		}
+		return dead != nil
+	}, 20*time.Second, 20*time.Millisecond, "the message was not dead-lettered")
+	return dead
 }
