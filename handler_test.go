@@ -70,6 +70,37 @@ func TestMarkersKeepText(t *testing.T) {
 	}
 }
 
+// nilErr is an error whose Error method reads its receiver, as most do:
+// a nil *nilErr (a handler's "var err *nilErr; return err") panics when
+// asked for its text.
+type nilErr struct{ what string }
+
+func (e *nilErr) Error() string { return e.what + " failed" }
+
+// brokenErr is an error whose Error method panics on any value.
+type brokenErr struct{}
+
+func (brokenErr) Error() string { panic("broken") }
+
+// The marks of an error whose Error method panics (a nil pointer, or any
+// value) have a text all the same, naming its type: Log and the broker
+// read it outside the handler, where a panic is no failed attempt.
+func TestMarkersOfAnErrorWhoseTextPanics(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		want string
+	}{
+		{(*nilErr)(nil), "*rabbitmw_test.nilErr returned as a nil pointer"},
+		{brokenErr{}, "Error method of rabbitmw_test.brokenErr panicked: broken"},
+	} {
+		for _, err := range []error{rabbitmw.Permanent(c.err), rabbitmw.RetryAfter(c.err, time.Second), rabbitmw.WithAttempts(c.err, 2), rabbitmw.NotCounted(c.err)} {
+			var got string
+			require.NotPanics(t, func() { got = err.Error() }, "text of %T over %T", err, c.err)
+			assert.Equal(t, c.want, got, "text of %T over %T", err, c.err)
+		}
+	}
+}
+
 func TestIsNotCounted(t *testing.T) {
 	limited := rabbitmw.NotCounted(errors.New("rate limited"))
 	for _, tt := range []struct {

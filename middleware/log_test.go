@@ -102,6 +102,40 @@ func TestLogPanicIsRecordedAndGoesOn(t *testing.T) {
 	assert.Equal(t, "ERROR", rec["level"])
 }
 
+// brokenError is an error whose Error method panics on any value.
+type brokenError struct{}
+
+func (brokenError) Error() string { panic("broken") }
+
+// Log directly above a handler whose error panics when asked for its text
+// (a nil *orderError, the typed nil of "var err *orderError; return err",
+// or an Error method that panics) logs the failed attempt, naming the
+// error's type, and returns the error unchanged for settlement to read as
+// Decide does: it must not panic, where no Recover catches it.
+func TestLogErrorWhoseTextPanics(t *testing.T) {
+	for _, c := range []struct {
+		err       error
+		text, typ string
+	}{
+		{(*orderError)(nil), "*middleware_test.orderError returned as a nil pointer", "*middleware_test.orderError"},
+		{brokenError{}, "Error method of middleware_test.brokenError panicked: broken", "middleware_test.brokenError"},
+	} {
+		t.Run(c.typ, func(t *testing.T) {
+			var buf bytes.Buffer
+			h := middleware.Log(slog.New(slog.NewJSONHandler(&buf, nil)))(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return c.err }))
+			d, _ := deliverytest.New("m1", "")
+			var err error
+			require.NotPanics(t, func() { err = h.Handle(context.Background(), d) })
+			assert.Equal(t, c.err, err, "Log changed the result")
+			rec := decodeOne(t, &buf)
+			assert.Equal(t, "requeued", rec["outcome"])
+			assert.Equal(t, "WARN", rec["level"])
+			assert.Equal(t, c.text, rec["error"])
+			assert.Equal(t, c.typ, rec["error_type"])
+		})
+	}
+}
+
 func TestLogRespectsLevel(t *testing.T) {
 	var buf bytes.Buffer
 	l := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelWarn}))

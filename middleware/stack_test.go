@@ -250,7 +250,11 @@ func TestStackTypedNilErrorIsAFailure(t *testing.T) {
 		assert.Equal(t, want, dec.Outcome, "attempt %d", n)
 		assert.Equal(t, n, dec.Attempts)
 		assert.Equal(t, "*middleware_test.orderError", rabbitmw.ErrorType(err))
-		assert.NotPanics(t, func() { _ = err.Error() })
+		text := "*middleware_test.orderError returned as a nil pointer"
+		if n == 3 {
+			text += " (middleware: retries exhausted after 3 attempts)"
+		}
+		assert.Equal(t, text, err.Error(), "attempt %d", n)
 	}
 }
 

@@ -146,6 +146,44 @@ func TestErrorType(t *testing.T) {
 	}
 }
 
+// handlerError is an error whose Error method reads its receiver, as most
+// do: a nil *handlerError panics when asked for its text.
+type handlerError struct{ id string }
+
+func (e *handlerError) Error() string { return "order " + e.id + " rejected" }
+
+// brokenError is an error whose Error method panics on any value.
+type brokenError struct{}
+
+func (brokenError) Error() string { panic("broken") }
+
+// A handler's error whose Error method panics (a nil pointer returned as
+// an error, or a method that panics on any value) is recorded on the span
+// with a text that names its type; the layer, which no Recover guards,
+// does not panic, and returns the error unchanged.
+func TestErrorWhoseTextPanics(t *testing.T) {
+	for _, c := range []struct {
+		err       error
+		text, typ string
+	}{
+		{(*handlerError)(nil), "*otelmw_test.handlerError returned as a nil pointer", "*otelmw_test.handlerError"},
+		{rabbitmw.Permanent(brokenError{}), "Error method of otelmw_test.brokenError panicked: broken", "otelmw_test.brokenError"},
+	} {
+		t.Run(c.typ, func(t *testing.T) {
+			r := newRig(t, otelmw.Options{Queue: "q"})
+			h := r.tel.Middleware()(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return c.err }))
+			var err error
+			require.NotPanics(t, func() { err = h.Handle(context.Background(), &amqp.Delivery{}) })
+			require.Equal(t, c.err, err, "the layer changed the result")
+			s := r.spans.Ended()
+			require.Len(t, s, 1)
+			require.Equal(t, codes.Error, s[0].Status().Code)
+			require.Equal(t, c.text, s[0].Status().Description)
+			require.Equal(t, c.typ, attr(s[0], "error.type").AsString())
+		})
+	}
+}
+
 // Inject writes the context into a copy of the headers; HeaderCarrier
 // reads it back.
 func TestInject(t *testing.T) {
