@@ -285,7 +285,7 @@ type exhaustedError struct {
 // exhausted after 5 attempts)", so that a text cut to a width, or grouped,
 // shows what failed.
 func (e *exhaustedError) Error() string {
-	return fmt.Sprintf("%v (%v after %d attempts)", e.err, ErrRetriesExhausted, e.n)
+	return fmt.Sprintf("%s (%v after %d attempts)", text.Error(e.err), ErrRetriesExhausted, e.n)
 }
 
 func (e *exhaustedError) Unwrap() error { return e.err }
@@ -346,7 +346,7 @@ func withCountError(err, cerr error) error {
 // it, cerr. It reads and unwraps as errors.Join(err, cerr) does.
 type countError struct{ err, cerr error }
 
-func (e *countError) Error() string     { return fmt.Sprintf("%v\n%v", e.err, e.cerr) }
+func (e *countError) Error() string     { return text.Error(e.err) + "\n" + text.Error(e.cerr) }
 func (e *countError) Unwrap() []error   { return []error{e.err, e.cerr} }
 func (e *countError) ErrorType() string { return rabbitmw.ErrorType(e.err) }
 
