@@ -646,6 +646,35 @@ func TestDedupAbandonedClaim(t *testing.T) {
 	})
 }
 
+// A Retry beneath Dedup never sees ErrAbandoned (Dedup returns it without
+// running what is beneath it): a message that kills its consumer was
+// requeued uncounted after each death, for ever, never dead-lettered as
+// Retry promises. So Dedup refuses, when the chain is built, a Retry it
+// can see beneath it: directly, or beneath Recover or Timeout, which pass
+// results on as they find them.
+func TestDedupRefusesRetryBeneathIt(t *testing.T) {
+	st := store.NewMemory()
+	retry := middleware.Retry(st, middleware.RetryOptions{})
+	byHeader := middleware.Retry(nil, middleware.RetryOptions{CountByHeader: true})
+	const msg = "middleware: Dedup: a Retry beneath Dedup never sees ErrAbandoned, so a message that kills its consumer is never dead-lettered: put Retry above Dedup (see Stack)"
+	for name, beneath := range map[string][]rabbitmw.Middleware{
+		"Retry":                   {retry},
+		"Retry by the header":     {byHeader},
+		"Recover, then Retry":     {middleware.Recover(), retry},
+		"Timeout, then Retry":     {middleware.Timeout(time.Second), retry},
+		"Recover, Timeout, Retry": {middleware.Recover(), middleware.Timeout(time.Second), retry},
+	} {
+		t.Run(name, func(t *testing.T) {
+			chain := rabbitmw.Chain(append([]rabbitmw.Middleware{middleware.Dedup(st, middleware.DedupOptions{})}, beneath...)...)
+			assert.PanicsWithValue(t, msg, func() { chain(plainHandler{}) })
+		})
+	}
+	// Above Dedup, as Stack puts it, Retry is where it belongs.
+	assert.NotPanics(t, func() {
+		rabbitmw.Chain(retry, middleware.Recover(), middleware.Dedup(st, middleware.DedupOptions{}), middleware.Timeout(time.Second))(plainHandler{})
+	})
+}
+
 // lostAnswers is a store that, while down, applies a Claim and then loses
 // its answer (the server went away as it answered), and refuses the rest.
 type lostAnswers struct {
