@@ -126,8 +126,17 @@ type DedupOptions struct {
 // lease, at least a second each. A consumer of package broker that stops
 // waits for them, up to those bounds, before it returns and lets its
 // process exit. The goroutines that Dedup starts, and when each ends, are
-// listed under "Goroutines" in the package documentation. Dedup panics if
-// s is nil.
+// listed under "Goroutines" in the package documentation.
+//
+// Place Dedup beneath [Retry] ([Stack] does). Dedup returns ErrAbandoned
+// without running the layers beneath it, so a Retry beneath Dedup never
+// counts a death: a message that kills its consumer is requeued after
+// each death, for ever, never dead-lettered. (Its other failures are
+// counted.) Dedup panics, when the chain is built, on a Retry directly
+// beneath it, or beneath Recover or Timeout; a layer of another package
+// in between hides the Retry from it.
+//
+// Dedup panics if s is nil.
 func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	if s == nil {
 		panic("middleware: Dedup: nil store")
@@ -159,6 +168,9 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	cfg.watchers = &watchers{parents: new(parentWatcher), deadlines: deadlines}
 	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
+		if retryBeneath(next) {
+			panic("middleware: Dedup: a Retry beneath Dedup never sees ErrAbandoned, so a message that kills its consumer is never dead-lettered: put Retry above Dedup (see Stack)")
+		}
 		h := &dedup{dedupConfig: cfg, next: next}
 		h.timed, _ = next.(*timeout)
 		if h.timed != nil {
@@ -167,6 +179,25 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 			h.claiming, _ = next.(ClaimingHandler)
 		}
 		return h
+	}
+}
+
+// retryBeneath reports whether h is a Retry layer's handler, or has one
+// beneath the layers of this package that pass a result on as they find
+// it (Recover, Timeout). A layer of another package hides what is beneath
+// it.
+func retryBeneath(h rabbitmw.Handler) bool {
+	for {
+		switch x := h.(type) {
+		case *retry:
+			return true
+		case recoverer:
+			h = x.next
+		case *timeout:
+			h = x.next
+		default:
+			return false
+		}
 	}
 }
 

@@ -112,6 +112,10 @@ type RetryOptions struct {
 //     error asked for if that is longer; at the limit, it returns it wrapped
 //     in rabbitmw.Permanent and ErrRetriesExhausted. Either way the count n
 //     is attached with rabbitmw.WithAttempts.
+//
+// Place Retry above [Dedup], as [Stack] does: beneath it, Retry never sees
+// ErrAbandoned, and never counts a death (see Dedup, which refuses the
+// order it can see).
 func Retry(s store.Store, opts RetryOptions) rabbitmw.Middleware {
 	switch {
 	case s == nil && !opts.CountByHeader:
