@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/errtest"
 	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
 )
 
@@ -70,33 +71,15 @@ func TestMarkersKeepText(t *testing.T) {
 	}
 }
 
-// nilErr is an error whose Error method reads its receiver, as most do:
-// a nil *nilErr (a handler's "var err *nilErr; return err") panics when
-// asked for its text.
-type nilErr struct{ what string }
-
-func (e *nilErr) Error() string { return e.what + " failed" }
-
-// brokenErr is an error whose Error method panics on any value.
-type brokenErr struct{}
-
-func (brokenErr) Error() string { panic("broken") }
-
 // The marks of an error whose Error method panics (a nil pointer, or any
 // value) have a text all the same, naming its type: Log and the broker
 // read it outside the handler, where a panic is no failed attempt.
 func TestMarkersOfAnErrorWhoseTextPanics(t *testing.T) {
-	for _, c := range []struct {
-		err  error
-		want string
-	}{
-		{(*nilErr)(nil), "*rabbitmw_test.nilErr returned as a nil pointer"},
-		{brokenErr{}, "Error method of rabbitmw_test.brokenErr panicked: broken"},
-	} {
-		for _, err := range []error{rabbitmw.Permanent(c.err), rabbitmw.RetryAfter(c.err, time.Second), rabbitmw.WithAttempts(c.err, 2), rabbitmw.NotCounted(c.err)} {
+	for _, c := range errtest.Cases() {
+		for _, err := range []error{rabbitmw.Permanent(c.Err), rabbitmw.RetryAfter(c.Err, time.Second), rabbitmw.WithAttempts(c.Err, 2), rabbitmw.NotCounted(c.Err)} {
 			var got string
-			require.NotPanics(t, func() { got = err.Error() }, "text of %T over %T", err, c.err)
-			assert.Equal(t, c.want, got, "text of %T over %T", err, c.err)
+			require.NotPanics(t, func() { got = err.Error() }, "text of %T over %T", err, c.Err)
+			assert.Equal(t, c.Text, got, "text of %T over %T", err, c.Err)
 		}
 	}
 }

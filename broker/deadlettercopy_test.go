@@ -16,43 +16,27 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker/internal/rabbit"
+	"github.com/rabbitmw/rabbitmw/internal/errtest"
 )
-
-// nilError is an error whose Error method reads its receiver, as most do:
-// a nil *nilError panics when asked for its text.
-type nilError struct{ id string }
-
-func (e *nilError) Error() string { return "order " + e.id + " rejected" }
-
-// brokenError is an error whose Error method panics on any value.
-type brokenError struct{}
-
-func (brokenError) Error() string { panic("broken") }
 
 // The fault headers of a failure whose Error method panics (a nil pointer,
 // or any value) carry a text that names its type: they are written while
 // the message is settled, where a panic would end the process. So is the
 // first-failure header of a delay copy.
 func TestFaultHeadersOfAnErrorWhoseTextPanics(t *testing.T) {
-	for _, c := range []struct {
-		err       error
-		text, typ string
-	}{
-		{(*nilError)(nil), "*broker.nilError returned as a nil pointer", "*broker.nilError"},
-		{brokenError{}, "Error method of broker.brokenError panicked: broken", "broker.brokenError"},
-	} {
-		t.Run(c.typ, func(t *testing.T) {
+	for _, c := range errtest.Cases() {
+		t.Run(c.Type, func(t *testing.T) {
 			d := &amqp.Delivery{RoutingKey: "q"}
 			var h amqp.Table
 			require.NotPanics(t, func() {
-				h = faultHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.DeadLetter, Err: c.err}, "q", time.Now(), "host", "proc")
+				h = faultHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.DeadLetter, Err: c.Err}, "q", time.Now(), "host", "proc")
 			})
-			assert.Equal(t, c.text, h[HeaderError])
-			assert.Equal(t, c.typ, h[HeaderErrorType])
+			assert.Equal(t, c.Text, h[HeaderError])
+			assert.Equal(t, c.Type, h[HeaderErrorType])
 
 			h = amqp.Table{}
-			require.NotPanics(t, func() { noteFirstFailure(h, c.err, time.Now()) })
-			assert.Equal(t, c.text, h[HeaderFirstError])
+			require.NotPanics(t, func() { noteFirstFailure(h, c.Err, time.Now()) })
+			assert.Equal(t, c.Text, h[HeaderFirstError])
 		})
 	}
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
+	"github.com/rabbitmw/rabbitmw/internal/errtest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -102,36 +103,25 @@ func TestLogPanicIsRecordedAndGoesOn(t *testing.T) {
 	assert.Equal(t, "ERROR", rec["level"])
 }
 
-// brokenError is an error whose Error method panics on any value.
-type brokenError struct{}
-
-func (brokenError) Error() string { panic("broken") }
-
 // Log directly above a handler whose error panics when asked for its text
-// (a nil *orderError, the typed nil of "var err *orderError; return err",
-// or an Error method that panics) logs the failed attempt, naming the
+// (a nil pointer, the typed nil of "var err *T; return err", or an Error
+// method that panics on any value) logs the failed attempt, naming the
 // error's type, and returns the error unchanged for settlement to read as
 // Decide does: it must not panic, where no Recover catches it.
 func TestLogErrorWhoseTextPanics(t *testing.T) {
-	for _, c := range []struct {
-		err       error
-		text, typ string
-	}{
-		{(*orderError)(nil), "*middleware_test.orderError returned as a nil pointer", "*middleware_test.orderError"},
-		{brokenError{}, "Error method of middleware_test.brokenError panicked: broken", "middleware_test.brokenError"},
-	} {
-		t.Run(c.typ, func(t *testing.T) {
+	for _, c := range errtest.Cases() {
+		t.Run(c.Type, func(t *testing.T) {
 			var buf bytes.Buffer
-			h := middleware.Log(slog.New(slog.NewJSONHandler(&buf, nil)))(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return c.err }))
+			h := middleware.Log(slog.New(slog.NewJSONHandler(&buf, nil)))(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return c.Err }))
 			d, _ := deliverytest.New("m1", "")
 			var err error
 			require.NotPanics(t, func() { err = h.Handle(context.Background(), d) })
-			assert.Equal(t, c.err, err, "Log changed the result")
+			assert.Equal(t, c.Err, err, "Log changed the result")
 			rec := decodeOne(t, &buf)
 			assert.Equal(t, "requeued", rec["outcome"])
 			assert.Equal(t, "WARN", rec["level"])
-			assert.Equal(t, c.text, rec["error"])
-			assert.Equal(t, c.typ, rec["error_type"])
+			assert.Equal(t, c.Text, rec["error"])
+			assert.Equal(t, c.Type, rec["error_type"])
 		})
 	}
 }

@@ -6,13 +6,9 @@ import (
 
 	"github.com/stretchr/testify/assert"
 
+	"github.com/rabbitmw/rabbitmw/internal/errtest"
 	"github.com/rabbitmw/rabbitmw/internal/text"
 )
-
-// fieldError reads its receiver in Error, as most errors do.
-type fieldError struct{ id string }
-
-func (e *fieldError) Error() string { return "order " + e.id }
 
 // nilSafeError has a text of its own for a nil receiver.
 type nilSafeError struct{}
@@ -23,11 +19,6 @@ func (e *nilSafeError) Error() string {
 	}
 	return "some error"
 }
-
-// brokenError panics in Error on any value.
-type brokenError struct{}
-
-func (brokenError) Error() string { panic("broken") }
 
 // recursiveError panics in Error with itself, whose text panics too.
 type recursiveError struct{}
@@ -41,10 +32,10 @@ func TestError(t *testing.T) {
 	}{
 		{nil, ""},
 		{errors.New("boom"), "boom"},
-		{&fieldError{"1"}, "order 1"},
-		{(*fieldError)(nil), "*text_test.fieldError returned as a nil pointer"},
+		{&errtest.NilPointer{ID: "1"}, "order 1 rejected"},
+		{(*errtest.NilPointer)(nil), "*errtest.NilPointer returned as a nil pointer"},
 		{(*nilSafeError)(nil), "no error at all"},
-		{brokenError{}, "Error method of text_test.brokenError panicked: broken"},
+		{errtest.Broken{}, "Error method of errtest.Broken panicked: broken"},
 		{recursiveError{}, "Error method of text_test.recursiveError panicked: text_test.recursiveError"},
 	} {
 		var got string
