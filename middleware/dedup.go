@@ -133,8 +133,8 @@ type DedupOptions struct {
 // counts a death: a message that kills its consumer is requeued after
 // each death, for ever, never dead-lettered. (Its other failures are
 // counted.) Dedup panics, when the chain is built, on a Retry directly
-// beneath it, or beneath Recover or Timeout; a layer of another package
-// in between hides the Retry from it.
+// beneath it, or beneath Recover or Timeout; any other layer in between
+// (Log, Keys, one of your own) hides the Retry from it.
 //
 // Dedup panics if s is nil.
 func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
@@ -183,9 +183,8 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 }
 
 // retryBeneath reports whether h is a Retry layer's handler, or has one
-// beneath the layers of this package that pass a result on as they find
-// it (Recover, Timeout). A layer of another package hides what is beneath
-// it.
+// beneath Recover and Timeout layers, whose handlers it can see into. Any
+// other layer hides what is beneath it.
 func retryBeneath(h rabbitmw.Handler) bool {
 	for {
 		switch x := h.(type) {

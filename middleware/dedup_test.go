@@ -650,8 +650,7 @@ func TestDedupAbandonedClaim(t *testing.T) {
 // running what is beneath it): a message that kills its consumer was
 // requeued uncounted after each death, for ever, never dead-lettered as
 // Retry promises. So Dedup refuses, when the chain is built, a Retry it
-// can see beneath it: directly, or beneath Recover or Timeout, which pass
-// results on as they find them.
+// can see beneath it: directly, or beneath Recover or Timeout.
 func TestDedupRefusesRetryBeneathIt(t *testing.T) {
 	st := store.NewMemory()
 	retry := middleware.Retry(st, middleware.RetryOptions{})
