@@ -294,10 +294,12 @@ func TestStackWrongTypeKey(t *testing.T) {
 		hash     string // the key that holds a hash
 		attempts int    // the attempts header of the delivery
 		handler  error
-		runs     int // handler runs
+		runs     int    // handler runs
+		errType  string // rabbitmw.ErrorType of the result
 	}{
-		{name: "the claim key", hash: "msg:m1", runs: 0},
-		{name: "the failure key, at the last attempt", hash: "retry:m1", attempts: 4, handler: fail, runs: 1},
+		{name: "the claim key", hash: "msg:m1", runs: 0, errType: "key_rejected"},
+		// The failure is the handler's; the refusal to count it goes with it.
+		{name: "the failure key, at the last attempt", hash: "retry:m1", attempts: 4, handler: fail, runs: 1, errType: "error"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -321,6 +323,8 @@ func TestStackWrongTypeKey(t *testing.T) {
 			require.Error(t, err)
 			assert.Contains(t, err.Error(), `"`+tt.hash+`" holds a value of another type`)
 			assert.ErrorIs(t, err, store.ErrKeyRejected)
+			assert.ErrorIs(t, err, redisstore.ErrWrongType)
+			assert.Equal(t, tt.errType, rabbitmw.ErrorType(err), "ErrorType(%v)", err)
 		})
 	}
 }

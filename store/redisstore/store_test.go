@@ -599,6 +599,20 @@ func TestFailNotResentAfterItsAnswerWasLost(t *testing.T) {
 	}
 }
 
+// servers are the servers that a test of the scripts runs on: miniredis
+// and a real Redis, whose Lua differ.
+var servers = []struct {
+	name   string
+	client func(t *testing.T) *redis.Client
+}{
+	{"miniredis", func(t *testing.T) *redis.Client { _, c := newMiniredis(t); return c }},
+	{"redis", func(t *testing.T) *redis.Client {
+		c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t)})
+		t.Cleanup(func() { c.Close() })
+		return c
+	}},
+}
+
 // The owner check of Extend, Complete and Release, against the values a
 // key can hold: claims written by this store, by a store with another
 // abandoned retention (or an older version: the format is the same), and
@@ -631,17 +645,6 @@ func TestOwnerCheck(t *testing.T) {
 		{"a hand-written mark", "processing", day, "processing", false},
 		{"a hand-written mark without expiry", "processing", 0, "processing", false},
 		{"absent", "", 0, "tok", false},
-	}
-	servers := []struct {
-		name   string
-		client func(t *testing.T) *redis.Client
-	}{
-		{"miniredis", func(t *testing.T) *redis.Client { _, c := newMiniredis(t); return c }},
-		{"redis", func(t *testing.T) *redis.Client {
-			c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t)})
-			t.Cleanup(func() { c.Close() })
-			return c
-		}},
 	}
 	ops := []struct {
 		name string
@@ -701,100 +704,6 @@ func TestOwnerCheck(t *testing.T) {
 						assert.True(t, near(pttl, time.Hour+time.Duration(ms)*time.Millisecond),
 							"Extend of %s: PTTL %v; want an hour and %d ms", tc.name, pttl, ms)
 					}
-				}
-			}
-		})
-	}
-}
-
-// A key of the store that holds in Redis a value that is not a string (a
-// hash, a list, a set, written by something else that shares the Redis) is
-// refused by every call that meets it, with store.ErrKeyRejected and an
-// error that names the Redis key, and is left as it is: it will not heal
-// by waiting, so it is no outage. On miniredis and on a real Redis, batched
-// and not, and with Claim's script alone (a Redis before 7.0).
-func TestWrongType(t *testing.T) {
-	ops := []struct {
-		name   string
-		failed bool // the failure key holds the hash, not the claim key
-		call   func(ctx context.Context, s *redisstore.Store, key string) error
-	}{
-		{"Claim", false, func(ctx context.Context, s *redisstore.Store, key string) error {
-			_, err := s.Claim(ctx, key, "tok", time.Minute)
-			return err
-		}},
-		{"Extend", false, func(ctx context.Context, s *redisstore.Store, key string) error {
-			return s.Extend(ctx, key, "tok", time.Minute)
-		}},
-		{"Complete", false, func(ctx context.Context, s *redisstore.Store, key string) error {
-			return s.Complete(ctx, key, "tok", time.Hour)
-		}},
-		{"Release", false, func(ctx context.Context, s *redisstore.Store, key string) error {
-			return s.Release(ctx, key, "tok")
-		}},
-		{"Fail", true, func(ctx context.Context, s *redisstore.Store, key string) error {
-			_, err := s.Fail(ctx, key, time.Hour)
-			return err
-		}},
-		{"Inspect", false, func(ctx context.Context, s *redisstore.Store, key string) error {
-			_, err := s.Inspect(ctx, key)
-			return err
-		}},
-		{"Inspect", true, func(ctx context.Context, s *redisstore.Store, key string) error {
-			_, err := s.Inspect(ctx, key)
-			return err
-		}},
-	}
-	servers := []struct {
-		name   string
-		client func(t *testing.T) *redis.Client
-	}{
-		{"miniredis", func(t *testing.T) *redis.Client { _, c := newMiniredis(t); return c }},
-		{"redis", func(t *testing.T) *redis.Client {
-			c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t)})
-			t.Cleanup(func() { c.Close() })
-			return c
-		}},
-	}
-	stores := []struct {
-		name string
-		new  func(c *redis.Client, prefix string) *redisstore.Store
-	}{
-		{"batched", func(c *redis.Client, prefix string) *redisstore.Store {
-			return redisstore.New(c, redisstore.Options{Prefix: prefix})
-		}},
-		{"NoBatching", func(c *redis.Client, prefix string) *redisstore.Store {
-			return redisstore.New(c, redisstore.Options{Prefix: prefix, NoBatching: true})
-		}},
-		{"before Redis 7", func(c *redis.Client, prefix string) *redisstore.Store {
-			return redisstore.New(&oldRedis{Client: c}, redisstore.Options{Prefix: prefix})
-		}},
-	}
-	for _, srv := range servers {
-		t.Run(srv.name, func(t *testing.T) {
-			c := srv.client(t)
-			ctx := context.Background()
-			prefix := "rabbitmw-test-wrongtype-" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
-			for _, st := range stores {
-				s := st.new(c, prefix)
-				for i, op := range ops {
-					key := st.name + "-" + op.name + strconv.Itoa(i)
-					k := prefix + "msg:" + key
-					if op.failed {
-						k = prefix + "retry:" + key
-					}
-					require.NoError(t, c.HSet(ctx, k, "f", "v").Err())
-					t.Cleanup(func() { c.Del(context.Background(), k) })
-
-					err := op.call(ctx, s, key)
-					what := fmt.Sprintf("%s, %s of %s", st.name, op.name, k)
-					require.Error(t, err, what)
-					assert.ErrorIs(t, err, store.ErrKeyRejected, what)
-					assert.NotErrorIs(t, err, store.ErrLostClaim, what)
-					assert.Contains(t, err.Error(), strconv.Quote(k)+" holds a value of another type", what)
-					got, gerr := c.HGet(ctx, k, "f").Result()
-					assert.NoError(t, gerr, "%s: the hash after", what)
-					assert.Equal(t, "v", got, "%s: the hash after", what)
 				}
 			}
 		})
