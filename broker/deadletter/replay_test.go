@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -260,6 +261,45 @@ func testReplayMissingQueue(t *testing.T, be backend) {
 	assert.Equal(t, []string{"a", "b"}, deliveryIDs(f.drain(f.q+".dlq")), "dead-letter queue")
 	_, err = f.in.Replay(ctx, f.q+"-missing", ReplayOptions{})
 	require.ErrorIs(t, err, broker.ErrQueueNotFound, "Replay from a missing dead-letter queue")
+	f.assertSettled(t)
+}
+
+// A dead letter found in a queue's dead-letter queue goes back to that
+// queue, whatever its x-rabbitmw-original-queue header says: one whose
+// header names another queue (forged, or stale: a file imported into the
+// wrong dead-letter queue) is not sent there. The replay refuses, naming
+// the message and both queues, and nothing moves, the messages that name
+// their own queue included; To, the operator's choice, sends them all.
+func testReplayForeignQueue(t *testing.T, be backend) {
+	f := setup(t, be, broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	other := f.q + "-other"
+	require.NoError(t, f.b.Declare(ctx, other, broker.Topology{}))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		assert.NoError(t, f.b.Delete(ctx, other, broker.Topology{}))
+	})
+	for _, m := range []struct{ id, queue string }{{"own", f.q}, {"foreign", other}, {"own-2", f.q}} {
+		require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: m.id,
+			Headers: amqp.Table{broker.HeaderOriginalQueue: m.queue}}))
+	}
+
+	res, err := f.in.Replay(ctx, f.q, ReplayOptions{})
+	assert.Error(t, err, "Replay of a dead letter that names another queue")
+	for _, want := range []string{`"foreign"`, strconv.Quote(other), strconv.Quote(f.q + ".dlq"), "nothing was replayed"} {
+		assert.ErrorContains(t, err, want)
+	}
+	assert.Zero(t, res.Replayed, "replayed")
+	assert.Zero(t, f.length(other), "messages in the queue the header names")
+	assert.Zero(t, f.length(f.q), "messages in the work queue")
+	assert.Equal(t, 3, f.length(f.q+".dlq"), "messages in the dead-letter queue")
+
+	res, err = f.in.Replay(ctx, f.q, ReplayOptions{To: f.q})
+	require.NoError(t, err, "Replay To the work queue")
+	assert.Equal(t, 3, res.Replayed, "replayed")
+	assert.Zero(t, f.length(other), "messages in the queue the header names")
+	assert.Equal(t, []string{"own", "foreign", "own-2"}, deliveryIDs(f.drain(f.q)), "work queue")
 	f.assertSettled(t)
 }
 
