@@ -62,6 +62,12 @@ var (
 	// dead-lettered it): ReplayOptions.To must then name the queue to
 	// send it to.
 	ErrNoDestination = errors.New("deadletter: dead-lettered message has no original queue")
+	// ErrOtherQueue reports a message to replay whose
+	// [broker.HeaderOriginalQueue] names another queue than the one whose
+	// dead-letter queue holds it (a header forged, or stale: a message
+	// imported into another queue's dead-letter queue): ReplayOptions.To
+	// must then name the queue to send it to.
+	ErrOtherQueue = errors.New("deadletter: dead-lettered message names another queue")
 )
 
 // A Message describes a message in a dead-letter queue, as read from its

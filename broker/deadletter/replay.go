@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -25,9 +24,11 @@ import (
 type ReplayOptions struct {
 	Filter
 	// To, if set, is the queue every selected message is sent to. Without
-	// it, each goes to its [broker.HeaderOriginalQueue], and a selected message
-	// without one stops the replay before anything moves
-	// (ErrNoDestination).
+	// it, each goes back to the work queue whose dead-letter queue holds
+	// it, and only if its [broker.HeaderOriginalQueue] names that queue: a
+	// selected message without one (ErrNoDestination), or with one that
+	// names another queue (ErrOtherQueue), stops the replay before
+	// anything moves.
 	To string
 	// DryRun selects and checks, and moves nothing.
 	DryRun bool
@@ -74,14 +75,16 @@ type ReplayResult struct {
 }
 
 // Replay sends messages of the dead-letter queue of work queue queue back
-// to their original queue (or to opts.To): those that opts selects, in
+// to queue (or to opts.To): those that opts selects, in
 // queue order, a few at a time (so they may arrive slightly out of
 // order). The dead-letter queue is read as [Inspector.List] does;
 // what is not replayed stays in it, in its order.
 //
 // Before anything moves, Replay checks that every selected message has a
-// destination (ErrNoDestination) and that each destination queue exists
-// ([broker.ErrQueueNotFound]). Then, for each message, it calls
+// destination: without opts.To, a [broker.HeaderOriginalQueue] that names
+// queue (ErrNoDestination, ErrOtherQueue: a header, forged or stale, does
+// not choose where a message goes); and that the destination queue
+// exists ([broker.ErrQueueNotFound]). Then, for each message, it calls
 // opts.ResetFailures, publishes the copy through the default exchange with
 // the mandatory flag, waits for the server's confirm, and only then
 // acknowledges the original. A crash or a lost connection therefore loses
@@ -185,7 +188,7 @@ func (r *replayRun) run(ctx context.Context) error {
 			return err
 		}
 		picked := r.pick(snap, round == 0)
-		if err := snap.checkDestinations(ctx, picked, r.opts.To); err != nil {
+		if err := snap.checkDestinations(ctx, picked, r.queue, r.opts.To); err != nil {
 			return errors.Join(err, snap.close(r.in))
 		}
 		if r.opts.DryRun || len(picked) == 0 {
@@ -283,7 +286,7 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, de
 		go func() {
 			defer wg.Done()
 			defer func() { <-slots }()
-			err := snap.replayOne(send, i, r.opts, r.history)
+			err := snap.replayOne(send, i, r.queue, r.opts, r.history)
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
@@ -306,41 +309,50 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, de
 	return first
 }
 
-// checkDestinations refuses the replay of messages picked unless each has
-// a destination that exists.
-func (snap *snapshot) checkDestinations(ctx context.Context, picked []int, to string) error {
-	var missing []string
-	dests := map[string]bool{}
+// checkDestinations refuses the replay of messages picked, from the
+// dead-letter queue of work queue queue, unless each has a destination
+// that exists: to, or else queue, for a message whose
+// broker.HeaderOriginalQueue names queue.
+func (snap *snapshot) checkDestinations(ctx context.Context, picked []int, queue, to string) error {
+	var missing, foreign []string
 	for _, i := range picked {
 		dl := snap.msgs[i]
 		switch {
 		case to != "":
-			dests[to] = true
 		case dl.Queue == "":
 			missing = append(missing, fmt.Sprintf("%q", dl.ID))
-		default:
-			dests[dl.Queue] = true
+		case dl.Queue != queue:
+			foreign = append(foreign, fmt.Sprintf("%q names %q", dl.ID, dl.Queue))
 		}
 	}
 	if len(missing) > 0 {
-		const show = 5
-		more := ""
-		if len(missing) > show {
-			more = fmt.Sprintf(" and %d more", len(missing)-show)
-			missing = missing[:show]
-		}
-		return fmt.Errorf("%w (%s header): message %s%s: name the queue to send them to (ReplayOptions.To, --to); nothing was replayed",
-			ErrNoDestination, broker.HeaderOriginalQueue, strings.Join(missing, ", "), more)
+		return fmt.Errorf("%w (%s header): message %s: name the queue to send them to (ReplayOptions.To, --to); nothing was replayed",
+			ErrNoDestination, broker.HeaderOriginalQueue, some(missing))
 	}
-	for _, q := range slices.Sorted(maps.Keys(dests)) {
-		if err := snap.s.Declare(ctx, []transport.QueueSpec{{Name: q, Passive: true}}); err != nil {
-			if err := expose.Refusal(q, unwrapQueueError(err)); errors.Is(err, broker.ErrQueueNotFound) {
-				return fmt.Errorf("%w; nothing was replayed", err)
-			}
-			return err
+	if len(foreign) > 0 {
+		return fmt.Errorf("%w (%s header): in %q, message %s: a dead letter of %q goes back to %q only; name the queue to send them to (ReplayOptions.To, --to); nothing was replayed",
+			ErrOtherQueue, broker.HeaderOriginalQueue, snap.dlq, some(foreign), snap.dlq, queue)
+	}
+	dest := queue
+	if to != "" {
+		dest = to
+	}
+	if err := snap.s.Declare(ctx, []transport.QueueSpec{{Name: dest, Passive: true}}); err != nil {
+		if err := expose.Refusal(dest, unwrapQueueError(err)); errors.Is(err, broker.ErrQueueNotFound) {
+			return fmt.Errorf("%w; nothing was replayed", err)
 		}
+		return err
 	}
 	return nil
+}
+
+// some joins the first few of items, and says how many more there are.
+func some(items []string) string {
+	const show = 5
+	if len(items) <= show {
+		return strings.Join(items, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(items[:show], ", "), len(items)-show)
 }
 
 func unwrapQueueError(err error) error {
@@ -351,13 +363,14 @@ func unwrapQueueError(err error) error {
 	return err
 }
 
-// replayOne sends message i back and acknowledges it.
-func (snap *snapshot) replayOne(ctx context.Context, i int, opts ReplayOptions, history int) error {
+// replayOne sends message i back to work queue queue, or to opts.To, and
+// acknowledges it.
+func (snap *snapshot) replayOne(ctx context.Context, i int, queue string, opts ReplayOptions, history int) error {
 	dl := snap.msgs[i]
 	d := dl.Delivery
 	dest := opts.To
 	if dest == "" {
-		dest = dl.Queue
+		dest = queue
 	}
 	if opts.ResetFailures != nil {
 		if err := opts.ResetFailures(ctx, d); err != nil {

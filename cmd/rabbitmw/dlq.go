@@ -53,7 +53,7 @@ func classify(err error) error {
 	switch {
 	case err == nil:
 		return nil
-	case errors.Is(err, deadletter.ErrNoDestination):
+	case errors.Is(err, deadletter.ErrNoDestination), errors.Is(err, deadletter.ErrOtherQueue):
 		return &exitError{exitRefused, err}
 	case errors.Is(err, broker.ErrQueueNotFound):
 		return &exitError{exitNotFound, err}
@@ -405,7 +405,7 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 	all := q.Bool("all", false, "replay every message (required without a filter)")
 	var sf storeFlags
 	sf.register(q.flagSet)
-	to := q.String("to", "", "send the messages to this queue (required for messages that have no original queue)")
+	to := q.String("to", "", "send the messages to this queue (required for messages that have no original queue, or name another queue than -q)")
 	dry := q.Bool("dry-run", false, "list what would be replayed, and move nothing")
 	limit := q.Int("limit", 0, "replay at most this many messages")
 	rate := q.Float64("rate", 0, "replay at most this many messages a second")

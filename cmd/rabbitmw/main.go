@@ -56,8 +56,9 @@
 //	   operation failed or was interrupted (Ctrl-C, SIGTERM) part way
 //	   (what was done is printed)
 //	2  bad usage: unknown command or flag, bad value
-//	3  refused, nothing changed: messages without an original queue and
-//	   no --to, a replay or purge of everything without --all, an import
+//	3  refused, nothing changed: messages without an original queue, or
+//	   whose original queue is not the one whose dead-letter queue holds
+//	   them, and no --to, a replay or purge of everything without --all, an import
 //	   of messages still in the queue without --allow-duplicates, a
 //	   topology delete of queues that hold messages without --force
 //	4  not found: a queue that does not exist, or no message with that id
