@@ -1,0 +1,202 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	bin "encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// confirmDropper is a TCP proxy to an AMQP server that passes everything
+// but the server's publisher confirms (basic.ack): a publish through it
+// reaches its queue, and its confirm never comes.
+type confirmDropper struct {
+	ln     net.Listener
+	server string
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	conns  []net.Conn
+}
+
+// newConfirmDropper starts a confirmDropper to the server of amqpURL until
+// t ends, and returns the URL to reach the server through it.
+func newConfirmDropper(t *testing.T, amqpURL string) string {
+	u, err := url.Parse(amqpURL)
+	require.NoError(t, err)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	p := &confirmDropper{ln: ln, server: u.Host}
+	p.wg.Add(1)
+	go p.accept()
+	t.Cleanup(p.close)
+	u.Host = ln.Addr().String()
+	return u.String()
+}
+
+// accept serves connections until the listener is closed; each
+// connection's two goroutines end when either side closes.
+func (p *confirmDropper) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		s, err := net.Dial("tcp", p.server)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		p.mu.Lock()
+		p.conns = append(p.conns, c, s)
+		p.mu.Unlock()
+		p.wg.Add(2)
+		go func() {
+			defer p.wg.Done()
+			io.Copy(s, c)
+			s.Close()
+		}()
+		go func() {
+			defer p.wg.Done()
+			defer c.Close()
+			defer s.Close()
+			p.pipe(s, c)
+		}()
+	}
+}
+
+// pipe passes the server's frames on to the client, but basic.ack.
+func (p *confirmDropper) pipe(s, c net.Conn) {
+	for {
+		head := make([]byte, 7) // type, channel, size
+		if _, err := io.ReadFull(s, head); err != nil {
+			return
+		}
+		rest := make([]byte, bin.BigEndian.Uint32(head[3:])+1) // payload and frame end
+		if _, err := io.ReadFull(s, rest); err != nil {
+			return
+		}
+		// A method frame of class basic (60), method ack (80).
+		if head[0] == 1 && len(rest) >= 4 && bin.BigEndian.Uint16(rest) == 60 && bin.BigEndian.Uint16(rest[2:]) == 80 {
+			continue
+		}
+		if _, err := c.Write(slices.Concat(head, rest)); err != nil {
+			return
+		}
+	}
+}
+
+func (p *confirmDropper) close() {
+	p.ln.Close()
+	p.mu.Lock()
+	for _, c := range p.conns {
+		c.Close()
+	}
+	p.mu.Unlock()
+	p.wg.Wait()
+}
+
+// A second Ctrl-C stops a replay at once, where the first lets it finish
+// the messages in flight for up to 5 s: the command says, at the first,
+// that a second stops it at once; at the second, it exits 130 without
+// waiting, and names the messages in flight, which may be both in the
+// work queue and still in the dead-letter queue. On a server whose
+// confirms never come, the replay has its window of 16 messages in
+// flight, in the work queue, unconfirmed.
+func TestSecondInterruptStopsAtOnce(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const n = 40
+	for i := range n {
+		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i),
+			Headers: faulty(q, "error", "boom", time.Now())}))
+	}
+	cmd := exec.Command(binary, "dlq", "replay", "-q", q, "--all", "--amqp", newConfirmDropper(t, amqpURL))
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+		}
+	})
+	var (
+		mu    sync.Mutex
+		lines []string
+	)
+	hint := make(chan struct{})
+	exited := make(chan error, 1)
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		once := sync.OnceFunc(func() { close(hint) })
+		for sc.Scan() {
+			mu.Lock()
+			lines = append(lines, sc.Text())
+			mu.Unlock()
+			if strings.Contains(sc.Text(), "again") {
+				once()
+			}
+		}
+		exited <- cmd.Wait()
+	}()
+	output := func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		return strings.Join(lines, "\n")
+	}
+	require.Eventually(t, func() bool {
+		got, err := b.Len(ctx, q)
+		return err == nil && got == replayWindow
+	}, 20*time.Second, 10*time.Millisecond, "the window's messages in the work queue")
+
+	require.NoError(t, cmd.Process.Signal(os.Interrupt))
+	select {
+	case <-hint:
+	case <-time.After(time.Second):
+		t.Errorf("no word at the first Ctrl-C that a second stops at once: %q", output())
+	}
+	require.NoError(t, cmd.Process.Signal(os.Interrupt))
+	second := time.Now()
+	select {
+	case <-exited:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the replay did not stop within 30 s of the second Ctrl-C: %q", output())
+	}
+	took := time.Since(second)
+	assert.Less(t, took, 2*time.Second, "from the second Ctrl-C to the exit")
+	assert.Equal(t, 130, cmd.ProcessState.ExitCode(), "exit code: %s", output())
+	out := output()
+	assert.Contains(t, out, fmt.Sprintf("%d message(s)", replayWindow), "the messages in flight, counted")
+	var unnamed []string
+	for i := range replayWindow {
+		if id := fmt.Sprintf("%q", fmt.Sprintf("m%d", i)); !strings.Contains(out, id) {
+			unnamed = append(unnamed, id)
+		}
+	}
+	assert.Empty(t, unnamed, "the messages in flight not named: %s", out)
+	assert.Contains(t, out, q+".dlq")
+
+	// Nothing is lost: those in flight are in both queues.
+	require.Eventually(t, func() bool {
+		got, err := b.Len(ctx, q+".dlq")
+		return err == nil && got == n
+	}, 20*time.Second, 10*time.Millisecond, "every message back in the dead-letter queue")
+	got, err := b.Len(ctx, q)
+	require.NoError(t, err)
+	assert.Equal(t, replayWindow, got, "messages in the work queue")
+}
