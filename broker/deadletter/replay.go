@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -72,6 +73,14 @@ type ReplayResult struct {
 	// Replayed is the number of them sent back and removed from the
 	// dead-letter queue.
 	Replayed int
+	// InDoubt are those of them that were sent and whose confirm or
+	// acknowledgement the replay gave up on (the wait for the messages in
+	// flight ran out or was aborted, see [WithAbort]; or the connection
+	// failed): each may be in its destination and is still in the
+	// dead-letter queue. A second replay sends it again, with the same
+	// MessageId, which the consumers' Dedup absorbs. Replayed does not
+	// count them.
+	InDoubt []*Message
 }
 
 // Replay sends messages of the dead-letter queue of work queue queue back
@@ -96,7 +105,8 @@ type ReplayResult struct {
 // error: run it again. When ctx ends (an operator's Ctrl-C), or at the
 // first error, it sends nothing more but waits, up to 5 seconds, for
 // the messages in flight to be confirmed and acknowledged, so that each of
-// them is in one queue only.
+// them is in one queue only; an abort (see [WithAbort]) ends that wait at
+// once. The messages it gave up on are in ReplayResult.InDoubt.
 //
 // RabbitMQ closes a channel that holds a message unacknowledged longer
 // than its consumer_timeout (30 minutes by default), and a slow replay (a
@@ -257,6 +267,7 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, de
 	var (
 		mu    sync.Mutex
 		first error
+		doubt []int // the messages sent and given up on
 		wg    sync.WaitGroup
 		slots = make(chan struct{}, replayWindow)
 	)
@@ -286,10 +297,13 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, de
 		go func() {
 			defer wg.Done()
 			defer func() { <-slots }()
-			err := snap.replayOne(send, i, r.queue, r.opts, r.history)
+			sent, err := snap.replayOne(send, i, r.queue, r.opts, r.history)
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
+				if sent {
+					doubt = append(doubt, i)
+				}
 				if first == nil {
 					first = err
 					cancel()
@@ -303,6 +317,10 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, de
 		}()
 	}
 	wg.Wait()
+	slices.Sort(doubt) // in queue order
+	for _, i := range doubt {
+		r.res.InDoubt = append(r.res.InDoubt, snap.msgs[i])
+	}
 	if first == nil && ctx.Err() != nil {
 		return context.Cause(ctx)
 	}
@@ -364,8 +382,10 @@ func unwrapQueueError(err error) error {
 }
 
 // replayOne sends message i back to work queue queue, or to opts.To, and
-// acknowledges it.
-func (snap *snapshot) replayOne(ctx context.Context, i int, queue string, opts ReplayOptions, history int) error {
+// acknowledges it. With an error, sent says whether the copy may be in
+// its destination all the same: its publish was given up on, ctx ended,
+// before the server's word, or its acknowledgement failed.
+func (snap *snapshot) replayOne(ctx context.Context, i int, queue string, opts ReplayOptions, history int) (sent bool, err error) {
 	dl := snap.msgs[i]
 	d := dl.Delivery
 	dest := opts.To
@@ -374,17 +394,23 @@ func (snap *snapshot) replayOne(ctx context.Context, i int, queue string, opts R
 	}
 	if opts.ResetFailures != nil {
 		if err := opts.ResetFailures(ctx, d); err != nil {
-			return fmt.Errorf("deadletter: replay %q: reset failures: %w", dl.ID, err)
+			return false, fmt.Errorf("deadletter: replay %q: reset failures: %w", dl.ID, err)
 		}
+	}
+	if err := ctx.Err(); err != nil {
+		return false, fmt.Errorf("deadletter: replay %q to %q: %w", dl.ID, dest, err) // nothing sent
 	}
 	msg := expose.Republishing(d, replayHeaders(d.Headers, snap.dlq, time.Now(), history))
 	if err := snap.s.Publish(ctx, "", dest, msg); err != nil {
-		return fmt.Errorf("deadletter: replay %q to %q: %w", dl.ID, dest, err)
+		if ctx.Err() != nil {
+			return true, fmt.Errorf("deadletter: replay %q to %q: given up on before its confirm (it may be there, and stays in the dead-letter queue too): %w", dl.ID, dest, err)
+		}
+		return false, fmt.Errorf("deadletter: replay %q to %q: %w", dl.ID, dest, err)
 	}
 	if err := snap.ack(i); err != nil {
-		return fmt.Errorf("deadletter: replay %q: ack (the message was sent, and stays in the dead-letter queue too): %w", dl.ID, err)
+		return true, fmt.Errorf("deadletter: replay %q: ack (the message was sent, and stays in the dead-letter queue too): %w", dl.ID, err)
 	}
-	return nil
+	return false, nil
 }
 
 // firstRoute gives h, the headers of a message that RabbitMQ itself

@@ -330,3 +330,49 @@ func TestReplayInterruptedFinishesWhatItSent(t *testing.T) {
 	assert.Equal(t, n, len(replayed)+len(left), "messages in the work queue and the dead-letter queue")
 	f.assertSettled(t)
 }
+
+// An abort (an operator's second Ctrl-C) ends at once the wait of a
+// replay whose context has ended for the messages in flight: the replay
+// returns, and names them in InDoubt, in queue order; each is both in the
+// work queue and back in the dead-letter queue, and nothing is lost. On a
+// server that takes a minute to confirm, the window's messages are in the
+// work queue, unconfirmed, when the context ends and the abort comes.
+func TestReplayAbortedGivesUpAtOnce(t *testing.T) {
+	f := setup(t, backends[0], broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	const n = 40
+	var want []string
+	for i := range n {
+		id := fmt.Sprintf("m%d", i)
+		if i < replayWindow {
+			want = append(want, id)
+		}
+		require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: id,
+			Headers: amqp.Table{broker.HeaderOriginalQueue: f.q}}))
+	}
+	f.mem.SetConfirmDelay(time.Minute)
+	abort := make(chan struct{})
+	rctx, interrupt := context.WithCancel(WithAbort(ctx, abort))
+	defer interrupt()
+	aborted := make(chan time.Time, 1)
+	go func() {
+		assert.Eventually(t, func() bool {
+			got, err := f.b.Len(ctx, f.q)
+			return err == nil && got == replayWindow
+		}, 10*time.Second, time.Millisecond, "the window's messages in the work queue")
+		interrupt()
+		close(abort)
+		aborted <- time.Now()
+	}()
+	res, err := f.in.Replay(rctx, f.q, ReplayOptions{})
+	took := time.Since(<-aborted)
+	require.ErrorIs(t, err, context.Canceled, "Replay")
+	assert.ErrorContains(t, err, "given up on before its confirm")
+	assert.Less(t, took, finishWithin/2, "from the abort to the return")
+	f.mem.SetConfirmDelay(0)
+	assert.Zero(t, res.Replayed, "replayed")
+	assert.Equal(t, want, ids(res.InDoubt), "in doubt")
+	assert.ElementsMatch(t, want, deliveryIDs(f.drain(f.q)), "the work queue")
+	assert.Len(t, f.drain(f.q+".dlq"), n, "the dead-letter queue")
+	f.assertSettled(t)
+}

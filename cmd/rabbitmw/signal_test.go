@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	bin "encoding/binary"
 	"fmt"
@@ -13,6 +14,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -181,6 +183,7 @@ func TestSecondInterruptStopsAtOnce(t *testing.T) {
 	assert.Less(t, took, 2*time.Second, "from the second Ctrl-C to the exit")
 	assert.Equal(t, 130, cmd.ProcessState.ExitCode(), "exit code: %s", output())
 	out := output()
+	t.Logf("stderr:\n%s", out)
 	assert.Contains(t, out, fmt.Sprintf("%d message(s)", replayWindow), "the messages in flight, counted")
 	var unnamed []string
 	for i := range replayWindow {
@@ -199,4 +202,33 @@ func TestSecondInterruptStopsAtOnce(t *testing.T) {
 	got, err := b.Len(ctx, q)
 	require.NoError(t, err)
 	assert.Equal(t, replayWindow, got, "messages in the work queue")
+}
+
+// The first signal ends the command's context, with the signal as its
+// cause, and says that a second stops it at once; the second closes the
+// abort, and stop returns it. Without a signal, stop returns nil. The
+// watch's goroutine ends at stop (TestMain checks for leaks).
+func TestInterrupts(t *testing.T) {
+	t.Run("two signals", func(t *testing.T) {
+		sigs := make(chan os.Signal)
+		var stderr bytes.Buffer
+		ctx, in := watchInterrupts(context.Background(), sigs, &stderr)
+		sigs <- os.Interrupt
+		<-ctx.Done()
+		assert.EqualError(t, context.Cause(ctx), "interrupt signal received")
+		select {
+		case <-in.abort:
+			t.Error("aborted at the first signal")
+		default:
+		}
+		sigs <- syscall.SIGTERM
+		<-in.abort
+		assert.Contains(t, stderr.String(), "interrupt again to stop at once")
+		assert.Equal(t, syscall.SIGTERM, in.stop())
+	})
+	t.Run("none", func(t *testing.T) {
+		ctx, in := watchInterrupts(context.Background(), make(chan os.Signal), io.Discard)
+		assert.Nil(t, in.stop())
+		assert.Error(t, ctx.Err(), "the context after stop")
+	})
 }
