@@ -98,10 +98,7 @@ func TestExportToAFullDisk(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	const n = 200
-	for i := range n {
-		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i), Body: []byte("body"),
-			Headers: amqp.Table{broker.HeaderOriginalQueue: q}}))
-	}
+	deadLetters(t, b, q, n)
 	out := &fullDisk{room: 10000}
 	var stderr bytes.Buffer
 	code := run(ctx, []string{"dlq", "export", "-q", q, "--amqp", url}, strings.NewReader(""), out, &stderr)
@@ -156,10 +153,7 @@ func TestNegativeLimit(t *testing.T) {
 	b, url, q := setupQueue(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	for i := range 3 {
-		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i),
-			Headers: amqp.Table{broker.HeaderOriginalQueue: q}}))
-	}
+	deadLetters(t, b, q, 3)
 	for _, cmd := range []string{"ls", "replay", "purge", "export"} {
 		args := []string{"dlq", cmd, "-q", q, "--limit", "-1", "--amqp", url}
 		if cmd == "replay" || cmd == "purge" {

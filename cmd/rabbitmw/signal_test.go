@@ -4,113 +4,21 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	bin "encoding/binary"
 	"fmt"
 	"io"
-	"net"
-	"net/url"
 	"os"
 	"os/exec"
-	"slices"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/rabbitmw/rabbitmw/internal/frameproxy"
 )
-
-// confirmDropper is a TCP proxy to an AMQP server that passes everything
-// but the server's publisher confirms (basic.ack): a publish through it
-// reaches its queue, and its confirm never comes.
-type confirmDropper struct {
-	ln     net.Listener
-	server string
-	wg     sync.WaitGroup
-	mu     sync.Mutex
-	conns  []net.Conn
-}
-
-// newConfirmDropper starts a confirmDropper to the server of amqpURL until
-// t ends, and returns the URL to reach the server through it.
-func newConfirmDropper(t *testing.T, amqpURL string) string {
-	u, err := url.Parse(amqpURL)
-	require.NoError(t, err)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	p := &confirmDropper{ln: ln, server: u.Host}
-	p.wg.Add(1)
-	go p.accept()
-	t.Cleanup(p.close)
-	u.Host = ln.Addr().String()
-	return u.String()
-}
-
-// accept serves connections until the listener is closed; each
-// connection's two goroutines end when either side closes.
-func (p *confirmDropper) accept() {
-	defer p.wg.Done()
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		s, err := net.Dial("tcp", p.server)
-		if err != nil {
-			c.Close()
-			continue
-		}
-		p.mu.Lock()
-		p.conns = append(p.conns, c, s)
-		p.mu.Unlock()
-		p.wg.Add(2)
-		go func() {
-			defer p.wg.Done()
-			io.Copy(s, c)
-			s.Close()
-		}()
-		go func() {
-			defer p.wg.Done()
-			defer c.Close()
-			defer s.Close()
-			p.pipe(s, c)
-		}()
-	}
-}
-
-// pipe passes the server's frames on to the client, but basic.ack.
-func (p *confirmDropper) pipe(s, c net.Conn) {
-	for {
-		head := make([]byte, 7) // type, channel, size
-		if _, err := io.ReadFull(s, head); err != nil {
-			return
-		}
-		rest := make([]byte, bin.BigEndian.Uint32(head[3:])+1) // payload and frame end
-		if _, err := io.ReadFull(s, rest); err != nil {
-			return
-		}
-		// A method frame of class basic (60), method ack (80).
-		if head[0] == 1 && len(rest) >= 4 && bin.BigEndian.Uint16(rest) == 60 && bin.BigEndian.Uint16(rest[2:]) == 80 {
-			continue
-		}
-		if _, err := c.Write(slices.Concat(head, rest)); err != nil {
-			return
-		}
-	}
-}
-
-func (p *confirmDropper) close() {
-	p.ln.Close()
-	p.mu.Lock()
-	for _, c := range p.conns {
-		c.Close()
-	}
-	p.mu.Unlock()
-	p.wg.Wait()
-}
 
 // A second Ctrl-C stops a replay at once, where the first lets it finish
 // the messages in flight for up to 5 s: the command says, at the first,
@@ -124,11 +32,15 @@ func TestSecondInterruptStopsAtOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	const n = 40
-	for i := range n {
-		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i),
-			Headers: faulty(q, "error", "boom", time.Now())}))
-	}
-	cmd := exec.Command(binary, "dlq", "replay", "-q", q, "--all", "--amqp", newConfirmDropper(t, amqpURL))
+	deadLetters(t, b, q, n)
+	// The server's publisher confirms (basic.ack) never reach the command.
+	via := frameproxy.Start(t, amqpURL, func(dir frameproxy.Direction, f frameproxy.Frame) frameproxy.Verdict {
+		if dir == frameproxy.FromServer && f.IsMethod(60, 80) {
+			return frameproxy.Drop
+		}
+		return frameproxy.Pass
+	})
+	cmd := exec.Command(binary, "dlq", "replay", "-q", q, "--all", "--amqp", via)
 	stderr, err := cmd.StderrPipe()
 	require.NoError(t, err)
 	require.NoError(t, cmd.Start())
