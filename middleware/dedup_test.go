@@ -1229,3 +1229,81 @@ func TestDedupRenewalsKeepToTheirDelivery(t *testing.T) {
 		})
 	}
 }
+
+// A store that refuses the key after the claim (store.ErrKeyRejected from
+// Extend, Complete or Release: over Redis, the claim key overwritten
+// meanwhile by a value of another type) will refuse it again: Dedup tries
+// no more. A refused renewal is a lost lease, which cancels the handler at
+// once; a refused done mark dead-letters the message, saying the handler
+// succeeded; a refused release is the handler's error, with the refusal.
+func TestDedupKeyRejectedAfterClaim(t *testing.T) {
+	rejected := fmt.Errorf("redisstore: Redis key %q holds a value of another type: %w", "msg:m1", store.ErrKeyRejected)
+	tests := []struct {
+		name    string
+		op      string // the call that is refused
+		handler func(ctx context.Context) error
+
+		wantOutcome rabbitmw.Outcome
+		wantIs      []error
+		wantText    string        // in the result's text
+		wantCalls   int64         // of op
+		wantTook    time.Duration // from the claim to the result
+	}{
+		{
+			name: "renewal refused: the lease is lost, the handler cancelled at once",
+			op:   "extend",
+			handler: func(ctx context.Context) error {
+				<-ctx.Done()
+				return context.Cause(ctx)
+			},
+			wantOutcome: rabbitmw.Delay, wantIs: []error{middleware.ErrLeaseLost, store.ErrKeyRejected},
+			wantCalls: 1, wantTook: 10 * time.Second, // the first renewal, at Lease/3
+		},
+		{
+			name:        "done mark refused: dead-lettered, saying the handler succeeded",
+			op:          "complete",
+			handler:     func(context.Context) error { return nil },
+			wantOutcome: rabbitmw.DeadLetter, wantIs: []error{store.ErrKeyRejected},
+			wantText:  "the handler succeeded",
+			wantCalls: 1,
+		},
+		{
+			name:        "release refused: the handler's error, with the refusal",
+			op:          "release",
+			handler:     func(context.Context) error { return errBoom },
+			wantOutcome: rabbitmw.Requeue, wantIs: []error{errBoom, store.ErrKeyRejected},
+			wantCalls: 1,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				s := &faultyStore{Store: store.NewMemory()}
+				switch tt.op {
+				case "extend":
+					set(&s.extend, rejected)
+				case "complete":
+					set(&s.complete, rejected)
+				case "release":
+					set(&s.release, rejected)
+				}
+				h := middleware.Dedup(s, middleware.DedupOptions{Lease: 30 * time.Second})(rabbitmw.HandlerFunc(
+					func(ctx context.Context, _ *amqp.Delivery) error { return tt.handler(ctx) }))
+				d, _ := deliverytest.New("m1", "")
+				start := time.Now()
+				err := h.Handle(context.Background(), d)
+
+				assert.Equal(t, tt.wantTook, time.Since(start), "from the claim to the result")
+				assert.Equal(t, tt.wantOutcome, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+				for _, target := range tt.wantIs {
+					assert.ErrorIs(t, err, target)
+				}
+				if err != nil {
+					assert.Contains(t, err.Error(), tt.wantText)
+					assert.Contains(t, err.Error(), `"msg:m1" holds a value of another type`)
+				}
+				assert.Equal(t, tt.wantCalls, s.Calls(tt.op), "%s calls", tt.op)
+			})
+		})
+	}
+}

@@ -328,7 +328,11 @@ func (h *retry) count(ctx context.Context, d *amqp.Delivery, before int) (n int,
 	sctx.end()
 	switch {
 	case errors.Is(err, store.ErrKeyRejected):
-		return n, false, nil // no counter can be kept under key: the header alone counts
+		// No counter can be kept under key: the header alone counts, and
+		// the reason goes with the failure, for the operator who will
+		// have to mend the key (in Redis, one that holds a value of
+		// another type).
+		return n, false, fmt.Errorf("middleware: retry: the store refused to count the failure of %s; the attempts header counts it: %w", text.QuoteKey(key), err)
 	case err != nil:
 		return n, false, fmt.Errorf("middleware: retry: counting the failure of %s: %w", text.QuoteKey(key), err)
 	}
@@ -338,9 +342,11 @@ func (h *retry) count(ctx context.Context, d *amqp.Delivery, before int) (n int,
 // withCountError returns err, the failure of an attempt, joined to cerr,
 // the error of counting it, if any. The result's type of failure (see
 // rabbitmw.ErrorType) is err's: a store that timed out does not turn every
-// failure counted meanwhile into a "timeout".
+// failure counted meanwhile into a "timeout". A store's refusal of the key
+// (store.ErrKeyRejected) is left out when err is one already: Dedup's
+// claim was refused, and its reason says what the count's would.
 func withCountError(err, cerr error) error {
-	if cerr == nil {
+	if cerr == nil || errors.Is(cerr, store.ErrKeyRejected) && errors.Is(err, store.ErrKeyRejected) {
 		return err
 	}
 	return &countError{err: err, cerr: cerr}

@@ -26,6 +26,7 @@ var behaviours = []struct {
 	{"ReplayOfServerDeadLetters", testReplayServerDeadLetters},
 	{"ReplayOfAForwardedDeadLetter", testReplayForwardedDeadLetter},
 	{"ReplayToMissingQueue", testReplayMissingQueue},
+	{"ReplayOfADeadLetterNamingAnotherQueue", testReplayForeignQueue},
 	{"MalformedHeaders", testDLQMalformed},
 	{"PurgeSelected", testPurgeSelected},
 	{"ExportImport", testExportImport},

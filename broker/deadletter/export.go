@@ -213,8 +213,9 @@ type ImportOptions struct {
 //
 // A line that is not an exported message stops the import, with an error
 // that names its line; the messages before it were published. So does the
-// end of ctx: the message sent by then is waited for, up to 5 seconds, and
-// counted once confirmed. It refuses
+// end of ctx: the message sent by then is waited for, up to 5 seconds
+// (an abort ends the wait: see [WithAbort]), and counted once confirmed.
+// It refuses
 // a destination queue that does not exist before publishing anything.
 func (in *Inspector) Import(ctx context.Context, queue string, r io.Reader, opts ImportOptions) (int, error) {
 	dest := opts.To
@@ -251,7 +252,10 @@ func (in *Inspector) Import(ctx context.Context, queue string, r io.Reader, opts
 		if err != nil {
 			return n, fmt.Errorf("deadletter: import: line %d: %w", line, err)
 		}
-		if err := publishFinishing(ctx, s, dest, msg); err != nil {
+		if sent, err := publishFinishing(ctx, s, dest, msg); err != nil {
+			if sent {
+				return n, fmt.Errorf("deadletter: import: line %d: publish to %q given up on before its confirm (message %q may be there all the same, uncounted): %w", line, dest, m.Properties.MessageID, err)
+			}
 			return n, fmt.Errorf("deadletter: import: line %d: publish to %q: %w", line, dest, err)
 		}
 		n++
@@ -266,15 +270,17 @@ func (in *Inspector) Import(ctx context.Context, queue string, r io.Reader, opts
 }
 
 // publishFinishing publishes msg to queue dest and waits for its confirm,
-// for up to finishWithin once ctx has ended: given up on, the message may
-// be in dest all the same.
-func publishFinishing(ctx context.Context, s transport.Session, dest string, msg amqp.Publishing) error {
+// for up to finishWithin once ctx has ended. With an error, sent says
+// whether the message, given up on before the server's word, may be in
+// dest all the same.
+func publishFinishing(ctx context.Context, s transport.Session, dest string, msg amqp.Publishing) (sent bool, err error) {
 	if err := ctx.Err(); err != nil {
-		return err // nothing sent
+		return false, err // nothing sent
 	}
 	send, stop := finishing(ctx)
 	defer stop()
-	return s.Publish(send, "", dest, msg)
+	err = s.Publish(send, "", dest, msg)
+	return err != nil && send.Err() != nil, err
 }
 
 // ExportMessage returns d, read from queue, as an ExportedMessage. It fails

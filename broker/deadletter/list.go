@@ -62,6 +62,12 @@ var (
 	// dead-lettered it): ReplayOptions.To must then name the queue to
 	// send it to.
 	ErrNoDestination = errors.New("deadletter: dead-lettered message has no original queue")
+	// ErrOtherQueue reports a message to replay whose
+	// [broker.HeaderOriginalQueue] names another queue than the one whose
+	// dead-letter queue holds it (a header forged, or stale: a message
+	// imported into another queue's dead-letter queue): ReplayOptions.To
+	// must then name the queue to send it to.
+	ErrOtherQueue = errors.New("deadletter: dead-lettered message names another queue")
 )
 
 // A Message describes a message in a dead-letter queue, as read from its
@@ -334,10 +340,11 @@ func (in *Inspector) List(ctx context.Context, queue string, opts ListOptions) (
 // A snapshot holds every message that a dead-letter queue held when it was
 // taken, unacknowledged, on a session of its own.
 type snapshot struct {
-	s    transport.Session
-	dlq  string
-	msgs []*Message
-	done []bool // settled
+	s     transport.Session
+	dlq   string
+	msgs  []*Message
+	done  []bool          // settled
+	abort <-chan struct{} // ends close's wait (see WithAbort)
 }
 
 // snapshot takes the messages of queue's dead-letter queue.
@@ -350,7 +357,7 @@ func (in *Inspector) snapshot(ctx context.Context, queue string, progress func(d
 	if err != nil {
 		return nil, err
 	}
-	snap := &snapshot{s: s, dlq: dlq}
+	snap := &snapshot{s: s, dlq: dlq, abort: abortOf(ctx)}
 	total, err := s.Length(ctx, dlq)
 	if err != nil {
 		s.Close()
@@ -399,7 +406,9 @@ func (snap *snapshot) ack(i int) error {
 // basic.nack with multiple and requeue took 12 s for the same 5,000. The
 // requeue completes a moment after the close; close waits, up to a few
 // seconds, until the queue holds at least as many messages as it put back,
-// so that a reader that comes next sees them all.
+// so that a reader that comes next sees them all; not once the abort of
+// the context the snapshot was taken under is closed (see WithAbort), as
+// the server puts them back all the same.
 func (snap *snapshot) close(in *Inspector) error {
 	back := 0
 	for _, done := range snap.done {
@@ -413,6 +422,15 @@ func (snap *snapshot) close(in *Inspector) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
+	if snap.abort != nil {
+		go func() {
+			select {
+			case <-snap.abort:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+	}
 	for {
 		n, lerr := in.b.Len(ctx, snap.dlq)
 		if lerr != nil || n >= back || clock.Sleep(ctx, 20*time.Millisecond) != nil {
@@ -423,16 +441,47 @@ func (snap *snapshot) close(in *Inspector) error {
 
 // finishWithin is how long a replay or an import that stops, its context
 // ended or a message failed, waits for the messages it has sent to be
-// confirmed (and, in a replay, acknowledged): a message given up on
-// before its confirm may be in its destination all the same, uncounted,
-// and, in a replay, stays in the dead-letter queue too.
+// confirmed (and, in a replay, acknowledged), and a purge for the server's
+// word on the acknowledgements it has sent, unless the wait is aborted
+// (see [WithAbort]): a message given up on before its confirm may be in
+// its destination all the same, uncounted, and, in a replay, stays in the
+// dead-letter queue too.
 const finishWithin = 5 * time.Second
 
+// abortKey is the context key of WithAbort's channel.
+type abortKey struct{}
+
+// WithAbort returns a copy of ctx that carries abort, for an operator's
+// second Ctrl-C. Once ctx has ended, an operation of an [Inspector] run
+// under it sends nothing more, but waits up to 5 seconds for what it has
+// in flight, so that each message ends in one queue (see [Inspector.Replay],
+// [Inspector.Purge], [Inspector.Import]), and for the messages it put back
+// to be back in their queue (see [Inspector.List]). Closing abort ends
+// those waits at once: the messages in flight are given up on
+// (ReplayResult.InDoubt lists a replay's), and the operation returns.
+// Closing abort while ctx lasts changes nothing until ctx ends.
+//
+// The abort travels with ctx, rather than in each operation's options,
+// because those waits run after ctx's end, under a context that keeps
+// ctx's values only.
+func WithAbort(ctx context.Context, abort <-chan struct{}) context.Context {
+	return context.WithValue(ctx, abortKey{}, abort)
+}
+
+// abortOf returns the channel WithAbort gave ctx, or nil: a channel that
+// is never ready.
+func abortOf(ctx context.Context) <-chan struct{} {
+	abort, _ := ctx.Value(abortKey{}).(<-chan struct{})
+	return abort
+}
+
 // finishing returns the context to send a message under: it ends
-// finishWithin after ctx, or when stop is called, which must be. Its
-// goroutine ends with it.
+// finishWithin after ctx, or at ctx's abort (see WithAbort) once ctx has
+// ended, or when stop is called, which must be. Its goroutine ends with
+// it.
 func finishing(ctx context.Context) (send context.Context, stop context.CancelFunc) {
 	send, stop = context.WithCancel(context.WithoutCancel(ctx))
+	abort := abortOf(ctx)
 	go func() {
 		select {
 		case <-ctx.Done():
@@ -443,9 +492,10 @@ func finishing(ctx context.Context) (send context.Context, stop context.CancelFu
 		defer t.Stop()
 		select {
 		case <-t.C:
-			stop()
+		case <-abort:
 		case <-send.Done():
 		}
+		stop()
 	}()
 	return send, stop
 }

@@ -30,7 +30,8 @@ type PurgeOptions struct {
 // are those removed before it; the error says how many more were
 // acknowledged without a word from the server, and may be back. Once ctx
 // ends it acknowledges nothing more, and waits, up to 5 seconds, for the
-// server's word on what it has acknowledged.
+// server's word on what it has acknowledged; an abort (see [WithAbort])
+// ends the wait at once.
 func (in *Inspector) Purge(ctx context.Context, queue string, opts PurgeOptions) ([]*Message, error) {
 	snap, err := in.snapshot(ctx, queue, opts.ScanProgress)
 	if err != nil {

@@ -2,13 +2,8 @@ package deadletter
 
 import (
 	"context"
-	"encoding/binary"
 	"fmt"
-	"io"
-	"net"
-	"net/url"
-	"slices"
-	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,106 +12,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/internal/frameproxy"
 	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
-
-// ackCutter is a TCP proxy to an AMQP server that cuts each connection
-// when the client sends its first basic.ack, without passing it on: the
-// connection drops after the ack was written and before the server
-// processed it.
-type ackCutter struct {
-	ln     net.Listener
-	server string
-	wg     sync.WaitGroup
-	mu     sync.Mutex
-	conns  []net.Conn
-	cuts   int
-}
-
-func newAckCutter(t *testing.T, amqpURL string) (*ackCutter, string) {
-	u, err := url.Parse(amqpURL)
-	require.NoError(t, err)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	p := &ackCutter{ln: ln, server: u.Host}
-	p.wg.Add(1)
-	go p.accept()
-	t.Cleanup(p.close)
-	u.Host = ln.Addr().String()
-	return p, u.String()
-}
-
-// accept serves connections until the listener is closed.
-func (p *ackCutter) accept() {
-	defer p.wg.Done()
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		s, err := net.Dial("tcp", p.server)
-		if err != nil {
-			c.Close()
-			continue
-		}
-		p.mu.Lock()
-		p.conns = append(p.conns, c, s)
-		p.mu.Unlock()
-		p.wg.Add(2)
-		go func() { // server to client; ends when either side closes
-			defer p.wg.Done()
-			io.Copy(c, s)
-			c.Close()
-		}()
-		go func() { // client to server, frame by frame
-			defer p.wg.Done()
-			defer s.Close()
-			defer c.Close()
-			p.pipe(c, s)
-		}()
-	}
-}
-
-// pipe passes the client's frames on until the first basic.ack.
-func (p *ackCutter) pipe(c, s net.Conn) {
-	hdr := make([]byte, 8) // "AMQP" 0 0 9 1
-	if _, err := io.ReadFull(c, hdr); err != nil {
-		return
-	}
-	if _, err := s.Write(hdr); err != nil {
-		return
-	}
-	for {
-		head := make([]byte, 7) // type, channel, size
-		if _, err := io.ReadFull(c, head); err != nil {
-			return
-		}
-		rest := make([]byte, binary.BigEndian.Uint32(head[3:])+1) // payload and frame end
-		if _, err := io.ReadFull(c, rest); err != nil {
-			return
-		}
-		// A method frame of class basic (60), method ack (80).
-		if head[0] == 1 && len(rest) >= 4 && binary.BigEndian.Uint16(rest) == 60 && binary.BigEndian.Uint16(rest[2:]) == 80 {
-			p.mu.Lock()
-			p.cuts++
-			p.mu.Unlock()
-			return
-		}
-		if _, err := s.Write(slices.Concat(head, rest)); err != nil {
-			return
-		}
-	}
-}
-
-func (p *ackCutter) close() {
-	p.ln.Close()
-	p.mu.Lock()
-	for _, c := range p.conns {
-		c.Close()
-	}
-	p.mu.Unlock()
-	p.wg.Wait()
-}
 
 // A message that Purge reports removed is gone, even when the connection
 // drops right after its ack was written, before the server processed it.
@@ -124,16 +22,23 @@ func TestPurgeReportsOnlyWhatTheServerRemoved(t *testing.T) {
 	f := setup(t, backends[1], broker.Topology{})
 	ctx := testContext(t, 30*time.Second)
 	f.deadLetter(t, false, nil, "a", "b", "c")
-	cutter, via := newAckCutter(t, testenv.RabbitMQURL(t))
+	// The proxy cuts each connection when the client sends its first
+	// basic.ack, without passing it on: the connection drops after the
+	// ack was written and before the server processed it.
+	var cuts atomic.Int32
+	via := frameproxy.Start(t, testenv.RabbitMQURL(t), func(dir frameproxy.Direction, f frameproxy.Frame) frameproxy.Verdict {
+		if dir == frameproxy.FromClient && f.IsMethod(60, 80) {
+			cuts.Add(1)
+			return frameproxy.Cut
+		}
+		return frameproxy.Pass
+	})
 	b := broker.New(via, broker.Options{ReconnectMin: 20 * time.Millisecond, ReconnectMax: 100 * time.Millisecond})
 	t.Cleanup(func() { b.Close() })
 
 	removed, err := New(b).Purge(ctx, f.q, PurgeOptions{})
 	t.Logf("Purge: removed %v, error %v", ids(removed), err)
-	cutter.mu.Lock()
-	cuts := cutter.cuts
-	cutter.mu.Unlock()
-	require.Equal(t, 1, cuts, "the proxy cut the connection at an ack")
+	require.EqualValues(t, 1, cuts.Load(), "the proxy cut the connection at an ack")
 	require.Eventually(t, func() bool { return f.length(f.q+".dlq") == 3 }, 10*time.Second, 20*time.Millisecond,
 		"the server requeues the three messages whose acks it never processed")
 	assert.Error(t, err, "Purge with its connection lost")

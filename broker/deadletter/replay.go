@@ -25,9 +25,11 @@ import (
 type ReplayOptions struct {
 	Filter
 	// To, if set, is the queue every selected message is sent to. Without
-	// it, each goes to its [broker.HeaderOriginalQueue], and a selected message
-	// without one stops the replay before anything moves
-	// (ErrNoDestination).
+	// it, each goes back to the work queue whose dead-letter queue holds
+	// it, and only if its [broker.HeaderOriginalQueue] names that queue: a
+	// selected message without one (ErrNoDestination), or with one that
+	// names another queue (ErrOtherQueue), stops the replay before
+	// anything moves.
 	To string
 	// DryRun selects and checks, and moves nothing.
 	DryRun bool
@@ -71,17 +73,27 @@ type ReplayResult struct {
 	// Replayed is the number of them sent back and removed from the
 	// dead-letter queue.
 	Replayed int
+	// InDoubt are those of them that were sent and whose confirm or
+	// acknowledgement the replay gave up on (the wait for the messages in
+	// flight ran out or was aborted, see [WithAbort]; or the connection
+	// failed): each may be in its destination and is still in the
+	// dead-letter queue. A second replay sends it again, with the same
+	// MessageId, which the consumers' Dedup absorbs. Replayed does not
+	// count them.
+	InDoubt []*Message
 }
 
 // Replay sends messages of the dead-letter queue of work queue queue back
-// to their original queue (or to opts.To): those that opts selects, in
+// to queue (or to opts.To): those that opts selects, in
 // queue order, a few at a time (so they may arrive slightly out of
 // order). The dead-letter queue is read as [Inspector.List] does;
 // what is not replayed stays in it, in its order.
 //
 // Before anything moves, Replay checks that every selected message has a
-// destination (ErrNoDestination) and that each destination queue exists
-// ([broker.ErrQueueNotFound]). Then, for each message, it calls
+// destination: without opts.To, a [broker.HeaderOriginalQueue] that names
+// queue (ErrNoDestination, ErrOtherQueue: a header, forged or stale, does
+// not choose where a message goes); and that the destination queue
+// exists ([broker.ErrQueueNotFound]). Then, for each message, it calls
 // opts.ResetFailures, publishes the copy through the default exchange with
 // the mandatory flag, waits for the server's confirm, and only then
 // acknowledges the original. A crash or a lost connection therefore loses
@@ -93,7 +105,8 @@ type ReplayResult struct {
 // error: run it again. When ctx ends (an operator's Ctrl-C), or at the
 // first error, it sends nothing more but waits, up to 5 seconds, for
 // the messages in flight to be confirmed and acknowledged, so that each of
-// them is in one queue only.
+// them is in one queue only; an abort (see [WithAbort]) ends that wait at
+// once. The messages it gave up on are in ReplayResult.InDoubt.
 //
 // RabbitMQ closes a channel that holds a message unacknowledged longer
 // than its consumer_timeout (30 minutes by default), and a slow replay (a
@@ -185,7 +198,7 @@ func (r *replayRun) run(ctx context.Context) error {
 			return err
 		}
 		picked := r.pick(snap, round == 0)
-		if err := snap.checkDestinations(ctx, picked, r.opts.To); err != nil {
+		if err := snap.checkDestinations(ctx, picked, r.queue, r.opts.To); err != nil {
 			return errors.Join(err, snap.close(r.in))
 		}
 		if r.opts.DryRun || len(picked) == 0 {
@@ -254,6 +267,7 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, de
 	var (
 		mu    sync.Mutex
 		first error
+		doubt []int // the messages sent and given up on
 		wg    sync.WaitGroup
 		slots = make(chan struct{}, replayWindow)
 	)
@@ -283,10 +297,13 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, de
 		go func() {
 			defer wg.Done()
 			defer func() { <-slots }()
-			err := snap.replayOne(send, i, r.opts, r.history)
+			sent, err := snap.replayOne(send, i, r.queue, r.opts, r.history)
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
+				if sent {
+					doubt = append(doubt, i)
+				}
 				if first == nil {
 					first = err
 					cancel()
@@ -300,47 +317,60 @@ func (snap *snapshot) replay(ctx context.Context, picked []int, r *replayRun, de
 		}()
 	}
 	wg.Wait()
+	slices.Sort(doubt) // in queue order
+	for _, i := range doubt {
+		r.res.InDoubt = append(r.res.InDoubt, snap.msgs[i])
+	}
 	if first == nil && ctx.Err() != nil {
 		return context.Cause(ctx)
 	}
 	return first
 }
 
-// checkDestinations refuses the replay of messages picked unless each has
-// a destination that exists.
-func (snap *snapshot) checkDestinations(ctx context.Context, picked []int, to string) error {
-	var missing []string
-	dests := map[string]bool{}
+// checkDestinations refuses the replay of messages picked, from the
+// dead-letter queue of work queue queue, unless each has a destination
+// that exists: to, or else queue, for a message whose
+// broker.HeaderOriginalQueue names queue.
+func (snap *snapshot) checkDestinations(ctx context.Context, picked []int, queue, to string) error {
+	var missing, foreign []string
 	for _, i := range picked {
 		dl := snap.msgs[i]
 		switch {
 		case to != "":
-			dests[to] = true
 		case dl.Queue == "":
 			missing = append(missing, fmt.Sprintf("%q", dl.ID))
-		default:
-			dests[dl.Queue] = true
+		case dl.Queue != queue:
+			foreign = append(foreign, fmt.Sprintf("%q names %q", dl.ID, dl.Queue))
 		}
 	}
 	if len(missing) > 0 {
-		const show = 5
-		more := ""
-		if len(missing) > show {
-			more = fmt.Sprintf(" and %d more", len(missing)-show)
-			missing = missing[:show]
-		}
-		return fmt.Errorf("%w (%s header): message %s%s: name the queue to send them to (ReplayOptions.To, --to); nothing was replayed",
-			ErrNoDestination, broker.HeaderOriginalQueue, strings.Join(missing, ", "), more)
+		return fmt.Errorf("%w (%s header): message %s: name the queue to send them to (ReplayOptions.To, --to); nothing was replayed",
+			ErrNoDestination, broker.HeaderOriginalQueue, some(missing))
 	}
-	for _, q := range slices.Sorted(maps.Keys(dests)) {
-		if err := snap.s.Declare(ctx, []transport.QueueSpec{{Name: q, Passive: true}}); err != nil {
-			if err := expose.Refusal(q, unwrapQueueError(err)); errors.Is(err, broker.ErrQueueNotFound) {
-				return fmt.Errorf("%w; nothing was replayed", err)
-			}
-			return err
+	if len(foreign) > 0 {
+		return fmt.Errorf("%w (%s header): in %q, message %s: a dead letter of %q goes back to %q only; name the queue to send them to (ReplayOptions.To, --to); nothing was replayed",
+			ErrOtherQueue, broker.HeaderOriginalQueue, snap.dlq, some(foreign), snap.dlq, queue)
+	}
+	dest := queue
+	if to != "" {
+		dest = to
+	}
+	if err := snap.s.Declare(ctx, []transport.QueueSpec{{Name: dest, Passive: true}}); err != nil {
+		if err := expose.Refusal(dest, unwrapQueueError(err)); errors.Is(err, broker.ErrQueueNotFound) {
+			return fmt.Errorf("%w; nothing was replayed", err)
 		}
+		return err
 	}
 	return nil
+}
+
+// some joins the first few of items, and says how many more there are.
+func some(items []string) string {
+	const show = 5
+	if len(items) <= show {
+		return strings.Join(items, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(items[:show], ", "), len(items)-show)
 }
 
 func unwrapQueueError(err error) error {
@@ -351,27 +381,36 @@ func unwrapQueueError(err error) error {
 	return err
 }
 
-// replayOne sends message i back and acknowledges it.
-func (snap *snapshot) replayOne(ctx context.Context, i int, opts ReplayOptions, history int) error {
+// replayOne sends message i back to work queue queue, or to opts.To, and
+// acknowledges it. With an error, sent says whether the copy may be in
+// its destination all the same: its publish was given up on, ctx ended,
+// before the server's word, or its acknowledgement failed.
+func (snap *snapshot) replayOne(ctx context.Context, i int, queue string, opts ReplayOptions, history int) (sent bool, err error) {
 	dl := snap.msgs[i]
 	d := dl.Delivery
 	dest := opts.To
 	if dest == "" {
-		dest = dl.Queue
+		dest = queue
 	}
 	if opts.ResetFailures != nil {
 		if err := opts.ResetFailures(ctx, d); err != nil {
-			return fmt.Errorf("deadletter: replay %q: reset failures: %w", dl.ID, err)
+			return false, fmt.Errorf("deadletter: replay %q: reset failures: %w", dl.ID, err)
 		}
+	}
+	if err := ctx.Err(); err != nil {
+		return false, fmt.Errorf("deadletter: replay %q to %q: %w", dl.ID, dest, err) // nothing sent
 	}
 	msg := expose.Republishing(d, replayHeaders(d.Headers, snap.dlq, time.Now(), history))
 	if err := snap.s.Publish(ctx, "", dest, msg); err != nil {
-		return fmt.Errorf("deadletter: replay %q to %q: %w", dl.ID, dest, err)
+		if ctx.Err() != nil {
+			return true, fmt.Errorf("deadletter: replay %q to %q: given up on before its confirm (it may be there, and stays in the dead-letter queue too): %w", dl.ID, dest, err)
+		}
+		return false, fmt.Errorf("deadletter: replay %q to %q: %w", dl.ID, dest, err)
 	}
 	if err := snap.ack(i); err != nil {
-		return fmt.Errorf("deadletter: replay %q: ack (the message was sent, and stays in the dead-letter queue too): %w", dl.ID, err)
+		return true, fmt.Errorf("deadletter: replay %q: ack (the message was sent, and stays in the dead-letter queue too): %w", dl.ID, err)
 	}
-	return nil
+	return false, nil
 }
 
 // firstRoute gives h, the headers of a message that RabbitMQ itself

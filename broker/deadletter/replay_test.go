@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -263,6 +264,45 @@ func testReplayMissingQueue(t *testing.T, be backend) {
 	f.assertSettled(t)
 }
 
+// A dead letter found in a queue's dead-letter queue goes back to that
+// queue, whatever its x-rabbitmw-original-queue header says: one whose
+// header names another queue (forged, or stale: a file imported into the
+// wrong dead-letter queue) is not sent there. The replay refuses, naming
+// the message and both queues, and nothing moves, the messages that name
+// their own queue included; To, the operator's choice, sends them all.
+func testReplayForeignQueue(t *testing.T, be backend) {
+	f := setup(t, be, broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	other := f.q + "-other"
+	require.NoError(t, f.b.Declare(ctx, other, broker.Topology{}))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		assert.NoError(t, f.b.Delete(ctx, other, broker.Topology{}))
+	})
+	for _, m := range []struct{ id, queue string }{{"own", f.q}, {"foreign", other}, {"own-2", f.q}} {
+		require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: m.id,
+			Headers: amqp.Table{broker.HeaderOriginalQueue: m.queue}}))
+	}
+
+	res, err := f.in.Replay(ctx, f.q, ReplayOptions{})
+	assert.Error(t, err, "Replay of a dead letter that names another queue")
+	for _, want := range []string{`"foreign"`, strconv.Quote(other), strconv.Quote(f.q + ".dlq"), "nothing was replayed"} {
+		assert.ErrorContains(t, err, want)
+	}
+	assert.Zero(t, res.Replayed, "replayed")
+	assert.Zero(t, f.length(other), "messages in the queue the header names")
+	assert.Zero(t, f.length(f.q), "messages in the work queue")
+	assert.Equal(t, 3, f.length(f.q+".dlq"), "messages in the dead-letter queue")
+
+	res, err = f.in.Replay(ctx, f.q, ReplayOptions{To: f.q})
+	require.NoError(t, err, "Replay To the work queue")
+	assert.Equal(t, 3, res.Replayed, "replayed")
+	assert.Zero(t, f.length(other), "messages in the queue the header names")
+	assert.ElementsMatch(t, []string{"own", "foreign", "own-2"}, deliveryIDs(f.drain(f.q)), "work queue")
+	f.assertSettled(t)
+}
+
 // A replay whose context ends (the command's Ctrl-C) starts nothing more,
 // but finishes what it has sent: each message sent and confirmed leaves
 // the dead-letter queue, so that every message is in one queue, once, and
@@ -288,5 +328,51 @@ func TestReplayInterruptedFinishesWhatItSent(t *testing.T) {
 	assert.Greater(t, res.Replayed, 1, "the messages in flight at the interrupt are replayed")
 	assert.Equal(t, len(replayed), res.Replayed, "replayed, as the result says")
 	assert.Equal(t, n, len(replayed)+len(left), "messages in the work queue and the dead-letter queue")
+	f.assertSettled(t)
+}
+
+// An abort (an operator's second Ctrl-C) ends at once the wait of a
+// replay whose context has ended for the messages in flight: the replay
+// returns, and names them in InDoubt, in queue order; each is both in the
+// work queue and back in the dead-letter queue, and nothing is lost. On a
+// server that takes a minute to confirm, the window's messages are in the
+// work queue, unconfirmed, when the context ends and the abort comes.
+func TestReplayAbortedGivesUpAtOnce(t *testing.T) {
+	f := setup(t, backends[0], broker.Topology{})
+	ctx := testContext(t, 30*time.Second)
+	const n = 40
+	var want []string
+	for i := range n {
+		id := fmt.Sprintf("m%d", i)
+		if i < replayWindow {
+			want = append(want, id)
+		}
+		require.NoError(t, f.b.Publish(ctx, "", f.q+".dlq", amqp.Publishing{MessageId: id,
+			Headers: amqp.Table{broker.HeaderOriginalQueue: f.q}}))
+	}
+	f.mem.SetConfirmDelay(time.Minute)
+	abort := make(chan struct{})
+	rctx, interrupt := context.WithCancel(WithAbort(ctx, abort))
+	defer interrupt()
+	aborted := make(chan time.Time, 1)
+	go func() {
+		assert.Eventually(t, func() bool {
+			got, err := f.b.Len(ctx, f.q)
+			return err == nil && got == replayWindow
+		}, 10*time.Second, time.Millisecond, "the window's messages in the work queue")
+		interrupt()
+		close(abort)
+		aborted <- time.Now()
+	}()
+	res, err := f.in.Replay(rctx, f.q, ReplayOptions{})
+	took := time.Since(<-aborted)
+	require.ErrorIs(t, err, context.Canceled, "Replay")
+	assert.ErrorContains(t, err, "given up on before its confirm")
+	assert.Less(t, took, finishWithin/2, "from the abort to the return")
+	f.mem.SetConfirmDelay(0)
+	assert.Zero(t, res.Replayed, "replayed")
+	assert.Equal(t, want, ids(res.InDoubt), "in doubt")
+	assert.ElementsMatch(t, want, deliveryIDs(f.drain(f.q)), "the work queue")
+	assert.Len(t, f.drain(f.q+".dlq"), n, "the dead-letter queue")
 	f.assertSettled(t)
 }

@@ -53,7 +53,7 @@ func classify(err error) error {
 	switch {
 	case err == nil:
 		return nil
-	case errors.Is(err, deadletter.ErrNoDestination):
+	case errors.Is(err, deadletter.ErrNoDestination), errors.Is(err, deadletter.ErrOtherQueue):
 		return &exitError{exitRefused, err}
 	case errors.Is(err, broker.ErrQueueNotFound):
 		return &exitError{exitNotFound, err}
@@ -405,7 +405,7 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 	all := q.Bool("all", false, "replay every message (required without a filter)")
 	var sf storeFlags
 	sf.register(q.flagSet)
-	to := q.String("to", "", "send the messages to this queue (required for messages that have no original queue)")
+	to := q.String("to", "", "send the messages to this queue (required for messages that have no original queue, or name another queue than -q)")
 	dry := q.Bool("dry-run", false, "list what would be replayed, and move nothing")
 	limit := q.Int("limit", 0, "replay at most this many messages")
 	rate := q.Float64("rate", 0, "replay at most this many messages a second")
@@ -456,9 +456,10 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 			Scanned  int                   `json:"scanned"`
 			Selected []*deadletter.Message `json:"selected"`
 			Replayed int                   `json:"replayed"`
+			InDoubt  []*deadletter.Message `json:"in_doubt,omitempty"`
 			DryRun   bool                  `json:"dry_run"`
 			Error    string                `json:"error,omitempty"`
-		}{res.Scanned, nonNil(res.Selected), res.Replayed, *dry, errText(err)}); jerr != nil {
+		}{res.Scanned, nonNil(res.Selected), res.Replayed, res.InDoubt, *dry, errText(err)}); jerr != nil {
 			return jerr
 		}
 	} else if err == nil || res.Replayed > 0 {
@@ -468,6 +469,18 @@ func (e *env) dlqReplay(ctx context.Context, args []string) error {
 		} else {
 			fmt.Fprintf(e.stdout, "replayed %d of %d selected message(s) (%d in %s.dlq)\n", res.Replayed, len(res.Selected), res.Scanned, q.queue)
 		}
+	}
+	if len(res.InDoubt) > 0 {
+		dest := q.queue
+		if *to != "" {
+			dest = *to
+		}
+		var ids []string
+		for _, dl := range res.InDoubt {
+			ids = append(ids, strconv.Quote(dl.ID))
+		}
+		fmt.Fprintf(e.stderr, "rabbitmw: %d message(s) sent to %s and not confirmed may be both there and still in %s.dlq: %s; a replay sends them again, with the same message id, which the consumers' Dedup absorbs\n",
+			len(ids), dest, q.queue, strings.Join(ids, ", "))
 	}
 	return classify(err)
 }

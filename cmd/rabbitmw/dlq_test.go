@@ -98,10 +98,7 @@ func TestExportToAFullDisk(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	const n = 200
-	for i := range n {
-		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i), Body: []byte("body"),
-			Headers: amqp.Table{broker.HeaderOriginalQueue: q}}))
-	}
+	deadLetters(t, b, q, n)
 	out := &fullDisk{room: 10000}
 	var stderr bytes.Buffer
 	code := run(ctx, []string{"dlq", "export", "-q", q, "--amqp", url}, strings.NewReader(""), out, &stderr)
@@ -156,10 +153,7 @@ func TestNegativeLimit(t *testing.T) {
 	b, url, q := setupQueue(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	for i := range 3 {
-		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i),
-			Headers: amqp.Table{broker.HeaderOriginalQueue: q}}))
-	}
+	deadLetters(t, b, q, 3)
 	for _, cmd := range []string{"ls", "replay", "purge", "export"} {
 		args := []string{"dlq", cmd, "-q", q, "--limit", "-1", "--amqp", url}
 		if cmd == "replay" || cmd == "purge" {
@@ -173,4 +167,56 @@ func TestNegativeLimit(t *testing.T) {
 	n, err := b.Len(ctx, q+".dlq")
 	require.NoError(t, err)
 	assert.Equal(t, 3, n, "messages in the dead-letter queue")
+}
+
+// foreignDeadLetters puts in the dead-letter queue of q a message whose
+// x-rabbitmw-original-queue names another queue, declared, between two of
+// q's own; it returns the other queue's name.
+func foreignDeadLetters(t *testing.T, b *broker.Broker, q string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	other := q + "-other"
+	require.NoError(t, b.Declare(ctx, other, broker.Topology{}))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		assert.NoError(t, b.Delete(ctx, other, broker.Topology{}))
+	})
+	for _, m := range []struct{ id, queue string }{{"own", q}, {"foreign", other}, {"own-2", q}} {
+		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: m.id,
+			Headers: faulty(m.queue, "error", "boom", time.Now())}))
+	}
+	return other
+}
+
+// dlq replay sends a dead letter of q's dead-letter queue back to q only:
+// one whose x-rabbitmw-original-queue header names another queue (forged,
+// or stale) is refused, exit 3, naming the message and both queues, and
+// nothing moves; --to q sends them all to q.
+func TestReplayRefusesAnotherQueue(t *testing.T) {
+	b, url, q := setupQueue(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	other := foreignDeadLetters(t, b, q)
+	var stdout, stderr bytes.Buffer
+	code := run(ctx, []string{"dlq", "replay", "-q", q, "--all", "--amqp", url}, strings.NewReader(""), &stdout, &stderr)
+	assert.Equal(t, exitRefused, code, "exit code: %s", stderr.String())
+	for _, want := range []string{`"foreign"`, `"` + other + `"`, `"` + q + `.dlq"`, "--to"} {
+		assert.Contains(t, stderr.String(), want)
+	}
+	for queue, want := range map[string]int{q: 0, other: 0, q + ".dlq": 3} {
+		n, err := b.Len(ctx, queue)
+		require.NoError(t, err)
+		assert.Equal(t, want, n, "messages in %s", queue)
+	}
+
+	stdout.Reset()
+	stderr.Reset()
+	code = run(ctx, []string{"dlq", "replay", "-q", q, "--all", "--to", q, "--amqp", url}, strings.NewReader(""), &stdout, &stderr)
+	assert.Equal(t, exitOK, code, "--to %s: exit code: %s", q, stderr.String())
+	assert.ElementsMatch(t, []string{"own", "foreign", "own-2"}, drain(t, b, q), "the work queue")
+	n, err := b.Len(ctx, other)
+	require.NoError(t, err)
+	assert.Zero(t, n, "messages in %s", other)
 }

@@ -49,15 +49,25 @@
 // with stays in its x-rabbitmw-original-expiration header, which dlq show
 // prints.
 //
+// A command interrupted (Ctrl-C, SIGTERM) sends nothing more, and waits up
+// to 5 s for what it has in flight (a replay's or an import's messages
+// sent and not yet confirmed, a purge's acknowledgements), so that each
+// message ends in one queue; a second interrupt stops it at once, and it
+// names the messages it gave up on: a replay's may be both in their
+// destination and still in the dead-letter queue.
+//
 // Exit codes:
 //
 //	0  done
 //	1  failed: the server or the store could not be reached, or an
 //	   operation failed or was interrupted (Ctrl-C, SIGTERM) part way
 //	   (what was done is printed)
+//	130, 143  stopped at once by a second Ctrl-C (SIGINT), or SIGTERM:
+//	   128 + the signal's number
 //	2  bad usage: unknown command or flag, bad value
-//	3  refused, nothing changed: messages without an original queue and
-//	   no --to, a replay or purge of everything without --all, an import
+//	3  refused, nothing changed: messages without an original queue, or
+//	   whose original queue is not the one whose dead-letter queue holds
+//	   them, and no --to, a replay or purge of everything without --all, an import
 //	   of messages still in the queue without --allow-duplicates, a
 //	   topology delete of queues that hold messages without --force
 //	4  not found: a queue that does not exist, or no message with that id
@@ -119,9 +129,15 @@ func main() {
 	// The command reports what failed itself, once: go-redis's own lines
 	// (a pool that cannot dial) would repeat it.
 	redis.SetLogger(redisstore.Logging(nil))
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	ctx, interrupted := watchInterrupts(context.Background(), sigs, os.Stderr)
 	code := run(ctx, os.Args[1:], os.Stdin, os.Stdout, os.Stderr)
-	stop()
+	signal.Stop(sigs)
+	if second, ok := interrupted.stop().(syscall.Signal); ok && code != exitOK {
+		fmt.Fprintf(os.Stderr, "rabbitmw: stopped at once by a second %v: what was in flight was not waited for\n", second)
+		code = 128 + int(second)
+	}
 	os.Exit(code)
 }
 

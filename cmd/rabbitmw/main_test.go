@@ -123,6 +123,19 @@ func setupQueue(t *testing.T) (*broker.Broker, string, string) {
 	return b, url, q
 }
 
+// deadLetters puts n messages, m0 to m(n-1), with the body "body", in the
+// dead-letter queue of q, each with the header that names q its original
+// queue.
+func deadLetters(t *testing.T, b *broker.Broker, q string, n int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for i := range n {
+		require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: fmt.Sprintf("m%d", i), Body: []byte("body"),
+			Headers: amqp.Table{broker.HeaderOriginalQueue: q}}))
+	}
+}
+
 func drain(t *testing.T, b *broker.Broker, queue string) []string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)

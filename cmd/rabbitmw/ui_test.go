@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"html"
 	"io"
 	"net"
 	"net/http"
@@ -12,6 +13,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -294,6 +296,40 @@ func TestConsoleRefusals(t *testing.T) {
 	assert.Contains(t, body, "form's token")
 	resp, _ = do("GET", writable+"/dlq?q=another-queue", nil, nil)
 	assert.Equal(t, http.StatusNotFound, resp.StatusCode, "a queue the console does not serve")
+}
+
+// The console's replay follows dlq replay's rule: a dead letter whose
+// x-rabbitmw-original-queue header names another queue than the one whose
+// dead-letter queue holds it is refused, naming both, and nothing moves.
+func TestConsoleReplayRefusesAnotherQueue(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	other := foreignDeadLetters(t, b, q)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	resp, err := http.Get(base + "/dlq?q=" + q)
+	require.NoError(t, err)
+	page, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindSubmatch(page)
+	require.NotNil(t, m, "the form token in %s", page)
+	resp, err = http.PostForm(base+"/do", url.Values{"csrf": {string(m[1])}, "q": {q}, "action": {"replay"},
+		"id": {"own", "foreign", "own-2"}})
+	require.NoError(t, err)
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusBadRequest, resp.StatusCode, "%s", body)
+	text := html.UnescapeString(string(body))
+	for _, want := range []string{`"foreign"`, `"` + other + `"`, `"` + q + `.dlq"`} {
+		assert.Contains(t, text, want)
+	}
+	for queue, want := range map[string]int{q: 0, other: 0, q + ".dlq": 3} {
+		n, err := b.Len(ctx, queue)
+		require.NoError(t, err)
+		assert.Equal(t, want, n, "messages in %s", queue)
+	}
 }
 
 // `rabbitmw ui` refuses an address that is not loopback without a token
