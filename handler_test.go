@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"regexp"
 	"testing"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/errtest"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
 )
 
@@ -226,4 +228,37 @@ func FuzzPriorAttempts(f *testing.F) {
 			}
 		}
 	})
+}
+
+// A handler's error whose chain never ends (an Unwrap that leads back, a
+// join that holds itself), or whose Unwrap, Is or As panics (a nil
+// pointer's), settles as a plain failure, under a text that keeps the
+// error's and says the chain was cut: nothing that reads it hangs or
+// panics.
+func TestMalformedChain(t *testing.T) {
+	for _, c := range errtest.MalformedChains() {
+		t.Run(c.Name, func(t *testing.T) {
+			rec := rabbitmwtest.NewRecorder()
+			d := rec.Deliver(amqp.Publishing{MessageId: "m1"})
+			var dec rabbitmw.Decision
+			var notCounted bool
+			var typ string
+			var serr error
+			errtest.Returns(t, "Decide, IsNotCounted, ErrorType and Settle", func() {
+				dec = rabbitmw.Decide(c.Err)
+				notCounted = rabbitmw.IsNotCounted(c.Err)
+				typ = rabbitmw.ErrorType(c.Err)
+				serr = rabbitmw.Settle(context.Background(), d, c.Err)
+				errors.Is(dec.Err, errBoom)
+				errors.As(dec.Err, new(*rabbitmw.PanicError))
+			})
+			require.NoError(t, serr)
+			assert.Equal(t, rabbitmw.Requeue, dec.Outcome)
+			assert.Equal(t, "requeued", rec.Settlement(d.DeliveryTag))
+			assert.False(t, notCounted, "IsNotCounted")
+			assert.Equal(t, "malformed_chain", typ)
+			require.Error(t, dec.Err)
+			assert.Regexp(t, `^`+regexp.QuoteMeta(text.Error(c.Err))+` \(rabbitmw: malformed error chain cut: .+\)$`, dec.Err.Error())
+		})
+	}
 }

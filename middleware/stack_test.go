@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand/v2"
 	"sync"
@@ -18,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/errtest"
 	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
@@ -329,6 +331,58 @@ func TestStackWrongTypeKey(t *testing.T) {
 			assert.ErrorIs(t, err, store.ErrKeyRejected)
 			assert.ErrorIs(t, err, redisstore.ErrWrongType)
 			assert.Equal(t, tt.errType, rabbitmw.ErrorType(err), "ErrorType(%v)", err)
+		})
+	}
+}
+
+// A handler's error whose chain is malformed (see
+// errtest.MalformedChains) hangs and crashes no layer: each that reads it
+// returns it cut, with its text, as a plain failure; Stack counts it,
+// retries it, and dead-letters it at the limit.
+func TestMalformedChainThroughTheLayers(t *testing.T) {
+	layers := []struct {
+		name string
+		mw   func() rabbitmw.Middleware
+	}{
+		{"Retry", func() rabbitmw.Middleware { return middleware.Retry(store.NewMemory(), middleware.RetryOptions{}) }},
+		{"Retry over Recover", func() rabbitmw.Middleware {
+			return rabbitmw.Chain(middleware.Retry(store.NewMemory(), middleware.RetryOptions{}), middleware.Recover())
+		}},
+		{"Dedup", func() rabbitmw.Middleware { return middleware.Dedup(store.NewMemory(), middleware.DedupOptions{}) }},
+		{"Dedup over Timeout", func() rabbitmw.Middleware {
+			return rabbitmw.Chain(middleware.Dedup(store.NewMemory(), middleware.DedupOptions{}), middleware.Timeout(time.Minute))
+		}},
+		{"Timeout", func() rabbitmw.Middleware { return middleware.Timeout(time.Minute) }},
+		{"Log", func() rabbitmw.Middleware { return middleware.Log(slog.New(slog.NewJSONHandler(io.Discard, nil))) }},
+	}
+	for _, c := range errtest.MalformedChains() {
+		for _, l := range layers {
+			t.Run(c.Name+"/"+l.name, func(t *testing.T) {
+				h := l.mw()(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return c.Err }))
+				var err error
+				var dec rabbitmw.Decision
+				errtest.Returns(t, l.name, func() {
+					err = h.Handle(context.Background(), &amqp.Delivery{MessageId: "m1"})
+					dec = rabbitmw.Decide(err)
+					errors.Is(err, middleware.ErrBusy)
+				})
+				require.Error(t, err)
+				assert.NotEqual(t, rabbitmw.Ack, dec.Outcome)
+				assert.Contains(t, err.Error(), "malformed error chain cut")
+			})
+		}
+		t.Run(c.Name+"/Stack", func(t *testing.T) {
+			h := middleware.Stack(store.NewMemory(), middleware.StackOptions{Retry: middleware.RetryOptions{MaxAttempts: 3}})(
+				rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return c.Err }))
+			for attempt, want := range []rabbitmw.Outcome{rabbitmw.Delay, rabbitmw.Delay, rabbitmw.DeadLetter} {
+				var dec rabbitmw.Decision
+				errtest.Returns(t, "Stack", func() {
+					dec = rabbitmw.Decide(h.Handle(context.Background(), &amqp.Delivery{MessageId: "m1"}))
+				})
+				require.Equal(t, want, dec.Outcome, "attempt %d", attempt+1)
+				assert.Equal(t, attempt+1, dec.Attempts)
+				assert.Contains(t, dec.Err.Error(), "malformed error chain cut")
+			}
 		})
 	}
 }

@@ -246,3 +246,22 @@ func TestBrokerEvents(t *testing.T) {
 		}
 	}
 }
+
+// A handler's error whose chain is malformed (see
+// errtest.MalformedChains) hangs and crashes no span: the layer returns
+// it cut, and records it so.
+func TestMalformedChain(t *testing.T) {
+	for _, c := range errtest.MalformedChains() {
+		t.Run(c.Name, func(t *testing.T) {
+			r := newRig(t, otelmw.Options{Queue: "q"})
+			h := r.tel.Middleware()(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return c.Err }))
+			var err error
+			errtest.Returns(t, "the layer", func() { err = h.Handle(context.Background(), &amqp.Delivery{}) })
+			require.ErrorContains(t, err, "malformed error chain cut")
+			s := r.spans.Ended()
+			require.Len(t, s, 1)
+			require.Equal(t, err.Error(), s[0].Status().Description)
+			require.Equal(t, "malformed_chain", attr(s[0], "error.type").AsString())
+		})
+	}
+}
