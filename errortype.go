@@ -8,6 +8,8 @@ import (
 	"strings"
 	"unicode"
 	"unicode/utf8"
+
+	"github.com/rabbitmw/rabbitmw/internal/errchain"
 )
 
 // ErrorType returns the type of a failure: the one name by which the
@@ -21,8 +23,9 @@ import (
 //     the first one found in err's tree (unless that method panics, as a
 //     nil pointer's may): the middleware's sentinels say
 //     "busy", "lease_lost", "store_unavailable", "abandoned", "timeout",
-//     "no_key" and "key_mismatch", and an application's error may name
-//     itself the same way;
+//     "no_key" and "key_mismatch", an error whose tree was malformed and
+//     so cut (see [Decide]) "malformed_chain", and an application's error
+//     may name itself the same way;
 //   - "timeout" for context.DeadlineExceeded, "canceled" for
 //     context.Canceled;
 //   - the Go type of the innermost error of err's chain (following
@@ -40,6 +43,7 @@ func ErrorType(err error) string {
 	if err == nil {
 		return ""
 	}
+	err = errchain.Safe(err)
 	if _, ok := errors.AsType[*PanicError](err); ok {
 		return "panic"
 	}

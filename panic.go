@@ -1,6 +1,10 @@
 package rabbitmw
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/rabbitmw/rabbitmw/internal/errchain"
+)
 
 // A PanicError is a panic recovered while handling a delivery, turned into
 // an error: [middleware.Recover] returns one for a panic in the layers and
@@ -24,8 +28,9 @@ func (e *PanicError) Error() string {
 // panic(fmt.Errorf(...))), so errors.Is and errors.As see through the
 // panic; otherwise nil. A Permanent or RetryAfter mark in the value
 // settles the panic (see [Decide]); an ErrDuplicate or a NotCounted mark
-// does not make it a duplicate, or not counted.
+// does not make it a duplicate, or not counted. A value whose tree is
+// malformed is returned cut, as Decide cuts one.
 func (e *PanicError) Unwrap() error {
 	err, _ := e.Value.(error)
-	return err
+	return errchain.Safe(err)
 }

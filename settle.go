@@ -9,6 +9,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw/internal/clock"
+	"github.com/rabbitmw/rabbitmw/internal/errchain"
 	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
@@ -78,10 +79,21 @@ type Decision struct {
 // marks of [WithAttempts] and [NotCounted] do not change the outcome.
 // A [PanicError] whose value wraps ErrDuplicate is no duplicate: a panic
 // is a failure, whatever its value.
+//
+// An error whose tree is malformed, which errors.Is and errors.As could
+// not walk (one that wraps itself, or an error that leads back to it,
+// one over 100 errors deep, or one whose Unwrap, Is or As method panics,
+// as a nil pointer's may), is a plain failure, whatever marks it holds:
+// it settles as Requeue, and Retry counts it. Decision.Err is then, in
+// its place, an error that wraps nothing, whose text is the error's
+// followed by "(rabbitmw: malformed error chain cut: " and why, and whose
+// [ErrorType] is "malformed_chain". Every layer of package middleware,
+// and [IsNotCounted] and ErrorType, cut such an error the same way.
 func Decide(err error) Decision {
 	if err == nil {
 		return Decision{Outcome: Ack}
 	}
+	err = errchain.Safe(err)
 	d := Decision{Outcome: Requeue, Err: err}
 	var marked, duplicate bool
 	read(err, &d, &marked, &duplicate)
@@ -236,6 +248,11 @@ func (e *notCountedError) Unwrap() error { return e.err }
 // [NotCounted]; a mark beneath a [PanicError] (in the value of a panic)
 // does not count, since a panic is a failed attempt whatever its value.
 func IsNotCounted(err error) bool {
+	return isNotCounted(errchain.Safe(err))
+}
+
+// isNotCounted is IsNotCounted for an error made safe by errchain.Safe.
+func isNotCounted(err error) bool {
 	for err != nil {
 		switch e := err.(type) {
 		case *notCountedError:
@@ -246,7 +263,7 @@ func IsNotCounted(err error) bool {
 			err = e.Unwrap()
 		case interface{ Unwrap() []error }:
 			for _, e := range e.Unwrap() {
-				if IsNotCounted(e) {
+				if isNotCounted(e) {
 					return true
 				}
 			}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/clock"
+	"github.com/rabbitmw/rabbitmw/internal/errchain"
 	"github.com/rabbitmw/rabbitmw/internal/recording"
 	"github.com/rabbitmw/rabbitmw/internal/text"
 	"github.com/rabbitmw/rabbitmw/store"
@@ -255,6 +256,7 @@ func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) 
 	}
 	if h.claiming != nil {
 		done, err := h.runClaiming(ctx, d, key, down)
+		err = errchain.Safe(err)
 		switch {
 		case done:
 			return err
@@ -426,7 +428,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	if h.timed != nil {
 		a.err = h.timed.result(ctx, &cc.cancelContext, h.timed.next.Handle(cc, d))
 	} else {
-		a.err = h.next.Handle(cc, d)
+		a.err = errchain.Safe(h.next.Handle(cc, d))
 	}
 	finished = true
 	// Why the handler's context ended, if it did, as it ends now, before

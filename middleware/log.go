@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/errchain"
 	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
@@ -104,7 +105,7 @@ func LogWith(l *slog.Logger, opts LogOptions) rabbitmw.Middleware {
 					lg.write(ctx, d, start, "panicked", slog.LevelError, rabbitmw.Decision{}, nil)
 				}
 			}()
-			err := next.Handle(ctx, d)
+			err := errchain.Safe(next.Handle(ctx, d))
 			finished = true
 			dec := rabbitmw.Decide(err)
 			lg.write(ctx, d, start, dec.Outcome.String(), lg.level(dec.Outcome), dec, err)

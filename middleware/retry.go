@@ -12,6 +12,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/backoff"
+	"github.com/rabbitmw/rabbitmw/internal/errchain"
 	"github.com/rabbitmw/rabbitmw/internal/text"
 	"github.com/rabbitmw/rabbitmw/store"
 )
@@ -251,13 +252,13 @@ func (h *retry) delay(n int, stored bool) time.Duration {
 // one a layer above made (a [Keys] layer), or else Retry's own, by [Key].
 func (h *retry) handleNext(ctx context.Context, d *amqp.Delivery) error {
 	if h.store == nil { // counting by the header, with no key
-		return h.next.Handle(ctx, d)
+		return errchain.Safe(h.next.Handle(ctx, d))
 	}
 	k, err := h.keying.handDown(ctx, d)
 	if err != nil {
 		return rabbitmw.Permanent(err)
 	}
-	return handleKeyed(h.next, ctx, d, k)
+	return errchain.Safe(handleKeyed(h.next, ctx, d, k))
 }
 
 // retryAlone runs the layers beneath again for d, once no other retry of

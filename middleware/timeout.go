@@ -8,6 +8,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/errchain"
 )
 
 // ErrTimeout is wrapped by the error of a handler that failed after its
@@ -60,6 +61,7 @@ func (t *timeout) Handle(ctx context.Context, dv *amqp.Delivery) error {
 // clock, not tctx's Err: a watched context learns of its deadline from a
 // timer, which may not have run yet as the handler returns.
 func (t *timeout) result(ctx context.Context, tctx *cancelContext, err error) error {
+	err = errchain.Safe(err)
 	if err != nil && ctx.Err() == nil && time.Until(tctx.deadline) <= 0 {
 		return fmt.Errorf("%w after %v: %w", ErrTimeout, t.d, err)
 	}

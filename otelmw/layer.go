@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/errchain"
 	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
@@ -90,7 +91,7 @@ func (l *layer) Handle(ctx context.Context, d *amqp.Delivery) error {
 			span.End()
 		}
 	}()
-	err := l.next.Handle(hctx, d)
+	err := errchain.Safe(l.next.Handle(hctx, d))
 	finished = true
 	m.active.Add(ctx, -1, m.base.add...)
 
