@@ -75,3 +75,19 @@ func TestSafeCutsAMalformedError(t *testing.T) {
 	got := errchain.Safe(deep(errchain.MaxDepth + 1))
 	assert.EqualError(t, got, deep(errchain.MaxDepth+1).Error()+" (rabbitmw: malformed error chain cut: a cycle, or over 100 errors deep)")
 }
+
+// Safe of a nil error, and of an error three deep, as Dedup's duplicate
+// is under Retry.
+func BenchmarkSafe(b *testing.B) {
+	for _, c := range []struct {
+		name string
+		err  error
+	}{{"nil", nil}, {"3-deep", deep(3)}} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				errchain.Safe(c.err)
+			}
+		})
+	}
+}
