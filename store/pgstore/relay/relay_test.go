@@ -308,6 +308,72 @@ func TestRelayParksOnlyTheRowThatTheServerRefused(t *testing.T) {
 	}
 }
 
+// A row to an exchange that does not exist is parked, and only it, when
+// the rows beside it go to an exchange named as the virtual host is
+// (here "/"; a vhost "shop" with an exchange "shop" is as likely): the
+// server's reason for closing the channel ("no exchange 'missing' in vhost
+// '/'") names the vhost too, and must not be read as naming theirs.
+func TestRelayParksOnlyTheRowToAMissingExchange(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	const vhostNamed = "/"
+	conn, err := amqp.Dial(testenv.RabbitMQURL(t))
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	require.NoError(t, ch.ExchangeDeclare(vhostNamed, "direct", false, true, false, false, nil))
+	t.Cleanup(func() {
+		if ch, err := conn.Channel(); err == nil {
+			ch.ExchangeDelete(vhostNamed, false, false)
+		}
+	})
+	require.NoError(t, ch.QueueBind(f.queue, f.queue, vhostNamed, false, nil))
+	missing := unique("rmwtest.missing.")
+	var bad string
+	var good []string
+	require.NoError(t, pgx.BeginFunc(ctx, f.pool, func(tx pgx.Tx) error {
+		for i := range 50 {
+			exchange := vhostNamed
+			if i == 25 {
+				exchange = missing
+			}
+			id, err := f.ob.Write(ctx, tx, exchange, f.queue, amqp.Publishing{Body: fmt.Appendf(nil, "%d", i)})
+			if err != nil {
+				return err
+			}
+			if i == 25 {
+				bad = id
+			} else {
+				good = append(good, id)
+			}
+		}
+		return nil
+	}))
+	f.run(relay.New(f.ob, f.b, relay.Options{Senders: 1, PollInterval: 20 * time.Millisecond}))
+	require.Eventually(t, func() bool { return f.stats().Pending == 0 }, 10*time.Second, 20*time.Millisecond)
+	rows, err := f.ob.List(ctx, pgstore.OutboxFilter{State: "parked"})
+	require.NoError(t, err)
+	var parked []string
+	for _, r := range rows {
+		parked = append(parked, r.MessageID)
+		if r.MessageID != bad {
+			t.Logf("row %d to %q parked: %s", r.ID, r.Exchange, r.Error)
+		}
+	}
+	assert.Equal(t, []string{bad}, parked, "parked rows")
+	n, err := f.b.Len(ctx, f.queue)
+	require.NoError(t, err)
+	got := f.drain(n)
+	var unsent int
+	for _, id := range good {
+		if got[id] == 0 {
+			unsent++
+		}
+	}
+	assert.Zero(t, unsent, "rows to the existing exchange, not sent")
+}
+
 // A publisher that fails for a while: no confirm, so the rows stay
 // pending, count the attempts, and are sent once RabbitMQ is back.
 type flaky struct {
