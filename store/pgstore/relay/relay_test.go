@@ -281,28 +281,7 @@ func TestRelayParksOnlyTheRowThatTheServerRefused(t *testing.T) {
 		}
 		return nil
 	}))
-	f.run(relay.New(f.ob, f.b, relay.Options{Senders: 1, PollInterval: 20 * time.Millisecond}))
-	require.Eventually(t, func() bool { return f.stats().Pending == 0 }, 10*time.Second, 20*time.Millisecond)
-	// Every row is confirmed or parked: what was sent is in the queue,
-	// with copies of the rows that the server took before the channel
-	// closed, sent again.
-	n, err := f.b.Len(ctx, f.queue)
-	require.NoError(t, err)
-	got := f.drain(n)
-	var unsent int
-	for _, id := range good {
-		if got[id] == 0 {
-			unsent++
-		}
-	}
-	assert.Zero(t, unsent, "rows that the server did not refuse, not sent")
-	rows, err := f.ob.List(ctx, pgstore.OutboxFilter{State: "parked"})
-	require.NoError(t, err)
-	var parked []string
-	for _, r := range rows {
-		parked = append(parked, r.MessageID)
-	}
-	assert.Equal(t, []string{bad}, parked, "parked rows")
+	rows := f.sendParkingOnly(bad, good)
 	if len(rows) > 0 {
 		assert.Contains(t, rows[0].Error, "nobody")
 	}
@@ -348,6 +327,17 @@ func TestRelayParksOnlyTheRowToAMissingExchange(t *testing.T) {
 		}
 		return nil
 	}))
+	f.sendParkingOnly(bad, good)
+}
+
+// sendParkingOnly runs a relay until no row is pending, and checks that
+// the row of message id bad alone was parked and that every row of good
+// reached the queue (some maybe twice: those that the server took before
+// a channel closed for bad, sent again). It returns the parked rows.
+func (f *fixture) sendParkingOnly(bad string, good []string) []pgstore.OutboxRow {
+	t := f.t
+	t.Helper()
+	ctx := context.Background()
 	f.run(relay.New(f.ob, f.b, relay.Options{Senders: 1, PollInterval: 20 * time.Millisecond}))
 	require.Eventually(t, func() bool { return f.stats().Pending == 0 }, 10*time.Second, 20*time.Millisecond)
 	rows, err := f.ob.List(ctx, pgstore.OutboxFilter{State: "parked"})
@@ -369,7 +359,8 @@ func TestRelayParksOnlyTheRowToAMissingExchange(t *testing.T) {
 			unsent++
 		}
 	}
-	assert.Zero(t, unsent, "rows to the existing exchange, not sent")
+	assert.Zero(t, unsent, "rows that the server did not refuse, not sent")
+	return rows
 }
 
 // A publisher that fails for a while: no confirm, so the rows stay
