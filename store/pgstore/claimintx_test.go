@@ -361,6 +361,60 @@ func testHandlerClaimInTxEndsWithTheLease(t *testing.T, opts pgstore.HandlerOpti
 	assert.Equal(t, store.Done, f.status(t, "m1"))
 }
 
+// A function that drops the error of its statement that found its
+// transaction ended by the server (left idle for the lease), returning
+// nil, or an error of its own that does not wrap the driver's, leaves its
+// claim ended all the same: nothing committed, not counted, and the next
+// delivery is claimed by Dedup, whose renewals let the function take its
+// time. Not claimed in its transaction again, to idle past the lease
+// again, every time, never counted.
+func TestHandlerClaimInTxEndedErrorDropped(t *testing.T) {
+	inEveryMode(t, testHandlerClaimInTxEndedErrorDropped)
+}
+
+func testHandlerClaimInTxEndedErrorDropped(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	const lease, wait = 300 * time.Millisecond, time.Second
+	for _, returns := range []string{"nil", "its own error"} {
+		t.Run("returns "+returns, func(t *testing.T) {
+			id := strings.ReplaceAll(returns, " ", "-")
+			var underClaim []bool
+			h := rabbitmw.Chain(
+				middleware.Retry(f.st, middleware.RetryOptions{}),
+				middleware.Recover(),
+				middleware.Dedup(f.st, middleware.DedupOptions{Lease: lease}),
+			)(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				_, ok := middleware.ClaimFrom(ctx)
+				underClaim = append(underClaim, ok)
+				if ok {
+					return f.insert(ctx, tx, d)
+				}
+				if err := f.insert(ctx, tx, d); err != nil {
+					return err
+				}
+				time.Sleep(wait) // idle past the lease, ignoring ctx
+				if err := f.insert(context.WithoutCancel(ctx), tx, d); err != nil && returns != "nil" {
+					return errors.New("the second insert failed")
+				}
+				return nil
+			}, opts))
+			err := h.Handle(ctx, delivery(id))
+			require.Error(t, err, "the first delivery")
+			assert.NotContains(t, err.Error(), "answer was lost", "the first delivery: nothing was sent to commit")
+			dec := rabbitmw.Decide(err)
+			assert.Equal(t, rabbitmw.Delay, dec.Outcome, "Decide(%v)", err)
+			assert.Equal(t, 0, f.count(t, id), "effects after the claim ended")
+			got, ierr := f.st.Inspect(ctx, id)
+			require.NoError(t, ierr)
+			assert.Zero(t, got.Failures, "failures counted for an ended claim")
+			require.NoError(t, h.Handle(ctx, delivery(id)), "the next delivery")
+			assert.Equal(t, []bool{false, true}, underClaim, "the deliveries ran under a claim of Dedup's")
+			assert.Equal(t, 1, f.count(t, id), "effects")
+		})
+	}
+}
+
 // The row that sends the next delivery to Dedup's claim, after a claim in
 // the transaction ended with its lease, outlasts the prunes that other
 // claims run meanwhile: else the next delivery, a copy of the message
