@@ -203,6 +203,45 @@ func TestHandlerClaimInTxHeldByAnother(t *testing.T) {
 	assert.Equal(t, 1, f.count(t, "m1"), "effects")
 }
 
+// A redelivered copy of a message (its consumer's channel closed) that
+// arrives while the first copy's transaction holds the key's row,
+// uncommitted, answers busy and counts no failure: the first attempt
+// runs, it has not failed. Counted, it would be counted again by Retry if
+// it failed, and the message dead-lettered an attempt early.
+func TestHandlerRedeliveryWhileHeldCountsNothing(t *testing.T) {
+	inEveryMode(t, testHandlerRedeliveryWhileHeldCountsNothing)
+}
+
+func testHandlerRedeliveryWhileHeldCountsNothing(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	release, running := make(chan struct{}), make(chan struct{})
+	h := middleware.Dedup(f.st, middleware.DedupOptions{})(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		if !d.Redelivered {
+			close(running)
+			<-release
+		}
+		return nil
+	}, opts))
+	first := make(chan error, 1)
+	go func() { first <- h.Handle(ctx, delivery("m1")) }()
+	<-running
+
+	d := delivery("m1")
+	d.Redelivered = true
+	err := h.Handle(ctx, d)
+	got, ierr := f.st.Inspect(ctx, "m1")
+	close(release)
+	require.ErrorIs(t, err, middleware.ErrBusy, "the redelivered copy")
+	require.NoError(t, ierr)
+	assert.Zero(t, got.Failures, "failures counted for the attempt that runs")
+	require.NoError(t, <-first, "the first copy")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
 // The deadline of the stack's Timeout ends the transaction claimed in it:
 // the timeout is a failed attempt, and leaves nothing.
 func TestHandlerClaimInTxTimeout(t *testing.T) { inEveryMode(t, testHandlerClaimInTxTimeout) }
