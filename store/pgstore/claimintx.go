@@ -84,7 +84,10 @@ func (h *txHandler) begin(ctx context.Context) (txn, error) {
 // claim made in the transaction would leave no trace of that either. If
 // the key has no row, that earlier attempt left none, so it is counted
 // now, as one failed attempt, in the key's failure counter (which Retry
-// reads); the counter is kept for retention at least.
+// reads); the counter is kept for retention at least. A row that another
+// transaction holds, uncommitted, is waited for, lockWait at most: the
+// earlier attempt may still run (its consumer's channel closed, not its
+// transaction), and is counted only if it rolls back meanwhile.
 func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st store.Store, key string, lease, retention time.Duration) (bool, error) {
 	s := h.in.s
 	switch {

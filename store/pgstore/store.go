@@ -364,10 +364,26 @@ SET lease_until = clock_timestamp() + $2::bigint * interval '1 microsecond', for
 WHERE key = $1`
 	// A redelivered message whose key has no row: its earlier attempt,
 	// claimed in its transaction, left nothing; count it as Fail does,
-	// keeping a later expiry if the counter has one.
-	s.countUnrecordedSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at)
+	// keeping a later expiry if the counter has one. Whether the key has
+	// a row is asked by inserting one, forgotten (as absent: the claim
+	// that follows takes it), so that a row that another transaction
+	// inserted and has not committed is waited for, lockWait at most, as
+	// the claims do: the earlier attempt may still run (only its
+	// consumer's channel closed). If it commits, or holds the row for
+	// longer, nothing is counted (the statement fails on the lock
+	// timeout); if it rolls back, it left nothing, and is counted. A
+	// query would not see that row, and would count an attempt that
+	// runs.
+	s.countUnrecordedSQL = `WITH absent AS (
+  INSERT INTO ` + c + ` (key, token, lease_until, forget_at)
+  SELECT $1, NULL, '-infinity', '-infinity'
+  WHERE ` + lockWaitSQL + `
+  ON CONFLICT (key) DO NOTHING
+  RETURNING 1
+)
+INSERT INTO ` + f + ` AS f (key, count, expires_at)
 SELECT $1, 1, statement_timestamp() + $2::interval
-WHERE NOT EXISTS (SELECT FROM ` + c + ` WHERE key = $1)
+WHERE EXISTS (SELECT FROM absent)
 ON CONFLICT (key) DO UPDATE
   SET count = CASE WHEN f.expires_at > statement_timestamp() THEN f.count + 1 ELSE 1 END, expires_at = GREATEST(f.expires_at, excluded.expires_at)`
 	// The row that sends a key's next delivery to Dedup's claim, after a
