@@ -206,7 +206,8 @@ func (h *inbox) finishClaimed(ctx context.Context, c *txClaim, t *pgxTxn, call f
 	switch err := call(ctx); {
 	case idleTimedOut(err):
 		return h.claimEnded(ctx, c, err)
-	case t.broken():
+	case t.broken() && !t.tx.settled:
+		// (One that settled tx itself is judged on that, below.)
 		return h.closed(ctx, t, c, err)
 	case err != nil:
 		return h.failed(ctx, t, c.key, err)

@@ -301,9 +301,10 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 		// The server ended the session: the group's claims too.
 		g.broken = err
 		err = in.claimEnded(ctx, &m.txClaim, err)
-	case g.t.broken():
+	case g.t.broken() && !tx.settled:
 		// The connection closed while the function ran, which dropped
 		// the error that said why: the group's claims ended with it.
+		// (One that settled tx itself is judged on that, below.)
 		g.broken = errClosed
 		err = in.closed(ctx, g.t, &m.txClaim, err)
 	case err != nil:
