@@ -391,9 +391,14 @@ ON CONFLICT (key) DO UPDATE
 	// which the next claim takes, but which no prune deletes before the
 	// retention $2 (microseconds) ends: the next delivery may come after
 	// many other claims, and one that found no row would be claimed in its
-	// transaction again.
+	// transaction again. A row that another transaction holds is waited
+	// for lockWait at most: the transaction of the claim that ended, if
+	// its connection closed on the consumer's side while the server still
+	// runs its statement.
 	s.forgottenSQL = `INSERT INTO ` + c + ` (key, token, lease_until, forget_at)
-VALUES ($1, NULL, '-infinity', statement_timestamp() + $2::bigint * interval '1 microsecond') ON CONFLICT DO NOTHING`
+SELECT $1::bytea, NULL, '-infinity', statement_timestamp() + $2::bigint * interval '1 microsecond'
+WHERE ` + lockWaitSQL + `
+ON CONFLICT DO NOTHING`
 	s.rowExistsSQL = `SELECT EXISTS (SELECT FROM ` + c + ` WHERE key = $1)`
 	s.releaseSQL = `DELETE FROM ` + c + ` WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 	s.failSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at) VALUES ($1, 1, statement_timestamp() + $2::interval)
