@@ -18,7 +18,8 @@ import (
 //   - "panic" for a recovered panic (a [PanicError] anywhere in err's
 //     tree), whatever was passed to panic: the value is in the text;
 //   - the name an error gives itself with a method ErrorType() string,
-//     the first one found in err's tree: the middleware's sentinels say
+//     the first one found in err's tree (unless that method panics, as a
+//     nil pointer's may): the middleware's sentinels say
 //     "busy", "lease_lost", "store_unavailable", "abandoned", "timeout",
 //     "no_key" and "key_mismatch", and an application's error may name
 //     itself the same way;
@@ -46,7 +47,7 @@ func ErrorType(err error) string {
 		error
 		ErrorType() string
 	}](err); ok {
-		if t := n.ErrorType(); t != "" {
+		if t := ownName(n); t != "" {
 			return t
 		}
 	}
@@ -78,6 +79,18 @@ func ErrorType(err error) string {
 		}
 	}
 	return typ
+}
+
+// ownName returns the name n gives itself, or "" if its ErrorType method
+// panics (a nil pointer's, whose method reads its fields or has a value
+// receiver): its Go type names it then.
+func ownName(n interface{ ErrorType() string }) (name string) {
+	defer func() {
+		if recover() != nil {
+			name = ""
+		}
+	}()
+	return n.ErrorType()
 }
 
 // anonymous reports whether err's type is no type of a failure: one of

@@ -73,6 +73,17 @@ func TestErrorType(t *testing.T) {
 	}
 }
 
+// A handler's error whose ErrorType method panics, as a nil pointer's
+// does (a "var err *selfNamed; return err": its methods have value
+// receivers), has its Go type for a type: ErrorType is read outside the
+// handler, by Log, otelmw and the broker's fault headers, where a panic is
+// no failed attempt.
+func TestErrorTypeOfANilPointer(t *testing.T) {
+	var got string
+	assert.NotPanics(t, func() { got = rabbitmw.ErrorType(rabbitmw.Permanent((*selfNamed)(nil))) })
+	assert.Equal(t, "*rabbitmw_test.selfNamed", got)
+}
+
 // Retry's dead-letter at the limit has the type of its cause.
 func TestErrorTypeOfExhaustedRetries(t *testing.T) {
 	jsonErr := json.Unmarshal([]byte("{"), new(any))

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/errtest"
 	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
 )
 
@@ -67,6 +68,19 @@ func TestMarkersKeepText(t *testing.T) {
 	}
 	for _, err := range []error{rabbitmw.Permanent(nil), rabbitmw.RetryAfter(nil, time.Second), rabbitmw.WithAttempts(nil, 1), rabbitmw.NotCounted(nil)} {
 		assert.NoError(t, err, "a marker of nil")
+	}
+}
+
+// The marks of an error whose Error method panics (a nil pointer, or any
+// value) have a text all the same, naming its type: Log and the broker
+// read it outside the handler, where a panic is no failed attempt.
+func TestMarkersOfAnErrorWhoseTextPanics(t *testing.T) {
+	for _, c := range errtest.Cases() {
+		for _, err := range []error{rabbitmw.Permanent(c.Err), rabbitmw.RetryAfter(c.Err, time.Second), rabbitmw.WithAttempts(c.Err, 2), rabbitmw.NotCounted(c.Err)} {
+			var got string
+			require.NotPanics(t, func() { got = err.Error() }, "text of %T over %T", err, c.Err)
+			assert.Equal(t, c.Text, got, "text of %T over %T", err, c.Err)
+		}
 	}
 }
 

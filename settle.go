@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"reflect"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw/internal/clock"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
 // ErrDuplicate reports that a delivery's message was already processed. A
@@ -136,22 +136,6 @@ func read(err error, d *Decision, marked, duplicate *bool) {
 	}
 }
 
-// errorText returns err.Error(), or "<nil>", as fmt prints it, if err is a
-// nil pointer (a handler's "var err *T; return err") whose Error method
-// panics: the marks are read outside the handler, by Log and the broker,
-// where a panic is no failed attempt.
-func errorText(err error) (text string) {
-	defer func() {
-		if v := recover(); v != nil {
-			if r := reflect.ValueOf(err); r.Kind() != reflect.Pointer || !r.IsNil() {
-				panic(v)
-			}
-			text = "<nil>"
-		}
-	}()
-	return err.Error()
-}
-
 // marker is implemented by the errors that carry a settlement request.
 // Decide finds the outermost one.
 type marker interface {
@@ -171,7 +155,7 @@ func Permanent(err error) error {
 
 type permanentError struct{ err error }
 
-func (e *permanentError) Error() string                    { return errorText(e.err) }
+func (e *permanentError) Error() string                    { return text.Error(e.err) }
 func (e *permanentError) Unwrap() error                    { return e.err }
 func (e *permanentError) settle() (Outcome, time.Duration) { return DeadLetter, 0 }
 
@@ -191,7 +175,7 @@ type delayError struct {
 	d   time.Duration
 }
 
-func (e *delayError) Error() string { return errorText(e.err) }
+func (e *delayError) Error() string { return text.Error(e.err) }
 func (e *delayError) Unwrap() error { return e.err }
 func (e *delayError) settle() (Outcome, time.Duration) {
 	if e.d <= 0 {
@@ -217,7 +201,7 @@ type attemptsError struct {
 	n   int
 }
 
-func (e *attemptsError) Error() string { return errorText(e.err) }
+func (e *attemptsError) Error() string { return text.Error(e.err) }
 func (e *attemptsError) Unwrap() error { return e.err }
 
 // NotCounted marks err as a result that is not the message's failure: the
@@ -245,7 +229,7 @@ func NotCounted(err error) error {
 
 type notCountedError struct{ err error }
 
-func (e *notCountedError) Error() string { return errorText(e.err) }
+func (e *notCountedError) Error() string { return text.Error(e.err) }
 func (e *notCountedError) Unwrap() error { return e.err }
 
 // IsNotCounted reports whether err, or any error in its tree, was marked by

@@ -81,7 +81,7 @@ func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time
 	restoreDeaths(h)
 	var reason, typ string
 	if dec.Err != nil {
-		reason = text.Truncate(dec.Err.Error(), maxErrorText)
+		reason = text.Truncate(text.Error(dec.Err), maxErrorText)
 		typ = rabbitmw.ErrorType(dec.Err)
 	}
 	h[HeaderError] = reason

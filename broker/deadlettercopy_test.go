@@ -16,7 +16,30 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker/internal/rabbit"
+	"github.com/rabbitmw/rabbitmw/internal/errtest"
 )
+
+// The fault headers of a failure whose Error method panics (a nil pointer,
+// or any value) carry a text that names its type: they are written while
+// the message is settled, where a panic would end the process. So is the
+// first-failure header of a delay copy.
+func TestFaultHeadersOfAnErrorWhoseTextPanics(t *testing.T) {
+	for _, c := range errtest.Cases() {
+		t.Run(c.Type, func(t *testing.T) {
+			d := &amqp.Delivery{RoutingKey: "q"}
+			var h amqp.Table
+			require.NotPanics(t, func() {
+				h = faultHeaders(d, rabbitmw.Decision{Outcome: rabbitmw.DeadLetter, Err: c.Err}, "q", time.Now(), "host", "proc")
+			})
+			assert.Equal(t, c.Text, h[HeaderError])
+			assert.Equal(t, c.Type, h[HeaderErrorType])
+
+			h = amqp.Table{}
+			require.NotPanics(t, func() { noteFirstFailure(h, c.Err, time.Now()) })
+			assert.Equal(t, c.Text, h[HeaderFirstError])
+		})
+	}
+}
 
 func TestFaultHeaders(t *testing.T) {
 	at := time.Date(2026, 1, 2, 3, 4, 5, 678, time.FixedZone("X", 3600))

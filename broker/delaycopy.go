@@ -62,7 +62,7 @@ func noteFirstFailure(h amqp.Table, err error, at time.Time) {
 	if _, ok := h[HeaderFirstFailedAt]; ok {
 		return
 	}
-	h[HeaderFirstError] = text.Truncate(err.Error(), maxFirstErrorText)
+	h[HeaderFirstError] = text.Truncate(text.Error(err), maxFirstErrorText)
 	h[HeaderFirstFailedAt] = at.UTC().Truncate(time.Second)
 }
 

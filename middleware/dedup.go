@@ -126,8 +126,17 @@ type DedupOptions struct {
 // lease, at least a second each. A consumer of package broker that stops
 // waits for them, up to those bounds, before it returns and lets its
 // process exit. The goroutines that Dedup starts, and when each ends, are
-// listed under "Goroutines" in the package documentation. Dedup panics if
-// s is nil.
+// listed under "Goroutines" in the package documentation.
+//
+// Place Dedup beneath [Retry] ([Stack] does). Dedup returns ErrAbandoned
+// without running the layers beneath it, so a Retry beneath Dedup never
+// counts a death: a message that kills its consumer is requeued after
+// each death, for ever, never dead-lettered. (Its other failures are
+// counted.) Dedup panics, when the chain is built, on a Retry directly
+// beneath it, or beneath Recover or Timeout; any other layer in between
+// (Log, Keys, one of your own) hides the Retry from it.
+//
+// Dedup panics if s is nil.
 func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	if s == nil {
 		panic("middleware: Dedup: nil store")
@@ -159,6 +168,9 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 	cfg.watchers = &watchers{parents: new(parentWatcher), deadlines: deadlines}
 	cfg.renewer.observe = opts.Observe
 	return func(next rabbitmw.Handler) rabbitmw.Handler {
+		if retryBeneath(next) {
+			panic("middleware: Dedup: a Retry beneath Dedup never sees ErrAbandoned, so a message that kills its consumer is never dead-lettered: put Retry above Dedup (see Stack)")
+		}
 		h := &dedup{dedupConfig: cfg, next: next}
 		h.timed, _ = next.(*timeout)
 		if h.timed != nil {
@@ -167,6 +179,24 @@ func Dedup(s store.Store, opts DedupOptions) rabbitmw.Middleware {
 			h.claiming, _ = next.(ClaimingHandler)
 		}
 		return h
+	}
+}
+
+// retryBeneath reports whether h is a Retry layer's handler, or has one
+// beneath Recover and Timeout layers, whose handlers it can see into. Any
+// other layer hides what is beneath it.
+func retryBeneath(h rabbitmw.Handler) bool {
+	for {
+		switch x := h.(type) {
+		case *retry:
+			return true
+		case recoverer:
+			h = x.next
+		case *timeout:
+			h = x.next
+		default:
+			return false
+		}
 	}
 }
 
@@ -468,6 +498,12 @@ func (h *dedup) complete(ctx context.Context, key, token string, a attempt) erro
 	case errors.Is(err, store.ErrLostClaim):
 		notify(h.observe, ctx, DedupLeaseLost, key, err)
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but the claim of %s was no longer held when it was to be marked done (its lease had ended, or another owner had claimed it): %w", ErrLeaseLost, text.QuoteKey(key), err), h.busy)
+	case errors.Is(err, store.ErrKeyRejected):
+		// The store refuses the key now, and would refuse the next claim:
+		// the message leaves with the reason, and the word that its
+		// effect took place.
+		notify(h.observe, ctx, DedupRejected, key, err)
+		return rabbitmw.Permanent(fmt.Errorf("middleware: dedup: the handler succeeded, but the store refused to mark %s done: %w", text.QuoteKey(key), err))
 	default:
 		return rabbitmw.RetryAfter(fmt.Errorf("%w: the handler succeeded, but marking %s done failed: %w", ErrStoreUnavailable, text.QuoteKey(key), err), h.unavailable)
 	}
@@ -488,7 +524,9 @@ func (e *keyError) Error() string {
 func (e *keyError) Unwrap() error { return e.err }
 
 // persist runs op, a store call that must not be lost after the handler
-// ran, and retries it while the store cannot be reached, until deadline.
+// ran, and retries it while the store cannot be reached, until deadline;
+// not when it answered ErrLostClaim or ErrKeyRejected, which it would
+// answer again.
 // op runs under sctx, begun as a context of [settling]: the cancellation
 // of ctx does not end it, so that a consumer that stops (and cancels its
 // handlers' context at its shutdown deadline) still records a handler
@@ -500,7 +538,7 @@ func (h *dedup) persist(ctx context.Context, sctx *settlingContext, deadline tim
 	sctx.begin(ctx, atLeastASecond(deadline))
 	defer sctx.end()
 	err = op(sctx)
-	if err == nil || errors.Is(err, store.ErrLostClaim) {
+	if final(err) {
 		return false, err
 	}
 	wait := 50 * time.Millisecond
@@ -512,11 +550,17 @@ func (h *dedup) persist(ctx context.Context, sctx *settlingContext, deadline tim
 			return retried, err
 		}
 		retried = true
-		if err = op(sctx); err == nil || errors.Is(err, store.ErrLostClaim) {
+		if err = op(sctx); final(err) {
 			return true, err
 		}
 		wait = min(2*wait, time.Second)
 	}
+}
+
+// final reports whether err, a store's answer, is one that trying again
+// would not change: none, ErrLostClaim or ErrKeyRejected.
+func final(err error) bool {
+	return err == nil || errors.Is(err, store.ErrLostClaim) || errors.Is(err, store.ErrKeyRejected)
 }
 
 // atLeastASecond returns deadline, or a second from now if that is later.

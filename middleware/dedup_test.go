@@ -646,6 +646,34 @@ func TestDedupAbandonedClaim(t *testing.T) {
 	})
 }
 
+// A Retry beneath Dedup never sees ErrAbandoned (Dedup returns it without
+// running what is beneath it): a message that kills its consumer was
+// requeued uncounted after each death, for ever, never dead-lettered as
+// Retry promises. So Dedup refuses, when the chain is built, a Retry it
+// can see beneath it: directly, or beneath Recover or Timeout.
+func TestDedupRefusesRetryBeneathIt(t *testing.T) {
+	st := store.NewMemory()
+	retry := middleware.Retry(st, middleware.RetryOptions{})
+	byHeader := middleware.Retry(nil, middleware.RetryOptions{CountByHeader: true})
+	const msg = "middleware: Dedup: a Retry beneath Dedup never sees ErrAbandoned, so a message that kills its consumer is never dead-lettered: put Retry above Dedup (see Stack)"
+	for name, beneath := range map[string][]rabbitmw.Middleware{
+		"Retry":                   {retry},
+		"Retry by the header":     {byHeader},
+		"Recover, then Retry":     {middleware.Recover(), retry},
+		"Timeout, then Retry":     {middleware.Timeout(time.Second), retry},
+		"Recover, Timeout, Retry": {middleware.Recover(), middleware.Timeout(time.Second), retry},
+	} {
+		t.Run(name, func(t *testing.T) {
+			chain := rabbitmw.Chain(append([]rabbitmw.Middleware{middleware.Dedup(st, middleware.DedupOptions{})}, beneath...)...)
+			assert.PanicsWithValue(t, msg, func() { chain(plainHandler{}) })
+		})
+	}
+	// Above Dedup, as Stack puts it, Retry is where it belongs.
+	assert.NotPanics(t, func() {
+		rabbitmw.Chain(retry, middleware.Recover(), middleware.Dedup(st, middleware.DedupOptions{}), middleware.Timeout(time.Second))(plainHandler{})
+	})
+}
+
 // lostAnswers is a store that, while down, applies a Claim and then loses
 // its answer (the server went away as it answered), and refuses the rest.
 type lostAnswers struct {
@@ -1197,6 +1225,84 @@ func TestDedupRenewalsKeepToTheirDelivery(t *testing.T) {
 				mu.Lock()
 				assert.Empty(t, badEvents)
 				mu.Unlock()
+			})
+		})
+	}
+}
+
+// A store that refuses the key after the claim (store.ErrKeyRejected from
+// Extend, Complete or Release: over Redis, the claim key overwritten
+// meanwhile by a value of another type) will refuse it again: Dedup tries
+// no more. A refused renewal is a lost lease, which cancels the handler at
+// once; a refused done mark dead-letters the message, saying the handler
+// succeeded; a refused release is the handler's error, with the refusal.
+func TestDedupKeyRejectedAfterClaim(t *testing.T) {
+	rejected := fmt.Errorf("redisstore: Redis key %q holds a value of another type: %w", "msg:m1", store.ErrKeyRejected)
+	tests := []struct {
+		name    string
+		op      string // the call that is refused
+		handler func(ctx context.Context) error
+
+		wantOutcome rabbitmw.Outcome
+		wantIs      []error
+		wantText    string        // in the result's text
+		wantCalls   int64         // of op
+		wantTook    time.Duration // from the claim to the result
+	}{
+		{
+			name: "renewal refused: the lease is lost, the handler cancelled at once",
+			op:   "extend",
+			handler: func(ctx context.Context) error {
+				<-ctx.Done()
+				return context.Cause(ctx)
+			},
+			wantOutcome: rabbitmw.Delay, wantIs: []error{middleware.ErrLeaseLost, store.ErrKeyRejected},
+			wantCalls: 1, wantTook: 10 * time.Second, // the first renewal, at Lease/3
+		},
+		{
+			name:        "done mark refused: dead-lettered, saying the handler succeeded",
+			op:          "complete",
+			handler:     func(context.Context) error { return nil },
+			wantOutcome: rabbitmw.DeadLetter, wantIs: []error{store.ErrKeyRejected},
+			wantText:  "the handler succeeded",
+			wantCalls: 1,
+		},
+		{
+			name:        "release refused: the handler's error, with the refusal",
+			op:          "release",
+			handler:     func(context.Context) error { return errBoom },
+			wantOutcome: rabbitmw.Requeue, wantIs: []error{errBoom, store.ErrKeyRejected},
+			wantCalls: 1,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				s := &faultyStore{Store: store.NewMemory()}
+				switch tt.op {
+				case "extend":
+					set(&s.extend, rejected)
+				case "complete":
+					set(&s.complete, rejected)
+				case "release":
+					set(&s.release, rejected)
+				}
+				h := middleware.Dedup(s, middleware.DedupOptions{Lease: 30 * time.Second})(rabbitmw.HandlerFunc(
+					func(ctx context.Context, _ *amqp.Delivery) error { return tt.handler(ctx) }))
+				d, _ := deliverytest.New("m1", "")
+				start := time.Now()
+				err := h.Handle(context.Background(), d)
+
+				assert.Equal(t, tt.wantTook, time.Since(start), "from the claim to the result")
+				assert.Equal(t, tt.wantOutcome, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+				for _, target := range tt.wantIs {
+					assert.ErrorIs(t, err, target)
+				}
+				if err != nil {
+					assert.Contains(t, err.Error(), tt.wantText)
+					assert.Contains(t, err.Error(), `"msg:m1" holds a value of another type`)
+				}
+				assert.Equal(t, tt.wantCalls, s.Calls(tt.op), "%s calls", tt.op)
 			})
 		})
 	}

@@ -35,8 +35,11 @@
 //     Dedup first, which releases its claim on the way, and a panic in
 //     Dedup or its store is caught too.
 //   - Dedup is beneath Retry, so a duplicate or a busy key never counts as
-//     an attempt, and it wraps the handler closely, so the claim covers
-//     the business effect and nothing else.
+//     an attempt, and an abandoned attempt (a consumer's death) does; it
+//     wraps the handler closely, so the claim covers the business effect
+//     and nothing else. The other way round, Retry never sees
+//     ErrAbandoned, and a message that kills its consumer cycles for ever:
+//     Dedup panics on a Retry it can see beneath it.
 //   - Timeout is innermost, so its deadline bounds the business handler
 //     and never cuts short Dedup's store calls that record the result. It
 //     is below Dedup's lease (Stack panics otherwise), so the deadline,

@@ -182,7 +182,7 @@ func (k *keying) check(c *keyed, d *amqp.Delivery) error {
 
 func describeKey(key string, err error) string {
 	if err != nil {
-		return "no key (" + err.Error() + ")"
+		return "no key (" + text.Error(err) + ")"
 	}
 	return text.QuoteKey(key)
 }

@@ -78,8 +78,10 @@ func TestKeys(t *testing.T) {
 			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1", wantFailed: "billing:m1",
 		},
 		{
-			name:        "Keys above Dedup above Retry",
-			layers:      []layer{keys(ns("billing")), dedup, retry},
+			// (Dedup refuses a Retry directly beneath it: see
+			// TestDedupRefusesRetryBeneathIt.)
+			name:        "Keys above Dedup above a layer above Retry",
+			layers:      []layer{keys(ns("billing")), dedup, own, retry},
 			wantOutcome: rabbitmw.Delay, wantClaim: "billing:m1", wantFailed: "billing:m1",
 		},
 		{

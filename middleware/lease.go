@@ -225,6 +225,12 @@ func (r *renewer) renew(l *claimLease) {
 	case errors.Is(err, store.ErrLostClaim):
 		l.lost = fmt.Errorf("%w: %s was taken over or deleted while the handler ran: %w", ErrLeaseLost, text.QuoteKey(c.key), err)
 		cause = l.lost
+	case errors.Is(err, store.ErrKeyRejected):
+		// The store refuses the key now (in Redis, something else wrote
+		// a value of another type over the claim), and will refuse it
+		// again: the claim is lost as surely.
+		l.lost = fmt.Errorf("%w: the store refused %s while the handler ran: %w", ErrLeaseLost, text.QuoteKey(c.key), err)
+		cause = l.lost
 	case r.mayEnd(l, time.Now()):
 		cause = fmt.Errorf("%w: the lease on %s could not be renewed before it ends: %w", ErrStoreUnavailable, text.QuoteKey(c.key), err)
 	}

@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
 // Log returns a layer that writes one record to l per delivery, after the
@@ -28,7 +29,9 @@ import (
 //	              duplicate, requeued, delayed or dead-lettered; or panicked
 //	delay         for delayed: the least delay before the next delivery
 //	error         for a failure (any outcome but acked and duplicate),
-//	              the error's text
+//	              the error's text; if its Error method panics (a nil
+//	              pointer returned as an error, say), a text naming its
+//	              type, and the failure settles as any other
 //	error_type    for a failure, its type (rabbitmw.ErrorType), as the
 //	              dead-letter headers and otelmw name it
 //	reason        for a duplicate, why it is one (the text of its error:
@@ -188,10 +191,10 @@ func appendDeliveryAttrs(attrs []slog.Attr, d *amqp.Delivery, start time.Time, o
 	switch {
 	case err != nil && dec.Outcome == rabbitmw.Duplicate:
 		// Not a failure: an alert on error must not fire on it.
-		attrs = append(attrs, slog.String("reason", err.Error()))
+		attrs = append(attrs, slog.String("reason", text.Error(err)))
 	case err != nil:
 		attrs = append(attrs,
-			slog.String("error", err.Error()),
+			slog.String("error", text.Error(err)),
 			slog.String("error_type", rabbitmw.ErrorType(err)))
 		var pe *rabbitmw.PanicError
 		if errors.As(err, &pe) {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
+	"github.com/rabbitmw/rabbitmw/internal/errtest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -100,6 +101,29 @@ func TestLogPanicIsRecordedAndGoesOn(t *testing.T) {
 	rec := decodeOne(t, &buf)
 	assert.Equal(t, "panicked", rec["outcome"])
 	assert.Equal(t, "ERROR", rec["level"])
+}
+
+// Log directly above a handler whose error panics when asked for its text
+// (a nil pointer, the typed nil of "var err *T; return err", or an Error
+// method that panics on any value) logs the failed attempt, naming the
+// error's type, and returns the error unchanged for settlement to read as
+// Decide does: it must not panic, where no Recover catches it.
+func TestLogErrorWhoseTextPanics(t *testing.T) {
+	for _, c := range errtest.Cases() {
+		t.Run(c.Type, func(t *testing.T) {
+			var buf bytes.Buffer
+			h := middleware.Log(slog.New(slog.NewJSONHandler(&buf, nil)))(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return c.Err }))
+			d, _ := deliverytest.New("m1", "")
+			var err error
+			require.NotPanics(t, func() { err = h.Handle(context.Background(), d) })
+			assert.Equal(t, c.Err, err, "Log changed the result")
+			rec := decodeOne(t, &buf)
+			assert.Equal(t, "requeued", rec["outcome"])
+			assert.Equal(t, "WARN", rec["level"])
+			assert.Equal(t, c.Text, rec["error"])
+			assert.Equal(t, c.Type, rec["error_type"])
+		})
+	}
 }
 
 func TestLogRespectsLevel(t *testing.T) {

@@ -34,8 +34,9 @@ const (
 	// handler's success was recorded, so it was not (see [ErrLeaseLost]).
 	DedupLeaseLost
 	// DedupRejected: the store refused the key itself
-	// (store.ErrKeyRejected: too long for its index, say); the handler
-	// does not run, and the message is dead-lettered.
+	// (store.ErrKeyRejected: too long for its index, say); the message is
+	// dead-lettered. The handler does not run, unless the refusal came
+	// after it had succeeded, to its done mark.
 	DedupRejected
 )
 

@@ -112,6 +112,10 @@ type RetryOptions struct {
 //     error asked for if that is longer; at the limit, it returns it wrapped
 //     in rabbitmw.Permanent and ErrRetriesExhausted. Either way the count n
 //     is attached with rabbitmw.WithAttempts.
+//
+// Place Retry above [Dedup], as [Stack] does: beneath it, Retry never sees
+// ErrAbandoned, and never counts a death (see Dedup, which refuses the
+// order it can see).
 func Retry(s store.Store, opts RetryOptions) rabbitmw.Middleware {
 	switch {
 	case s == nil && !opts.CountByHeader:
@@ -285,7 +289,7 @@ type exhaustedError struct {
 // exhausted after 5 attempts)", so that a text cut to a width, or grouped,
 // shows what failed.
 func (e *exhaustedError) Error() string {
-	return fmt.Sprintf("%v (%v after %d attempts)", e.err, ErrRetriesExhausted, e.n)
+	return fmt.Sprintf("%s (%v after %d attempts)", text.Error(e.err), ErrRetriesExhausted, e.n)
 }
 
 func (e *exhaustedError) Unwrap() error { return e.err }
@@ -324,7 +328,11 @@ func (h *retry) count(ctx context.Context, d *amqp.Delivery, before int) (n int,
 	sctx.end()
 	switch {
 	case errors.Is(err, store.ErrKeyRejected):
-		return n, false, nil // no counter can be kept under key: the header alone counts
+		// No counter can be kept under key: the header alone counts, and
+		// the reason goes with the failure, for the operator who will
+		// have to mend the key (in Redis, one that holds a value of
+		// another type).
+		return n, false, fmt.Errorf("middleware: retry: the store refused to count the failure of %s; the attempts header counts it: %w", text.QuoteKey(key), err)
 	case err != nil:
 		return n, false, fmt.Errorf("middleware: retry: counting the failure of %s: %w", text.QuoteKey(key), err)
 	}
@@ -334,9 +342,11 @@ func (h *retry) count(ctx context.Context, d *amqp.Delivery, before int) (n int,
 // withCountError returns err, the failure of an attempt, joined to cerr,
 // the error of counting it, if any. The result's type of failure (see
 // rabbitmw.ErrorType) is err's: a store that timed out does not turn every
-// failure counted meanwhile into a "timeout".
+// failure counted meanwhile into a "timeout". A store's refusal of the key
+// (store.ErrKeyRejected) is left out when err is one already: Dedup's
+// claim was refused, and its reason says what the count's would.
 func withCountError(err, cerr error) error {
-	if cerr == nil {
+	if cerr == nil || errors.Is(cerr, store.ErrKeyRejected) && errors.Is(err, store.ErrKeyRejected) {
 		return err
 	}
 	return &countError{err: err, cerr: cerr}
@@ -346,7 +356,7 @@ func withCountError(err, cerr error) error {
 // it, cerr. It reads and unwraps as errors.Join(err, cerr) does.
 type countError struct{ err, cerr error }
 
-func (e *countError) Error() string     { return fmt.Sprintf("%v\n%v", e.err, e.cerr) }
+func (e *countError) Error() string     { return text.Error(e.err) + "\n" + text.Error(e.cerr) }
 func (e *countError) Unwrap() []error   { return []error{e.err, e.cerr} }
 func (e *countError) ErrorType() string { return rabbitmw.ErrorType(e.err) }
 

@@ -18,8 +18,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/redistest"
 	"github.com/rabbitmw/rabbitmw/middleware"
+	"github.com/rabbitmw/rabbitmw/rabbitmwtest"
 	"github.com/rabbitmw/rabbitmw/store"
+	"github.com/rabbitmw/rabbitmw/store/redisstore"
 )
 
 // Stack's layers are in the documented order, with opts given to each:
@@ -250,7 +253,11 @@ func TestStackTypedNilErrorIsAFailure(t *testing.T) {
 		assert.Equal(t, want, dec.Outcome, "attempt %d", n)
 		assert.Equal(t, n, dec.Attempts)
 		assert.Equal(t, "*middleware_test.orderError", rabbitmw.ErrorType(err))
-		assert.NotPanics(t, func() { _ = err.Error() })
+		text := "*middleware_test.orderError returned as a nil pointer"
+		if n == 3 {
+			text += " (middleware: retries exhausted after 3 attempts)"
+		}
+		assert.Equal(t, text, err.Error(), "attempt %d", n)
 	}
 }
 
@@ -275,6 +282,53 @@ func TestStackPanicWithAMarkedValueIsAFailure(t *testing.T) {
 				assert.Equal(t, n+1, dec.Attempts, "attempt %d", n+1)
 				assert.Equal(t, "panic", rabbitmw.ErrorType(err))
 			}
+		})
+	}
+}
+
+// A key of the stack's that holds in Redis a value of another type than a
+// string (written by something else that shares the Redis) will not heal
+// by waiting: the message is dead-lettered, with a reason that names the
+// Redis key, rather than delayed as "store unavailable" for ever. Over
+// package redisstore, on miniredis.
+func TestStackWrongTypeKey(t *testing.T) {
+	fail := errors.New("handler failed")
+	tests := []struct {
+		name     string
+		hash     string // the key that holds a hash
+		attempts int    // the attempts header of the delivery
+		handler  error
+		runs     int    // handler runs
+		errType  string // rabbitmw.ErrorType of the result
+	}{
+		{name: "the claim key", hash: "msg:m1", runs: 0, errType: "key_rejected"},
+		// The failure is the handler's; the refusal to count it goes with it.
+		{name: "the failure key, at the last attempt", hash: "retry:m1", attempts: 4, handler: fail, runs: 1, errType: "error"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, c, _ := redistest.Start(t)
+			ctx := context.Background()
+			require.NoError(t, c.HSet(ctx, tt.hash, "f", "v").Err())
+			runs := 0
+			h := middleware.Stack(redisstore.New(c, redisstore.Options{}), middleware.StackOptions{})(
+				rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { runs++; return tt.handler }))
+			msg := amqp.Publishing{MessageId: "m1"}
+			if tt.attempts > 0 {
+				msg.Headers = amqp.Table{rabbitmw.HeaderAttempts: int32(tt.attempts)}
+			}
+			rec := rabbitmwtest.NewRecorder()
+			d := rec.Deliver(msg)
+			err := h.Handle(ctx, d)
+
+			assert.Equal(t, tt.runs, runs, "handler runs")
+			dec := rabbitmw.Decide(err)
+			assert.Equal(t, rabbitmw.DeadLetter, dec.Outcome, "Decide(%v)", err)
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), `"`+tt.hash+`" holds a value of another type`)
+			assert.ErrorIs(t, err, store.ErrKeyRejected)
+			assert.ErrorIs(t, err, redisstore.ErrWrongType)
+			assert.Equal(t, tt.errType, rabbitmw.ErrorType(err), "ErrorType(%v)", err)
 		})
 	}
 }

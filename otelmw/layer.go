@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
 // Middleware returns the layer that traces and measures each delivery. Put
@@ -157,11 +158,11 @@ func (l *layer) result(span trace.Span, dec rabbitmw.Decision, attempt int, errT
 	case rabbitmw.Delay:
 		span.SetAttributes(keyRetryDelay.Float64(dec.Delay.Seconds()))
 	case rabbitmw.DeadLetter:
-		span.SetAttributes(keyReason.String(dec.Err.Error()))
+		span.SetAttributes(keyReason.String(text.Error(dec.Err)))
 	}
 	if errType != "" {
 		span.SetAttributes(semconv.ErrorTypeKey.String(errType))
-		span.SetStatus(codes.Error, dec.Err.Error())
+		span.SetStatus(codes.Error, text.Error(dec.Err))
 	}
 }
 

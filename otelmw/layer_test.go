@@ -18,6 +18,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/internal/errtest"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/otelmw"
 )
@@ -142,6 +143,32 @@ func TestErrorType(t *testing.T) {
 		}
 		if got := attr(s[0], "error.type").AsString(); got != c.want || got != rabbitmw.ErrorType(c.err) {
 			t.Errorf("error.type of %v = %q; want %q, as rabbitmw.ErrorType says", c.err, got, c.want)
+		}
+	}
+}
+
+// A handler's error whose Error method panics (a nil pointer returned as
+// an error, or a method that panics on any value) is recorded on the span
+// with a text that names its type; the layer, which no Recover guards,
+// does not panic, and returns the error unchanged.
+func TestErrorWhoseTextPanics(t *testing.T) {
+	for _, c := range errtest.Cases() {
+		for name, result := range map[string]error{"requeued": c.Err, "dead-lettered": rabbitmw.Permanent(c.Err)} {
+			t.Run(c.Type+"/"+name, func(t *testing.T) {
+				r := newRig(t, otelmw.Options{Queue: "q"})
+				h := r.tel.Middleware()(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return result }))
+				var err error
+				require.NotPanics(t, func() { err = h.Handle(context.Background(), &amqp.Delivery{}) })
+				require.Equal(t, result, err, "the layer changed the result")
+				s := r.spans.Ended()
+				require.Len(t, s, 1)
+				require.Equal(t, codes.Error, s[0].Status().Code)
+				require.Equal(t, c.Text, s[0].Status().Description)
+				require.Equal(t, c.Type, attr(s[0], "error.type").AsString())
+				if name == "dead-lettered" {
+					require.Equal(t, c.Text, attr(s[0], "rabbitmw.dead_letter.reason").AsString())
+				}
+			})
 		}
 	}
 }

@@ -23,8 +23,10 @@ import (
 var ErrLostClaim = errors.New("store: lost claim")
 
 // ErrKeyRejected is returned, wrapped, by a Store that cannot hold a key
-// for what the key is, such as a key longer than its index takes: the
-// store answered, took no effect, and would refuse the key again. The
+// for what the key is, such as a key longer than its index takes, or a key
+// under which a backend shared with other programs holds something of
+// theirs (in Redis, a value of another type): the store answered, took no
+// effect, and would refuse the key again. The
 // fault is the key's, not the backend's, so middleware.Dedup
 // dead-letters the message with this reason rather than retry it. Its
 // type, for rabbitmw.ErrorType, is "key_rejected".

@@ -7,7 +7,10 @@ func (b *Batcher) Queued() int {
 	return len(b.queue)
 }
 
-var IsSyntaxError = isSyntaxError
+var (
+	IsSyntaxError = isSyntaxError
+	IsWrongType   = isWrongType
+)
 
 // Batcher returns the batcher New put over the store's client, or nil.
 func (r *Store) Batcher() *Batcher {

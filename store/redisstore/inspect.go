@@ -24,21 +24,22 @@ return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}`)
 // shards).
 func (r *Store) Inspect(ctx context.Context, key string) (store.KeyState, error) {
 	var k store.KeyState
-	v, ttl, err := r.peek(ctx, r.claimPre+key)
+	ck, fk := r.claimPre+key, r.failurePre+key
+	v, ttl, err := r.peek(ctx, ck)
 	if err != nil {
-		return k, r.fail("inspect", key, err)
+		return k, r.fail("inspect", key, ck, err)
 	}
 	if v != nil {
 		k.Status, k.Token, k.TTL = claimState(*v, ttl)
 	}
-	v, ttl, err = r.peek(ctx, r.failurePre+key)
+	v, ttl, err = r.peek(ctx, fk)
 	if err != nil {
-		return k, r.fail("inspect", key, err)
+		return k, r.fail("inspect", key, fk, err)
 	}
 	if v != nil {
 		n, err := strconv.ParseInt(*v, 10, 64)
 		if err != nil {
-			return k, r.fail("inspect", key, fmt.Errorf("failure count %q: %w", *v, err))
+			return k, r.fail("inspect", key, fk, fmt.Errorf("failure count %q: %w", *v, err))
 		}
 		k.Failures, k.FailuresTTL = n, ttl
 	}

@@ -99,7 +99,10 @@ type Options struct {
 // (see [Store.Fail]).
 //
 // Errors from the client, including timeouts, are wrapped with the
-// operation and key; redis.Nil never escapes.
+// operation and key; redis.Nil never escapes. A key that holds a value
+// of another type than a string, written by something else, is refused
+// with [ErrWrongType]; ResetFailures alone reads nothing, and deletes the
+// failure key whatever it holds.
 //
 // Create the client with ContextTimeoutEnabled: true. Without it go-redis
 // ignores the deadline of a call's context and waits out its own
@@ -306,10 +309,10 @@ func (r *Store) Load(ctx context.Context) error {
 // claim has) is therefore this claim, sent before: it reports Claimed,
 // with the lease that the first send set.
 func (r *Store) Claim(ctx context.Context, key, token string, lease time.Duration) (store.Status, error) {
-	if err := ctx.Err(); err != nil {
-		return 0, r.fail("claim", key, err)
-	}
 	k, value := r.claim(key, token)
+	if err := ctx.Err(); err != nil {
+		return 0, r.fail("claim", key, k, err)
+	}
 	ms := millis(lease)
 	if !r.noSetGet.Load() {
 		old, err := r.set(ctx, k, value, ms+r.abandoned)
@@ -327,17 +330,17 @@ func (r *Store) Claim(ctx context.Context, key, token string, lease time.Duratio
 			// Redis before 7.0 refuses NX with GET; the script does it all.
 			r.noSetGet.Store(true)
 		default:
-			return 0, r.fail("claim", key, err)
+			return 0, r.fail("claim", key, k, err)
 		}
 	}
 	n, err := r.run(ctx, claimScript, k, value, ms+r.abandoned, ms)
 	if err != nil {
-		return 0, r.fail("claim", key, err)
+		return 0, r.fail("claim", key, k, err)
 	}
 	if st := store.Status(n); st.Valid() {
 		return st, nil
 	}
-	return 0, r.fail("claim", key, fmt.Errorf("unexpected script result %d", n))
+	return 0, r.fail("claim", key, k, fmt.Errorf("unexpected script result %d", n))
 }
 
 // isSyntaxError reports whether err is Redis's answer to a command it does
@@ -372,28 +375,28 @@ func (r *Store) set(ctx context.Context, k, value string, px int64) (string, err
 func (r *Store) Extend(ctx context.Context, key, token string, lease time.Duration) error {
 	k, value := r.claim(key, token)
 	n, err := r.run(ctx, extendScript, k, value, r.keep, millis(lease))
-	return r.owned("extend", key, n, err)
+	return r.owned("extend", key, k, n, err)
 }
 
 // Complete implements [store.Store].
 func (r *Store) Complete(ctx context.Context, key, token string, retention time.Duration) error {
 	k, value := r.claim(key, token)
 	n, err := r.run(ctx, completeScript, k, value, r.keep, millis(retention))
-	return r.owned("complete", key, n, err)
+	return r.owned("complete", key, k, n, err)
 }
 
 // Release implements [store.Store].
 func (r *Store) Release(ctx context.Context, key, token string) error {
 	k, value := r.claim(key, token)
 	n, err := r.run(ctx, releaseScript, k, value, r.keep)
-	return r.owned("release", key, n, err)
+	return r.owned("release", key, k, n, err)
 }
 
-// owned returns the error of an owner-checked script on key, whose result
-// was n, err.
-func (r *Store) owned(op, key string, n int64, err error) error {
+// owned returns the error of an owner-checked script on key, in Redis
+// key k, whose result was n, err.
+func (r *Store) owned(op, key, k string, n int64, err error) error {
 	if err != nil {
-		return r.fail(op, key, err)
+		return r.fail(op, key, k, err)
 	}
 	if n == 0 {
 		return store.ErrLostClaim
@@ -411,20 +414,22 @@ func (r *Store) owned(op, key string, n int64, err error) error {
 // the other methods do, and is sent again as that client sends any
 // command.
 func (r *Store) Fail(ctx context.Context, key string, ttl time.Duration) (int64, error) {
-	n, err := r.once(ctx, failScript, r.failurePre+key, millis(ttl))
+	k := r.failurePre + key
+	n, err := r.once(ctx, failScript, k, millis(ttl))
 	if err != nil {
-		return 0, r.fail("fail", key, err)
+		return 0, r.fail("fail", key, k, err)
 	}
 	return n, nil
 }
 
 // ResetFailures implements [store.Store].
 func (r *Store) ResetFailures(ctx context.Context, key string) error {
+	k := r.failurePre + key
 	if err := ctx.Err(); err != nil {
-		return r.fail("reset failures", key, err)
+		return r.fail("reset failures", key, k, err)
 	}
-	if err := r.cmds.Del(ctx, r.failurePre+key).Err(); err != nil {
-		return r.fail("reset failures", key, err)
+	if err := r.cmds.Del(ctx, k).Err(); err != nil {
+		return r.fail("reset failures", key, k, err)
 	}
 	return nil
 }
@@ -503,9 +508,14 @@ func (r *Store) once(ctx context.Context, s script, k string, args ...any) (int6
 	return cmd.Int64()
 }
 
-func (r *Store) fail(op, key string, err error) error {
-	if errors.Is(err, redis.Nil) {
+// fail returns the error of op on key, in Redis key k, that failed with
+// err.
+func (r *Store) fail(op, key, k string, err error) error {
+	switch {
+	case errors.Is(err, redis.Nil):
 		err = errors.New("empty reply")
+	case isWrongType(err):
+		return &wrongTypeError{op: op, key: key, k: k, err: err}
 	}
 	return fmt.Errorf("redisstore: %s %q: %w", op, key, err)
 }

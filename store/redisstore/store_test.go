@@ -599,6 +599,20 @@ func TestFailNotResentAfterItsAnswerWasLost(t *testing.T) {
 	}
 }
 
+// servers are the servers that a test of the scripts runs on: miniredis
+// and a real Redis, whose Lua differ.
+var servers = []struct {
+	name   string
+	client func(t *testing.T) *redis.Client
+}{
+	{"miniredis", func(t *testing.T) *redis.Client { _, c := newMiniredis(t); return c }},
+	{"redis", func(t *testing.T) *redis.Client {
+		c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t)})
+		t.Cleanup(func() { c.Close() })
+		return c
+	}},
+}
+
 // The owner check of Extend, Complete and Release, against the values a
 // key can hold: claims written by this store, by a store with another
 // abandoned retention (or an older version: the format is the same), and
@@ -631,17 +645,6 @@ func TestOwnerCheck(t *testing.T) {
 		{"a hand-written mark", "processing", day, "processing", false},
 		{"a hand-written mark without expiry", "processing", 0, "processing", false},
 		{"absent", "", 0, "tok", false},
-	}
-	servers := []struct {
-		name   string
-		client func(t *testing.T) *redis.Client
-	}{
-		{"miniredis", func(t *testing.T) *redis.Client { _, c := newMiniredis(t); return c }},
-		{"redis", func(t *testing.T) *redis.Client {
-			c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t)})
-			t.Cleanup(func() { c.Close() })
-			return c
-		}},
 	}
 	ops := []struct {
 		name string
