@@ -453,7 +453,10 @@ func (s *amqpSession) publishResult(res error, exchange, key string) error {
 		var ae *amqp.Error
 		if errors.As(s.err, &ae) && ae.Server && ae.Recover {
 			// The server closed the channel for a publish it refused.
-			if ae.Code == amqp.NotFound && exchange != "" && strings.Contains(ae.Reason, "'"+exchange+"'") {
+			// Its reason names the exchange and the vhost ("no exchange
+			// 'x' in vhost 'y'"): an exchange named as the vhost is not
+			// the one missing unless it stands in the exchange's place.
+			if ae.Code == amqp.NotFound && exchange != "" && strings.Contains(ae.Reason, "no exchange '"+exchange+"' in vhost '") {
 				return fmt.Errorf("%w: exchange %q does not exist (%s)", ErrUnroutable, exchange, ae.Reason)
 			}
 			if ae.Code != amqp.NotFound {

@@ -84,7 +84,10 @@ func (h *txHandler) begin(ctx context.Context) (txn, error) {
 // claim made in the transaction would leave no trace of that either. If
 // the key has no row, that earlier attempt left none, so it is counted
 // now, as one failed attempt, in the key's failure counter (which Retry
-// reads); the counter is kept for retention at least.
+// reads); the counter is kept for retention at least. A row that another
+// transaction holds, uncommitted, is waited for, lockWait at most: the
+// earlier attempt may still run (its consumer's channel closed, not its
+// transaction), and is counted only if it rolls back meanwhile.
 func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st store.Store, key string, lease, retention time.Duration) (bool, error) {
 	s := h.in.s
 	switch {
@@ -200,10 +203,13 @@ func markAgainAfter(retention time.Duration) time.Duration {
 func (h *inbox) finishClaimed(ctx context.Context, c *txClaim, t *pgxTxn, call func(context.Context) error) error {
 	open := true
 	defer h.rollbackIfOpen(ctx, t, &open)
-	if err := call(ctx); err != nil {
-		if idleTimedOut(err) {
-			return h.claimEnded(ctx, c, err)
-		}
+	switch err := call(ctx); {
+	case idleTimedOut(err):
+		return h.claimEnded(ctx, c, err)
+	case t.broken() && !t.tx.settled:
+		// (One that settled tx itself is judged on that, below.)
+		return h.closed(ctx, t, c, err)
+	case err != nil:
 		return h.failed(ctx, t, c.key, err)
 	}
 	if t.tx.settled || t.conn.Conn().PgConn().TxStatus() == 'I' {
@@ -289,10 +295,36 @@ func idleTimedOut(err error) bool {
 // has a row already: another consumer's claim, or its done mark), which
 // no prune deletes before c's retention ends.
 func (h *inbox) claimEnded(ctx context.Context, c *txClaim, err error) error {
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
-	h.s.pool.Exec(rctx, h.s.forgottenSQL, []byte(c.key), c.retention.Microseconds())
-	cancel()
+	h.forget(ctx, c)
 	return rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: the transaction that claimed %q was idle for longer than the lease, and the server ended it: rolled back: %w", middleware.ErrLeaseLost, c.key, err), h.retry)
+}
+
+// closed returns the result of a delivery whose claim c, made in t, ended
+// with t's connection, which closed while the function ran: rolled back,
+// nothing committed. The function returned err, nil or an error that does
+// not say why (it dropped the error of the statement that found the
+// connection closed; if that error was the server's idle timeout, the
+// function waits longer than the lease, every time). So the next delivery
+// of the key goes to Dedup's claim, as after claimEnded: else it would be
+// claimed in its transaction again, end the same way, and never be
+// counted. The result is the function's error, as failed makes it, or,
+// if it returned nil, that the claim ended before its success was
+// recorded.
+func (h *inbox) closed(ctx context.Context, t txn, c *txClaim, err error) error {
+	h.forget(ctx, c)
+	if err != nil {
+		return h.failed(ctx, t, c.key, err)
+	}
+	return rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: the connection of the transaction that claimed %q closed while its function ran, which returned nil (the server ends a transaction left idle for the lease): rolled back", middleware.ErrLeaseLost, c.key), h.retry)
+}
+
+// forget writes the row that sends the next delivery of c's key to
+// Dedup's claim (see forgottenSQL), within commitTimeout even if ctx is
+// done. An error leaves the next delivery to a claim in its transaction.
+func (h *inbox) forget(ctx context.Context, c *txClaim) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.commitTimeout)
+	defer cancel()
+	h.s.pool.Exec(rctx, h.s.forgottenSQL, []byte(c.key), c.retention.Microseconds())
 }
 
 var _ middleware.ClaimingHandler = (*txHandler)(nil)

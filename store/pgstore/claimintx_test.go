@@ -203,6 +203,45 @@ func TestHandlerClaimInTxHeldByAnother(t *testing.T) {
 	assert.Equal(t, 1, f.count(t, "m1"), "effects")
 }
 
+// A redelivered copy of a message (its consumer's channel closed) that
+// arrives while the first copy's transaction holds the key's row,
+// uncommitted, answers busy and counts no failure: the first attempt
+// runs, it has not failed. Counted, it would be counted again by Retry if
+// it failed, and the message dead-lettered an attempt early.
+func TestHandlerRedeliveryWhileHeldCountsNothing(t *testing.T) {
+	inEveryMode(t, testHandlerRedeliveryWhileHeldCountsNothing)
+}
+
+func testHandlerRedeliveryWhileHeldCountsNothing(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	release, running := make(chan struct{}), make(chan struct{})
+	h := middleware.Dedup(f.st, middleware.DedupOptions{})(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		if !d.Redelivered {
+			close(running)
+			<-release
+		}
+		return nil
+	}, opts))
+	first := make(chan error, 1)
+	go func() { first <- h.Handle(ctx, delivery("m1")) }()
+	<-running
+
+	d := delivery("m1")
+	d.Redelivered = true
+	err := h.Handle(ctx, d)
+	got, ierr := f.st.Inspect(ctx, "m1")
+	close(release)
+	require.ErrorIs(t, err, middleware.ErrBusy, "the redelivered copy")
+	require.NoError(t, ierr)
+	assert.Zero(t, got.Failures, "failures counted for the attempt that runs")
+	require.NoError(t, <-first, "the first copy")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
 // The deadline of the stack's Timeout ends the transaction claimed in it:
 // the timeout is a failed attempt, and leaves nothing.
 func TestHandlerClaimInTxTimeout(t *testing.T) { inEveryMode(t, testHandlerClaimInTxTimeout) }
@@ -326,7 +365,12 @@ func testHandlerClaimInTxPrunes(t *testing.T, opts pgstore.HandlerOptions) {
 // consumer, or a function that waits that long between two statements)
 // is ended by the server, its claim lost and nothing committed, so that
 // another consumer can take the message. The next delivery is claimed by
-// Dedup, whose lease is renewed while the function waits.
+// Dedup, whose lease is renewed while the function waits. So it is if
+// the function drops the error of its statement that found the
+// transaction ended, returning nil or an error of its own that does not
+// wrap the driver's: else the next delivery would be claimed in its
+// transaction again, idle past the lease again, every time, never
+// counted.
 func TestHandlerClaimInTxEndsWithTheLease(t *testing.T) {
 	inEveryMode(t, testHandlerClaimInTxEndsWithTheLease)
 }
@@ -335,30 +379,60 @@ func testHandlerClaimInTxEndsWithTheLease(t *testing.T, opts pgstore.HandlerOpti
 	ctx := context.Background()
 	f := newInbox(t, newPool(t))
 	const lease, wait = 300 * time.Millisecond, time.Second
-	var underClaim []bool
-	h := rabbitmw.Chain(
-		middleware.Retry(f.st, middleware.RetryOptions{}),
-		middleware.Recover(),
-		middleware.Dedup(f.st, middleware.DedupOptions{Lease: lease}),
-	)(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
-		_, ok := middleware.ClaimFrom(ctx)
-		underClaim = append(underClaim, ok)
-		if !ok {
-			// Claimed in its transaction: idle in it past the lease,
-			// ignoring ctx. (Under Dedup's claim it returns at once:
-			// a renewal late on a busy machine would end that lease.)
-			time.Sleep(wait)
-		}
-		return f.insert(context.WithoutCancel(ctx), tx, d)
-	}, opts))
-	err := h.Handle(ctx, delivery("m1"))
-	require.ErrorIs(t, err, middleware.ErrLeaseLost, "the first delivery")
-	assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
-	assert.Equal(t, 0, f.count(t, "m1"), "effects after the claim ended")
-	require.NoError(t, h.Handle(ctx, delivery("m1")), "the next delivery")
-	assert.Equal(t, []bool{false, true}, underClaim, "the deliveries ran under a claim of Dedup's")
-	assert.Equal(t, 1, f.count(t, "m1"), "effects")
-	assert.Equal(t, store.Done, f.status(t, "m1"))
+	for _, c := range []struct {
+		name string
+		// result is what the function returns after the statement that
+		// failed with err.
+		result func(err error) error
+		// leaseLost: the first delivery's error says the claim was lost;
+		// else it is the function's own.
+		leaseLost bool
+	}{
+		{"returns the error", func(err error) error { return err }, true},
+		{"drops the error", func(error) error { return nil }, true},
+		{"returns its own error", func(err error) error {
+			if err != nil {
+				return errors.New("the insert failed")
+			}
+			return nil
+		}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			id := strings.ReplaceAll(c.name, " ", "-")
+			var underClaim []bool
+			h := rabbitmw.Chain(
+				middleware.Retry(f.st, middleware.RetryOptions{}),
+				middleware.Recover(),
+				middleware.Dedup(f.st, middleware.DedupOptions{Lease: lease}),
+			)(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				_, ok := middleware.ClaimFrom(ctx)
+				underClaim = append(underClaim, ok)
+				if ok {
+					// Under Dedup's claim it returns at once: a renewal
+					// late on a busy machine would end that lease.
+					return f.insert(ctx, tx, d)
+				}
+				// Claimed in its transaction: idle in it past the lease,
+				// ignoring ctx.
+				time.Sleep(wait)
+				return c.result(f.insert(context.WithoutCancel(ctx), tx, d))
+			}, opts))
+			err := h.Handle(ctx, delivery(id))
+			require.Error(t, err, "the first delivery")
+			if c.leaseLost {
+				assert.ErrorIs(t, err, middleware.ErrLeaseLost, "the first delivery")
+			}
+			assert.Equal(t, rabbitmw.Delay, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
+			assert.Equal(t, 0, f.count(t, id), "effects after the claim ended")
+			got, ierr := f.st.Inspect(ctx, id)
+			require.NoError(t, ierr)
+			assert.Zero(t, got.Failures, "failures counted for an ended claim")
+			require.NoError(t, h.Handle(ctx, delivery(id)), "the next delivery")
+			assert.Equal(t, []bool{false, true}, underClaim, "the deliveries ran under a claim of Dedup's")
+			assert.Equal(t, 1, f.count(t, id), "effects")
+			assert.Equal(t, store.Done, f.status(t, id))
+		})
+	}
 }
 
 // The row that sends the next delivery to Dedup's claim, after a claim in

@@ -85,7 +85,9 @@
 //     database, or the function waited that long between two
 //     statements). The function's transaction is then rolled back, as
 //     for a lost claim, and the message's next delivery is claimed by
-//     Dedup, whose renewals let the function take its time.
+//     Dedup, whose renewals let the function take its time; so it is
+//     when the connection closed under the function, which dropped the
+//     error that said why.
 //
 // [SQLHandler] is the same on database/sql, through pgx's stdlib driver,
 // for code written against *sql.Tx (sqlc, sqlx, GORM), always under

@@ -34,6 +34,10 @@ const maxGroupCommit = 32
 // ROLLBACK TO, and the group does not commit.
 func savepointName(n int) string { return "rabbitmw_member_" + strconv.Itoa(n) }
 
+// errClosed: the connection of a group's transaction closed while a
+// member's function ran.
+var errClosed = errors.New("pgstore: the transaction's connection closed")
+
 // A grouper runs the deliveries that a [Handler] with GroupCommit claims
 // in its transaction in groups: a group is one transaction, on one
 // connection, which its members use one after the other, each in the
@@ -293,15 +297,19 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 	err = gr.h.fn(ctx, tx, d)
 	returned = true
 	switch status := g.t.conn.Conn().PgConn().TxStatus(); {
+	case idleTimedOut(err):
+		// The server ended the session: the group's claims too.
+		g.broken = err
+		err = in.claimEnded(ctx, &m.txClaim, err)
+	case g.t.broken() && !tx.settled:
+		// The connection closed while the function ran, which dropped
+		// the error that said why: the group's claims ended with it.
+		// (One that settled tx itself is judged on that, below.)
+		g.broken = errClosed
+		err = in.closed(ctx, g.t, &m.txClaim, err)
 	case err != nil:
-		if idleTimedOut(err) {
-			// The server ended the session: the group's claims too.
-			g.broken = err
-			err = in.claimEnded(ctx, &m.txClaim, err)
-		} else {
-			gr.undo(ctx, g, m)
-			err = in.failed(ctx, g.t, m.key, err)
-		}
+		gr.undo(ctx, g, m)
+		err = in.failed(ctx, g.t, m.key, err)
 	case g.t.conn.Conn().PgConn().IsBusy():
 		// Nothing more can be sent on the connection: not even the
 		// rollback to m's savepoint.

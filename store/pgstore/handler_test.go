@@ -398,6 +398,8 @@ func testHandlerSelfSettledTx(t *testing.T, opts pgstore.HandlerOptions) {
 	for _, tc := range []struct{ how, path string }{
 		{"commit", "claim of Dedup"}, {"rollback", "claim of Dedup"},
 		{"commit", "claim in the transaction"}, {"rollback", "claim in the transaction"},
+		// Then its connection closes: what the function did decides.
+		{"commit, close", "claim of Dedup"}, {"commit, close", "claim in the transaction"},
 	} {
 		how := tc.how
 		t.Run(how+"/"+tc.path, func(t *testing.T) {
@@ -411,15 +413,21 @@ func testHandlerSelfSettledTx(t *testing.T, opts pgstore.HandlerOptions) {
 				if err := f.insert(ctx, tx, d); err != nil {
 					return err
 				}
-				if how == "commit" {
+				switch how {
+				case "commit":
 					return tx.Commit(ctx)
+				case "commit, close":
+					if err := tx.Commit(ctx); err != nil {
+						return err
+					}
+					return tx.Conn().Close(ctx)
 				}
 				return tx.Rollback(ctx)
 			}, opts), middleware.DedupOptions{})
 			err := h.Handle(ctx, delivery("m1"))
 			require.ErrorIs(t, err, pgstore.ErrTxSettled)
 			require.Equal(t, rabbitmw.DeadLetter, rabbitmw.Decide(err).Outcome, "Decide(%v)", err)
-			if how == "commit" && tc.path == "claim in the transaction" && opts.GroupCommit < 2 {
+			if how != "rollback" && tc.path == "claim in the transaction" && opts.GroupCommit < 2 {
 				// The claim committed with the effect. (A member of a
 				// group commits nothing itself: it is rolled back to its
 				// savepoint.)

@@ -72,7 +72,7 @@ func encodeProperties(exchange, key string, msg amqp.Publishing) ([]byte, error)
 		Type: msg.Type, UserID: msg.UserId, AppID: msg.AppId,
 	}
 	if !msg.Timestamp.IsZero() {
-		ts := msg.Timestamp
+		ts := storedTime(msg.Timestamp)
 		p.Timestamp = &ts
 	}
 	if len(msg.Headers) > 0 {
@@ -159,7 +159,7 @@ func encodeValue(v any, depth int) (typed, error) {
 	case []byte:
 		t = "bytes"
 	case time.Time:
-		t = "timestamp"
+		t, v = "timestamp", storedTime(x)
 	case amqp.Decimal:
 		t = "decimal"
 	case amqp.Table:
@@ -200,6 +200,14 @@ func encodeValue(v any, depth int) (typed, error) {
 	b, err := json.Marshal(v)
 	return typed{T: t, V: b}, err
 }
+
+// storedTime returns t as the table stores it: in UTC. JSON writes a
+// time in RFC 3339, whose offsets hold whole minutes, and drops the
+// seconds of any other offset (local mean time, which Go's zone data
+// gives for the dates before a zone's standard time, or a FixedZone): t
+// would be read back that many seconds off. AMQP sends the instant alone
+// (whole seconds of Unix time), which UTC keeps.
+func storedTime(t time.Time) time.Time { return t.UTC() }
 
 // isNegativeZero reports whether v is a float32 or float64 negative
 // zero.

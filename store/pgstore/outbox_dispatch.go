@@ -18,7 +18,9 @@ type OutboxMessage struct {
 	ID       int64  // the row's id: the order in which rows were written
 	Exchange string // where to publish it
 	Key      string // the routing key
-	// Publishing is the message as written, with its MessageId and body.
+	// Publishing is the message as written, with its MessageId and body;
+	// its timestamps (Timestamp, and those of the headers) are in UTC, as
+	// AMQP carries no location.
 	Publishing amqp.Publishing
 	// Trace is the writer's trace context (see OutboxOptions.Inject), or
 	// nil.

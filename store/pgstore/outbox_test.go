@@ -209,6 +209,32 @@ func TestOutboxWriteKeepsNegativeZero(t *testing.T) {
 	assert.True(t, math.Signbit(h["in array"].([]any)[0].(float64)), "in array: %v", h["in array"])
 }
 
+// A timestamp, the Timestamp property or a header, keeps its instant
+// whatever its location: JSON's RFC 3339 offsets hold whole minutes, so a
+// location whose offset has seconds (local mean time, as Go's zone data
+// gives for dates before a zone's standard time, or a FixedZone) must not
+// move it by those seconds. (AMQP sends whole seconds of Unix time.)
+func TestOutboxWriteKeepsTheInstantOfATimestamp(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	ts := time.Date(2026, 3, 4, 5, 6, 7, 0, time.FixedZone("LMT", 19*60+32)) // Amsterdam's offset until 1937
+	write(t, pool, ob, "q", amqp.Publishing{Timestamp: ts, Headers: amqp.Table{
+		"ts": ts, "in table": amqp.Table{"ts": ts}, "in array": []any{ts},
+	}})
+	got, _ := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	p := got[0].Publishing
+	unix := func(v any) int64 {
+		t.Helper()
+		require.IsType(t, time.Time{}, v)
+		return v.(time.Time).Unix()
+	}
+	assert.Equal(t, ts.Unix(), p.Timestamp.Unix(), "Timestamp: %v", p.Timestamp)
+	assert.Equal(t, ts.Unix(), unix(p.Headers["ts"]), "header: %v", p.Headers["ts"])
+	assert.Equal(t, ts.Unix(), unix(p.Headers["in table"].(amqp.Table)["ts"]), "in a table")
+	assert.Equal(t, ts.Unix(), unix(p.Headers["in array"].([]any)[0]), "in an array")
+}
+
 // AMQP's long strings are bytes: a header string that is not UTF-8 text
 // (a client that sends bytes as a string, a header copied from a delivery
 // of one) or that holds a NUL is sent as it was written, at any depth.

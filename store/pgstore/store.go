@@ -364,10 +364,26 @@ SET lease_until = clock_timestamp() + $2::bigint * interval '1 microsecond', for
 WHERE key = $1`
 	// A redelivered message whose key has no row: its earlier attempt,
 	// claimed in its transaction, left nothing; count it as Fail does,
-	// keeping a later expiry if the counter has one.
-	s.countUnrecordedSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at)
+	// keeping a later expiry if the counter has one. Whether the key has
+	// a row is asked by inserting one, forgotten (as absent: the claim
+	// that follows takes it), so that a row that another transaction
+	// inserted and has not committed is waited for, lockWait at most, as
+	// the claims do: the earlier attempt may still run (only its
+	// consumer's channel closed). If it commits, or holds the row for
+	// longer, nothing is counted (the statement fails on the lock
+	// timeout); if it rolls back, it left nothing, and is counted. A
+	// query would not see that row, and would count an attempt that
+	// runs.
+	s.countUnrecordedSQL = `WITH absent AS (
+  INSERT INTO ` + c + ` (key, token, lease_until, forget_at)
+  SELECT $1, NULL, '-infinity', '-infinity'
+  WHERE ` + lockWaitSQL + `
+  ON CONFLICT (key) DO NOTHING
+  RETURNING 1
+)
+INSERT INTO ` + f + ` AS f (key, count, expires_at)
 SELECT $1, 1, statement_timestamp() + $2::interval
-WHERE NOT EXISTS (SELECT FROM ` + c + ` WHERE key = $1)
+WHERE EXISTS (SELECT FROM absent)
 ON CONFLICT (key) DO UPDATE
   SET count = CASE WHEN f.expires_at > statement_timestamp() THEN f.count + 1 ELSE 1 END, expires_at = GREATEST(f.expires_at, excluded.expires_at)`
 	// The row that sends a key's next delivery to Dedup's claim, after a
@@ -375,9 +391,14 @@ ON CONFLICT (key) DO UPDATE
 	// which the next claim takes, but which no prune deletes before the
 	// retention $2 (microseconds) ends: the next delivery may come after
 	// many other claims, and one that found no row would be claimed in its
-	// transaction again.
+	// transaction again. A row that another transaction holds is waited
+	// for lockWait at most: the transaction of the claim that ended, if
+	// its connection closed on the consumer's side while the server still
+	// runs its statement.
 	s.forgottenSQL = `INSERT INTO ` + c + ` (key, token, lease_until, forget_at)
-VALUES ($1, NULL, '-infinity', statement_timestamp() + $2::bigint * interval '1 microsecond') ON CONFLICT DO NOTHING`
+SELECT $1::bytea, NULL, '-infinity', statement_timestamp() + $2::bigint * interval '1 microsecond'
+WHERE ` + lockWaitSQL + `
+ON CONFLICT DO NOTHING`
 	s.rowExistsSQL = `SELECT EXISTS (SELECT FROM ` + c + ` WHERE key = $1)`
 	s.releaseSQL = `DELETE FROM ` + c + ` WHERE key = $1 AND token = $2 AND lease_until > statement_timestamp()`
 	s.failSQL = `INSERT INTO ` + f + ` AS f (key, count, expires_at) VALUES ($1, 1, statement_timestamp() + $2::interval)

@@ -281,11 +281,75 @@ func TestRelayParksOnlyTheRowThatTheServerRefused(t *testing.T) {
 		}
 		return nil
 	}))
+	rows := f.sendParkingOnly(bad, good)
+	if len(rows) > 0 {
+		assert.Contains(t, rows[0].Error, "nobody")
+	}
+}
+
+// A row to an exchange that does not exist is parked, and only it, when
+// the rows beside it go to an exchange named as the virtual host is
+// (here "/"; a vhost "shop" with an exchange "shop" is as likely): the
+// server's reason for closing the channel ("no exchange 'missing' in vhost
+// '/'") names the vhost too, and must not be read as naming theirs.
+func TestRelayParksOnlyTheRowToAMissingExchange(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	const vhostNamed = "/"
+	conn, err := amqp.Dial(testenv.RabbitMQURL(t))
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	// Auto-deleted with its last binding, when the last test that bound
+	// a queue to it deleted its queue: a test run beside this one may
+	// use it too.
+	require.NoError(t, ch.ExchangeDeclare(vhostNamed, "direct", false, true, false, false, nil))
+	require.NoError(t, ch.QueueBind(f.queue, f.queue, vhostNamed, false, nil))
+	missing := unique("rmwtest.missing.")
+	var bad string
+	var good []string
+	require.NoError(t, pgx.BeginFunc(ctx, f.pool, func(tx pgx.Tx) error {
+		for i := range 50 {
+			exchange := vhostNamed
+			if i == 25 {
+				exchange = missing
+			}
+			id, err := f.ob.Write(ctx, tx, exchange, f.queue, amqp.Publishing{Body: fmt.Appendf(nil, "%d", i)})
+			if err != nil {
+				return err
+			}
+			if i == 25 {
+				bad = id
+			} else {
+				good = append(good, id)
+			}
+		}
+		return nil
+	}))
+	f.sendParkingOnly(bad, good)
+}
+
+// sendParkingOnly runs a relay until no row is pending, and checks that
+// the row of message id bad alone was parked and that every row of good
+// reached the queue (some maybe twice: those that the server took before
+// a channel closed for bad, sent again). It returns the parked rows.
+func (f *fixture) sendParkingOnly(bad string, good []string) []pgstore.OutboxRow {
+	t := f.t
+	t.Helper()
+	ctx := context.Background()
 	f.run(relay.New(f.ob, f.b, relay.Options{Senders: 1, PollInterval: 20 * time.Millisecond}))
 	require.Eventually(t, func() bool { return f.stats().Pending == 0 }, 10*time.Second, 20*time.Millisecond)
-	// Every row is confirmed or parked: what was sent is in the queue,
-	// with copies of the rows that the server took before the channel
-	// closed, sent again.
+	rows, err := f.ob.List(ctx, pgstore.OutboxFilter{State: "parked"})
+	require.NoError(t, err)
+	var parked []string
+	for _, r := range rows {
+		parked = append(parked, r.MessageID)
+		if r.MessageID != bad {
+			t.Logf("row %d to %q parked: %s", r.ID, r.Exchange, r.Error)
+		}
+	}
+	assert.Equal(t, []string{bad}, parked, "parked rows")
 	n, err := f.b.Len(ctx, f.queue)
 	require.NoError(t, err)
 	got := f.drain(n)
@@ -296,16 +360,7 @@ func TestRelayParksOnlyTheRowThatTheServerRefused(t *testing.T) {
 		}
 	}
 	assert.Zero(t, unsent, "rows that the server did not refuse, not sent")
-	rows, err := f.ob.List(ctx, pgstore.OutboxFilter{State: "parked"})
-	require.NoError(t, err)
-	var parked []string
-	for _, r := range rows {
-		parked = append(parked, r.MessageID)
-	}
-	assert.Equal(t, []string{bad}, parked, "parked rows")
-	if len(rows) > 0 {
-		assert.Contains(t, rows[0].Error, "nobody")
-	}
+	return rows
 }
 
 // A publisher that fails for a while: no confirm, so the rows stay
