@@ -12,7 +12,8 @@ import (
 )
 
 // outbox runs rabbitmw outbox ls|stats|retry: the rows of a pgstore
-// outbox, their counts by state, and parked rows sent back to pending.
+// outbox, their counts by state, and parked rows sent back to pending
+// (and pending rows that wait after a failed send sent at once).
 func (e *env) outbox(ctx context.Context, args []string) error {
 	if len(args) == 0 {
 		return usageError("outbox: name a command: ls, stats or retry")
@@ -34,8 +35,8 @@ func (e *env) outbox(ctx context.Context, args []string) error {
 		fs.IntVar(&limit, "limit", 100, "list at most this many rows")
 	case "stats":
 	case "retry":
-		fs.BoolVar(&all, "all", false, "send every parked row back to pending")
-		fs.Var(&ids, "id", "send the parked row with this id back to pending (repeatable, comma-separated)")
+		fs.BoolVar(&all, "all", false, "send every parked row back to pending, and every pending row that waits after a failed send at once")
+		fs.Var(&ids, "id", "send the parked row with this id back to pending, or the pending row that waits after a failed send at once (repeatable, comma-separated)")
 	default:
 		return usageError("outbox: unknown command %q: want ls, stats or retry", args[0])
 	}
@@ -88,27 +89,35 @@ func (e *env) outbox(ctx context.Context, args []string) error {
 				Attempts  int        `json:"attempts"`
 				SentAt    *time.Time `json:"sent_at,omitempty"`
 				Error     string     `json:"error,omitempty"`
+				RetryAt   *time.Time `json:"retry_at,omitempty"`
 				BodySize  int        `json:"body_size"`
 			}
 			out := make([]row, 0, len(rows))
 			for _, r := range rows {
-				x := row{r.ID, r.MessageID, r.Exchange, r.Key, r.State, r.Created, r.Attempts, nil, r.Error, r.BodySize}
+				x := row{r.ID, r.MessageID, r.Exchange, r.Key, r.State, r.Created, r.Attempts, nil, r.Error, nil, r.BodySize}
 				if !r.SentAt.IsZero() {
 					x.SentAt = &r.SentAt
+				}
+				if !r.RetryAt.IsZero() {
+					x.RetryAt = &r.RetryAt
 				}
 				out = append(out, x)
 			}
 			return writeJSON(e.stdout, out)
 		}
 		w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(w, "ID\tSTATE\tMESSAGE ID\tEXCHANGE\tROUTING KEY\tCREATED\tATTEMPTS\tBYTES\tERROR")
+		fmt.Fprintln(w, "ID\tSTATE\tMESSAGE ID\tEXCHANGE\tROUTING KEY\tCREATED\tATTEMPTS\tNEXT ATTEMPT\tBYTES\tERROR")
 		for _, r := range rows {
 			ex := r.Exchange
 			if ex == "" {
 				ex = `""`
 			}
-			fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%s\n", r.ID, r.State, r.MessageID, ex, r.Key,
-				r.Created.UTC().Format(time.RFC3339), r.Attempts, r.BodySize, r.Error)
+			next := "-"
+			if !r.RetryAt.IsZero() {
+				next = r.RetryAt.UTC().Format(time.RFC3339)
+			}
+			fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d\t%s\n", r.ID, r.State, r.MessageID, ex, r.Key,
+				r.Created.UTC().Format(time.RFC3339), r.Attempts, next, r.BodySize, r.Error)
 		}
 		if err := w.Flush(); err != nil {
 			return err
@@ -151,10 +160,10 @@ func (e *env) outbox(ctx context.Context, args []string) error {
 			return err
 		}
 	} else {
-		fmt.Fprintf(e.stdout, "%d parked row(s) back to pending\n", n)
+		fmt.Fprintf(e.stdout, "%d row(s) to send now (parked back to pending, or pending and waiting)\n", n)
 	}
 	if n == 0 && len(rowIDs) > 0 {
-		return &exitError{exitNotFound, errors.New("outbox retry: no parked row with the ids given")}
+		return &exitError{exitNotFound, errors.New("outbox retry: no parked row, nor pending row waiting, with the ids given")}
 	}
 	return nil
 }

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -21,7 +22,8 @@ import (
 )
 
 // rabbitmw outbox ls, stats and retry on an outbox with a row of each
-// state; retry refuses to act on nothing named.
+// state, and a pending one that waits after a failed send; retry refuses
+// to act on nothing named.
 func TestOutboxCommands(t *testing.T) {
 	ctx := context.Background()
 	url := testenv.PostgresURL(t)
@@ -35,7 +37,7 @@ func TestOutboxCommands(t *testing.T) {
 	ob := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: table})
 	require.NoError(t, ob.Migrate(ctx))
 	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		for _, id := range []string{"sent-1", "parked-1", "pending-1"} {
+		for _, id := range []string{"sent-1", "parked-1", "pending-1", "waiting-1"} {
 			if _, err := ob.Write(ctx, tx, "", "shipments", amqp.Publishing{MessageId: id, Body: []byte("body")}); err != nil {
 				return err
 			}
@@ -49,6 +51,8 @@ func TestOutboxCommands(t *testing.T) {
 				results[i].Sent = true
 			case "parked-1":
 				results[i].Park = errors.New("broker: message unroutable")
+			case "waiting-1":
+				results[i] = pgstore.OutboxResult{Failed: errors.New("broker: message nacked"), RetryAfter: time.Hour}
 			}
 		}
 	})
@@ -57,7 +61,7 @@ func TestOutboxCommands(t *testing.T) {
 	out, stderr, code := cli(t, "", nil, "outbox", "stats", "--postgres", url, "--table", table)
 	expectCode(t, "outbox stats", code, exitOK, stderr)
 	words := strings.Join(strings.Fields(out), " ")
-	for _, want := range []string{"pending 1", "oldest pending", "parked 1", "sent (kept for the relays' retention) 1"} {
+	for _, want := range []string{"pending 2", "oldest pending", "parked 1", "sent (kept for the relays' retention) 1"} {
 		assert.Contains(t, words, want)
 	}
 
@@ -78,9 +82,22 @@ func TestOutboxCommands(t *testing.T) {
 
 	out, stderr, code = cli(t, "", nil, "outbox", "ls", "--postgres", url, "--table", table)
 	expectCode(t, "outbox ls", code, exitOK, stderr)
-	for _, want := range []string{"sent-1", "parked-1", "pending-1", "unroutable"} {
+	for _, want := range []string{"sent-1", "parked-1", "pending-1", "unroutable", "NEXT ATTEMPT", "nacked"} {
 		assert.Contains(t, out, want)
 	}
+	out, stderr, code = cli(t, "", nil, "outbox", "ls", "--postgres", url, "--table", table, "--state", "pending", "--json")
+	expectCode(t, "outbox ls --state pending", code, exitOK, stderr)
+	var pending []struct {
+		MessageID string     `json:"message_id"`
+		RetryAt   *time.Time `json:"retry_at"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &pending), out)
+	require.Len(t, pending, 2)
+	assert.Equal(t, "pending-1", pending[0].MessageID)
+	assert.Nil(t, pending[0].RetryAt, "a row that goes at the next dispatch")
+	assert.Equal(t, "waiting-1", pending[1].MessageID)
+	require.NotNil(t, pending[1].RetryAt)
+	assert.WithinDuration(t, time.Now().Add(time.Hour), *pending[1].RetryAt, time.Minute)
 
 	_, stderr, code = cli(t, "", nil, "outbox", "retry", "--postgres", url, "--table", table)
 	expectCode(t, "outbox retry without --id or --all", code, exitRefused, stderr)
@@ -88,11 +105,21 @@ func TestOutboxCommands(t *testing.T) {
 	expectCode(t, "outbox retry of a missing row", code, exitNotFound, stderr)
 	out, stderr, code = cli(t, "", nil, "outbox", "retry", "--postgres", url, "--table", table, "--id", strconv.FormatInt(rows[0].ID, 10))
 	expectCode(t, "outbox retry --id", code, exitOK, stderr)
-	assert.Contains(t, out, "1 parked row(s) back to pending")
+	assert.Contains(t, out, "1 row(s) to send now")
 	s, err := ob.Stats(ctx)
 	require.NoError(t, err)
-	assert.Equal(t, int64(2), s.Pending)
+	assert.Equal(t, int64(3), s.Pending)
 	assert.Zero(t, s.Parked)
+	// The waiting row goes at once; the other pending one does not wait.
+	out, stderr, code = cli(t, "", nil, "outbox", "retry", "--postgres", url, "--table", table, "--all")
+	expectCode(t, "outbox retry --all", code, exitOK, stderr)
+	assert.Contains(t, out, "1 row(s) to send now")
+	all, err := ob.List(ctx, pgstore.OutboxFilter{State: "pending"})
+	require.NoError(t, err)
+	require.Len(t, all, 3)
+	for _, r := range all {
+		assert.True(t, r.RetryAt.IsZero(), "row %s waits until %s", r.MessageID, r.RetryAt)
+	}
 
 	for name, args := range map[string][]string{
 		"no --postgres":    {"outbox", "stats"},

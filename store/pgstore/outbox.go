@@ -61,7 +61,8 @@ type OutboxOptions struct {
 // Each row is in one of three states:
 //
 //	pending  written, not yet confirmed by RabbitMQ (a row that RabbitMQ
-//	         nacked, or did not confirm, stays pending and is sent again)
+//	         nacked, or did not confirm, stays pending and is sent again,
+//	         not before its retry_at)
 //	sent     confirmed; deleted once the relay's retention has passed
 //	parked   RabbitMQ returned it (no queue bound for it), or refused it
 //	         in a way that sending again cannot mend; kept, with the
@@ -177,6 +178,7 @@ func (n outboxNames) schemaSQL() string {
 --   state       pending, sent (confirmed) or parked (returned, or refused for good)
 --   attempts    sends that ended without a confirm (nacked, or none came) or with a refusal
 --   error       why the row is parked, or the last failed send
+--   retry_at    not before when a pending row whose send failed is sent again; NULL: at once
 CREATE TABLE IF NOT EXISTS ` + n.qualified + ` (
     id          bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     message_id  text        NOT NULL,
@@ -189,8 +191,11 @@ CREATE TABLE IF NOT EXISTS ` + n.qualified + ` (
     created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
     attempts    integer     NOT NULL DEFAULT 0,
     sent_at     timestamptz,
-    error       text
+    error       text,
+    retry_at    timestamptz
 );
+-- A table made before retry_at was added gets it here.
+` + n.addRetryAtSQL() + `
 -- The relay's scan: pending rows in the order they were written.
 CREATE INDEX IF NOT EXISTS ` + n.pendingIndex + ` ON ` + n.qualified + ` (id) WHERE state = 'pending';
 -- The retention's deletion of sent rows.
@@ -205,10 +210,18 @@ var outboxColumns = []column{
 	{"properties", "jsonb"}, {"body", "bytea"}, {"trace", "jsonb"}, {"state", "text"},
 	{"created_at", "timestamp with time zone"}, {"attempts", "integer"},
 	{"sent_at", "timestamp with time zone"}, {"error", "text"},
+	{"retry_at", "timestamp with time zone"},
+}
+
+// addRetryAtSQL adds the retry_at column to a table made before it was
+// added (by pgstore's first versions of the outbox).
+func (n outboxNames) addRetryAtSQL() string {
+	return `ALTER TABLE ` + n.qualified + ` ADD COLUMN IF NOT EXISTS retry_at timestamptz;`
 }
 
 // Migrate creates the outbox table and its indexes if they do not exist
-// (the SQL of [OutboxSchema]), then checks them as [Outbox.Check] does.
+// (the SQL of [OutboxSchema]), adds the retry_at column to a table made
+// before it was added, then checks them as [Outbox.Check] does.
 // Concurrent calls, from several processes, are serialised by an advisory
 // lock.
 func (o *Outbox) Migrate(ctx context.Context) error {
@@ -217,8 +230,10 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, "rabbitmw pgstore "+o.n.qualified); err != nil {
 			return err
 		}
-		if schemaErr = o.checkSchema(ctx, tx, true); schemaErr != nil {
-			return schemaErr
+		// A table without retry_at gets it from the schema's ALTER TABLE.
+		if err := o.checkSchema(ctx, tx, true); err != nil && !errors.Is(err, errNoRetryAt) {
+			schemaErr = err
+			return err
 		}
 		_, err := tx.Exec(ctx, o.n.schemaSQL())
 		return err
@@ -233,7 +248,9 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 }
 
 // Check reports whether the database answers and the outbox table exists
-// with the columns the outbox needs. A schema mismatch wraps [ErrSchema].
+// with the columns the outbox needs. A schema mismatch wraps [ErrSchema];
+// a table made before the retry_at column was added is one (call
+// Migrate, or run the ALTER TABLE that the error gives).
 func (o *Outbox) Check(ctx context.Context) error {
 	if err := o.pool.Ping(ctx); err != nil {
 		return o.unreachable("check", err)
@@ -261,12 +278,19 @@ ORDER BY ordinal_position`, o.n.table, o.n.schema)
 		return nil
 	case len(got) == 0:
 		return fmt.Errorf("%w: table %s does not exist: call Outbox.Migrate, or run the SQL of pgstore.OutboxSchema(%q) in your migrations", ErrSchema, o.n.name, o.table)
+	case sameColumns(got, outboxColumns[:len(outboxColumns)-1]):
+		return fmt.Errorf("%w: table %s %w: call Outbox.Migrate, or run in your migrations: %s",
+			ErrSchema, o.n.name, errNoRetryAt, o.n.addRetryAtSQL())
 	case !sameColumns(got, outboxColumns):
 		return fmt.Errorf("%w: table %s has columns (%s); the outbox needs (%s): it was made by something else, or by another version of pgstore. Give OutboxOptions.Table another name, or drop the table and call Outbox.Migrate",
 			ErrSchema, o.n.name, columnList(got), columnList(outboxColumns))
 	}
 	return nil
 }
+
+// errNoRetryAt is wrapped by checkSchema's error for a table that lacks
+// only the retry_at column, which Migrate adds.
+var errNoRetryAt = errors.New("has no column retry_at (it was made by an earlier version of pgstore)")
 
 func (o *Outbox) unreachable(op string, err error) error {
 	cfg := o.pool.Config().ConnConfig

@@ -49,6 +49,12 @@ type OutboxResult struct {
 	// timeout): it is counted in the row's attempts and kept as its last
 	// error, and the row stays pending.
 	Failed error
+	// RetryAfter, with Failed, is how long the row is left out of the
+	// dispatches that follow (its retry_at), so that a row that keeps
+	// failing (a queue that stays full) is not taken again in each
+	// batch, ahead of the rows written after it. 0 leaves it to the next
+	// dispatch.
+	RetryAfter time.Duration
 }
 
 // DispatchOptions configures one [Outbox.Dispatch]. The zero value selects
@@ -83,7 +89,8 @@ type DispatchResult struct {
 var ErrCorruptRow = errors.New("pgstore: outbox row cannot be read")
 
 // The statements of Dispatch. Rows are taken in id order, FOR UPDATE SKIP
-// LOCKED: rows that another dispatch holds are skipped, not waited for,
+// LOCKED, but for those whose retry_at has not come: rows that another
+// dispatch holds are skipped, not waited for,
 // so several relays share the rows without taking one twice while it is
 // held. The lock is held until the dispatch's commit, after the send:
 // a relay that dies mid-send releases its rows (PostgreSQL ends the
@@ -91,7 +98,7 @@ var ErrCorruptRow = errors.New("pgstore: outbox row cannot be read")
 func (o *Outbox) takeSQL() string {
 	return `SELECT id, message_id, exchange, routing_key, properties, body, trace, created_at, attempts
 FROM ` + o.n.qualified + `
-WHERE state = 'pending' AND id > $2
+WHERE state = 'pending' AND id > $2 AND (retry_at IS NULL OR retry_at <= statement_timestamp())
 ORDER BY id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
@@ -101,12 +108,15 @@ func (o *Outbox) markSentSQL(del bool) string {
 	if del {
 		return `DELETE FROM ` + o.n.qualified + ` WHERE id = ANY($1)`
 	}
-	return `UPDATE ` + o.n.qualified + ` SET state = 'sent', sent_at = clock_timestamp() WHERE id = ANY($1)`
+	return `UPDATE ` + o.n.qualified + ` SET state = 'sent', sent_at = clock_timestamp(), retry_at = NULL WHERE id = ANY($1)`
 }
 
+// markSQL records rows parked or failed: $3 is each row's RetryAfter in
+// microseconds, 0 for none.
 func (o *Outbox) markSQL(state string) string {
-	return `UPDATE ` + o.n.qualified + ` AS t SET state = '` + state + `', attempts = t.attempts + 1, error = x.error
-FROM unnest($1::bigint[], $2::text[]) AS x (id, error) WHERE t.id = x.id`
+	return `UPDATE ` + o.n.qualified + ` AS t SET state = '` + state + `', attempts = t.attempts + 1, error = x.error,
+  retry_at = CASE WHEN x.wait > 0 THEN clock_timestamp() + x.wait * interval '1 microsecond' END
+FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS x (id, error, wait) WHERE t.id = x.id`
 }
 
 // Dispatch takes up to opts.Limit pending rows in id order (past
@@ -114,7 +124,8 @@ FROM unnest($1::bigint[], $2::text[]) AS x (id, error) WHERE t.id = x.id`
 // that another Dispatch holds, calls send with them and a results slice of
 // the same length, and records the results: rows sent are marked sent (or
 // deleted, with DeleteSent), rows parked are parked, the others stay
-// pending. It all happens in one transaction, which holds the rows locked
+// pending (those that failed, until their RetryAfter has passed: a
+// Dispatch does not take a row before its retry_at). It all happens in one transaction, which holds the rows locked
 // from the take to the commit: a send function that publishes with
 // confirms therefore marks a row sent only after its confirm, and a
 // process that dies before the commit leaves its rows pending, for the
@@ -200,6 +211,7 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 
 	var sent, parked, failed []int64
 	var parkedWhy, failedWhy []string
+	var failedWait []int64 // microseconds
 	for i, r := range results {
 		switch {
 		case r.Sent:
@@ -210,6 +222,7 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 		case r.Failed != nil:
 			failed = append(failed, msgs[i].ID)
 			failedWhy = append(failedWhy, r.Failed.Error())
+			failedWait = append(failedWait, max(0, r.RetryAfter.Microseconds()))
 		}
 	}
 	parked, parkedWhy = append(parked, corrupt...), append(parkedWhy, corruptWhy...)
@@ -232,10 +245,10 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 		b.Queue(o.markSentSQL(deleteSent), sent)
 	}
 	if len(parked) > 0 {
-		b.Queue(o.markSQL("parked"), parked, parkedWhy)
+		b.Queue(o.markSQL("parked"), parked, parkedWhy, make([]int64, len(parked)))
 	}
 	if len(failed) > 0 {
-		b.Queue(o.markSQL("pending"), failed, failedWhy)
+		b.Queue(o.markSQL("pending"), failed, failedWhy, failedWait)
 	}
 	if err := tx.SendBatch(wctx, &b).Close(); err != nil {
 		return res, o.unreachable("dispatch: record the results", err)

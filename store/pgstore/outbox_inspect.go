@@ -47,7 +47,10 @@ type OutboxRow struct {
 	Attempts  int
 	SentAt    time.Time // zero unless sent
 	Error     string    // why parked, or the last failed send
-	BodySize  int
+	// RetryAt is when a pending row whose send failed is sent again, not
+	// before; zero for a row that goes at the next dispatch.
+	RetryAt  time.Time
+	BodySize int
 }
 
 // OutboxFilter selects the rows of [Outbox.List].
@@ -71,7 +74,7 @@ func (o *Outbox) List(ctx context.Context, f OutboxFilter) ([]OutboxRow, error) 
 	if f.Limit <= 0 {
 		f.Limit = 100
 	}
-	rows, err := o.pool.Query(ctx, `SELECT id, message_id, exchange, routing_key, state, created_at, attempts, sent_at, COALESCE(error, ''), octet_length(body)
+	rows, err := o.pool.Query(ctx, `SELECT id, message_id, exchange, routing_key, state, created_at, attempts, sent_at, COALESCE(error, ''), retry_at, octet_length(body)
 FROM `+o.n.qualified+`
 WHERE ($1 = '' OR state = $1) AND id > $2
 ORDER BY id LIMIT $3`, f.State, f.AfterID, f.Limit)
@@ -82,12 +85,15 @@ ORDER BY id LIMIT $3`, f.State, f.AfterID, f.Limit)
 	var out []OutboxRow
 	for rows.Next() {
 		var r OutboxRow
-		var sent *time.Time
-		if err := rows.Scan(&r.ID, &r.MessageID, &r.Exchange, &r.Key, &r.State, &r.Created, &r.Attempts, &sent, &r.Error, &r.BodySize); err != nil {
+		var sent, retry *time.Time
+		if err := rows.Scan(&r.ID, &r.MessageID, &r.Exchange, &r.Key, &r.State, &r.Created, &r.Attempts, &sent, &r.Error, &retry, &r.BodySize); err != nil {
 			return nil, o.unreachable("list", err)
 		}
 		if sent != nil {
 			r.SentAt = *sent
+		}
+		if retry != nil {
+			r.RetryAt = *retry
 		}
 		out = append(out, r)
 	}
@@ -99,12 +105,15 @@ ORDER BY id LIMIT $3`, f.State, f.AfterID, f.Limit)
 
 // Retry sends parked rows back to pending, for the relay to send again
 // (once their cause is fixed: a queue bound, a limit raised), and wakes
-// the relays. ids selects the rows; nil selects every parked row. It
-// returns how many rows it moved; rows that are not parked are left as
-// they are.
+// the relays. It also clears the wait of pending rows whose send failed
+// (their retry_at), so that they go at once too (a full queue that was
+// drained). ids selects the rows; nil selects every parked or waiting
+// row. It returns how many rows it changed; other rows are left as they
+// are.
 func (o *Outbox) Retry(ctx context.Context, ids []int64) (int64, error) {
-	tag, err := o.pool.Exec(ctx, `UPDATE `+o.n.qualified+` SET state = 'pending'
-WHERE state = 'parked' AND ($1::bigint[] IS NULL OR id = ANY($1))`, ids)
+	tag, err := o.pool.Exec(ctx, `UPDATE `+o.n.qualified+` SET state = 'pending', retry_at = NULL
+WHERE (state = 'parked' OR state = 'pending' AND retry_at > statement_timestamp())
+  AND ($1::bigint[] IS NULL OR id = ANY($1))`, ids)
 	if err != nil {
 		return 0, o.unreachable("retry", err)
 	}

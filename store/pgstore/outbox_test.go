@@ -437,6 +437,75 @@ func TestOutboxDispatchRecordsEachResult(t *testing.T) {
 	assert.Equal(t, int64(4), deleted)
 }
 
+// A row whose send failed with a RetryAfter is left out of the
+// dispatches until its retry_at, which List shows; the rows after it are
+// taken meanwhile. Retry clears the wait, and the row goes at once.
+func TestOutboxFailedRowWaitsForItsRetryAt(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	ctx := context.Background()
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: "full"})
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: "soon"})
+	before := time.Now()
+	_, res := collect(t, ob, 10, func(m pgstore.OutboxMessage) pgstore.OutboxResult {
+		if m.Publishing.MessageId == "full" {
+			return pgstore.OutboxResult{Failed: errors.New("nacked"), RetryAfter: time.Hour}
+		}
+		return pgstore.OutboxResult{Failed: errors.New("nacked")} // no wait
+	})
+	assert.Equal(t, pgstore.DispatchResult{Taken: 2, Failed: 2}, res)
+
+	rows, err := ob.List(ctx, pgstore.OutboxFilter{State: "pending"})
+	require.NoError(t, err)
+	require.Len(t, rows, 2)
+	assert.WithinDuration(t, before.Add(time.Hour), rows[0].RetryAt, time.Minute, "the row's next attempt")
+	assert.True(t, rows[1].RetryAt.IsZero(), "a failed row without RetryAfter goes at the next dispatch")
+
+	got, _ := collect(t, ob, 10, func(pgstore.OutboxMessage) pgstore.OutboxResult { return pgstore.OutboxResult{} })
+	require.Len(t, got, 1, "the row waiting for its retry_at is not taken")
+	assert.Equal(t, "soon", got[0].Publishing.MessageId)
+
+	n, err := ob.Retry(ctx, []int64{rows[0].ID})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), n, "a waiting row is retried")
+	n, err = ob.Retry(ctx, []int64{rows[1].ID})
+	require.NoError(t, err)
+	assert.Zero(t, n, "a pending row that does not wait is left as it is")
+	got, _ = collect(t, ob, 10, sent)
+	require.Len(t, got, 2)
+	assert.Equal(t, "full", got[0].Publishing.MessageId)
+	assert.Equal(t, 1, got[0].Attempts)
+	rows, err = ob.List(ctx, pgstore.OutboxFilter{})
+	require.NoError(t, err)
+	for _, r := range rows {
+		assert.Equal(t, "sent", r.State)
+		assert.True(t, r.RetryAt.IsZero())
+	}
+}
+
+// A table made before the retry_at column was added fails Check with
+// ErrSchema, which gives the ALTER TABLE to run; Migrate adds the column
+// and keeps the rows.
+func TestOutboxMigrateAddsRetryAt(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `ALTER TABLE `+ob.Table()+` DROP COLUMN retry_at`)
+	require.NoError(t, err)
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: "kept"})
+
+	err = ob.Check(ctx)
+	require.ErrorIs(t, err, pgstore.ErrSchema)
+	assert.Contains(t, err.Error(), `ALTER TABLE "`+ob.Table()+`" ADD COLUMN IF NOT EXISTS retry_at timestamptz`)
+	assert.Contains(t, err.Error(), "Migrate")
+
+	require.NoError(t, ob.Migrate(ctx))
+	require.NoError(t, ob.Check(ctx))
+	got, _ := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	assert.Equal(t, "kept", got[0].Publishing.MessageId)
+}
+
 // A dispatch that ends without recording (its process dies: here, its
 // transaction is rolled back by a failed commit) leaves its rows pending.
 func TestOutboxDispatchWithoutCommitLeavesRowsPending(t *testing.T) {

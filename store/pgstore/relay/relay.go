@@ -55,15 +55,25 @@
 //     passed): the row stays pending, and the relay backs off before it
 //     tries again.
 //
-// A dispatch none of whose rows was confirmed makes the relay back off;
-// one that had some confirmed does not (RabbitMQ is there; the others'
-// queues could not take them). Either way the next dispatch takes the
-// rows past this batch's, while there are any, before it starts from
-// the first pending row again: rows that keep failing (a queue that
-// stays full) are sent again once per such pass, and do not hold back
-// the rows written after them. Rows left pending are logged at Warn,
-// with their number and the first one's reason: at each backoff, and at
-// most once per BackoffMax otherwise.
+// A row that failed (nacked, or no confirm) waits for its own backoff
+// before it is taken again: its retry_at is set to a time drawn as the
+// relay's backoff is (Options.BackoffMin, BackoffMax), growing with the
+// row's attempts, and dispatches skip it until then. Meanwhile they take
+// the rows after it, so rows that keep failing (a queue that stays full),
+// however many batches they fill, do not hold back the rows written
+// after them. The relay wakes when the rows it failed are due again
+// (rounded up to BackoffMin), besides its polls.
+//
+// The relay itself backs off only when it, not a row, failed: the
+// database could not be reached, or a dispatch had no row confirmed and
+// one failed for another cause than a nack (RabbitMQ is down or does not
+// confirm, and the next batch would fare no better). A dispatch whose
+// rows were all nacked does not make it wait: RabbitMQ is there, and the
+// rows' queues could not take them. The next dispatch takes the rows past
+// this batch's, while there are any, before it starts from the first
+// pending row again. Rows left pending are logged at Warn, with their
+// number and the first one's reason: at each backoff, and at most once
+// per BackoffMax otherwise.
 //
 // It wakes when a transaction that wrote a row commits (LISTEN on the
 // outbox's channel, which [pgstore.Outbox.Write] notifies), and polls every
@@ -109,6 +119,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"time"
 
@@ -176,10 +187,13 @@ type Options struct {
 	// flight, so that their connections go back to the pool open.
 	// Default 5s.
 	StopTimeout time.Duration
-	// BackoffMin and BackoffMax bound the wait after a dispatch that
-	// could not reach the database, or none of whose rows RabbitMQ
-	// confirmed (nacked, or no confirm): the n-th wait is drawn from
-	// [0, min(BackoffMax, BackoffMin·2ⁿ)]. Defaults 100ms and 10s.
+	// BackoffMin and BackoffMax bound the relay's wait after a dispatch
+	// that could not reach the database, or none of whose rows RabbitMQ
+	// confirmed and one of which failed for another cause than a nack
+	// (no confirm): the n-th wait in a row is drawn from
+	// [0, min(BackoffMax, BackoffMin·2ⁿ)]. They bound, the same way, the
+	// wait of a row whose send failed (nacked, or no confirm) before it is
+	// sent again, n being its attempts. Defaults 100ms and 10s.
 	BackoffMin, BackoffMax time.Duration
 	// Observer receives the relay's events.
 	Observer Observer
@@ -312,6 +326,9 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 	// Rows left pending since the last record of them, and when it was.
 	var unsent int
 	var warned time.Time
+	// When the rows that this loop's dispatches failed are due again:
+	// the wait for the next poll ends at the first.
+	due := retries{step: r.bmin}
 	warn := func(why error, retryIn time.Duration) {
 		attrs := []slog.Attr{slog.Int("rows", unsent), slog.Any("error", why)}
 		if retryIn > 0 {
@@ -322,7 +339,7 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 	}
 	for ctx.Err() == nil {
 		from := after
-		res, why, last, err := r.dispatch(ctx, from)
+		res, out, last, err := r.dispatch(ctx, from)
 		if err == nil {
 			// Past this batch while rows may remain beyond it; from the
 			// first again once the pass reached the end.
@@ -332,6 +349,9 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 			}
 		}
 		unsent += res.Failed
+		for _, d := range out.waits {
+			due.add(time.Now().Add(d))
+		}
 		switch {
 		case errors.Is(err, broker.ErrClosed):
 			return err
@@ -346,16 +366,18 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 			continue
 		case res.Failed > 0 && ctx.Err() != nil:
 			return nil // stopped: the rows stay pending
-		case res.Failed > 0 && res.Sent == 0:
-			// RabbitMQ nacked them all, could not be reached, or did not
-			// confirm in time: they stay pending.
+		case res.Failed > 0 && res.Sent == 0 && out.down:
+			// RabbitMQ could not be reached, or did not confirm in time:
+			// the rows stay pending, and so would the next batch's.
 			failures++
 			d := r.backoff(failures)
-			warn(why, d)
+			warn(out.why, d)
 			clock.Sleep(ctx, d)
 			continue
 		case res.Failed > 0 && time.Since(warned) >= r.bmax:
-			warn(why, 0)
+			// Nacked rows, or some rows confirmed: RabbitMQ is there,
+			// and the failed rows wait for their retry_at alone.
+			warn(out.why, 0)
 		}
 		failures = 0
 		if prunes && r.retention > 0 && !time.Now().Before(nextPrune) {
@@ -377,15 +399,65 @@ func (r *Relay) sendLoop(ctx context.Context, wake <-chan struct{}, prunes bool)
 		if res.Taken >= r.batch || res.Taken == 0 && from > 0 {
 			continue // more are waiting, or the pass starts again
 		}
-		t := time.NewTimer(r.poll)
+		wait := r.poll
+		if next, ok := due.next(); ok {
+			wait = max(0, min(wait, time.Until(next)))
+		}
+		t := time.NewTimer(wait)
 		select {
 		case <-wake:
 		case <-t.C:
 		case <-ctx.Done():
 		}
 		t.Stop()
+		due.passed(time.Now())
 	}
 	return nil
+}
+
+// retries holds the times at which rows that failed are due again,
+// rounded up to a multiple of step (BackoffMin), so that it holds at most
+// BackoffMax/BackoffMin + 1 of them (each is BackoffMax at most ahead),
+// however many rows wait.
+type retries struct {
+	step time.Duration
+	at   []time.Time // ascending, distinct
+}
+
+func (q *retries) add(t time.Time) {
+	if q.step > 0 {
+		if u := t.Truncate(q.step); u.Before(t) {
+			t = u.Add(q.step)
+		}
+	}
+	i, found := slices.BinarySearchFunc(q.at, t, time.Time.Compare)
+	if !found {
+		q.at = slices.Insert(q.at, i, t)
+	}
+}
+
+// next returns the first time, if any.
+func (q *retries) next() (time.Time, bool) {
+	if len(q.at) == 0 {
+		return time.Time{}, false
+	}
+	return q.at[0], true
+}
+
+// passed drops the times up to now.
+func (q *retries) passed(now time.Time) {
+	i, _ := slices.BinarySearchFunc(q.at, now, time.Time.Compare)
+	for i < len(q.at) && !q.at[i].After(now) {
+		i++
+	}
+	q.at = slices.Delete(q.at, 0, i)
+}
+
+// outcome is what dispatch says of the rows that failed.
+type outcome struct {
+	why   error           // the first failed row's reason
+	down  bool            // one failed for a cause other than a nack: RabbitMQ is unreachable, or slow
+	waits []time.Duration // the RetryAfter given to each row that failed
 }
 
 func (r *Relay) backoff(n int) time.Duration {
@@ -412,13 +484,13 @@ func (r *Relay) lingering(ctx context.Context) (context.Context, context.CancelF
 }
 
 // dispatch takes and sends one batch of the rows past after, and returns
-// its counts, the first failed row's reason (when res.Failed > 0) and the
-// highest id it sent. Its statements and publishes outlive ctx by
+// its counts, what it found of the rows that failed (when res.Failed > 0)
+// and the highest id it sent. Its statements and publishes outlive ctx by
 // StopTimeout at most (see lingering), so that a stop does not throw away
 // confirms that are on their way, nor the connection of a statement in
 // flight; a batch taken after the stop is not sent, and its rows stay
 // pending.
-func (r *Relay) dispatch(ctx context.Context, after int64) (res pgstore.DispatchResult, why error, last int64, err error) {
+func (r *Relay) dispatch(ctx context.Context, after int64) (res pgstore.DispatchResult, out outcome, last int64, err error) {
 	var closed error
 	// The rows are held past the longest send (PublishTimeout, then
 	// StopTimeout) and the recording's own bound, and no longer: a relay
@@ -459,10 +531,14 @@ func (r *Relay) dispatch(ctx context.Context, after int64) (res pgstore.Dispatch
 			}
 		}
 		for _, x := range results {
-			if !x.Sent && x.Park == nil && x.Failed != nil {
-				why = x.Failed
-				break
+			if x.Sent || x.Park != nil || x.Failed == nil {
+				continue
 			}
+			if out.why == nil {
+				out.why = x.Failed
+			}
+			out.waits = append(out.waits, x.RetryAfter)
+			out.down = out.down || !errors.Is(x.Failed, broker.ErrNacked)
 		}
 	})
 	if res.Taken > 0 && r.obs.Dispatched != nil {
@@ -471,7 +547,7 @@ func (r *Relay) dispatch(ctx context.Context, after int64) (res pgstore.Dispatch
 	if err == nil {
 		err = closed
 	}
-	return res, why, last, err
+	return res, out, last, err
 }
 
 // traced returns ctx with the writer's trace context of m, if any.
@@ -488,7 +564,9 @@ func (r *Relay) publish(ctx context.Context, m *pgstore.OutboxMessage) error {
 }
 
 // result classifies err, what publish returned for m; a row parked is
-// logged under the writer's trace context.
+// logged under the writer's trace context. A row that failed is left out
+// of the dispatches for a backoff that grows with its attempts, as the
+// relay's own does with its failures.
 func (r *Relay) result(ctx context.Context, m *pgstore.OutboxMessage, err error) pgstore.OutboxResult {
 	ctx = r.traced(ctx, m)
 	if err == nil {
@@ -504,7 +582,7 @@ func (r *Relay) result(ctx context.Context, m *pgstore.OutboxMessage, err error)
 	if cause := context.Cause(ctx); cause != nil && errors.Is(err, ctx.Err()) {
 		err = fmt.Errorf("%w (%w)", err, cause)
 	}
-	return pgstore.OutboxResult{Failed: err}
+	return pgstore.OutboxResult{Failed: err, RetryAfter: r.backoff(m.Attempts + 1)}
 }
 
 // parks reports whether err says that RabbitMQ will not take the message

@@ -521,10 +521,11 @@ func TestRelayParksOnlyWhatCannotSucceed(t *testing.T) {
 
 // A message that RabbitMQ nacks is one it cannot take now (here a queue at
 // its length limit that rejects publishes; in a cluster, a quorum queue
-// electing its leader): its row stays pending, and is sent again after the
-// relay's backoff, never parked, and confirmed once the queue has room.
-// The relay says so at Warn once per failed dispatch, with the reason,
-// not once per row.
+// electing its leader): its row stays pending, and is sent again after its
+// own backoff (its retry_at), never parked, and confirmed once the queue
+// has room. With a poll of an hour and no write, only the relay's wake at
+// the rows' retry_at sends them again. The relay says so at Warn once per
+// failed dispatch at most, with the reason, not once per row.
 func TestRelayKeepsNackedRowsPending(t *testing.T) {
 	f := newFixture(t)
 	full := f.declareFull()
@@ -534,7 +535,7 @@ func TestRelayKeepsNackedRowsPending(t *testing.T) {
 	logs := &recorder{}
 	var failedDispatches, parked atomic.Int64
 	stop := f.run(relay.New(f.ob, f.b, relay.Options{
-		Logger: slog.New(logs), Senders: 1, PollInterval: 50 * time.Millisecond,
+		Logger: slog.New(logs), Senders: 1, PollInterval: time.Hour,
 		BackoffMin: 10 * time.Millisecond, BackoffMax: 100 * time.Millisecond,
 		Observer: relay.Observer{Dispatched: func(_ context.Context, _, p, failed int) {
 			parked.Add(int64(p))
