@@ -405,6 +405,20 @@ func TestRelayKeepsRowsWhoseConfirmDidNotCome(t *testing.T) {
 	assert.Equal(t, 12, attempts)
 }
 
+// While RabbitMQ cannot be reached, the relay itself backs off between
+// dispatches, rather than walk the backlog a batch at a time giving
+// each row a wait of its own: in a second, with waits of 150 ms on
+// average, it tries a handful of rows, not hundreds.
+func TestRelayBacksOffWhileRabbitMQIsDown(t *testing.T) {
+	f := newFixture(t)
+	p := &flaky{Publisher: f.b}
+	p.failures.Store(math.MaxInt64)
+	f.write(f.queue, 200, false)
+	f.run(relay.New(f.ob, p, relay.Options{BatchSize: 1, Senders: 1, PollInterval: time.Hour, BackoffMin: 300 * time.Millisecond, BackoffMax: 300 * time.Millisecond}))
+	require.Never(t, func() bool { return p.calls.Load() >= 50 }, time.Second, 10*time.Millisecond, "publishes while RabbitMQ is down")
+	assert.Equal(t, int64(200), f.stats().Pending)
+}
+
 // A publisher whose confirms come only after the relay was told to stop:
 // Run waits for them, and records the rows sent, so that no relay sends
 // them again. Each Publish says on started that the relay sent it, then
