@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
@@ -240,6 +241,33 @@ func testHandlerRedeliveryWhileHeldCountsNothing(t *testing.T, opts pgstore.Hand
 	assert.Zero(t, got.Failures, "failures counted for the attempt that runs")
 	require.NoError(t, <-first, "the first copy")
 	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
+// The row that sends a key's next delivery to Dedup's claim, written
+// after a claim in the transaction ended, waits a second at most for a
+// row of the key that another transaction holds (the claim's own, whose
+// statement the server may still run after the consumer's side of its
+// connection closed), not for as long as that transaction lasts.
+func TestForgottenRowWaitsALockWaitAtMost(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	table := uniqueTable(t, pool)
+	st := newStore(t, pool, pgstore.Options{Table: table})
+	holder, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { holder.Rollback(context.Background()) })
+	_, err = holder.Exec(ctx, `INSERT INTO `+table+` (key, token, lease_until, forget_at) VALUES ($1, NULL, now(), now())`, []byte("m1"))
+	require.NoError(t, err)
+
+	fctx, cancel := context.WithTimeout(ctx, 5*time.Second) // else, before the bound, it waits for the holder
+	defer cancel()
+	start := time.Now()
+	err = pgstore.Forget(fctx, st, "m1", time.Hour)
+	took := time.Since(start)
+	var pe *pgconn.PgError
+	require.ErrorAs(t, err, &pe, "the row is held: the statement gives up")
+	assert.Equal(t, "55P03", pe.Code, "lock_not_available")
+	assert.Less(t, took, 3*time.Second, "the wait for the held row")
 }
 
 // The deadline of the stack's Timeout ends the transaction claimed in it:

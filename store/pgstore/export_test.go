@@ -1,6 +1,11 @@
 package pgstore
 
-import "github.com/rabbitmw/rabbitmw"
+import (
+	"context"
+	"time"
+
+	"github.com/rabbitmw/rabbitmw"
+)
 
 // ClaimSQL is the statement of s's claims, for the tests of its commit
 // mode.
@@ -32,4 +37,11 @@ func GroupQueued(h rabbitmw.Handler) int {
 		n += len(g.queue)
 	}
 	return n
+}
+
+// Forget writes, as the claim of a transaction that ended does, the row
+// that sends the next delivery of key to Dedup's claim.
+func Forget(ctx context.Context, s *Store, key string, retention time.Duration) error {
+	_, err := s.pool.Exec(ctx, s.forgottenSQL, []byte(key), retention.Microseconds())
+	return err
 }
