@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -532,4 +533,63 @@ func testHandlerClaimInTxRetentionFromSuccess(t *testing.T, opts pgstore.Handler
 			assert.Less(t, took, retention/2, "the copy was not handled soon after the success")
 		})
 	}
+}
+
+// A connection that breaks while the function runs, because the database
+// went away (its address now black-holed, as in a network partition or
+// a server that hangs as it stops), is not the message's failure: the
+// delivery answers at once that the store is unavailable, not counted.
+// It does not first spend CommitTimeout on writing a forgotten row to the
+// database that is gone (the row is for a session that the server ended,
+// idle for the lease, which this one was not), and so it does not pass
+// its deadline meanwhile and get counted as a handler that timed out.
+func TestHandlerClaimInTxConnectionLostInAnOutage(t *testing.T) {
+	inEveryMode(t, testHandlerClaimInTxConnectionLostInAnOutage)
+}
+
+func testHandlerClaimInTxConnectionLostInAnOutage(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	var down atomic.Bool
+	pool := newPoolWith(t, func(cfg *pgxpool.Config) {
+		dial := cfg.ConnConfig.DialFunc
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if down.Load() {
+				<-ctx.Done() // black-holed: no answer, not even a refusal
+				return nil, ctx.Err()
+			}
+			return dial(ctx, network, addr)
+		}
+	})
+	admin := newPool(t)
+	f := newInbox(t, pool)
+	var broke atomic.Bool
+	fn := func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil || broke.Swap(true) {
+			return err
+		}
+		down.Store(true)
+		var pid int
+		require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+		_, err := admin.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid)
+		require.NoError(t, err)
+		_, err = tx.Exec(ctx, `SELECT 1`)
+		require.Error(t, err, "a statement on the terminated session")
+		return err
+	}
+	opts.CommitTimeout = 3 * time.Second
+	h := middleware.Stack(f.st, middleware.StackOptions{Timeout: time.Second})(pgstore.Handler(f.st, fn, opts))
+	start := time.Now()
+	err := h.Handle(ctx, delivery("m1"))
+	took := time.Since(start)
+	down.Store(false)
+	require.ErrorIs(t, err, middleware.ErrStoreUnavailable)
+	assert.NotErrorIs(t, err, middleware.ErrTimeout)
+	assert.True(t, rabbitmw.IsNotCounted(err), "%v is counted", err)
+	assert.Less(t, took, opts.CommitTimeout, "the delivery waited on the database that had gone")
+	got, err := f.st.Inspect(ctx, "m1")
+	require.NoError(t, err)
+	assert.Zero(t, got.Failures, "failures counted for the outage")
+	assert.Equal(t, 0, f.count(t, "m1"), "effects of the broken transaction")
+	require.NoError(t, h.Handle(ctx, delivery("m1")), "once the database is back")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
 }
