@@ -114,7 +114,7 @@ func (h *txHandler) HandleClaiming(ctx context.Context, d *amqp.Delivery, st sto
 // handleAlone is HandleClaiming for a delivery of key that may be claimed
 // in a transaction, in a transaction of its own.
 func (h *txHandler) handleAlone(ctx context.Context, d *amqp.Delivery, key string, lease, retention time.Duration) (bool, error) {
-	c := &txClaim{key: key, start: time.Now(), retention: retention}
+	c := &txClaim{key: key, start: time.Now(), lease: lease, retention: retention}
 	t0, err := h.begin(ctx)
 	switch {
 	case err != nil && ctx.Err() != nil:
@@ -147,12 +147,18 @@ func claimBusy(key string, err error) error {
 }
 
 // A txClaim is a claim made in a transaction: the key's row, inserted as
-// a done mark of retention by a statement sent at start.
+// a done mark of retention by a statement sent at start, which set the
+// session's idle_in_transaction_session_timeout to the lease.
 type txClaim struct {
-	key       string
-	start     time.Time
-	retention time.Duration
+	key              string
+	start            time.Time
+	lease, retention time.Duration
 }
+
+// mayHaveIdled reports whether the server may have ended c's session for
+// being idle for the lease: only once a lease has passed since the claim,
+// the session's last sign of life that c knows of.
+func (c *txClaim) mayHaveIdled() bool { return time.Since(c.start) >= c.lease }
 
 // claim sends the claim c, with the lease, in one round trip, and reports
 // whether it inserted the key's row: first the BEGIN, unless the
@@ -302,20 +308,31 @@ func (h *inbox) claimEnded(ctx context.Context, c *txClaim, err error) error {
 // closed returns the result of a delivery whose claim c, made in t, ended
 // with t's connection, which closed while the function ran: rolled back,
 // nothing committed. The function returned err, nil or an error that does
-// not say why (it dropped the error of the statement that found the
-// connection closed; if that error was the server's idle timeout, the
-// function waits longer than the lease, every time). So the next delivery
-// of the key goes to Dedup's claim, as after claimEnded: else it would be
-// claimed in its transaction again, end the same way, and never be
-// counted. The result is the function's error, as failed makes it, or,
-// if it returned nil, that the claim ended before its success was
-// recorded.
+// not say why.
+//
+// The server may have ended the session, left idle for the lease (the
+// function dropped the error that said so; if it waits longer than the
+// lease once, it does every time). Then the next delivery of the key goes
+// to Dedup's claim, as after claimEnded: else it would be claimed in its
+// transaction again, end the same way, and never be counted. Otherwise
+// (less than a lease since the claim) the connection broke or the
+// database went away, and writing that row would wait, up to
+// CommitTimeout, on the database that is gone, holding the worker and
+// passing the delivery's deadline for nothing.
+//
+// The result is the function's error, as failed makes it when the
+// function returned, or, if it returned nil, that the claim ended before
+// its success was recorded.
 func (h *inbox) closed(ctx context.Context, t txn, c *txClaim, err error) error {
-	h.forget(ctx, c)
 	if err != nil {
-		return h.failed(ctx, t, c.key, err)
+		err = h.failed(ctx, t, c.key, err)
+	} else {
+		err = rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: the connection of the transaction that claimed %q closed while its function ran, which returned nil (the server ends a transaction left idle for the lease): rolled back", middleware.ErrLeaseLost, c.key), h.retry)
 	}
-	return rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: the connection of the transaction that claimed %q closed while its function ran, which returned nil (the server ends a transaction left idle for the lease): rolled back", middleware.ErrLeaseLost, c.key), h.retry)
+	if c.mayHaveIdled() {
+		h.forget(ctx, c)
+	}
+	return err
 }
 
 // forget writes the row that sends the next delivery of c's key to

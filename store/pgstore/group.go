@@ -259,7 +259,7 @@ func (gr *grouper) run(ctx context.Context, g *group, m *member, d *amqp.Deliver
 		gr.pass(ctx, g)
 		return false, nil
 	}
-	m.start = time.Now()
+	m.start, m.lease = time.Now(), lease
 	g.claims++
 	m.savepoint = savepointName(g.claims)
 	// The claim waits lockWait at most for a row that another
