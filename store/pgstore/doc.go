@@ -87,7 +87,10 @@
 //     for a lost claim, and the message's next delivery is claimed by
 //     Dedup, whose renewals let the function take its time; so it is
 //     when the connection closed under the function, which dropped the
-//     error that said why.
+//     error that said why, a lease or more after the claim. A connection
+//     that closes sooner broke, or the database went away: the message is
+//     tried again after RetryDelay, not counted, claimed in its
+//     transaction again.
 //
 // [SQLHandler] is the same on database/sql, through pgx's stdlib driver,
 // for code written against *sql.Tx (sqlc, sqlx, GORM), always under
