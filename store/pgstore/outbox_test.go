@@ -257,6 +257,63 @@ func TestOutboxWriteKeepsHeaderStringsThatAreNotText(t *testing.T) {
 	assert.Equal(t, headers, got[0].Publishing.Headers)
 }
 
+// A trace context that the table cannot hold as text (a propagator that
+// writes a NUL, or bytes that are not UTF-8) never fails the write: its
+// entries that are not text are dropped, the others kept, and the message
+// goes out as it was written. The caller's transaction goes on; through
+// database/sql too.
+func TestOutboxWriteDropsTraceEntriesThatAreNotText(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{Inject: func(_ context.Context, c map[string]string) {
+		c["traceparent"] = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+		c["tracestate"] = "a=\x00"
+		c["baggage"] = "caf\xe9"
+		c["x-\x00"] = "v"
+		c["x-\xff"] = "v"
+	}})
+	only := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: ob.Table(), Inject: func(_ context.Context, c map[string]string) {
+		c["tracestate"] = "\x00"
+	}})
+	ctx := context.Background()
+	msg := amqp.Publishing{MessageId: "order", Headers: amqp.Table{"h": "v"}, Body: []byte("paid")}
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = ob.Write(ctx, tx, "", "q", msg)
+	require.NoError(t, err, "the trace context fails the write")
+	msg.MessageId = "nothing left"
+	_, err = only.Write(ctx, tx, "", "q", msg)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `SELECT 1`)
+	require.NoError(t, err, "the transaction goes on")
+	require.NoError(t, tx.Commit(ctx))
+
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	stx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	msg.MessageId = "via-sql"
+	_, err = ob.WriteSQL(ctx, stx, "", "q", msg)
+	require.NoError(t, err)
+	require.NoError(t, stx.Commit())
+
+	got, res := collect(t, ob, 10, sent)
+	require.Len(t, got, 3)
+	assert.Equal(t, pgstore.DispatchResult{Taken: 3, Sent: 3}, res)
+	kept := map[string]string{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+	for i, want := range []struct {
+		id    string
+		trace map[string]string
+	}{{"order", kept}, {"nothing left", nil}, {"via-sql", kept}} {
+		m := got[i]
+		assert.Equal(t, want.id, m.Publishing.MessageId)
+		assert.Equal(t, want.trace, m.Trace, "%s: the trace context", want.id)
+		assert.Equal(t, amqp.Table{"h": "v"}, m.Publishing.Headers, "%s: the headers", want.id)
+		assert.Equal(t, []byte("paid"), m.Publishing.Body, "%s: the body", want.id)
+	}
+}
+
 // A schema-qualified table name may be longer than PostgreSQL's 63
 // bytes of a channel name: Write still writes, and notifies on the
 // channel that Channel names and a relay listens on.
