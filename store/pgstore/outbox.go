@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -46,7 +47,10 @@ type OutboxOptions struct {
 	// traceparent and tracestate, as an OpenTelemetry propagator does).
 	// The map is stored with the row, and the relay hands it back when it
 	// sends the message, so that the send joins the writer's trace.
-	// otelmw's Telemetry.InjectMap is one.
+	// otelmw's Telemetry.InjectMap is one. An entry whose name or value
+	// is not UTF-8 text without NUL bytes, which the table cannot hold,
+	// is dropped (the others are kept), so that the trace context never
+	// fails the write; Inject changes nothing of the message.
 	Inject func(ctx context.Context, carrier map[string]string)
 }
 
@@ -360,6 +364,9 @@ func (o *Outbox) row(ctx context.Context, exchange, key string, msg amqp.Publish
 	if o.inject != nil {
 		carrier := map[string]string{}
 		o.inject(ctx, carrier)
+		// An entry that jsonb cannot hold would fail the INSERT, and with
+		// it the caller's transaction: a trace must never cost the write.
+		maps.DeleteFunc(carrier, func(k, v string) bool { return !isText(k) || !isText(v) })
 		if len(carrier) > 0 {
 			b, _ := json.Marshal(carrier) // a map of strings always encodes
 			s := string(b)
