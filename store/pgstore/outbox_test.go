@@ -150,6 +150,60 @@ func TestOutboxWriteRefusesWhatCannotBeSent(t *testing.T) {
 	assert.Zero(t, s.Pending)
 }
 
+// RabbitMQ routes a message by the strings of its CC and BCC headers too
+// (sender-selected distribution), which must be arrays of strings: it
+// refuses one of another type by closing the channel (the relay's, with
+// the publishes in flight beside it), and skips an element that is not a
+// string, so that the message misses a queue. Write refuses both, naming
+// the header, before anything is written. An array of strings, empty or
+// not UTF-8, and a header of another name, are written.
+func TestOutboxWriteRefusesSenderKeysThatAreNotStrings(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	ctx := context.Background()
+	for name, tc := range map[string]struct {
+		header string
+		v      any
+	}{
+		"a CC string":                    {"CC", "audit"},
+		"a BCC string":                   {"BCC", "audit"},
+		"a CC table":                     {"CC", amqp.Table{"audit": true}},
+		"a void CC":                      {"CC", nil},
+		"a CC of bytes":                  {"CC", []byte("audit")},
+		"an int in CC":                   {"CC", []any{"audit", int32(7)}},
+		"bytes in BCC":                   {"BCC", []any{[]byte("audit")}},
+		"an array in BCC":                {"BCC", []any{[]any{"audit"}}},
+		"a void in CC beside a good BCC": {"CC", []any{nil}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			tx, err := pool.Begin(ctx)
+			require.NoError(t, err)
+			defer tx.Rollback(ctx)
+			headers := amqp.Table{tc.header: tc.v}
+			if tc.header == "CC" {
+				headers["BCC"] = []any{"bcc"}
+			}
+			_, err = ob.Write(ctx, tx, "", "q", amqp.Publishing{Headers: headers})
+			require.ErrorIs(t, err, pgstore.ErrInvalidMessage)
+			assert.Contains(t, err.Error(), strconv.Quote(tc.header), "the error names the header")
+			_, err = tx.Exec(ctx, `SELECT 1`)
+			require.NoError(t, err, "the transaction goes on")
+		})
+	}
+	s, err := ob.Stats(ctx)
+	require.NoError(t, err)
+	assert.Zero(t, s.Pending, "nothing was written")
+
+	good := amqp.Table{
+		"CC": []any{"audit", "caf\xe9"}, "BCC": []any{},
+		"cc": "not routed by", "nested": amqp.Table{"CC": "not routed by"},
+	}
+	write(t, pool, ob, "q", amqp.Publishing{Headers: good})
+	got, _ := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	assert.Equal(t, good, got[0].Publishing.Headers)
+}
+
 func float64NaN() float64 { var z float64; return z / z }
 
 // A message at the limits of what AMQP carries and amqp091 reads back,
