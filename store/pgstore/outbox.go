@@ -24,13 +24,16 @@ const DefaultOutboxTable = "rabbitmw_outbox"
 // property that AMQP 0-9-1 cannot carry, or a header of a type it does not
 // send; an Expiration that RabbitMQ refuses (not a whole number of
 // milliseconds, negative, or over ten years), which would close the
-// relay's channel and park the rows in flight on it; or one that the
-// outbox table cannot hold: an exchange, routing
-// key, header name or property (MessageId, CorrelationId, ContentType, …)
-// that holds a NUL byte or bytes that are not UTF-8, as PostgreSQL's text
-// holds neither. (A header's string value may hold any bytes: it is
-// stored as its bytes and sent as it was written.) Nothing is written,
-// and the caller's transaction is left as it was.
+// relay's channel and park the rows in flight on it; a CC or BCC header
+// (whose strings RabbitMQ routes the message by, besides its routing key)
+// that is not an array of strings: RabbitMQ refuses one of another type
+// in the same way, and skips an element that is not a string; or one that
+// the outbox table cannot hold: an exchange, routing key, header name or
+// property (MessageId, CorrelationId, ContentType, …) that holds a NUL
+// byte or bytes that are not UTF-8, as PostgreSQL's text holds neither.
+// (A header's string value may hold any bytes: it is stored as its bytes
+// and sent as it was written.) Nothing is written, and the caller's
+// transaction is left as it was.
 var ErrInvalidMessage = errors.New("pgstore: invalid outbox message")
 
 // OutboxOptions configures an [Outbox]. The zero value selects the
