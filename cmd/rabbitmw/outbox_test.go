@@ -38,6 +38,29 @@ func newCLIOutbox(t *testing.T) (*pgxpool.Pool, *pgstore.Outbox, string) {
 	return pool, ob, url
 }
 
+// An lsRow is a row of outbox ls --json.
+type lsRow struct {
+	ID        int64      `json:"id"`
+	MessageID string     `json:"message_id"`
+	Exchange  string     `json:"exchange"`
+	Key       string     `json:"routing_key"`
+	State     string     `json:"state"`
+	Error     string     `json:"error"`
+	RetryAt   *time.Time `json:"retry_at"`
+	BodySize  int        `json:"body_size"`
+}
+
+// outboxLs runs outbox ls --json on table, with args, and returns the
+// rows it printed.
+func outboxLs(t *testing.T, url, table string, args ...string) []lsRow {
+	t.Helper()
+	out, stderr, code := cli(t, "", nil, append([]string{"outbox", "ls", "--postgres", url, "--table", table, "--json"}, args...)...)
+	expectCode(t, "outbox ls --json "+strings.Join(args, " "), code, exitOK, stderr)
+	var rows []lsRow
+	require.NoError(t, json.Unmarshal([]byte(out), &rows), out)
+	return rows
+}
+
 // rabbitmw outbox ls, stats and retry on an outbox with a row of each
 // state, and a pending one that waits after a failed send; retry refuses
 // to act on nothing named.
@@ -74,16 +97,7 @@ func TestOutboxCommands(t *testing.T) {
 		assert.Contains(t, words, want)
 	}
 
-	out, stderr, code = cli(t, "", nil, "outbox", "ls", "--postgres", url, "--table", table, "--state", "parked", "--json")
-	expectCode(t, "outbox ls --state parked", code, exitOK, stderr)
-	var rows []struct {
-		ID        int64  `json:"id"`
-		MessageID string `json:"message_id"`
-		State     string `json:"state"`
-		Error     string `json:"error"`
-		BodySize  int    `json:"body_size"`
-	}
-	require.NoError(t, json.Unmarshal([]byte(out), &rows), out)
+	rows := outboxLs(t, url, table, "--state", "parked")
 	require.Len(t, rows, 1)
 	assert.Equal(t, "parked-1", rows[0].MessageID)
 	assert.Equal(t, "broker: message unroutable", rows[0].Error)
@@ -94,13 +108,7 @@ func TestOutboxCommands(t *testing.T) {
 	for _, want := range []string{"sent-1", "parked-1", "pending-1", "unroutable", "NEXT ATTEMPT", "nacked"} {
 		assert.Contains(t, out, want)
 	}
-	out, stderr, code = cli(t, "", nil, "outbox", "ls", "--postgres", url, "--table", table, "--state", "pending", "--json")
-	expectCode(t, "outbox ls --state pending", code, exitOK, stderr)
-	var pending []struct {
-		MessageID string     `json:"message_id"`
-		RetryAt   *time.Time `json:"retry_at"`
-	}
-	require.NoError(t, json.Unmarshal([]byte(out), &pending), out)
+	pending := outboxLs(t, url, table, "--state", "pending")
 	require.Len(t, pending, 2)
 	assert.Equal(t, "pending-1", pending[0].MessageID)
 	assert.Nil(t, pending[0].RetryAt, "a row that goes at the next dispatch")
@@ -190,15 +198,7 @@ VALUES ('plain', '', 'q', '{}', '', 'parked', $1)`, c1)
 	assert.Contains(t, lines[2], strconv.Quote(c1))
 	assert.NotContains(t, lines[2], `"plain"`, "printable text is printed as it is")
 
-	out, stderr, code = cli(t, "", nil, "outbox", "ls", "--postgres", url, "--table", ob.Table(), "--json")
-	expectCode(t, "outbox ls --json", code, exitOK, stderr)
-	var rows []struct {
-		MessageID string `json:"message_id"`
-		Exchange  string `json:"exchange"`
-		Key       string `json:"routing_key"`
-		Error     string `json:"error"`
-	}
-	require.NoError(t, json.Unmarshal([]byte(out), &rows), out)
+	rows := outboxLs(t, url, ob.Table())
 	require.Len(t, rows, 2)
 	assert.Equal(t, id, rows[0].MessageID)
 	assert.Equal(t, exchange, rows[0].Exchange)
