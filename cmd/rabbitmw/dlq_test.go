@@ -3,14 +3,17 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
@@ -219,4 +222,153 @@ func TestReplayRefusesAnotherQueue(t *testing.T) {
 	n, err := b.Len(ctx, other)
 	require.NoError(t, err)
 	assert.Zero(t, n, "messages in %s", other)
+}
+
+// rawControls are characters that must not reach the operator's terminal
+// from a dead letter: an escape sequence's ESC, a carriage return, a bell,
+// a tab, a vertical tab, a form feed, a C1 control (CSI) and a
+// right-to-left override.
+var rawControls = []string{"\x1b", "\r", "\a", "\t", "\v", "\f", "\u009b", "\u202e"}
+
+// noRawControls fails t if out holds a character of rawControls.
+func noRawControls(t *testing.T, what, out string) {
+	t.Helper()
+	for _, c := range rawControls {
+		assert.NotContains(t, out, c, "%s printed %q:\n%s", what, c, out)
+	}
+}
+
+// A dead letter comes from any publisher: dlq ls and dlq show print its
+// id, queues, error type, error, properties, headers and body escaped
+// where they hold control characters (an escape sequence, a carriage
+// return, a bell, a C1 control, a bidi override), so that they neither
+// break the table nor rewrite the operator's terminal; ls shortens the
+// error without cutting an escape in two; --json keeps every byte; the
+// errors that name the messages quote them.
+func TestDLQEscapesWhatIsNotPrintable(t *testing.T) {
+	b, url, q := setupQueue(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const (
+		id        = "m\x1b[2J\a1"
+		queue     = "orders\x1b]0;owned\x07"
+		errType   = "*x.\x1b[31mError"
+		host      = "h\x1b[5m"
+		firstErr  = "first\x1b[3m"
+		expires   = "60000\x1b[2J"
+		note      = "x-note\x1b[8m"
+		noteValue = "v\u202ev"
+		corrID    = "c\x1b[1m"
+		typ       = "t\a"
+		appID     = "app\u202e"
+		id2       = "p\u009b2"
+		from      = "q\x1b[2K"
+		reason    = "expired\r"
+	)
+	// The error is cut at 60 runes in the table, among escaped characters.
+	why := "refused:\r\x1b[1A fake\nline " + strings.Repeat("x", 30) + "\x1b[2J\x1b[H\u009b31m\u202e\a tail of the error"
+	body := "line one\n\x1b[2Jline two\r\n"
+	h := faulty(queue, errType, why, time.Now())
+	h[broker.HeaderHost] = host
+	h[broker.HeaderFirstError] = firstErr
+	h[broker.HeaderOriginalExpiration] = expires
+	h[note] = noteValue
+	h["x-nested"] = amqp.Table{"inner": "a\rb", "list": []any{"\x1b[H"}}
+	require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: id, CorrelationId: corrID, Type: typ, AppId: appID,
+		Headers: h, Body: []byte(body)}))
+	require.NoError(t, b.Publish(ctx, "", q+".dlq", amqp.Publishing{MessageId: id2,
+		Headers: amqp.Table{"x-first-death-queue": from, "x-first-death-reason": reason}}))
+
+	// dlq ls: a line a message, each field escaped.
+	out, stderr, code := cli(t, url, nil, "dlq", "ls", "-q", q)
+	expectCode(t, "dlq ls", code, exitOK, stderr)
+	noRawControls(t, "dlq ls", out)
+	lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
+	require.Len(t, lines, 4, "a header, two messages and the count:\n%s", out)
+	for _, want := range []string{strconv.Quote(id), strconv.Quote(queue), strconv.Quote(errType)} {
+		assert.Contains(t, lines[1], want)
+	}
+	assert.Contains(t, lines[2], strconv.Quote(id2))
+	assert.Contains(t, lines[2], "("+strconv.Quote(from)+", "+strconv.Quote(reason)+")")
+	// The error cell, the last column: at most 60 runes, the escaped start
+	// of the error on one line, its quotes closed, and "…".
+	col := strings.LastIndex(lines[0], "ERROR")
+	cell := string([]rune(lines[1])[col:])
+	assert.LessOrEqual(t, utf8.RuneCountInString(cell), 60, "error cell %s", cell)
+	shown, ok := strings.CutSuffix(cell, "…")
+	require.True(t, ok, "error cell %s is not cut", cell)
+	start, err := strconv.Unquote(shown)
+	require.NoError(t, err, "error cell %s: an escape cut in two, or the quotes not closed", cell)
+	assert.True(t, strings.HasPrefix(oneLine(why), start), "error cell %s is not the start of the error", cell)
+	assert.Greater(t, len(start), len("refused: fake line "), "error cell %s", cell)
+
+	// dlq ls --json keeps every byte.
+	out, stderr, code = cli(t, url, nil, "dlq", "ls", "-q", q, "--json")
+	expectCode(t, "dlq ls --json", code, exitOK, stderr)
+	var listed []deadletter.Message
+	require.NoError(t, json.Unmarshal([]byte(out), &listed), out)
+	require.Len(t, listed, 2)
+	assert.Equal(t, id, listed[0].ID)
+	assert.Equal(t, queue, listed[0].Queue)
+	assert.Equal(t, errType, listed[0].ErrorType)
+	assert.Equal(t, why, listed[0].Error)
+	assert.Equal(t, firstErr, listed[0].FirstError)
+	assert.Equal(t, host, listed[0].Host)
+	assert.Equal(t, id2, listed[1].ID)
+	assert.Equal(t, from, listed[1].DeadLetteredFrom)
+	assert.Equal(t, reason, listed[1].Reason)
+
+	// dlq show: every field, property, header name and value escaped; the
+	// body a line at a time.
+	out, stderr, code = cli(t, url, nil, "dlq", "show", "-q", q, id, id2)
+	expectCode(t, "dlq show", code, exitOK, stderr)
+	noRawControls(t, "dlq show", out)
+	for _, want := range []string{
+		strconv.Quote(id), strconv.Quote(queue), strconv.Quote(errType), strconv.Quote(why), strconv.Quote(firstErr),
+		strconv.Quote(host), strconv.Quote(expires) + " ms", strconv.Quote(corrID), strconv.Quote(typ), strconv.Quote(appID),
+		strconv.Quote(note) + ": " + strconv.Quote(noteValue), "inner: " + strconv.Quote("a\rb"), "[0]: " + strconv.Quote("\x1b[H"),
+		"  line one\n  " + strconv.Quote("\x1b[2Jline two\r") + "\n",
+		strconv.Quote(id2), strconv.Quote(from), strconv.Quote(reason),
+	} {
+		assert.Contains(t, out, want)
+	}
+
+	// dlq show --json keeps every byte.
+	out, stderr, code = cli(t, url, nil, "dlq", "show", "-q", q, "--json", id)
+	expectCode(t, "dlq show --json", code, exitOK, stderr)
+	var shownJSON []struct {
+		ID      string                     `json:"id"`
+		Error   string                     `json:"error"`
+		Message deadletter.ExportedMessage `json:"message"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &shownJSON), out)
+	require.Len(t, shownJSON, 1)
+	m := shownJSON[0]
+	assert.Equal(t, id, m.ID)
+	assert.Equal(t, why, m.Error)
+	assert.Equal(t, id, m.Message.Properties.MessageID)
+	assert.Equal(t, corrID, m.Message.Properties.CorrelationID)
+	assert.Equal(t, typ, m.Message.Properties.Type)
+	assert.Equal(t, appID, m.Message.Properties.AppID)
+	require.Contains(t, m.Message.Headers, note)
+	var v string
+	require.NoError(t, json.Unmarshal(m.Message.Headers[note].Value, &v))
+	assert.Equal(t, noteValue, v)
+	raw, err := base64.StdEncoding.DecodeString(m.Message.Body)
+	require.NoError(t, err)
+	assert.Equal(t, body, string(raw))
+
+	// The errors that name a message or a queue quote them: a missing id,
+	// a replay refused for the messages' queues.
+	_, stderr, code = cli(t, url, nil, "dlq", "show", "-q", q, "nope\x1b[2J")
+	expectCode(t, "dlq show of a missing id", code, exitNotFound, stderr)
+	noRawControls(t, "dlq show of a missing id", stderr)
+	assert.Contains(t, stderr, strconv.Quote("nope\x1b[2J"))
+	_, stderr, code = cli(t, url, nil, "dlq", "replay", "-q", q, "--id", id)
+	expectCode(t, "dlq replay of a message of another queue", code, exitRefused, stderr)
+	noRawControls(t, "dlq replay of a message of another queue", stderr)
+	assert.Contains(t, stderr, strconv.Quote(id)+" names "+strconv.Quote(queue))
+	n, err := b.Len(ctx, q+".dlq")
+	require.NoError(t, err)
+	assert.Equal(t, 2, n, "messages in the dead-letter queue")
 }
