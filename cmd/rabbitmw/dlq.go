@@ -172,8 +172,8 @@ func (e *env) dlqGroups(ctx context.Context, args []string) error {
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "GROUP\tCOUNT\tERROR TYPE\tFIRST SEEN\tLAST SEEN\tSAMPLE\tERROR")
 	for _, g := range groups {
-		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", g.ID, g.Count, orDash(g.ErrorType),
-			stamp(g.FirstSeen), stamp(g.LastSeen), orDash(g.Sample.Key), cut(oneLine(g.Pattern), 80))
+		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", g.ID, g.Count, orDash(printable(g.ErrorType)),
+			stamp(g.FirstSeen), stamp(g.LastSeen), orDash(printable(g.Sample.Key)), clip(oneLine(g.Pattern), 80))
 	}
 	w.Flush()
 	fmt.Fprintf(e.stdout, "%d group(s) of %d message(s); select one with --group GROUP\n", len(groups), len(dls))
@@ -187,24 +187,27 @@ func nonNil(dls []*deadletter.Message) []*deadletter.Message {
 	return dls
 }
 
-// table prints dead-lettered messages, one a line.
+// table prints dead-lettered messages, one a line, their text as
+// printable shows it: a dead letter comes from any publisher.
 func (e *env) table(dls []*deadletter.Message) {
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "ID\tQUEUE\tATTEMPTS\tERROR TYPE\tFIRST FAILURE\tLAST FAILURE\tREPLAYS\tSIZE\tERROR")
 	for _, dl := range dls {
-		queue := dl.Queue
+		queue := printable(dl.Queue)
 		if queue == "" {
 			queue = "-"
 			if dl.DeadLetteredFrom != "" {
-				queue = "(" + dl.DeadLetteredFrom + ", " + dl.Reason + ")"
+				queue = "(" + printable(dl.DeadLetteredFrom) + ", " + printable(dl.Reason) + ")"
 			}
 		}
-		text := dl.Error
+		// The malformed headers' names are the broker's own, and stay
+		// outside the error's quotes.
+		text := clip(oneLine(causeFirst(dl.Error)), 60)
 		if len(dl.Malformed) > 0 {
-			text = "[malformed: " + strings.Join(dl.Malformed, ", ") + "] " + text
+			text = strings.TrimSuffix("[malformed: "+strings.Join(dl.Malformed, ", ")+"] "+text, " ")
 		}
-		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\t%s\t%d\t%d\t%s\n", orDash(dl.Key), queue, dl.Attempts, orDash(dl.ErrorType),
-			stamp(dl.FirstFailure), stamp(dl.LastFailure), dl.Replays, dl.BodySize, cut(oneLine(causeFirst(text)), 60))
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\t%s\t%d\t%d\t%s\n", orDash(printable(dl.Key)), queue, dl.Attempts, orDash(printable(dl.ErrorType)),
+			stamp(dl.FirstFailure), stamp(dl.LastFailure), dl.Replays, dl.BodySize, text)
 	}
 	w.Flush()
 	fmt.Fprintf(e.stdout, "%d message(s)\n", len(dls))
@@ -247,6 +250,28 @@ func cut(s string, n int) string {
 	}
 	r := []rune(s)
 	return string(r[:n-1]) + "…"
+}
+
+// clip returns s as printable shows it, in at most n runes: if that is
+// longer, the printable form of the longest start of s that leaves room
+// for a "…" after it. s is escaped first and then cut, between two of its
+// characters: never inside an escape, and a quoted start keeps its
+// closing quote, so that what a cell shows unquotes to the start of s.
+func clip(s string, n int) string {
+	p := printable(s)
+	if utf8.RuneCountInString(p) <= n {
+		return p
+	}
+	shown := ""
+	for i := 0; i < len(s); {
+		_, size := utf8.DecodeRuneInString(s[i:])
+		longer := printable(s[:i+size])
+		if utf8.RuneCountInString(longer) > n-1 {
+			break
+		}
+		shown, i = longer, i+size
+	}
+	return shown + "…"
 }
 
 func (e *env) dlqShow(ctx context.Context, args []string) error {
@@ -300,14 +325,17 @@ func (e *env) dlqShow(ctx context.Context, args []string) error {
 func (e *env) show(dl *deadletter.Message) {
 	d := dl.Delivery
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
-	row := func(k, v string) {
+	// line prints a row whose value is printable already; row prints a
+	// field of the message, as printable shows it.
+	line := func(k, v string) {
 		if v != "" {
 			fmt.Fprintf(w, "%s\t%s\n", k, v)
 		}
 	}
-	row("id", orDash(dl.ID))
+	row := func(k, v string) { line(k, printable(v)) }
+	line("id", orDash(printable(dl.ID)))
 	if dl.ID == "" && dl.Key != "" {
-		row("key", dl.Key+" (the MD5 of the body, as the consumers' Dedup and Retry know it)")
+		line("key", printable(dl.Key)+" (the MD5 of the body, as the consumers' Dedup and Retry know it)")
 	}
 	row("queue", dl.Queue)
 	row("dead-lettered from", dl.DeadLetteredFrom)
@@ -324,7 +352,7 @@ func (e *env) show(dl *deadletter.Message) {
 	row("process", dl.Process)
 	row("replays", strconv.Itoa(dl.Replays))
 	if ms := originalExpiration(d.Headers); ms != "" {
-		row("original expiration", ms+" ms (not applied in the dead-letter queue, nor on a replay)")
+		line("original expiration", printable(ms)+" ms (not applied in the dead-letter queue, nor on a replay)")
 	}
 	row("malformed headers", strings.Join(dl.Malformed, ", "))
 	row("content type", d.ContentType)
@@ -340,15 +368,33 @@ func (e *env) show(dl *deadletter.Message) {
 	fmt.Fprintln(e.stdout, "headers:")
 	printTable(e.stdout, d.Headers, "  ")
 	fmt.Fprintln(e.stdout, "body:")
-	body := d.Body
+	printBody(e.stdout, d.Body, 2048)
+}
+
+// printBody prints at most the first limit bytes of body, indented, as
+// printable shows it: text a line at a time, so that it keeps its lines
+// and a control character is escaped in the line that holds it; what is
+// not UTF-8 on one line. The cut falls at the start of a character, if
+// one begins in its last 3 bytes.
+func printBody(w io.Writer, body []byte, limit int) {
 	more := ""
-	if len(body) > 2048 {
-		body, more = body[:2048], fmt.Sprintf("… (%d bytes more)", len(d.Body)-2048)
+	if len(body) > limit {
+		n := limit
+		for n > 0 && n > limit-utf8.UTFMax+1 && !utf8.RuneStart(body[n]) {
+			n--
+		}
+		body, more = body[:n], fmt.Sprintf("… (%d bytes more)", len(body)-n)
 	}
+	lines := []string{string(body)}
 	if utf8.Valid(body) {
-		fmt.Fprintf(e.stdout, "  %s%s\n", body, more)
-	} else {
-		fmt.Fprintf(e.stdout, "  %q%s\n", body, more)
+		lines = strings.Split(strings.TrimSuffix(lines[0], "\n"), "\n")
+	}
+	for i, l := range lines {
+		if i == len(lines)-1 {
+			fmt.Fprintf(w, "  %s%s\n", printable(l), more)
+		} else {
+			fmt.Fprintf(w, "  %s\n", printable(l))
+		}
 	}
 }
 
@@ -375,10 +421,12 @@ func originalExpiration(h amqp.Table) string {
 // indented.
 func printTable(w interface{ Write([]byte) (int, error) }, t amqp.Table, indent string) {
 	for _, k := range slices.Sorted(maps.Keys(t)) {
-		printValue(w, k, t[k], indent)
+		printValue(w, printable(k), t[k], indent)
 	}
 }
 
+// printValue prints v, named k (printable already), a string as
+// printable shows it.
 func printValue(w interface{ Write([]byte) (int, error) }, k string, v any, indent string) {
 	switch x := v.(type) {
 	case amqp.Table:
@@ -394,7 +442,7 @@ func printValue(w interface{ Write([]byte) (int, error) }, k string, v any, inde
 	case []byte:
 		fmt.Fprintf(w, "%s%s (bytes): %q\n", indent, k, x)
 	case string:
-		fmt.Fprintf(w, "%s%s: %s\n", indent, k, x)
+		fmt.Fprintf(w, "%s%s: %s\n", indent, k, printable(x))
 	default:
 		fmt.Fprintf(w, "%s%s (%T): %v\n", indent, k, v, v)
 	}

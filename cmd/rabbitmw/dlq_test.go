@@ -372,3 +372,65 @@ func TestDLQEscapesWhatIsNotPrintable(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 2, n, "messages in the dead-letter queue")
 }
+
+// clip escapes first and then cuts, between two characters: what it
+// returns is at most n runes, and is printable's form of s or of a start
+// of s followed by "…", its quotes closed.
+func TestClip(t *testing.T) {
+	for _, s := range []string{
+		"orders.paid: payment gateway failed",
+		"café über alles",
+		"a\x1b[2Jb\x1b[Hc\u009b31m\u202ed",
+		"\x1b\x1b\x1b\x1b\x1b\x1b",
+		`"quoted" text`,
+		"bytes\xff\xfe and more",
+		"",
+	} {
+		for n := 1; n <= len(s)*6+4; n++ {
+			got := clip(s, n)
+			assert.LessOrEqual(t, utf8.RuneCountInString(got), n, "clip(%q, %d) = %s", s, n, got)
+			if got == printable(s) {
+				continue
+			}
+			shown, ok := strings.CutSuffix(got, "…")
+			if !assert.True(t, ok, "clip(%q, %d) = %s: cut without a …", s, n, got) {
+				continue
+			}
+			start := shown
+			if strings.HasPrefix(shown, `"`) {
+				var err error
+				start, err = strconv.Unquote(shown)
+				if !assert.NoError(t, err, "clip(%q, %d) = %s", s, n, got) {
+					continue
+				}
+			}
+			assert.True(t, strings.HasPrefix(s, start), "clip(%q, %d) = %s: not a start of s", s, n, got)
+			assert.Equal(t, printable(start), shown, "clip(%q, %d)", s, n)
+		}
+	}
+	assert.Equal(t, "orders…", clip("orders.paid", 7))
+	assert.Equal(t, `"a\x1b"…`, clip("a\x1b[2J", 8))
+	assert.Equal(t, "a…", clip("a\x1b[2J", 7), "an escape is never cut in two")
+}
+
+// printBody prints a body a line at a time, escaped, and cuts a long one
+// at the start of a character.
+func TestPrintBody(t *testing.T) {
+	for _, tc := range []struct {
+		body  string
+		limit int
+		want  string
+	}{
+		{"{\"a\": 1}\n", 100, "  {\"a\": 1}\n"},
+		{"one\ntwo", 100, "  one\n  two\n"},
+		{"ok\n\x1b[2Jbad\r\n", 100, "  ok\n  \"\\x1b[2Jbad\\r\"\n"},
+		{"", 100, "  \n"},
+		{"xé", 2, "  x… (2 bytes more)\n"},
+		{"ab\U0001F600", 5, "  ab… (4 bytes more)\n"},
+		{"a\xffb\nc", 100, "  \"a\\xffb\\nc\"\n"},
+	} {
+		var buf bytes.Buffer
+		printBody(&buf, []byte(tc.body), tc.limit)
+		assert.Equal(t, tc.want, buf.String(), "printBody(%q, %d)", tc.body, tc.limit)
+	}
+}
