@@ -302,6 +302,12 @@ func TestDLQEscapesWhatIsNotPrintable(t *testing.T) {
 	assert.True(t, strings.HasPrefix(oneLine(why), start), "error cell %s is not the start of the error", cell)
 	assert.Greater(t, len(start), len("refused: fake line "), "error cell %s", cell)
 
+	// dlq groups: the error type and the error's pattern escaped.
+	out, stderr, code = cli(t, url, nil, "dlq", "groups", "-q", q)
+	expectCode(t, "dlq groups", code, exitOK, stderr)
+	noRawControls(t, "dlq groups", out)
+	assert.Contains(t, out, strconv.Quote(errType))
+
 	// dlq ls --json keeps every byte.
 	out, stderr, code = cli(t, url, nil, "dlq", "ls", "-q", q, "--json")
 	expectCode(t, "dlq ls --json", code, exitOK, stderr)
