@@ -60,6 +60,7 @@ var behaviours = []struct {
 	{"PublishConcurrent", testPublishConcurrent},
 	{"Observer", testObserver},
 	{"PublishInvalidMessage", testPublishInvalid},
+	{"PublishInvalidSenderKeys", testPublishInvalidSenderKeys},
 	{"PublishFrameBoundary", testPublishFrameBoundary},
 	{"DeadLetterCopyCutToFit", testDeadLetterCopyCutToFit},
 	{"DelayCopyTooBigIsDeadLettered", testDelayCopyTooBigIsDeadLettered},

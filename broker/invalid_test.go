@@ -326,3 +326,55 @@ func TestRabbitMQPropertiesSizeIsTheWireSize(t *testing.T) {
 		}
 	}
 }
+
+// RabbitMQ routes a message by the strings of its CC and BCC headers as
+// by its routing key (sender-selected distribution), and takes each as an
+// array of strings: it refuses a header of another type by closing the
+// channel, which fails the publishes in flight beside it, and skips an
+// element that is not a string, so that the message misses a queue
+// without a word. Publish refuses both with ErrInvalidMessage, naming the
+// header, before anything is sent: the shared session stays, and the good
+// publish after each goes. An array of strings, empty or not, goes.
+func testPublishInvalidSenderKeys(t *testing.T, be backend) {
+	f := setup(t, be, Topology{})
+	ctx := testContext(t, 20*time.Second)
+	require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{Body: []byte("before")}), "Publish")
+	before := f.sharedSession()
+	sent := 1
+	for _, c := range []struct {
+		name, header string
+		v            any
+		want         string
+	}{
+		{"a CC string", "CC", f.q, "not an array of strings"},
+		{"a BCC string", "BCC", f.q, "not an array of strings"},
+		{"a CC table", "CC", amqp.Table{f.q: true}, "not an array of strings"},
+		{"a void CC", "CC", nil, "not an array of strings"},
+		{"a CC of bytes", "CC", []byte(f.q), "not an array of strings"},
+		{"an int in CC", "CC", []any{f.q, int32(7)}, "not a string"},
+		{"bytes in BCC", "BCC", []any{[]byte(f.q)}, "not a string"},
+		{"an array in BCC", "BCC", []any{[]any{f.q}}, "not a string"},
+		{"a void in CC", "CC", []any{nil}, "not a string"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			err := f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: "bad", Headers: amqp.Table{c.header: c.v}})
+			require.ErrorIs(t, err, ErrInvalidMessage, "Publish")
+			assert.Contains(t, err.Error(), strconv.Quote(c.header), "the error names the header")
+			assert.Contains(t, err.Error(), c.want)
+			require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: "good"}), "the publish after")
+			sent++
+		})
+	}
+	for _, h := range []amqp.Table{
+		{"CC": []any{f.q}, "BCC": []any{}},
+		{"CC": []any{}, "cc": "not routed by", "nested": amqp.Table{"CC": "not routed by"}},
+	} {
+		require.NoError(t, f.b.Publish(ctx, "", f.q, amqp.Publishing{MessageId: "good", Headers: h}), "Publish with %v", h)
+		sent++
+	}
+	assert.Equal(t, sent, f.length(f.q), "messages in the queue: the good ones alone")
+	if f.sharedSession() != before {
+		t.Errorf("the shared session was replaced; want it untouched")
+	}
+	f.drain(f.q)
+}
