@@ -377,7 +377,10 @@ func (b *Broker) do(ctx context.Context, op string, f func(session) error) error
 // (MessageId, CorrelationId, ReplyTo, Type, AppId, UserId, ContentType,
 // ContentEncoding, Expiration) over 255 bytes; an Expiration that RabbitMQ
 // refuses by closing the channel (not a whole number of milliseconds in
-// decimal, negative, or over ten years); a header value of a type
+// decimal, negative, or over ten years); a CC or BCC header that is not an
+// array of strings (RabbitMQ refuses one of another type by closing the
+// channel, and skips an element that is not a string, so that the message
+// misses a queue); a header value of a type
 // amqp091 does not send (it sends bool, int8, uint8, int16, uint16,
 // int32, uint32, int64, float32, float64, amqp.Decimal, string, []byte,
 // time.Time, amqp.Table, []any and nil; an int only within 32 bits), a

@@ -224,7 +224,8 @@
 // (ErrNacked). Messages are persistent unless the caller says otherwise,
 // and get a random MessageId when they have none. A message that cannot
 // be sent as it is (a property over 255 bytes, a header amqp091 cannot
-// send or read back, headers too big for a frame) is refused at once with
+// send or read back, headers too big for a frame, a CC or BCC header that
+// is not an array of strings) is refused at once with
 // ErrInvalidMessage, and the connection is left alone.
 //
 // A nack is returned to its caller, and the connection goes on; the

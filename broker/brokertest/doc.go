@@ -20,10 +20,11 @@
 //     reaches no queue, is returned as unroutable (broker.ErrUnroutable),
 //     and one to an internal exchange is refused (403);
 //   - sender-selected distribution: the strings of the CC and BCC headers
-//     (arrays; a header of another type is refused with 406) route a
-//     message as its routing key does, BCC is removed before delivery, and
-//     dead-lettering through a queue's x-dead-letter-routing-key removes
-//     CC;
+//     (arrays of strings; a header of another type, or an element that is
+//     not a string, is refused before it is sent, as on RabbitMQ:
+//     broker.ErrInvalidMessage) route a message as its routing key does,
+//     BCC is removed before delivery, and dead-lettering through a queue's
+//     x-dead-letter-routing-key removes CC;
 //   - publisher confirms, at once or after a delay (Server.SetConfirmDelay);
 //   - durable queues with the arguments x-queue-type ("quorum" or
 //     "classic"), x-message-ttl, x-dead-letter-exchange (the default

@@ -9,6 +9,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitmw/rabbitmw/internal/expiration"
+	"github.com/rabbitmw/rabbitmw/internal/header"
 	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
@@ -32,7 +33,9 @@ const FrameOverhead = 8
 // CheckPublishing checks that a publish of msg to exchange with routing key
 // key can be sent, and read back by amqp091: names and short-string
 // properties of at most 255 bytes, and headers of the types amqp091 sends,
-// with names of at most 255 bytes, nested and sized within what it reads.
+// with names of at most 255 bytes, nested and sized within what it reads;
+// and that RabbitMQ takes it as written: an Expiration it reads, CC and
+// BCC headers that are arrays of strings (see header.CheckSenderKeys).
 // It returns the size of the frame payload that will carry msg's properties
 // and headers, for FitFrame, or an error wrapping ErrInvalidMessage that
 // names the field and the limit.
@@ -74,6 +77,9 @@ func CheckPublishing(exchange, key string, msg amqp.Publishing) (size int, err e
 		size += 8
 	}
 	if len(msg.Headers) > 0 {
+		if err := header.CheckSenderKeys(msg.Headers); err != nil {
+			return 0, fmt.Errorf("%w: header %w", ErrInvalidMessage, err)
+		}
 		n, fe := tableSize(msg.Headers, 0)
 		if fe != nil {
 			return 0, fmt.Errorf("%w: header %s: %s", ErrInvalidMessage, fe.path, fe.why)
