@@ -624,3 +624,69 @@ func testHandlerClaimInTxLeaseBeyondTheIdleTimeout(t *testing.T, opts pgstore.Ha
 	assert.Equal(t, store.Done, f.status(t, "m1"), "key")
 	assert.Equal(t, 1, f.count(t, "m1"), "effects")
 }
+
+// A connection that an administrator's pg_terminate_backend (or a crash,
+// or a broken network) ends less than a lease after the claim is the
+// store's failure, whatever the function then returns: the delivery
+// answers that the store is unavailable, not counted, and no lost lease
+// is reported, since no lease passed; the next delivery is claimed in
+// its transaction again. Before, a function that dropped the error of
+// the statement that found the session ended (returning nil) was told
+// that its claim ended with the lease, the server having ended the
+// transaction left idle that long: a lease_lost in the outage, and an
+// error that sent the reader to look for an idle function.
+func TestHandlerClaimInTxSessionEndedWithinTheLease(t *testing.T) {
+	inEveryMode(t, testHandlerClaimInTxSessionEndedWithinTheLease)
+}
+
+func testHandlerClaimInTxSessionEndedWithinTheLease(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	admin := newPool(t)
+	f := newInbox(t, newPool(t))
+	for _, c := range []struct {
+		name string
+		// result is what the function returns after the statement that
+		// failed with err, on the session that was ended.
+		result func(err error) error
+	}{
+		{"returns the error", func(err error) error { return err }},
+		{"drops the error", func(error) error { return nil }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			id := strings.ReplaceAll(c.name, " ", "-")
+			var mu sync.Mutex
+			var events []middleware.DedupEventKind
+			dedup := middleware.DedupOptions{Observe: func(_ context.Context, e middleware.DedupEvent) {
+				mu.Lock()
+				defer mu.Unlock()
+				events = append(events, e.Kind)
+			}}
+			var underClaim []bool
+			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				_, ok := middleware.ClaimFrom(ctx)
+				underClaim = append(underClaim, ok)
+				if err := f.insert(ctx, tx, d); err != nil || len(underClaim) > 1 {
+					return err
+				}
+				var pid int
+				require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+				_, err := admin.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid)
+				require.NoError(t, err)
+				_, err = tx.Exec(ctx, `SELECT 1`)
+				require.Error(t, err, "a statement on the ended session")
+				return c.result(err)
+			}, opts), dedup)
+			err := h.Handle(ctx, delivery(id))
+			require.ErrorIs(t, err, middleware.ErrStoreUnavailable, "the first delivery")
+			assert.NotErrorIs(t, err, middleware.ErrLeaseLost, "the first delivery")
+			assert.True(t, rabbitmw.IsNotCounted(err), "%v is counted", err)
+			mu.Lock()
+			assert.NotContains(t, events, middleware.DedupLeaseLost, "events of the first delivery")
+			mu.Unlock()
+			assert.Equal(t, 0, f.count(t, id), "effects of the ended transaction")
+			require.NoError(t, h.Handle(ctx, delivery(id)), "the next delivery")
+			assert.Equal(t, []bool{false, false}, underClaim, "the deliveries ran under a claim of Dedup's")
+			assert.Equal(t, 1, f.count(t, id), "effects")
+		})
+	}
+}
