@@ -568,13 +568,7 @@ func testHandlerClaimInTxConnectionLostInAnOutage(t *testing.T, opts pgstore.Han
 			return err
 		}
 		down.Store(true)
-		var pid int
-		require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
-		_, err := admin.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid)
-		require.NoError(t, err)
-		_, err = tx.Exec(ctx, `SELECT 1`)
-		require.Error(t, err, "a statement on the terminated session")
-		return err
+		return endSession(t, ctx, admin, tx)
 	}
 	opts.CommitTimeout = 3 * time.Second
 	h := middleware.Stack(f.st, middleware.StackOptions{Timeout: time.Second})(pgstore.Handler(f.st, fn, opts))
@@ -592,6 +586,20 @@ func testHandlerClaimInTxConnectionLostInAnOutage(t *testing.T, opts pgstore.Han
 	assert.Equal(t, 0, f.count(t, "m1"), "effects of the broken transaction")
 	require.NoError(t, h.Handle(ctx, delivery("m1")), "once the database is back")
 	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
+// endSession ends the session of tx through admin, as an administrator's
+// pg_terminate_backend does, once it has gone, and returns the error of
+// tx's next statement, which finds it ended.
+func endSession(t *testing.T, ctx context.Context, admin *pgxpool.Pool, tx pgx.Tx) error {
+	t.Helper()
+	var pid int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	_, err := admin.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `SELECT 1`)
+	require.Error(t, err, "a statement on the ended session")
+	return err
 }
 
 // A lease longer than idle_in_transaction_session_timeout can hold (2^31-1
@@ -668,13 +676,7 @@ func testHandlerClaimInTxSessionEndedWithinTheLease(t *testing.T, opts pgstore.H
 				if err := f.insert(ctx, tx, d); err != nil || len(underClaim) > 1 {
 					return err
 				}
-				var pid int
-				require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
-				_, err := admin.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid)
-				require.NoError(t, err)
-				_, err = tx.Exec(ctx, `SELECT 1`)
-				require.Error(t, err, "a statement on the ended session")
-				return c.result(err)
+				return c.result(endSession(t, ctx, admin, tx))
 			}, opts), dedup)
 			err := h.Handle(ctx, delivery(id))
 			require.ErrorIs(t, err, middleware.ErrStoreUnavailable, "the first delivery")
