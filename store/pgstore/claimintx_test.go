@@ -692,3 +692,44 @@ func testHandlerClaimInTxSessionEndedWithinTheLease(t *testing.T, opts pgstore.H
 		})
 	}
 }
+
+// A function that bounds a statement with a deadline of its own (a
+// context.WithTimeout around one query) fails its attempt when that
+// deadline passes: pgx closes the connection to cancel the statement, and
+// that closed connection is the function's doing, not the database's.
+// The attempt is counted, on either path, so that a message whose query
+// always overruns is dead-lettered after its attempts rather than tried
+// again for ever as if the store were unavailable.
+func TestHandlerFunctionsOwnDeadlineIsCounted(t *testing.T) {
+	inEveryMode(t, testHandlerFunctionsOwnDeadlineIsCounted)
+}
+
+func testHandlerFunctionsOwnDeadlineIsCounted(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	fn := func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		qctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		defer cancel()
+		if _, err := tx.Exec(qctx, `SELECT pg_sleep(2)`); err != nil {
+			return fmt.Errorf("the report query: %w", err)
+		}
+		return nil
+	}
+	for _, p := range f.paths() {
+		t.Run(p.name, func(t *testing.T) {
+			id := strings.ReplaceAll(p.name, " ", "-")
+			h := p.stack(pgstore.Handler(f.st, fn, opts), middleware.DedupOptions{})
+			err := h.Handle(ctx, delivery(id))
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
+			assert.False(t, rabbitmw.IsNotCounted(err), "%v is not counted", err)
+			got, err := f.st.Inspect(ctx, id)
+			require.NoError(t, err)
+			assert.Equal(t, int64(1), got.Failures, "failures")
+			assert.Equal(t, 0, f.count(t, id), "effects")
+		})
+	}
+}
