@@ -137,6 +137,34 @@ func TestDedupObservePanicsOnRenewal(t *testing.T) {
 	})
 }
 
+// Dedup waits for a call of Observe on a renewal that began before its
+// handler returned: a panic there, after the handler has returned, is
+// still its delivery's result, never lost nor raised once the delivery
+// is gone.
+func TestDedupObservePanicsAsItsDeliveryEnds(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const lease = 3 * time.Second
+		observe := func(_ context.Context, e middleware.DedupEvent) {
+			if e.Kind == middleware.DedupLeaseRenewed {
+				time.Sleep(lease / 6) // the handler returns meanwhile
+				panic("observer bug")
+			}
+		}
+		h := middleware.Dedup(store.NewMemory(), middleware.DedupOptions{Lease: lease, Observe: observe})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				time.Sleep(lease/3 + lease/30) // the first renewal, at 1 s, and a little
+				return nil
+			}))
+		d, _ := deliverytest.New("m1", "")
+		start := time.Now()
+		err := h.Handle(context.Background(), d)
+		var pe *rabbitmw.PanicError
+		require.ErrorAs(t, err, &pe)
+		assert.Equal(t, "observer bug", pe.Value)
+		assert.Equal(t, lease/3+lease/6, time.Since(start), "when the result came: once Observe had returned")
+	})
+}
+
 // A claim found taken over when the success is to be recorded is
 // reported as lost.
 func TestDedupObserveLeaseLost(t *testing.T) {
