@@ -108,7 +108,7 @@ func (e *env) outbox(ctx context.Context, args []string) error {
 		w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 		fmt.Fprintln(w, "ID\tSTATE\tMESSAGE ID\tEXCHANGE\tROUTING KEY\tCREATED\tATTEMPTS\tNEXT ATTEMPT\tBYTES\tERROR")
 		for _, r := range rows {
-			ex := r.Exchange
+			ex := printable(r.Exchange)
 			if ex == "" {
 				ex = `""`
 			}
@@ -116,8 +116,8 @@ func (e *env) outbox(ctx context.Context, args []string) error {
 			if !r.RetryAt.IsZero() {
 				next = r.RetryAt.UTC().Format(time.RFC3339)
 			}
-			fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d\t%s\n", r.ID, r.State, r.MessageID, ex, r.Key,
-				r.Created.UTC().Format(time.RFC3339), r.Attempts, next, r.BodySize, r.Error)
+			fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d\t%s\n", r.ID, printable(r.State), printable(r.MessageID), ex, printable(r.Key),
+				r.Created.UTC().Format(time.RFC3339), r.Attempts, next, r.BodySize, printable(r.Error))
 		}
 		if err := w.Flush(); err != nil {
 			return err

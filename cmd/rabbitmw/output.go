@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 func writeJSON(w io.Writer, v any) error {
@@ -15,6 +17,22 @@ func writeJSON(w io.Writer, v any) error {
 	enc.SetEscapeHTML(false)
 	return enc.Encode(v)
 }
+
+// printable returns s as a table shows it: as it is if it is printable
+// text (UTF-8 whose every rune strconv.IsPrint takes, the space
+// included), else quoted and escaped as a Go string (strconv.Quote), so
+// that a control character (an escape sequence, a newline, a carriage
+// return, a tab) neither breaks the table's lines and columns nor reaches
+// the operator's terminal. Text that begins with a quote is quoted too:
+// a quoted cell is always an escaped one.
+func printable(s string) string {
+	if strings.HasPrefix(s, `"`) || !utf8.ValidString(s) || strings.IndexFunc(s, notPrint) >= 0 {
+		return strconv.Quote(s)
+	}
+	return s
+}
+
+func notPrint(r rune) bool { return !strconv.IsPrint(r) }
 
 // A progress draws a bar on a terminal, from the start of the operation
 // (its label, before the first message is read) and then at most ten

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 
@@ -158,7 +159,20 @@ type txClaim struct {
 // mayHaveIdled reports whether the server may have ended c's session for
 // being idle for the lease: only once a lease has passed since the claim,
 // the session's last sign of life that c knows of.
-func (c *txClaim) mayHaveIdled() bool { return time.Since(c.start) >= c.lease }
+func (c *txClaim) mayHaveIdled() bool { return time.Since(c.start) >= idleTimeout(c.lease) }
+
+// maxIdleTimeout is the longest idle_in_transaction_session_timeout that
+// PostgreSQL takes: 2^31-1 milliseconds, about 24.8 days.
+const maxIdleTimeout = math.MaxInt32 * time.Millisecond
+
+// idleTimeout is the idle_in_transaction_session_timeout of a claim made
+// in a transaction with the lease: the lease, at most maxIdleTimeout (a
+// claim whose session the server ends sooner ends sooner, and nothing of
+// its transaction commits after), and at least a millisecond (zero would
+// turn the timeout off).
+func idleTimeout(lease time.Duration) time.Duration {
+	return min(max(lease, time.Millisecond), maxIdleTimeout)
+}
 
 // claim sends the claim c, with the lease, in one round trip, and reports
 // whether it inserted the key's row: first the BEGIN, unless the
@@ -174,7 +188,7 @@ func (t *pgxTxn) claim(ctx context.Context, c *txClaim, lease time.Duration, sav
 	if savepoint != "" {
 		b.Queue("SAVEPOINT " + savepoint)
 	}
-	b.Queue(t.s.claimInTxSQL, []byte(c.key), c.retention.Microseconds(), strconv.FormatInt(max(lease.Milliseconds(), 1), 10))
+	b.Queue(t.s.claimInTxSQL, []byte(c.key), c.retention.Microseconds(), strconv.FormatInt(idleTimeout(lease).Milliseconds(), 10))
 	br := t.conn.Conn().SendBatch(ctx, &b)
 	if begin {
 		t.tx.tx = br.Tx()

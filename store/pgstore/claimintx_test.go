@@ -593,3 +593,34 @@ func testHandlerClaimInTxConnectionLostInAnOutage(t *testing.T, opts pgstore.Han
 	require.NoError(t, h.Handle(ctx, delivery("m1")), "once the database is back")
 	assert.Equal(t, 1, f.count(t, "m1"), "effects")
 }
+
+// A lease longer than idle_in_transaction_session_timeout can hold (2^31-1
+// ms, about 24.8 days) still lets a delivery claim in its transaction,
+// whose session the server then ends after that long idle at most: the
+// claim ends no later than its lease, and nothing of its transaction can
+// commit once it has. Before, the claim's set_config failed on every
+// delivery, which went to Dedup's claim after a wasted round trip, and
+// nothing said why.
+func TestHandlerClaimInTxLeaseBeyondTheIdleTimeout(t *testing.T) {
+	inEveryMode(t, testHandlerClaimInTxLeaseBeyondTheIdleTimeout)
+}
+
+func testHandlerClaimInTxLeaseBeyondTheIdleTimeout(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	var idle string
+	claimed := true
+	lease := 30 * 24 * time.Hour
+	h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		_, claimed = middleware.ClaimFrom(ctx)
+		if err := tx.QueryRow(ctx, `SELECT current_setting('idle_in_transaction_session_timeout')`).Scan(&idle); err != nil {
+			return err
+		}
+		return f.insert(ctx, tx, d)
+	}, opts), middleware.DedupOptions{Lease: lease, Retention: 2 * lease})
+	require.NoError(t, h.Handle(ctx, delivery("m1")))
+	assert.False(t, claimed, "fn ran under a claim of Dedup's: the claim in its transaction failed")
+	assert.Equal(t, "2147483647ms", idle, "idle_in_transaction_session_timeout in fn's transaction")
+	assert.Equal(t, store.Done, f.status(t, "m1"), "key")
+	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}

@@ -80,7 +80,8 @@
 //     that hold every connection of the pool in a transaction. A claim
 //     made in the transaction needs none: it lasts while its transaction
 //     does, and the transaction sets idle_in_transaction_session_timeout
-//     to the lease, so that the server ends it, and its claim, when its
+//     to the lease (about 24.8 days at most, the longest PostgreSQL
+//     takes), so that the server ends it, and its claim, when its
 //     consumer leaves it idle for that long (it stalled, or lost the
 //     database, or the function waited that long between two
 //     statements). The function's transaction is then rolled back, as

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -23,13 +24,16 @@ const DefaultOutboxTable = "rabbitmw_outbox"
 // property that AMQP 0-9-1 cannot carry, or a header of a type it does not
 // send; an Expiration that RabbitMQ refuses (not a whole number of
 // milliseconds, negative, or over ten years), which would close the
-// relay's channel and park the rows in flight on it; or one that the
-// outbox table cannot hold: an exchange, routing
-// key, header name or property (MessageId, CorrelationId, ContentType, …)
-// that holds a NUL byte or bytes that are not UTF-8, as PostgreSQL's text
-// holds neither. (A header's string value may hold any bytes: it is
-// stored as its bytes and sent as it was written.) Nothing is written,
-// and the caller's transaction is left as it was.
+// relay's channel and park the rows in flight on it; a CC or BCC header
+// (whose strings RabbitMQ routes the message by, besides its routing key)
+// that is not an array of strings: RabbitMQ refuses one of another type
+// in the same way, and skips an element that is not a string; or one that
+// the outbox table cannot hold: an exchange, routing key, header name or
+// property (MessageId, CorrelationId, ContentType, …) that holds a NUL
+// byte or bytes that are not UTF-8, as PostgreSQL's text holds neither.
+// (A header's string value may hold any bytes: it is stored as its bytes
+// and sent as it was written.) Nothing is written, and the caller's
+// transaction is left as it was.
 var ErrInvalidMessage = errors.New("pgstore: invalid outbox message")
 
 // OutboxOptions configures an [Outbox]. The zero value selects the
@@ -46,7 +50,10 @@ type OutboxOptions struct {
 	// traceparent and tracestate, as an OpenTelemetry propagator does).
 	// The map is stored with the row, and the relay hands it back when it
 	// sends the message, so that the send joins the writer's trace.
-	// otelmw's Telemetry.InjectMap is one.
+	// otelmw's Telemetry.InjectMap is one. An entry whose name or value
+	// is not UTF-8 text without NUL bytes, which the table cannot hold,
+	// is dropped (the others are kept), so that the trace context never
+	// fails the write; Inject changes nothing of the message.
 	Inject func(ctx context.Context, carrier map[string]string)
 }
 
@@ -360,6 +367,9 @@ func (o *Outbox) row(ctx context.Context, exchange, key string, msg amqp.Publish
 	if o.inject != nil {
 		carrier := map[string]string{}
 		o.inject(ctx, carrier)
+		// An entry that jsonb cannot hold would fail the INSERT, and with
+		// it the caller's transaction: a trace must never cost the write.
+		maps.DeleteFunc(carrier, func(k, v string) bool { return !isText(k) || !isText(v) })
 		if len(carrier) > 0 {
 			b, _ := json.Marshal(carrier) // a map of strings always encodes
 			s := string(b)

@@ -76,6 +76,9 @@ func encodeProperties(exchange, key string, msg amqp.Publishing) ([]byte, error)
 		p.Timestamp = &ts
 	}
 	if len(msg.Headers) > 0 {
+		if err := checkSenderKeys(msg.Headers); err != nil {
+			return nil, fmt.Errorf("headers: %w", err)
+		}
 		h, err := encodeTable(msg.Headers, 0) // the headers nest 0 deep, as the broker counts
 		if err != nil {
 			return nil, fmt.Errorf("headers: %w", err)
@@ -83,6 +86,42 @@ func encodeProperties(exchange, key string, msg amqp.Publishing) ([]byte, error)
 		p.Headers = h
 	}
 	return json.Marshal(p)
+}
+
+// senderHeaders are the headers by whose strings RabbitMQ routes a
+// message besides its routing key (sender-selected distribution).
+var senderHeaders = [...]string{"CC", "BCC"}
+
+// checkSenderKeys returns why a CC or BCC header of h would not route
+// the message as written. RabbitMQ takes an array of strings: it refuses
+// a header of another type by closing the channel (the relay's, failing
+// the publishes in flight on it), and skips an element that is not a
+// string, so that the message misses a queue without a word.
+func checkSenderKeys(h amqp.Table) error {
+	for _, name := range senderHeaders {
+		v, ok := h[name]
+		if !ok {
+			continue
+		}
+		keys, ok := v.([]any)
+		if !ok {
+			return fmt.Errorf("%q is %s, not an array of strings ([]any of string), which RabbitMQ refuses by closing the channel", name, typeOf(v))
+		}
+		for i, k := range keys {
+			if _, ok := k.(string); !ok {
+				return fmt.Errorf("%q[%d] is %s, not a string: RabbitMQ would skip it, and route the message by the other keys alone", name, i, typeOf(k))
+			}
+		}
+	}
+	return nil
+}
+
+// typeOf names the Go type of a header value, for an error.
+func typeOf(v any) string {
+	if v == nil {
+		return "nil"
+	}
+	return fmt.Sprintf("a %T", v)
 }
 
 // notText says why a name or property that isText refuses cannot be

@@ -150,6 +150,60 @@ func TestOutboxWriteRefusesWhatCannotBeSent(t *testing.T) {
 	assert.Zero(t, s.Pending)
 }
 
+// RabbitMQ routes a message by the strings of its CC and BCC headers too
+// (sender-selected distribution), which must be arrays of strings: it
+// refuses one of another type by closing the channel (the relay's, with
+// the publishes in flight beside it), and skips an element that is not a
+// string, so that the message misses a queue. Write refuses both, naming
+// the header, before anything is written. An array of strings, empty or
+// not UTF-8, and a header of another name, are written.
+func TestOutboxWriteRefusesSenderKeysThatAreNotStrings(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	ctx := context.Background()
+	for name, tc := range map[string]struct {
+		header string
+		v      any
+	}{
+		"a CC string":     {"CC", "audit"},
+		"a BCC string":    {"BCC", "audit"},
+		"a CC table":      {"CC", amqp.Table{"audit": true}},
+		"a void CC":       {"CC", nil},
+		"a CC of bytes":   {"CC", []byte("audit")},
+		"an int in CC":    {"CC", []any{"audit", int32(7)}},
+		"bytes in BCC":    {"BCC", []any{[]byte("audit")}},
+		"an array in BCC": {"BCC", []any{[]any{"audit"}}},
+		"a void in CC":    {"CC", []any{nil}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			tx, err := pool.Begin(ctx)
+			require.NoError(t, err)
+			defer tx.Rollback(ctx)
+			headers := amqp.Table{tc.header: tc.v}
+			if tc.header == "CC" {
+				headers["BCC"] = []any{"bcc"}
+			}
+			_, err = ob.Write(ctx, tx, "", "q", amqp.Publishing{Headers: headers})
+			require.ErrorIs(t, err, pgstore.ErrInvalidMessage)
+			assert.Contains(t, err.Error(), strconv.Quote(tc.header), "the error names the header")
+			_, err = tx.Exec(ctx, `SELECT 1`)
+			require.NoError(t, err, "the transaction goes on")
+		})
+	}
+	s, err := ob.Stats(ctx)
+	require.NoError(t, err)
+	assert.Zero(t, s.Pending, "nothing was written")
+
+	good := amqp.Table{
+		"CC": []any{"audit", "caf\xe9"}, "BCC": []any{},
+		"cc": "not routed by", "nested": amqp.Table{"CC": "not routed by"},
+	}
+	write(t, pool, ob, "q", amqp.Publishing{Headers: good})
+	got, _ := collect(t, ob, 10, sent)
+	require.Len(t, got, 1)
+	assert.Equal(t, good, got[0].Publishing.Headers)
+}
+
 func float64NaN() float64 { var z float64; return z / z }
 
 // A message at the limits of what AMQP carries and amqp091 reads back,
@@ -255,6 +309,63 @@ func TestOutboxWriteKeepsHeaderStringsThatAreNotText(t *testing.T) {
 	assert.Equal(t, pgstore.DispatchResult{Taken: 1, Sent: 1}, res, "the row is read back, not parked as corrupt")
 	assert.Equal(t, id, got[0].Publishing.MessageId)
 	assert.Equal(t, headers, got[0].Publishing.Headers)
+}
+
+// A trace context that the table cannot hold as text (a propagator that
+// writes a NUL, or bytes that are not UTF-8) never fails the write: its
+// entries that are not text are dropped, the others kept, and the message
+// goes out as it was written. The caller's transaction goes on; through
+// database/sql too.
+func TestOutboxWriteDropsTraceEntriesThatAreNotText(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{Inject: func(_ context.Context, c map[string]string) {
+		c["traceparent"] = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+		c["tracestate"] = "a=\x00"
+		c["baggage"] = "caf\xe9"
+		c["x-\x00"] = "v"
+		c["x-\xff"] = "v"
+	}})
+	only := pgstore.NewOutbox(pool, pgstore.OutboxOptions{Table: ob.Table(), Inject: func(_ context.Context, c map[string]string) {
+		c["tracestate"] = "\x00"
+	}})
+	ctx := context.Background()
+	msg := amqp.Publishing{MessageId: "order", Headers: amqp.Table{"h": "v"}, Body: []byte("paid")}
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = ob.Write(ctx, tx, "", "q", msg)
+	require.NoError(t, err, "the trace context fails the write")
+	msg.MessageId = "nothing left"
+	_, err = only.Write(ctx, tx, "", "q", msg)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `SELECT 1`)
+	require.NoError(t, err, "the transaction goes on")
+	require.NoError(t, tx.Commit(ctx))
+
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	stx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	msg.MessageId = "via-sql"
+	_, err = ob.WriteSQL(ctx, stx, "", "q", msg)
+	require.NoError(t, err)
+	require.NoError(t, stx.Commit())
+
+	got, res := collect(t, ob, 10, sent)
+	require.Len(t, got, 3)
+	assert.Equal(t, pgstore.DispatchResult{Taken: 3, Sent: 3}, res)
+	kept := map[string]string{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+	for i, want := range []struct {
+		id    string
+		trace map[string]string
+	}{{"order", kept}, {"nothing left", nil}, {"via-sql", kept}} {
+		m := got[i]
+		assert.Equal(t, want.id, m.Publishing.MessageId)
+		assert.Equal(t, want.trace, m.Trace, "%s: the trace context", want.id)
+		assert.Equal(t, amqp.Table{"h": "v"}, m.Publishing.Headers, "%s: the headers", want.id)
+		assert.Equal(t, []byte("paid"), m.Publishing.Body, "%s: the body", want.id)
+	}
 }
 
 // A schema-qualified table name may be longer than PostgreSQL's 63
