@@ -8,8 +8,9 @@ import (
 
 // A PanicError is a panic recovered while handling a delivery, turned into
 // an error: [middleware.Recover] returns one for a panic in the layers and
-// handler beneath it, and the broker package for a panic that escaped the
-// whole chain.
+// handler beneath it, [middleware.Dedup] for a panic of its Observe on a
+// lease renewal's goroutine, and the broker package for a panic that
+// escaped the whole chain.
 type PanicError struct {
 	// Value is the value passed to panic.
 	Value any

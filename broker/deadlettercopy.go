@@ -63,9 +63,6 @@ func (cn *conn) deadLetter(ctx context.Context, d *amqp.Delivery, dec rabbitmw.D
 	return d.Ack(false)
 }
 
-// maxErrorText bounds HeaderError, in bytes.
-const maxErrorText = 4 << 10
-
 // maxCutErrorText bounds HeaderError on a dead-letter copy cut to fit.
 const maxCutErrorText = 512
 
@@ -81,7 +78,7 @@ func faultHeaders(d *amqp.Delivery, dec rabbitmw.Decision, queue string, at time
 	restoreDeaths(h)
 	var reason, typ string
 	if dec.Err != nil {
-		reason = text.Truncate(text.Error(dec.Err), maxErrorText)
+		reason = text.Capped(dec.Err) // at most text.MaxError bytes
 		typ = rabbitmw.ErrorType(dec.Err)
 	}
 	h[HeaderError] = reason

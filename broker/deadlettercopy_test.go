@@ -17,6 +17,7 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker/internal/rabbit"
 	"github.com/rabbitmw/rabbitmw/internal/errtest"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 )
 
 // The fault headers of a failure whose Error method panics (a nil pointer,
@@ -104,9 +105,9 @@ func TestFaultHeaders(t *testing.T) {
 	// A long error is cut to 4 KiB, at a rune boundary.
 	long := strings.Repeat("é", 5000)
 	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(errors.New(long))), "q", at, "h", "p")
-	text := h[HeaderError].(string)
-	if len(text) > maxErrorText || !utf8.ValidString(text) || !strings.HasPrefix(long, strings.TrimSuffix(text, "…")) {
-		t.Errorf("error text of %d bytes cut to %d bytes (valid UTF-8: %t); want a prefix of at most %d", len(long), len(text), utf8.ValidString(text), maxErrorText)
+	got := h[HeaderError].(string)
+	if len(got) > text.MaxError || !utf8.ValidString(got) || !strings.HasPrefix(long, strings.TrimSuffix(got, "…")) {
+		t.Errorf("error text of %d bytes cut to %d bytes (valid UTF-8: %t); want a prefix of at most %d", len(long), len(got), utf8.ValidString(got), text.MaxError)
 	}
 	h = faultHeaders(d, rabbitmw.Decide(rabbitmw.Permanent(&rabbitmw.PanicError{Value: 42})), "q", at, "h", "p")
 	assert.Equal(t, "panic", h[HeaderErrorType], "error type of a panic")
@@ -127,12 +128,12 @@ func FuzzFaultHeaders(f *testing.F) {
 	f.Add([]byte{0, 1, 2, 3}, "boom", 0, "ex", "rk")
 	f.Add([]byte("nested tables and arrays"), strings.Repeat("x", 5000), 7, "", "")
 	f.Add([]byte{255, 254, 9, 9, 9, 9, 9}, "\xff\xfe invalid utf-8", -3, "e", "k")
-	f.Fuzz(func(t *testing.T, seed []byte, text string, attempts int, exchange, key string) {
+	f.Fuzz(func(t *testing.T, seed []byte, msg string, attempts int, exchange, key string) {
 		headers := tableFromSeed(seed)
 		require.NoError(t, headers.Validate(), "generated headers invalid")
 		snapshot := rabbit.WireTable(headers)
 		d := &amqp.Delivery{Exchange: exchange, RoutingKey: key, Headers: headers}
-		err := errors.New(text)
+		err := errors.New(msg)
 		if attempts != 0 {
 			err = rabbitmw.WithAttempts(err, attempts)
 		}
@@ -156,8 +157,8 @@ func FuzzFaultHeaders(f *testing.F) {
 				t.Fatalf("header %q = %#v; want %#v kept", k, h[k], v)
 			}
 		}
-		if s := h[HeaderError].(string); len(s) > maxErrorText || (utf8.ValidString(text) && !utf8.ValidString(s)) {
-			t.Fatalf("error text of %d bytes; want at most %d, valid UTF-8 if the input was", len(s), maxErrorText)
+		if s := h[HeaderError].(string); len(s) > text.MaxError || (utf8.ValidString(msg) && !utf8.ValidString(s)) {
+			t.Fatalf("error text of %d bytes; want at most %d, valid UTF-8 if the input was", len(s), text.MaxError)
 		}
 		if n, _ := h[rabbitmw.HeaderAttempts].(int64); n < 1 {
 			t.Fatalf("attempts = %v; want >= 1", h[rabbitmw.HeaderAttempts])

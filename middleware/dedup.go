@@ -65,9 +65,21 @@ type DedupOptions struct {
 	// [Claim], and tells why ([FailOpenCause]).
 	FailOpen bool
 	// Observe, if set, is called with each of Dedup's events (see
-	// [DedupEvent]), on the goroutine that found it, with the context of
-	// the delivery it concerns. It is meant for metrics and traces: it
-	// must be quick and safe for concurrent use.
+	// [DedupEvent]), with the context of the delivery it concerns, before
+	// Dedup returns that delivery's result. It is meant for metrics and
+	// traces: it must be quick and safe for concurrent use.
+	//
+	// Each event but DedupLeaseRenewed is reported on the delivery's
+	// goroutine, where a panic of Observe goes on up the chain, to
+	// [Recover], as a panic of a layer would. A renewal reports
+	// DedupLeaseRenewed on a goroutine of its own, where a panic would end
+	// the process: it is recovered there, and the claim's renewals go on.
+	// Once the handler has returned and its attempt is recorded in the
+	// store as if nothing had panicked (a success marked done, a failure
+	// released), the delivery's result is then a [*rabbitmw.PanicError]
+	// with the first such panic's value and the renewal's stack, in place
+	// of the result Dedup would have returned. If the handler panics
+	// itself, its panic goes on, and the renewal's is dropped.
 	Observe func(ctx context.Context, e DedupEvent)
 }
 
@@ -275,7 +287,15 @@ func (h *dedup) handleKeyed(ctx context.Context, d *amqp.Delivery, above keyed) 
 		}
 		return err
 	}
-	return h.record(ctx, key, token, h.run(ctx, d, key, token, start, down))
+	a := h.run(ctx, d, key, token, start, down)
+	err = h.record(ctx, key, token, a)
+	if a.panicked != nil {
+		// Observe panicked on a renewal: the attempt is recorded as it
+		// ran, and the panic is the delivery's failure (see
+		// DedupOptions.Observe).
+		return a.panicked
+	}
+	return err
 }
 
 // A failedOpen is claim's answer when the store cannot be reached and
@@ -386,6 +406,7 @@ type attempt struct {
 	cause      error     // why the handler's context ended, if it did
 	lost       error     // why the lease was lost while it ran, if it was
 	validUntil time.Time // until when the claim is known to be held
+	panicked   error     // a panic of Observe on a renewal, a *rabbitmw.PanicError
 	// settle is the context of the store call that records the attempt,
 	// to be begun (see [settlingContext.begin]).
 	settle *settlingContext
@@ -418,7 +439,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 			// The context ends first, as on return: stop takes its
 			// deadline out of the queue, and the release may take long.
 			cc.end()
-			_, validUntil := h.renewer.stop(l)
+			_, validUntil, _ := h.renewer.stop(l)
 			rctx := settling(ctx, atLeastASecond(validUntil))
 			h.store.Release(rctx, key, token)
 			rctx.end()
@@ -434,7 +455,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 	// Why the handler's context ended, if it did, as it ends now, before
 	// anything later can cancel it.
 	a.cause = cc.endCause()
-	a.lost, a.validUntil = h.renewer.stop(l)
+	a.lost, a.validUntil, a.panicked = h.renewer.stop(l)
 	a.marked = cc.claim.marked.Load()
 	return a
 }

@@ -69,8 +69,9 @@
 //
 //   - Dedup renews a claim whose renewal falls due while its handler runs
 //     (every Lease/3) on a goroutine of its own, which ends when the store
-//     answers: within one renewal interval for a store that honours its
-//     context's deadline.
+//     answers (within one renewal interval for a store that honours its
+//     context's deadline) and DedupOptions.Observe, if it reports the
+//     renewal, has returned; Dedup waits for that call, not for the store.
 //   - Dedup and Timeout watch the consumer's context (the ctx given to
 //     Handle), so that the contexts they give their handlers end with it.
 //     A context of the standard library, one that passes on the Done and

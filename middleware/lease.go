@@ -31,6 +31,11 @@ import (
 // client that honours it), then ends and recycles the claim's state. Its
 // answer no longer matters then: completing and releasing a claim check
 // its owner.
+//
+// A renewal that extended its claim reports it to Observe on its own
+// goroutine, where no Recover catches a panic: the renewal recovers it
+// and keeps it for the delivery, and stop, which waits for such a call,
+// returns it.
 type renewer struct {
 	store        store.Store
 	lease, every time.Duration
@@ -43,6 +48,9 @@ type renewer struct {
 	mu        *sync.Mutex
 	deadlines *deadlineQueue
 	claims    timerList[claimLease, *claimLease] // queued for renewal, in order of due time
+	// observed, whose lock is mu, is signalled when the last call of
+	// Observe of a stopped claim's renewals returns.
+	observed sync.Cond
 }
 
 // A claimLease is the renewal state of one claim.
@@ -59,6 +67,8 @@ type claimLease struct {
 	renewAt    time.Time // when it is due for renewal, while queued
 	stopped    bool      // the delivery has ended
 	renewing   bool      // a renewal is in flight; it owns l once stopped
+	observing  int       // calls of Observe by its renewals under way
+	panicked   error     // the first panic of those calls, a *rabbitmw.PanicError
 	lost       error     // set when the store said the claim is gone
 	validUntil time.Time // the end of the lease as of the last renewal
 }
@@ -79,6 +89,7 @@ func (r *renewer) queue(l *claimLease, at, now time.Time) {
 func newRenewer(s store.Store, lease time.Duration) (*renewer, *deadlineQueue) {
 	mu := new(sync.Mutex)
 	r := &renewer{store: s, lease: lease, every: lease / 3, mu: mu, deadlines: newDeadlineQueue(mu)}
+	r.observed.L = mu
 	r.pool.New = func() any { return new(claimLease) }
 	r.claims.fire = r.fire
 	return r, r.deadlines
@@ -110,32 +121,37 @@ func (r *renewer) start(claimedAt, now time.Time, hctx *claimContext) *claimLeas
 	return l
 }
 
-// stop ends the renewals of l, without waiting for one in flight, and
-// reports whether the store said the claim was lost, and until when the
-// lease runs as of the last renewal that returned. l must not be used
-// after stop.
-func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time) {
+// stop ends the renewals of l, without waiting for one in flight, but
+// waiting for the calls of Observe that its renewals have begun. It
+// reports whether the store said the claim was lost, until when the
+// lease runs as of the last renewal that returned, and the first panic of
+// those calls of Observe (a *rabbitmw.PanicError), if one panicked. l must
+// not be used after stop.
+func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time, panicked error) {
 	r.mu.Lock()
-	l.stopped = true
+	l.stopped = true // no renewal calls Observe from now on
 	if l.queued {
 		r.claims.unlink(l)
 	}
 	if c := &l.handler.cancelContext; c.byLease() && c.shared.deadlineLinks.queued {
 		r.deadlines.list.unlink(c)
 	}
-	lost, validUntil = l.lost, l.validUntil
+	for l.observing > 0 {
+		r.observed.Wait()
+	}
+	lost, validUntil, panicked = l.lost, l.validUntil, l.panicked
 	recycle := !l.renewing // else the renewal in flight recycles l
 	r.mu.Unlock()
 	if recycle {
 		r.recycle(l)
 	}
-	return lost, validUntil
+	return lost, validUntil, panicked
 }
 
 // recycle returns l to the pool. Nothing may refer to l any more: it is
 // stopped, not queued, and no renewal of it is in flight.
 func (r *renewer) recycle(l *claimLease) {
-	l.handler, l.lost = nil, nil
+	l.handler, l.lost, l.panicked = nil, nil, nil
 	r.pool.Put(l)
 }
 
@@ -194,9 +210,10 @@ func (r *renewer) mayEnd(l *claimLease, now time.Time) bool {
 	return !l.validUntil.After(now.Add(r.every))
 }
 
-// renew extends l's claim once. It cancels the handler if the claim is
-// lost, or if the renewal failed and the lease may end before the next. If
-// the delivery ended meanwhile, it only recycles l.
+// renew extends l's claim once, and reports it to Observe if it did. It
+// cancels the handler if the claim is lost, or if the renewal failed and
+// the lease may end before the next. If the delivery ended meanwhile, it
+// only recycles l, unless stop, waiting for a call of Observe, does.
 func (r *renewer) renew(l *claimLease) {
 	c := &l.handler.claim
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(l.handler.parent), r.every)
@@ -207,8 +224,11 @@ func (r *renewer) renew(l *claimLease) {
 	r.mu.Lock()
 	l.renewing = false
 	if l.stopped {
+		recycle := l.observing == 0 // else stop waits, and recycles l
 		r.mu.Unlock()
-		r.recycle(l)
+		if recycle {
+			r.recycle(l)
+		}
 		return
 	}
 	var cause error
@@ -237,12 +257,37 @@ func (r *renewer) renew(l *claimLease) {
 	if cause != nil && l.queued {
 		r.claims.unlink(l)
 	}
+	observe := err == nil && r.observe != nil
+	if observe {
+		l.observing++ // stop waits for it
+	}
 	handler := l.handler
 	r.mu.Unlock()
-	if err == nil {
-		notify(r.observe, handler.parent, DedupLeaseRenewed, c.key, nil)
+	if observe {
+		r.observeRenewal(l, handler.parent, c.key)
 	}
 	if cause != nil {
 		handler.cancel(cause)
 	}
+}
+
+// observeRenewal reports the renewal of l's claim of key to Observe, with
+// ctx, its delivery's context. A panic of Observe, on this goroutine of
+// the renewer's, would end the process: it is recovered instead and kept
+// for the delivery, which stop returns it to. The renewals go on.
+func (r *renewer) observeRenewal(l *claimLease, ctx context.Context, key string) {
+	var panicked error
+	func() {
+		defer recoverInto(&panicked)
+		notify(r.observe, ctx, DedupLeaseRenewed, key, nil)
+	}()
+	r.mu.Lock()
+	if l.panicked == nil {
+		l.panicked = panicked
+	}
+	l.observing--
+	if l.observing == 0 && l.stopped {
+		r.observed.Broadcast()
+	}
+	r.mu.Unlock()
 }

@@ -30,13 +30,15 @@ import (
 //	              duplicate, requeued, delayed or dead-lettered; or panicked
 //	delay         for delayed: the least delay before the next delivery
 //	error         for a failure (any outcome but acked and duplicate),
-//	              the error's text; if its Error method panics (a nil
-//	              pointer returned as an error, say), a text naming its
-//	              type, and the failure settles as any other
+//	              the error's text, cut to its first 4 KiB, ending in
+//	              "…", if it is longer; if its Error method panics (a
+//	              nil pointer returned as an error, say), a text naming
+//	              its type, and the failure settles as any other
 //	error_type    for a failure, its type (rabbitmw.ErrorType), as the
 //	              dead-letter headers and otelmw name it
-//	reason        for a duplicate, why it is one (the text of its error:
-//	              a duplicate is no failure, and carries no error)
+//	reason        for a duplicate, why it is one (the text of its error,
+//	              cut as error's is: a duplicate is no failure, and
+//	              carries no error)
 //	stack         for a recovered panic (rabbitmw.PanicError): its stack
 //
 // The level is Info for acked and duplicate, Warn for requeued and delayed,
@@ -192,10 +194,10 @@ func appendDeliveryAttrs(attrs []slog.Attr, d *amqp.Delivery, start time.Time, o
 	switch {
 	case err != nil && dec.Outcome == rabbitmw.Duplicate:
 		// Not a failure: an alert on error must not fire on it.
-		attrs = append(attrs, slog.String("reason", text.Error(err)))
+		attrs = append(attrs, slog.String("reason", text.Capped(err)))
 	case err != nil:
 		attrs = append(attrs,
-			slog.String("error", text.Error(err)),
+			slog.String("error", text.Capped(err)),
 			slog.String("error_type", rabbitmw.ErrorType(err)))
 		var pe *rabbitmw.PanicError
 		if errors.As(err, &pe) {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -17,6 +18,7 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/internal/deliverytest"
 	"github.com/rabbitmw/rabbitmw/internal/errtest"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -122,6 +124,32 @@ func TestLogErrorWhoseTextPanics(t *testing.T) {
 			assert.Equal(t, "WARN", rec["level"])
 			assert.Equal(t, c.Text, rec["error"])
 			assert.Equal(t, c.Type, rec["error_type"])
+		})
+	}
+}
+
+// An error of a megabyte (one that wraps a response body, say) makes no
+// record of that size: its text is cut to text.MaxError bytes, as the
+// fault headers cut it, keeping its beginning and marking the cut.
+func TestLogCapsTheErrorText(t *testing.T) {
+	huge := "GET /orders/17: 502: " + strings.Repeat("<html>", 1<<20/6)
+	for _, c := range []struct {
+		result error
+		key    string
+	}{
+		{errors.New(huge), "error"},
+		{fmt.Errorf("%s: %w", huge, rabbitmw.ErrDuplicate), "reason"},
+	} {
+		t.Run(c.key, func(t *testing.T) {
+			var buf bytes.Buffer
+			h := middleware.Log(slog.New(slog.NewJSONHandler(&buf, nil)))(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return c.result }))
+			d, _ := deliverytest.New("m1", "")
+			require.Equal(t, c.result, h.Handle(context.Background(), d), "Log changed the result")
+			got, _ := decodeOne(t, &buf)[c.key].(string)
+			assert.LessOrEqual(t, len(got), text.MaxError, "bytes of %s", c.key)
+			assert.True(t, strings.HasSuffix(got, "…"), "%s not marked as cut", c.key)
+			assert.True(t, strings.HasPrefix(huge, strings.TrimSuffix(got, "…")), "%s is not the beginning of the error's text", c.key)
+			assert.Greater(t, len(got), text.MaxError/2, "bytes of %s", c.key)
 		})
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -87,6 +88,80 @@ func TestDedupObserveLease(t *testing.T) {
 		want := []string{"claimed", "lease_renewed", "lease_renewed", "lease_renewed", "lease_renewed"}
 		assert.Equal(t, want, log.got(), "events")
 		assert.Equal(t, len(want), log.tagged, "events that came with the delivery's context")
+	})
+}
+
+// An Observe that panics on a renewal, which runs on a goroutine of the
+// renewer's, kills nothing: the panic comes back as its delivery's result,
+// a *rabbitmw.PanicError with the stack where it happened, once the
+// handler's success is recorded (its message is a duplicate from then on),
+// and the renewals of the other deliveries go on.
+func TestDedupObservePanicsOnRenewal(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const lease = 3 * time.Second
+		var renewals atomic.Int32 // of m2
+		observe := func(_ context.Context, e middleware.DedupEvent) {
+			if e.Kind != middleware.DedupLeaseRenewed {
+				return
+			}
+			if e.Key == "m1" {
+				panic("observer bug")
+			}
+			renewals.Add(1)
+		}
+		s := store.NewMemory()
+		h := middleware.Dedup(s, middleware.DedupOptions{Lease: lease, Observe: observe})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				time.Sleep(lease + lease/2) // renewals at 1, 2, 3 and 4 s
+				return nil
+			}))
+		errs := make([]error, 2)
+		var wg sync.WaitGroup
+		for i, id := range []string{"m1", "m2"} {
+			wg.Go(func() {
+				d, _ := deliverytest.New(id, "")
+				errs[i] = h.Handle(context.Background(), d)
+			})
+		}
+		wg.Wait()
+
+		var pe *rabbitmw.PanicError
+		require.ErrorAs(t, errs[0], &pe, "m1's result")
+		assert.Equal(t, "observer bug", pe.Value)
+		assert.Contains(t, string(pe.Stack), "(*renewer).renew", "the stack of the renewal")
+		assert.NoError(t, errs[1], "m2's result")
+		assert.Equal(t, int32(4), renewals.Load(), "renewals of m2")
+
+		d, _ := deliverytest.New("m1", "")
+		assert.ErrorIs(t, h.Handle(context.Background(), d), rabbitmw.ErrDuplicate, "m1 again: its handler succeeded")
+	})
+}
+
+// Dedup waits for a call of Observe on a renewal that began before its
+// handler returned: a panic there, after the handler has returned, is
+// still its delivery's result, never lost nor raised once the delivery
+// is gone.
+func TestDedupObservePanicsAsItsDeliveryEnds(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const lease = 3 * time.Second
+		observe := func(_ context.Context, e middleware.DedupEvent) {
+			if e.Kind == middleware.DedupLeaseRenewed {
+				time.Sleep(lease / 6) // the handler returns meanwhile
+				panic("observer bug")
+			}
+		}
+		h := middleware.Dedup(store.NewMemory(), middleware.DedupOptions{Lease: lease, Observe: observe})(rabbitmw.HandlerFunc(
+			func(ctx context.Context, d *amqp.Delivery) error {
+				time.Sleep(lease/3 + lease/30) // the first renewal, at 1 s, and a little
+				return nil
+			}))
+		d, _ := deliverytest.New("m1", "")
+		start := time.Now()
+		err := h.Handle(context.Background(), d)
+		var pe *rabbitmw.PanicError
+		require.ErrorAs(t, err, &pe)
+		assert.Equal(t, "observer bug", pe.Value)
+		assert.Equal(t, lease/3+lease/6, time.Since(start), "when the result came: once Observe had returned")
 	})
 }
 

@@ -35,10 +35,12 @@ import (
 // (the number of this attempt), rabbitmw.retry.delay (seconds, for a
 // delay) and rabbitmw.dead_letter.reason (the error's text, for a
 // dead-letter). A result that is neither an ack nor a duplicate sets the
-// status to Error and error.type (see [rabbitmw.ErrorType]). The links and the
-// attributes other than the span kind are added after the span started,
-// which a sampler does not see: they cost nothing on a span that does not
-// record. The handler runs with the span in its context, where
+// status to Error, described by the error's text, and error.type (see
+// [rabbitmw.ErrorType]). An error's text longer than 4 KiB is cut to its
+// first 4 KiB, ending in "…", in the reason and the status, as in the
+// broker's fault headers. The links and the attributes other than the
+// span kind are added after the span started, which a sampler does not
+// see: they cost nothing on a span that does not record. The handler runs with the span in its context, where
 // [Telemetry.Dedup] finds it.
 //
 // Each delivery also counts in messaging.process.duration,
@@ -159,11 +161,11 @@ func (l *layer) result(span trace.Span, dec rabbitmw.Decision, attempt int, errT
 	case rabbitmw.Delay:
 		span.SetAttributes(keyRetryDelay.Float64(dec.Delay.Seconds()))
 	case rabbitmw.DeadLetter:
-		span.SetAttributes(keyReason.String(text.Error(dec.Err)))
+		span.SetAttributes(keyReason.String(text.Capped(dec.Err)))
 	}
 	if errType != "" {
 		span.SetAttributes(semconv.ErrorTypeKey.String(errType))
-		span.SetStatus(codes.Error, text.Error(dec.Err))
+		span.SetStatus(codes.Error, text.Capped(dec.Err))
 	}
 }
 

@@ -19,6 +19,7 @@ import (
 	"github.com/rabbitmw/rabbitmw"
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/internal/errtest"
+	"github.com/rabbitmw/rabbitmw/internal/text"
 	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/otelmw"
 )
@@ -169,6 +170,29 @@ func TestErrorWhoseTextPanics(t *testing.T) {
 					require.Equal(t, c.Text, attr(s[0], "rabbitmw.dead_letter.reason").AsString())
 				}
 			})
+		}
+	}
+}
+
+// An error of a megabyte (one that wraps a response body, say) makes no
+// span attribute or status of that size, which an exporter may drop: its
+// text is cut to text.MaxError bytes, as the fault headers cut it, keeping
+// its beginning and marking the cut.
+func TestErrorTextIsCapped(t *testing.T) {
+	huge := "GET /orders/17: 502: " + strings.Repeat("<html>", 1<<20/6)
+	r := newRig(t, otelmw.Options{Queue: "q"})
+	h := r.tel.Middleware()(rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error {
+		return rabbitmw.Permanent(errors.New(huge))
+	}))
+	h.Handle(context.Background(), &amqp.Delivery{})
+	s := r.spans.Ended()
+	require.Len(t, s, 1)
+	for what, got := range map[string]string{
+		"status description": s[0].Status().Description,
+		"reason":             attr(s[0], "rabbitmw.dead_letter.reason").AsString(),
+	} {
+		if len(got) > text.MaxError || len(got) < text.MaxError/2 || !strings.HasSuffix(got, "…") || !strings.HasPrefix(huge, strings.TrimSuffix(got, "…")) {
+			t.Errorf("%s of %d bytes, ending %q; want the error's first bytes, at most %d, ending in …", what, len(got), got[max(0, len(got)-10):], text.MaxError)
 		}
 	}
 }

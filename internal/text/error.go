@@ -30,6 +30,17 @@ func Error(err error) (s string) {
 	return err.Error()
 }
 
+// MaxError is the most bytes of a handler's error text that the library
+// writes into one place: a fault header, a log record's attribute, a
+// span's attribute or status. An error that wraps a whole response body
+// would otherwise make every delivery's record as big.
+const MaxError = 4 << 10
+
+// Capped returns Error(err) cut by Truncate to at most MaxError bytes.
+func Capped(err error) string {
+	return Truncate(Error(err), MaxError)
+}
+
 // panicValue returns v as %v prints it, or its type if printing it panics
 // (an error whose Error method panics, raised by the Error method of its
 // own type).

@@ -2,6 +2,7 @@ package text_test
 
 import (
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -42,4 +43,13 @@ func TestError(t *testing.T) {
 		assert.NotPanics(t, func() { got = text.Error(c.err) }, "%T", c.err)
 		assert.Equal(t, c.want, got, "Error(%T)", c.err)
 	}
+}
+
+func TestCapped(t *testing.T) {
+	assert.Equal(t, "boom", text.Capped(errors.New("boom")))
+	long := strings.Repeat("x", 1<<20)
+	got := text.Capped(errors.New(long))
+	assert.Len(t, got, text.MaxError)
+	assert.Equal(t, text.Truncate(long, text.MaxError), got)
+	assert.Equal(t, "*errtest.NilPointer returned as a nil pointer", text.Capped((*errtest.NilPointer)(nil)))
 }

@@ -335,15 +335,21 @@ func (h *inbox) claimEnded(ctx context.Context, c *txClaim, err error) error {
 // passing the delivery's deadline for nothing.
 //
 // The result is the function's error, as failed makes it when the
-// function returned, or, if it returned nil, that the claim ended before
-// its success was recorded.
+// function returned one. If it returned nil: that the claim ended before
+// its success was recorded, if it may have idled; else that the store is
+// unavailable, as on the path of Dedup's claim, where the done mark finds
+// the connection closed.
 func (h *inbox) closed(ctx context.Context, t txn, c *txClaim, err error) error {
-	if err != nil {
+	idled := c.mayHaveIdled()
+	switch {
+	case err != nil:
 		err = h.failed(ctx, t, c.key, err)
-	} else {
+	case idled:
 		err = rabbitmw.RetryAfter(fmt.Errorf("%w: pgstore: the connection of the transaction that claimed %q closed while its function ran, which returned nil (the server ends a transaction left idle for the lease): rolled back", middleware.ErrLeaseLost, c.key), h.retry)
+	default:
+		err = h.unavailable(fmt.Errorf("pgstore: the connection of the transaction that claimed %q closed while its function ran, which returned nil, less than a lease after the claim (it broke, or the database went away): rolled back", c.key))
 	}
-	if c.mayHaveIdled() {
+	if idled {
 		h.forget(ctx, c)
 	}
 	return err

@@ -568,13 +568,7 @@ func testHandlerClaimInTxConnectionLostInAnOutage(t *testing.T, opts pgstore.Han
 			return err
 		}
 		down.Store(true)
-		var pid int
-		require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
-		_, err := admin.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid)
-		require.NoError(t, err)
-		_, err = tx.Exec(ctx, `SELECT 1`)
-		require.Error(t, err, "a statement on the terminated session")
-		return err
+		return endSession(t, ctx, admin, tx)
 	}
 	opts.CommitTimeout = 3 * time.Second
 	h := middleware.Stack(f.st, middleware.StackOptions{Timeout: time.Second})(pgstore.Handler(f.st, fn, opts))
@@ -592,6 +586,20 @@ func testHandlerClaimInTxConnectionLostInAnOutage(t *testing.T, opts pgstore.Han
 	assert.Equal(t, 0, f.count(t, "m1"), "effects of the broken transaction")
 	require.NoError(t, h.Handle(ctx, delivery("m1")), "once the database is back")
 	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
+// endSession ends the session of tx through admin, as an administrator's
+// pg_terminate_backend does, once it has gone, and returns the error of
+// tx's next statement, which finds it ended.
+func endSession(t *testing.T, ctx context.Context, admin *pgxpool.Pool, tx pgx.Tx) error {
+	t.Helper()
+	var pid int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	_, err := admin.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `SELECT 1`)
+	require.Error(t, err, "a statement on the ended session")
+	return err
 }
 
 // A lease longer than idle_in_transaction_session_timeout can hold (2^31-1
@@ -623,4 +631,105 @@ func testHandlerClaimInTxLeaseBeyondTheIdleTimeout(t *testing.T, opts pgstore.Ha
 	assert.Equal(t, "2147483647ms", idle, "idle_in_transaction_session_timeout in fn's transaction")
 	assert.Equal(t, store.Done, f.status(t, "m1"), "key")
 	assert.Equal(t, 1, f.count(t, "m1"), "effects")
+}
+
+// A connection that an administrator's pg_terminate_backend (or a crash,
+// or a broken network) ends less than a lease after the claim is the
+// store's failure, whatever the function then returns: the delivery
+// answers that the store is unavailable, not counted, and no lost lease
+// is reported, since no lease passed; the next delivery is claimed in
+// its transaction again. Before, a function that dropped the error of
+// the statement that found the session ended (returning nil) was told
+// that its claim ended with the lease, the server having ended the
+// transaction left idle that long: a lease_lost in the outage, and an
+// error that sent the reader to look for an idle function.
+func TestHandlerClaimInTxSessionEndedWithinTheLease(t *testing.T) {
+	inEveryMode(t, testHandlerClaimInTxSessionEndedWithinTheLease)
+}
+
+func testHandlerClaimInTxSessionEndedWithinTheLease(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	admin := newPool(t)
+	f := newInbox(t, newPool(t))
+	for _, c := range []struct {
+		name string
+		// result is what the function returns after the statement that
+		// failed with err, on the session that was ended.
+		result func(err error) error
+	}{
+		{"returns the error", func(err error) error { return err }},
+		{"drops the error", func(error) error { return nil }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			id := strings.ReplaceAll(c.name, " ", "-")
+			var mu sync.Mutex
+			var events []middleware.DedupEventKind
+			dedup := middleware.DedupOptions{Observe: func(_ context.Context, e middleware.DedupEvent) {
+				mu.Lock()
+				defer mu.Unlock()
+				events = append(events, e.Kind)
+			}}
+			var underClaim []bool
+			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				_, ok := middleware.ClaimFrom(ctx)
+				underClaim = append(underClaim, ok)
+				if err := f.insert(ctx, tx, d); err != nil || len(underClaim) > 1 {
+					return err
+				}
+				return c.result(endSession(t, ctx, admin, tx))
+			}, opts), dedup)
+			err := h.Handle(ctx, delivery(id))
+			require.ErrorIs(t, err, middleware.ErrStoreUnavailable, "the first delivery")
+			assert.NotErrorIs(t, err, middleware.ErrLeaseLost, "the first delivery")
+			assert.True(t, rabbitmw.IsNotCounted(err), "%v is counted", err)
+			mu.Lock()
+			assert.NotContains(t, events, middleware.DedupLeaseLost, "events of the first delivery")
+			mu.Unlock()
+			assert.Equal(t, 0, f.count(t, id), "effects of the ended transaction")
+			require.NoError(t, h.Handle(ctx, delivery(id)), "the next delivery")
+			assert.Equal(t, []bool{false, false}, underClaim, "the deliveries ran under a claim of Dedup's")
+			assert.Equal(t, 1, f.count(t, id), "effects")
+		})
+	}
+}
+
+// A function that bounds a statement with a deadline of its own (a
+// context.WithTimeout around one query) fails its attempt when that
+// deadline passes: pgx closes the connection to cancel the statement, and
+// that closed connection is the function's doing, not the database's.
+// The attempt is counted, on either path, so that a message whose query
+// always overruns is dead-lettered after its attempts rather than tried
+// again for ever as if the store were unavailable.
+func TestHandlerFunctionsOwnDeadlineIsCounted(t *testing.T) {
+	inEveryMode(t, testHandlerFunctionsOwnDeadlineIsCounted)
+}
+
+func testHandlerFunctionsOwnDeadlineIsCounted(t *testing.T, opts pgstore.HandlerOptions) {
+	ctx := context.Background()
+	f := newInbox(t, newPool(t))
+	fn := func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+		if err := f.insert(ctx, tx, d); err != nil {
+			return err
+		}
+		qctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		defer cancel()
+		if _, err := tx.Exec(qctx, `SELECT pg_sleep(2)`); err != nil {
+			return fmt.Errorf("the report query: %w", err)
+		}
+		return nil
+	}
+	for _, p := range f.paths() {
+		t.Run(p.name, func(t *testing.T) {
+			id := strings.ReplaceAll(p.name, " ", "-")
+			h := p.stack(pgstore.Handler(f.st, fn, opts), middleware.DedupOptions{})
+			err := h.Handle(ctx, delivery(id))
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			assert.NotErrorIs(t, err, middleware.ErrStoreUnavailable)
+			assert.False(t, rabbitmw.IsNotCounted(err), "%v is not counted", err)
+			got, err := f.st.Inspect(ctx, id)
+			require.NoError(t, err)
+			assert.Equal(t, int64(1), got.Failures, "failures")
+			assert.Equal(t, 0, f.count(t, id), "effects")
+		})
+	}
 }

@@ -91,7 +91,9 @@
 //     error that said why, a lease or more after the claim. A connection
 //     that closes sooner broke, or the database went away: the message is
 //     tried again after RetryDelay, not counted, claimed in its
-//     transaction again.
+//     transaction again; unless a deadline ended the statement (the
+//     delivery's, or one of the function's own, which pgx enforces by
+//     closing the connection): that attempt failed, and is counted.
 //
 // [SQLHandler] is the same on database/sql, through pgx's stdlib driver,
 // for code written against *sql.Tx (sqlc, sqlx, GORM), always under

@@ -141,7 +141,9 @@ type HandlerOptions struct {
 //     (Dedup releases the claim; Retry counts the attempt); but if the
 //     connection broke or the server is shutting down (SQLSTATE class 08,
 //     57P), it wraps middleware.ErrStoreUnavailable and is not counted: the
-//     database is the store, and it was not the message's fault.
+//     database is the store, and it was not the message's fault. (A
+//     connection that pgx closed to stop a statement at a deadline of
+//     fn's own, with the error saying so, is fn's failure, counted.)
 //   - a panic in fn: the transaction is rolled back, and the panic goes on
 //     (Dedup releases; Recover turns it into a counted failure).
 //   - the claim was lost (another consumer took the message over, or
@@ -506,9 +508,13 @@ func (h *inbox) rollbackIfOpen(ctx context.Context, t txn, open *bool) {
 
 // failed returns the result of a delivery whose function returned err in
 // t: err, unless the database could not be reached, which is not the
-// message's failure (the database is the store).
+// message's failure (the database is the store). A deadline or a
+// cancellation in err, while ctx is live, is the function's own (a
+// context.WithTimeout around a query): pgx closed the connection to stop
+// the statement, and the attempt failed.
 func (h *inbox) failed(ctx context.Context, t txn, key string, err error) error {
-	if ctx.Err() == nil && lost(t, err) {
+	own := errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)
+	if ctx.Err() == nil && !own && lost(t, err) {
 		return h.unavailable(fmt.Errorf("pgstore: the transaction of %q: %w", key, err))
 	}
 	return err
