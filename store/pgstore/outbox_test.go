@@ -617,6 +617,38 @@ func TestOutboxMigrateAddsRetryAt(t *testing.T) {
 	assert.Equal(t, "kept", got[0].Publishing.MessageId)
 }
 
+// Migrate of an outbox that has every column (a process that starts
+// beside running relays) does not wait for a dispatch that holds its rows
+// while their confirms are on their way (PublishTimeout at most, 30 s
+// when RabbitMQ is slow): a lock that waits for it would also hold up,
+// behind it, every Write of the application and every other dispatch.
+func TestOutboxMigrateDoesNotWaitForADispatch(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	ctx := context.Background()
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: "held"})
+	sending := make(chan struct{})
+	confirm := make(chan struct{})
+	dispatched := make(chan error, 1)
+	go func() {
+		_, err := ob.Dispatch(ctx, pgstore.DispatchOptions{Limit: 10}, func(_ context.Context, _ []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+			close(sending)
+			<-confirm
+			results[0].Sent = true
+		})
+		dispatched <- err
+	}()
+	<-sending
+	mctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	start := time.Now()
+	err := ob.Migrate(mctx)
+	waited := time.Since(start)
+	close(confirm)
+	require.NoError(t, <-dispatched)
+	require.NoError(t, err, "Migrate waited %s for the dispatch's rows", waited)
+}
+
 // A dispatch that ends without recording (its process dies: here, its
 // transaction is rolled back by a failed commit) leaves its rows pending.
 func TestOutboxDispatchWithoutCommitLeavesRowsPending(t *testing.T) {
