@@ -168,16 +168,29 @@ func (o *Outbox) Channel() string { return o.n.channel }
 // OutboxSchema returns the SQL that [Outbox.Migrate] runs to create the
 // outbox table, for teams that run their own migrations: table is the name
 // given in [OutboxOptions].Table ("" for [DefaultOutboxTable]). It panics if
-// table is not a valid name. The statements are idempotent.
+// table is not a valid name. The statements are idempotent, but its ALTER
+// TABLE (for a table made before the retry_at column) takes the table's
+// ACCESS EXCLUSIVE lock each time it runs: run them once, as a migration,
+// not at each start of a process beside running relays.
 func OutboxSchema(table string) string {
 	n, err := parseOutboxTable(table)
 	if err != nil {
 		panic("pgstore: OutboxSchema: " + err.Error())
 	}
-	return n.schemaSQL()
+	return n.schemaSQL(true)
 }
 
-func (n outboxNames) schemaSQL() string {
+// schemaSQL returns the SQL of OutboxSchema; without addRetryAt, it leaves
+// out the ALTER TABLE that adds retry_at to a table made before it.
+// Migrate runs that only on a table that lacks the column: ALTER TABLE
+// takes the table's ACCESS EXCLUSIVE lock even when it then adds nothing,
+// and so would wait for every transaction on the table (a dispatch
+// awaiting its confirms), every Write and dispatch waiting behind it.
+func (n outboxNames) schemaSQL(addRetryAt bool) string {
+	alter := ""
+	if addRetryAt {
+		alter = "-- A table made before retry_at was added gets it here.\n" + n.addRetryAtSQL() + "\n"
+	}
 	return `-- Messages to publish, written in the business transaction, sent by the relay.
 --   message_id  the message's AMQP message-id, fixed when it was written
 --   properties  the other AMQP properties and the headers, as JSON (typed header values)
@@ -201,9 +214,7 @@ CREATE TABLE IF NOT EXISTS ` + n.qualified + ` (
     error       text,
     retry_at    timestamptz
 );
--- A table made before retry_at was added gets it here.
-` + n.addRetryAtSQL() + `
--- The relay's scan: pending rows in the order they were written.
+` + alter + `-- The relay's scan: pending rows in the order they were written.
 CREATE INDEX IF NOT EXISTS ` + n.pendingIndex + ` ON ` + n.qualified + ` (id) WHERE state = 'pending';
 -- The retention's deletion of sent rows.
 CREATE INDEX IF NOT EXISTS ` + n.sentIndex + ` ON ` + n.qualified + ` (sent_at) WHERE state = 'sent';
@@ -237,12 +248,14 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, "rabbitmw pgstore "+o.n.qualified); err != nil {
 			return err
 		}
-		// A table without retry_at gets it from the schema's ALTER TABLE.
-		if err := o.checkSchema(ctx, tx, true); err != nil && !errors.Is(err, errNoRetryAt) {
+		// A table without retry_at gets it from the schema's ALTER TABLE;
+		// only such a table does (see schemaSQL).
+		err := o.checkSchema(ctx, tx, true)
+		if err != nil && !errors.Is(err, errNoRetryAt) {
 			schemaErr = err
 			return err
 		}
-		_, err := tx.Exec(ctx, o.n.schemaSQL())
+		_, err = tx.Exec(ctx, o.n.schemaSQL(err != nil))
 		return err
 	})
 	switch {
