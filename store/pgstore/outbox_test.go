@@ -649,6 +649,26 @@ func TestOutboxMigrateDoesNotWaitForADispatch(t *testing.T) {
 	require.NoError(t, err, "Migrate waited %s for the dispatch's rows", waited)
 }
 
+// Nor does it wait for a business transaction that wrote a row and has
+// not committed yet: a lock that waits for it would hold up every other
+// Write behind it, for as long as that transaction runs.
+func TestOutboxMigrateDoesNotWaitForAWrite(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = ob.Write(ctx, tx, "", "q", amqp.Publishing{})
+	require.NoError(t, err)
+	mctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	start := time.Now()
+	err = ob.Migrate(mctx)
+	require.NoError(t, err, "Migrate waited %s for the open transaction", time.Since(start))
+	require.NoError(t, tx.Commit(ctx))
+}
+
 // A dispatch that ends without recording (its process dies: here, its
 // transaction is rolled back by a failed commit) leaves its rows pending.
 func TestOutboxDispatchWithoutCommitLeavesRowsPending(t *testing.T) {
