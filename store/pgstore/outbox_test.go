@@ -669,6 +669,38 @@ func TestOutboxMigrateDoesNotWaitForAWrite(t *testing.T) {
 	require.NoError(t, tx.Commit(ctx))
 }
 
+// Migrate of a table that lacks one of its indexes makes it again, in
+// the table's schema, named or not.
+func TestOutboxMigrateMakesAMissingIndex(t *testing.T) {
+	pool := newPool(t)
+	ctx := context.Background()
+	schema := uniqueTable(t, pool) + "_s"
+	_, err := pool.Exec(ctx, `CREATE SCHEMA `+schema)
+	require.NoError(t, err)
+	t.Cleanup(func() { pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+schema+` CASCADE`) })
+	for name, qualify := range map[string]func(table string) (schema, qualified string){
+		"in the current schema": func(table string) (string, string) { return "", table },
+		"schema-qualified":      func(table string) (string, string) { return schema, schema + "." + table },
+	} {
+		t.Run(name, func(t *testing.T) {
+			for _, suffix := range []string{"_pending", "_sent_at", "_parked"} {
+				table := uniqueTable(t, pool) + "_outbox"
+				in, qualified := qualify(table)
+				t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+qualified) })
+				ob := newOutbox(t, pool, pgstore.OutboxOptions{Table: qualified})
+				index := table + suffix
+				_, err := pool.Exec(ctx, `DROP INDEX `+strings.TrimPrefix(in+"."+index, "."))
+				require.NoError(t, err)
+				require.NoError(t, ob.Migrate(ctx))
+				var n int
+				require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_indexes
+WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND tablename = $2 AND indexname = $3`, in, table, index).Scan(&n))
+				assert.Equal(t, 1, n, "index %s made again", index)
+			}
+		})
+	}
+}
+
 // A dispatch that ends without recording (its process dies: here, its
 // transaction is rolled back by a failed commit) leaves its rows pending.
 func TestOutboxDispatchWithoutCommitLeavesRowsPending(t *testing.T) {
