@@ -93,6 +93,17 @@ func uniqueTable(t testing.TB, pool *pgxpool.Pool) string {
 	return name
 }
 
+// newSchema creates a schema of its own, whose name ends in suffix, and
+// drops it with what it holds when t ends.
+func newSchema(t testing.TB, pool *pgxpool.Pool, suffix string) string {
+	t.Helper()
+	schema := uniqueTable(t, pool) + suffix
+	_, err := pool.Exec(context.Background(), `CREATE SCHEMA `+schema)
+	require.NoError(t, err)
+	t.Cleanup(func() { pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+schema+` CASCADE`) })
+	return schema
+}
+
 // newStore returns a migrated store on a table of its own, closed when t
 // ends.
 func newStore(t testing.TB, pool *pgxpool.Pool, opts pgstore.Options) *pgstore.Store {
