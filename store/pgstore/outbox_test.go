@@ -657,13 +657,7 @@ func TestOutboxMigrateDoesNotWait(t *testing.T) {
 			pool := newPool(t)
 			ob := newOutbox(t, pool, pgstore.OutboxOptions{})
 			release := hold(t, pool, ob)
-			mctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			defer cancel()
-			start := time.Now()
-			err := ob.Migrate(mctx)
-			waited := time.Since(start)
-			require.NoError(t, release())
-			require.NoError(t, err, "Migrate waited %s", waited)
+			requireMigrateWaitsForNothing(t, ob.Migrate, func() { require.NoError(t, release()) })
 		})
 	}
 }
@@ -672,29 +666,10 @@ func TestOutboxMigrateDoesNotWait(t *testing.T) {
 // the table's schema, named or not.
 func TestOutboxMigrateMakesAMissingIndex(t *testing.T) {
 	pool := newPool(t)
-	ctx := context.Background()
-	schema := newSchema(t, pool, "_s")
-	for name, qualify := range map[string]func(table string) (schema, qualified string){
-		"in the current schema": func(table string) (string, string) { return "", table },
-		"schema-qualified":      func(table string) (string, string) { return schema, schema + "." + table },
-	} {
-		t.Run(name, func(t *testing.T) {
-			for _, suffix := range []string{"_pending", "_sent_at", "_parked"} {
-				table := uniqueTable(t, pool) + "_outbox"
-				in, qualified := qualify(table)
-				t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+qualified) })
-				ob := newOutbox(t, pool, pgstore.OutboxOptions{Table: qualified})
-				index := table + suffix
-				_, err := pool.Exec(ctx, `DROP INDEX `+strings.TrimPrefix(in+"."+index, "."))
-				require.NoError(t, err)
-				require.NoError(t, ob.Migrate(ctx))
-				var n int
-				require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_indexes
-WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND tablename = $2 AND indexname = $3`, in, table, index).Scan(&n))
-				assert.Equal(t, 1, n, "index %s made again", index)
-			}
-		})
-	}
+	requireMigrateMakesMissingIndexes(t, []string{"_pending", "_sent_at", "_parked"}, func(t *testing.T, _, qualified string) func(context.Context) error {
+		t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+qualified) })
+		return newOutbox(t, pool, pgstore.OutboxOptions{Table: qualified}).Migrate
+	})
 }
 
 // A dispatch that ends without recording (its process dies: here, its

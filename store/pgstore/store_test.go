@@ -345,14 +345,7 @@ func TestMigrateDoesNotWait(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			f := newInbox(t, newPool(t))
-			release := hold(t, f)
-			mctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			defer cancel()
-			start := time.Now()
-			err := f.st.Migrate(mctx)
-			waited := time.Since(start)
-			release()
-			require.NoError(t, err, "Migrate waited %s", waited)
+			requireMigrateWaitsForNothing(t, f.st.Migrate, hold(t, f))
 		})
 	}
 }
@@ -361,32 +354,10 @@ func TestMigrateDoesNotWait(t *testing.T) {
 // the table's schema, named or not.
 func TestMigrateMakesAMissingIndex(t *testing.T) {
 	pool := newPool(t)
-	ctx := context.Background()
-	schema := newSchema(t, pool, "_s")
-	for name, qualify := range map[string]func(table string) (schema, qualified string){
-		"in the current schema": func(table string) (string, string) { return "", table },
-		"schema-qualified":      func(table string) (string, string) { return schema, schema + "." + table },
-	} {
-		t.Run(name, func(t *testing.T) {
-			for _, index := range []func(table string) string{
-				func(table string) string { return table + "_forget_at" },
-				func(table string) string { return table + "_failures_expires_at" },
-			} {
-				table := uniqueTable(t, pool)
-				in, qualified := qualify(table)
-				t.Cleanup(func() {
-					pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+qualified+`, `+qualified+`_failures`)
-				})
-				st := newStore(t, pool, pgstore.Options{Table: qualified})
-				name := index(table)
-				_, err := pool.Exec(ctx, `DROP INDEX `+strings.TrimPrefix(in+"."+name, "."))
-				require.NoError(t, err)
-				require.NoError(t, st.Migrate(ctx))
-				var n int
-				require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_indexes
-WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND indexname = $2`, in, name).Scan(&n))
-				assert.Equal(t, 1, n, "index %s made again", name)
-			}
+	requireMigrateMakesMissingIndexes(t, []string{"_forget_at", "_failures_expires_at"}, func(t *testing.T, _, qualified string) func(context.Context) error {
+		t.Cleanup(func() {
+			pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+qualified+`, `+qualified+`_failures`)
 		})
-	}
+		return newStore(t, pool, pgstore.Options{Table: qualified}).Migrate
+	})
 }
