@@ -7,11 +7,13 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
@@ -93,6 +95,17 @@ func uniqueTable(t testing.TB, pool *pgxpool.Pool) string {
 	return name
 }
 
+// newSchema creates a schema of its own, whose name ends in suffix, and
+// drops it with what it holds when t ends.
+func newSchema(t testing.TB, pool *pgxpool.Pool, suffix string) string {
+	t.Helper()
+	schema := uniqueTable(t, pool) + suffix
+	_, err := pool.Exec(context.Background(), `CREATE SCHEMA `+schema)
+	require.NoError(t, err)
+	t.Cleanup(func() { pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+schema+` CASCADE`) })
+	return schema
+}
+
 // newStore returns a migrated store on a table of its own, closed when t
 // ends.
 func newStore(t testing.TB, pool *pgxpool.Pool, opts pgstore.Options) *pgstore.Store {
@@ -104,4 +117,57 @@ func newStore(t testing.TB, pool *pgxpool.Pool, opts pgstore.Options) *pgstore.S
 	t.Cleanup(s.Close)
 	require.NoError(t, s.Migrate(context.Background()), "Migrate")
 	return s
+}
+
+// placements are the two places a table may be named in: the current
+// schema, unqualified, and schema, qualified; each returns the schema to
+// look the table up in ("" for the current one) and the name to give.
+func placements(schema string) map[string]func(table string) (in, qualified string) {
+	return map[string]func(table string) (string, string){
+		"in the current schema": func(table string) (string, string) { return "", table },
+		"schema-qualified":      func(table string) (string, string) { return schema, schema + "." + table },
+	}
+}
+
+// requireMigrateWaitsForNothing calls migrate, with a deadline of 2 s,
+// while something holds the table, then release, and fails t if migrate
+// failed (it waited out its deadline).
+func requireMigrateWaitsForNothing(t *testing.T, migrate func(context.Context) error, release func()) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	start := time.Now()
+	err := migrate(ctx)
+	waited := time.Since(start)
+	release()
+	require.NoError(t, err, "Migrate waited %s", waited)
+}
+
+// requireMigrateMakesMissingIndexes drops, one at a time, each index of a
+// table whose name ends in one of suffixes, then calls the Migrate of what
+// create made on it, which must make the index again: for a table in the
+// current schema, and for one in a schema of its own. create gets the
+// table's name, unqualified, and the name to give it, and drops what it
+// makes when t ends.
+func requireMigrateMakesMissingIndexes(t *testing.T, suffixes []string, create func(t *testing.T, table, qualified string) (migrate func(context.Context) error)) {
+	pool := newPool(t)
+	ctx := context.Background()
+	schema := newSchema(t, pool, "_s")
+	for name, qualify := range placements(schema) {
+		t.Run(name, func(t *testing.T) {
+			for _, suffix := range suffixes {
+				table := uniqueTable(t, pool)
+				in, qualified := qualify(table)
+				migrate := create(t, table, qualified)
+				index := table + suffix
+				_, err := pool.Exec(ctx, `DROP INDEX `+strings.TrimPrefix(in+"."+index, "."))
+				require.NoError(t, err)
+				require.NoError(t, migrate(ctx))
+				var n int
+				require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_indexes
+WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND indexname = $2`, in, index).Scan(&n))
+				assert.Equal(t, 1, n, "index %s made again", index)
+			}
+		})
+	}
 }

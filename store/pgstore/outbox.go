@@ -122,10 +122,17 @@ func parseOutboxTable(name string) (outboxNames, error) {
 	// their first 63 bytes share a channel, which costs their relays a
 	// wake-up that finds nothing.
 	n.channel = name[:min(len(name), maxChannel)]
-	n.pendingIndex = pgx.Identifier{n.table + "_pending"}.Sanitize()
-	n.sentIndex = pgx.Identifier{n.table + "_sent_at"}.Sanitize()
-	n.parkedIndex = pgx.Identifier{n.table + "_parked"}.Sanitize()
+	ix := n.indexNames()
+	n.pendingIndex = pgx.Identifier{ix[0]}.Sanitize()
+	n.sentIndex = pgx.Identifier{ix[1]}.Sanitize()
+	n.parkedIndex = pgx.Identifier{ix[2]}.Sanitize()
 	return n, nil
+}
+
+// indexNames returns the names of the table's indexes, unquoted: on the
+// pending rows, the sent rows' sent_at, and the parked rows.
+func (n outboxNames) indexNames() []string {
+	return []string{n.table + "_pending", n.table + "_sent_at", n.table + "_parked"}
 }
 
 // NewOutbox returns the Outbox of table opts.Table in pool's database,
@@ -168,16 +175,26 @@ func (o *Outbox) Channel() string { return o.n.channel }
 // OutboxSchema returns the SQL that [Outbox.Migrate] runs to create the
 // outbox table, for teams that run their own migrations: table is the name
 // given in [OutboxOptions].Table ("" for [DefaultOutboxTable]). It panics if
-// table is not a valid name. The statements are idempotent.
+// table is not a valid name. The statements are idempotent, but its ALTER
+// TABLE (for a table made before the retry_at column) takes the table's
+// ACCESS EXCLUSIVE lock each time it runs: run them once, as a migration,
+// not at each start of a process beside running relays.
 func OutboxSchema(table string) string {
 	n, err := parseOutboxTable(table)
 	if err != nil {
 		panic("pgstore: OutboxSchema: " + err.Error())
 	}
-	return n.schemaSQL()
+	return n.schemaSQL(true)
 }
 
-func (n outboxNames) schemaSQL() string {
+// schemaSQL returns the SQL of OutboxSchema; without addRetryAt, it leaves
+// out the ALTER TABLE that adds retry_at to a table made before it (see
+// Migrate).
+func (n outboxNames) schemaSQL(addRetryAt bool) string {
+	alter := ""
+	if addRetryAt {
+		alter = "-- A table made before retry_at was added gets it here.\n" + n.addRetryAtSQL() + "\n"
+	}
 	return `-- Messages to publish, written in the business transaction, sent by the relay.
 --   message_id  the message's AMQP message-id, fixed when it was written
 --   properties  the other AMQP properties and the headers, as JSON (typed header values)
@@ -201,9 +218,7 @@ CREATE TABLE IF NOT EXISTS ` + n.qualified + ` (
     error       text,
     retry_at    timestamptz
 );
--- A table made before retry_at was added gets it here.
-` + n.addRetryAtSQL() + `
--- The relay's scan: pending rows in the order they were written.
+` + alter + `-- The relay's scan: pending rows in the order they were written.
 CREATE INDEX IF NOT EXISTS ` + n.pendingIndex + ` ON ` + n.qualified + ` (id) WHERE state = 'pending';
 -- The retention's deletion of sent rows.
 CREATE INDEX IF NOT EXISTS ` + n.sentIndex + ` ON ` + n.qualified + ` (sent_at) WHERE state = 'sent';
@@ -228,21 +243,42 @@ func (n outboxNames) addRetryAtSQL() string {
 
 // Migrate creates the outbox table and its indexes if they do not exist
 // (the SQL of [OutboxSchema]), adds the retry_at column to a table made
-// before it was added, then checks them as [Outbox.Check] does.
-// Concurrent calls, from several processes, are serialised by an advisory
-// lock.
+// before it was added, then checks them as [Outbox.Check] does. On a
+// table that has them all, it changes nothing and takes no lock on it, so
+// that a process may call it at each start beside running writers and
+// relays. Concurrent calls, from several processes, are serialised by an
+// advisory lock.
 func (o *Outbox) Migrate(ctx context.Context) error {
 	var schemaErr error
 	err := pgx.BeginFunc(ctx, o.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, "rabbitmw pgstore "+o.n.qualified); err != nil {
 			return err
 		}
-		// A table without retry_at gets it from the schema's ALTER TABLE.
-		if err := o.checkSchema(ctx, tx, true); err != nil && !errors.Is(err, errNoRetryAt) {
+		err := o.checkSchema(ctx, tx, true)
+		if err != nil && !errors.Is(err, errNoRetryAt) {
 			schemaErr = err
 			return err
 		}
-		_, err := tx.Exec(ctx, o.n.schemaSQL())
+		// The schema's statements lock the table even when they find
+		// what they would make there: CREATE INDEX IF NOT EXISTS takes
+		// its SHARE lock (which waits for the transactions that wrote
+		// rows), ALTER TABLE its ACCESS EXCLUSIVE lock (which waits for
+		// every transaction on it, a dispatch awaiting its confirms
+		// too), and every Write and dispatch waits behind them. So they
+		// run only where something is missing, and the ALTER TABLE only
+		// on a table without retry_at.
+		if err == nil {
+			var indexes int
+			if err := tx.QueryRow(ctx, `SELECT count(*) FROM pg_indexes
+WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND tablename = $2 AND indexname = ANY($3)`,
+				o.n.schema, o.n.table, o.n.indexNames()).Scan(&indexes); err != nil {
+				return err
+			}
+			if indexes == len(o.n.indexNames()) {
+				return nil
+			}
+		}
+		_, err = tx.Exec(ctx, o.n.schemaSQL(err != nil))
 		return err
 	})
 	switch {

@@ -374,10 +374,7 @@ func TestOutboxWriteDropsTraceEntriesThatAreNotText(t *testing.T) {
 func TestOutboxWithALongQualifiedName(t *testing.T) {
 	pool := newPool(t)
 	ctx := context.Background()
-	schema := uniqueTable(t, pool) + "_a_schema_with_a_long_name_x"
-	_, err := pool.Exec(ctx, `CREATE SCHEMA `+schema)
-	require.NoError(t, err)
-	t.Cleanup(func() { pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+schema+` CASCADE`) })
+	schema := newSchema(t, pool, "_a_schema_with_a_long_name_x")
 	ob := newOutbox(t, pool, pgstore.OutboxOptions{Table: schema + ".outbox_of_the_shipping_service"})
 
 	conn, err := pool.Acquire(ctx)
@@ -615,6 +612,64 @@ func TestOutboxMigrateAddsRetryAt(t *testing.T) {
 	got, _ := collect(t, ob, 10, sent)
 	require.Len(t, got, 1)
 	assert.Equal(t, "kept", got[0].Publishing.MessageId)
+}
+
+// Migrate of an outbox that has its table and indexes (a process that
+// starts beside running writers and relays) waits for no transaction on
+// the table: a lock that waited for one would hold up, behind it, every
+// Write of the application and every dispatch, for as long as that
+// transaction runs. Neither for a dispatch that holds its rows while
+// their confirms are on their way (PublishTimeout at most, 30 s when
+// RabbitMQ is slow), nor for a business transaction that wrote a row and
+// has not committed yet.
+func TestOutboxMigrateDoesNotWait(t *testing.T) {
+	ctx := context.Background()
+	for name, hold := range map[string]func(t *testing.T, pool *pgxpool.Pool, ob *pgstore.Outbox) (release func() error){
+		"for a dispatch awaiting its confirms": func(t *testing.T, pool *pgxpool.Pool, ob *pgstore.Outbox) func() error {
+			write(t, pool, ob, "q", amqp.Publishing{MessageId: "held"})
+			sending := make(chan struct{})
+			confirm := make(chan struct{})
+			dispatched := make(chan error, 1)
+			go func() {
+				_, err := ob.Dispatch(ctx, pgstore.DispatchOptions{Limit: 10}, func(_ context.Context, _ []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+					close(sending)
+					<-confirm
+					results[0].Sent = true
+				})
+				dispatched <- err
+			}()
+			<-sending
+			return func() error {
+				close(confirm)
+				return <-dispatched
+			}
+		},
+		"for a transaction that wrote a row": func(t *testing.T, pool *pgxpool.Pool, ob *pgstore.Outbox) func() error {
+			tx, err := pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { tx.Rollback(ctx) })
+			_, err = ob.Write(ctx, tx, "", "q", amqp.Publishing{})
+			require.NoError(t, err)
+			return func() error { return tx.Commit(ctx) }
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			pool := newPool(t)
+			ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+			release := hold(t, pool, ob)
+			requireMigrateWaitsForNothing(t, ob.Migrate, func() { require.NoError(t, release()) })
+		})
+	}
+}
+
+// Migrate of a table that lacks one of its indexes makes it again, in
+// the table's schema, named or not.
+func TestOutboxMigrateMakesAMissingIndex(t *testing.T) {
+	pool := newPool(t)
+	requireMigrateMakesMissingIndexes(t, []string{"_pending", "_sent_at", "_parked"}, func(t *testing.T, _, qualified string) func(context.Context) error {
+		t.Cleanup(func() { pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+qualified) })
+		return newOutbox(t, pool, pgstore.OutboxOptions{Table: qualified}).Migrate
+	})
 }
 
 // A dispatch that ends without recording (its process dies: here, its

@@ -49,15 +49,27 @@ func parseTable(name string) (names, error) {
 	}
 	n.claims = qualified(n.table)
 	n.failures = qualified(n.table + "_failures")
-	n.claimsIndex = pgx.Identifier{n.table + "_forget_at"}.Sanitize()
-	n.failuresIndex = pgx.Identifier{n.table + "_failures_expires_at"}.Sanitize()
+	ix := n.indexNames()
+	n.claimsIndex = pgx.Identifier{ix[0]}.Sanitize()
+	n.failuresIndex = pgx.Identifier{ix[1]}.Sanitize()
 	return n, nil
+}
+
+// indexNames returns the names of the tables' indexes, unquoted: on the
+// claims' forget_at, and on the failures' expires_at.
+func (n names) indexNames() []string {
+	return []string{n.table + "_forget_at", n.table + "_failures_expires_at"}
 }
 
 // Schema returns the SQL that [Store.Migrate] runs to create the store's
 // tables, for teams that run their own migrations: table is the name given
 // in [Options].Table ("" for [DefaultTable]). It panics if table is not a
-// valid name, as New does. The statements are idempotent.
+// valid name, as New does. The statements are idempotent, but each
+// CREATE INDEX IF NOT EXISTS takes its table's SHARE lock even when the
+// index is there, which waits for the deliveries' transactions and holds
+// their claims behind it: run them once, as a migration, not at each
+// start of a consumer ([Store.Migrate] runs them only where something is
+// missing).
 func Schema(table string) string {
 	n, err := parseTable(table)
 	if err != nil {

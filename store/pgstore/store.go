@@ -416,7 +416,9 @@ RETURNING count`
 }
 
 // Migrate creates the store's tables and indexes if they do not exist (the
-// SQL of [Schema]), then checks them as [Store.Check] does. Concurrent
+// SQL of [Schema]), then checks them as [Store.Check] does. Where they
+// are all there, it changes nothing and takes no lock on them, so that a
+// consumer may call it at each start beside running ones. Concurrent
 // calls, from several processes, are serialised by an advisory lock.
 func (s *Store) Migrate(ctx context.Context) error {
 	var schemaErr error
@@ -428,6 +430,14 @@ func (s *Store) Migrate(ctx context.Context) error {
 		if schemaErr = s.checkSchema(ctx, tx, true); schemaErr != nil {
 			return schemaErr
 		}
+		// The schema's CREATE INDEX IF NOT EXISTS takes its table's SHARE
+		// lock before it finds the index there, which waits for every
+		// delivery's transaction that wrote the table (a claim made in
+		// it holds it while the function runs), and every claim waits
+		// behind it: the schema runs only where something is missing.
+		if complete, err := s.complete(ctx, tx); complete || err != nil {
+			return err
+		}
 		_, err := tx.Exec(ctx, s.n.schemaSQL())
 		return err
 	})
@@ -438,6 +448,17 @@ func (s *Store) Migrate(ctx context.Context) error {
 		return s.unreachable("migrate", err)
 	}
 	return s.checkSchema(ctx, s.pool, false)
+}
+
+// complete reports whether the store's tables and their indexes are all
+// there, its tables' columns checked already.
+func (s *Store) complete(ctx context.Context, tx pgx.Tx) (bool, error) {
+	var tables, indexes int
+	err := tx.QueryRow(ctx, `SELECT
+  (SELECT count(*) FROM pg_tables WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND tablename = ANY($2)),
+  (SELECT count(*) FROM pg_indexes WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND indexname = ANY($3))`,
+		s.n.schema, []string{s.n.table, s.n.table + "_failures"}, s.n.indexNames()).Scan(&tables, &indexes)
+	return tables == 2 && indexes == len(s.n.indexNames()), err
 }
 
 // Check reports whether the database answers and the store's tables exist

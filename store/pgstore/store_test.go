@@ -7,10 +7,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/rabbitmw/rabbitmw/middleware"
 	"github.com/rabbitmw/rabbitmw/store"
 	"github.com/rabbitmw/rabbitmw/store/pgstore"
 	"github.com/rabbitmw/rabbitmw/store/storetest"
@@ -302,4 +305,59 @@ func claim(t *testing.T, s *pgstore.Store, key, token string, lease time.Duratio
 	st, err := s.Claim(context.Background(), key, token, lease)
 	require.NoError(t, err, "Claim(%q, %q)", key, token)
 	require.Equal(t, want, st, "Claim(%q, %q)", key, token)
+}
+
+// Migrate of a store whose tables and indexes are all there changes
+// nothing and waits for nothing, so that each consumer may call it at its
+// start beside running ones: not for a delivery's transaction that holds
+// its claim (claimed in its transaction, its function running), nor for
+// one that counted a failure. CREATE INDEX IF NOT EXISTS takes its table's
+// SHARE lock before it finds the index, which waits for every transaction
+// that wrote the table, and every claim queues behind it.
+func TestMigrateDoesNotWait(t *testing.T) {
+	ctx := context.Background()
+	for name, hold := range map[string]func(t *testing.T, f *inboxFixture) (release func()){
+		"for a transaction that claimed a key": func(t *testing.T, f *inboxFixture) func() {
+			running, done := make(chan struct{}), make(chan struct{})
+			handled := make(chan error, 1)
+			h := f.stack(pgstore.Handler(f.st, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) error {
+				if err := f.insert(ctx, tx, d); err != nil {
+					return err
+				}
+				close(running)
+				<-done
+				return nil
+			}, pgstore.HandlerOptions{}), middleware.DedupOptions{})
+			go func() { handled <- h.Handle(ctx, delivery("held")) }()
+			<-running
+			return func() {
+				close(done)
+				require.NoError(t, <-handled)
+			}
+		},
+		"for a transaction that counted a failure": func(t *testing.T, f *inboxFixture) func() {
+			tx, err := f.pool.Begin(ctx)
+			require.NoError(t, err)
+			_, err = tx.Exec(ctx, `INSERT INTO `+strings.TrimSuffix(f.effects, "_effects")+`_failures (key, count, expires_at) VALUES ('\x01', 1, now() + interval '1 hour')`)
+			require.NoError(t, err)
+			return func() { require.NoError(t, tx.Rollback(ctx)) }
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newInbox(t, newPool(t))
+			requireMigrateWaitsForNothing(t, f.st.Migrate, hold(t, f))
+		})
+	}
+}
+
+// Migrate of a store that lacks one of its indexes makes it again, in
+// the table's schema, named or not.
+func TestMigrateMakesAMissingIndex(t *testing.T) {
+	pool := newPool(t)
+	requireMigrateMakesMissingIndexes(t, []string{"_forget_at", "_failures_expires_at"}, func(t *testing.T, _, qualified string) func(context.Context) error {
+		t.Cleanup(func() {
+			pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+qualified+`, `+qualified+`_failures`)
+		})
+		return newStore(t, pool, pgstore.Options{Table: qualified}).Migrate
+	})
 }

@@ -118,6 +118,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -460,8 +461,12 @@ type outcome struct {
 	waits []time.Duration // the RetryAfter given to each row that failed
 }
 
+// backoff draws the n-th wait, of the relay's failures in a row or of a
+// row's attempts, from [0, min(BackoffMax, BackoffMin·2ⁿ⁻¹)]; from
+// [0, BackoffMax) where that bound is the longest duration there is, one
+// past which does not fit in a time.Duration.
 func (r *Relay) backoff(n int) time.Duration {
-	return rand.N(backoff.Doubled(r.bmin, n-1, r.bmax) + 1)
+	return rand.N(min(backoff.Doubled(r.bmin, n-1, r.bmax), math.MaxInt64-1) + 1)
 }
 
 // lingering returns a context that ends StopTimeout after ctx does, or

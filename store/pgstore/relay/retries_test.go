@@ -1,10 +1,12 @@
 package relay
 
 import (
+	"math"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // retries keeps one time per step, rounded up, in order, and drops those
@@ -29,4 +31,20 @@ func TestRetries(t *testing.T) {
 	assert.Equal(t, []time.Time{ms(300)}, q.at)
 	q.passed(ms(1000))
 	assert.Empty(t, q.at)
+}
+
+// A row's backoff, drawn from its attempts, which the table keeps across
+// relays and versions (thousands, for a row nacked under a relay that
+// sent it again on every pass), stays within [0, BackoffMax], also when
+// BackoffMax is the longest duration there is (no ceiling).
+func TestBackoffOfManyAttempts(t *testing.T) {
+	for _, bmax := range []time.Duration{10 * time.Second, math.MaxInt64} {
+		r := &Relay{bmin: 100 * time.Millisecond, bmax: bmax}
+		for _, attempts := range []int{0, 1, 36, 37, 63, 64, 5000} {
+			var d time.Duration
+			require.NotPanics(t, func() { d = r.backoff(attempts + 1) }, "BackoffMax %d, %d attempts", bmax, attempts)
+			assert.GreaterOrEqual(t, d, time.Duration(0))
+			assert.LessOrEqual(t, d, bmax)
+		}
+	}
 }
