@@ -68,6 +68,7 @@ type claimLease struct {
 	stopped    bool      // the delivery has ended
 	renewing   bool      // a renewal is in flight; it owns l once stopped
 	observing  int       // calls of Observe by its renewals under way
+	waiting    bool      // stop waits for them, and owns l until it returns
 	panicked   error     // the first panic of those calls, a *rabbitmw.PanicError
 	lost       error     // set when the store said the claim is gone
 	validUntil time.Time // the end of the lease as of the last renewal
@@ -137,8 +138,12 @@ func (r *renewer) stop(l *claimLease) (lost error, validUntil time.Time, panicke
 		r.deadlines.list.unlink(c)
 	}
 	for l.observing > 0 {
+		// A renewal that returns meanwhile, even once the last call has
+		// signalled, leaves l to stop: stop still reads it.
+		l.waiting = true
 		r.observed.Wait()
 	}
+	l.waiting = false
 	lost, validUntil, panicked = l.lost, l.validUntil, l.panicked
 	recycle := !l.renewing // else the renewal in flight recycles l
 	r.mu.Unlock()
@@ -224,7 +229,7 @@ func (r *renewer) renew(l *claimLease) {
 	r.mu.Lock()
 	l.renewing = false
 	if l.stopped {
-		recycle := l.observing == 0 // else stop waits, and recycles l
+		recycle := !l.waiting // else stop recycles l once it wakes
 		r.mu.Unlock()
 		if recycle {
 			r.recycle(l)
