@@ -40,6 +40,7 @@ type fixture struct {
 	t     *testing.T
 	pool  *pgxpool.Pool
 	ob    *pgstore.Outbox
+	table string
 	b     *broker.Broker
 	queue string
 }
@@ -86,7 +87,7 @@ func newFixture(t *testing.T) *fixture {
 	require.NoError(t, ob.Migrate(context.Background()))
 	b := broker.New(amqpURL, broker.Options{})
 	t.Cleanup(func() { b.Close() })
-	f := &fixture{t: t, pool: pool, ob: ob, b: b, queue: unique("rmwtest.outbox.")}
+	f := &fixture{t: t, pool: pool, ob: ob, table: table, b: b, queue: unique("rmwtest.outbox.")}
 	f.declare(f.queue)
 	return f
 }
