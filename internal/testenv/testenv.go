@@ -165,3 +165,28 @@ func CloseConnections(t testing.TB, marker, reason string) int {
 	}
 	return n
 }
+
+// FreePorts returns n distinct loopback ports, free a moment ago, for
+// servers that a test starts (each holds the next port open until all are
+// chosen). The ports lie below the kernel's ephemeral range, so that no
+// outgoing connection, of any process, takes one before the server binds
+// it; a server of another test may still, rarely, and the caller that
+// can tell should try again.
+func FreePorts(n int) ([]int, error) {
+	var ports []int
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		defer l.Close()
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+// ephemeralRange returns the kernel's range of ports for outgoing
+// connections, [low, high], or Linux's default where it cannot be read.
+func ephemeralRange() (low, high int) {
+	return 32768, 60999
+}

@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"fmt"
+	"net"
 	"strings"
 	"testing"
 )
@@ -55,5 +56,35 @@ func TestMissingServer(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// FreePorts gives ports that no outgoing connection can take meanwhile:
+// below the kernel's ephemeral range, from which a connect binds its
+// local port. A free port from that range (what listening on port 0
+// gives) may be taken by any process's connection before the server the
+// test starts binds it, which then fails to start ("eaddrinuse": a
+// RabbitMQ node of a cluster test, in CI).
+func TestFreePortsAreOutsideTheEphemeralRange(t *testing.T) {
+	low, _ := ephemeralRange()
+	ports, err := FreePorts(20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[int]bool{}
+	for _, p := range ports {
+		if p < 1024 || p >= low {
+			t.Errorf("port %d: want one in [1024, %d), below the ephemeral range", p, low)
+		}
+		if seen[p] {
+			t.Errorf("port %d given twice", p)
+		}
+		seen[p] = true
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p))
+		if err != nil {
+			t.Errorf("port %d is not free: %v", p, err)
+			continue
+		}
+		l.Close()
 	}
 }
