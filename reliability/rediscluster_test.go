@@ -170,20 +170,9 @@ func tryStartNode(t *testing.T, server, dir string) (*redisNode, error) {
 	}
 }
 
-// freePorts returns n distinct loopback ports that were free a moment ago:
-// each is held open until all are chosen, then released for the caller.
-func freePorts(n int) ([]int, error) {
-	var ports []int
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("finding a free port: %w", err)
-		}
-		defer l.Close()
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
-}
+// freePorts returns n distinct loopback ports that were free a moment
+// ago, below the ephemeral range (see testenv.FreePorts).
+func freePorts(n int) ([]int, error) { return testenv.FreePorts(n) }
 
 // servedBy reports whether the Redis answering at addr is the process pid:
 // when the port was taken meanwhile, another server may answer there until

@@ -14,7 +14,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -355,20 +354,12 @@ func (n *Node) remove() {
 	}
 }
 
-// freePorts returns k loopback ports that were free a moment ago.
+// freePorts returns k loopback ports that were free a moment ago, below
+// the ephemeral range (see testenv.FreePorts).
 func freePorts(t testing.TB, k int) []int {
-	var ls []net.Listener
-	var ports []int
-	for range k {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	for _, l := range ls {
-		l.Close()
+	ports, err := testenv.FreePorts(k)
+	if err != nil {
+		t.Fatal(err)
 	}
 	return ports
 }

@@ -7,9 +7,12 @@ package testenv
 
 import (
 	"context"
+	"fmt"
+	mrand "math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -173,14 +176,25 @@ func CloseConnections(t testing.TB, marker, reason string) int {
 // it; a server of another test may still, rarely, and the caller that
 // can tell should try again.
 func FreePorts(n int) ([]int, error) {
+	low, _ := ephemeralRange()
+	if low <= 10000 {
+		low = 32768 // a range set unusually low: Linux's default bound
+	}
 	var ports []int
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
+	for tries := 0; len(ports) < n; tries++ {
+		if tries == 1000 {
+			return nil, fmt.Errorf("testenv: no free port in [10000, %d) after %d tries", low, tries)
+		}
+		p := 10000 + mrand.IntN(low-10000)
+		if slices.Contains(ports, p) {
+			continue
+		}
+		l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p))
 		if err != nil {
-			return nil, err
+			continue // taken
 		}
 		defer l.Close()
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+		ports = append(ports, p)
 	}
 	return ports, nil
 }
@@ -188,5 +202,13 @@ func FreePorts(n int) ([]int, error) {
 // ephemeralRange returns the kernel's range of ports for outgoing
 // connections, [low, high], or Linux's default where it cannot be read.
 func ephemeralRange() (low, high int) {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if f := strings.Fields(string(b)); err == nil && len(f) == 2 {
+		l, lerr := strconv.Atoi(f[0])
+		h, herr := strconv.Atoi(f[1])
+		if lerr == nil && herr == nil {
+			return l, h
+		}
+	}
 	return 32768, 60999
 }
