@@ -165,6 +165,27 @@ func TestDedupObservePanicsAsItsDeliveryEnds(t *testing.T) {
 	})
 }
 
+// A panic of Observe on DedupClaimed, the claim won and the handler not
+// yet run, goes on up the chain, and the claim is released first, as a
+// panic of the handler releases it: the next delivery of the message is
+// not held up for the lease, nor counted abandoned.
+func TestDedupObservePanicsOnClaimed(t *testing.T) {
+	s := store.NewMemory()
+	ran := false
+	observe := func(_ context.Context, e middleware.DedupEvent) {
+		if e.Kind == middleware.DedupClaimed {
+			panic("observer bug")
+		}
+	}
+	h := middleware.Dedup(s, middleware.DedupOptions{Observe: observe})(rabbitmw.HandlerFunc(
+		func(context.Context, *amqp.Delivery) error { ran = true; return nil }))
+	d, _ := deliverytest.New("m1", "")
+	assert.PanicsWithValue(t, "observer bug", func() { h.Handle(context.Background(), d) }, "Observe's panic goes on")
+	assert.False(t, ran, "the handler ran")
+	got, _ := s.Claim(context.Background(), "m1", "next", time.Minute)
+	assert.Equal(t, store.Claimed, got, "Claim after the panic (released)")
+}
+
 // A claim found taken over when the success is to be recorded is
 // reported as lost.
 func TestDedupObserveLeaseLost(t *testing.T) {
