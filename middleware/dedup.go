@@ -71,7 +71,8 @@ type DedupOptions struct {
 	//
 	// Each event but DedupLeaseRenewed is reported on the delivery's
 	// goroutine, where a panic of Observe goes on up the chain, to
-	// [Recover], as a panic of a layer would. A renewal reports
+	// [Recover], as a panic of a layer would; on DedupClaimed, the claim
+	// is released first, as on a panic of the handler. A renewal reports
 	// DedupLeaseRenewed on a goroutine of its own, where a panic would end
 	// the process: it is recovered there, and the claim's renewals go on.
 	// Once the handler has returned and its attempt is recorded in the
@@ -356,8 +357,25 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 		notify(h.observe, ctx, DedupUnavailable, key, err)
 		return false, rabbitmw.RetryAfter(err, h.unavailable)
 	}
-	notify(h.observe, ctx, DedupClaimed, key, nil)
+	h.claimed(ctx, key, token)
 	return true, nil
+}
+
+// claimed reports DedupClaimed for the claim of key by token, won. If
+// Observe panics, the claim is released before the panic goes on, as a
+// panic of the handler releases it, so that the next delivery of the
+// message does not wait for the lease nor find the claim abandoned.
+func (h *dedup) claimed(ctx context.Context, key, token string) {
+	returned := false
+	defer func() {
+		if !returned {
+			rctx := settling(ctx, time.Now().Add(time.Second))
+			h.store.Release(rctx, key, token)
+			rctx.end()
+		}
+	}()
+	notify(h.observe, ctx, DedupClaimed, key, nil)
+	returned = true
 }
 
 // runClaiming offers the delivery d of key to the handler beneath, which
