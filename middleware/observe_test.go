@@ -2,6 +2,7 @@ package middleware_test
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -184,6 +185,48 @@ func TestDedupObservePanicsOnClaimed(t *testing.T) {
 	assert.False(t, ran, "the handler ran")
 	got, _ := s.Claim(context.Background(), "m1", "next", time.Minute)
 	assert.Equal(t, store.Claimed, got, "Claim after the panic (released)")
+}
+
+// A panic with the claim won, of Observe on DedupClaimed or of the
+// handler, releases the claim; if the store does not answer the release,
+// the claim is kept to release once the store answers a claim of the key
+// again, as an unanswered claim's is: the next delivery is not held up
+// for the lease.
+func TestDedupPanicReleaseUnanswered(t *testing.T) {
+	for _, c := range []struct {
+		name            string
+		observe, handle bool // which panics
+	}{
+		{"Observe on DedupClaimed", true, false},
+		{"the handler", false, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := &faultyStore{Store: store.NewMemory()}
+			var panicking atomic.Bool
+			panicking.Store(true)
+			observe := func(_ context.Context, e middleware.DedupEvent) {
+				if c.observe && e.Kind == middleware.DedupClaimed && panicking.Load() {
+					panic("bug")
+				}
+			}
+			ran := 0
+			h := middleware.Dedup(s, middleware.DedupOptions{Observe: observe})(rabbitmw.HandlerFunc(
+				func(context.Context, *amqp.Delivery) error {
+					if c.handle && panicking.Load() {
+						panic("bug")
+					}
+					ran++
+					return nil
+				}))
+			d, _ := deliverytest.New("m1", "")
+			set(&s.release, errors.New("store down"))
+			assert.PanicsWithValue(t, "bug", func() { h.Handle(context.Background(), d) })
+			set(&s.release, nil)
+			panicking.Store(false)
+			require.NoError(t, h.Handle(context.Background(), d), "the next delivery, the store answering")
+			assert.Equal(t, 1, ran, "handler runs after the panic")
+		})
+	}
 }
 
 // A claim found taken over when the success is to be recorded is
