@@ -369,13 +369,24 @@ func (h *dedup) claimed(ctx context.Context, key, token string) {
 	returned := false
 	defer func() {
 		if !returned {
-			rctx := settling(ctx, time.Now().Add(time.Second))
-			h.store.Release(rctx, key, token)
-			rctx.end()
+			h.releaseAfterPanic(ctx, key, token, time.Now().Add(time.Second), time.Now().Add(h.lease))
 		}
 	}()
 	notify(h.observe, ctx, DedupClaimed, key, nil)
 	returned = true
+}
+
+// releaseAfterPanic releases the claim of key by token, held until
+// validUntil, as a panic goes on, within deadline. If the store does not
+// answer, the claim is kept to release once it answers a claim of key
+// again (see orphans), so that the next delivery of the message is not
+// held up until the lease ends.
+func (h *dedup) releaseAfterPanic(ctx context.Context, key, token string, deadline, validUntil time.Time) {
+	rctx := settling(ctx, deadline)
+	defer rctx.end()
+	if err := h.store.Release(rctx, key, token); err != nil && !errors.Is(err, store.ErrLostClaim) {
+		h.orphans.add(key, token, validUntil)
+	}
 }
 
 // runClaiming offers the delivery d of key to the handler beneath, which
@@ -458,9 +469,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 			// deadline out of the queue, and the release may take long.
 			cc.end()
 			_, validUntil, _ := h.renewer.stop(l)
-			rctx := settling(ctx, atLeastASecond(validUntil))
-			h.store.Release(rctx, key, token)
-			rctx.end()
+			h.releaseAfterPanic(ctx, key, token, atLeastASecond(validUntil), validUntil)
 		}
 	}()
 	a := attempt{settle: &cc.settle}
