@@ -330,11 +330,7 @@ func (h *dedup) claim(ctx context.Context, key, token string) (claimed bool, err
 		// release it, if this token holds it, rather than leave it to
 		// block the message until the lease ends; if the store does not
 		// answer that either, release it once it answers again.
-		rctx := settling(ctx, time.Now().Add(time.Second))
-		if rerr := h.store.Release(rctx, key, token); rerr != nil && !errors.Is(rerr, store.ErrLostClaim) {
-			h.orphans.add(key, token, time.Now().Add(h.lease))
-		}
-		rctx.end()
+		h.releaseOrKeep(ctx, key, token, time.Now().Add(time.Second), time.Now().Add(h.lease))
 		notify(h.observe, ctx, DedupUnavailable, key, err)
 		err = fmt.Errorf("%w: claim %s: %w", ErrStoreUnavailable, text.QuoteKey(key), err)
 		if h.failOpen && ctx.Err() == nil {
@@ -369,19 +365,20 @@ func (h *dedup) claimed(ctx context.Context, key, token string) {
 	returned := false
 	defer func() {
 		if !returned {
-			h.releaseAfterPanic(ctx, key, token, time.Now().Add(time.Second), time.Now().Add(h.lease))
+			h.releaseOrKeep(ctx, key, token, time.Now().Add(time.Second), time.Now().Add(h.lease))
 		}
 	}()
 	notify(h.observe, ctx, DedupClaimed, key, nil)
 	returned = true
 }
 
-// releaseAfterPanic releases the claim of key by token, held until
-// validUntil, as a panic goes on, within deadline. If the store does not
-// answer, the claim is kept to release once it answers a claim of key
-// again (see orphans), so that the next delivery of the message is not
-// held up until the lease ends.
-func (h *dedup) releaseAfterPanic(ctx context.Context, key, token string, deadline, validUntil time.Time) {
+// releaseOrKeep releases the claim of key by token, held until
+// validUntil at most, within deadline, where nothing is to be recorded:
+// a claim whose answer was lost, or one won when a panic came. If the
+// store does not answer, the claim is kept to release once it answers a
+// claim of key again (see orphans), so that the next delivery of the
+// message is not held up until the lease ends.
+func (h *dedup) releaseOrKeep(ctx context.Context, key, token string, deadline, validUntil time.Time) {
 	rctx := settling(ctx, deadline)
 	defer rctx.end()
 	if err := h.store.Release(rctx, key, token); err != nil && !errors.Is(err, store.ErrLostClaim) {
@@ -469,7 +466,7 @@ func (h *dedup) run(ctx context.Context, d *amqp.Delivery, key, token string, st
 			// deadline out of the queue, and the release may take long.
 			cc.end()
 			_, validUntil, _ := h.renewer.stop(l)
-			h.releaseAfterPanic(ctx, key, token, atLeastASecond(validUntil), validUntil)
+			h.releaseOrKeep(ctx, key, token, atLeastASecond(validUntil), validUntil)
 		}
 	}()
 	a := attempt{settle: &cc.settle}
