@@ -229,6 +229,55 @@ func TestDedupPanicReleaseUnanswered(t *testing.T) {
 	}
 }
 
+// panickyRelease is a store whose Release records its context and
+// panics.
+type panickyRelease struct {
+	store.Store
+	ctx context.Context
+}
+
+func (p *panickyRelease) Release(ctx context.Context, key, token string) error {
+	p.ctx = ctx
+	panic("release bug")
+}
+
+// A Release that panics, after a panic with the claim won, still ends the
+// context Dedup gave it (its timer is stopped, its watch of the consumer's
+// context removed): the panic goes on, and nothing of the release stays
+// behind.
+func TestDedupPanicReleasePanics(t *testing.T) {
+	for _, c := range []struct {
+		name            string
+		observe, handle bool // which panics first
+	}{
+		{"Observe on DedupClaimed", true, false},
+		{"the handler", false, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := &panickyRelease{Store: store.NewMemory()}
+			observe := func(_ context.Context, e middleware.DedupEvent) {
+				if c.observe && e.Kind == middleware.DedupClaimed {
+					panic("bug")
+				}
+			}
+			h := middleware.Dedup(s, middleware.DedupOptions{Observe: observe})(rabbitmw.HandlerFunc(
+				func(context.Context, *amqp.Delivery) error {
+					if c.handle {
+						panic("bug")
+					}
+					return nil
+				}))
+			d, _ := deliverytest.New("m1", "")
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			assert.Panics(t, func() { h.Handle(ctx, d) })
+			require.NotNil(t, s.ctx, "Release was called")
+			assert.Error(t, s.ctx.Err(), "the release's context has ended")
+			assert.NoError(t, ctx.Err(), "the consumer's context is untouched")
+		})
+	}
+}
+
 // A claim found taken over when the success is to be recorded is
 // reported as lost.
 func TestDedupObserveLeaseLost(t *testing.T) {
