@@ -24,7 +24,9 @@ const keyQueueRole = attribute.Key("rabbitmw.queue.role")
 type QueueOptions struct {
 	// Topology names the delay and dead-letter queues of the work queue
 	// (Options.Queue), as the consumers' broker.ConsumeOptions.Topology
-	// does: give it the same value.
+	// does: give it the same value. Its QuorumSupport says that the
+	// dead-letter queue is a quorum queue, whose head is not peeked (see
+	// WatchQueues).
 	Topology broker.Topology
 	// Interval is the time between two polls of the queues. Default 15
 	// seconds. Each poll is one passive declare per queue, and one
@@ -54,6 +56,17 @@ type QueueOptions struct {
 // message is marked redelivered. Messages that are being delivered and
 // not yet settled are not counted (broker.Broker.Len).
 //
+// A quorum queue counts each such return as a delivery of the message
+// (RabbitMQ before 4.3 counts a basic.nack too), and drops it, or
+// dead-letters it, once the count passes the queue's delivery limit,
+// which RabbitMQ 4.0 and later set to 20 unless told otherwise: a peek
+// every poll would drop the oldest dead letter within minutes. So the
+// head of a quorum dead-letter queue is never peeked: not when
+// QueueOptions.Topology has QuorumSupport, and not after the first peek
+// that finds the message's x-delivery-count header (a dead-letter queue
+// declared as a quorum queue elsewhere; that peek counts once). The age
+// of its oldest is then reported only when the queue is empty (0).
+//
 // WatchQueues runs in the caller's goroutine (start it with go, and cancel
 // ctx to stop it); it uses b's shared connection, and returns nil when ctx
 // is done, or at once an error if Options.Queue is empty, the topology is
@@ -70,7 +83,7 @@ func (t *Telemetry) WatchQueues(ctx context.Context, b *broker.Broker, opts Queu
 	if interval <= 0 {
 		interval = 15 * time.Second
 	}
-	w := newQueueWatch(names)
+	w := newQueueWatch(names, opts.Topology.QuorumSupport)
 	reg, err := t.meter.RegisterCallback(w.observe(t.m.depth, t.m.oldest), t.m.depth, t.m.oldest)
 	if err != nil {
 		return err
@@ -104,10 +117,15 @@ type queueWatch struct {
 	queues   []watchedQueue // the work queue, the delay queues, the dead-letter queue (last)
 	oldestAt time.Time      // dead-lettering time of the DLQ's head; zero if empty or unknown
 	ageAttrs metric.MeasurementOption
+
+	// counting is set when the dead-letter queue counts the returns of
+	// its messages, as a quorum queue does: its head is then not peeked.
+	// Only poll reads and writes it.
+	counting bool
 }
 
-func newQueueWatch(names broker.Queues) *queueWatch {
-	w := &queueWatch{}
+func newQueueWatch(names broker.Queues, quorum bool) *queueWatch {
+	w := &queueWatch{counting: quorum}
 	add := func(name, role string) {
 		w.queues = append(w.queues, watchedQueue{name: name, attrs: metric.WithAttributes(
 			semconv.MessagingSystemRabbitMQ, semconv.MessagingDestinationName(name), keyQueueRole.String(role))})
@@ -133,8 +151,12 @@ func (w *queueWatch) poll(ctx context.Context, b *broker.Broker) {
 	dlq := len(w.queues) - 1
 	var oldest time.Time
 	ageKnown := oks[dlq]
-	if oks[dlq] && depths[dlq] > 0 {
-		oldest, ageKnown = peekFailedAt(ctx, b, w.queues[dlq].name)
+	switch {
+	case !oks[dlq] || depths[dlq] == 0:
+	case w.counting:
+		ageKnown = false
+	default:
+		oldest, ageKnown, w.counting = peekFailedAt(ctx, b, w.queues[dlq].name)
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -150,20 +172,23 @@ func (w *queueWatch) poll(ctx context.Context, b *broker.Broker) {
 
 // peekFailedAt returns when the message at the head of queue was
 // dead-lettered, and puts it back. ok is false if that could not be read;
-// a zero time with ok means the queue was empty.
-func peekFailedAt(ctx context.Context, b *broker.Broker, queue string) (at time.Time, ok bool) {
+// a zero time with ok means the queue was empty. counting reports that the
+// message carries x-delivery-count: the queue counts its returns (a
+// quorum queue), this one included.
+func peekFailedAt(ctx context.Context, b *broker.Broker, queue string) (at time.Time, ok, counting bool) {
 	d, got, err := b.Get(ctx, queue)
 	if err != nil {
-		return time.Time{}, false
+		return time.Time{}, false, false
 	}
 	if !got {
-		return time.Time{}, true
+		return time.Time{}, true, false
 	}
 	at = deadLetteredAt(d)
+	_, counting = d.Headers["x-delivery-count"]
 	// Should the nack fail, the message returns to the queue when the
 	// connection ends.
 	_ = d.Nack(false, true)
-	return at, !at.IsZero()
+	return at, !at.IsZero(), counting
 }
 
 // deadLetteredAt returns when d was dead-lettered: its HeaderFailedAt,
