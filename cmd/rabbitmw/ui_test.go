@@ -448,3 +448,163 @@ func TestUICommand(t *testing.T) {
 		t.Fatal("rabbitmw ui did not stop within 30s of an interrupt")
 	}
 }
+
+// A consoleForm is a form of a console page: where it posts, and the
+// values a browser would send with it.
+type consoleForm struct {
+	action string
+	values url.Values
+}
+
+var (
+	formRE   = regexp.MustCompile(`(?s)<form method="post" action="([^"]+)"[^>]*>(.*?)</form>`)
+	hiddenRE = regexp.MustCompile(`<input type="hidden" name="([^"]+)" value="([^"]*)">`)
+)
+
+// forms returns the post forms of page, each with its hidden inputs.
+func forms(page string) []consoleForm {
+	var out []consoleForm
+	for _, m := range formRE.FindAllStringSubmatch(page, -1) {
+		f := consoleForm{action: m[1], values: url.Values{}}
+		for _, h := range hiddenRE.FindAllStringSubmatch(m[2], -1) {
+			f.values.Add(html.UnescapeString(h[1]), html.UnescapeString(h[2]))
+		}
+		out = append(out, f)
+	}
+	return out
+}
+
+// submit posts f, with the button action=action, and returns the status
+// and the page.
+func (f consoleForm) submit(t *testing.T, base, action string) (int, string) {
+	t.Helper()
+	v := url.Values{}
+	for k, vs := range f.values {
+		v[k] = append([]string(nil), vs...)
+	}
+	if action != "" {
+		v.Set("action", action)
+	}
+	resp, err := http.PostForm(base+f.action, v)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(body)
+}
+
+// getPage returns the status and the page at path.
+func getPage(t *testing.T, base, path string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(base + path)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(body)
+}
+
+// publishRaw publishes p to queue on a channel of its own: unlike
+// Broker.Publish, it leaves a message without an id without one.
+func publishRaw(t *testing.T, amqpURL, queue string, p amqp.Publishing) {
+	t.Helper()
+	conn, err := amqp.Dial(amqpURL)
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	require.NoError(t, ch.Confirm(false))
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false, p)
+	require.NoError(t, err)
+	ok, err := dc.WaitContext(ctx)
+	require.NoError(t, err)
+	require.True(t, ok, "nacked")
+}
+
+// An action moves no more messages than its confirmation counted: a
+// dead letter that arrives between the confirmation and the click, of
+// the group confirmed or with an id confirmed, stays.
+func TestConsoleActsOnWhatItConfirmed(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		first   []amqp.Publishing // in the dead-letter queue at the confirmation
+		confirm func(t *testing.T, base, q, page string) (int, string)
+		late    amqp.Publishing // arrives before the click
+	}{{
+		name:  "a group with a message without an id",
+		first: []amqp.Publishing{{MessageId: "m-1", Body: []byte("one")}, {Body: []byte("no id")}},
+		confirm: func(t *testing.T, base, q, page string) (int, string) {
+			return forms(page)[0].submit(t, base, "purge") // the group's form
+		},
+		late: amqp.Publishing{MessageId: "m-3", Body: []byte("three")},
+	}, {
+		name:  "an id that repeats",
+		first: []amqp.Publishing{{MessageId: "dup", Body: []byte("first")}},
+		confirm: func(t *testing.T, base, q, page string) (int, string) {
+			f := forms(page)[1] // the table's form
+			f.values.Set("id", "dup")
+			return f.submit(t, base, "purge")
+		},
+		late: amqp.Publishing{MessageId: "dup", Body: []byte("published again, failed again")},
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			b, amqpURL, q := setupQueue(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+			for _, p := range tc.first {
+				p.Headers = faulty(q, "*main.declinedError", "card declined", time.Now())
+				publishRaw(t, amqpURL, q+".dlq", p)
+			}
+			code, page := getPage(t, base, "/dlq?q="+q)
+			require.Equal(t, http.StatusOK, code, page)
+			code, page = tc.confirm(t, base, q, page)
+			require.Equal(t, http.StatusOK, code, page)
+			want := len(tc.first)
+			require.Contains(t, page, fmt.Sprintf("Purge %d message(s)?", want))
+
+			tc.late.Headers = faulty(q, "*main.declinedError", "card declined", time.Now())
+			publishRaw(t, amqpURL, q+".dlq", tc.late)
+
+			confirmed := forms(page)
+			require.Len(t, confirmed, 1, "the confirmation's form in %s", page)
+			code, page = confirmed[0].submit(t, base, "")
+			require.Equal(t, http.StatusOK, code, page)
+			assert.Contains(t, page, fmt.Sprintf("removed %d message(s)", want))
+			n, err := b.Len(ctx, q+".dlq")
+			require.NoError(t, err)
+			assert.Equal(t, 1, n, "the dead letter that came after the confirmation is still there")
+		})
+	}
+}
+
+// A message's own Replay or Purge acts on that message, whatever its id:
+// one with a space or a line break in it, next to messages whose ids are
+// its parts.
+func TestConsoleActsOnTheMessageShown(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	ids := []string{"order-1", " order-1", "order-2", "order-3", "order-2\norder-3"}
+	for _, id := range ids {
+		publishRaw(t, amqpURL, q+".dlq", amqp.Publishing{MessageId: id, Body: []byte("body"),
+			Headers: faulty(q, "*main.declinedError", "card declined", time.Now())})
+	}
+	for _, id := range []string{" order-1", "order-2\norder-3"} {
+		code, page := getPage(t, base, "/message?q="+q+"&id="+url.QueryEscape(id))
+		require.Equal(t, http.StatusOK, code, page)
+		fs := forms(page)
+		require.NotEmpty(t, fs, "the message's form in %s", page)
+		code, page = fs[0].submit(t, base, "purge")
+		require.Equal(t, http.StatusOK, code, page)
+		assert.Contains(t, page, "Purge 1 message(s)?", "the confirmation of %q", id)
+		confirmed := forms(page)
+		require.Len(t, confirmed, 1, "the confirmation's form in %s", page)
+		code, page = confirmed[0].submit(t, base, "")
+		require.Equal(t, http.StatusOK, code, page)
+		assert.Contains(t, page, "removed 1 message(s)", "the purge of %q", id)
+	}
+	left := drain(t, b, q+".dlq")
+	assert.ElementsMatch(t, []string{"order-1", "order-2", "order-3"}, left)
+}
