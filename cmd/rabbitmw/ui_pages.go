@@ -197,18 +197,18 @@ func valueText(v any) string {
 
 // selection reads the filter of an action's form: the ids of the
 // messages, or a group, or both (the messages of the group that a
-// confirmation counted).
+// confirmation counted, by key).
 func selection(r *http.Request) deadletter.Filter {
 	return deadletter.Filter{IDs: selectedIDs(r), Group: r.PostForm.Get("group")}
 }
 
+// selectedIDs returns the ids of the form, each as it is: an id may hold
+// spaces or line breaks, and names no other message for it.
 func selectedIDs(r *http.Request) []string {
 	var ids []string
-	for _, v := range r.PostForm["id"] {
-		for _, id := range strings.Split(v, "\n") {
-			if id = strings.TrimSpace(id); id != "" && !slices.Contains(ids, id) {
-				ids = append(ids, id)
-			}
+	for _, id := range r.PostForm["id"] {
+		if id != "" && !slices.Contains(ids, id) {
+			ids = append(ids, id)
 		}
 	}
 	return ids
@@ -228,19 +228,38 @@ func (c *console) confirmPage(ctx context.Context, w http.ResponseWriter, r *htt
 		c.fail(w, r, err)
 		return
 	}
-	// The action moves what this page counts: the ids found, within the
-	// group if one was chosen. A message without an id can only be
-	// selected as part of its group, as it is when the action runs.
+	// The action moves what this page counts, and no more: the messages
+	// of the keys found (a message's id, or the MD5 of the body of one
+	// without), within the group if one was chosen, and at most as many
+	// as found, in queue order, so that a dead letter that comes later
+	// with a key found stays. A message without a key (no id, no body) can
+	// only be selected as part of its group.
 	var ids []string
 	for _, m := range found {
-		if m.ID == "" {
+		if m.Key == "" {
 			ids = nil
 			break
 		}
-		ids = append(ids, m.ID)
+		if !slices.Contains(ids, m.Key) {
+			ids = append(ids, m.Key)
+		}
 	}
 	c.render(w, r, "confirm", map[string]any{"Title": "confirm", "Queue": q, "Action": action,
-		"IDs": strings.Join(ids, "\n"), "Group": filter.Group, "Count": len(found), "Messages": found})
+		"IDs": ids, "Group": filter.Group, "Count": len(found), "Messages": found})
+}
+
+// confirmedCount returns the count of messages the confirmation showed,
+// the most an action moves; 0 for a form without it.
+func confirmedCount(r *http.Request) (int, error) {
+	v := r.PostForm.Get("n")
+	if v == "" {
+		return 0, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n <= 0 {
+		return 0, &exitError{exitUsage, fmt.Errorf("the confirmed count %q is not a positive number", v)}
+	}
+	return n, nil
 }
 
 // do replays or purges the selected messages.
@@ -250,10 +269,15 @@ func (c *console) do(ctx context.Context, w http.ResponseWriter, r *http.Request
 		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("no message selected")})
 		return
 	}
+	limit, err := confirmedCount(r)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
 	var done string
 	switch r.PostForm.Get("action") {
 	case "replay":
-		opts := deadletter.ReplayOptions{Filter: filter}
+		opts := deadletter.ReplayOptions{Filter: filter, Limit: limit}
 		if r.PostForm.Get("reset") == "on" && c.hasStore() {
 			st, closeStore, err := c.store.open(ctx, c.timeout)
 			if err != nil {
@@ -276,7 +300,7 @@ func (c *console) do(ctx context.Context, w http.ResponseWriter, r *http.Request
 		}
 		done = fmt.Sprintf("replayed %d message(s) to their queues", res.Replayed)
 	case "purge":
-		removed, err := c.dl.Purge(ctx, q, deadletter.PurgeOptions{Filter: filter})
+		removed, err := c.dl.Purge(ctx, q, deadletter.PurgeOptions{Filter: filter, Limit: limit})
 		if err != nil {
 			c.fail(w, r, fmt.Errorf("removed %d: %w", len(removed), err))
 			return
