@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -607,4 +608,49 @@ func TestConsoleActsOnTheMessageShown(t *testing.T) {
 	}
 	left := drain(t, b, q+".dlq")
 	assert.ElementsMatch(t, []string{"order-1", "order-2", "order-3"}, left)
+}
+
+// Pages of the same dead-letter queue loaded at once (two operators, two
+// tabs) each count every message: one does not see the queue without
+// the messages another holds while it reads them.
+func TestConsoleConcurrentPages(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	const n = 300
+	deadLetters(t, b, q, n)
+	pages := make([]string, 4)
+	var wg sync.WaitGroup
+	for i := range pages {
+		wg.Go(func() {
+			resp, err := http.Get(base + "/dlq?q=" + q)
+			if !assert.NoError(t, err) {
+				return
+			}
+			defer resp.Body.Close()
+			body, err := io.ReadAll(resp.Body)
+			assert.NoError(t, err)
+			pages[i] = string(body)
+		})
+	}
+	wg.Wait()
+	for i, page := range pages {
+		count := regexp.MustCompile(`<small>(\d+) message\(s\)</small>`).FindStringSubmatch(page)
+		require.NotNil(t, count, "page %d: %s", i, page)
+		assert.Equal(t, strconv.Itoa(n), count[1], "the count of page %d", i)
+	}
+}
+
+// The pages and the download that show dead letters' bodies are not
+// kept by the browser or a proxy.
+func TestConsoleNotCached(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	deadLetters(t, b, q, 1)
+	for _, path := range []string{"/dlq?q=" + q, "/message?q=" + q + "&id=m0", "/export?q=" + q} {
+		resp, err := http.Get(base + path)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode, path)
+		assert.Equal(t, "no-store", resp.Header.Get("Cache-Control"), path)
+	}
 }
