@@ -49,13 +49,21 @@ type console struct {
 	stats *queueStats
 	csrf  string // the token every form carries
 	pages map[string]*template.Template
+	// turn holds, by work queue, the one operation of the console on its
+	// dead-letter queue at a time: an operation reads the queue by
+	// taking every message (see deadletter.List), and would see the
+	// queue without the messages another one holds.
+	turn map[string]chan struct{}
 }
 
 func newConsole(cfg consoleConfig, b *broker.Broker) (*console, error) {
 	var r [32]byte
 	_, _ = rand.Read(r[:])
 	c := &console{consoleConfig: cfg, b: b, dl: deadletter.New(b), stats: newQueueStats(cfg.amqpURLs, cfg.timeout),
-		csrf: hex.EncodeToString(r[:]), pages: map[string]*template.Template{}}
+		csrf: hex.EncodeToString(r[:]), pages: map[string]*template.Template{}, turn: map[string]chan struct{}{}}
+	for _, q := range cfg.queues {
+		c.turn[q] = make(chan struct{}, 1)
+	}
 	if c.logger == nil {
 		c.logger = slog.New(slog.DiscardHandler)
 	}
@@ -217,8 +225,9 @@ func (c *console) fail(w http.ResponseWriter, r *http.Request, err error) {
 }
 
 // onQueue returns the handler of a page about one of the console's work
-// queues, the q parameter: it refuses another queue, and gives the page
-// a context that bounds the operation.
+// queues, the q parameter: it refuses another queue, gives the page a
+// context that bounds the operation, and runs it when no other page of
+// the queue runs (see console.turn).
 func (c *console) onQueue(page func(ctx context.Context, w http.ResponseWriter, r *http.Request, q string)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		q := r.FormValue("q")
@@ -228,6 +237,13 @@ func (c *console) onQueue(page func(ctx context.Context, w http.ResponseWriter, 
 		}
 		ctx, cancel := c.ctx(r)
 		defer cancel()
+		select {
+		case c.turn[q] <- struct{}{}:
+		case <-ctx.Done():
+			c.fail(w, r, fmt.Errorf("waiting for another operation on %s.dlq: %w", q, ctx.Err()))
+			return
+		}
+		defer func() { <-c.turn[q] }()
 		page(ctx, w, r, q)
 	}
 }
