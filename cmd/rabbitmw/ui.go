@@ -199,6 +199,7 @@ func (c *console) render(w http.ResponseWriter, r *http.Request, page string, da
 	data["Queues"] = c.queues
 	data["HasStore"] = c.hasStore()
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store") // dead letters' bodies, and the form token
 	w.Header().Set("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'")
 	w.Header().Set("X-Frame-Options", "DENY")
 	w.Header().Set("Referrer-Policy", "no-referrer")

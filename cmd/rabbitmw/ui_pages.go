@@ -330,6 +330,7 @@ func (c *console) export(ctx context.Context, w http.ResponseWriter, r *http.Req
 	}
 	bw.Flush()
 	w.Header().Set("Content-Type", "application/jsonl")
+	w.Header().Set("Cache-Control", "no-store")
 	w.Header().Set("Content-Disposition", fmt.Sprintf(`attachment; filename="%s.dlq-%s.jsonl"`, q, time.Now().UTC().Format("20060102T150405Z")))
 	w.Write(buf.Bytes())
 }
