@@ -654,3 +654,27 @@ func TestConsoleNotCached(t *testing.T) {
 		assert.Equal(t, "no-store", resp.Header.Get("Cache-Control"), path)
 	}
 }
+
+// The confirmation of a large group (300,000 dead letters, each with a
+// UUID for its id) carries every key it found: the form it posts is
+// larger than net/http reads by default (10 MB), and is still taken.
+func TestConsoleLargeConfirmation(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	deadLetters(t, b, q, 1) // for a page with a form
+	_, page := getPage(t, base, "/dlq?q="+q)
+	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(page)
+	require.NotNil(t, m, "the form token in %s", page)
+	const n = 300_000
+	form := url.Values{"csrf": {m[1]}, "q": {q}, "action": {"purge"}, "group": {"0123456789ab"}, "n": {strconv.Itoa(n)}}
+	for i := range n {
+		form.Add("id", fmt.Sprintf("%08x-0000-4000-8000-%012x", i, i))
+	}
+	resp, err := http.PostForm(base+"/do", form)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "%s", body)
+	assert.Contains(t, string(body), "removed 0 message(s)")
+}
