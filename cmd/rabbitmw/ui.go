@@ -166,6 +166,11 @@ func (c *console) authenticate(next http.Handler) http.Handler {
 
 func equal(a, b string) bool { return subtle.ConstantTimeCompare([]byte(a), []byte(b)) == 1 }
 
+// maxForm is the largest form an action may post: a confirmation carries
+// the key of every message it counted, 40 bytes a UUID, where net/http
+// reads 10 MB by default.
+const maxForm = 64 << 20
+
 // checkForm requires the console's form token of every action, besides
 // the cross-origin check, and refuses every action when read-only.
 func (c *console) checkForm(next http.Handler) http.Handler {
@@ -178,7 +183,17 @@ func (c *console) checkForm(next http.Handler) http.Handler {
 			c.refuse(w, r, http.StatusForbidden, "refused: the console is read-only")
 			return
 		}
-		if err := r.ParseForm(); err != nil || !equal(r.PostForm.Get("csrf"), c.csrf) {
+		r.Body = http.MaxBytesReader(w, r.Body, maxForm)
+		if err := r.ParseForm(); err != nil {
+			var tooLarge *http.MaxBytesError
+			if errors.As(err, &tooLarge) {
+				c.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("refused: the form is larger than %d MB: act on fewer messages at once, or use rabbitmw dlq with filters", maxForm>>20))
+				return
+			}
+			c.refuse(w, r, http.StatusBadRequest, "refused: the form cannot be read: "+err.Error())
+			return
+		}
+		if !equal(r.PostForm.Get("csrf"), c.csrf) {
 			c.refuse(w, r, http.StatusForbidden, "refused: the form's token is missing or wrong (reload the page)")
 			return
 		}

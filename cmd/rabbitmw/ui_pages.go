@@ -195,35 +195,67 @@ func valueText(v any) string {
 	return fmt.Sprint(v)
 }
 
-// selection reads the filter of an action's form: the ids of the
-// messages, or a group, or both (the messages of the group that a
-// confirmation counted, by key).
-func selection(r *http.Request) deadletter.Filter {
-	return deadletter.Filter{IDs: selectedIDs(r), Group: r.PostForm.Get("group")}
+// A choice is the messages an action's form selects: by id (or key), by
+// group, or both (the messages of the group that a confirmation counted,
+// by key).
+type choice struct {
+	ids   map[string]bool
+	group string
 }
 
-// selectedIDs returns the ids of the form, each as it is: an id may hold
-// spaces or line breaks, and names no other message for it.
-func selectedIDs(r *http.Request) []string {
-	var ids []string
+// selection reads the choice of an action's form: each id input as it is
+// (an id may hold spaces or line breaks, and names no other message for
+// it), and the keys of a confirmation, a JSON array in one input (a form
+// of more than 10,000 inputs is refused by net/http).
+func selection(r *http.Request) (choice, error) {
+	ch := choice{ids: map[string]bool{}, group: r.PostForm.Get("group")}
 	for _, id := range r.PostForm["id"] {
-		if id != "" && !slices.Contains(ids, id) {
-			ids = append(ids, id)
+		if id != "" {
+			ch.ids[id] = true
 		}
 	}
-	return ids
+	if v := r.PostForm.Get("keys"); v != "" {
+		var keys []string
+		if err := json.Unmarshal([]byte(v), &keys); err != nil {
+			return ch, &exitError{exitUsage, fmt.Errorf("the keys of the confirmation cannot be read: %w", err)}
+		}
+		for _, k := range keys {
+			if k != "" {
+				ch.ids[k] = true
+			}
+		}
+	}
+	return ch, nil
+}
+
+func (ch choice) empty() bool { return len(ch.ids) == 0 && ch.group == "" }
+
+// filter returns the filter of ch: a message of its group, if it names
+// one, whose id or key is one of its ids, if it has some. A set rather
+// than Filter.IDs, whose look-up of each message in the list of ids takes
+// minutes for a group of 300,000.
+func (ch choice) filter() deadletter.Filter {
+	f := deadletter.Filter{Group: ch.group}
+	if len(ch.ids) > 0 {
+		f.Match = func(m *deadletter.Message) bool { return ch.ids[m.ID] || (m.Key != "" && ch.ids[m.Key]) }
+	}
+	return f
 }
 
 // confirmPage shows what an action would do, with the count of messages
 // it would move, found by a dry run of the same operation.
 func (c *console) confirmPage(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
 	action := r.PostForm.Get("action")
-	filter := selection(r)
-	if (action != "replay" && action != "purge") || (len(filter.IDs) == 0 && filter.Group == "") {
+	chosen, err := selection(r)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	if (action != "replay" && action != "purge") || chosen.empty() {
 		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("choose replay or purge, and at least one message")})
 		return
 	}
-	found, err := c.dl.List(ctx, q, deadletter.ListOptions{Filter: filter})
+	found, err := c.dl.List(ctx, q, deadletter.ListOptions{Filter: chosen.filter()})
 	if err != nil {
 		c.fail(w, r, err)
 		return
@@ -234,18 +266,29 @@ func (c *console) confirmPage(ctx context.Context, w http.ResponseWriter, r *htt
 	// as found, in queue order, so that a dead letter that comes later
 	// with a key found stays. A message without a key (no id, no body) can
 	// only be selected as part of its group.
-	var ids []string
+	keys := []string{}
+	seen := map[string]bool{}
 	for _, m := range found {
 		if m.Key == "" {
-			ids = nil
+			keys = nil
 			break
 		}
-		if !slices.Contains(ids, m.Key) {
-			ids = append(ids, m.Key)
+		if !seen[m.Key] {
+			seen[m.Key] = true
+			keys = append(keys, m.Key)
 		}
 	}
+	var keysJSON string
+	if len(keys) > 0 {
+		b, err := json.Marshal(keys)
+		if err != nil {
+			c.fail(w, r, err)
+			return
+		}
+		keysJSON = string(b)
+	}
 	c.render(w, r, "confirm", map[string]any{"Title": "confirm", "Queue": q, "Action": action,
-		"IDs": ids, "Group": filter.Group, "Count": len(found), "Messages": found})
+		"Keys": keysJSON, "Group": chosen.group, "Count": len(found), "Messages": found})
 }
 
 // confirmedCount returns the count of messages the confirmation showed,
@@ -264,8 +307,13 @@ func confirmedCount(r *http.Request) (int, error) {
 
 // do replays or purges the selected messages.
 func (c *console) do(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
-	filter := selection(r)
-	if len(filter.IDs) == 0 && filter.Group == "" {
+	chosen, err := selection(r)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	filter := chosen.filter()
+	if chosen.empty() {
 		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("no message selected")})
 		return
 	}

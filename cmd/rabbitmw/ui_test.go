@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"html"
 	"io"
@@ -657,7 +658,8 @@ func TestConsoleNotCached(t *testing.T) {
 
 // The confirmation of a large group (300,000 dead letters, each with a
 // UUID for its id) carries every key it found: the form it posts is
-// larger than net/http reads by default (10 MB), and is still taken.
+// larger than net/http reads by default (10 MB), and is still taken, in
+// a few seconds.
 func TestConsoleLargeConfirmation(t *testing.T) {
 	b, amqpURL, q := setupQueue(t)
 	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
@@ -666,10 +668,14 @@ func TestConsoleLargeConfirmation(t *testing.T) {
 	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(page)
 	require.NotNil(t, m, "the form token in %s", page)
 	const n = 300_000
-	form := url.Values{"csrf": {m[1]}, "q": {q}, "action": {"purge"}, "group": {"0123456789ab"}, "n": {strconv.Itoa(n)}}
-	for i := range n {
-		form.Add("id", fmt.Sprintf("%08x-0000-4000-8000-%012x", i, i))
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("%08x-0000-4000-8000-%012x", i, i)
 	}
+	keysJSON, err := json.Marshal(keys)
+	require.NoError(t, err)
+	form := url.Values{"csrf": {m[1]}, "q": {q}, "action": {"purge"}, "group": {"0123456789ab"}, "n": {strconv.Itoa(n)},
+		"keys": {string(keysJSON)}}
 	resp, err := http.PostForm(base+"/do", form)
 	require.NoError(t, err)
 	defer resp.Body.Close()
