@@ -231,9 +231,9 @@ func selection(r *http.Request) (choice, error) {
 func (ch choice) empty() bool { return len(ch.ids) == 0 && ch.group == "" }
 
 // filter returns the filter of ch: a message of its group, if it names
-// one, whose id or key is one of its ids, if it has some. A set rather
-// than Filter.IDs, whose look-up of each message in the list of ids takes
-// minutes for a group of 300,000.
+// one, whose id or key is one of its ids, if it has some: a set, where
+// Filter.IDs is a list searched for each message, and a group's
+// confirmation has as many ids as messages.
 func (ch choice) filter() deadletter.Filter {
 	f := deadletter.Filter{Group: ch.group}
 	if len(ch.ids) > 0 {
