@@ -49,13 +49,21 @@ type console struct {
 	stats *queueStats
 	csrf  string // the token every form carries
 	pages map[string]*template.Template
+	// turn holds, by work queue, the one operation of the console on its
+	// dead-letter queue at a time: an operation reads the queue by
+	// taking every message (see deadletter.List), and would see the
+	// queue without the messages another one holds.
+	turn map[string]chan struct{}
 }
 
 func newConsole(cfg consoleConfig, b *broker.Broker) (*console, error) {
 	var r [32]byte
 	_, _ = rand.Read(r[:])
 	c := &console{consoleConfig: cfg, b: b, dl: deadletter.New(b), stats: newQueueStats(cfg.amqpURLs, cfg.timeout),
-		csrf: hex.EncodeToString(r[:]), pages: map[string]*template.Template{}}
+		csrf: hex.EncodeToString(r[:]), pages: map[string]*template.Template{}, turn: map[string]chan struct{}{}}
+	for _, q := range cfg.queues {
+		c.turn[q] = make(chan struct{}, 1)
+	}
 	if c.logger == nil {
 		c.logger = slog.New(slog.DiscardHandler)
 	}
@@ -158,6 +166,11 @@ func (c *console) authenticate(next http.Handler) http.Handler {
 
 func equal(a, b string) bool { return subtle.ConstantTimeCompare([]byte(a), []byte(b)) == 1 }
 
+// maxForm is the largest form an action may post: a confirmation carries
+// the key of every message it counted, 40 bytes a UUID, where net/http
+// reads 10 MB by default.
+const maxForm = 64 << 20
+
 // checkForm requires the console's form token of every action, besides
 // the cross-origin check, and refuses every action when read-only.
 func (c *console) checkForm(next http.Handler) http.Handler {
@@ -170,7 +183,17 @@ func (c *console) checkForm(next http.Handler) http.Handler {
 			c.refuse(w, r, http.StatusForbidden, "refused: the console is read-only")
 			return
 		}
-		if err := r.ParseForm(); err != nil || !equal(r.PostForm.Get("csrf"), c.csrf) {
+		r.Body = http.MaxBytesReader(w, r.Body, maxForm)
+		if err := r.ParseForm(); err != nil {
+			var tooLarge *http.MaxBytesError
+			if errors.As(err, &tooLarge) {
+				c.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("refused: the form is larger than %d MB: act on fewer messages at once, or use rabbitmw dlq with filters", maxForm>>20))
+				return
+			}
+			c.refuse(w, r, http.StatusBadRequest, "refused: the form cannot be read: "+err.Error())
+			return
+		}
+		if !equal(r.PostForm.Get("csrf"), c.csrf) {
 			c.refuse(w, r, http.StatusForbidden, "refused: the form's token is missing or wrong (reload the page)")
 			return
 		}
@@ -191,6 +214,7 @@ func (c *console) render(w http.ResponseWriter, r *http.Request, page string, da
 	data["Queues"] = c.queues
 	data["HasStore"] = c.hasStore()
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store") // dead letters' bodies, and the form token
 	w.Header().Set("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'")
 	w.Header().Set("X-Frame-Options", "DENY")
 	w.Header().Set("Referrer-Policy", "no-referrer")
@@ -217,8 +241,9 @@ func (c *console) fail(w http.ResponseWriter, r *http.Request, err error) {
 }
 
 // onQueue returns the handler of a page about one of the console's work
-// queues, the q parameter: it refuses another queue, and gives the page
-// a context that bounds the operation.
+// queues, the q parameter: it refuses another queue, gives the page a
+// context that bounds the operation, and runs it when no other page of
+// the queue runs (see console.turn).
 func (c *console) onQueue(page func(ctx context.Context, w http.ResponseWriter, r *http.Request, q string)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		q := r.FormValue("q")
@@ -228,6 +253,13 @@ func (c *console) onQueue(page func(ctx context.Context, w http.ResponseWriter, 
 		}
 		ctx, cancel := c.ctx(r)
 		defer cancel()
+		select {
+		case c.turn[q] <- struct{}{}:
+		case <-ctx.Done():
+			c.fail(w, r, fmt.Errorf("waiting for another operation on %s.dlq: %w", q, ctx.Err()))
+			return
+		}
+		defer func() { <-c.turn[q] }()
 		page(ctx, w, r, q)
 	}
 }

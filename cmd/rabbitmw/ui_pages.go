@@ -195,65 +195,137 @@ func valueText(v any) string {
 	return fmt.Sprint(v)
 }
 
-// selection reads the filter of an action's form: the ids of the
-// messages, or a group, or both (the messages of the group that a
-// confirmation counted).
-func selection(r *http.Request) deadletter.Filter {
-	return deadletter.Filter{IDs: selectedIDs(r), Group: r.PostForm.Get("group")}
+// A choice is the messages an action's form selects: by id (or key), by
+// group, or both (the messages of the group that a confirmation counted,
+// by key).
+type choice struct {
+	ids   map[string]bool
+	group string
 }
 
-func selectedIDs(r *http.Request) []string {
-	var ids []string
-	for _, v := range r.PostForm["id"] {
-		for _, id := range strings.Split(v, "\n") {
-			if id = strings.TrimSpace(id); id != "" && !slices.Contains(ids, id) {
-				ids = append(ids, id)
+// selection reads the choice of an action's form: each id input as it is
+// (an id may hold spaces or line breaks, and names no other message for
+// it), and the keys of a confirmation, a JSON array in one input (a form
+// of more than 10,000 inputs is refused by net/http).
+func selection(r *http.Request) (choice, error) {
+	ch := choice{ids: map[string]bool{}, group: r.PostForm.Get("group")}
+	for _, id := range r.PostForm["id"] {
+		if id != "" {
+			ch.ids[id] = true
+		}
+	}
+	if v := r.PostForm.Get("keys"); v != "" {
+		var keys []string
+		if err := json.Unmarshal([]byte(v), &keys); err != nil {
+			return ch, &exitError{exitUsage, fmt.Errorf("the keys of the confirmation cannot be read: %w", err)}
+		}
+		for _, k := range keys {
+			if k != "" {
+				ch.ids[k] = true
 			}
 		}
 	}
-	return ids
+	return ch, nil
+}
+
+func (ch choice) empty() bool { return len(ch.ids) == 0 && ch.group == "" }
+
+// filter returns the filter of ch: a message of its group, if it names
+// one, whose id or key is one of its ids, if it has some: a set, where
+// Filter.IDs is a list searched for each message, and a group's
+// confirmation has as many ids as messages.
+func (ch choice) filter() deadletter.Filter {
+	f := deadletter.Filter{Group: ch.group}
+	if len(ch.ids) > 0 {
+		f.Match = func(m *deadletter.Message) bool { return ch.ids[m.ID] || (m.Key != "" && ch.ids[m.Key]) }
+	}
+	return f
 }
 
 // confirmPage shows what an action would do, with the count of messages
 // it would move, found by a dry run of the same operation.
 func (c *console) confirmPage(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
 	action := r.PostForm.Get("action")
-	filter := selection(r)
-	if (action != "replay" && action != "purge") || (len(filter.IDs) == 0 && filter.Group == "") {
-		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("choose replay or purge, and at least one message")})
-		return
-	}
-	found, err := c.dl.List(ctx, q, deadletter.ListOptions{Filter: filter})
+	chosen, err := selection(r)
 	if err != nil {
 		c.fail(w, r, err)
 		return
 	}
-	// The action moves what this page counts: the ids found, within the
-	// group if one was chosen. A message without an id can only be
-	// selected as part of its group, as it is when the action runs.
-	var ids []string
+	if (action != "replay" && action != "purge") || chosen.empty() {
+		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("choose replay or purge, and at least one message")})
+		return
+	}
+	found, err := c.dl.List(ctx, q, deadletter.ListOptions{Filter: chosen.filter()})
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	// The action moves what this page counts, and no more: the messages
+	// of the keys found (a message's id, or the MD5 of the body of one
+	// without), within the group if one was chosen, and at most as many
+	// as found, in queue order, so that a dead letter that comes later
+	// with a key found stays. A message without a key (no id, no body) can
+	// only be selected as part of its group.
+	keys := []string{}
+	seen := map[string]bool{}
 	for _, m := range found {
-		if m.ID == "" {
-			ids = nil
+		if m.Key == "" {
+			keys = nil
 			break
 		}
-		ids = append(ids, m.ID)
+		if !seen[m.Key] {
+			seen[m.Key] = true
+			keys = append(keys, m.Key)
+		}
+	}
+	var keysJSON string
+	if len(keys) > 0 {
+		b, err := json.Marshal(keys)
+		if err != nil {
+			c.fail(w, r, err)
+			return
+		}
+		keysJSON = string(b)
 	}
 	c.render(w, r, "confirm", map[string]any{"Title": "confirm", "Queue": q, "Action": action,
-		"IDs": strings.Join(ids, "\n"), "Group": filter.Group, "Count": len(found), "Messages": found})
+		"Keys": keysJSON, "Group": chosen.group, "Count": len(found), "Messages": found})
+}
+
+// confirmedCount returns the count of messages the confirmation showed,
+// the most an action moves; 0 for a form without it.
+func confirmedCount(r *http.Request) (int, error) {
+	v := r.PostForm.Get("n")
+	if v == "" {
+		return 0, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n <= 0 {
+		return 0, &exitError{exitUsage, fmt.Errorf("the confirmed count %q is not a positive number", v)}
+	}
+	return n, nil
 }
 
 // do replays or purges the selected messages.
 func (c *console) do(ctx context.Context, w http.ResponseWriter, r *http.Request, q string) {
-	filter := selection(r)
-	if len(filter.IDs) == 0 && filter.Group == "" {
+	chosen, err := selection(r)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	filter := chosen.filter()
+	if chosen.empty() {
 		c.fail(w, r, &exitError{exitUsage, fmt.Errorf("no message selected")})
+		return
+	}
+	limit, err := confirmedCount(r)
+	if err != nil {
+		c.fail(w, r, err)
 		return
 	}
 	var done string
 	switch r.PostForm.Get("action") {
 	case "replay":
-		opts := deadletter.ReplayOptions{Filter: filter}
+		opts := deadletter.ReplayOptions{Filter: filter, Limit: limit}
 		if r.PostForm.Get("reset") == "on" && c.hasStore() {
 			st, closeStore, err := c.store.open(ctx, c.timeout)
 			if err != nil {
@@ -276,7 +348,7 @@ func (c *console) do(ctx context.Context, w http.ResponseWriter, r *http.Request
 		}
 		done = fmt.Sprintf("replayed %d message(s) to their queues", res.Replayed)
 	case "purge":
-		removed, err := c.dl.Purge(ctx, q, deadletter.PurgeOptions{Filter: filter})
+		removed, err := c.dl.Purge(ctx, q, deadletter.PurgeOptions{Filter: filter, Limit: limit})
 		if err != nil {
 			c.fail(w, r, fmt.Errorf("removed %d: %w", len(removed), err))
 			return
@@ -306,6 +378,7 @@ func (c *console) export(ctx context.Context, w http.ResponseWriter, r *http.Req
 	}
 	bw.Flush()
 	w.Header().Set("Content-Type", "application/jsonl")
+	w.Header().Set("Cache-Control", "no-store")
 	w.Header().Set("Content-Disposition", fmt.Sprintf(`attachment; filename="%s.dlq-%s.jsonl"`, q, time.Now().UTC().Format("20060102T150405Z")))
 	w.Write(buf.Bytes())
 }

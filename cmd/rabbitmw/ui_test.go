@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"html"
 	"io"
@@ -14,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -447,4 +449,238 @@ func TestUICommand(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("rabbitmw ui did not stop within 30s of an interrupt")
 	}
+}
+
+// A consoleForm is a form of a console page: where it posts, and the
+// values a browser would send with it.
+type consoleForm struct {
+	action string
+	values url.Values
+}
+
+var (
+	formRE   = regexp.MustCompile(`(?s)<form method="post" action="([^"]+)"[^>]*>(.*?)</form>`)
+	hiddenRE = regexp.MustCompile(`<input type="hidden" name="([^"]+)" value="([^"]*)">`)
+)
+
+// forms returns the post forms of page, each with its hidden inputs.
+func forms(page string) []consoleForm {
+	var out []consoleForm
+	for _, m := range formRE.FindAllStringSubmatch(page, -1) {
+		f := consoleForm{action: m[1], values: url.Values{}}
+		for _, h := range hiddenRE.FindAllStringSubmatch(m[2], -1) {
+			f.values.Add(html.UnescapeString(h[1]), html.UnescapeString(h[2]))
+		}
+		out = append(out, f)
+	}
+	return out
+}
+
+// submit posts f, with the button action=action, and returns the status
+// and the page.
+func (f consoleForm) submit(t *testing.T, base, action string) (int, string) {
+	t.Helper()
+	v := url.Values{}
+	for k, vs := range f.values {
+		v[k] = append([]string(nil), vs...)
+	}
+	if action != "" {
+		v.Set("action", action)
+	}
+	resp, err := http.PostForm(base+f.action, v)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(body)
+}
+
+// getPage returns the status and the page at path.
+func getPage(t *testing.T, base, path string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(base + path)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(body)
+}
+
+// publishRaw publishes p to queue on a channel of its own: unlike
+// Broker.Publish, it leaves a message without an id without one.
+func publishRaw(t *testing.T, amqpURL, queue string, p amqp.Publishing) {
+	t.Helper()
+	conn, err := amqp.Dial(amqpURL)
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	require.NoError(t, ch.Confirm(false))
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false, p)
+	require.NoError(t, err)
+	ok, err := dc.WaitContext(ctx)
+	require.NoError(t, err)
+	require.True(t, ok, "nacked")
+}
+
+// An action moves no more messages than its confirmation counted: a
+// dead letter that arrives between the confirmation and the click, of
+// the group confirmed or with an id confirmed, stays.
+func TestConsoleActsOnWhatItConfirmed(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		first   []amqp.Publishing // in the dead-letter queue at the confirmation
+		confirm func(t *testing.T, base, q, page string) (int, string)
+		late    amqp.Publishing // arrives before the click
+	}{{
+		name:  "a group with a message without an id",
+		first: []amqp.Publishing{{MessageId: "m-1", Body: []byte("one")}, {Body: []byte("no id")}},
+		confirm: func(t *testing.T, base, q, page string) (int, string) {
+			return forms(page)[0].submit(t, base, "purge") // the group's form
+		},
+		late: amqp.Publishing{MessageId: "m-3", Body: []byte("three")},
+	}, {
+		name:  "an id that repeats",
+		first: []amqp.Publishing{{MessageId: "dup", Body: []byte("first")}},
+		confirm: func(t *testing.T, base, q, page string) (int, string) {
+			f := forms(page)[1] // the table's form
+			f.values.Set("id", "dup")
+			return f.submit(t, base, "purge")
+		},
+		late: amqp.Publishing{MessageId: "dup", Body: []byte("published again, failed again")},
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			b, amqpURL, q := setupQueue(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+			for _, p := range tc.first {
+				p.Headers = faulty(q, "*main.declinedError", "card declined", time.Now())
+				publishRaw(t, amqpURL, q+".dlq", p)
+			}
+			code, page := getPage(t, base, "/dlq?q="+q)
+			require.Equal(t, http.StatusOK, code, page)
+			code, page = tc.confirm(t, base, q, page)
+			require.Equal(t, http.StatusOK, code, page)
+			want := len(tc.first)
+			require.Contains(t, page, fmt.Sprintf("Purge %d message(s)?", want))
+
+			tc.late.Headers = faulty(q, "*main.declinedError", "card declined", time.Now())
+			publishRaw(t, amqpURL, q+".dlq", tc.late)
+
+			confirmed := forms(page)
+			require.Len(t, confirmed, 1, "the confirmation's form in %s", page)
+			code, page = confirmed[0].submit(t, base, "")
+			require.Equal(t, http.StatusOK, code, page)
+			assert.Contains(t, page, fmt.Sprintf("removed %d message(s)", want))
+			n, err := b.Len(ctx, q+".dlq")
+			require.NoError(t, err)
+			assert.Equal(t, 1, n, "the dead letter that came after the confirmation is still there")
+		})
+	}
+}
+
+// A message's own Replay or Purge acts on that message, whatever its id:
+// one with a space or a line break in it, next to messages whose ids are
+// its parts.
+func TestConsoleActsOnTheMessageShown(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	ids := []string{"order-1", " order-1", "order-2", "order-3", "order-2\norder-3"}
+	for _, id := range ids {
+		publishRaw(t, amqpURL, q+".dlq", amqp.Publishing{MessageId: id, Body: []byte("body"),
+			Headers: faulty(q, "*main.declinedError", "card declined", time.Now())})
+	}
+	for _, id := range []string{" order-1", "order-2\norder-3"} {
+		code, page := getPage(t, base, "/message?q="+q+"&id="+url.QueryEscape(id))
+		require.Equal(t, http.StatusOK, code, page)
+		fs := forms(page)
+		require.NotEmpty(t, fs, "the message's form in %s", page)
+		code, page = fs[0].submit(t, base, "purge")
+		require.Equal(t, http.StatusOK, code, page)
+		assert.Contains(t, page, "Purge 1 message(s)?", "the confirmation of %q", id)
+		confirmed := forms(page)
+		require.Len(t, confirmed, 1, "the confirmation's form in %s", page)
+		code, page = confirmed[0].submit(t, base, "")
+		require.Equal(t, http.StatusOK, code, page)
+		assert.Contains(t, page, "removed 1 message(s)", "the purge of %q", id)
+	}
+	left := drain(t, b, q+".dlq")
+	assert.ElementsMatch(t, []string{"order-1", "order-2", "order-3"}, left)
+}
+
+// Pages of the same dead-letter queue loaded at once (two operators, two
+// tabs) each count every message: one does not see the queue without
+// the messages another holds while it reads them.
+func TestConsoleConcurrentPages(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	const n = 300
+	deadLetters(t, b, q, n)
+	pages := make([]string, 4)
+	var wg sync.WaitGroup
+	for i := range pages {
+		wg.Go(func() {
+			resp, err := http.Get(base + "/dlq?q=" + q)
+			if !assert.NoError(t, err) {
+				return
+			}
+			defer resp.Body.Close()
+			body, err := io.ReadAll(resp.Body)
+			assert.NoError(t, err)
+			pages[i] = string(body)
+		})
+	}
+	wg.Wait()
+	for i, page := range pages {
+		count := regexp.MustCompile(`<small>(\d+) message\(s\)</small>`).FindStringSubmatch(page)
+		require.NotNil(t, count, "page %d: %s", i, page)
+		assert.Equal(t, strconv.Itoa(n), count[1], "the count of page %d", i)
+	}
+}
+
+// The pages and the download that show dead letters' bodies are not
+// kept by the browser or a proxy.
+func TestConsoleNotCached(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	deadLetters(t, b, q, 1)
+	for _, path := range []string{"/dlq?q=" + q, "/message?q=" + q + "&id=m0", "/export?q=" + q} {
+		resp, err := http.Get(base + path)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode, path)
+		assert.Equal(t, "no-store", resp.Header.Get("Cache-Control"), path)
+	}
+}
+
+// The confirmation of a large group (300,000 dead letters, each with a
+// UUID for its id) carries every key it found: the form it posts is
+// larger than net/http reads by default (10 MB), and is still taken, in
+// a few seconds.
+func TestConsoleLargeConfirmation(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	deadLetters(t, b, q, 1) // for a page with a form
+	_, page := getPage(t, base, "/dlq?q="+q)
+	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(page)
+	require.NotNil(t, m, "the form token in %s", page)
+	const n = 300_000
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("%08x-0000-4000-8000-%012x", i, i)
+	}
+	keysJSON, err := json.Marshal(keys)
+	require.NoError(t, err)
+	form := url.Values{"csrf": {m[1]}, "q": {q}, "action": {"purge"}, "group": {"0123456789ab"}, "n": {strconv.Itoa(n)},
+		"keys": {string(keysJSON)}}
+	resp, err := http.PostForm(base+"/do", form)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "%s", body)
+	assert.Contains(t, string(body), "removed 0 message(s)")
 }
