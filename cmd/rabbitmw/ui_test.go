@@ -684,3 +684,45 @@ func TestConsoleLargeConfirmation(t *testing.T) {
 	assert.Equal(t, http.StatusOK, resp.StatusCode, "%s", body)
 	assert.Contains(t, string(body), "removed 0 message(s)")
 }
+
+// A page of another site that loads the console's pages without the
+// operator (an image, a script, a frame, a fetch: a request its browser
+// marks cross-site and not a navigation by the user) is refused before
+// the dead-letter queue is read: each read takes every message and puts
+// it back, marked redelivered, and a quorum dead-letter queue counts it
+// as a delivery, which RabbitMQ 4.0 drops past 20. A link the operator
+// follows from another site, and a request of a browser that sends no
+// Sec-Fetch headers, are served.
+func TestConsoleRefusesCrossSiteReads(t *testing.T) {
+	b, amqpURL, q := setupQueue(t)
+	base := serveConsole(t, b, consoleConfig{amqpURLs: []string{amqpURL}, queues: []string{q}})
+	deadLetters(t, b, q, 1)
+	get := func(path string, headers map[string]string) int {
+		req, err := http.NewRequest(http.MethodGet, base+path, nil)
+		require.NoError(t, err)
+		for k, v := range headers {
+			req.Header.Set(k, v)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	image := map[string]string{"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"}
+	scripted := map[string]string{"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+	followed := map[string]string{"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document", "Sec-Fetch-User": "?1"}
+	for _, path := range []string{"/dlq?q=" + q, "/message?q=" + q + "&id=m0", "/export?q=" + q} {
+		assert.Equal(t, http.StatusForbidden, get(path, image), "%s as an image of another site", path)
+		assert.Equal(t, http.StatusForbidden, get(path, scripted), "%s opened by a script of another site", path)
+	}
+	// Not one of those reads took the dead letter.
+	d, ok, err := b.Get(context.Background(), q+".dlq")
+	require.NoError(t, err)
+	require.True(t, ok)
+	assert.False(t, d.Redelivered, "the dead letter was read by a refused request")
+	require.NoError(t, d.Nack(false, true))
+
+	assert.Equal(t, http.StatusOK, get("/dlq?q="+q, followed), "a link the operator followed")
+	assert.Equal(t, http.StatusOK, get("/dlq?q="+q, map[string]string{"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "navigate"}), "the console's own link")
+	assert.Equal(t, http.StatusOK, get("/dlq?q="+q, nil), "a client without Sec-Fetch headers")
+}
