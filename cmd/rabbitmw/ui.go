@@ -102,7 +102,32 @@ func (c *console) handler(listen string) http.Handler {
 	cop.SetDenyHandler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		c.refuse(w, r, http.StatusForbidden, "refused: a request from another site (cross-origin)")
 	}))
-	return c.checkHost(listen, c.authenticate(cop.Handler(c.checkForm(mux))))
+	return c.checkHost(listen, c.authenticate(cop.Handler(c.checkFetch(c.checkForm(mux)))))
+}
+
+// checkFetch refuses a request that the browser says another site's page
+// made without the operator (after the cross-origin protection of the
+// actions): cross-site, or same-site (another origin of the same site),
+// and not a navigation the user made (a link followed, an address typed).
+// An image, a script, a frame or a script's navigation of a page that
+// the operator happened to open would otherwise have the console read a
+// dead-letter queue, whose every read takes each message and puts it
+// back: redelivered, and counted as a delivery by a quorum queue, which
+// drops it past its delivery limit. Cross-origin protection covers the
+// actions (POST) only. A client that sends no Sec-Fetch-Site header (not
+// a browser, or an old one) is not refused.
+func (c *console) checkFetch(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.Header.Get("Sec-Fetch-Site") {
+		case "", "same-origin", "none":
+		default:
+			if r.Header.Get("Sec-Fetch-Mode") != "navigate" || r.Header.Get("Sec-Fetch-User") != "?1" {
+				c.refuse(w, r, http.StatusForbidden, "refused: a request that another site's page made (open the console's address yourself)")
+				return
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
 }
 
 // checkHost refuses a request whose Host header is not the console's
