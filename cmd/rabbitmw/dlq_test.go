@@ -21,6 +21,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/deadletter"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
 // waitingInput is standard input that nothing is written to, as a
@@ -438,5 +439,42 @@ func TestPrintBody(t *testing.T) {
 		var buf bytes.Buffer
 		printBody(&buf, []byte(tc.body), tc.limit)
 		assert.Equal(t, tc.want, buf.String(), "printBody(%q, %d)", tc.body, tc.limit)
+	}
+}
+
+// A listing of a quorum dead-letter queue, which counts every message a
+// listing puts back as a delivery of it, and drops it past its delivery
+// limit (RabbitMQ 4.0 sets 20 by default), says so, with the count of the
+// most listed message; a classic one's does not.
+func TestDLQListWarnsOfAQuorumQueue(t *testing.T) {
+	for _, quorum := range []bool{true, false} {
+		t.Run(fmt.Sprintf("quorum %t", quorum), func(t *testing.T) {
+			url := testenv.RabbitMQURL(t)
+			b := broker.New(url, broker.Options{})
+			t.Cleanup(func() { b.Close() })
+			q := queueName(t)
+			top := broker.Topology{QuorumSupport: quorum}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			require.NoError(t, b.Declare(ctx, q, top))
+			t.Cleanup(func() { assert.NoError(t, b.Delete(context.Background(), q, top)) })
+			deadLetters(t, b, q, 1)
+
+			var stderr string
+			for range 3 {
+				out, errOut, code := cli(t, url, nil, "dlq", "ls", "-q", q)
+				expectCode(t, "dlq ls", code, 0, errOut)
+				require.Contains(t, out, "m0")
+				stderr = errOut
+			}
+			if !quorum {
+				assert.NotContains(t, stderr, "quorum", "a classic dead-letter queue")
+				return
+			}
+			assert.Contains(t, stderr, q+".dlq is a quorum queue")
+			// RabbitMQ 3.10 counts from the first read: 0, 1, then 2.
+			assert.Regexp(t, `delivered [12] time\(s\)`, stderr)
+			assert.Contains(t, stderr, "delivery limit")
+		})
 	}
 }
