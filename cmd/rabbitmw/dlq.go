@@ -130,7 +130,33 @@ func (q *queueCommand) list(ctx context.Context, e *env, limit int) ([]*deadlett
 	if err != nil {
 		return nil, classify(err)
 	}
+	warnIfCounted(e, q.queue, dls)
 	return dls, nil
+}
+
+// warnIfCounted warns when the messages listed carry x-delivery-count:
+// the dead-letter queue of queue is a quorum queue, which counts every
+// message a listing puts back as a delivery of it (RabbitMQ before 4.3),
+// and drops the message past its delivery limit.
+func warnIfCounted(e *env, queue string, dls []*deadletter.Message) {
+	most, counted := int64(0), false
+	for _, m := range dls {
+		var n int64
+		switch v := m.Delivery.Headers["x-delivery-count"].(type) {
+		case int64:
+			n = v
+		case int32:
+			n = int64(v)
+		case int:
+			n = int64(v)
+		default:
+			continue
+		}
+		most, counted = max(most, n), true
+	}
+	if counted {
+		fmt.Fprintf(e.stderr, "rabbitmw: warning: %s.dlq is a quorum queue: each listing counts as a delivery of every message it reads (RabbitMQ before 4.3), and the most listed of these had been delivered %d time(s) before this one; past the queue's delivery limit (20 by default from RabbitMQ 4.0) RabbitMQ drops the message: raise the limit with a policy (README, Operating)\n", queue, most)
+	}
 }
 
 func (e *env) dlqList(ctx context.Context, args []string) error {
