@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
 func TestTopologyExchangesRefused(t *testing.T) {
@@ -197,6 +198,29 @@ func TestInternalExchange(t *testing.T) {
 			require.Error(t, err)
 			assert.Contains(t, fmt.Sprint(err), "internal")
 		})
+	}
+}
+
+// An exchange of a plugin's kind that the server does not have (the
+// plugin is not enabled) is refused with 503 COMMAND_INVALID, which closes
+// the connection: a refusal that every reconnect meets again, so a fatal
+// error that names the kind, not a reconnect until the deadline.
+func TestRabbitMQExchangeOfAKindTheServerLacks(t *testing.T) {
+	b := New(testenv.RabbitMQURL(t), Options{ReconnectMin: 10 * time.Millisecond, ReconnectMax: 50 * time.Millisecond})
+	defer b.Close()
+	q := queueName(t)
+	top := Topology{Delays: testTiers, Exchanges: []Exchange{{Name: q + ".x", Kind: "x-no-such-plugin", AutoDelete: true}}}
+	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
+	for name, call := range map[string]func(context.Context) error{
+		"Declare": func(ctx context.Context) error { return b.Declare(ctx, q, top) },
+		"Consume": func(ctx context.Context) error { return b.Consume(ctx, q, h, ConsumeOptions{Topology: top}) },
+	} {
+		ctx := testContext(t, 5*time.Second)
+		err := call(ctx)
+		require.Error(t, err, name)
+		assert.NoError(t, ctx.Err(), "%s returned at once, not at the deadline: %v", name, err)
+		assert.Contains(t, err.Error(), "x-no-such-plugin", name)
+		assert.Contains(t, err.Error(), "plugin", name)
 	}
 }
 
