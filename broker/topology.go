@@ -467,6 +467,8 @@ func (t *topology) exchangeRefusal(exchange string, ae *amqp.Error) error {
 			return fmt.Errorf("%w: %q (%s): declare it, or use Topology{Declare: DeclareAll} (mode is %v)", ErrExchangeNotFound, exchange, ae.Reason, t.mode)
 		}
 		return fmt.Errorf("%w: %q (%s): a binding names it: declare it, or list it in Topology.Exchanges", ErrExchangeNotFound, exchange, ae.Reason)
+	case amqp.CommandInvalid:
+		return fmt.Errorf("broker: exchange %q: the server refused its kind (%s): enable the plugin that provides it, or give Topology.Exchanges another kind: %w", exchange, ae.Reason, ae)
 	}
 	return fmt.Errorf("broker: exchange %q: %w", exchange, ae)
 }
