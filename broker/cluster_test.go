@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -159,4 +160,51 @@ func TestClusterRabbitMQSkipsARefusingNode(t *testing.T) {
 	uri, err := amqp.ParseURI(url)
 	require.NoError(t, err)
 	assert.Equal(t, []string{net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)) + "/"}, seen.all())
+}
+
+// Against RabbitMQ: a node that accepts TCP connections but never answers
+// the AMQP handshake (a hung node, a proxy before a dead one) is skipped
+// for the one that answers, without waiting out the handshake timeout
+// (30 s): every connection, including the ones after the first, when
+// the node that answers is the one last connected to, and so tried last.
+func TestClusterRabbitMQSkipsAHungNode(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var mu sync.Mutex
+	var held []net.Conn
+	accepting := make(chan struct{})
+	go func() { // ends when l is closed
+		defer close(accepting)
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		l.Close()
+		<-accepting
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	hung := "amqp://guest:guest@" + l.Addr().String() + "/"
+	b := NewCluster(Addresses{hung, url}, Options{})
+	defer b.Close()
+	for i := range 3 {
+		ctx := testContext(t, 60*time.Second)
+		start := time.Now()
+		s, err := b.tr.Dial(ctx, "hung node")
+		took := time.Since(start)
+		require.NoError(t, err, "dial %d", i)
+		require.NoError(t, s.Close())
+		assert.Less(t, took, 5*time.Second, "dial %d", i)
+	}
 }
