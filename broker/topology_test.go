@@ -224,6 +224,38 @@ func TestRabbitMQExchangeOfAKindTheServerLacks(t *testing.T) {
 	}
 }
 
+// A binding the server refuses for its arguments (a headers binding's
+// x-match that is not all or any) is a fatal error about the binding,
+// with the fix in Topology.Bindings: not ErrExchangeArguments, whose
+// fix (give the exchange its settings, or delete it) would not help.
+func TestRabbitMQBindingArgumentsRefused(t *testing.T) {
+	b := New(testenv.RabbitMQURL(t), Options{})
+	defer b.Close()
+	q := queueName(t)
+	tagged := q + ".tagged"
+	top := Topology{Delays: testTiers,
+		Exchanges: []Exchange{{Name: tagged, Kind: ExchangeHeaders, AutoDelete: true}},
+		Bindings:  []Binding{{Exchange: tagged, Args: amqp.Table{"x-match": "bogus", "tenant": "acme"}}}}
+	defer func() {
+		assert.NoError(t, b.Delete(testContext(t, 20*time.Second), q, top))
+		// Never bound, the auto-delete exchange stays: delete it.
+		conn, err := amqp.Dial(testenv.RabbitMQURL(t))
+		require.NoError(t, err)
+		defer conn.Close()
+		ch, err := conn.Channel()
+		require.NoError(t, err)
+		assert.NoError(t, ch.ExchangeDelete(tagged, false, false))
+	}()
+	ctx := testContext(t, 20*time.Second)
+	err := b.Declare(ctx, q, top)
+	require.Error(t, err)
+	assert.NoError(t, ctx.Err(), "fatal at once: %v", err)
+	assert.NotErrorIs(t, err, ErrExchangeArguments)
+	assert.Contains(t, err.Error(), "Topology.Bindings")
+	assert.Contains(t, err.Error(), "x-match")
+	assert.Contains(t, err.Error(), tagged)
+}
+
 // A queue whose node is down (a classic queue's home node, stopped or
 // killed) is refused with 404 NOT_FOUND, but it exists: the refusal is
 // temporary, for Consume to wait out, not ErrQueueNotFound, which stops
