@@ -448,7 +448,7 @@ func (s *amqpSession) declare(specs []queueSpec, gone func() bool) error {
 			}
 			for _, b := range q.Bindings {
 				if err := ch.QueueBind(q.Name, b.Key, b.Exchange, false, b.Args); err != nil {
-					return &exchangeError{Exchange: b.Exchange, Err: s.translate(err)}
+					return &exchangeError{Exchange: b.Exchange, Binding: &b, Queue: q.Name, Err: s.translate(err)}
 				}
 			}
 		}

@@ -422,6 +422,12 @@ func (t *topology) refusal(err error) error {
 	}
 	var ee *exchangeError
 	if errors.As(err, &ee) {
+		if ee.Binding != nil && ae.Code == amqp.PreconditionFailed {
+			// The exchange exists (a missing one is NOT_FOUND): the
+			// server refused the binding's arguments.
+			return fmt.Errorf("broker: binding of queue %q to exchange %q with key %q refused (%s): fix its arguments in Topology.Bindings: %w",
+				ee.Queue, ee.Exchange, ee.Binding.Key, ae.Reason, ae)
+		}
 		return t.exchangeRefusal(ee.Exchange, ae)
 	}
 	queue := t.queue
