@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"crypto/tls"
 	"log/slog"
 	"net"
 	"strconv"
@@ -207,4 +208,51 @@ func TestClusterRabbitMQSkipsAHungNode(t *testing.T) {
 		require.NoError(t, s.Close())
 		assert.Less(t, took, 5*time.Second, "dial %d", i)
 	}
+}
+
+// A node whose certificate the client does not trust (its own, expired
+// or not renewed, while the other nodes' are fine) is skipped for one
+// that answers: each node has a certificate of its own, so the refusal
+// says nothing of the others. Only when no node answers is it fatal
+// (ErrCertificate), as with New.
+func TestClusterSkipsANodeWithAnUntrustedCertificate(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	other := newTestCA(t, "another CA")
+	certPEM, keyPEM := other.issue(t, "localhost", true)
+	pair, err := tls.X509KeyPair(certPEM, keyPEM)
+	require.NoError(t, err)
+	l, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{pair}})
+	require.NoError(t, err)
+	accepting := make(chan struct{})
+	go func() { // ends when l is closed
+		defer close(accepting)
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+			_ = c.(*tls.Conn).Handshake()
+			c.Close()
+		}
+	}()
+	t.Cleanup(func() {
+		l.Close()
+		<-accepting
+	})
+	untrusted := "amqps://guest:guest@" + l.Addr().String() + "/"
+	opts := Options{TLS: &tls.Config{RootCAs: newTestCA(t, "trusted CA").pool()}}
+	b := NewCluster(Addresses{untrusted, url}, opts)
+	defer b.Close()
+	for i := range 6 {
+		s, err := b.tr.Dial(testContext(t, 10*time.Second), "untrusted node")
+		require.NoError(t, err, "dial %d", i)
+		require.NoError(t, s.Close())
+	}
+
+	alone := NewCluster(Addresses{untrusted, untrusted}, opts)
+	defer alone.Close()
+	_, err = alone.tr.Dial(testContext(t, 10*time.Second), "untrusted nodes")
+	require.ErrorIs(t, err, ErrCertificate)
+	assert.False(t, retryable(err), "fatal when no node answers: %v", err)
 }
