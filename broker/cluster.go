@@ -48,8 +48,11 @@ func (a Addresses) Resolve(context.Context) ([]string, error) {
 // is skipped at once for the next, and a node that has not answered
 // within 2 s (one that accepts TCP but never completes the handshake) has
 // the next tried beside it, the first to answer taken; only when none can
-// be reached is the attempt a failure, waited out with backoff. A node that refuses the credentials,
-// or a URL that is malformed, is a fatal error, as with New.
+// be reached is the attempt a failure, waited out with backoff. A node
+// that refuses the credentials, or a URL that is malformed, is a fatal
+// error, as with New. A node whose certificate is refused is skipped, as
+// each node has its own; only if no node answers is that refusal the
+// fatal error (ErrCertificate).
 //
 // The node in use is in the log record "broker: connected" (attribute
 // node) and in [Observer.Connect].
@@ -156,6 +159,7 @@ func (t *clusterTransport) race(ctx context.Context, name string, urls []string)
 	stagger := time.NewTimer(clusterStagger)
 	defer stagger.Stop()
 	var errs []error
+	var certErr error // the first ErrCertificate
 	for pending > 0 {
 		select {
 		case r := <-results:
@@ -167,13 +171,23 @@ func (t *clusterTransport) race(ctx context.Context, name string, urls []string)
 				t.mu.Unlock()
 				return r.s, nil
 			}
-			if !errors.Is(r.err, ErrUnreachable) || ctx.Err() != nil {
+			switch {
+			case errors.Is(r.err, ErrCertificate) && ctx.Err() == nil:
+				// Each node has a certificate of its own: the others may
+				// be trusted. Fatal only if no node answers.
+				if certErr == nil {
+					certErr = r.err
+				}
+				t.cfg.log.LogAttrs(ctx, slog.LevelError, "broker: node's certificate refused; trying the next",
+					slog.String("node", t.node(r.url).String()), slog.String("error", r.err.Error()))
+			case !errors.Is(r.err, ErrUnreachable) || ctx.Err() != nil:
 				finish()
 				return nil, r.err
+			default:
+				errs = append(errs, r.err)
+				t.cfg.log.LogAttrs(ctx, slog.LevelInfo, "broker: node unreachable; trying the next",
+					slog.String("node", t.node(r.url).String()), slog.String("error", r.err.Error()))
 			}
-			errs = append(errs, r.err)
-			t.cfg.log.LogAttrs(ctx, slog.LevelInfo, "broker: node unreachable; trying the next",
-				slog.String("node", t.node(r.url).String()), slog.String("error", r.err.Error()))
 			if next < len(urls) {
 				start()
 				stagger.Reset(clusterStagger)
@@ -186,6 +200,9 @@ func (t *clusterTransport) race(ctx context.Context, name string, urls []string)
 				stagger.Reset(clusterStagger)
 			}
 		}
+	}
+	if certErr != nil {
+		return nil, certErr
 	}
 	return nil, errors.Join(errs...)
 }
