@@ -448,7 +448,7 @@ func (s *amqpSession) declare(specs []queueSpec, gone func() bool) error {
 			}
 			for _, b := range q.Bindings {
 				if err := ch.QueueBind(q.Name, b.Key, b.Exchange, false, b.Args); err != nil {
-					return &exchangeError{Exchange: b.Exchange, Err: s.translate(err)}
+					return &exchangeError{Exchange: b.Exchange, Binding: &b, Queue: q.Name, Err: s.translate(err)}
 				}
 			}
 		}
@@ -476,6 +476,14 @@ func (s *amqpSession) declareExchanges(specs []exchangeSpec, gone func() bool) e
 				declare = ch.ExchangeDeclarePassive
 			}
 			if err := declare(e.Name, e.Kind, e.Durable, e.AutoDelete, e.Internal, false, e.Args); err != nil {
+				var ae *amqp.Error
+				if errors.As(err, &ae) && ae.Server && ae.Code == amqp.CommandInvalid {
+					// A kind the server lacks (its plugin is not enabled):
+					// RabbitMQ closes the connection, but every reconnect
+					// would meet the refusal again. It is the server's
+					// answer, not a lost connection.
+					return &exchangeError{Exchange: e.Name, Err: err}
+				}
 				return &exchangeError{Exchange: e.Name, Err: s.translate(err)}
 			}
 		}

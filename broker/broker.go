@@ -51,7 +51,7 @@ var (
 	// certificate: the server's is not signed by a CA that Options.TLS
 	// trusts (or the system's, without it), or not for the server's
 	// name; or the server refused the client's. It is fatal: retrying
-	// cannot help.
+	// cannot help (on a cluster, once no node answered: see NewCluster).
 	ErrCertificate = errors.New("broker: TLS certificate refused")
 	// ErrQueueNotFound reports a queue that does not exist (with
 	// DeclareNone or DeclareSupport, or for Len and Get).

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/rabbitmw/rabbitmw/broker/internal/transport"
 )
@@ -44,9 +45,14 @@ func (a Addresses) Resolve(context.Context) ([]string, error) {
 // random order, so that a fleet of consumers spreads over the cluster,
 // with the node last connected to tried last, so that the connection
 // that replaces a lost one goes elsewhere. A node that cannot be reached
-// is skipped at once for the next; only when none can is the attempt a
-// failure, waited out with backoff. A node that refuses the credentials,
-// or a URL that is malformed, is a fatal error, as with New.
+// is skipped at once for the next, and a node that has not answered
+// within 2 s (one that accepts TCP but never completes the handshake) has
+// the next tried beside it, the first to answer taken; only when none can
+// be reached is the attempt a failure, waited out with backoff. A node
+// that refuses the credentials, or a URL that is malformed, is a fatal
+// error, as with New. A node whose certificate is refused is skipped, as
+// each node has its own; only if no node answers is that refusal the
+// fatal error (ErrCertificate).
 //
 // The node in use is in the log record "broker: connected" (attribute
 // node) and in [Observer.Connect].
@@ -98,22 +104,105 @@ func (t *clusterTransport) Dial(ctx context.Context, name string) (session, erro
 			break
 		}
 	}
+	return t.race(ctx, name, urls)
+}
+
+// clusterStagger is how long a node has to answer before the next is
+// tried beside it. A node that accepts TCP but never answers (a hung
+// node, a proxy before a dead one) would otherwise hold a connection for
+// the whole handshake timeout, and for every connection once the node
+// that answers is the one last used, tried last.
+const clusterStagger = 2 * time.Second
+
+// dialResult is the outcome of one node's dial, for race.
+type dialResult struct {
+	url string
+	s   session
+	err error
+}
+
+// race dials the nodes of urls in their order, each once the one before
+// failed or has not answered within clusterStagger, and returns the first
+// session opened. A dial still running then is cancelled, and its
+// session, if it opens all the same, closed. A fatal error of a node
+// (credentials refused, a malformed URL) is returned at once, as is ctx's
+// end.
+func (t *clusterTransport) race(ctx context.Context, name string, urls []string) (session, error) {
+	dctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	results := make(chan dialResult, len(urls))
+	next, pending := 0, 0
+	start := func() {
+		u := urls[next]
+		next++
+		pending++
+		go func() { // ends when the dial does; dctx bounds it
+			s, err := t.node(u).Dial(dctx, name)
+			results <- dialResult{u, s, err}
+		}()
+	}
+	// finish cancels the dials still running and closes what they open;
+	// its goroutine ends with the last of them.
+	finish := func() {
+		cancel()
+		if n := pending; n > 0 {
+			go func() {
+				for range n {
+					if r := <-results; r.err == nil {
+						r.s.Close()
+					}
+				}
+			}()
+		}
+	}
+	start()
+	stagger := time.NewTimer(clusterStagger)
+	defer stagger.Stop()
 	var errs []error
-	for _, u := range urls {
-		node := t.node(u)
-		s, err := node.Dial(ctx, name)
-		if err == nil {
-			t.mu.Lock()
-			t.last = u
-			t.mu.Unlock()
-			return s, nil
+	var certErr error // the first ErrCertificate
+	for pending > 0 {
+		select {
+		case r := <-results:
+			pending--
+			if r.err == nil {
+				finish()
+				t.mu.Lock()
+				t.last = r.url
+				t.mu.Unlock()
+				return r.s, nil
+			}
+			switch {
+			case errors.Is(r.err, ErrCertificate) && ctx.Err() == nil:
+				// Each node has a certificate of its own: the others may
+				// be trusted. Fatal only if no node answers.
+				if certErr == nil {
+					certErr = r.err
+				}
+				t.cfg.log.LogAttrs(ctx, slog.LevelError, "broker: node's certificate refused; trying the next",
+					slog.String("node", t.node(r.url).String()), slog.String("error", r.err.Error()))
+			case !errors.Is(r.err, ErrUnreachable) || ctx.Err() != nil:
+				finish()
+				return nil, r.err
+			default:
+				errs = append(errs, r.err)
+				t.cfg.log.LogAttrs(ctx, slog.LevelInfo, "broker: node unreachable; trying the next",
+					slog.String("node", t.node(r.url).String()), slog.String("error", r.err.Error()))
+			}
+			if next < len(urls) {
+				start()
+				stagger.Reset(clusterStagger)
+			}
+		case <-stagger.C:
+			if next < len(urls) {
+				t.cfg.log.LogAttrs(ctx, slog.LevelInfo, "broker: node slow to answer; trying the next beside it",
+					slog.String("node", t.node(urls[next-1]).String()), slog.Duration("waited", clusterStagger))
+				start()
+				stagger.Reset(clusterStagger)
+			}
 		}
-		if !errors.Is(err, ErrUnreachable) || ctx.Err() != nil {
-			return nil, err
-		}
-		errs = append(errs, err)
-		t.cfg.log.LogAttrs(ctx, slog.LevelInfo, "broker: node unreachable; trying the next",
-			slog.String("node", node.String()), slog.String("error", err.Error()))
+	}
+	if certErr != nil {
+		return nil, certErr
 	}
 	return nil, errors.Join(errs...)
 }

@@ -2,9 +2,11 @@ package broker
 
 import (
 	"context"
+	"crypto/tls"
 	"log/slog"
 	"net"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -159,4 +161,98 @@ func TestClusterRabbitMQSkipsARefusingNode(t *testing.T) {
 	uri, err := amqp.ParseURI(url)
 	require.NoError(t, err)
 	assert.Equal(t, []string{net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)) + "/"}, seen.all())
+}
+
+// Against RabbitMQ: a node that accepts TCP connections but never answers
+// the AMQP handshake (a hung node, a proxy before a dead one) is skipped
+// for the one that answers, without waiting out the handshake timeout
+// (30 s): every connection, including the ones after the first, when
+// the node that answers is the one last connected to, and so tried last.
+func TestClusterRabbitMQSkipsAHungNode(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var mu sync.Mutex
+	var held []net.Conn
+	accepting := make(chan struct{})
+	go func() { // ends when l is closed
+		defer close(accepting)
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		l.Close()
+		<-accepting
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	hung := "amqp://guest:guest@" + l.Addr().String() + "/"
+	b := NewCluster(Addresses{hung, url}, Options{})
+	defer b.Close()
+	for i := range 3 {
+		ctx := testContext(t, 60*time.Second)
+		start := time.Now()
+		s, err := b.tr.Dial(ctx, "hung node")
+		took := time.Since(start)
+		require.NoError(t, err, "dial %d", i)
+		require.NoError(t, s.Close())
+		assert.Less(t, took, 5*time.Second, "dial %d", i)
+	}
+}
+
+// A node whose certificate the client does not trust (its own, expired
+// or not renewed, while the other nodes' are fine) is skipped for one
+// that answers: each node has a certificate of its own, so the refusal
+// says nothing of the others. Only when no node answers is it fatal
+// (ErrCertificate), as with New.
+func TestClusterSkipsANodeWithAnUntrustedCertificate(t *testing.T) {
+	url := testenv.RabbitMQURL(t)
+	other := newTestCA(t, "another CA")
+	certPEM, keyPEM := other.issue(t, "localhost", true)
+	pair, err := tls.X509KeyPair(certPEM, keyPEM)
+	require.NoError(t, err)
+	l, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{pair}})
+	require.NoError(t, err)
+	accepting := make(chan struct{})
+	go func() { // ends when l is closed
+		defer close(accepting)
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+			_ = c.(*tls.Conn).Handshake()
+			c.Close()
+		}
+	}()
+	t.Cleanup(func() {
+		l.Close()
+		<-accepting
+	})
+	untrusted := "amqps://guest:guest@" + l.Addr().String() + "/"
+	opts := Options{TLS: &tls.Config{RootCAs: newTestCA(t, "trusted CA").pool()}}
+	b := NewCluster(Addresses{untrusted, url}, opts)
+	defer b.Close()
+	for i := range 6 {
+		s, err := b.tr.Dial(testContext(t, 10*time.Second), "untrusted node")
+		require.NoError(t, err, "dial %d", i)
+		require.NoError(t, s.Close())
+	}
+
+	alone := NewCluster(Addresses{untrusted, untrusted}, opts)
+	defer alone.Close()
+	_, err = alone.tr.Dial(testContext(t, 10*time.Second), "untrusted nodes")
+	require.ErrorIs(t, err, ErrCertificate)
+	assert.False(t, retryable(err), "fatal when no node answers: %v", err)
 }

@@ -422,6 +422,12 @@ func (t *topology) refusal(err error) error {
 	}
 	var ee *exchangeError
 	if errors.As(err, &ee) {
+		if ee.Binding != nil && ae.Code == amqp.PreconditionFailed {
+			// The exchange exists (a missing one is NOT_FOUND): the
+			// server refused the binding's arguments.
+			return fmt.Errorf("broker: binding of queue %q to exchange %q with key %q refused (%s): fix its arguments in Topology.Bindings: %w",
+				ee.Queue, ee.Exchange, ee.Binding.Key, ae.Reason, ae)
+		}
 		return t.exchangeRefusal(ee.Exchange, ae)
 	}
 	queue := t.queue
@@ -467,6 +473,8 @@ func (t *topology) exchangeRefusal(exchange string, ae *amqp.Error) error {
 			return fmt.Errorf("%w: %q (%s): declare it, or use Topology{Declare: DeclareAll} (mode is %v)", ErrExchangeNotFound, exchange, ae.Reason, t.mode)
 		}
 		return fmt.Errorf("%w: %q (%s): a binding names it: declare it, or list it in Topology.Exchanges", ErrExchangeNotFound, exchange, ae.Reason)
+	case amqp.CommandInvalid:
+		return fmt.Errorf("broker: exchange %q: the server refused its kind (%s): enable the plugin that provides it, or give Topology.Exchanges another kind: %w", exchange, ae.Reason, ae)
 	}
 	return fmt.Errorf("broker: exchange %q: %w", exchange, ae)
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
+	"github.com/rabbitmw/rabbitmw/internal/testenv"
 )
 
 func TestTopologyExchangesRefused(t *testing.T) {
@@ -198,6 +199,61 @@ func TestInternalExchange(t *testing.T) {
 			assert.Contains(t, fmt.Sprint(err), "internal")
 		})
 	}
+}
+
+// An exchange of a plugin's kind that the server does not have (the
+// plugin is not enabled) is refused with 503 COMMAND_INVALID, which closes
+// the connection: a refusal that every reconnect meets again, so a fatal
+// error that names the kind, not a reconnect until the deadline.
+func TestRabbitMQExchangeOfAKindTheServerLacks(t *testing.T) {
+	b := New(testenv.RabbitMQURL(t), Options{ReconnectMin: 10 * time.Millisecond, ReconnectMax: 50 * time.Millisecond})
+	defer b.Close()
+	q := queueName(t)
+	top := Topology{Delays: testTiers, Exchanges: []Exchange{{Name: q + ".x", Kind: "x-no-such-plugin", AutoDelete: true}}}
+	h := rabbitmw.HandlerFunc(func(context.Context, *amqp.Delivery) error { return nil })
+	for name, call := range map[string]func(context.Context) error{
+		"Declare": func(ctx context.Context) error { return b.Declare(ctx, q, top) },
+		"Consume": func(ctx context.Context) error { return b.Consume(ctx, q, h, ConsumeOptions{Topology: top}) },
+	} {
+		ctx := testContext(t, 5*time.Second)
+		err := call(ctx)
+		require.Error(t, err, name)
+		assert.NoError(t, ctx.Err(), "%s returned at once, not at the deadline: %v", name, err)
+		assert.Contains(t, err.Error(), "x-no-such-plugin", name)
+		assert.Contains(t, err.Error(), "plugin", name)
+	}
+}
+
+// A binding the server refuses for its arguments (a headers binding's
+// x-match that is not all or any) is a fatal error about the binding,
+// with the fix in Topology.Bindings: not ErrExchangeArguments, whose
+// fix (give the exchange its settings, or delete it) would not help.
+func TestRabbitMQBindingArgumentsRefused(t *testing.T) {
+	b := New(testenv.RabbitMQURL(t), Options{})
+	defer b.Close()
+	q := queueName(t)
+	tagged := q + ".tagged"
+	top := Topology{Delays: testTiers,
+		Exchanges: []Exchange{{Name: tagged, Kind: ExchangeHeaders, AutoDelete: true}},
+		Bindings:  []Binding{{Exchange: tagged, Args: amqp.Table{"x-match": "bogus", "tenant": "acme"}}}}
+	defer func() {
+		assert.NoError(t, b.Delete(testContext(t, 20*time.Second), q, top))
+		// Never bound, the auto-delete exchange stays: delete it.
+		conn, err := amqp.Dial(testenv.RabbitMQURL(t))
+		require.NoError(t, err)
+		defer conn.Close()
+		ch, err := conn.Channel()
+		require.NoError(t, err)
+		assert.NoError(t, ch.ExchangeDelete(tagged, false, false))
+	}()
+	ctx := testContext(t, 20*time.Second)
+	err := b.Declare(ctx, q, top)
+	require.Error(t, err)
+	assert.NoError(t, ctx.Err(), "fatal at once: %v", err)
+	assert.NotErrorIs(t, err, ErrExchangeArguments)
+	assert.Contains(t, err.Error(), "Topology.Bindings")
+	assert.Contains(t, err.Error(), "x-match")
+	assert.Contains(t, err.Error(), tagged)
 }
 
 // A queue whose node is down (a classic queue's home node, stopped or

@@ -141,7 +141,11 @@ type ExchangeSpec struct {
 // checking it, or binding a queue to it.
 type ExchangeError struct {
 	Exchange string
-	Err      error
+	// Binding is the binding refused, when the refusal is of a binding
+	// of Queue to Exchange; nil when it is of the exchange itself.
+	Binding *BindingSpec
+	Queue   string
+	Err     error
 }
 
 func (e *ExchangeError) Error() string {
