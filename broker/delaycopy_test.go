@@ -1,8 +1,10 @@
 package broker
 
 import (
+	"errors"
 	"fmt"
 	"maps"
+	"strings"
 	"testing"
 	"time"
 
@@ -219,4 +221,37 @@ func FuzzDelayHop(f *testing.F) {
 		}
 		assert.Equal(t, want, got, "dead-letterings per queue and reason")
 	})
+}
+
+// The first failure a delay copy records is the first counted one: a
+// later hop keeps it, and a failure that is not counted (busy, the store
+// unavailable) or no error records nothing. Its text is cut to
+// maxFirstErrorText bytes; its time is UTC, in whole seconds.
+func TestNoteFirstFailure(t *testing.T) {
+	at := time.Date(2026, 1, 2, 3, 4, 5, 678, time.FixedZone("X", 3600))
+	earlier := amqp.Table{HeaderFirstError: "earlier", HeaderFirstFailedAt: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)}
+	for _, c := range []struct {
+		name string
+		h    amqp.Table
+		err  error
+		want amqp.Table
+	}{
+		{"the first failure", amqp.Table{}, errBoom,
+			amqp.Table{HeaderFirstError: "boom", HeaderFirstFailedAt: time.Date(2026, 1, 2, 2, 4, 5, 0, time.UTC)}},
+		{"a later failure", maps.Clone(earlier), errBoom, earlier},
+		{"a failure not counted", amqp.Table{}, rabbitmw.NotCounted(errBoom), amqp.Table{}},
+		{"a failure that wraps one not counted", amqp.Table{}, fmt.Errorf("busy: %w", rabbitmw.NotCounted(errBoom)), amqp.Table{}},
+		{"no error", amqp.Table{}, nil, amqp.Table{}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			noteFirstFailure(c.h, c.err, at)
+			assert.Equal(t, c.want, c.h)
+		})
+	}
+
+	h := amqp.Table{}
+	noteFirstFailure(h, errors.New(strings.Repeat("e", 4*maxFirstErrorText)), at)
+	first, _ := h[HeaderFirstError].(string)
+	assert.LessOrEqual(t, len(first), maxFirstErrorText, "bytes of a long first error")
+	assert.True(t, strings.HasPrefix(first, "eee"), "a long first error cut: %q", first)
 }

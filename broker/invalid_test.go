@@ -240,6 +240,12 @@ func testDeadLetterCopyCutToFit(t *testing.T, be backend) {
 	if len(text) > 600 {
 		t.Errorf("%s is %d bytes; want it cut short", HeaderError, len(text))
 	}
+	// What an operator needs to replay it stays: the attempt count, the
+	// queue, and the route it was published by.
+	assert.Equal(t, int64(1), dead.Headers[rabbitmw.HeaderAttempts], rabbitmw.HeaderAttempts)
+	assert.Equal(t, f.q, dead.Headers[HeaderOriginalQueue], HeaderOriginalQueue)
+	assert.Equal(t, "", dead.Headers[HeaderOriginalExchange], HeaderOriginalExchange)
+	assert.Equal(t, f.q, dead.Headers[HeaderOriginalRoutingKey], HeaderOriginalRoutingKey)
 	assert.Equal(t, 0, f.length(f.q), "queue "+f.q)
 }
 

@@ -378,33 +378,45 @@ func TestLateConfirmSettlesTheOriginal(t *testing.T) {
 	})
 }
 
-// A copy whose confirm never comes: the original is not requeued while
-// its copy may exist; the session is given up after settleTimeout, and the
-// server redelivers the original. This is the window the docs name: the
-// message then exists twice.
+// A copy whose confirm never comes, to a delay queue or to the
+// dead-letter queue: the original is not requeued while its copy may
+// exist; the session is given up after settleTimeout, and the server
+// redelivers the original. This is the window the docs name: the message
+// then exists twice.
 func TestConfirmThatNeverComesGivesTheSessionUp(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		f := setup(t, backends[0], Topology{})
-		f.publish("x", []byte("x"), nil)
-		f.mem.SetConfirmDelay(time.Hour)
-		j := newJournal()
-		r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
-			if j.record(d) == 1 {
-				return rabbitmw.RetryAfter(errBoom, 50*time.Millisecond)
-			}
-			return nil
-		}), ConsumeOptions{})
-		time.Sleep(settleTimeout + time.Minute)
-		synctest.Wait()
-		s := f.mem.Stats()
-		assert.Equal(t, 0, s.Nacked, "deliveries nacked with requeue")
-		assert.Equal(t, 1, s.RequeuedOnClose, "deliveries returned by the connection's close")
-		assert.Equal(t, 2, f.logs.Count("broker: consuming"), "consumer sessions")
-		assert.Equal(t, 1, f.logs.Count("WARN", "not confirmed", `message_id="x"`), "warnings about the copy")
-		assert.Equal(t, 3, len(j.callsOf("x")), "handler calls (the original, its copy, the original again)")
-		f.mem.SetConfirmDelay(0)
-		require.NoError(t, r.stop(t), "Consume after cancel")
-	})
+	for _, c := range []struct {
+		name  string
+		first error // the first handler call's result
+		calls int   // handler calls: the original, its copy if it comes back, the original again
+	}{
+		{"delay", rabbitmw.RetryAfter(errBoom, 50*time.Millisecond), 3},
+		{"dead-letter", rabbitmw.Permanent(errBoom), 2},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				f := setup(t, backends[0], Topology{})
+				f.publish("x", []byte("x"), nil)
+				f.mem.SetConfirmDelay(time.Hour)
+				j := newJournal()
+				r := f.consume(rabbitmw.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) error {
+					if j.record(d) == 1 {
+						return c.first
+					}
+					return nil
+				}), ConsumeOptions{})
+				time.Sleep(settleTimeout + time.Minute)
+				synctest.Wait()
+				s := f.mem.Stats()
+				assert.Equal(t, 0, s.Nacked, "deliveries nacked with requeue")
+				assert.Equal(t, 1, s.RequeuedOnClose, "deliveries returned by the connection's close")
+				assert.Equal(t, 2, f.logs.Count("broker: consuming"), "consumer sessions")
+				assert.Equal(t, 1, f.logs.Count("WARN", c.name+" copy not confirmed", `message_id="x"`), "warnings about the copy")
+				assert.Equal(t, c.calls, len(j.callsOf("x")), "handler calls")
+				f.mem.SetConfirmDelay(0)
+				require.NoError(t, r.stop(t), "Consume after cancel")
+			})
+		})
+	}
 }
 
 // A publish whose context is done already sends nothing.

@@ -1128,3 +1128,53 @@ func requireOpen(t *testing.T, s session) {
 	default:
 	}
 }
+
+// A confirm, or a return and its confirm, that comes before send has got
+// its publish's deferred confirmation back (the server answered before
+// amqp091's Publish returned) is kept on the publish for send to resolve
+// it with: a nack stays a nack, a return stays a return, and the publish
+// is not resolved yet.
+func TestConfirmBeforeTheWriteReturned(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		returned bool
+		ack      bool
+		want     error
+	}{
+		{"acked", false, true, nil},
+		{"nacked", false, false, ErrNacked},
+		{"returned, then acked", true, true, ErrUnroutable},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := &amqpSession{done: make(chan struct{}), byID: map[string]*pendingPublish{}, log: slog.New(slog.DiscardHandler)}
+			pc := &pubChannel{
+				s:        s,
+				closed:   make(chan *amqp.Error, 1),
+				returns:  make(chan amqp.Return),
+				confirms: make(chan amqp.Confirmation),
+				retire:   make(chan struct{}),
+				ended:    make(chan struct{}),
+				pending:  map[uint64]*pendingPublish{},
+				returned: map[string]int{},
+			}
+			p := &pendingPublish{msg: amqp.Publishing{MessageId: "m"}, done: make(chan error, 1), resolved: make(chan struct{})}
+			pc.pending[1] = p // sent, not yet written
+			pc.start()
+			if c.returned {
+				pc.returns <- amqp.Return{MessageId: "m"}
+			}
+			pc.confirms <- amqp.Confirmation{DeliveryTag: 1, Ack: c.ack}
+			close(pc.closed)
+			close(pc.confirms)
+			<-pc.ended
+			s.wg.Wait()
+
+			s.pendMu.Lock()
+			defer s.pendMu.Unlock()
+			assert.False(t, p.settled, "publish resolved before send had written it")
+			require.True(t, p.confirmed, "confirm kept on the publish")
+			// What send resolves it with once the write returns.
+			assert.Equal(t, c.want, pc.result(p, p.ack), "result")
+		})
+	}
+}

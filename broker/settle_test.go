@@ -1,11 +1,16 @@
 package broker
 
 import (
+	"context"
+	"fmt"
+	"log/slog"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/rabbitmw/rabbitmw"
 )
@@ -49,5 +54,74 @@ func TestAsPublished(t *testing.T) {
 		d := c.d
 		asPublished(&d, "orders")
 		assert.Equal(t, c.want, view(d), c.name)
+	}
+}
+
+// A session that is open until closed is closed.
+type openSession struct {
+	session
+	closed chan struct{}
+}
+
+func (s openSession) Closed() <-chan struct{} { return s.closed }
+
+// recordingAcker records the settlements made through it.
+type recordingAcker struct{ calls []string }
+
+func (a *recordingAcker) Ack(tag uint64, multiple bool) error {
+	a.calls = append(a.calls, fmt.Sprintf("ack %d multiple=%t", tag, multiple))
+	return nil
+}
+
+func (a *recordingAcker) Nack(tag uint64, multiple, requeue bool) error {
+	a.calls = append(a.calls, fmt.Sprintf("nack %d multiple=%t requeue=%t", tag, multiple, requeue))
+	return nil
+}
+
+func (a *recordingAcker) Reject(tag uint64, requeue bool) error {
+	a.calls = append(a.calls, fmt.Sprintf("reject %d requeue=%t", tag, requeue))
+	return nil
+}
+
+// A delivery whose copy failed is requeued, after requeueBackoff, if the
+// copy is known not to be in its queue: not sent (its context was done
+// before), nacked or returned by the server. If the copy's fate is
+// unknown (the session was lost, or its context ended, before the
+// confirm), it is left unsettled and the session given up: the server
+// redelivers it, and it is not requeued beside a copy that may exist.
+func TestCopyFailed(t *testing.T) {
+	requeued := []string{"nack 7 multiple=false requeue=true"}
+	for _, c := range []struct {
+		name    string
+		err     error
+		settled []string // the delivery's settlements
+		givenUp bool
+	}{
+		{"not sent, its context done", fmt.Errorf("%w: %w", errNotSent, context.DeadlineExceeded), requeued, false},
+		{"not sent, its context cancelled", fmt.Errorf("%w: %w", errNotSent, context.Canceled), requeued, false},
+		{"nacked", fmt.Errorf("%w: exchange %q, routing key %q", ErrNacked, "", "q.dlq"), requeued, false},
+		{"returned", fmt.Errorf("%w: exchange %q, routing key %q", ErrUnroutable, "", "q.dlq"), requeued, false},
+		{"session lost", fmt.Errorf("%w: publish channel closed", ErrConnectionLost), nil, true},
+		{"no confirm in time", context.DeadlineExceeded, nil, true},
+		{"context cancelled", context.Canceled, nil, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				cn := newConn(&consumer{log: slog.New(slog.DiscardHandler)}, openSession{closed: make(chan struct{})}, nil, nil)
+				rec := &recordingAcker{}
+				d := &amqp.Delivery{Acknowledger: rec, DeliveryTag: 7, MessageId: "m"}
+				begin := time.Now()
+				err := cn.copyFailed(context.Background(), d, failedCopy{"dead-letter", "q.dlq", c.err})
+				assert.Equal(t, c.settled, rec.calls, "settlements")
+				assert.Equal(t, c.givenUp, isClosed(cn.given), "session given up")
+				if c.givenUp {
+					require.ErrorIs(t, err, errUnsettled, "copyFailed")
+					require.ErrorIs(t, cn.givenUp, ErrConnectionLost, "the reason the session was given up")
+				} else {
+					require.NoError(t, err, "copyFailed")
+					assert.Equal(t, requeueBackoff, time.Since(begin), "pause before the requeue")
+				}
+			})
+		})
 	}
 }
