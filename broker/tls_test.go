@@ -193,3 +193,37 @@ func TestRabbitMQTLS(t *testing.T) {
 		assert.NoError(t, ctx.Err(), "fatal at once, not retried until the deadline")
 	})
 }
+
+// A URL of amqp:// while Options.TLS or ExternalAuth is set would send the
+// credentials unencrypted, or fail the handshake each time (EXTERNAL needs
+// TLS): a typo in one URL of a cluster's list, found only when a
+// reconnect happens to pick that node. It is refused at the first
+// connection, whichever node that would have gone to, as a malformed URL
+// is.
+func TestPlainURLWithTLSRefused(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		open func() *Broker
+	}{
+		{"New with Options.TLS", func() *Broker {
+			return New("amqp://guest:guest@127.0.0.1:1/", Options{TLS: &tls.Config{}})
+		}},
+		{"New with ExternalAuth", func() *Broker {
+			return New("amqp://127.0.0.1:1/", Options{ExternalAuth: true})
+		}},
+		{"one node of a cluster", func() *Broker {
+			return NewCluster(Addresses{"amqps://guest:guest@127.0.0.1:1/", "amqp://guest:guest@127.0.0.1:2/", "amqps://guest:guest@127.0.0.1:3/"}, Options{TLS: &tls.Config{}})
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			b := c.open()
+			defer b.Close()
+			ctx := testContext(t, 5*time.Second)
+			err := b.Declare(ctx, queueName(t), Topology{})
+			require.Error(t, err)
+			assert.ErrorContains(t, err, "amqps://")
+			assert.NotErrorIs(t, err, ErrUnreachable, "refused before any node was tried")
+			assert.NoError(t, ctx.Err(), "refused at once, not retried until the deadline")
+		})
+	}
+}
