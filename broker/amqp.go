@@ -45,6 +45,20 @@ func newAMQPTransport(url string, cfg config) *amqpTransport {
 	return &amqpTransport{url: url, uri: uri, parseErr: err, heartbeat: cfg.heartbeat, tls: cfg.tls, external: cfg.external, log: cfg.log, obs: &cfg.obs}
 }
 
+// check returns the fatal error of a URL that no dial can use: one that
+// is malformed, or one of amqp:// while Options.TLS or ExternalAuth asks
+// for TLS, which would send the credentials unencrypted (or fail the
+// EXTERNAL handshake each time): a typo, more likely than a wish.
+func (t *amqpTransport) check() error {
+	switch {
+	case t.parseErr != nil:
+		return fmt.Errorf("broker: malformed AMQP URL: %w", t.parseErr)
+	case t.uri.Scheme == "amqp" && (t.tls != nil || t.external):
+		return fmt.Errorf("broker: %s: the URL is amqp://, not amqps://, while Options.TLS or ExternalAuth asks for TLS: the connection would not be encrypted: write amqps://, or drop those options", t)
+	}
+	return nil
+}
+
 // String returns host:port/vhost, without credentials.
 func (t *amqpTransport) String() string {
 	if t.parseErr != nil {
@@ -69,8 +83,8 @@ func (t *amqpTransport) Dial(ctx context.Context, name string) (session, error) 
 }
 
 func (t *amqpTransport) dialOnce(ctx context.Context, name string) (session, error) {
-	if t.parseErr != nil {
-		return nil, fmt.Errorf("broker: malformed AMQP URL: %w", t.parseErr)
+	if err := t.check(); err != nil {
+		return nil, err
 	}
 	if err := ctx.Err(); err != nil {
 		return nil, err

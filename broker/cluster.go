@@ -94,6 +94,16 @@ func (t *clusterTransport) Dial(ctx context.Context, name string) (session, erro
 	case len(urls) == 0:
 		return nil, fmt.Errorf("%w: the resolver returned no node", ErrUnreachable)
 	}
+	// A URL that no dial can use is refused whichever node this
+	// connection would go to: a typo in one of them would otherwise show
+	// only when a reconnect happened to pick it.
+	for _, u := range urls {
+		if a, ok := t.node(u).(*amqpTransport); ok {
+			if err := a.check(); err != nil {
+				return nil, err
+			}
+		}
+	}
 	t.mu.Lock()
 	last := t.last
 	t.mu.Unlock()

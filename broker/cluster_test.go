@@ -3,8 +3,10 @@ package broker
 import (
 	"context"
 	"crypto/tls"
+	"io"
 	"log/slog"
 	"net"
+	"net/url"
 	"strconv"
 	"sync"
 	"testing"
@@ -241,8 +243,10 @@ func TestClusterSkipsANodeWithAnUntrustedCertificate(t *testing.T) {
 		<-accepting
 	})
 	untrusted := "amqps://guest:guest@" + l.Addr().String() + "/"
-	opts := Options{TLS: &tls.Config{RootCAs: newTestCA(t, "trusted CA").pool()}}
-	b := NewCluster(Addresses{untrusted, url}, opts)
+	trusted := newTestCA(t, "trusted CA")
+	good := tlsFront(t, trusted, url)
+	opts := Options{TLS: &tls.Config{RootCAs: trusted.pool()}}
+	b := NewCluster(Addresses{untrusted, good}, opts)
 	defer b.Close()
 	for i := range 6 {
 		s, err := b.tr.Dial(testContext(t, 10*time.Second), "untrusted node")
@@ -255,4 +259,54 @@ func TestClusterSkipsANodeWithAnUntrustedCertificate(t *testing.T) {
 	_, err = alone.tr.Dial(testContext(t, 10*time.Second), "untrusted nodes")
 	require.ErrorIs(t, err, ErrCertificate)
 	assert.False(t, retryable(err), "fatal when no node answers: %v", err)
+}
+
+// tlsFront serves TLS on a port of its own, with a certificate of ca for
+// localhost, and passes each connection on to the plain AMQP server of
+// plainURL: a node of amqps:// without a TLS node of RabbitMQ. It returns
+// its URL; its goroutines end with t.
+func tlsFront(t *testing.T, ca *testCA, plainURL string) string {
+	t.Helper()
+	uri, err := amqp.ParseURI(plainURL)
+	require.NoError(t, err)
+	certPEM, keyPEM := ca.issue(t, "localhost", true)
+	pair, err := tls.X509KeyPair(certPEM, keyPEM)
+	require.NoError(t, err)
+	l, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{pair}})
+	require.NoError(t, err)
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		conns []net.Conn
+	)
+	wg.Go(func() { // ends when l is closed
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+			if err != nil {
+				c.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, c, up)
+			mu.Unlock()
+			wg.Go(func() { io.Copy(up, c); up.Close() })
+			wg.Go(func() { io.Copy(c, up); c.Close() })
+		}
+	})
+	t.Cleanup(func() {
+		l.Close()
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	_, port, err := net.SplitHostPort(l.Addr().String())
+	require.NoError(t, err)
+	return "amqps://" + uri.Username + ":" + uri.Password + "@localhost:" + port + "/" + url.PathEscape(uri.Vhost)
 }
