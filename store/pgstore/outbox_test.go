@@ -865,3 +865,22 @@ func TestOutboxDispatchAfter(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), s.Pending, "a, before After, is left pending")
 }
+
+// A HoldFor longer than PostgreSQL's idle_in_transaction_session_timeout
+// can hold (INT_MAX milliseconds, about 24.8 days) still dispatches: the
+// relay's hold is PublishTimeout + StopTimeout + 15 s, so a relay given a
+// PublishTimeout of a month would otherwise send nothing, for ever.
+func TestOutboxDispatchWithALongHoldFor(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: "m"})
+	for _, hold := range []time.Duration{30 * 24 * time.Hour, math.MaxInt64} {
+		t.Run(hold.String(), func(t *testing.T) {
+			res, err := ob.Dispatch(context.Background(), pgstore.DispatchOptions{HoldFor: hold}, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+				assert.Equal(t, "m", msgs[0].Publishing.MessageId)
+			})
+			require.NoError(t, err)
+			assert.Equal(t, pgstore.DispatchResult{Taken: 1}, res, "taken and left pending")
+		})
+	}
+}
