@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 
@@ -74,7 +75,9 @@ type DispatchOptions struct {
 	// rows go back to pending for another dispatch to send, and this one's
 	// results are not recorded (Dispatch returns an error). So a relay
 	// that stalls (a frozen process, a network that stops answering) does
-	// not hold its rows for ever. Choose it above the longest send.
+	// not hold its rows for ever. Choose it above the longest send. A
+	// HoldFor over PostgreSQL's limit (2³¹-1 ms, about 24.8 days) is
+	// held that long.
 	HoldFor time.Duration
 }
 
@@ -162,7 +165,9 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 		cancel()
 	}()
 	if opts.HoldFor > 0 {
-		ms := strconv.FormatInt(max(1, opts.HoldFor.Milliseconds()), 10)
+		// PostgreSQL takes at most INT_MAX milliseconds (about 24.8
+		// days); a longer hold is held that long.
+		ms := strconv.FormatInt(min(max(1, opts.HoldFor.Milliseconds()), math.MaxInt32), 10)
 		if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`, ms); err != nil {
 			return res, o.unreachable("dispatch", err)
 		}
