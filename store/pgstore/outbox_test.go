@@ -884,3 +884,38 @@ func TestOutboxDispatchWithALongHoldFor(t *testing.T) {
 		})
 	}
 }
+
+// A reason that PostgreSQL's text cannot hold is recorded all the same,
+// and so are the other results of its dispatch. RabbitMQ cuts a reason at
+// 252 bytes, in the middle of a character if it must: a relay on a vhost
+// of a long non-ASCII name, publishing to a missing exchange, gets an
+// ErrUnroutable that is not UTF-8. Storing it raw failed the whole
+// record: the row was never parked, the rows confirmed beside it were
+// never marked sent, and the same batch was taken and sent again at each
+// dispatch, for ever.
+func TestOutboxDispatchRecordsAReasonThatIsNotText(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	for _, id := range []string{"ok", "park", "fail"} {
+		write(t, pool, ob, "q", amqp.Publishing{MessageId: id})
+	}
+	_, res := collect(t, ob, 10, func(m pgstore.OutboxMessage) pgstore.OutboxResult {
+		switch m.Publishing.MessageId {
+		case "park":
+			return pgstore.OutboxResult{Park: errors.New("no exchange 'x' in vhost 'caf\xc3...'")}
+		case "fail":
+			return pgstore.OutboxResult{Failed: errors.New("lost\x00")}
+		}
+		return pgstore.OutboxResult{Sent: true}
+	})
+	assert.Equal(t, pgstore.DispatchResult{Taken: 3, Sent: 1, Parked: 1, Failed: 1}, res)
+	rows, err := ob.List(context.Background(), pgstore.OutboxFilter{})
+	require.NoError(t, err)
+	require.Len(t, rows, 3)
+	assert.Equal(t, "sent", rows[0].State)
+	assert.Equal(t, "parked", rows[1].State)
+	assert.Equal(t, "no exchange 'x' in vhost 'caf\ufffd...'", rows[1].Error)
+	assert.Equal(t, "pending", rows[2].State)
+	assert.Equal(t, 1, rows[2].Attempts)
+	assert.Equal(t, `lost\x00`, rows[2].Error)
+}
