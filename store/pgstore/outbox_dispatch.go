@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -195,7 +196,7 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 		}
 		if err != nil {
 			corrupt = append(corrupt, m.ID)
-			corruptWhy = append(corruptWhy, fmt.Errorf("%w: %w", ErrCorruptRow, err).Error())
+			corruptWhy = append(corruptWhy, reason(fmt.Errorf("%w: %w", ErrCorruptRow, err)))
 			continue
 		}
 		p.MessageId, p.Body = m.Publishing.MessageId, body
@@ -223,10 +224,10 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 			sent = append(sent, msgs[i].ID)
 		case r.Park != nil:
 			parked = append(parked, msgs[i].ID)
-			parkedWhy = append(parkedWhy, r.Park.Error())
+			parkedWhy = append(parkedWhy, reason(r.Park))
 		case r.Failed != nil:
 			failed = append(failed, msgs[i].ID)
-			failedWhy = append(failedWhy, r.Failed.Error())
+			failedWhy = append(failedWhy, reason(r.Failed))
 			failedWait = append(failedWait, max(0, r.RetryAfter.Microseconds()))
 		}
 	}
@@ -262,6 +263,14 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 		return res, o.unreachable("dispatch: commit (the messages confirmed may be sent again)", err)
 	}
 	return res, nil
+}
+
+// reason returns err's text as the error column can hold it: PostgreSQL's
+// text refuses bytes that are not UTF-8 (a server's reason that RabbitMQ
+// cut in the middle of a character) and NUL, and one reason it refuses
+// would fail the record of the whole dispatch, for ever.
+func reason(err error) string {
+	return strings.ReplaceAll(strings.ToValidUTF8(err.Error(), "\uFFFD"), "\x00", `\x00`)
 }
 
 // DeleteSent deletes up to limit rows sent more than retention ago, and
