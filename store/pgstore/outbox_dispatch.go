@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -74,7 +76,9 @@ type DispatchOptions struct {
 	// rows go back to pending for another dispatch to send, and this one's
 	// results are not recorded (Dispatch returns an error). So a relay
 	// that stalls (a frozen process, a network that stops answering) does
-	// not hold its rows for ever. Choose it above the longest send.
+	// not hold its rows for ever. Choose it above the longest send. A
+	// HoldFor over PostgreSQL's limit (2³¹-1 ms, about 24.8 days) is
+	// held that long.
 	HoldFor time.Duration
 }
 
@@ -162,7 +166,9 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 		cancel()
 	}()
 	if opts.HoldFor > 0 {
-		ms := strconv.FormatInt(max(1, opts.HoldFor.Milliseconds()), 10)
+		// PostgreSQL takes at most INT_MAX milliseconds (about 24.8
+		// days); a longer hold is held that long.
+		ms := strconv.FormatInt(min(max(1, opts.HoldFor.Milliseconds()), math.MaxInt32), 10)
 		if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`, ms); err != nil {
 			return res, o.unreachable("dispatch", err)
 		}
@@ -190,7 +196,7 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 		}
 		if err != nil {
 			corrupt = append(corrupt, m.ID)
-			corruptWhy = append(corruptWhy, fmt.Errorf("%w: %w", ErrCorruptRow, err).Error())
+			corruptWhy = append(corruptWhy, reason(fmt.Errorf("%w: %w", ErrCorruptRow, err)))
 			continue
 		}
 		p.MessageId, p.Body = m.Publishing.MessageId, body
@@ -218,10 +224,10 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 			sent = append(sent, msgs[i].ID)
 		case r.Park != nil:
 			parked = append(parked, msgs[i].ID)
-			parkedWhy = append(parkedWhy, r.Park.Error())
+			parkedWhy = append(parkedWhy, reason(r.Park))
 		case r.Failed != nil:
 			failed = append(failed, msgs[i].ID)
-			failedWhy = append(failedWhy, r.Failed.Error())
+			failedWhy = append(failedWhy, reason(r.Failed))
 			failedWait = append(failedWait, max(0, r.RetryAfter.Microseconds()))
 		}
 	}
@@ -257,6 +263,14 @@ func (o *Outbox) Dispatch(ctx context.Context, opts DispatchOptions, send func(c
 		return res, o.unreachable("dispatch: commit (the messages confirmed may be sent again)", err)
 	}
 	return res, nil
+}
+
+// reason returns err's text as the error column can hold it: PostgreSQL's
+// text refuses bytes that are not UTF-8 (a server's reason that RabbitMQ
+// cut in the middle of a character) and NUL, and one reason it refuses
+// would fail the record of the whole dispatch, for ever.
+func reason(err error) string {
+	return strings.ReplaceAll(strings.ToValidUTF8(err.Error(), "\uFFFD"), "\x00", `\x00`)
 }
 
 // DeleteSent deletes up to limit rows sent more than retention ago, and

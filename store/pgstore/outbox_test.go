@@ -865,3 +865,57 @@ func TestOutboxDispatchAfter(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), s.Pending, "a, before After, is left pending")
 }
+
+// A HoldFor longer than PostgreSQL's idle_in_transaction_session_timeout
+// can hold (INT_MAX milliseconds, about 24.8 days) still dispatches: the
+// relay's hold is PublishTimeout + StopTimeout + 15 s, so a relay given a
+// PublishTimeout of a month would otherwise send nothing, for ever.
+func TestOutboxDispatchWithALongHoldFor(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	write(t, pool, ob, "q", amqp.Publishing{MessageId: "m"})
+	for _, hold := range []time.Duration{30 * 24 * time.Hour, math.MaxInt64} {
+		t.Run(hold.String(), func(t *testing.T) {
+			res, err := ob.Dispatch(context.Background(), pgstore.DispatchOptions{HoldFor: hold}, func(_ context.Context, msgs []pgstore.OutboxMessage, results []pgstore.OutboxResult) {
+				assert.Equal(t, "m", msgs[0].Publishing.MessageId)
+			})
+			require.NoError(t, err)
+			assert.Equal(t, pgstore.DispatchResult{Taken: 1}, res, "taken and left pending")
+		})
+	}
+}
+
+// A reason that PostgreSQL's text cannot hold is recorded all the same,
+// and so are the other results of its dispatch. RabbitMQ cuts a reason at
+// 252 bytes, in the middle of a character if it must: a relay on a vhost
+// of a long non-ASCII name, publishing to a missing exchange, gets an
+// ErrUnroutable that is not UTF-8. Storing it raw failed the whole
+// record: the row was never parked, the rows confirmed beside it were
+// never marked sent, and the same batch was taken and sent again at each
+// dispatch, for ever.
+func TestOutboxDispatchRecordsAReasonThatIsNotText(t *testing.T) {
+	pool := newPool(t)
+	ob := newOutbox(t, pool, pgstore.OutboxOptions{})
+	for _, id := range []string{"ok", "park", "fail"} {
+		write(t, pool, ob, "q", amqp.Publishing{MessageId: id})
+	}
+	_, res := collect(t, ob, 10, func(m pgstore.OutboxMessage) pgstore.OutboxResult {
+		switch m.Publishing.MessageId {
+		case "park":
+			return pgstore.OutboxResult{Park: errors.New("no exchange 'x' in vhost 'caf\xc3...'")}
+		case "fail":
+			return pgstore.OutboxResult{Failed: errors.New("lost\x00")}
+		}
+		return pgstore.OutboxResult{Sent: true}
+	})
+	assert.Equal(t, pgstore.DispatchResult{Taken: 3, Sent: 1, Parked: 1, Failed: 1}, res)
+	rows, err := ob.List(context.Background(), pgstore.OutboxFilter{})
+	require.NoError(t, err)
+	require.Len(t, rows, 3)
+	assert.Equal(t, "sent", rows[0].State)
+	assert.Equal(t, "parked", rows[1].State)
+	assert.Equal(t, "no exchange 'x' in vhost 'caf\ufffd...'", rows[1].Error)
+	assert.Equal(t, "pending", rows[2].State)
+	assert.Equal(t, 1, rows[2].Attempts)
+	assert.Equal(t, `lost\x00`, rows[2].Error)
+}

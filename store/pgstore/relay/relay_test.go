@@ -861,3 +861,13 @@ func TestRelaySendsTheMessageAsWritten(t *testing.T) {
 	assert.Equal(t, msg, got)
 	assert.True(t, math.Signbit(d.Headers["negz"].(float64)), "negative zero")
 }
+
+// A relay with a PublishTimeout of a month still sends: its rows' hold
+// (PublishTimeout + StopTimeout + 15 s) is over what PostgreSQL's
+// idle_in_transaction_session_timeout takes.
+func TestRelayWithALongPublishTimeout(t *testing.T) {
+	f := newFixture(t)
+	f.run(relay.New(f.ob, f.b, relay.Options{PublishTimeout: 30 * 24 * time.Hour, PollInterval: 50 * time.Millisecond}))
+	ids := f.write(f.queue, 3, false)
+	assert.Equal(t, once(ids), f.drainWithin(3, 5*time.Second))
+}
