@@ -81,7 +81,10 @@ type Topology struct {
 	// A delay queue is then declared with x-dead-letter-strategy
 	// at-least-once (and the x-overflow reject-publish it requires): an
 	// expired copy leaves it only once the work queue has confirmed it,
-	// even across a change of either queue's leader. It needs RabbitMQ
+	// even across a change of either queue's leader; a leader's node that
+	// is killed can hold such copies back until it returns, and then up
+	// to the server's dead_letter_worker_publisher_confirm_timeout (180 s
+	// by default in 3.10) (README, In production). It needs RabbitMQ
 	// 3.10 or later (message TTL on quorum queues).
 	//
 	// It is a setting of its own, off by default, because a queue's type
