@@ -22,6 +22,7 @@ import (
 
 	"github.com/rabbitmw/rabbitmw/broker"
 	"github.com/rabbitmw/rabbitmw/broker/deadletter"
+	headers "github.com/rabbitmw/rabbitmw/internal/header"
 	"github.com/rabbitmw/rabbitmw/middleware"
 )
 
@@ -141,18 +142,9 @@ func (q *queueCommand) list(ctx context.Context, e *env, limit int) ([]*deadlett
 func warnIfCounted(e *env, queue string, dls []*deadletter.Message) {
 	most, counted := int64(0), false
 	for _, m := range dls {
-		var n int64
-		switch v := m.Delivery.Headers["x-delivery-count"].(type) {
-		case int64:
-			n = v
-		case int32:
-			n = int64(v)
-		case int:
-			n = int64(v)
-		default:
-			continue
+		if n, ok := headers.Integer(m.Delivery.Headers["x-delivery-count"]); ok {
+			most, counted = max(most, n), true
 		}
-		most, counted = max(most, n), true
 	}
 	if counted {
 		fmt.Fprintf(e.stderr, "rabbitmw: warning: %s.dlq is a quorum queue: each listing counts as a delivery of every message it reads (RabbitMQ before 4.3), and the most listed of these had been delivered %d time(s) before this one; past the queue's delivery limit (20 by default from RabbitMQ 4.0) RabbitMQ drops the message: raise the limit with a policy (README, Operating)\n", queue, most)
