@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/rabbitmw/rabbitmw/broker"
+	"github.com/rabbitmw/rabbitmw/internal/header"
 	"github.com/rabbitmw/rabbitmw/otelmw"
 )
 
@@ -124,20 +125,6 @@ func TestWatchQueues(t *testing.T) {
 	}
 }
 
-// deliveryCount returns the x-delivery-count header of d, which a quorum
-// queue sets, and whether it has one.
-func deliveryCount(d *amqp.Delivery) (int64, bool) {
-	switch n := d.Headers["x-delivery-count"].(type) {
-	case int64:
-		return n, true
-	case int32:
-		return int64(n), true
-	case int:
-		return int64(n), true
-	}
-	return 0, false
-}
-
 // A quorum dead-letter queue counts every return of a message, and drops
 // (or dead-letters) it once the count passes its delivery limit, which
 // RabbitMQ 4.0 sets to 20 by default: a peek at its head every poll would
@@ -158,49 +145,54 @@ func TestWatchQueuesQuorumDeadLetterQueue(t *testing.T) {
 		// second): at most two returns.
 		{"found by a peek", false, 2},
 	} {
-		t.Run(c.name, func(t *testing.T) {
-			b := backends[1].open(t, broker.Options{}) // RabbitMQ: the memory server has no quorum queues
-			q := queueName(t)
-			top := broker.Topology{QuorumSupport: true, Delays: []time.Duration{time.Hour}}
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			require.NoError(t, b.Declare(ctx, q, top))
-			t.Cleanup(func() { b.Delete(context.Background(), q, top) })
-			names, err := top.Queues(q)
-			require.NoError(t, err)
-			failed := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
-			require.NoError(t, b.Publish(ctx, "", names.DeadLetter, amqp.Publishing{MessageId: "x1", Headers: amqp.Table{broker.HeaderFailedAt: failed}}))
-
-			watched := top
-			watched.QuorumSupport = c.told
-			r := newRig(t, otelmw.Options{Queue: q})
-			wctx, stop := context.WithCancel(ctx)
-			done := make(chan error, 1)
-			go func() {
-				done <- r.tel.WatchQueues(wctx, b, otelmw.QueueOptions{Topology: watched, Interval: 20 * time.Millisecond})
-			}()
-			require.EventuallyWithT(t, func(c *assert.CollectT) {
-				n, _ := gauge[int64](r.metrics(t), "rabbitmw.queue.depth", destination(names.DeadLetter))
-				assert.Equal(c, int64(1), n)
-			}, 20*time.Second, 20*time.Millisecond)
-			// Some 25 polls, none of which reports an age once the
-			// queue is known to count.
-			assert.Never(t, func() bool {
-				_, ok := gauge[float64](r.metrics(t), "rabbitmw.dead_letter.oldest.age", destination(names.DeadLetter))
-				return ok && c.told
-			}, 500*time.Millisecond, 20*time.Millisecond, "an age read by a peek at a queue that counts returns")
-			stop()
-			require.NoError(t, <-done)
-
-			d, ok, err := b.Get(ctx, names.DeadLetter)
-			require.NoError(t, err)
-			require.True(t, ok, "the dead letter is still in its queue")
-			assert.Equal(t, "x1", d.MessageId)
-			n, _ := deliveryCount(d)
-			assert.LessOrEqual(t, n, c.maxCount, "returns counted against the dead letter's delivery limit")
-			require.NoError(t, d.Nack(false, true))
-		})
+		for _, be := range backends {
+			t.Run(c.name+"/"+be.name, func(t *testing.T) { testWatchQuorumDLQ(t, be.open, c.told, c.maxCount) })
+		}
 	}
+}
+
+func testWatchQuorumDLQ(t *testing.T, open func(*testing.T, broker.Options) *broker.Broker, told bool, maxCount int64) {
+	b := open(t, broker.Options{})
+	q := queueName(t)
+	top := broker.Topology{QuorumSupport: true, Delays: []time.Duration{time.Hour}}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, b.Declare(ctx, q, top))
+	t.Cleanup(func() { b.Delete(context.Background(), q, top) })
+	names, err := top.Queues(q)
+	require.NoError(t, err)
+	failed := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	require.NoError(t, b.Publish(ctx, "", names.DeadLetter, amqp.Publishing{MessageId: "x1", Headers: amqp.Table{broker.HeaderFailedAt: failed}}))
+
+	watched := top
+	watched.QuorumSupport = told
+	r := newRig(t, otelmw.Options{Queue: q})
+	wctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- r.tel.WatchQueues(wctx, b, otelmw.QueueOptions{Topology: watched, Interval: 20 * time.Millisecond})
+	}()
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		n, _ := gauge[int64](r.metrics(t), "rabbitmw.queue.depth", destination(names.DeadLetter))
+		assert.Equal(c, int64(1), n)
+	}, 20*time.Second, 20*time.Millisecond)
+	// Some 25 polls, none of which reports an age once the
+	// queue is known to count.
+	assert.Never(t, func() bool {
+		_, ok := gauge[float64](r.metrics(t), "rabbitmw.dead_letter.oldest.age", destination(names.DeadLetter))
+		return ok && told
+	}, 500*time.Millisecond, 20*time.Millisecond, "an age read by a peek at a queue that counts returns")
+	stop()
+	require.NoError(t, <-done)
+
+	d, ok, err := b.Get(ctx, names.DeadLetter)
+	require.NoError(t, err)
+	require.True(t, ok, "the dead letter is still in its queue")
+	assert.Equal(t, "x1", d.MessageId)
+	n, ok := header.Integer(d.Headers["x-delivery-count"])
+	require.True(t, ok, "a quorum queue's delivery carries x-delivery-count")
+	assert.LessOrEqual(t, n, maxCount, "returns counted against the dead letter's delivery limit")
+	require.NoError(t, d.Nack(false, true))
 }
 
 // A Telemetry without a queue has nothing to watch.
