@@ -174,30 +174,7 @@ func TestClusterRabbitMQSkipsAHungNode(t *testing.T) {
 	url := testenv.RabbitMQURL(t)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	var mu sync.Mutex
-	var held []net.Conn
-	accepting := make(chan struct{})
-	go func() { // ends when l is closed
-		defer close(accepting)
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			held = append(held, c)
-			mu.Unlock()
-		}
-	}()
-	t.Cleanup(func() {
-		l.Close()
-		<-accepting
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range held {
-			c.Close()
-		}
-	})
+	serveConns(t, l, func(c net.Conn) { io.Copy(io.Discard, c) }) // never answers
 	hung := "amqp://guest:guest@" + l.Addr().String() + "/"
 	b := NewCluster(Addresses{hung, url}, Options{})
 	defer b.Close()
@@ -225,22 +202,10 @@ func TestClusterSkipsANodeWithAnUntrustedCertificate(t *testing.T) {
 	require.NoError(t, err)
 	l, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{pair}})
 	require.NoError(t, err)
-	accepting := make(chan struct{})
-	go func() { // ends when l is closed
-		defer close(accepting)
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-			_ = c.(*tls.Conn).Handshake()
-			c.Close()
-		}
-	}()
-	t.Cleanup(func() {
-		l.Close()
-		<-accepting
+	serveConns(t, l, func(c net.Conn) {
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		_ = c.(*tls.Conn).Handshake()
+		c.Close()
 	})
 	untrusted := "amqps://guest:guest@" + l.Addr().String() + "/"
 	trusted := newTestCA(t, "trusted CA")
@@ -274,39 +239,59 @@ func tlsFront(t *testing.T, ca *testCA, plainURL string) string {
 	require.NoError(t, err)
 	l, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{pair}})
 	require.NoError(t, err)
+	serveConns(t, l, func(c net.Conn) {
+		up, err := net.Dial("tcp", net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+		if err != nil {
+			c.Close()
+			return
+		}
+		upstream := make(chan struct{})
+		go func() { // ends when c is closed, by either side or by serveConns
+			defer close(upstream)
+			io.Copy(up, c)
+			up.Close()
+		}()
+		io.Copy(c, up)
+		c.Close()
+		<-upstream
+	})
+	_, port, err := net.SplitHostPort(l.Addr().String())
+	require.NoError(t, err)
+	return "amqps://" + uri.Username + ":" + uri.Password + "@localhost:" + port + "/" + url.PathEscape(uri.Vhost)
+}
+
+// serveConns accepts connections on l until t ends, and runs handle on
+// each in a goroutine of its own. At the end of t it closes l, then every
+// connection it accepted, and waits for the handlers, which must return
+// once their connection is closed.
+func serveConns(t *testing.T, l net.Listener, handle func(net.Conn)) {
 	var (
-		wg    sync.WaitGroup
-		mu    sync.Mutex
-		conns []net.Conn
+		handlers sync.WaitGroup
+		mu       sync.Mutex
+		conns    []net.Conn
 	)
-	wg.Go(func() { // ends when l is closed
+	accepting := make(chan struct{})
+	go func() { // ends when l is closed
+		defer close(accepting)
 		for {
 			c, err := l.Accept()
 			if err != nil {
 				return
 			}
-			up, err := net.Dial("tcp", net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
-			if err != nil {
-				c.Close()
-				continue
-			}
 			mu.Lock()
-			conns = append(conns, c, up)
+			conns = append(conns, c)
 			mu.Unlock()
-			wg.Go(func() { io.Copy(up, c); up.Close() })
-			wg.Go(func() { io.Copy(c, up); c.Close() })
+			handlers.Go(func() { handle(c) })
 		}
-	})
+	}()
 	t.Cleanup(func() {
 		l.Close()
+		<-accepting
 		mu.Lock()
 		for _, c := range conns {
 			c.Close()
 		}
 		mu.Unlock()
-		wg.Wait()
+		handlers.Wait()
 	})
-	_, port, err := net.SplitHostPort(l.Addr().String())
-	require.NoError(t, err)
-	return "amqps://" + uri.Username + ":" + uri.Password + "@localhost:" + port + "/" + url.PathEscape(uri.Vhost)
 }
